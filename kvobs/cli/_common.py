@@ -1,0 +1,52 @@
+"""What every command shares: exit codes, the source option, the console."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+from kvobs.semconv import HEALTHY_VERDICTS, Verdict
+from kvobs.sources import SourceError, SpanSource, open_source
+
+EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
+ENV_SOURCE = "KVOBS_SOURCE"
+
+
+def source_option(function):
+    return click.option(
+        "--source", "-s", "source", envvar=ENV_SOURCE, required=True, show_envvar=True,
+        help="Span source: a kvobs store directory, or OTLP-JSON lines file(s)/directory.",
+    )(function)
+
+
+def slo_option(function):
+    return click.option("--read-slo", type=float, default=None,
+                        help="Read-latency SLO in seconds; slower reads are slow-transfer.")(
+        function)
+
+
+def load_source(location: str) -> SpanSource:
+    try:
+        return open_source(location)
+    except SourceError as error:
+        fail_input(str(error))
+
+
+def fail_input(message: str) -> "NoReturn":  # noqa: F821
+    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
+    sys.exit(EXIT_INPUT)
+
+
+def exit_status(verdicts: list[Verdict]) -> int:
+    if any(v not in HEALTHY_VERDICTS and v is not Verdict.INSUFFICIENT_EVIDENCE
+           for v in verdicts):
+        return EXIT_FAULT
+    if Verdict.INSUFFICIENT_EVIDENCE in verdicts:
+        return EXIT_INSUFFICIENT
+    return EXIT_OK
+
+
+def console() -> Console:
+    return Console(width=200 if not sys.stdout.isatty() else None)

@@ -1,0 +1,38 @@
+"""kvobs diagnose CONVERSATION_ID."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvobs.cli._common import (console, exit_status, fail_input, load_source, slo_option,
+                               source_option)
+from kvobs.diagnose import UnknownConversation, diagnose
+from kvobs.render import print_diagnosis, to_json
+
+
+@click.command("diagnose")
+@click.argument("conversation_id")
+@source_option
+@slo_option
+@click.option("--prefill-rate", type=float, default=None,
+              help="P compute rate in tokens/s (default: measured from the conversation).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def command(conversation_id, source, read_slo, prefill_rate, as_json):
+    """Classify every turn of CONVERSATION_ID and explain it.
+
+    Exit status: 0 healthy, 1 a turn has a fault verdict, 2 usage/input error
+    (including an unknown conversation id), 3 evidence incomplete.
+    """
+    span_source = load_source(source)
+    try:
+        result = diagnose(span_source, conversation_id, read_slo, prefill_rate)
+    except UnknownConversation as unknown:
+        hint = f"; near matches: {', '.join(unknown.near)}" if unknown.near else ""
+        fail_input(f"unknown conversation id {unknown.conversation_id!r} in {source}{hint}")
+    if as_json:
+        click.echo(to_json(result.to_dict()))
+    else:
+        print_diagnosis(console(), result)
+    sys.exit(exit_status(result.verdicts))

@@ -1,0 +1,61 @@
+"""kvobs turns: every turn of a source, filterable, as a table, JSON or CSV."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import pandas as pd
+
+from kvobs.cli._common import console, exit_status, load_source, slo_option, source_option
+from kvobs.diagnose import all_turns
+from kvobs.render import print_problems, to_json
+from kvobs.semconv import Verdict
+
+
+@click.command("turns")
+@source_option
+@slo_option
+@click.option("--verdict", "verdicts", multiple=True,
+              type=click.Choice([v.value for v in Verdict]), help="Only these verdicts.")
+@click.option("--conversation", "conversations", multiple=True, help="Only these ids.")
+@click.option("--min-turn", type=int, default=None, help="Only turns with index >= this.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+def command(source, read_slo, verdicts, conversations, min_turn, fmt, as_json):
+    """All turns with their verdicts (load the CSV or JSON into pandas)."""
+    span_source = load_source(source)
+    items = all_turns(span_source, read_slo)
+    items = [t for t in items
+             if (not verdicts or t.finding.verdict.value in verdicts)
+             and (not conversations or t.conversation_id in conversations)
+             and (min_turn is None or t.turn.index >= min_turn)]
+    rows = [t.to_dict() for t in items]
+    fmt = "json" if as_json else fmt
+    if fmt == "json":
+        click.echo(to_json(rows))
+    elif fmt == "csv":
+        frame = pd.DataFrame(rows)
+        if "evidence" in frame:
+            frame["evidence"] = frame["evidence"].map(to_json)
+        click.echo(frame.to_csv(index=False), nl=False)
+    else:
+        out = console()
+        from rich.table import Table
+
+        table = Table()
+        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT s"):
+            table.add_column(header)
+        for row in rows:
+            table.add_row(row["conversation_id"], str(row["turn"]), row["verdict"],
+                          str(row["prompt_tokens"]), str(row["candidate_tokens"]),
+                          str(row["read_outcome"]), str(row["ttft_s"]))
+        out.print(table)
+    print_problems(console() if fmt == "table" else _stderr(), span_source.problems)
+    sys.exit(exit_status([t.finding.verdict for t in items]))
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True)

@@ -1,0 +1,132 @@
+"""Join proxy, P and D spans into one row per turn.
+
+Every kvobs span carries the correlation keys (conversation id, turn index); spans that
+lack them inherit them from their trace. Each turn column comes from one span name and
+one attribute (``TURN_FIELDS``): the table is the whole mapping, so a new column is one
+line. Facts about the *previous* turn's KV (D's export and release) are shifted onto the
+turn that tried to reuse it.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvobs import semconv as sc
+
+KEYS = ["conversation_id", "turn"]
+
+# column -> (span, attribute key or a span column such as "span_id")
+TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
+    "trace_id": (sc.SPAN_PROXY_TURN, "trace_id"),
+    "turn_span_id": (sc.SPAN_PROXY_TURN, "span_id"),
+    "turn_start_ns": (sc.SPAN_PROXY_TURN, "start_ns"),
+    "turn_end_ns": (sc.SPAN_PROXY_TURN, "end_ns"),
+    "turn_error": (sc.SPAN_PROXY_TURN, "error"),
+    "stream": (sc.SPAN_PROXY_TURN, sc.STREAM.key),
+    "ttft_s": (sc.SPAN_PROXY_TURN, sc.TTFT.key),
+    "prefill_leg_s": (sc.SPAN_PROXY_TURN, sc.PREFILL_TIME.key),
+    "decode_leg_s": (sc.SPAN_PROXY_TURN, sc.DECODE_TIME.key),
+    "lookup_span_id": (sc.SPAN_PROXY_LOOKUP, "span_id"),
+    "lookup": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_OUTCOME.key),
+    "entry_age_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_AGE.key),
+    "entry_remaining_ttl_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_REMAINING_TTL.key),
+    "params_sent": (sc.SPAN_PROXY_LOOKUP, sc.PARAMS_SENT.key),
+    "fallback_span_id": (sc.SPAN_PROXY_FALLBACK, "span_id"),
+    "fallback_reason": (sc.SPAN_PROXY_FALLBACK, sc.FALLBACK_REASON.key),
+    "decision_span_id": (sc.SPAN_PULL_DECISION, "span_id"),
+    "prefill_request_id": (sc.SPAN_PULL_DECISION, sc.REQUEST_ID.key),
+    "prompt_tokens": (sc.SPAN_PULL_DECISION, sc.PROMPT_TOKENS.key),
+    "local_hit_tokens": (sc.SPAN_PULL_DECISION, sc.LOCAL_HIT_TOKENS.key),
+    "remote_tokens": (sc.SPAN_PULL_DECISION, sc.REMOTE_TOKENS.key),
+    "candidate_tokens": (sc.SPAN_PULL_DECISION, sc.CANDIDATE_TOKENS.key),
+    "threshold": (sc.SPAN_PULL_DECISION, sc.THRESHOLD.key),
+    "decision": (sc.SPAN_PULL_DECISION, sc.PULL_DECISION.key),
+    "prefix_matched_tokens": (sc.SPAN_PULL_DECISION, sc.PREFIX_MATCHED_TOKENS.key),
+    "read_span_id": (sc.SPAN_READ, "span_id"),
+    "read_outcome": (sc.SPAN_READ, sc.READ_OUTCOME.key),
+    "read_bytes": (sc.SPAN_READ, sc.READ_BYTES.key),
+    "read_blocks": (sc.SPAN_READ, sc.READ_BLOCKS.key),
+    "read_duration_s": (sc.SPAN_READ, sc.READ_DURATION.key),
+    "read_error": (sc.SPAN_READ, sc.READ_ERROR.key),
+    "remaining_ttl_s": (sc.SPAN_READ, sc.REMAINING_TTL_AT_READ.key),
+    "recompute_span_id": (sc.SPAN_RECOMPUTE, "span_id"),
+    "recomputed_tokens": (sc.SPAN_RECOMPUTE, sc.RECOMPUTED_TOKENS.key),
+    "recompute_reason": (sc.SPAN_RECOMPUTE, sc.RECOMPUTE_REASON.key),
+    "stuck_span_id": (sc.SPAN_STUCK, "span_id"),
+    "export_span_id": (sc.SPAN_EXPORT, "span_id"),
+    "decode_request_id": (sc.SPAN_EXPORT, sc.REQUEST_ID.key),
+    "export_tokens": (sc.SPAN_EXPORT, sc.EXPORT_TOKENS.key),
+    "export_blocks": (sc.SPAN_EXPORT, sc.EXPORT_BLOCKS.key),
+    "export_expires_at": (sc.SPAN_EXPORT, sc.EXPORT_EXPIRES_AT.key),
+    "ttl_s": (sc.SPAN_EXPORT, sc.TTL.key),
+    "release_span_id": (sc.SPAN_RELEASE, "span_id"),
+    "release_reason": (sc.SPAN_RELEASE, sc.RELEASE_REASON.key),
+    "release_end_ns": (sc.SPAN_RELEASE, "end_ns"),
+    "release_read_count": (sc.SPAN_RELEASE, sc.RELEASE_READ_COUNT.key),
+}
+
+# Facts of turn k's KV that belong to turn k+1's diagnosis.
+PREVIOUS_TURN_FIELDS = ("export_span_id", "export_tokens", "export_expires_at", "ttl_s",
+                        "release_span_id", "release_reason", "release_end_ns",
+                        "decode_request_id")
+PREVIOUS_PREFIX = "prev_"
+
+
+def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
+    """Spans with conversation/turn filled from their trace where the span lacks them."""
+    frame = spans.rename(columns={sc.CONVERSATION_ID.key: "conversation_id",
+                                  sc.TURN_INDEX.key: "turn"})
+    tagged = frame.dropna(subset=["conversation_id", "turn"]).drop_duplicates("trace_id")
+    by_trace = tagged.set_index("trace_id")[KEYS]
+    for key in KEYS:
+        missing = frame[key].isna()
+        if missing.any():
+            frame.loc[missing, key] = frame.loc[missing, "trace_id"].map(by_trace[key])
+    return frame.dropna(subset=KEYS)
+
+
+def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
+    """One row per (conversation_id, turn), columns ``KEYS + TURN_FIELDS`` + derived."""
+    frame = _keyed(spans).sort_values("start_ns", kind="stable")
+    turns = frame[KEYS].drop_duplicates().set_index(KEYS)
+    for span_name in {span for span, _ in TURN_FIELDS.values()}:
+        columns = {column: source for column, (span, source) in TURN_FIELDS.items()
+                   if span is span_name}
+        rows = frame[frame["name"] == span_name.name]
+        # The first span of a name in a turn is the one with the proxy's params; a
+        # fallback retry's second decision must not overwrite it.
+        first = rows.groupby(KEYS, sort=False)[list(columns.values())].first()
+        first.columns = list(columns)
+        turns = turns.join(first, how="left")
+        if span_name is sc.SPAN_PULL_DECISION:
+            turns = turns.join(rows.groupby(KEYS).size().rename("decision_count"), how="left")
+        if span_name is sc.SPAN_RECOMPUTE:
+            total = rows.groupby(KEYS)[sc.RECOMPUTED_TOKENS.key].sum(min_count=1)
+            turns["recomputed_tokens"] = total.reindex(turns.index)
+    turns = turns.reset_index()
+    turns["turn"] = turns["turn"].astype("int64")
+    turns = turns.sort_values(KEYS, kind="stable").reset_index(drop=True)
+    return _derive(turns)
+
+
+def _derive(turns: pd.DataFrame) -> pd.DataFrame:
+    by_conversation = turns.groupby("conversation_id", sort=False)
+    previous_end = by_conversation["turn_end_ns"].shift(1)
+    previous_turn = by_conversation["turn"].shift(1)
+    consecutive = previous_turn == turns["turn"] - 1
+    turns["gap_s"] = ((turns["turn_start_ns"] - previous_end) / 1e9).where(consecutive)
+    for column in PREVIOUS_TURN_FIELDS:
+        shifted = by_conversation[column].shift(1)
+        turns[PREVIOUS_PREFIX + column] = shifted.where(consecutive)
+    return turns
+
+
+def prefill_rate(turns: pd.DataFrame) -> float | None:
+    """Measured P compute rate (tokens/s) from turns that read nothing: median of
+    computed tokens over P's leg time. None when no such turn exists."""
+    computed = turns["prompt_tokens"] - turns["local_hit_tokens"].fillna(0)
+    usable = (turns["read_outcome"].isna() & (computed > 0)
+              & (turns["prefill_leg_s"] > 0)).fillna(False)
+    if not usable.any():
+        return None
+    return float((computed[usable] / turns.loc[usable, "prefill_leg_s"]).median())

@@ -1,0 +1,71 @@
+"""OTLP-JSON lines: the OpenTelemetry Collector file exporter's format.
+
+One ``{"resourceSpans": [...]}`` object per line; ids are lower-case hex as OTLP/JSON
+requires (protobuf's own JSON mapping would write base64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Sequence
+
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> str:
+    """Encode finished SDK spans as one OTLP-JSON line (no trailing newline)."""
+    request = MessageToDict(encode_spans(spans))
+    for resource_spans in request.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                for field in _ID_FIELDS:
+                    if field in span:
+                        span[field] = _b64_to_hex(span[field])
+                for link in span.get("links", ()):
+                    for field in ("traceId", "spanId"):
+                        if field in link:
+                            link[field] = _b64_to_hex(link[field])
+    return json.dumps(request, separators=(",", ":"))
+
+
+def _b64_to_hex(value: str) -> str:
+    import base64
+
+    return base64.b64decode(value).hex()
+
+
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends each export batch as one OTLP-JSON line to ``path``.
+
+    A failed write (full disk, vanished directory) is reported as FAILURE to the span
+    processor, which drops the batch: telemetry never raises into the host.
+    """
+
+    def __init__(self, path: str):
+        self._path = path
+        self._lock = threading.Lock()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if not spans:
+            return SpanExportResult.SUCCESS
+        try:
+            line = spans_to_otlp_json(spans) + "\n"
+            with self._lock, open(self._path, "a", encoding="utf-8") as handle:
+                handle.write(line)
+        except Exception:  # noqa: BLE001 - the host must never see a telemetry error
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

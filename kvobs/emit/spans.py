@@ -1,0 +1,98 @@
+"""Emitter helpers shared by the connector and the proxy (OTel API only).
+
+Correlation travels inside ``kv_transfer_params`` (keys in ``semconv.CORRELATION_KEYS``),
+so every engine span carries the turn's identity even without a tracing backend on the
+engine's request path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvobs import semconv as sc
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(frozen=True)
+class Correlation:
+    """Who a request belongs to: ids only."""
+
+    conversation_id: str | None = None
+    turn: int | None = None
+    tenant: str | None = None
+    traceparent: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> "Correlation":
+        if not params:
+            return cls()
+        turn = params.get(sc.KTP_TURN_INDEX)
+        return cls(
+            conversation_id=_str_or_none(params.get(sc.KTP_CONVERSATION_ID)),
+            turn=int(turn) if isinstance(turn, (int, str)) and str(turn).isdigit() else None,
+            tenant=_str_or_none(params.get(sc.KTP_TENANT)),
+            traceparent=_str_or_none(params.get(sc.KTP_TRACEPARENT)),
+        )
+
+    def to_params(self) -> dict[str, Any]:
+        keys = {
+            sc.KTP_CONVERSATION_ID: self.conversation_id,
+            sc.KTP_TURN_INDEX: self.turn,
+            sc.KTP_TENANT: self.tenant,
+            sc.KTP_TRACEPARENT: self.traceparent,
+        }
+        return {key: value for key, value in keys.items() if value is not None}
+
+    def attributes(self) -> dict[str, Any]:
+        attributes = {
+            sc.CONVERSATION_ID.key: self.conversation_id,
+            sc.TURN_INDEX.key: self.turn,
+            sc.TENANT_DIGEST.key: self.tenant,
+        }
+        return {key: value for key, value in attributes.items() if value is not None}
+
+    def parent_context(self):
+        if not self.traceparent:
+            return None
+        return _PROPAGATOR.extract({"traceparent": self.traceparent})
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def current_traceparent() -> str | None:
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent")
+
+
+def clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop None values and turn enums into their values (OTel takes primitives only)."""
+    out = {}
+    for key, value in attributes.items():
+        if value is None:
+            continue
+        out[key] = value.value if hasattr(value, "value") else value
+    return out
+
+
+def emit(tracer: trace.Tracer, span: sc.SpanName, correlation: Correlation,
+         attributes: Mapping[str, Any], start_ns: int | None = None,
+         end_ns: int | None = None, error: bool = False) -> None:
+    """Record one finished span. Never raises: telemetry must not break serving."""
+    try:
+        otel_span = tracer.start_span(span.name, context=correlation.parent_context(),
+                                      start_time=start_ns)
+        if otel_span.is_recording():
+            otel_span.set_attributes({**correlation.attributes(), **clean(attributes)})
+            if error:
+                otel_span.set_status(trace.Status(trace.StatusCode.ERROR))
+        otel_span.end(end_time=end_ns)
+    except Exception:  # noqa: BLE001
+        return

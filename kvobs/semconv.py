@@ -1,0 +1,344 @@
+"""Every name kvobs emits or reads: span names, attribute keys, metric names, verdicts.
+
+This module is the single source of truth. Emitters (the instrumented connector, the
+proxy), readers (sources, correlation), dashboards, alerts and ``docs/telemetry.md``
+all import from here; ``tests/test_docs.py`` fails when the catalogue drifts.
+
+Conventions:
+- attribute values are ids and numbers only, never prompt or completion text;
+- durations and ages are seconds, sizes bytes, token counts tokens;
+- wall-clock instants are Unix seconds (float); monotonic instants never leave a process;
+- ``conversation_id`` lives on spans, never on a Prometheus label.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+# --------------------------------------------------------------------------- services
+
+
+class Service(str, enum.Enum):
+    """OTel resource ``service.name`` per role."""
+
+    PROXY = "kvobs-proxy"
+    PREFILL = "kvobs-prefill"
+    DECODE = "kvobs-decode"
+
+
+# --------------------------------------------------------------------------- attributes
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """A span attribute: key, value type, unit and meaning."""
+
+    key: str
+    type: str  # "str" | "int" | "float" | "bool"
+    unit: str
+    doc: str
+
+
+def _attr(key: str, type_: str, unit: str, doc: str) -> Attribute:
+    attribute = Attribute(key, type_, unit, doc)
+    ATTRIBUTES[key] = attribute
+    return attribute
+
+
+ATTRIBUTES: dict[str, Attribute] = {}
+
+# Correlation keys: on every kvobs span, pushed by the proxy into the engines.
+CONVERSATION_ID = _attr("gen_ai.conversation.id", "str", "", "Conversation id (client supplied).")
+TURN_INDEX = _attr("kvobs.turn.index", "int", "", "1-based turn index within the conversation.")
+TENANT_DIGEST = _attr("kvobs.tenant.digest", "str", "", "Short digest of the tenant (never the key).")
+REQUEST_ID = _attr("kvobs.request.id", "str", "", "Engine request id on this role.")
+ROLE = _attr("kvobs.role", "str", "", "proxy | prefill | decode.")
+
+# Proxy
+LOOKUP_OUTCOME = _attr("kvobs.proxy.lookup.outcome", "str", "", "LookupOutcome value.")
+ENTRY_AGE = _attr("kvobs.proxy.entry.age", "float", "s", "Age of the metadata entry at lookup.")
+ENTRY_REMAINING_TTL = _attr(
+    "kvobs.proxy.entry.remaining_ttl", "float", "s", "Seconds the entry had left at lookup.")
+INTER_TURN_GAP = _attr("kvobs.turn.gap", "float", "s", "Time since the previous turn ended.")
+PARAMS_SENT = _attr("kvobs.proxy.params_sent", "bool", "", "Previous turn's params sent to P.")
+STREAM = _attr("kvobs.proxy.stream", "bool", "", "Client asked for a streaming response.")
+TTFT = _attr("kvobs.ttft", "float", "s", "Time to first token seen by the proxy.")
+PREFILL_TIME = _attr("kvobs.proxy.prefill.duration", "float", "s", "P leg duration.")
+DECODE_TIME = _attr("kvobs.proxy.decode.duration", "float", "s", "D leg duration.")
+FALLBACK_REASON = _attr("kvobs.fallback.reason", "str", "", "FallbackReason value.")
+STORE_ACTION = _attr("kvobs.proxy.store.action", "str", "", "stored | refreshed | skipped.")
+STORE_EXPIRES_AT = _attr(
+    "kvobs.proxy.store.expires_at", "float", "unix s", "Wall-clock end of the entry's life.")
+PARAMS_SOURCE = _attr(
+    "kvobs.proxy.params_source", "str", "", "Where D's params came from: body | stream | published.")
+
+# Prefill pull decision (scheduler side of P)
+PROMPT_TOKENS = _attr("kvobs.prompt.tokens", "int", "tokens", "N: prompt length.")
+LOCAL_HIT_TOKENS = _attr("kvobs.local_hit.tokens", "int", "tokens", "L: local prefix hit.")
+REMOTE_TOKENS = _attr("kvobs.remote.tokens", "int", "tokens", "C: tokens D advertised.")
+CANDIDATE_TOKENS = _attr("kvobs.candidate.tokens", "int", "tokens", "M = max(0, min(C, N) - L).")
+THRESHOLD = _attr("kvobs.recompute_threshold", "int", "tokens", "kv_recompute_threshold in force.")
+PULL_DECISION = _attr("kvobs.pull.decision", "str", "", "PullDecision value.")
+PREFIX_MATCHED_TOKENS = _attr(
+    "kvobs.prefix.matched_tokens", "int", "tokens", "Tokens whose block hashes match D's digest.")
+
+# Reads (worker side)
+READ_DIRECTION = _attr("kvobs.read.direction", "str", "", "d_to_p | p_to_d.")
+READ_OUTCOME = _attr("kvobs.read.outcome", "str", "", "ReadOutcome value.")
+READ_BYTES = _attr("kvobs.read.bytes", "int", "By", "Bytes read.")
+READ_BLOCKS = _attr("kvobs.read.blocks", "int", "blocks", "Blocks read.")
+READ_DURATION = _attr("kvobs.read.duration", "float", "s", "Read duration.")
+READ_ERROR = _attr("kvobs.read.error", "str", "", "Error class of a failed read (no text).")
+REMAINING_TTL_AT_READ = _attr(
+    "kvobs.read.remaining_ttl", "float", "s", "Seconds left before D's expiry when the read began.")
+REMOTE_ENGINE_ID = _attr("kvobs.remote.engine_id", "str", "", "Engine id of the KV's holder.")
+
+# Decode export / retention
+EXPORT_BLOCKS = _attr("kvobs.export.blocks", "int", "blocks", "Blocks D retained for reuse.")
+EXPORT_TOKENS = _attr("kvobs.export.tokens", "int", "tokens", "Tokens those blocks cover.")
+EXPORT_EXPIRES_AT = _attr(
+    "kvobs.export.expires_at", "float", "unix s", "Wall-clock expiry of D's retained blocks.")
+TTL = _attr("kvobs.ttl", "float", "s", "decoder_kv_blocks_ttl in force.")
+RELEASE_REASON = _attr("kvobs.release.reason", "str", "", "ReleaseReason value.")
+RELEASE_READ_COUNT = _attr("kvobs.release.read_count", "int", "", "Remote reads of the blocks.")
+HELD_DURATION = _attr("kvobs.release.held", "float", "s", "How long D held the blocks.")
+
+# Recompute
+RECOMPUTE_REASON = _attr("kvobs.recompute.reason", "str", "", "RecomputeReason value.")
+RECOMPUTED_TOKENS = _attr("kvobs.recompute.tokens", "int", "tokens", "Tokens P computed.")
+
+# --------------------------------------------------------------------------- spans
+
+
+@dataclass(frozen=True)
+class SpanName:
+    name: str
+    service: Service
+    doc: str
+
+
+def _span(name: str, service: Service, doc: str) -> SpanName:
+    span = SpanName(name, service, doc)
+    SPANS[name] = span
+    return span
+
+
+SPANS: dict[str, SpanName] = {}
+
+SPAN_PROXY_TURN = _span("kvobs.proxy.turn", Service.PROXY, "One client turn, root of its trace.")
+SPAN_PROXY_LOOKUP = _span("kvobs.proxy.lookup", Service.PROXY, "Metadata lookup for the turn.")
+SPAN_PROXY_STORE = _span("kvobs.proxy.store", Service.PROXY, "D's params stored or refreshed.")
+SPAN_PROXY_FALLBACK = _span(
+    "kvobs.proxy.fallback", Service.PROXY, "P request retried without params.")
+SPAN_PULL_DECISION = _span(
+    "kvobs.prefill.pull_decision", Service.PREFILL, "P's choice to read, recompute or skip.")
+SPAN_READ = _span("kvobs.prefill.read", Service.PREFILL, "A D->P read: done, declined or failed.")
+SPAN_RECOMPUTE = _span("kvobs.prefill.recompute", Service.PREFILL, "Tokens P computed itself.")
+SPAN_STUCK = _span(
+    "kvobs.prefill.stuck_wait", Service.PREFILL, "A request waiting for remote KV that never comes.")
+SPAN_EXPORT = _span("kvobs.decode.export", Service.DECODE, "D retained blocks and exported params.")
+SPAN_RELEASE = _span("kvobs.decode.release", Service.DECODE, "D released retained blocks.")
+
+# --------------------------------------------------------------------------- closed sets
+
+
+class LookupOutcome(str, enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    STALE = "stale"
+    NO_ID = "no-id"
+    PREFIX_MISMATCH = "prefix-mismatch"
+
+
+class PullDecision(str, enum.Enum):
+    PULL = "pull"
+    BELOW_THRESHOLD = "below-threshold"
+    LOCAL_HIT = "local-hit"
+    NO_PARAMS = "no-params"
+    INVALID = "invalid"
+    PREFIX_MISMATCH = "prefix-mismatch"
+
+
+class ReadOutcome(str, enum.Enum):
+    DONE = "done"
+    DECLINED_EXPIRED = "declined-expired"
+    FAILED = "failed"
+
+
+class ReleaseReason(str, enum.Enum):
+    EXPIRED = "expired"
+    READ = "read"
+
+
+class RecomputeReason(str, enum.Enum):
+    NO_PARAMS = "no-params"
+    BELOW_THRESHOLD = "below-threshold"
+    SUFFIX = "suffix"
+    PREFIX_MISMATCH = "prefix-mismatch"
+    FALLBACK = "fallback"
+
+
+class FallbackReason(str, enum.Enum):
+    READ_DECLINED = "read-declined"
+    READ_FAILED = "read-failed"
+    PREFILL_ERROR = "prefill-error"
+
+
+class Verdict(str, enum.Enum):
+    """Turn verdicts (DESIGN.md §3). ``kvobs.verdicts.ORDER`` fixes the decision order."""
+
+    FIRST_TURN = "first-turn"
+    MISSING_METADATA = "missing-metadata"
+    EXPIRED = "expired"
+    BELOW_THRESHOLD = "below-threshold"
+    LOCAL_HIT = "local-hit"
+    PREFIX_MISMATCH = "prefix-mismatch"
+    TRANSFER_FAILED = "transfer-failed"
+    SLOW_TRANSFER = "slow-transfer"
+    MISS = "miss"
+    REMOTE_HIT = "remote-hit"
+    INSUFFICIENT_EVIDENCE = "insufficient-evidence"
+
+
+HEALTHY_VERDICTS = frozenset(
+    {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD})
+
+# --------------------------------------------------------------------------- correlation keys
+
+# Extra keys the proxy adds inside ``kv_transfer_params`` (vLLM hands the dict to the
+# connector untouched) so engine spans carry the turn's identity.
+KTP_CONVERSATION_ID = "kvobs_conversation_id"
+KTP_TURN_INDEX = "kvobs_turn_index"
+KTP_TENANT = "kvobs_tenant"
+KTP_TRACEPARENT = "kvobs_traceparent"
+# Digest of the block hashes D's exported KV covers (token-level prefix evidence).
+KTP_BLOCK_DIGEST = "kvobs_block_hashes"
+
+CORRELATION_KEYS = (KTP_CONVERSATION_ID, KTP_TURN_INDEX, KTP_TENANT, KTP_TRACEPARENT)
+
+# --------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A Prometheus metric: full exposed name (with ``_total`` for counters)."""
+
+    name: str
+    type: str  # counter | gauge | histogram
+    unit: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+def _metric(name, type_, unit, doc, labels=(), buckets=()) -> Metric:
+    metric = Metric(name, type_, unit, doc, tuple(labels), tuple(buckets))
+    METRICS[name] = metric
+    return metric
+
+
+METRICS: dict[str, Metric] = {}
+
+# Inter-turn gaps straddle the default TTLs (proxy 450 s, D 480 s) and short test TTLs.
+GAP_BUCKETS = (1, 5, 15, 30, 60, 120, 240, 360, 450, 480, 600, 900, 1800, 3600)
+TTL_BUCKETS = (0, 5, 10, 30, 60, 120, 240, 360, 480, 900)
+DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+BYTES_BUCKETS = tuple(float(2 ** p) for p in range(12, 34, 2))
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+TURN_BUCKET_LABEL = "turn_bucket"  # "1", "2", "3-4", "5-8", "9+"
+PROMPT_BUCKET_LABEL = "prompt_bucket"  # see prompt_bucket()
+
+# Engine side: exposed on each engine's own /metrics next to vllm:nixl_*.
+M_READS = _metric("vllm:kvobs_remote_reads_total", "counter", "", "Remote KV reads by outcome.",
+                  ("direction", "outcome"))
+M_READ_BYTES = _metric("vllm:kvobs_remote_read_bytes", "histogram", "bytes",
+                       "Bytes per remote read.", ("direction",), BYTES_BUCKETS)
+M_READ_DURATION = _metric("vllm:kvobs_remote_read_duration_seconds", "histogram", "seconds",
+                          "Duration of a remote read.", ("direction",), DURATION_BUCKETS)
+M_PULL_DECISIONS = _metric("vllm:kvobs_pull_decisions_total", "counter", "",
+                           "P's pull decisions by outcome.", ("decision",))
+M_DECLINED_EXPIRED = _metric("vllm:kvobs_declined_expired_reads_total", "counter", "",
+                             "Reads P declined because D's blocks were (nearly) expired.")
+M_RETAINED_BLOCKS = _metric("vllm:kvobs_retained_blocks", "gauge", "blocks",
+                            "Blocks D currently retains for reuse.")
+M_RETAINED_BYTES = _metric("vllm:kvobs_retained_bytes", "gauge", "bytes",
+                           "Bytes D currently retains for reuse.")
+M_RETAINED_BLOCK_SECONDS = _metric("vllm:kvobs_retained_block_seconds_total", "counter",
+                                   "block-seconds", "Block-seconds D held for reuse.")
+M_RELEASES = _metric("vllm:kvobs_retained_releases_total", "counter", "",
+                     "Retained requests released, by reason and whether they were read.",
+                     ("reason", "was_read"))
+M_REMAINING_TTL = _metric("vllm:kvobs_remaining_ttl_at_read_seconds", "histogram", "seconds",
+                          "Seconds left before D's expiry when P began a read.", (),
+                          TTL_BUCKETS)
+M_RECOMPUTED_TOKENS = _metric("vllm:kvobs_recomputed_tokens_total", "counter", "tokens",
+                              "Tokens P computed itself, by reason.", ("reason",))
+M_REUSED_TOKENS = _metric("vllm:kvobs_remote_reused_tokens_total", "counter", "tokens",
+                          "Tokens P obtained by remote reads instead of computing.")
+M_STUCK_WAITS = _metric("vllm:kvobs_stuck_remote_waits_total", "counter", "",
+                        "Requests found waiting for remote KV that will never arrive.")
+M_PREFIX_MISMATCH = _metric("vllm:kvobs_prefix_mismatches_total", "counter", "",
+                            "Offered remote KV whose block hashes did not match the prompt.")
+
+# Proxy side: on the proxy's own /metrics.
+M_PROXY_TURNS = _metric("kvobs_proxy_turns_total", "counter", "", "Turns proxied.",
+                        (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL, "lookup"))
+M_PROXY_LOOKUPS = _metric("kvobs_proxy_lookups_total", "counter", "",
+                          "Metadata lookups by outcome.", ("outcome",))
+M_PROXY_ENTRY_AGE = _metric("kvobs_proxy_entry_age_seconds", "histogram", "seconds",
+                            "Age of the metadata entry at lookup.", (), GAP_BUCKETS)
+M_PROXY_GAP = _metric("kvobs_proxy_inter_turn_gap_seconds", "histogram", "seconds",
+                      "Gap between a turn's end and the next turn's start.", (), GAP_BUCKETS)
+M_PROXY_STORES = _metric("kvobs_proxy_stores_total", "counter", "",
+                         "D params stored, by action and source.", ("action", "source"))
+M_PROXY_ENTRY_LIFETIME = _metric("kvobs_proxy_entry_lifetime_seconds", "gauge", "seconds",
+                                 "Configured cap on a metadata entry's life.")
+M_PROXY_DECODE_TTL = _metric("kvobs_proxy_decode_ttl_seconds", "gauge", "seconds",
+                             "Most recent decoder_kv_blocks_ttl seen in D's params.")
+M_PROXY_FALLBACKS = _metric("kvobs_proxy_fallbacks_total", "counter", "",
+                            "P requests retried without params.", ("reason",))
+M_PROXY_EVICTIONS = _metric("kvobs_proxy_evictions_total", "counter", "",
+                            "Entries evicted by the entry cap.")
+M_PROXY_ENTRIES = _metric("kvobs_proxy_entries", "gauge", "", "Entries in the metadata store.")
+M_PROXY_STORE_ERRORS = _metric("kvobs_proxy_store_errors_total", "counter", "",
+                               "Metadata store backend errors.", ("backend",))
+M_PROXY_TTFT = _metric("kvobs_proxy_ttft_seconds", "histogram", "seconds",
+                       "TTFT by turn and prompt-length bucket.",
+                       (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL), TTFT_BUCKETS)
+M_PROXY_UPSTREAM_ERRORS = _metric("kvobs_proxy_upstream_errors_total", "counter", "",
+                                  "Failed engine legs.", ("role", "kind"))
+M_TELEMETRY_DROPPED = _metric("kvobs_telemetry_dropped_spans_total", "counter", "",
+                              "Spans dropped by a full export queue.")
+
+# --------------------------------------------------------------------------- buckets
+
+_TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"))
+_PROMPT_BUCKETS = ((512, "0-512"), (2048, "512-2k"), (8192, "2k-8k"), (32768, "8k-32k"))
+TURN_BUCKET_VALUES = tuple(v for _, v in _TURN_BUCKETS) + ("9+",)
+PROMPT_BUCKET_VALUES = tuple(v for _, v in _PROMPT_BUCKETS) + ("32k+",)
+
+
+def turn_bucket(turn: int) -> str:
+    """Bounded label value for a turn index; turn 1 always stands apart.
+
+    >>> [turn_bucket(t) for t in (1, 2, 3, 4, 5, 9, 40)]
+    ['1', '2', '3-4', '3-4', '5-8', '9+', '9+']
+    """
+    for upper, label in _TURN_BUCKETS:
+        if turn <= upper:
+            return label
+    return TURN_BUCKET_VALUES[-1]
+
+
+def prompt_bucket(tokens: int) -> str:
+    """Bounded label value for a prompt length in tokens.
+
+    >>> [prompt_bucket(n) for n in (10, 512, 513, 5000, 100000)]
+    ['0-512', '0-512', '512-2k', '2k-8k', '32k+']
+    """
+    for upper, label in _PROMPT_BUCKETS:
+        if tokens <= upper:
+            return label
+    return PROMPT_BUCKET_VALUES[-1]

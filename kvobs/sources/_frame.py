@@ -1,0 +1,40 @@
+"""The span table every source produces."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvobs import semconv as sc
+
+SPAN_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "service",
+                "start_ns", "end_ns", "error")
+_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "str": "string"}
+ATTRIBUTE_DTYPES = {a.key: _DTYPES[a.type] for a in sc.ATTRIBUTES.values()}
+BASE_DTYPES = {"trace_id": "string", "span_id": "string", "parent_span_id": "string",
+               "name": "string", "service": "string", "start_ns": "Int64", "end_ns": "Int64",
+               "error": "boolean"}
+ALL_DTYPES = {**BASE_DTYPES, **ATTRIBUTE_DTYPES}
+
+
+def empty_spans() -> pd.DataFrame:
+    return frame_from_rows([])
+
+
+def frame_from_rows(rows: list[dict]) -> pd.DataFrame:
+    """Rows (dicts keyed by column name) to a typed span table; bad values become null."""
+    frame = pd.DataFrame.from_records(rows, columns=list(ALL_DTYPES))
+    for column, dtype in ALL_DTYPES.items():
+        if dtype in ("Int64", "Float64"):
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
+            if dtype == "Int64":
+                frame[column] = frame[column].round()
+        frame[column] = frame[column].astype(dtype)
+    return frame
+
+
+def select_conversation(frame: pd.DataFrame, conversation_id: str) -> pd.DataFrame:
+    """Spans tagged with the conversation, plus untagged spans of the same traces."""
+    tagged = frame[sc.CONVERSATION_ID.key] == conversation_id
+    traces = set(frame.loc[tagged.fillna(False), "trace_id"].dropna())
+    in_trace = frame["trace_id"].isin(traces) & frame[sc.CONVERSATION_ID.key].isna()
+    return frame[tagged.fillna(False) | in_trace].reset_index(drop=True)

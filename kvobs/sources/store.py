@@ -1,0 +1,135 @@
+"""The embedded store: what kvobs components write to when no collector is configured.
+
+Layout of a store directory::
+
+    spans/*.otlp.jsonl          live segments, OTLP-JSON lines appended by the emitters
+    compacted/bucket=NN/*.parquet  columnar segments, one column per semconv attribute,
+                                rows sorted by conversation id, hash-partitioned by it
+
+``compact()`` turns live segments into parquet. Reading one conversation touches one
+bucket and, thanks to the sort, few row groups: that keeps ``diagnose`` fast at fleet
+scale.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import zlib
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from kvobs import semconv as sc
+from kvobs.emit.setup import STORE_SPANS_DIR
+from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversation
+from kvobs.sources.otlp_json import OtlpJsonSource
+
+COMPACTED_DIR = "compacted"
+BUCKETS = 64
+ROW_GROUP_SIZE = 16384
+_CID = sc.CONVERSATION_ID.key
+
+
+def is_store(path: str) -> bool:
+    return any(os.path.isdir(os.path.join(path, sub)) for sub in (STORE_SPANS_DIR, COMPACTED_DIR))
+
+
+def bucket_of(conversation_id: str) -> int:
+    return zlib.crc32(conversation_id.encode()) % BUCKETS
+
+
+def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
+    """Untagged spans take the conversation (and turn) of their trace's tagged spans."""
+    tagged = frame.dropna(subset=[_CID]).drop_duplicates("trace_id")
+    by_trace = tagged.set_index("trace_id")
+    missing = frame[_CID].isna() & frame["trace_id"].isin(by_trace.index)
+    if missing.any():
+        frame = frame.copy()
+        traces = frame.loc[missing, "trace_id"]
+        frame.loc[missing, _CID] = traces.map(by_trace[_CID]).astype("string").to_numpy()
+        turn = sc.TURN_INDEX.key
+        frame.loc[missing, turn] = traces.map(by_trace[turn]).astype("Int64").to_numpy()
+    return frame
+
+
+def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
+    """Append a span table to the compacted segments; returns rows written."""
+    frame = _inherit_conversation(frame).dropna(subset=[_CID])
+    if frame.empty:
+        return 0
+    frame = frame.assign(bucket=frame[_CID].map(bucket_of).astype("int32"))
+    table_schema = pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
+    for bucket, part in frame.groupby("bucket", sort=False):
+        part = part.drop(columns="bucket").sort_values(_CID, kind="stable")
+        directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
+        os.makedirs(directory, exist_ok=True)
+        table = pa.Table.from_pandas(part, schema=table_schema, preserve_index=False)
+        pq.write_table(table, os.path.join(directory, f"{uuid.uuid4().hex}.parquet"),
+                       row_group_size=ROW_GROUP_SIZE, compression="zstd")
+    return len(frame)
+
+
+def compact(store_dir: str) -> tuple[int, list[str]]:
+    """Move live OTLP-JSON segments into parquet. Returns (spans moved, problems).
+
+    A live file is deleted only after its rows are safely written: nothing is lost.
+    """
+    live_dir = os.path.join(store_dir, STORE_SPANS_DIR)
+    if not os.path.isdir(live_dir):
+        return 0, []
+    source = OtlpJsonSource(live_dir)
+    frame = source.spans()
+    files = [os.path.join(live_dir, name) for name in os.listdir(live_dir)]
+    moved = write_parquet(store_dir, frame)
+    for path in files:
+        os.remove(path)
+    return moved, source.problems
+
+
+class StoreSource:
+    """Spans from an embedded store directory (compacted parquet + live segments)."""
+
+    def __init__(self, store_dir: str):
+        self.store_dir = store_dir
+        self._live = OtlpJsonSource(os.path.join(store_dir, STORE_SPANS_DIR))
+        self.problems = self._live.problems
+
+    def _dataset(self) -> ds.Dataset | None:
+        path = os.path.join(self.store_dir, COMPACTED_DIR)
+        if not os.path.isdir(path):
+            return None
+        return ds.dataset(path, format="parquet", partitioning="hive")
+
+    def _compacted(self, conversation_id: str | None) -> pd.DataFrame:
+        dataset = self._dataset()
+        if dataset is None:
+            return frame_from_rows([])
+        columns = list(ALL_DTYPES)
+        if conversation_id is None:
+            table = dataset.to_table(columns=columns)
+        else:
+            expression = ((ds.field("bucket") == bucket_of(conversation_id))
+                          & (ds.field(_CID) == conversation_id))
+            table = dataset.to_table(columns=columns, filter=expression)
+        return table.to_pandas(types_mapper=pd.ArrowDtype).astype(ALL_DTYPES)
+
+    def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
+        live = self._live.spans(conversation_id) if os.path.isdir(self._live.location) else None
+        compacted = self._compacted(conversation_id)
+        if live is None or live.empty:
+            return compacted
+        frame = pd.concat([compacted, live], ignore_index=True)
+        return frame if conversation_id is None else select_conversation(frame, conversation_id)
+
+    def conversation_ids(self) -> list[str]:
+        ids: set[str] = set()
+        dataset = self._dataset()
+        if dataset is not None:
+            ids.update(dataset.to_table(columns=[_CID]).column(_CID).unique().to_pylist())
+        if os.path.isdir(self._live.location):
+            ids.update(self._live.conversation_ids())
+        ids.discard(None)
+        return sorted(ids)

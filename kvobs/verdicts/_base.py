@@ -1,0 +1,74 @@
+"""What every verdict rule shares: the turn it reads, the finding it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import pandas as pd
+
+from kvobs import semconv as sc
+from kvobs.semconv import Verdict
+
+
+class MissingEvidence(Exception):
+    """A rule needs a span the source does not have."""
+
+    def __init__(self, column: str, span: sc.SpanName):
+        super().__init__(f"{span.name} ({span.service.value})")
+        self.column = column
+        self.span = span
+
+
+@dataclass(frozen=True)
+class Context:
+    """Source-wide facts some rules weigh a turn against."""
+
+    prefill_tokens_per_s: float | None = None  # measured P compute rate
+    read_slo_s: float | None = None  # optional read-latency SLO
+
+
+@dataclass(frozen=True)
+class Finding:
+    verdict: Verdict
+    remedy: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    rule: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "evidence": self.evidence,
+                "remedy": self.remedy, "rule": self.rule}
+
+
+def _plain(value: Any) -> Any:
+    """pandas/numpy scalars to plain Python; every kind of missing to None."""
+    if value is None or (pd.api.types.is_scalar(value) and pd.isna(value)):
+        return None
+    return value.item() if hasattr(value, "item") else value
+
+
+class Turn:
+    """Read-only view of one correlated turn row; absent values read as None."""
+
+    def __init__(self, row: Mapping[str, Any]):
+        self._row = {key: _plain(value) for key, value in row.items()}
+
+    @property
+    def index(self) -> int:
+        return int(self._row["turn"])
+
+    def get(self, column: str) -> Any:
+        return self._row.get(column)
+
+    def require(self, column: str, span: sc.SpanName) -> Any:
+        value = self._row.get(column)
+        if value is None:
+            raise MissingEvidence(column, span)
+        return value
+
+    def pick(self, *columns: str) -> dict[str, Any]:
+        """Evidence: the named columns that have a value."""
+        return {c: self._row[c] for c in columns if self._row.get(c) is not None}
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._row)

@@ -1,0 +1,21 @@
+"""below-threshold: ``0 < M < kv_recompute_threshold``, recomputed by design.
+
+What it means: the reusable remainder was too small to be worth a read.
+What to do: nothing unless ``kvobs tune`` shows reads of this size pay off; then lower
+``kv_recompute_threshold``.
+"""
+
+from kvobs import semconv as sc
+from kvobs.semconv import PullDecision, Verdict
+from kvobs.verdicts._base import Context, Finding, Turn
+
+VERDICT = Verdict.BELOW_THRESHOLD
+
+
+def check(turn: Turn, context: Context) -> Finding | None:
+    if turn.require("decision", sc.SPAN_PULL_DECISION) != PullDecision.BELOW_THRESHOLD.value:
+        return None
+    return Finding(VERDICT, "Remote remainder below kv_recompute_threshold: recomputed by "
+                            "design; see `kvobs tune` before lowering the threshold.",
+                   turn.pick("decision_span_id", "prompt_tokens", "local_hit_tokens",
+                             "remote_tokens", "candidate_tokens", "threshold"))

@@ -1,0 +1,20 @@
+"""local-hit: P's own prefix cache already covered the reusable range (M = 0, L > 0).
+
+What it means: no read was needed; P had the blocks.
+What to do: nothing.
+"""
+
+from kvobs import semconv as sc
+from kvobs.semconv import PullDecision, Verdict
+from kvobs.verdicts._base import Context, Finding, Turn
+
+VERDICT = Verdict.LOCAL_HIT
+
+
+def check(turn: Turn, context: Context) -> Finding | None:
+    if turn.require("decision", sc.SPAN_PULL_DECISION) != PullDecision.LOCAL_HIT.value:
+        return None
+    return Finding(VERDICT, "P's local prefix cache covered the reusable range; no read "
+                            "needed.",
+                   turn.pick("decision_span_id", "prompt_tokens", "local_hit_tokens",
+                             "remote_tokens", "candidate_tokens"))

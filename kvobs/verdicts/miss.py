@@ -1,0 +1,21 @@
+"""miss: a later turn with valid params, yet nothing was reused and no rule explains it.
+
+What it means: an unexplained gap in the feature: look at P's and D's logs for the span
+times.
+What to do: report it with the span ids; check P's scheduler log at DEBUG.
+"""
+
+from kvobs import semconv as sc
+from kvobs.semconv import Verdict
+from kvobs.verdicts._base import Context, Finding, Turn
+
+VERDICT = Verdict.MISS
+
+
+def check(turn: Turn, context: Context) -> Finding | None:
+    turn.require("decision", sc.SPAN_PULL_DECISION)
+    return Finding(VERDICT, "Params were valid but nothing was reused and no known cause "
+                            "applies: inspect P's log at the decision span's time.",
+                   turn.pick("lookup_span_id", "decision_span_id", "decision",
+                             "prompt_tokens", "local_hit_tokens", "remote_tokens",
+                             "candidate_tokens"))

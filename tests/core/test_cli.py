@@ -1,0 +1,85 @@
+"""The kvobs CLI through click's CliRunner."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvobs.cli import main
+from spanfactory import Tracers, TurnSpec, write_conversation
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli")
+    tracers = Tracers(str(path))
+    write_conversation(tracers, "healthy-1", [TurnSpec(), TurnSpec(read="done")])
+    write_conversation(tracers, "faulty-1", [TurnSpec(), TurnSpec(lookup="miss",
+                                                                  decision="no-params")])
+    write_conversation(tracers, "partial-1", [TurnSpec(), TurnSpec(decision=None)])
+    return str(path)
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_diagnose_json_shape_and_exit_ok(source):
+    result = run("diagnose", "healthy-1", "--source", source, "--json")
+    assert result.exit_code == 0
+    payload = json.loads(result.output)
+    assert payload["conversation_id"] == "healthy-1"
+    assert [(t["turn"], t["verdict"]) for t in payload["turns"]] == [
+        (1, "first-turn"), (2, "remote-hit")]
+    assert payload["turns"][1]["evidence"]["read_bytes"] == 2_000_000
+    assert payload["turns"][1]["remedy"] == "Remote KV read paid off."
+
+
+def test_diagnose_fault_exit_status_and_table(source):
+    result = run("diagnose", "faulty-1", "--source", source)
+    assert result.exit_code == 1
+    assert "missing-metadata" in result.output
+    assert "Proxy had no entry" in result.output
+
+
+def test_diagnose_insufficient_evidence_exit_status(source):
+    result = run("diagnose", "partial-1", "--source", source, "--json")
+    assert result.exit_code == 3
+    turn = json.loads(result.output)["turns"][1]
+    assert turn["verdict"] == "insufficient-evidence"
+    assert turn["evidence"]["missing_span"] == "kvobs.prefill.pull_decision"
+
+
+def test_unknown_conversation_lists_near_matches(source):
+    result = CliRunner().invoke(main, ["diagnose", "healthy-2", "--source", source])
+    assert result.exit_code == 2
+    assert "unknown conversation id 'healthy-2'" in result.stderr
+    assert "healthy-1" in result.stderr
+
+
+def test_bad_source_is_input_error(tmp_path):
+    result = CliRunner().invoke(main, ["diagnose", "x", "--source", str(tmp_path / "none")])
+    assert result.exit_code == 2
+    assert "source not found" in result.stderr
+
+
+def test_turns_json_and_filters(source):
+    rows = json.loads(run("turns", "--source", source, "--json").output)
+    assert {(r["conversation_id"], r["turn"], r["verdict"]) for r in rows} == {
+        ("healthy-1", 1, "first-turn"), ("healthy-1", 2, "remote-hit"),
+        ("faulty-1", 1, "first-turn"), ("faulty-1", 2, "missing-metadata"),
+        ("partial-1", 1, "first-turn"), ("partial-1", 2, "insufficient-evidence")}
+    only = json.loads(run("turns", "--source", source, "--json", "--min-turn", "2",
+                          "--verdict", "remote-hit").output)
+    assert [(r["conversation_id"], r["turn"]) for r in only] == [("healthy-1", 2)]
+
+
+def test_turns_csv_loads_into_pandas(source):
+    import io
+
+    import pandas as pd
+
+    result = run("turns", "--source", source, "--format", "csv")
+    frame = pd.read_csv(io.StringIO(result.output))
+    assert len(frame) == 6
+    assert {"conversation_id", "turn", "verdict", "remedy", "evidence"} <= set(frame.columns)

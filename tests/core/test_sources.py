@@ -1,0 +1,78 @@
+"""Sources: OTLP-JSON files (collector format), the embedded store, bad input."""
+
+import json
+import os
+
+import pytest
+
+from kvobs.sources import SourceError, open_source
+from kvobs.sources.store import StoreSource, compact
+from spanfactory import Tracers, TurnSpec, write_conversation
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    tracers = Tracers(str(tmp_path))
+    write_conversation(tracers, "conv-a", [TurnSpec(), TurnSpec(read="done")])
+    write_conversation(tracers, "conv-b", [TurnSpec()])
+    return tmp_path
+
+
+def _live_files(store_dir):
+    live = store_dir / "spans"
+    return sorted(live / name for name in os.listdir(live))
+
+
+def test_written_lines_are_collector_otlp_json(store_dir):
+    line = _live_files(store_dir)[0].read_text().splitlines()[0]
+    request = json.loads(line)
+    span = request["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert len(span["traceId"]) == 32 and int(span["traceId"], 16) >= 0
+    assert len(span["spanId"]) == 16
+    keys = {a["key"] for a in span["attributes"]}
+    assert "gen_ai.conversation.id" in keys
+
+
+def test_otlp_file_source_reads_collector_files(store_dir):
+    source = open_source(str(store_dir / "spans"))
+    spans = source.spans("conv-a")
+    assert set(spans["gen_ai.conversation.id"]) == {"conv-a"}
+    assert len(spans) == len(source.spans()) - len(source.spans("conv-b"))
+    assert source.conversation_ids() == ["conv-a", "conv-b"]
+
+
+def test_corrupt_and_truncated_lines_are_reported_and_skipped(store_dir):
+    path = _live_files(store_dir)[0]
+    good = path.read_text()
+    path.write_text("{not json\n" + good + good.splitlines()[0][:40] + "\n")
+    source = open_source(str(store_dir))
+    assert source.conversation_ids() == ["conv-a", "conv-b"]
+    assert len(source.problems) == 2
+    assert source.problems[0].startswith(f"{path}:1: skipped corrupt line")
+    last_line = len(good.splitlines()) + 2
+    assert source.problems[1].startswith(f"{path}:{last_line}: skipped corrupt line")
+
+
+def test_missing_source_is_a_clear_error(tmp_path):
+    with pytest.raises(SourceError, match="source not found"):
+        open_source(str(tmp_path / "nope"))
+
+
+def test_compaction_keeps_every_span(store_dir):
+    before = open_source(str(store_dir)).spans().sort_values("span_id").reset_index(drop=True)
+    moved, problems = compact(str(store_dir))
+    assert (moved, problems) == (len(before), [])
+    assert os.listdir(store_dir / "spans") == []
+    source = StoreSource(str(store_dir))
+    after = source.spans().sort_values("span_id").reset_index(drop=True)
+    assert after.equals(before)
+    assert source.conversation_ids() == ["conv-a", "conv-b"]
+    assert set(source.spans("conv-b")["gen_ai.conversation.id"]) == {"conv-b"}
+
+
+def test_store_reads_compacted_and_live_together(store_dir):
+    compact(str(store_dir))
+    write_conversation(Tracers(str(store_dir)), "conv-c", [TurnSpec()])
+    source = open_source(str(store_dir))
+    assert source.conversation_ids() == ["conv-a", "conv-b", "conv-c"]
+    assert len(source.spans("conv-a")) > 0 and len(source.spans("conv-c")) > 0

@@ -1,0 +1,105 @@
+"""Build span sets through the real emit path: kvobs emitters -> OTel SDK -> OTLP-JSON
+file exporter -> store directory. Tests then read them back with a real source.
+
+A ``TurnSpec`` says what each component saw in one turn; ``write_conversation`` emits
+the spans the proxy, P and D would have emitted, with each role's tracer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvobs import semconv as sc
+from kvobs.emit.setup import configure_tracing, flush
+from kvobs.emit.spans import Correlation, emit
+
+SECOND = 1_000_000_000
+
+
+@dataclass
+class TurnSpec:
+    lookup: str | None = "hit"  # None: proxy emitted no lookup span
+    decision: str | None = "pull"  # None: P emitted no decision span
+    read: str | None = None  # read outcome, None: no read span
+    n: int = 1000
+    local: int = 0
+    remote: int = 900
+    threshold: int = 64
+    read_duration_s: float = 0.005
+    read_bytes: int = 2_000_000
+    prefill_leg_s: float = 0.2
+    ttft_s: float = 0.25
+    gap_s: float = 5.0
+    ttl_s: float = 30.0
+    fallback: str | None = None
+    params_sent: bool | None = None  # default: lookup == "hit"
+    stuck: bool = False
+    release: str | None = None  # release reason of this turn's D blocks
+    proxy: bool = True  # proxy turn span present
+    export: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Tracers:
+    def __init__(self, store_dir: str):
+        self.by_service = {s: configure_tracing(s, store_dir) for s in sc.Service}
+
+    def __getitem__(self, service: sc.Service):
+        return self.by_service[service]
+
+    def flush(self):
+        for tracer in self.by_service.values():
+            flush(tracer)
+
+
+def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnSpec],
+                       start_s: float = 1_700_000_000.0) -> None:
+    t = int(start_s * SECOND)
+    for index, spec in enumerate(turns, 1):
+        if index > 1:
+            t += int(spec.gap_s * SECOND)
+        corr = Correlation(conversation_id, index, "tenant0")
+        begin, end = t, t + int((spec.ttft_s + 0.1) * SECOND)
+        proxy, prefill, decode = (tracers[sc.Service.PROXY], tracers[sc.Service.PREFILL],
+                                  tracers[sc.Service.DECODE])
+        if spec.proxy:
+            emit(proxy, sc.SPAN_PROXY_TURN, corr,
+                 {sc.STREAM.key: False, sc.TTFT.key: spec.ttft_s,
+                  sc.PREFILL_TIME.key: spec.prefill_leg_s}, begin, end)
+            if spec.lookup is not None and index > 1:
+                emit(proxy, sc.SPAN_PROXY_LOOKUP, corr,
+                     {sc.LOOKUP_OUTCOME.key: spec.lookup,
+                      sc.PARAMS_SENT.key: (spec.lookup == "hit" if spec.params_sent is None
+                                           else spec.params_sent)}, begin, begin + 1000)
+            if spec.fallback:
+                emit(proxy, sc.SPAN_PROXY_FALLBACK, corr, {sc.FALLBACK_REASON.key: spec.fallback},
+                     begin + 2000, begin + 3000)
+        if spec.decision is not None:
+            m = max(0, min(spec.remote, spec.n) - spec.local)
+            emit(prefill, sc.SPAN_PULL_DECISION, corr,
+                 {sc.PROMPT_TOKENS.key: spec.n, sc.LOCAL_HIT_TOKENS.key: spec.local,
+                  sc.REMOTE_TOKENS.key: spec.remote, sc.CANDIDATE_TOKENS.key: m,
+                  sc.THRESHOLD.key: spec.threshold, sc.PULL_DECISION.key: spec.decision,
+                  sc.REQUEST_ID.key: f"p-{conversation_id}-{index}", **spec.extra},
+                 begin + 1000, begin + 2000)
+        if spec.read is not None:
+            emit(prefill, sc.SPAN_READ, corr,
+                 {sc.READ_OUTCOME.key: spec.read, sc.READ_BYTES.key: spec.read_bytes,
+                  sc.READ_DURATION.key: spec.read_duration_s, sc.READ_BLOCKS.key: 50,
+                  sc.REMAINING_TTL_AT_READ.key: spec.ttl_s - spec.gap_s},
+                 begin + 2000, begin + 2000 + int(spec.read_duration_s * SECOND),
+                 error=spec.read == "failed")
+        if spec.stuck:
+            emit(prefill, sc.SPAN_STUCK, corr, {}, begin + 3000, begin + 4000)
+        if spec.export:
+            emit(decode, sc.SPAN_EXPORT, corr,
+                 {sc.EXPORT_TOKENS.key: spec.n + 10, sc.EXPORT_BLOCKS.key: (spec.n + 10) // 16,
+                  sc.TTL.key: spec.ttl_s, sc.REQUEST_ID.key: f"d-{conversation_id}-{index}",
+                  sc.EXPORT_EXPIRES_AT.key: end / SECOND + spec.ttl_s}, end - 1000, end)
+        if spec.release:
+            release_at = end + int(spec.ttl_s * SECOND)
+            emit(decode, sc.SPAN_RELEASE, corr, {sc.RELEASE_REASON.key: spec.release},
+                 release_at, release_at + 1000)
+        t = end
+    tracers.flush()
