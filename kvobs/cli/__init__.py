@@ -29,7 +29,8 @@ def _register_optional() -> None:
     # Commands whose modules need the testbed or proxy extras register only when present.
     import importlib
 
-    for module in ("kvobs.cli.testbed", "kvobs.cli.proxy", "kvobs.cli.dashboards"):
+    for module in ("kvobs.cli.testbed", "kvobs.cli.proxy", "kvobs.cli.dashboards",
+                   "kvobs.cli.report"):
         try:
             loaded = importlib.import_module(module)
         except ImportError:

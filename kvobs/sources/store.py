@@ -17,8 +17,10 @@ import os
 import uuid
 import zlib
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -55,21 +57,48 @@ def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def store_schema() -> pa.Schema:
+    """The Arrow schema of compacted segments (the span table's columns and types)."""
+    return pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
+
+
 def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
     """Append a span table to the compacted segments; returns rows written."""
     frame = _inherit_conversation(frame).dropna(subset=[_CID])
     if frame.empty:
         return 0
-    frame = frame.assign(bucket=frame[_CID].map(bucket_of).astype("int32"))
-    table_schema = pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
-    for bucket, part in frame.groupby("bucket", sort=False):
-        part = part.drop(columns="bucket").sort_values(_CID, kind="stable")
+    table = pa.Table.from_pandas(frame, schema=store_schema(), preserve_index=False)
+    return write_table(store_dir, table)
+
+
+def write_table(store_dir: str, table: pa.Table) -> int:
+    """Append an Arrow span table (``store_schema()``, every row tagged with a conversation
+    id) to the compacted segments: one file per bucket touched, rows sorted by
+    conversation id (stable). The fast path behind ``write_parquet`` and ``kvobs.synth``.
+    """
+    table = table.filter(pc.is_valid(table.column(_CID)))
+    if table.num_rows == 0:
+        return 0
+    ids = table.column(_CID).combine_chunks().dictionary_encode()
+    names = ids.dictionary
+    id_buckets = np.fromiter((bucket_of(cid) for cid in names.to_pylist()),
+                             dtype=np.int64, count=len(names))
+    id_rank = pc.rank(names, sort_keys="ascending", tiebreaker="first").to_numpy() - 1
+    codes = ids.indices.to_numpy(zero_copy_only=False)
+    # One stable sort by (bucket, conversation id), then one contiguous slice per bucket.
+    key = id_buckets[codes] * len(names) + id_rank[codes].astype(np.int64)
+    order = np.argsort(key, kind="stable")
+    table = table.combine_chunks().take(pa.array(order))
+    buckets = id_buckets[codes][order]
+    edges = np.concatenate([[0], np.flatnonzero(np.diff(buckets)) + 1, [len(buckets)]])
+    for begin, stop in zip(edges[:-1], edges[1:]):
+        bucket = int(buckets[begin])
+        part = table.slice(begin, stop - begin)
         directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
         os.makedirs(directory, exist_ok=True)
-        table = pa.Table.from_pandas(part, schema=table_schema, preserve_index=False)
-        pq.write_table(table, os.path.join(directory, f"{uuid.uuid4().hex}.parquet"),
+        pq.write_table(part, os.path.join(directory, f"{uuid.uuid4().hex}.parquet"),
                        row_group_size=ROW_GROUP_SIZE, compression="zstd")
-    return len(frame)
+    return table.num_rows
 
 
 def compact(store_dir: str) -> tuple[int, list[str]]:

@@ -45,6 +45,23 @@ except Exception as _e:  # pragma: no cover
 """
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct currently-free TCP ports on 127.0.0.1 (racy, fine for tests)."""
+    import socket
+
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
 def _vllm_version() -> str:
     from importlib import metadata
 
@@ -120,6 +137,8 @@ class EngineSpec:
     side_channel_port: int
     core: int
     engine_id: str
+    host: str = "127.0.0.1"  # another address when the engine runs in a netns
+    wrapper: tuple[str, ...] = ()  # command prefix, e.g. ("ip", "netns", "exec", NS)
 
 
 @dataclass(eq=False)
@@ -142,7 +161,7 @@ class Engine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        return f"http://{self.spec.host}:{self.spec.port}"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -237,8 +256,8 @@ def start_engine(
     cfg = dict(kv_config)
     cfg.setdefault("engine_id", spec.engine_id)
     cmd = [
-        python, "-m", "kvobs.testbed._launch", "serve", str(model_path),
-        "--host", "127.0.0.1",
+        *spec.wrapper, python, "-m", "kvobs.testbed._launch", "serve", str(model_path),
+        "--host", spec.host,
         "--port", str(spec.port),
         "--served-model-name", SERVED_MODEL_NAME,
         "--max-model-len", str(max_model_len),
@@ -260,7 +279,7 @@ def start_engine(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "VLLM_LOGGING_LEVEL": log_level,
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
         # OMP threads of this engine's worker on its own core ...
         "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
@@ -340,10 +359,23 @@ class PDPair:
     extra_args: list[str] | None = None
     prefill_env: dict[str, str] | None = None
     decode_env: dict[str, str] | None = None
+    prefill_args: list[str] | None = None  # vllm serve flags for one role only
+    decode_args: list[str] | None = None
+    decode_host: str = "127.0.0.1"
+    decode_wrapper: tuple[str, ...] = ()
     sequential_start: bool = False
     prefill: Engine | None = field(default=None, init=False)
     decode: Engine | None = field(default=None, init=False)
     start_s: float | None = field(default=None, init=False)
+
+    @classmethod
+    def on_free_ports(cls, model_path, out_dir, **kw) -> "PDPair":
+        """Like ``PDPair(...)`` but with four fresh free ports (HTTP + side channels)."""
+        pp, dp, ps, ds = free_ports(4)
+        return cls(
+            model_path, out_dir, prefill_port=pp, decode_port=dp,
+            prefill_side_channel_port=ps, decode_side_channel_port=ds, **kw,
+        )  # fmt: skip
 
     def kv_config(self) -> dict[str, Any]:
         return kv_transfer_config(
@@ -356,7 +388,7 @@ class PDPair:
             extra_config=self.extra_config,
         )
 
-    def _start_one(self, role: str) -> Engine:
+    def _start_one(self, role: str, engine_id: str | None = None) -> Engine:
         is_p = role == "prefill"
         spec = EngineSpec(
             role=role,
@@ -365,7 +397,9 @@ class PDPair:
                 self.prefill_side_channel_port if is_p else self.decode_side_channel_port
             ),
             core=self.prefill_core if is_p else self.decode_core,
-            engine_id=f"kvobs-{role}",
+            engine_id=engine_id or f"kvobs-{role}",
+            host="127.0.0.1" if is_p else self.decode_host,
+            wrapper=() if is_p else tuple(self.decode_wrapper),
         )
         return start_engine(
             spec,
@@ -375,7 +409,8 @@ class PDPair:
             kv_cache_bytes=self.kv_cache_bytes,
             pthr_delay_us=self.pthr_delay_us,
             log_level=self.log_level,
-            extra_args=self.extra_args,
+            extra_args=[*(self.extra_args or []),
+                        *((self.prefill_args if is_p else self.decode_args) or [])],
             extra_env=self.prefill_env if is_p else self.decode_env,
         )
 
@@ -392,6 +427,25 @@ class PDPair:
             raise
         self.start_s = time.monotonic() - t0
         return self
+
+    def restart(self, role: str, engine_id: str) -> Engine:
+        """Stop one engine and start it again as a new engine (new NIXL engine id):
+        what an operator's restart looks like to the other side."""
+        old = self.prefill if role == "prefill" else self.decode
+        if old is not None:
+            old.stop()
+            _LIVE.discard(old)
+        engine = self._start_one(role, engine_id)
+        setattr(self, role, engine)
+        wait_ready([engine], self.startup_timeout_s)
+        return engine
+
+    def kill(self, role: str) -> None:
+        """Stop one engine for good (a dead engine for the rest of the run)."""
+        engine = getattr(self, role)
+        if engine is not None:
+            engine.stop(grace_s=0.5)
+            _LIVE.discard(engine)
 
     def stop(self) -> None:
         for eng in (self.decode, self.prefill):

@@ -189,6 +189,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--ttl", type=float, default=60)
     ap.add_argument("--log-level", default="INFO")
+    ap.add_argument("--connector-class", default="NixlConnector")
+    ap.add_argument(
+        "--connector-module",
+        default=None,
+        help="kv_connector_module_path (e.g. connector_instrumented.connector)",
+    )
     ap.add_argument(
         "--expiry-check",
         action="store_true",
@@ -210,6 +216,8 @@ def main() -> int:
         model,
         out,
         decoder_kv_blocks_ttl=ttl,
+        kv_connector=args.connector_class,
+        kv_connector_module_path=args.connector_module,
         log_level=args.log_level,
         # 1 s stats interval so P's "KV Transfer metrics" line shows up promptly.
         prefill_env={"VLLM_LOG_STATS_INTERVAL": "1"},

@@ -1,0 +1,65 @@
+"""Shared by the benchmarks: build (or reuse) a cached synthetic store."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import time
+
+from kvobs import synth
+
+MARKER = "synthetic.json"
+
+
+def dir_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name))
+               for root, _, names in os.walk(path) for name in names)
+
+
+def ensure_store(directory: str, config: synth.SyntheticConfig,
+                 buckets_per_chunk: int = 2) -> dict:
+    """The store for ``config`` under ``directory``; generated once, then reused."""
+    marker = os.path.join(directory, MARKER)
+    wanted = dataclasses.asdict(config)
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as handle:
+            recorded = json.load(handle)
+        if recorded.get("config") == wanted:
+            recorded["reused"] = True
+            return recorded
+    if os.path.exists(directory):
+        shutil.rmtree(directory)
+    os.makedirs(directory)
+    started = time.perf_counter()
+
+    def progress(bucket, result):
+        print(f"  synthetic: buckets < {min(bucket, 64)}: {result.conversations} "
+              f"conversations, {result.spans} spans, {time.perf_counter() - started:.0f}s",
+              flush=True)
+
+    result = synth.write_store(directory, config, buckets_per_chunk, progress)
+    recorded = {"config": wanted, "conversations": result.conversations,
+                "turns": result.turns, "spans": result.spans,
+                "scenarios": result.scenarios,
+                "generate_s": round(time.perf_counter() - started, 1)}
+    with open(marker, "w", encoding="utf-8") as handle:
+        json.dump(recorded, handle, indent=1)
+    recorded["reused"] = False
+    return recorded
+
+
+def peak_rss_mb_of(command: list[str]) -> tuple[float, float, str]:
+    """Run a command; (wall s, peak RSS MiB, stdout) via GNU time if present."""
+    started = time.perf_counter()
+    if shutil.which("/usr/bin/time"):
+        done = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True,
+                              text=True)
+        wall = time.perf_counter() - started
+        lines = done.stderr.strip().splitlines()
+        peak = int(lines[-1]) / 1024 if lines and lines[-1].isdigit() else float("nan")
+        return wall, peak, done.stdout
+    done = subprocess.run(command, capture_output=True, text=True)
+    return time.perf_counter() - started, float("nan"), done.stdout

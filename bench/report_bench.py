@@ -1,0 +1,65 @@
+"""Time ``kvobs report`` over ~10,000,000 synthetic spans: embedded store and chdb.
+
+    python bench/report_bench.py --dir /tmp/kvobs-bench [--conversations 270000]
+
+Generates (once, cached under ``--dir``) a synthetic store (``kvobs.synth``; about 7.4
+spans and 5 turns per conversation, so 270,000 conversations give ~10M spans), loads it
+into an embedded ClickHouse (chdb) ``otel_traces`` table the way the collector's exporter
+writes it, then runs ``kvobs report --json`` as a subprocess against each source and
+prints wall time and peak RSS. Target: under 10 s each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _synthetic_store import dir_size, ensure_store, peak_rss_mb_of  # noqa: E402
+
+from kvobs import synth  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/kvobs-bench")
+    parser.add_argument("--conversations", type=int, default=270_000)
+    parser.add_argument("--skip-chdb", action="store_true")
+    args = parser.parse_args()
+    store = os.path.join(args.dir, f"synthetic-{args.conversations}")
+    info = ensure_store(store, synth.SyntheticConfig(conversations=args.conversations))
+    print(f"store {store}: {info['conversations']:,} synthetic conversations, "
+          f"{info['turns']:,} turns, {info['spans']:,} spans, "
+          f"{dir_size(store) / 2**20:.0f} MiB")
+    kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
+    sources = [("embedded store", store)]
+    if not args.skip_chdb:
+        chdb_dir = store + ".chdb"
+        marker = os.path.join(chdb_dir, "loaded.json")
+        if not os.path.exists(marker):
+            from kvobs.sources.clickhouse import ClickHouseSource
+
+            started = time.perf_counter()
+            source = ClickHouseSource.chdb(chdb_dir)
+            source.create_table()
+            loaded = source.load_store(store)
+            with open(marker, "w", encoding="utf-8") as handle:
+                json.dump({"spans": loaded}, handle)
+            print(f"loaded {loaded:,} spans into chdb otel_traces in "
+                  f"{time.perf_counter() - started:.0f}s")
+            del source
+        sources.append(("chdb otel_traces", f"chdb:{chdb_dir}"))
+    for label, location in sources:
+        wall, peak, out = peak_rss_mb_of([kvobs, "report", "--source", location, "--json"])
+        report = json.loads(out) if out.strip().startswith("{") else {}
+        status = "PASS" if wall < 10 else "FAIL"
+        print(f"kvobs report [{label}]: {wall:.2f}s wall, peak RSS {peak:,.0f} MiB, "
+              f"{report.get('turns', '?'):,} turns -> {status} (target < 10 s)")
+
+
+if __name__ == "__main__":
+    main()

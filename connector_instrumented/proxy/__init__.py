@@ -1,0 +1,23 @@
+"""kvobs multi-turn P/D proxy (flag-compatible with vLLM's disagg_proxy_multiturn example).
+
+Public API::
+
+    from connector_instrumented.proxy import ProxyConfig, Endpoint, build_app, run_proxy
+
+    config = ProxyConfig(prefill=(Endpoint("localhost", 8100),),
+                         decode=(Endpoint("localhost", 8200),))
+    app = build_app(config)      # aiohttp.web.Application
+    run_proxy(config)            # serve until interrupted
+
+See ``docs/proxy.md``.
+"""
+
+from connector_instrumented.proxy.app import build_app, run_proxy
+from connector_instrumented.proxy.config import Endpoint, ProxyConfig
+from connector_instrumented.proxy.publisher import (
+    NoPublisher, ParamsPublisher, RedisParamsPublisher)
+from connector_instrumented.proxy.store import Entry, MemoryStore, MetadataStore, RedisStore
+
+__all__ = ["Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
+           "ParamsPublisher", "ProxyConfig", "RedisParamsPublisher", "RedisStore",
+           "build_app", "run_proxy"]

@@ -1,0 +1,75 @@
+"""The proxy's Prometheus metrics, on its own CollectorRegistry, every label value at zero."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvobs import semconv as sc
+
+_ROLES = ("prefill", "decode")
+_ERROR_KINDS = ("unreachable", "http-error", "disconnected", "timeout")
+_REJECT_REASONS = ("body-too-large", "bad-json", "not-an-object", "bad-conversation-id",
+                   "conversation-id-too-long", "tenant-too-long", "bad-field")
+_STORE_ACTIONS = ("stored", "refreshed", "skipped")
+
+
+def _name(metric: sc.Metric) -> str:
+    # prometheus_client appends _total to counters itself.
+    return metric.name[: -len("_total")] if metric.type == "counter" else metric.name
+
+
+def _counter(metric: sc.Metric, registry: CollectorRegistry) -> Counter:
+    return Counter(_name(metric), metric.doc, metric.labels, registry=registry)
+
+
+def _gauge(metric: sc.Metric, registry: CollectorRegistry) -> Gauge:
+    return Gauge(_name(metric), metric.doc, metric.labels, registry=registry)
+
+
+def _histogram(metric: sc.Metric, registry: CollectorRegistry) -> Histogram:
+    return Histogram(_name(metric), metric.doc, metric.labels, buckets=metric.buckets,
+                     registry=registry)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.turns = _counter(sc.M_PROXY_TURNS, r)
+        self.lookups = _counter(sc.M_PROXY_LOOKUPS, r)
+        self.entry_age = _histogram(sc.M_PROXY_ENTRY_AGE, r)
+        self.gap = _histogram(sc.M_PROXY_GAP, r)
+        self.stores = _counter(sc.M_PROXY_STORES, r)
+        self.entry_lifetime = _gauge(sc.M_PROXY_ENTRY_LIFETIME, r)
+        self.decode_ttl = _gauge(sc.M_PROXY_DECODE_TTL, r)
+        self.fallbacks = _counter(sc.M_PROXY_FALLBACKS, r)
+        self.evictions = _counter(sc.M_PROXY_EVICTIONS, r)
+        self.entries = _gauge(sc.M_PROXY_ENTRIES, r)
+        self.store_errors = _counter(sc.M_PROXY_STORE_ERRORS, r)
+        self.ttft = _histogram(sc.M_PROXY_TTFT, r)
+        self.upstream_errors = _counter(sc.M_PROXY_UPSTREAM_ERRORS, r)
+        self.rejected = _counter(sc.M_PROXY_REJECTED, r)
+        self.stripped = _counter(sc.M_PROXY_CLIENT_PARAMS_STRIPPED, r)
+        self._zero()
+
+    def _zero(self) -> None:
+        outcomes = [o.value for o in sc.LookupOutcome]
+        for turn in sc.TURN_BUCKET_VALUES:
+            for prompt in sc.PROMPT_BUCKET_VALUES:
+                self.ttft.labels(turn, prompt)
+                for outcome in outcomes:
+                    self.turns.labels(turn, prompt, outcome)
+        for outcome in outcomes:
+            self.lookups.labels(outcome)
+        for action in _STORE_ACTIONS:
+            for source in sc.ParamsSource:
+                self.stores.labels(action, source.value)
+        for reason in sc.FallbackReason:
+            self.fallbacks.labels(reason.value)
+        for backend in ("memory", "redis", "publisher"):
+            self.store_errors.labels(backend)
+        for role in _ROLES:
+            for kind in _ERROR_KINDS:
+                self.upstream_errors.labels(role, kind)
+        for reason in _REJECT_REASONS:
+            self.rejected.labels(reason)

@@ -1,0 +1,752 @@
+"""The multi-turn P/D proxy as an aiohttp application.
+
+One turn: look up the conversation's entry (tenant-scoped), send P the prefill request
+(``max_tokens=1``, not streaming) with D's previous params when usable, send D the
+request with P's params, relay D's answer (streamed as it arrives when the client asked
+to stream), capture D's new params (response body, stream chunk, or the params
+publisher) and store them with an expiry that ends before D's blocks do.
+
+Every turn carries its correlation (conversation id, turn index, tenant digest,
+traceparent) to P and D inside ``kv_transfer_params`` and as a W3C ``traceparent`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvobs import semconv as sc
+from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
+
+from connector_instrumented.proxy._clock import DecodeClock
+from connector_instrumented.proxy._digest import extends, history_digest
+from connector_instrumented.proxy._identity import (
+    Identity, InputError, conversation_of, tenant_of)
+from connector_instrumented.proxy._metrics import ProxyMetrics
+from connector_instrumented.proxy.config import Endpoint, ProxyConfig
+from connector_instrumented.proxy.publisher import (
+    NoPublisher, ParamsPublisher, RedisParamsPublisher)
+from connector_instrumented.proxy.store import MemoryStore, MetadataStore, RedisStore
+
+_LOG = logging.getLogger("kvobs.proxy")
+_PROPAGATOR = TraceContextTextMapPropagator()
+_PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
+_KTP = "kv_transfer_params"
+_DONE = b"data: [DONE]"
+PROXY_KEY = web.AppKey("kvobs_proxy", object)
+
+LO = sc.LookupOutcome
+PS = sc.ParamsSource
+PE = sc.ProxyError
+
+
+class _UpstreamError(Exception):
+    def __init__(self, role: str, kind: str, error: sc.ProxyError, status: int = 502,
+                 body: bytes | None = None):
+        super().__init__(f"{role} {kind}")
+        self.role, self.kind, self.error, self.status, self.body = role, kind, error, status, body
+
+
+def _json_error(status: int, message: str, type_: str) -> web.Response:
+    body = {"error": {"message": message, "type": type_, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _sse_error(message: str) -> bytes:
+    event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+    return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _has_blocks(params: dict[str, Any]) -> bool:
+    blocks = params.get("remote_block_ids")
+    if not blocks:
+        return False
+    return any(bool(group) for group in blocks) if isinstance(blocks[0], list) else True
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@dataclass
+class _TurnState:
+    """Facts gathered during one turn, turned into span attributes and metrics at the end."""
+
+    stream: bool
+    request_id: str
+    start_wall: float
+    start_perf: float
+    turn: int | None = None
+    outcome: sc.LookupOutcome = LO.NO_ID
+    params_sent: bool = False
+    prompt_tokens: int | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    ttft_s: float | None = None
+    source: sc.ParamsSource = PS.NONE
+    error: sc.ProxyError | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Proxy:
+    def __init__(self, config: ProxyConfig, tracer: trace.Tracer, metrics: ProxyMetrics,
+                 store: MetadataStore, publisher: ParamsPublisher):
+        self.config = config
+        self.tracer = tracer
+        self.metrics = metrics
+        self.store = store
+        self.publisher = publisher
+        self.clock = DecodeClock()
+        self.session: aiohttp.ClientSession | None = None
+        self._prefill = itertools.cycle(config.prefill)
+        self._decode = itertools.cycle(config.decode)
+        lifetime = config.max_entry_lifetime_s or (config.decode_kv_ttl_s - config.expiry_margin_s)
+        metrics.entry_lifetime.set(lifetime)
+        metrics.decode_ttl.set(config.decode_kv_ttl_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, _app: web.Application) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    async def stop(self, _app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+        for closer in (self.store.close, self.publisher.close):
+            try:
+                await closer()
+            except Exception:  # noqa: BLE001
+                _LOG.debug("close failed", exc_info=True)
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "store": self.store.backend,
+                                  "publisher": self.publisher.name})
+
+    async def metrics_view(self, _request: web.Request) -> web.Response:
+        try:
+            size = await self.store.size()
+            if size is not None:
+                self.metrics.entries.set(size)
+        except Exception:  # noqa: BLE001
+            self.metrics.store_errors.labels(self.store.backend).inc()
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/chat/completions")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "/v1/completions")
+
+    # ------------------------------------------------------------------ input
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise InputError(413, "body-too-large", f"request body larger than {limit} bytes")
+        raw = await request.content.read(limit + 1)
+        if len(raw) > limit:
+            raise InputError(413, "body-too-large", f"request body larger than {limit} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise InputError(400, "bad-json", "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InputError(400, "not-an-object", "request body must be a JSON object")
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise InputError(400, "bad-field", "'stream' must be a boolean")
+        return body
+
+    def _identity(self, request: web.Request, body: dict[str, Any]) -> Identity:
+        config = self.config
+        tenant = tenant_of(request.headers, config.tenant_header)
+        conversation = conversation_of(body, request.headers, config.conversation_header,
+                                       config.max_id_length)
+        return Identity(tenant, conversation)
+
+    def _headers(self, request_id: str, traceparent: str | None) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        if self.config.engine_api_key:
+            headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
+        return headers
+
+    # ------------------------------------------------------------------ one turn
+
+    async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
+        start_ns = time.time_ns()
+        try:
+            body = await self._read_body(request)
+            identity = self._identity(request, body)
+        except InputError as error:
+            self.metrics.rejected.labels(error.reason).inc()
+            return _json_error(error.status, error.message, "invalid_request_error")
+        if body.pop(_KTP, None) is not None:
+            self.metrics.stripped.inc()
+        state = _TurnState(stream=bool(body.get("stream")), request_id=uuid.uuid4().hex,
+                           start_wall=start_ns / 1e9, start_perf=time.perf_counter())
+
+        parent = _PROPAGATOR.extract(request.headers) if "traceparent" in request.headers \
+            else None
+        span = self.tracer.start_span(sc.SPAN_PROXY_TURN.name, context=parent,
+                                      start_time=start_ns)
+        with trace.use_span(span, end_on_exit=False):
+            traceparent = current_traceparent() or \
+                f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+        correlation = Correlation(identity.conversation_id, None, identity.tenant, traceparent)
+        try:
+            return await self._turn(request, path, body, identity, state, correlation)
+        finally:
+            correlation = Correlation(identity.conversation_id, state.turn, identity.tenant,
+                                      traceparent)
+            self._end_turn(span, state, correlation)
+
+    async def _turn(self, request: web.Request, path: str, body: dict[str, Any],
+                    identity: Identity, state: _TurnState,
+                    correlation: Correlation) -> web.StreamResponse:
+        previous = await self._lookup(identity, body, state, correlation)
+        correlation = Correlation(identity.conversation_id, state.turn, identity.tenant,
+                                  correlation.traceparent)
+        keys = {**correlation.to_params(), sc.KTP_REQUEST_ID: state.request_id}
+        headers = self._headers(state.request_id, correlation.traceparent)
+
+        try:
+            p_response, p_endpoint = await self._prefill_leg(path, body, previous, keys,
+                                                             headers, state, correlation)
+        except _UpstreamError as error:
+            return self._upstream_failure(error, state)
+
+        p_params = p_response.get(_KTP) if isinstance(p_response, dict) else None
+        usage = p_response.get("usage") if isinstance(p_response, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            state.prompt_tokens = usage["prompt_tokens"]
+        d_params = dict(p_params) if isinstance(p_params, dict) else {}
+        if d_params and self.config.rewrite_remote_host:
+            d_params["remote_host"] = p_endpoint.host
+        d_params.update(keys)
+        d_body = dict(body)
+        d_body[_KTP] = d_params
+        d_endpoint = next(self._decode)
+        state.extra["decode_host"] = d_endpoint.host
+        if state.stream:
+            return await self._decode_stream(request, path, d_body, d_endpoint, headers,
+                                             identity, state, correlation, previous)
+        return await self._decode_whole(path, d_body, d_endpoint, headers, identity, state,
+                                        correlation, previous)
+
+    # ------------------------------------------------------------------ lookup
+
+    async def _lookup(self, identity: Identity, body: dict[str, Any], state: _TurnState,
+                      correlation: Correlation):
+        now = time.time()
+        start_ns = time.time_ns()
+        key = identity.store_key
+        previous = None
+        attributes: dict[str, Any] = {}
+        if key is None:
+            state.turn, state.outcome = 1, LO.NO_ID
+        else:
+            try:
+                state.turn, previous = await self.store.begin_turn(key, now)
+            except Exception:  # noqa: BLE001 - the store never breaks serving
+                _LOG.warning("metadata store failed at lookup", exc_info=True)
+                self.metrics.store_errors.labels(self.store.backend).inc()
+                previous = None
+            if previous is not None and previous.ended_at is not None:
+                gap = max(0.0, now - previous.ended_at)
+                attributes[sc.INTER_TURN_GAP.key] = gap
+                self.metrics.gap.observe(gap)
+            if previous is None or previous.params is None:
+                state.outcome = LO.MISS
+            else:
+                if previous.stored_at is not None:
+                    age = max(0.0, now - previous.stored_at)
+                    attributes[sc.ENTRY_AGE.key] = age
+                    self.metrics.entry_age.observe(age)
+                if previous.expires_at is not None:
+                    attributes[sc.ENTRY_REMAINING_TTL.key] = previous.expires_at - now
+                if previous.expires_at is None or now >= previous.expires_at:
+                    state.outcome = LO.STALE
+                elif not extends(previous.digest, body):
+                    state.outcome = LO.PREFIX_MISMATCH
+                else:
+                    state.outcome = LO.HIT
+        state.params_sent = state.outcome is LO.HIT
+        self.metrics.lookups.labels(state.outcome.value).inc()
+        correlation = Correlation(correlation.conversation_id, state.turn, correlation.tenant,
+                                  correlation.traceparent)
+        emit(self.tracer, sc.SPAN_PROXY_LOOKUP, correlation,
+             {sc.LOOKUP_OUTCOME.key: state.outcome, sc.PARAMS_SENT.key: state.params_sent,
+              **attributes}, start_ns=start_ns)
+        return previous
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None,
+                      keys: dict[str, Any]) -> dict[str, Any]:
+        p_body = dict(body)
+        p_body["stream"] = False
+        p_body["max_tokens"] = 1
+        for name in _PREFILL_DROP:
+            p_body.pop(name, None)
+        if params:
+            ktp = {**params, "do_remote_decode": True, "do_remote_prefill": False}
+        else:
+            ktp = {"do_remote_decode": True, "do_remote_prefill": False,
+                   "remote_engine_id": None, "remote_block_ids": None,
+                   "remote_host": None, "remote_port": None}
+        ktp.update(keys)
+        p_body[_KTP] = ktp
+        return p_body
+
+    async def _post_prefill(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
+                            headers: dict[str, str]) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
+        try:
+            async with self.session.post(endpoint.base_url + path, data=json.dumps(payload),
+                                         headers=headers, timeout=timeout) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    raise _UpstreamError("prefill", "http-error", PE.PREFILL_ERROR,
+                                         response.status, raw)
+        except asyncio.TimeoutError:
+            raise _UpstreamError("prefill", "timeout", PE.PREFILL_ERROR, 504) from None
+        except aiohttp.ClientError:
+            raise _UpstreamError("prefill", "unreachable", PE.PREFILL_UNREACHABLE) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise _UpstreamError("prefill", "http-error", PE.PREFILL_ERROR) from None
+
+    async def _prefill_leg(self, path, body, previous, keys, headers, state, correlation):
+        params = previous.params if state.params_sent else None
+        endpoint = next(self._prefill)
+        started = time.perf_counter()
+        try:
+            try:
+                response = await self._post_prefill(
+                    endpoint, path, self._prefill_body(body, params, keys), headers)
+            except _UpstreamError as error:
+                if not (params and error.kind == "http-error" and error.status >= 500):
+                    raise
+                reason = _fallback_reason(error.body)
+                self.metrics.upstream_errors.labels("prefill", error.kind).inc()
+                self.metrics.fallbacks.labels(reason.value).inc()
+                fallback_start = time.time_ns()
+                state.extra["fallback"] = reason.value
+                state.params_sent = False
+                try:
+                    response = await self._post_prefill(
+                        endpoint, path, self._prefill_body(body, None, keys), headers)
+                finally:
+                    emit(self.tracer, sc.SPAN_PROXY_FALLBACK, correlation_with(correlation,
+                                                                               state),
+                         {sc.FALLBACK_REASON.key: reason,
+                          "http.response.status_code": error.status},
+                         start_ns=fallback_start)
+            return response, endpoint
+        finally:
+            state.prefill_s = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ decode
+
+    async def _open_decode(self, endpoint, path, d_body, headers):
+        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout_s)
+        try:
+            response = await self.session.post(endpoint.base_url + path,
+                                               data=json.dumps(d_body), headers=headers,
+                                               timeout=timeout)
+        except asyncio.TimeoutError:
+            raise _UpstreamError("decode", "timeout", PE.DECODE_ERROR, 504) from None
+        except aiohttp.ClientError:
+            raise _UpstreamError("decode", "unreachable", PE.DECODE_UNREACHABLE) from None
+        if response.status != 200:
+            try:
+                raw = await response.read()
+            except aiohttp.ClientError:
+                raw = b""
+            finally:
+                response.release()
+            raise _UpstreamError("decode", "http-error", PE.DECODE_ERROR, response.status, raw)
+        return response
+
+    async def _decode_whole(self, path, d_body, endpoint, headers, identity, state,
+                            correlation, previous) -> web.StreamResponse:
+        started = time.perf_counter()
+        sent_wall = time.time()
+        try:
+            response = await self._open_decode(endpoint, path, d_body, headers)
+            try:
+                raw = await response.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                raise _UpstreamError("decode", "disconnected", PE.DECODE_DISCONNECTED) from None
+            finally:
+                response.release()
+        except _UpstreamError as error:
+            state.decode_s = time.perf_counter() - started
+            return self._upstream_failure(error, state)
+        answered_wall = time.time()
+        state.decode_s = time.perf_counter() - started
+        state.ttft_s = time.perf_counter() - state.start_perf
+        try:
+            result = json.loads(raw)
+        except ValueError:
+            return self._upstream_failure(
+                _UpstreamError("decode", "http-error", PE.DECODE_ERROR), state)
+        params = result.pop(_KTP, None) if isinstance(result, dict) else None
+        message, text = _first_choice(result)
+        digest = history_digest(d_body, message, text) if _single_choice(result) else None
+        if isinstance(params, dict):
+            state.source = PS.BODY
+        await self._store(identity, state, correlation, previous,
+                          params if isinstance(params, dict) else None, digest,
+                          sent_wall, answered_wall)
+        return web.Response(body=json.dumps(result).encode(), status=200,
+                            content_type="application/json")
+
+    async def _decode_stream(self, request, path, d_body, endpoint, headers, identity,
+                             state, correlation, previous) -> web.StreamResponse:
+        started = time.perf_counter()
+        sent_wall = time.time()
+        try:
+            response = await self._open_decode(endpoint, path, d_body, headers)
+        except _UpstreamError as error:
+            state.decode_s = time.perf_counter() - started
+            return self._upstream_failure(error, state)
+        client = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        collector = _StreamCollector()
+        done = False
+        try:
+            await _to_client(client.prepare(request))
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                if state.ttft_s is None:
+                    state.ttft_s = time.perf_counter() - state.start_perf
+                buffer += chunk
+                cut = buffer.rfind(b"\n") + 1
+                if not cut:
+                    continue
+                lines, buffer = buffer[:cut], buffer[cut:]
+                out, done = collector.feed(lines)
+                await _to_client(client.write(out))
+            if buffer:
+                out, done = collector.feed(buffer + b"\n")
+                await _to_client(client.write(out))
+            if not done:
+                raise aiohttp.ClientPayloadError("decode stream ended without [DONE]")
+        except _ClientGone:
+            state.error = PE.CLIENT_DISCONNECTED
+            response.close()
+            state.decode_s = time.perf_counter() - started
+            return client
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            state.error = PE.DECODE_DISCONNECTED
+            self.metrics.upstream_errors.labels("decode", "disconnected").inc()
+            response.close()
+            state.decode_s = time.perf_counter() - started
+            try:
+                await _to_client(client.write(_sse_error("decode engine failed mid-stream")))
+                await _to_client(client.write_eof())
+            except _ClientGone:
+                pass
+            return client
+        finally:
+            response.release()
+        answered_wall = time.time()
+        state.decode_s = time.perf_counter() - started
+        params = collector.params
+        if params is not None:
+            state.source = PS.STREAM
+        else:
+            try:
+                params = await self.publisher.fetch(state.request_id,
+                                                    self.config.publisher_wait_s)
+            except Exception:  # noqa: BLE001
+                self.metrics.store_errors.labels("publisher").inc()
+                params = None
+            if params is not None:
+                state.source = PS.PUBLISHED
+        digest = history_digest(d_body, collector.message(), collector.text()) \
+            if collector.single else None
+        await self._store(identity, state, correlation, previous, params, digest, sent_wall,
+                          answered_wall)
+        # [DONE] goes out only now: a client that starts its next turn the moment this
+        # stream ends finds this turn's params already stored.
+        try:
+            await _to_client(client.write(_DONE + b"\n\n"))
+            await _to_client(client.write_eof())
+        except _ClientGone:
+            state.error = PE.CLIENT_DISCONNECTED
+        return client
+
+    # ------------------------------------------------------------------ store
+
+    def _expires_at(self, params: dict[str, Any], sent_wall: float,
+                    answered_wall: float) -> float | None:
+        expiry_d = _number(params.get("remote_blocks_expiry_time"))
+        if expiry_d is None or not _has_blocks(params):
+            return None
+        ttl = _number(params.get(sc.KTP_DECODE_TTL)) or self.config.decode_kv_ttl_s
+        self.metrics.decode_ttl.set(ttl)
+        engine = str(params.get("remote_engine_id"))
+        expires = self.clock.expiry_wall(engine, expiry_d, ttl, sent_wall,
+                                         answered_wall) - self.config.expiry_margin_s
+        if self.config.max_entry_lifetime_s is not None:
+            expires = min(expires, answered_wall + self.config.max_entry_lifetime_s)
+        return expires if expires > answered_wall else None
+
+    async def _store(self, identity, state, correlation, previous, params, digest,
+                     sent_wall, answered_wall) -> None:
+        key = identity.store_key
+        if key is None or state.turn is None:
+            return
+        start_ns = time.time_ns()
+        expires_at = None
+        if params is not None:
+            params = {k: v for k, v in params.items() if not k.startswith("kvobs_")
+                      or k == sc.KTP_DECODE_TTL}
+            if self.config.rewrite_remote_host:
+                params["remote_host"] = self._decode_host(params, state)
+            expires_at = self._expires_at(params, sent_wall, answered_wall)
+        usable = params is not None and expires_at is not None and digest is not None
+        if usable:
+            had = previous is not None and previous.stored_turn > 0
+            action = "refreshed" if had else "stored"
+        else:
+            action = "skipped"
+        try:
+            await self.store.finish_turn(key, state.turn, time.time(),
+                                         params if usable else None,
+                                         expires_at if usable else None,
+                                         digest if usable else None)
+        except Exception:  # noqa: BLE001
+            _LOG.warning("metadata store failed at store", exc_info=True)
+            self.metrics.store_errors.labels(self.store.backend).inc()
+            action = "skipped"
+        self.metrics.stores.labels(action, state.source.value).inc()
+        emit(self.tracer, sc.SPAN_PROXY_STORE, correlation_with(correlation, state),
+             {sc.STORE_ACTION.key: action, sc.PARAMS_SOURCE.key: state.source,
+              sc.STORE_EXPIRES_AT.key: expires_at if usable else None},
+             start_ns=start_ns)
+
+    def _decode_host(self, params: dict[str, Any], state: _TurnState) -> Any:
+        return state.extra.get("decode_host", params.get("remote_host"))
+
+    # ------------------------------------------------------------------ endings
+
+    def _upstream_failure(self, error: _UpstreamError, state: _TurnState) -> web.Response:
+        state.error = error.error
+        self.metrics.upstream_errors.labels(error.role, error.kind).inc()
+        if error.kind == "http-error" and 400 <= error.status < 500 and error.body:
+            # The engine refused the client's request: pass its answer through.
+            return web.Response(body=error.body, status=error.status,
+                                content_type="application/json")
+        status = 504 if error.kind == "timeout" else 502
+        return _json_error(status, f"{error.role} engine {error.kind}", "upstream_error")
+
+    def _end_turn(self, span: trace.Span, state: _TurnState, correlation: Correlation) -> None:
+        turn_bucket = sc.turn_bucket(state.turn or 1)
+        prompt_bucket = sc.prompt_bucket(state.prompt_tokens or 0)
+        self.metrics.turns.labels(turn_bucket, prompt_bucket, state.outcome.value).inc()
+        if state.ttft_s is not None and state.error is None:
+            self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(state.ttft_s)
+        try:
+            if span.is_recording():
+                span.set_attributes({**correlation.attributes(), **clean({
+                    sc.STREAM.key: state.stream,
+                    sc.TTFT.key: state.ttft_s,
+                    sc.PREFILL_TIME.key: state.prefill_s,
+                    sc.DECODE_TIME.key: state.decode_s,
+                    sc.LOOKUP_OUTCOME.key: state.outcome,
+                    sc.PARAMS_SENT.key: state.params_sent,
+                    sc.PARAMS_SOURCE.key: state.source,
+                    sc.PROMPT_TOKENS.key: state.prompt_tokens,
+                    sc.REQUEST_ID.key: state.request_id,
+                    sc.ROLE.key: "proxy",
+                    sc.PROXY_ERROR.key: state.error,
+                    sc.FALLBACK_REASON.key: state.extra.get("fallback"),
+                })})
+                if state.error is not None:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR))
+            span.end()
+        except Exception:  # noqa: BLE001 - telemetry never breaks serving
+            _LOG.debug("turn span failed", exc_info=True)
+
+
+def correlation_with(correlation: Correlation, state: _TurnState) -> Correlation:
+    return Correlation(correlation.conversation_id, state.turn, correlation.tenant,
+                       correlation.traceparent)
+
+
+class _ClientGone(Exception):
+    """The client went away while its answer was being written."""
+
+
+async def _to_client(awaitable) -> None:
+    try:
+        await awaitable
+    except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError):
+        raise _ClientGone from None
+
+
+def _fallback_reason(body: bytes | None) -> sc.FallbackReason:
+    text = (body or b"")[:4096].lower()
+    if b"expired" in text or b"declin" in text:
+        return sc.FallbackReason.READ_DECLINED
+    return sc.FallbackReason.READ_FAILED
+
+
+def _single_choice(result: Any) -> bool:
+    choices = result.get("choices") if isinstance(result, dict) else None
+    return isinstance(choices, list) and len(choices) == 1
+
+
+def _first_choice(result: Any) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        choice = result["choices"][0]
+    except (KeyError, IndexError, TypeError):
+        return None, None
+    message = choice.get("message")
+    text = choice.get("text")
+    return (message if isinstance(message, dict) else None,
+            text if isinstance(text, str) else None)
+
+
+class _StreamCollector:
+    """Parses SSE lines as they pass: assembles the answer, lifts out D's params."""
+
+    __slots__ = ("params", "_content", "_reasoning", "_text", "_tools", "single", "_chat")
+
+    def __init__(self):
+        self.params: dict[str, Any] | None = None
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._text: list[str] = []
+        self._tools: dict[int, list[str]] = {}
+        self.single = True
+        self._chat = False
+
+    def feed(self, lines: bytes) -> tuple[bytes, bool]:
+        """Returns the bytes to forward (params removed) and whether [DONE] was seen."""
+        done = False
+        out = []
+        for line in lines.split(b"\n")[:-1]:
+            stripped = line.strip()
+            if stripped == _DONE:
+                done = True  # held back until D's params are stored (see _decode_stream)
+                continue
+            if stripped.startswith(b"data: {"):
+                try:
+                    chunk = json.loads(stripped[6:])
+                except ValueError:
+                    chunk = None
+                if isinstance(chunk, dict):
+                    if _KTP in chunk:
+                        params = chunk.pop(_KTP)
+                        if isinstance(params, dict):
+                            self.params = params
+                        line = b"data: " + json.dumps(chunk).encode()
+                    self._collect(chunk)
+            out.append(line)
+        return b"\n".join(out) + b"\n", done
+
+    def _collect(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("index", 0) != 0:
+                self.single = False
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._chat = True
+                for key, sink in (("content", self._content),
+                                  ("reasoning_content", self._reasoning),
+                                  ("reasoning", self._reasoning)):
+                    value = delta.get(key)
+                    if isinstance(value, str):
+                        sink.append(value)
+                for call in delta.get("tool_calls") or ():
+                    if isinstance(call, dict):
+                        slot = self._tools.setdefault(int(call.get("index", 0)), ["", ""])
+                        function = call.get("function") or {}
+                        slot[0] += function.get("name") or ""
+                        slot[1] += function.get("arguments") or ""
+            text = choice.get("text")
+            if isinstance(text, str):
+                self._text.append(text)
+
+    def message(self) -> dict[str, Any] | None:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        if self._reasoning:
+            message["reasoning_content"] = "".join(self._reasoning)
+        if self._tools:
+            message["tool_calls"] = [{"function": {"name": n, "arguments": a}}
+                                     for _, (n, a) in sorted(self._tools.items())]
+        return message
+
+    def text(self) -> str:
+        return "".join(self._text)
+
+
+# ---------------------------------------------------------------------- public API
+
+
+def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
+    on_evict = metrics.evictions.inc
+    if config.store_backend == "redis":
+        return RedisStore(config.redis_url, config.max_entries, config.conversation_ttl_s,
+                          on_evict)
+    return MemoryStore(config.max_entries, config.conversation_ttl_s, on_evict)
+
+
+def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
+    if config.publisher_kind == "redis":
+        return RedisParamsPublisher(config.redis_url)
+    return NoPublisher()
+
+
+def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
+              registry: CollectorRegistry | None = None, store: MetadataStore | None = None,
+              publisher: ParamsPublisher | None = None) -> web.Application:
+    """The proxy as an aiohttp application (tests and embedders pass their own sinks)."""
+    if tracer is None:
+        from kvobs.emit.setup import configure_tracing
+
+        tracer = configure_tracing(sc.Service.PROXY, store_dir=config.store_dir)
+    metrics = ProxyMetrics(registry)
+    proxy = _Proxy(config, tracer, metrics, store or _make_store(config, metrics),
+                   publisher or _make_publisher(config))
+    app = web.Application(client_max_size=config.max_body_bytes + 1)
+    app[PROXY_KEY] = proxy
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_view)
+    return app
+
+
+def run_proxy(config: ProxyConfig) -> None:
+    """Serve until interrupted."""
+    web.run_app(build_app(config), host=config.host, port=config.port, access_log=None,
+                print=lambda *_: None)

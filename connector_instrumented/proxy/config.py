@@ -1,0 +1,87 @@
+"""ProxyConfig: everything the proxy is told, in one frozen dataclass."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+# vLLM's own default for ``decoder_kv_blocks_ttl`` (kv_transfer_config extra config).
+VLLM_DEFAULT_DECODE_TTL_S = 480.0
+# P declines a read whose blocks expire within this many seconds (fixed in vLLM).
+PREFILL_DECLINE_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Proxy settings. Only ``prefill`` and ``decode`` are required.
+
+    Entry life: an entry for D's params ends at D's own expiry of the blocks (derived
+    from ``remote_blocks_expiry_time`` and the decode TTL, see ``_clock.DecodeClock``)
+    minus ``expiry_margin_s``, optionally capped by ``max_entry_lifetime_s``.
+    """
+
+    prefill: tuple[Endpoint, ...]
+    decode: tuple[Endpoint, ...]
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # decoder_kv_blocks_ttl of the decode engines, used when D's params do not carry it.
+    decode_kv_ttl_s: float = VLLM_DEFAULT_DECODE_TTL_S
+    # End entries this long before D's blocks expire (>= P's fixed 5 s decline window).
+    expiry_margin_s: float = 10.0
+    max_entry_lifetime_s: float | None = None
+    # How long a conversation's turn counter and digest survive without a turn.
+    conversation_ttl_s: float = 24 * 3600.0
+    max_entries: int = 100_000
+    store_backend: str = "memory"  # memory | redis
+    redis_url: str | None = None
+    # Where streaming turns get D's params when the stream does not carry them.
+    params_publisher: str = "auto"  # auto (redis when redis_url is set) | redis | none
+    publisher_wait_s: float = 0.25
+    conversation_header: str = "X-Session-ID"
+    tenant_header: str | None = None  # default: the Authorization header's API key
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_id_length: int = 256
+    prefill_timeout_s: float = 600.0
+    decode_timeout_s: float = 3600.0
+    # Engines' own API key (upstream's proxy reads OPENAI_API_KEY the same way).
+    engine_api_key: str | None = field(
+        default_factory=lambda: os.environ.get("OPENAI_API_KEY"), repr=False)
+    # Upstream rewrites remote_host in P's and D's params to the engine's HTTP host.
+    rewrite_remote_host: bool = True
+    store_dir: str | None = None  # kvobs span store (else KVOBS_STORE / OTEL_* env)
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("at least one prefill and one decode endpoint are required")
+        if self.expiry_margin_s < PREFILL_DECLINE_WINDOW_S:
+            raise ValueError(
+                f"expiry_margin_s must be >= {PREFILL_DECLINE_WINDOW_S} s (P declines reads "
+                "that close to D's expiry)")
+        if self.decode_kv_ttl_s <= self.expiry_margin_s:
+            raise ValueError("decode_kv_ttl_s must exceed expiry_margin_s")
+        if self.store_backend not in ("memory", "redis"):
+            raise ValueError("store_backend must be 'memory' or 'redis'")
+        if self.store_backend == "redis" and not self.redis_url:
+            raise ValueError("the redis store needs redis_url")
+        if self.params_publisher not in ("auto", "redis", "none"):
+            raise ValueError("params_publisher must be auto, redis or none")
+        if self.params_publisher == "redis" and not self.redis_url:
+            raise ValueError("the redis params publisher needs redis_url")
+        if self.max_entries < 1 or self.max_id_length < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_entries, max_id_length and max_body_bytes must be positive")
+
+    @property
+    def publisher_kind(self) -> str:
+        if self.params_publisher == "auto":
+            return "redis" if self.redis_url else "none"
+        return self.params_publisher

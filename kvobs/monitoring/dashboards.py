@@ -1,0 +1,470 @@
+"""Grafana dashboards, built with grafana-foundation-sdk from :mod:`~kvobs.monitoring.queries`.
+
+A panel here is a :class:`PanelSpec`: title, what it shows, its queries, a unit. The panel's
+description always ends with the metric names its queries read, found by scanning the
+PromQL against :mod:`kvobs.semconv`, so it cannot name a metric the query does not use.
+
+``build_dashboards()`` returns ``{file name: dashboard dict}``; ``render()`` turns one into
+the checked-in JSON text (``python -m kvobs.monitoring.generate`` writes ``dashboards/``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from kvobs.monitoring import queries as q
+from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
+from kvobs.semconv import (
+    METRICS,
+    M_PROXY_TURNS,
+    M_PULL_DECISIONS,
+    M_READS,
+    M_RETAINED_BLOCKS,
+    PROMPT_BUCKET_LABEL,
+    TURN_BUCKET_LABEL,
+    UPSTREAM_METRICS,
+)
+
+DATASOURCE_VAR = "datasource"
+VARIABLES = ("datasource", "job", "model_name", "instance", "engine")
+RATE_INTERVAL = "$__rate_interval"
+LATER_TURNS = f'{TURN_BUCKET_LABEL}!="{q.FIRST_TURN}"'
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    what: str  # one or two sentences: what it shows and how to read it
+    targets: tuple[Target, ...]
+    unit: str = "short"
+    stacked: bool = False
+    threshold: float | None = None  # drawn as a dashed red line
+    width: int = 8
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    title: str
+    panels: tuple[PanelSpec, ...] = field(default_factory=tuple)
+
+
+def metrics_in(expr: str) -> list[str]:
+    """Exposed metric names (from semconv) that a PromQL expression reads, in order.
+
+    >>> metrics_in('rate(vllm:kvobs_remote_read_bytes_sum{x="y"}[5m]) / kvobs_proxy_entries')
+    ['vllm:kvobs_remote_read_bytes', 'kvobs_proxy_entries']
+    """
+    known = {m.name: m for m in (*METRICS.values(), *UPSTREAM_METRICS.values())}
+    found = []
+    for token in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr):
+        name = token
+        if name not in known:
+            for suffix in ("_bucket", "_sum", "_count"):
+                if name.endswith(suffix) and name[: -len(suffix)] in known:
+                    name = name[: -len(suffix)]
+                    break
+        if name in known and name not in found:
+            found.append(name)
+    return found
+
+
+def description(spec: PanelSpec) -> str:
+    names = []
+    for target in spec.targets:
+        names += [n for n in metrics_in(target.expr) if n not in names]
+    return f"{spec.what}\n\nMetrics: {', '.join(f'`{n}`' for n in names)}."
+
+
+# --------------------------------------------------------------------------- content
+
+
+def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
+    s = q.Scope(DASHBOARD_SELECTORS.engine, DASHBOARD_SELECTORS.proxy, RATE_INTERVAL)
+    th = config.thresholds
+    T = Target
+    return (
+        RowSpec("Turn outcomes (metric-side verdict proxies; turn 1 apart)", (
+            PanelSpec(
+                "Later turns by proxy lookup outcome",
+                "Turns after the first, by what the proxy's metadata lookup found. hit: "
+                "D's params went to P; miss / stale / no-id: the missing-metadata verdict; "
+                "prefix-mismatch: history rewritten since the last turn.",
+                (T(q.turns_rate(s.keeping("lookup"), LATER_TURNS), "{{lookup}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "First turns by prompt-length bucket",
+                "Turn 1 of each conversation: nothing earlier to reuse (first-turn verdict). "
+                "Kept apart from every reuse figure.",
+                (T(q.first_turns_rate(s.keeping(PROMPT_BUCKET_LABEL)), "{{prompt_bucket}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "Missing-metadata share by turn bucket",
+                "Share of later turns whose lookup was miss, stale or no-id, per turn-index "
+                "bucket. A rise at 3-4 or 5-8 but not at 2 points at the proxy's entry "
+                "lifetime or at long inter-turn gaps.",
+                (T(q.missing_metadata_ratio(s.keeping(TURN_BUCKET_LABEL)), "turn {{turn_bucket}}"),),
+                "percentunit", threshold=th.missing_metadata_ratio),
+            PanelSpec(
+                "Missing-metadata share by prompt-length bucket",
+                "Share of later turns without usable params, per prompt-length bucket "
+                "(long prompts lose the most when they recompute).",
+                (T(q.missing_metadata_ratio(s.keeping(PROMPT_BUCKET_LABEL)), "{{prompt_bucket}}"),),
+                "percentunit", threshold=th.missing_metadata_ratio),
+            PanelSpec(
+                "P pull decisions",
+                "P's choice per request offered remote KV. pull: read D's KV; "
+                "below-threshold / local-hit: recomputed or served locally by design; "
+                "no-params / invalid: missing-metadata; prefix-mismatch: old blocks no "
+                "longer a prefix of the prompt.",
+                (T(q.pull_decisions_rate(s.keeping("decision")), "{{decision}}"),),
+                "ops", stacked=True),
+            PanelSpec(
+                "D->P read outcomes",
+                "Reads P started: done (remote-hit or slow-transfer), declined-expired "
+                "(expired verdict), failed (transfer-failed verdict).",
+                (T(q.read_outcomes_rate(s.keeping("outcome")), "{{outcome}}"),),
+                "ops", stacked=True),
+        )),
+        RowSpec("D->P reads", (
+            PanelSpec(
+                "Reads per second: kvobs vs NIXL",
+                "Completed D->P reads counted by kvobs next to vLLM's own NIXL transfer "
+                "count: the two should match on P.",
+                (T(q.read_outcomes_rate(s, 'outcome="done"'), "kvobs reads done"),
+                 T(q.nixl_transfers_rate(s), "NIXL transfers")),
+                "ops"),
+            PanelSpec(
+                "Bytes read per second",
+                "KV bytes P read from D per second.",
+                (T(q.read_bytes_rate(s.keeping("instance")), "{{instance}}"),),
+                "Bps"),
+            PanelSpec(
+                "Read duration percentiles",
+                "D->P read duration p50 / p95 / p99 (kvobs) and NIXL's transfer time p95. "
+                "The dashed line is the read-latency SLO.",
+                (T(q.read_duration_quantile(s, 0.5), "p50"),
+                 T(q.read_duration_quantile(s, 0.95), "p95"),
+                 T(q.read_duration_quantile(s, 0.99), "p99"),
+                 T(q.nixl_xfer_quantile(s, 0.95), "NIXL xfer p95")),
+                "s", threshold=th.read_p95_seconds),
+            PanelSpec(
+                "Read throughput",
+                "Bytes moved per second of read time (sum of bytes over sum of read "
+                "seconds).",
+                (T(q.read_throughput(s.keeping("instance")), "{{instance}}"),),
+                "Bps"),
+            PanelSpec(
+                "Declined (expired) and failed reads",
+                "Reads P declined because D's blocks were (nearly) past TTL, reads that "
+                "failed, and vLLM's own failed-transfer and expired-request counters.",
+                (T(q.declined_expired_rate(s), "declined expired (kvobs)"),
+                 T(q.read_outcomes_rate(s, 'outcome="failed"'), "failed (kvobs)"),
+                 T(q.nixl_failed_rate(s), "NIXL failed transfers"),
+                 T(q.nixl_expired_rate(s), "NIXL expired requests")),
+                "ops"),
+            PanelSpec(
+                "Expired and failed share of read attempts",
+                "Share of D->P read attempts declined as expired and share that failed. "
+                "The dashed line is the expired-read alert threshold.",
+                (T(q.expired_read_ratio(s), "expired"),
+                 T(q.failed_read_ratio(s), "failed")),
+                "percentunit", threshold=th.expired_read_ratio),
+        )),
+        RowSpec("Retention and expiry (D)", (
+            PanelSpec(
+                "Retained blocks",
+                "Blocks each D engine currently holds for a next turn.",
+                (T(q.retained_blocks(s.keeping("instance")), "{{instance}}"),),
+                "short"),
+            PanelSpec(
+                "Retained bytes",
+                "Bytes each D engine currently holds for a next turn.",
+                (T(q.retained_bytes(s.keeping("instance")), "{{instance}}"),),
+                "bytes"),
+            PanelSpec(
+                "Average blocks held (block-seconds per second)",
+                "Rate of retained block-seconds: the average number of blocks held for "
+                "reuse, i.e. the memory cost of retention (D also keeps stepping while it "
+                "holds any).",
+                (T(q.retained_block_seconds_rate(s.keeping("instance")), "{{instance}}"),),
+                "short"),
+            PanelSpec(
+                "Releases by reason and read",
+                "Retained requests released, by reason (expired | read) and whether any "
+                "remote worker read them.",
+                (T(q.releases_rate(s.keeping("reason", "was_read")),
+                   "{{reason}} read={{was_read}}"),),
+                "ops", stacked=True),
+            PanelSpec(
+                "Released without a read",
+                "Share of retained requests released without any read: retention that "
+                "cost memory and compute for nothing (conversations that ended, or "
+                "metadata that never reached P).",
+                (T(q.unread_release_ratio(s), "unread share"),),
+                "percentunit"),
+            PanelSpec(
+                "Remaining TTL when a read began",
+                "Seconds left before D's expiry when P began a read. A low p05 means reads "
+                "race the TTL and some get declined; P declines within 5 s of expiry.",
+                (T(q.remaining_ttl_quantile(s, 0.05), "p05"),
+                 T(q.remaining_ttl_quantile(s, 0.5), "p50")),
+                "s", threshold=5.0),
+            PanelSpec(
+                "Inter-turn gap against TTLs",
+                "Gap between a turn's end and the next turn's start (p50, p95) against D's "
+                "decoder_kv_blocks_ttl and the proxy's entry lifetime, as the proxy reports "
+                "them.",
+                (T(q.gap_quantile(s, 0.5), "gap p50"),
+                 T(q.gap_quantile(s, 0.95), "gap p95"),
+                 T(q.decode_ttl(s), "decode TTL"),
+                 T(q.entry_lifetime(s), "proxy entry lifetime")),
+                "s"),
+            PanelSpec(
+                "Gaps longer than D's TTL",
+                f"Share of inter-turn gaps above {config.decode_ttl_seconds:g} s (the "
+                "configured decoder_kv_blocks_ttl): those turns cannot reuse D's KV "
+                "whatever the proxy does.",
+                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds), "gap > TTL"),),
+                "percentunit"),
+        )),
+        RowSpec("Proxy", (
+            PanelSpec(
+                "Lookups by outcome",
+                "Metadata lookups: hit, miss (no entry: restart, TTL, other replica, "
+                "stream metadata not captured), stale, no-id, prefix-mismatch.",
+                (T(q.lookups_rate(s.keeping("outcome")), "{{outcome}}"),),
+                "ops", stacked=True),
+            PanelSpec(
+                "Entry age at lookup",
+                "Age of the metadata entry at lookup (p50, p95) against the configured "
+                "entry lifetime.",
+                (T(q.entry_age_quantile(s, 0.5), "p50"),
+                 T(q.entry_age_quantile(s, 0.95), "p95"),
+                 T(q.entry_lifetime(s), "entry lifetime")),
+                "s"),
+            PanelSpec(
+                "Fallbacks by reason",
+                "P requests the proxy retried without params (read declined, read failed, "
+                "prefill error).",
+                (T(q.fallbacks_rate(s.keeping("reason")), "{{reason}}"),),
+                "ops", stacked=True),
+            PanelSpec(
+                "Metadata store errors",
+                "Errors from the metadata store backend (memory, Redis).",
+                (T(q.store_errors_rate(s.keeping("backend")), "{{backend}}"),),
+                "ops"),
+            PanelSpec(
+                "Stores by action and source",
+                "D params stored / refreshed / skipped, by where they came from (body, "
+                "stream, published). Only skipped stores on streaming traffic mean the "
+                "stream never carried kv_transfer_params.",
+                (T(q.stores_rate(s.keeping("action", "source")), "{{action}} / {{source}}"),),
+                "ops", stacked=True),
+            PanelSpec(
+                "Entries in the store",
+                "Metadata entries currently held by each proxy.",
+                (T(q.entries(s.keeping("instance")), "{{instance}}"),),
+                "short"),
+            PanelSpec(
+                "Evictions and failed engine legs",
+                "Entries evicted by the entry cap, and failed P/D legs by role and kind.",
+                (T(q.evictions_rate(s), "evictions"),
+                 T(q.upstream_errors_rate(s.keeping("role", "kind")), "{{role}} {{kind}}")),
+                "ops"),
+            PanelSpec(
+                "Rejected and sanitised client requests",
+                "Client requests the proxy refused with a 4xx, by reason, and requests whose "
+                "own kv_transfer_params the proxy stripped before forwarding.",
+                (T(q.rejected_requests_rate(s.keeping("reason")), "rejected: {{reason}}"),
+                 T(q.client_params_stripped_rate(s), "client params stripped")),
+                "ops"),
+            PanelSpec(
+                "Dropped telemetry",
+                "Spans dropped by a full export queue, and telemetry failures caught inside "
+                "the connector (telemetry never blocks serving; gaps make kvobs diagnose "
+                "report insufficient-evidence).",
+                (T(q.dropped_spans_rate(s.keeping("instance")), "dropped spans {{instance}}"),
+                 T(q.connector_telemetry_errors_rate(s.keeping("instance")),
+                   "connector telemetry errors {{instance}}")),
+                "ops"),
+        )),
+        RowSpec("Recompute", (
+            PanelSpec(
+                "Prompt tokens: reused by reads vs recomputed",
+                "Tokens P obtained by D->P reads against tokens P computed itself, by "
+                "reason (no-params, below-threshold, suffix, prefix-mismatch, fallback).",
+                (T(q.reused_tokens_rate(s), "reused (remote read)"),
+                 T(q.recomputed_tokens_rate(s.keeping("reason")), "recomputed: {{reason}}")),
+                "short", stacked=True),
+            PanelSpec(
+                "Reuse share",
+                "Share of P's prompt tokens obtained by remote reads rather than computed.",
+                (T(q.reuse_share(s.keeping("model_name")), "{{model_name}}"),),
+                "percentunit"),
+            PanelSpec(
+                "vLLM prompt tokens by source",
+                "vLLM's own split of prompt tokens (local_compute, local_cache_hit, "
+                "external_kv_transfer): the upstream cross-check of the panel on the left.",
+                (T(q.prompt_tokens_by_source_rate(s.keeping("source")), "{{source}}"),),
+                "short", stacked=True),
+            PanelSpec(
+                "Reused tokens per second of read time",
+                "Tokens delivered per second spent reading. Below the dashed line (the "
+                "configured recompute speed) reads are slower than recomputing.",
+                (T(q.reused_tokens_per_read_second(s.keeping("instance")), "{{instance}}"),),
+                "short", threshold=th.recompute_tokens_per_second),
+            PanelSpec(
+                "Prefix mismatches and stuck waits",
+                "Offered remote KV whose block hashes did not match the prompt, requests "
+                "found waiting for remote KV that will never arrive, and would-be stuck "
+                "waits kvobs_fix_stuck_waits turned into recomputes.",
+                (T(q.prefix_mismatches_rate(s), "prefix mismatches"),
+                 T(q.stuck_waits_rate(s), "stuck waits"),
+                 T(q.stuck_prevented_rate(s), "stuck waits prevented")),
+                "ops"),
+        )),
+        RowSpec("TTFT by turn", (
+            PanelSpec(
+                "TTFT p95 by turn bucket (proxy)",
+                "Time to first token seen by the proxy, p95 per turn-index bucket. Turn 1 "
+                "always recomputes; later turns should be faster when reads pay off.",
+                (T(q.proxy_ttft_quantile(s.keeping(TURN_BUCKET_LABEL), 0.95),
+                   "turn {{turn_bucket}}"),),
+                "s"),
+            PanelSpec(
+                "TTFT p50 by turn bucket (proxy)",
+                "Median time to first token per turn-index bucket.",
+                (T(q.proxy_ttft_quantile(s.keeping(TURN_BUCKET_LABEL), 0.5),
+                   "turn {{turn_bucket}}"),),
+                "s"),
+            PanelSpec(
+                "Later-turn TTFT p95 by prompt-length bucket (proxy)",
+                "Time to first token p95 of turns after the first, per prompt-length bucket.",
+                (T(q.proxy_ttft_quantile(s.keeping(PROMPT_BUCKET_LABEL), 0.95, LATER_TURNS),
+                   "{{prompt_bucket}}"),),
+                "s"),
+            PanelSpec(
+                "Engine TTFT p95 (vLLM)",
+                "vLLM's engine-side time to first token p95, per model and engine.",
+                (T(q.engine_ttft_quantile(s.keeping("model_name", "engine"), 0.95),
+                   "{{model_name}} engine {{engine}}"),),
+                "s"),
+        )),
+    )
+
+
+# --------------------------------------------------------------------------- SDK assembly
+
+
+def _variables():
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+    ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
+    any_kvobs = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS, M_PROXY_TURNS))}"'
+    engine_any = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS))}"'
+
+    def query_var(name: str, label: str, selector: str):
+        return (db.QueryVariable(name).label(label).datasource(ds)
+                .query(f"label_values({{{selector}}}, {name})")
+                .multi(True).include_all(True).all_value(".*")
+                .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
+
+    return [
+        db.DatasourceVariable(DATASOURCE_VAR).label("Data source").type("prometheus"),
+        query_var("job", "job", any_kvobs),
+        query_var("model_name", "model", f'{engine_any}, job=~"$job"'),
+        query_var("instance", "instance", f'{any_kvobs}, job=~"$job"'),
+        query_var("engine", "engine", f'{engine_any}, job=~"$job", model_name=~"$model_name"'),
+    ]
+
+
+def _panel(spec: PanelSpec, panel_id: int):
+    from grafana_foundation_sdk.builders import common, prometheus, timeseries
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.models.common import (
+        GraphThresholdsStyleMode,
+        LegendDisplayMode,
+        LegendPlacement,
+        SortOrder,
+        StackingMode,
+        TooltipDisplayMode,
+    )
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, Threshold, ThresholdsMode
+
+    ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
+    panel = (timeseries.Panel().id(panel_id).title(spec.title).description(description(spec))
+             .datasource(ds).unit(spec.unit).span(spec.width).height(8).fill_opacity(10)
+             .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                     .placement(LegendPlacement.BOTTOM).show_legend(True))
+             .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI)
+                      .sort(SortOrder.DESCENDING)))
+    if spec.stacked:
+        panel = panel.stacking(common.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40)
+    if spec.threshold is not None:
+        panel = (panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([
+                     Threshold(value=None, color="green"),
+                     Threshold(value=spec.threshold, color="red")]))
+                 .thresholds_style(common.GraphThresholdsStyleConfig()
+                                   .mode(GraphThresholdsStyleMode.DASHED)))
+    for index, target in enumerate(spec.targets):
+        panel = panel.with_target(prometheus.Dataquery().expr(target.expr).datasource(ds)
+                                  .legend_format(target.legend or "__auto")
+                                  .ref_id(chr(ord("A") + index)))
+    return panel
+
+
+def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync
+
+    builder = (db.Dashboard(config.dashboard_title).uid(config.dashboard_uid)
+               .description("KV reuse across turns in vLLM P/D disaggregated serving with "
+                            "bidirectional KV transfer: turn outcomes, D->P reads, retention, "
+                            "proxy metadata, recompute and TTFT. Generated by kvobs; edit "
+                            "kvobs/monitoring/dashboards.py, not this JSON.")
+               .tags(list(config.dashboard_tags)).editable().refresh("30s")
+               .time("now-3h", "now").timezone("browser")
+               .tooltip(DashboardCursorSync.CROSSHAIR))
+    for variable in _variables():
+        builder = builder.with_variable(variable)
+    panel_id = 1
+    for row in rows(config):
+        builder = builder.with_row(db.Row(row.title).id(panel_id))
+        panel_id += 1
+        for spec in row.panels:
+            builder = builder.with_panel(_panel(spec, panel_id))
+            panel_id += 1
+    # Round-trip through the SDK's encoder so the result is plain JSON data.
+    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+
+
+def build_dashboards(config: MonitoringConfig = DEFAULT) -> dict[str, dict]:
+    return {f"{config.dashboard_uid}.json": build_overview(config)}
+
+
+def render(dashboard: dict) -> str:
+    return json.dumps(dashboard, indent=2, sort_keys=True) + "\n"
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """``(panel title, refId, expr)`` for every query of a dashboard dict (rows included)."""
+    out = []
+
+    def walk(panels):
+        for panel in panels:
+            for target in panel.get("targets", ()):
+                out.append((panel.get("title", ""), target.get("refId", ""), target["expr"]))
+            walk(panel.get("panels", ()))
+
+    walk(dashboard.get("panels", ()))
+    return out

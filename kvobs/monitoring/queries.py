@@ -1,0 +1,391 @@
+"""All PromQL of the mixin: dashboards, recording rules and alerts call these functions.
+
+Every function takes a :class:`Scope` (which series, which ``rate()`` range, which labels to
+keep) and returns a PromQL string. The dashboard passes template-variable selectors and
+``$__rate_interval``; rules pass the static selectors of :mod:`kvobs.monitoring.config`.
+Metric names come only from :mod:`kvobs.semconv`.
+
+Conventions:
+- ratios never evaluate 0/0: the denominator is filtered with ``> 0`` and a missing
+  numerator counts as zero (``or den * 0``), so a ratio is either a number or no series;
+- counters are always ``rate()``-d, never compared raw;
+- the first turn is excluded from every reuse ratio (``turn_bucket != "1"``).
+
+>>> s = Scope('job="p"', 'job="x"', "5m", ("job",))
+>>> sum_rate(M_PULL_DECISIONS, s.engine, s.window, ("job", "decision"))
+'sum by (job, decision) (rate(vllm:kvobs_pull_decisions_total{job="p"}[5m]))'
+>>> ratio("a", "b")
+'((a) or ((b) * 0)) / ((b) > 0)'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvobs.monitoring.config import DIRECTION_D_TO_P, WAS_READ_FALSE
+from kvobs.semconv import (
+    M_DECLINED_EXPIRED,
+    M_NIXL_BYTES,
+    M_NIXL_EXPIRED,
+    M_NIXL_FAILED,
+    M_NIXL_XFER_TIME,
+    M_PREFIX_MISMATCH,
+    M_PROXY_DECODE_TTL,
+    M_PROXY_CLIENT_PARAMS_STRIPPED,
+    M_PROXY_ENTRIES,
+    M_PROXY_ENTRY_AGE,
+    M_PROXY_ENTRY_LIFETIME,
+    M_PROXY_EVICTIONS,
+    M_PROXY_FALLBACKS,
+    M_PROXY_GAP,
+    M_PROXY_LOOKUPS,
+    M_PROXY_REJECTED,
+    M_PROXY_STORE_ERRORS,
+    M_PROXY_STORES,
+    M_PROXY_TTFT,
+    M_PROXY_TURNS,
+    M_PROXY_UPSTREAM_ERRORS,
+    M_PULL_DECISIONS,
+    M_READ_BYTES,
+    M_READ_DURATION,
+    M_READS,
+    M_RECOMPUTED_TOKENS,
+    M_RELEASES,
+    M_REMAINING_TTL,
+    M_RETAINED_BLOCK_SECONDS,
+    M_RETAINED_BLOCKS,
+    M_RETAINED_BYTES,
+    M_REUSED_TOKENS,
+    M_STUCK_PREVENTED,
+    M_STUCK_WAITS,
+    M_TELEMETRY_DROPPED,
+    M_TELEMETRY_ERRORS,
+    M_VLLM_PROMPT_TOKENS_BY_SOURCE,
+    M_VLLM_TTFT,
+    TURN_BUCKET_LABEL,
+    TURN_BUCKET_VALUES,
+    LookupOutcome,
+    Metric,
+    ReadOutcome,
+)
+
+# Lookup outcomes that leave a later turn without usable params: the `missing-metadata`
+# verdict's metric-side proxy.
+MISSING_LOOKUPS = (LookupOutcome.MISS, LookupOutcome.STALE, LookupOutcome.NO_ID)
+FIRST_TURN = TURN_BUCKET_VALUES[0]
+D_TO_P = f'direction="{DIRECTION_D_TO_P}"'
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where queries look and how they aggregate.
+
+    ``engine``/``proxy``: label matchers without braces; ``window``: the ``rate()`` range;
+    ``by``: labels every aggregation keeps (extra breakdown labels are appended).
+    """
+
+    engine: str
+    proxy: str
+    window: str
+    by: tuple[str, ...] = ()
+
+    def keeping(self, *labels: str) -> "Scope":
+        return replace(self, by=self.by + tuple(labels))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def series(metric: Metric | str, selector: str, *extra: str, suffix: str = "") -> str:
+    """``name{matchers}``; ``suffix`` picks a histogram's ``_bucket``/``_sum``/``_count``."""
+    name = (metric.name if isinstance(metric, Metric) else metric) + suffix
+    matchers = ", ".join(m for m in (selector, *extra) if m)
+    return f"{name}{{{matchers}}}"
+
+
+def _by(labels: tuple[str, ...], op: str = "sum") -> str:
+    return f"{op} by ({', '.join(labels)}) " if labels else f"{op} "
+
+
+def sum_rate(metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
+             *extra: str, suffix: str = "") -> str:
+    return f"{_by(by)}(rate({series(metric, selector, *extra, suffix=suffix)}[{window}]))"
+
+
+def sum_gauge(metric: Metric, selector: str, by: tuple[str, ...] = (), *extra: str) -> str:
+    return f"{_by(by)}({series(metric, selector, *extra)})"
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """0/0-safe ratio: no series while the denominator is 0, 0 while the numerator is absent."""
+    return f"(({numerator}) or (({denominator}) * 0)) / (({denominator}) > 0)"
+
+
+def quantile(q: float, metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
+             *extra: str) -> str:
+    inner = sum_rate(metric, selector, window, tuple(by) + ("le",), *extra, suffix="_bucket")
+    return f"histogram_quantile({q}, {inner})"
+
+
+def le_matcher(bound: float) -> str:
+    """Match a bucket bound however the client formatted it ("480" or "480.0")."""
+    text = f"{bound:g}"
+    return f'le=~"{text}(\\\\.0)?"' if "." not in text else f'le="{text}"'
+
+
+def _any(values) -> str:
+    return "|".join(str(getattr(v, "value", v)) for v in values)
+
+
+# --------------------------------------------------------------------------- turn outcomes
+
+
+def turns_rate(s: Scope, *extra: str) -> str:
+    """Turns per second from the proxy, by ``s.by`` (e.g. lookup, turn_bucket)."""
+    return sum_rate(M_PROXY_TURNS, s.proxy, s.window, s.by, *extra)
+
+
+def first_turns_rate(s: Scope) -> str:
+    return turns_rate(s, f'{TURN_BUCKET_LABEL}="{FIRST_TURN}"')
+
+
+def later_turns_rate(s: Scope) -> str:
+    return turns_rate(s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"')
+
+
+def missing_metadata_ratio(s: Scope) -> str:
+    """Share of later turns whose proxy lookup yielded no usable params."""
+    missing = turns_rate(s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"',
+                         f'lookup=~"{_any(MISSING_LOOKUPS)}"')
+    return ratio(missing, later_turns_rate(s))
+
+
+def pull_decisions_rate(s: Scope) -> str:
+    return sum_rate(M_PULL_DECISIONS, s.engine, s.window, s.by)
+
+
+def read_outcomes_rate(s: Scope, *extra: str) -> str:
+    """D->P read attempts per second (done, declined-expired, failed) by ``s.by``."""
+    return sum_rate(M_READS, s.engine, s.window, s.by, D_TO_P, *extra)
+
+
+# --------------------------------------------------------------------------- D->P reads
+
+
+def expired_read_ratio(s: Scope) -> str:
+    """Share of D->P read attempts P declined because D's blocks were (nearly) expired."""
+    expired = read_outcomes_rate(s, f'outcome="{ReadOutcome.DECLINED_EXPIRED.value}"')
+    return ratio(expired, read_outcomes_rate(s))
+
+
+def failed_read_ratio(s: Scope) -> str:
+    failed = read_outcomes_rate(s, f'outcome="{ReadOutcome.FAILED.value}"')
+    return ratio(failed, read_outcomes_rate(s))
+
+
+def declined_expired_rate(s: Scope) -> str:
+    return sum_rate(M_DECLINED_EXPIRED, s.engine, s.window, s.by)
+
+
+def read_bytes_rate(s: Scope) -> str:
+    return sum_rate(M_READ_BYTES, s.engine, s.window, s.by, D_TO_P, suffix="_sum")
+
+
+def read_duration_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_READ_DURATION, s.engine, s.window, s.by, D_TO_P)
+
+
+def reads_timed_rate(s: Scope) -> str:
+    """Reads per second that recorded a duration (the rate floor of latency alerts)."""
+    return sum_rate(M_READ_DURATION, s.engine, s.window, s.by, D_TO_P, suffix="_count")
+
+
+def read_throughput(s: Scope) -> str:
+    """Bytes per second of read time (total bytes over total read seconds)."""
+    seconds = sum_rate(M_READ_DURATION, s.engine, s.window, s.by, D_TO_P, suffix="_sum")
+    return ratio(read_bytes_rate(s), seconds)
+
+
+def reused_tokens_per_read_second(s: Scope) -> str:
+    """Tokens obtained by reads per second spent reading: compare with recompute speed."""
+    seconds = sum_rate(M_READ_DURATION, s.engine, s.window, s.by, D_TO_P, suffix="_sum")
+    return ratio(reused_tokens_rate(s), seconds)
+
+
+def nixl_transfers_rate(s: Scope) -> str:
+    """Upstream cross-check: NIXL transfers per second (count of vllm:nixl_bytes_transferred)."""
+    return sum_rate(M_NIXL_BYTES, s.engine, s.window, s.by, suffix="_count")
+
+
+def nixl_xfer_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_NIXL_XFER_TIME, s.engine, s.window, s.by)
+
+
+def nixl_failed_rate(s: Scope) -> str:
+    return sum_rate(M_NIXL_FAILED, s.engine, s.window, s.by)
+
+
+def nixl_expired_rate(s: Scope) -> str:
+    return sum_rate(M_NIXL_EXPIRED, s.engine, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def retained_blocks(s: Scope) -> str:
+    return sum_gauge(M_RETAINED_BLOCKS, s.engine, s.by)
+
+
+def retained_bytes(s: Scope) -> str:
+    return sum_gauge(M_RETAINED_BYTES, s.engine, s.by)
+
+
+def retained_block_seconds_rate(s: Scope) -> str:
+    """Block-seconds per second: the average number of blocks D held for reuse."""
+    return sum_rate(M_RETAINED_BLOCK_SECONDS, s.engine, s.window, s.by)
+
+
+def releases_rate(s: Scope) -> str:
+    return sum_rate(M_RELEASES, s.engine, s.window, s.by)
+
+
+def unread_release_ratio(s: Scope) -> str:
+    """Share of retained requests D released without anyone reading them (wasted hold)."""
+    unread = sum_rate(M_RELEASES, s.engine, s.window, s.by, f'was_read="{WAS_READ_FALSE}"')
+    return ratio(unread, releases_rate(s))
+
+
+def remaining_ttl_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_REMAINING_TTL, s.engine, s.window, s.by)
+
+
+def gap_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_PROXY_GAP, s.proxy, s.window, s.by)
+
+
+def gap_over_ttl_ratio(s: Scope, ttl_seconds: float) -> str:
+    """Share of inter-turn gaps longer than D's TTL (from the bucket at the TTL bound)."""
+    within = sum_rate(M_PROXY_GAP, s.proxy, s.window, s.by, le_matcher(ttl_seconds),
+                      suffix="_bucket")
+    total = sum_rate(M_PROXY_GAP, s.proxy, s.window, s.by, suffix="_count")
+    return f"1 - ({ratio(within, total)})"
+
+
+def decode_ttl(s: Scope) -> str:
+    return f"{_by(s.by, 'max')}({series(M_PROXY_DECODE_TTL, s.proxy)})"
+
+
+def entry_lifetime(s: Scope) -> str:
+    return f"{_by(s.by, 'max')}({series(M_PROXY_ENTRY_LIFETIME, s.proxy)})"
+
+
+def entry_lifetime_not_below_decode_ttl(s: Scope) -> str:
+    """Proxy entries live at least as long as D keeps the blocks (only once a TTL is seen)."""
+    return f"({entry_lifetime(s)}) >= ({decode_ttl(s)}) and ({decode_ttl(s)}) > 0"
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+def lookups_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_LOOKUPS, s.proxy, s.window, s.by)
+
+
+def entry_age_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_PROXY_ENTRY_AGE, s.proxy, s.window, s.by)
+
+
+def fallbacks_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_FALLBACKS, s.proxy, s.window, s.by)
+
+
+def store_errors_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_STORE_ERRORS, s.proxy, s.window, s.by)
+
+
+def stores_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_STORES, s.proxy, s.window, s.by)
+
+
+def entries(s: Scope) -> str:
+    return sum_gauge(M_PROXY_ENTRIES, s.proxy, s.by)
+
+
+def evictions_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_EVICTIONS, s.proxy, s.window, s.by)
+
+
+def upstream_errors_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_UPSTREAM_ERRORS, s.proxy, s.window, s.by)
+
+
+def dropped_spans_rate(s: Scope) -> str:
+    return sum_rate(M_TELEMETRY_DROPPED, s.proxy, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- recompute
+
+
+def reused_tokens_rate(s: Scope) -> str:
+    return sum_rate(M_REUSED_TOKENS, s.engine, s.window, s.by)
+
+
+def recomputed_tokens_rate(s: Scope) -> str:
+    return sum_rate(M_RECOMPUTED_TOKENS, s.engine, s.window, s.by)
+
+
+def reuse_share(s: Scope) -> str:
+    """Share of P's prompt tokens obtained by remote reads rather than computed."""
+    return ratio(reused_tokens_rate(s), f"({reused_tokens_rate(s)}) + ({recomputed_tokens_rate(s)})")
+
+
+def prompt_tokens_by_source_rate(s: Scope) -> str:
+    """Upstream cross-check: vLLM's own prompt-token split by source."""
+    return sum_rate(M_VLLM_PROMPT_TOKENS_BY_SOURCE, s.engine, s.window, s.by)
+
+
+def prefix_mismatches_rate(s: Scope) -> str:
+    return sum_rate(M_PREFIX_MISMATCH, s.engine, s.window, s.by)
+
+
+def stuck_waits_increase(s: Scope, window: str) -> str:
+    return f"{_by(s.by)}(increase({series(M_STUCK_WAITS, s.engine)}[{window}]))"
+
+
+def stuck_waits_rate(s: Scope) -> str:
+    return sum_rate(M_STUCK_WAITS, s.engine, s.window, s.by)
+
+
+def stuck_prevented_rate(s: Scope) -> str:
+    return sum_rate(M_STUCK_PREVENTED, s.engine, s.window, s.by)
+
+
+def connector_telemetry_errors_rate(s: Scope) -> str:
+    return sum_rate(M_TELEMETRY_ERRORS, s.engine, s.window, s.by)
+
+
+def rejected_requests_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_REJECTED, s.proxy, s.window, s.by)
+
+
+def client_params_stripped_rate(s: Scope) -> str:
+    return sum_rate(M_PROXY_CLIENT_PARAMS_STRIPPED, s.proxy, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- TTFT
+
+
+def proxy_ttft_quantile(s: Scope, q: float, *extra: str) -> str:
+    return quantile(q, M_PROXY_TTFT, s.proxy, s.window, s.by, *extra)
+
+
+def engine_ttft_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_VLLM_TTFT, s.engine, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- absence
+
+
+def absent(metric: Metric, selector: str) -> str:
+    """Template for the telemetry-absent alerts."""
+    return f"absent({series(metric, selector)})"

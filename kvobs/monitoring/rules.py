@@ -1,0 +1,476 @@
+"""Prometheus recording and alerting rules, with their promtool test cases next to them.
+
+Each alert is an :class:`Alert` whose expression comes from :mod:`~kvobs.monitoring.queries`
+with the static selectors and thresholds of :mod:`~kvobs.monitoring.config`. Its test cases
+(:class:`Case`) sit beside it: input series, an evaluation time, and whether it fires. The
+generator serialises them into one promtool test file per rule file, so rule, fixture and
+runbook cannot drift apart (the runbook link is added to every alert by one pass,
+:func:`with_runbooks`).
+
+Recording rules are named ``level:metric:operations`` (``job:vllm_kvobs_remote_reads:rate5m``);
+a ``:`` inside a vLLM metric name becomes ``_`` in the metric part so the three parts stay
+parseable.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from kvobs.monitoring import queries as q
+from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P, MonitoringConfig
+from kvobs.semconv import (
+    M_PROXY_DECODE_TTL,
+    M_PROXY_ENTRY_LIFETIME,
+    M_PROXY_FALLBACKS,
+    M_PROXY_GAP,
+    M_PROXY_LOOKUPS,
+    M_PROXY_STORE_ERRORS,
+    M_PROXY_TTFT,
+    M_PROXY_TURNS,
+    M_PULL_DECISIONS,
+    M_READ_DURATION,
+    M_READS,
+    M_RECOMPUTED_TOKENS,
+    M_RETAINED_BYTES,
+    M_REUSED_TOKENS,
+    M_STUCK_WAITS,
+    M_TELEMETRY_DROPPED,
+    LookupOutcome,
+    Metric,
+    ReadOutcome,
+)
+
+LEVEL = "job"
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class Case:
+    """A promtool alert test case: series (selector -> values), when to evaluate, outcome.
+
+    ``labels`` are the alert's expected labels beyond alertname and severity; ``value`` is
+    how ``{{ $value ... }}`` renders at ``eval_time`` (promtool compares text exactly).
+    """
+
+    name: str
+    series: dict[str, str]
+    fires: bool
+    eval_time: str = "20m"
+    labels: dict[str, str] = field(default_factory=dict)
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    for_: str
+    severity: str  # critical | warning | info
+    summary: str
+    description: str
+    cases: tuple[Case, ...]
+    runbook_url: str = ""
+
+    def rule(self) -> dict:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity},
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": self.runbook_url,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+    # promql_expr_test cases: (series, eval_time, expected samples [(labels text, value)])
+    cases: tuple[tuple[dict[str, str], str, tuple[tuple[str, float], ...]], ...] = ()
+
+    def rule(self) -> dict:
+        return {"record": self.record, "expr": self.expr}
+
+
+def record_name(metric: Metric | str, operation: str, level: str = LEVEL) -> str:
+    """``level:metric:operations`` with ``_total`` dropped and ``:`` made ``_``.
+
+    >>> record_name(M_READS, "rate5m")
+    'job:vllm_kvobs_remote_reads:rate5m'
+    """
+    name = metric.name if isinstance(metric, Metric) else metric
+    name = re.sub(r"_total$", "", name).replace(":", "_")
+    return f"{level}:{name}:{operation}"
+
+
+def runbook_url(alert: str, config: MonitoringConfig = DEFAULT) -> str:
+    return f"{config.runbook_base_url}/{alert}.md"
+
+
+def with_runbooks(alerts: list[Alert], config: MonitoringConfig = DEFAULT) -> list[Alert]:
+    """The one pass that gives every alert its runbook link."""
+    return [replace(a, runbook_url=runbook_url(a.name, config)) for a in alerts]
+
+
+# --------------------------------------------------------------------------- test fixtures
+
+ENGINE = {"job": "vllm-prefill", "instance": "p0:8000", "model_name": "m", "engine": "0"}
+PROXY = {"job": "kvobs-proxy", "instance": "proxy:9000"}
+D2P = {"direction": DIRECTION_D_TO_P}
+
+
+def sel(metric: Metric | str, labels: dict[str, str], suffix: str = "") -> str:
+    name = (metric.name if isinstance(metric, Metric) else metric) + suffix
+    inner = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"{name}{{{inner}}}"
+
+
+def per_minute(n: float, minutes: int = 40) -> str:
+    """A counter rising by ``n`` every 1m sample (``n/60`` per second)."""
+    return f"0+{n:g}x{minutes}"
+
+
+def _reads(done: float, declined: float = 0, failed: float = 0) -> dict[str, str]:
+    out = {}
+    for outcome, n in ((ReadOutcome.DONE, done), (ReadOutcome.DECLINED_EXPIRED, declined),
+                       (ReadOutcome.FAILED, failed)):
+        out[sel(M_READS, {**ENGINE, **D2P, "outcome": outcome.value})] = per_minute(n)
+    return out
+
+
+def _durations(bucket_counts: dict[str, float], total_seconds: float) -> dict[str, str]:
+    """Read-duration histogram: per-minute increments per ``le`` (cumulative counts)."""
+    out = {}
+    for le, n in bucket_counts.items():
+        out[sel(M_READ_DURATION, {**ENGINE, **D2P, "le": le}, "_bucket")] = per_minute(n)
+    count = bucket_counts["+Inf"]
+    out[sel(M_READ_DURATION, {**ENGINE, **D2P}, "_count")] = per_minute(count)
+    out[sel(M_READ_DURATION, {**ENGINE, **D2P}, "_sum")] = per_minute(total_seconds)
+    return out
+
+
+def _turns(turn_bucket: str, lookup: LookupOutcome, n: float) -> dict[str, str]:
+    labels = {**PROXY, "turn_bucket": turn_bucket, "prompt_bucket": "512-2k",
+              "lookup": lookup.value}
+    return {sel(M_PROXY_TURNS, labels): per_minute(n)}
+
+
+SLOW = {"0.01": 0, "0.5": 0, "1": 0, "2.5": 60, "+Inf": 60}
+FAST = {"0.01": 60, "0.5": 60, "1": 60, "2.5": 60, "+Inf": 60}
+
+# --------------------------------------------------------------------------- rules
+
+
+def _scope(config: MonitoringConfig) -> q.Scope:
+    return q.Scope(config.selectors.engine, config.selectors.proxy, config.windows.rate, (LEVEL,))
+
+
+def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
+    s = _scope(config)
+    th, fl, w = config.thresholds, config.floors, config.windows
+    job = {"job": ENGINE["job"]}
+    pjob = {"job": PROXY["job"]}
+    out = [
+        Alert(
+            "KvobsRemoteReadsExpired",
+            f"({q.expired_read_ratio(s)}) > {th.expired_read_ratio:g}\n"
+            f"and ({q.read_outcomes_rate(s)}) > {fl.read_attempts:g}",
+            w.for_ratio, "warning",
+            "D->P reads are being declined as expired on {{ $labels.job }}.",
+            "{{ $value | humanizePercentage }} of D->P read attempts on {{ $labels.job }} "
+            "were declined because D's retained blocks were (nearly) past "
+            "decoder_kv_blocks_ttl. Those turns recompute; with "
+            "kv_load_failure_policy=fail each one is an HTTP 500.",
+            (Case("10% of reads declined", _reads(54, declined=6), True, labels=job,
+                  value="10%"),
+             Case("no declined reads", _reads(60), False),
+             Case("ratio high but below the rate floor", _reads(0.2, declined=0.2), False))),
+        Alert(
+            "KvobsMissingMetadataHigh",
+            f"({q.missing_metadata_ratio(s)}) > {th.missing_metadata_ratio:g}\n"
+            f"and ({q.later_turns_rate(s)}) > {fl.later_turns:g}",
+            w.for_ratio, "warning",
+            "Later turns reach prefill without KV metadata on {{ $labels.job }}.",
+            "{{ $value | humanizePercentage }} of turns after the first on "
+            "{{ $labels.job }} found no usable metadata in the proxy (miss, stale or no "
+            "conversation id), so P recomputed their whole history.",
+            (Case("half the later turns miss",
+                  {**_turns("2", LookupOutcome.HIT, 30), **_turns("2", LookupOutcome.MISS, 30)},
+                  True, labels=pjob, value="50%"),
+             Case("first turns miss, later turns hit",
+                  {**_turns("1", LookupOutcome.MISS, 600), **_turns("2", LookupOutcome.HIT, 30),
+                   **_turns("2", LookupOutcome.MISS, 0)}, False))),
+        Alert(
+            "KvobsRemoteReadLatencyHigh",
+            f"({q.read_duration_quantile(s, 0.95)}) > {th.read_p95_seconds:g}\n"
+            f"and ({q.reads_timed_rate(s)}) > {fl.reads_done:g}",
+            w.for_latency, "warning",
+            "D->P read p95 above the read-latency SLO on {{ $labels.job }}.",
+            "The p95 duration of D->P KV reads on {{ $labels.job }} is "
+            "{{ $value | humanizeDuration }}, above the "
+            f"{th.read_p95_seconds:g} s SLO: turns that read may be slower than recomputing.",
+            (Case("reads take 1-2.5 s", _durations(SLOW, 90), True, labels=job,
+                  value="2.425s"),
+             Case("reads under 10 ms", _durations(FAST, 0.3), False))),
+        Alert(
+            "KvobsRemoteReadsSlowerThanRecompute",
+            f"({q.reused_tokens_per_read_second(s)}) < {th.recompute_tokens_per_second:g}\n"
+            f"and ({q.reads_timed_rate(s)}) > {fl.reads_done:g}",
+            w.for_latency, "warning",
+            "D->P reads deliver tokens slower than P recomputes them on {{ $labels.job }}.",
+            "Reads on {{ $labels.job }} deliver {{ $value | humanize }} tokens per second "
+            "of read time, below the configured recompute speed of "
+            f"{th.recompute_tokens_per_second:g} tokens/s: reading costs more than it saves.",
+            (Case("200 tokens per read-second",
+                  {sel(M_REUSED_TOKENS, ENGINE): per_minute(6000),
+                   **_durations(SLOW, 30)}, True, labels=job, value="200"),
+             Case("100k tokens per read-second",
+                  {sel(M_REUSED_TOKENS, ENGINE): per_minute(6000),
+                   **_durations(FAST, 0.06)}, False))),
+        Alert(
+            "KvobsProxyEntryOutlivesDecodeTTL",
+            q.entry_lifetime_not_below_decode_ttl(s),
+            w.for_config, "warning",
+            "Proxy metadata outlives D's KV retention on {{ $labels.job }}.",
+            "The proxy on {{ $labels.job }} keeps metadata entries for "
+            "{{ $value | humanizeDuration }}, not below D's decoder_kv_blocks_ttl: it will "
+            "hand P params for blocks D already released (expired reads, HTTP 500s under "
+            "kv_load_failure_policy=fail).",
+            (Case("lifetime 600 s, TTL 480 s",
+                  {sel(M_PROXY_ENTRY_LIFETIME, PROXY): "600x40",
+                   sel(M_PROXY_DECODE_TTL, PROXY): "480x40"}, True, labels=pjob,
+                  value="10m 0s"),
+             Case("lifetime 450 s, TTL 480 s",
+                  {sel(M_PROXY_ENTRY_LIFETIME, PROXY): "450x40",
+                   sel(M_PROXY_DECODE_TTL, PROXY): "480x40"}, False),
+             Case("no TTL seen yet",
+                  {sel(M_PROXY_ENTRY_LIFETIME, PROXY): "450x40",
+                   sel(M_PROXY_DECODE_TTL, PROXY): "0x40"}, False))),
+        Alert(
+            "KvobsRemoteReadsFailing",
+            f"({q.failed_read_ratio(s)}) > {th.failed_read_ratio:g}\n"
+            f"and ({q.read_outcomes_rate(s)}) > {fl.read_attempts:g}",
+            w.for_ratio, "warning",
+            "D->P KV reads are failing on {{ $labels.job }}.",
+            "{{ $value | humanizePercentage }} of D->P read attempts on {{ $labels.job }} "
+            "failed (NIXL error, handshake, invalid blocks). Those turns fall back to "
+            "recompute or fail.",
+            (Case("10% of reads fail", _reads(54, failed=6), True, labels=job, value="10%"),
+             Case("no failures", _reads(60), False))),
+        Alert(
+            "KvobsProxyFallbacks",
+            f"({q.fallbacks_rate(s)}) > {th.fallback_rate:g}",
+            w.for_ratio, "warning",
+            "The proxy is retrying prefills without KV params on {{ $labels.job }}.",
+            "The proxy on {{ $labels.job }} retried {{ $value | humanize }} prefill "
+            "requests per second without D's params (read declined, read failed or "
+            "prefill error).",
+            (Case("6 fallbacks a minute",
+                  {sel(M_PROXY_FALLBACKS, {**PROXY, "reason": "read-declined"}):
+                   per_minute(6)}, True, labels=pjob, value="100m"),
+             Case("no fallbacks",
+                  {sel(M_PROXY_FALLBACKS, {**PROXY, "reason": "read-declined"}):
+                   per_minute(0)}, False))),
+        Alert(
+            "KvobsRequestsStuckWaitingForRemoteKV",
+            f"({q.stuck_waits_increase(s, w.stuck)}) > 0",
+            "1m", "critical",
+            "Requests are stuck waiting for remote KV on {{ $labels.job }}.",
+            f"{{{{ $labels.job }}}} found requests waiting for remote KV that will never "
+            f"arrive in the last {w.stuck} (a declined read under "
+            "kv_load_failure_policy=recompute is never re-queued). They hang until the "
+            "client times out.",
+            (Case("one stuck request", {sel(M_STUCK_WAITS, ENGINE): "0 0 0 0 1x36"}, True,
+                  eval_time="8m", labels=job),
+             Case("none stuck", {sel(M_STUCK_WAITS, ENGINE): "0x40"}, False,
+                  eval_time="8m"))),
+        Alert(
+            "KvobsProxyStoreErrors",
+            f"({q.store_errors_rate(s)}) > {th.store_error_rate:g}",
+            w.for_errors, "warning",
+            "The proxy's metadata store is failing on {{ $labels.job }}.",
+            "The metadata store backend (e.g. Redis) behind the proxy on {{ $labels.job }} "
+            "returns errors: lookups miss and turns recompute their history.",
+            (Case("redis errors",
+                  {sel(M_PROXY_STORE_ERRORS, {**PROXY, "backend": "redis"}): per_minute(3)},
+                  True, labels=pjob),
+             Case("no errors",
+                  {sel(M_PROXY_STORE_ERRORS, {**PROXY, "backend": "redis"}): per_minute(0)},
+                  False))),
+        Alert(
+            "KvobsTelemetryDropped",
+            f"({q.dropped_spans_rate(s)}) > {th.dropped_spans_rate:g}",
+            w.for_absent, "info",
+            "kvobs is dropping spans on {{ $labels.job }}.",
+            "The span export queue on {{ $labels.job }} is full and spans are dropped; "
+            "kvobs diagnose will report insufficient-evidence for the affected turns.",
+            (Case("spans dropped",
+                  {sel(M_TELEMETRY_DROPPED, PROXY): per_minute(10)}, True, labels=pjob),
+             Case("nothing dropped", {sel(M_TELEMETRY_DROPPED, PROXY): per_minute(0)}, False))),
+    ]
+    out += [
+        absent_alert("KvobsEngineTelemetryAbsent", M_PULL_DECISIONS, config.selectors.engine,
+                     "vLLM engines", "the instrumented connector is not loaded "
+                     "(kv_connector / kv_connector_module_path) or the engines are not "
+                     "scraped", config, ENGINE),
+        absent_alert("KvobsProxyTelemetryAbsent", M_PROXY_LOOKUPS, config.selectors.proxy,
+                     "kvobs proxy", "the proxy is down or its /metrics is not scraped",
+                     config, PROXY),
+    ]
+    return with_runbooks(out, config)
+
+
+def absent_alert(name: str, metric: Metric, selector: str, what: str, why: str,
+                 config: MonitoringConfig, present_labels: dict[str, str]) -> Alert:
+    """The telemetry-absent template: one per component, same shape, same tests."""
+    return Alert(
+        name, q.absent(metric, selector), config.windows.for_absent, "warning",
+        f"No kvobs telemetry from the {what}.",
+        f"{metric.name} has been absent for {config.windows.for_absent}: {why}. Every "
+        "kvobs panel and alert for that component is blind.",
+        (Case("metric never scraped", {sel("up", {"job": "other"}): "1x40"}, True),
+         Case("metric present", {sel(metric, present_labels): "0x40"}, False)))
+
+
+def recordings(config: MonitoringConfig = DEFAULT) -> list[Recording]:
+    s = _scope(config)
+    r = f"rate{config.windows.rate}"
+    ratio = f"ratio_{r}"
+    return [
+        Recording(record_name(M_PROXY_TURNS, r),
+                  q.turns_rate(s.keeping("turn_bucket", "prompt_bucket", "lookup")),
+                  (({**_turns("2", LookupOutcome.HIT, 60)}, "10m",
+                    (('{job="kvobs-proxy", turn_bucket="2", prompt_bucket="512-2k", '
+                      'lookup="hit"}', 1.0),)),)),
+        Recording(record_name("kvobs_proxy_turns_missing_metadata", ratio),
+                  q.missing_metadata_ratio(s),
+                  (({**_turns("1", LookupOutcome.MISS, 60), **_turns("3-4", LookupOutcome.HIT, 45),
+                     **_turns("3-4", LookupOutcome.STALE, 15)}, "10m",
+                    (('{job="kvobs-proxy"}', 0.25),)),
+                   # Only first turns: no later-turn denominator, so no series (never NaN).
+                   ({**_turns("1", LookupOutcome.MISS, 60)}, "10m", ()))),
+        Recording(record_name(M_PULL_DECISIONS, r), q.pull_decisions_rate(s.keeping("decision"))),
+        Recording(record_name("vllm_kvobs_remote_reads_d_to_p", r),
+                  q.read_outcomes_rate(s.keeping("outcome"))),
+        Recording(record_name("vllm_kvobs_remote_reads_expired", ratio), q.expired_read_ratio(s),
+                  ((_reads(45, declined=15), "10m", (('{job="vllm-prefill"}', 0.25),)),
+                   (_reads(60), "10m", (('{job="vllm-prefill"}', 0.0),)),
+                   (_reads(0), "10m", ()))),
+        Recording(record_name("vllm_kvobs_remote_reads_failed", ratio), q.failed_read_ratio(s)),
+        Recording(record_name(M_READ_DURATION, f"p95_{r}"), q.read_duration_quantile(s, 0.95),
+                  ((_durations(SLOW, 90), "10m", (('{job="vllm-prefill"}', 2.425),)),)),
+        Recording(record_name(M_REUSED_TOKENS, r), q.reused_tokens_rate(s)),
+        Recording(record_name(M_RECOMPUTED_TOKENS, r),
+                  q.recomputed_tokens_rate(s.keeping("reason"))),
+        Recording(record_name("vllm_kvobs_remote_reuse_share", ratio), q.reuse_share(s),
+                  (({sel(M_REUSED_TOKENS, ENGINE): per_minute(600),
+                     sel(M_RECOMPUTED_TOKENS, {**ENGINE, "reason": "suffix"}): per_minute(200)},
+                    "10m", (('{job="vllm-prefill"}', 0.75),)),)),
+        Recording(record_name(M_RETAINED_BYTES, "sum"), q.retained_bytes(s)),
+        Recording(record_name(M_PROXY_TTFT, f"p95_{r}"),
+                  q.proxy_ttft_quantile(s.keeping("turn_bucket"), 0.95)),
+        Recording(record_name(M_PROXY_GAP, f"p95_{r}"), q.gap_quantile(s, 0.95)),
+        Recording(record_name(M_PROXY_FALLBACKS, r), q.fallbacks_rate(s.keeping("reason"))),
+    ]
+
+
+# --------------------------------------------------------------------------- files
+
+RECORDING_FILE = "kvobs-recording.rules.yaml"
+ALERTS_FILE = "kvobs-alerts.rules.yaml"
+MANIFEST_FILE = "kvobs-prometheusrule.yaml"
+
+
+def groups(config: MonitoringConfig = DEFAULT) -> dict[str, dict]:
+    """``{rule file name: rule file content}``."""
+    prefix = config.rule_group_prefix
+    return {
+        RECORDING_FILE: {"groups": [{"name": f"{prefix}.rules",
+                                     "rules": [r.rule() for r in recordings(config)]}]},
+        ALERTS_FILE: {"groups": [{"name": f"{prefix}.alerts",
+                                  "rules": [a.rule() for a in alerts(config)]}]},
+    }
+
+
+def prometheus_rule(config: MonitoringConfig = DEFAULT) -> dict:
+    """The same groups as a prometheus-operator ``PrometheusRule`` for Kubernetes users."""
+    all_groups = [g for content in groups(config).values() for g in content["groups"]]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "kvobs", "labels": {"app.kubernetes.io/name": "kvobs",
+                                                 "app.kubernetes.io/part-of": "kvobs"}},
+        "spec": {"groups": all_groups},
+    }
+
+
+def render_template(template: str, labels: dict[str, str], value: str) -> str:
+    """Expand the subset of Go templating the annotations use, for expected test output.
+
+    >>> render_template("{{ $value | humanize }} on {{ $labels.job }}", {"job": "x"}, "3")
+    '3 on x'
+    """
+    text = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""),
+                  template)
+    return re.sub(r"\{\{\s*\$value[^}]*\}\}", value, text)
+
+
+def _series_list(series: dict[str, str]) -> list[dict]:
+    return [{"series": k, "values": v} for k, v in series.items()]
+
+
+def alert_tests(config: MonitoringConfig = DEFAULT) -> dict:
+    tests = []
+    for alert in alerts(config):
+        for case in alert.cases:
+            expected = []
+            if case.fires:
+                labels = {"severity": alert.severity, **case.labels}
+                expected.append({
+                    "exp_labels": labels,
+                    "exp_annotations": {
+                        "summary": render_template(alert.summary, labels, case.value),
+                        "description": render_template(alert.description, labels, case.value),
+                        "runbook_url": alert.runbook_url,
+                    },
+                })
+            tests.append({
+                "name": f"{alert.name}: {case.name} ({'fires' if case.fires else 'silent'})",
+                "interval": "1m",
+                "input_series": _series_list(case.series),
+                "alert_rule_test": [{"eval_time": case.eval_time, "alertname": alert.name,
+                                     "exp_alerts": expected}],
+            })
+    return {"rule_files": [f"../{ALERTS_FILE}"], "evaluation_interval": "1m", "tests": tests}
+
+
+def recording_tests(config: MonitoringConfig = DEFAULT) -> dict:
+    tests = []
+    for rec in recordings(config):
+        for index, (series, eval_time, samples) in enumerate(rec.cases, 1):
+            tests.append({
+                "name": f"{rec.record} #{index}",
+                "interval": "1m",
+                "input_series": _series_list(series),
+                "promql_expr_test": [{
+                    "expr": rec.record,
+                    "eval_time": eval_time,
+                    "exp_samples": [{"labels": f"{rec.record}{labels}", "value": value}
+                                    for labels, value in samples],
+                }],
+            })
+    return {"rule_files": [f"../{RECORDING_FILE}"], "evaluation_interval": "1m", "tests": tests}
+
+
+def test_files(config: MonitoringConfig = DEFAULT) -> dict[str, dict]:
+    """One promtool test file per rule file: ``{test file name: content}``."""
+    return {
+        RECORDING_FILE.replace(".rules.yaml", ".test.yaml"): recording_tests(config),
+        ALERTS_FILE.replace(".rules.yaml", ".test.yaml"): alert_tests(config),
+    }

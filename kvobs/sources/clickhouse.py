@@ -1,0 +1,278 @@
+"""Spans from ClickHouse, as written by the OpenTelemetry Collector's ClickHouse exporter.
+
+The exporter's ``otel_traces`` table has one row per span: ``Timestamp`` (start,
+DateTime64(9)), ``TraceId``, ``SpanId``, ``ParentSpanId``, ``SpanName``, ``ServiceName``,
+``Duration`` (ns), ``StatusCode`` and ``SpanAttributes Map(LowCardinality(String),
+String)`` (every attribute value as a string). See docs/clickhouse.md for the collector
+configuration.
+
+Heavy work stays in SQL: ``fleet_turns()`` pivots spans into one row per turn with one
+``GROUP BY`` (the same columns as ``kvobs.fleet``'s store path); ``spans(cid)`` reads one
+conversation's traces only. Queries go through a ``query(sql) -> pyarrow.Table`` callable:
+ClickHouse's HTTP interface (``FORMAT ArrowStream``, no client library needed) or chdb
+(embedded ClickHouse; ``pip install chdb``) for tests and local files.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import urllib.parse
+import urllib.request
+from typing import Callable
+
+import pandas as pd
+import pyarrow as pa
+
+from kvobs import semconv as sc
+from kvobs.sources._frame import ALL_DTYPES
+
+__all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD"]
+
+ENV_USER = "KVOBS_CLICKHOUSE_USER"
+ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
+DEFAULT_TABLE = "otel_traces"
+ERROR_STATUS = ("Error", "STATUS_CODE_ERROR")
+_CID, _TURN = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
+
+# The exporter's table (contrib exporter/clickhouseexporter, traces), abridged to what
+# kvobs reads plus the exporter's own indexes; for tests, demos and docs.
+OTEL_TRACES_DDL = """
+CREATE TABLE IF NOT EXISTS {table} (
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    TraceState String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    SpanAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    StatusMessage String CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1
+) ENGINE = MergeTree
+PARTITION BY toDate(Timestamp)
+ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
+"""
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _attr(key: str) -> str:
+    return f"SpanAttributes[{_quote(key)}]"
+
+
+def _typed(key: str, type_: str) -> str:
+    """An attribute as its semconv type, NULL when absent (the map returns '')."""
+    raw = _attr(key)
+    if type_ == "int":
+        return f"toInt64OrNull({raw})"
+    if type_ == "float":
+        return f"toFloat64OrNull({raw})"
+    if type_ == "bool":
+        return f"if({raw} = '', NULL, {raw} IN ('true', 'True', '1'))"
+    return f"nullIf({raw}, '')"
+
+
+_START = "toUnixTimestamp64Nano(Timestamp)"
+_END = f"({_START} + toInt64(Duration))"
+
+
+def _span_column(column: str) -> str:
+    """SQL for a span-table column."""
+    base = {"trace_id": "TraceId", "span_id": "SpanId",
+            "parent_span_id": "nullIf(ParentSpanId, '')", "name": "SpanName",
+            "service": "ServiceName", "start_ns": _START, "end_ns": _END,
+            "error": f"StatusCode IN ({', '.join(map(_quote, ERROR_STATUS))})"}
+    if column in base:
+        return base[column]
+    return _typed(column, sc.ATTRIBUTES[column].type)
+
+
+class ClickHouseSource:
+    """A ``SpanSource`` over an ``otel_traces`` table, plus ``fleet_turns()`` in SQL."""
+
+    def __init__(self, query: Callable[[str], pa.Table], table: str = DEFAULT_TABLE,
+                 location: str = "clickhouse"):
+        self.query = query
+        self.table = table
+        self.location = location
+        self.problems: list[str] = []
+
+    # ----------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_url(cls, url: str) -> "ClickHouseSource":
+        """``clickhouse://[user:password@]HOST[:PORT]/DB[?table=T]`` (HTTP interface;
+        ``clickhouses://`` for HTTPS; user/password also from ``KVOBS_CLICKHOUSE_USER`` /
+        ``KVOBS_CLICKHOUSE_PASSWORD``), or ``chdb:PATH[?table=T]`` (embedded)."""
+        parsed = urllib.parse.urlparse(url)
+        table = urllib.parse.parse_qs(parsed.query).get("table", [DEFAULT_TABLE])[0]
+        if parsed.scheme == "chdb":
+            return cls.chdb(parsed.path or url[len("chdb:"):].split("?")[0], table)
+        scheme = "https" if parsed.scheme == "clickhouses" else "http"
+        port = parsed.port or (8443 if scheme == "https" else 8123)
+        database = parsed.path.strip("/") or "default"
+        endpoint = f"{scheme}://{parsed.hostname}:{port}/?database={database}"
+        user = urllib.parse.unquote(parsed.username or "") or os.environ.get(ENV_USER)
+        password = (urllib.parse.unquote(parsed.password or "")
+                    or os.environ.get(ENV_PASSWORD, ""))
+        return cls(_http_query(endpoint, user, password), table,
+                   f"{scheme}://{parsed.hostname}:{port}/{database}")
+
+    @classmethod
+    def chdb(cls, path: str, table: str = DEFAULT_TABLE) -> "ClickHouseSource":
+        from chdb import session
+
+        db = session.Session(path)
+        return cls(lambda sql: db.query(sql, "ArrowTable"), table, f"chdb:{path}")
+
+    # ----------------------------------------------------------------- admin helpers
+
+    def create_table(self) -> None:
+        self.query(OTEL_TRACES_DDL.format(table=self.table))
+
+    def load_store(self, store_dir: str) -> int:
+        """Copy an embedded store's parquet segments into ``otel_traces`` the way the
+        exporter would have written them (tests, demos, benchmarks). Returns spans."""
+        from kvobs.sources.store import COMPACTED_DIR
+
+        pattern = os.path.join(os.path.abspath(store_dir), COMPACTED_DIR, "*", "*.parquet")
+        pairs = []
+        for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
+            value = f"`{key}`"
+            text = (f"if({value}, 'true', 'false')" if type_ == "bool"
+                    else f"toString({value})")
+            pairs.append(f"{_quote(key)}, ifNull({text}, '')")
+        attributes = f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))"
+        self.query(f"""
+            INSERT INTO {self.table} (Timestamp, TraceId, SpanId, ParentSpanId, SpanName,
+                SpanKind, ServiceName, ResourceAttributes, SpanAttributes, Duration,
+                StatusCode)
+            SELECT fromUnixTimestamp64Nano(start_ns), trace_id, span_id,
+                ifNull(parent_span_id, ''), name, 'Internal', service,
+                map('service.name', service), {attributes},
+                toUInt64(greatest(end_ns - start_ns, 0)),
+                if(error, 'Error', 'Unset')
+            FROM file({_quote(pattern)}, Parquet)
+            SETTINGS input_format_parquet_allow_missing_columns = 1""")
+        return self.count()
+
+    def count(self) -> int:
+        return int(self.query(f"SELECT count() AS n FROM {self.table}").column(0)[0].as_py())
+
+    # ----------------------------------------------------------------- SpanSource
+
+    def _frame(self, where: str) -> pd.DataFrame:
+        columns = ", ".join(f"{_span_column(c)} AS `{c}`" for c in ALL_DTYPES)
+        table = self.query(f"SELECT {columns} FROM {self.table} {where}")
+        frame = table.to_pandas(types_mapper=pd.ArrowDtype)
+        for column, dtype in ALL_DTYPES.items():
+            if column not in frame:
+                frame[column] = pd.Series(pd.NA, index=frame.index)
+        return frame[list(ALL_DTYPES)].astype(ALL_DTYPES)
+
+    def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
+        if conversation_id is None:
+            return self._frame("")
+        # Spans of the conversation's traces (untagged spans included), found through the
+        # exporter's bloom-filter index on map values.
+        return self._frame(
+            f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
+            f"WHERE has(mapValues(SpanAttributes), {_quote(conversation_id)}) "
+            f"AND {_attr(_CID)} = {_quote(conversation_id)})")
+
+    def conversation_ids(self) -> list[str]:
+        table = self.query(f"SELECT DISTINCT {_attr(_CID)} AS cid FROM {self.table} "
+                           f"WHERE cid != '' ORDER BY cid")
+        return table.column("cid").to_pylist()
+
+    # ----------------------------------------------------------------- fleet
+
+    def turns_sql(self) -> str:
+        """One row per (conversation, turn): kvobs.fleet's turn table, built in SQL."""
+        from kvobs.fleet._turns import FLEET_FIELDS, SUMMED
+
+        select = []
+        for column, (span, source) in FLEET_FIELDS.items():
+            expression = _span_column(source) if source in ALL_DTYPES else source
+            is_span = f"SpanName = {_quote(span.name)}"
+            if column == "stuck_span_id":
+                select.append(f"if(countIf({is_span}) > 0, 'yes', NULL) AS {column}")
+            elif column in SUMMED:
+                select.append(f"if(countIf({is_span} AND isNotNull({expression})) > 0, "
+                              f"sumIf({expression}, {is_span}), NULL) AS {column}")
+            else:
+                # pandas groupby.first(): the first non-null value by start time.
+                select.append(f"argMinIf({expression}, Timestamp, {is_span} AND "
+                              f"isNotNull({expression})) AS {column}")
+        keys = (f"nullIf({_attr(_CID)}, '') AS cid, "
+                f"toInt64OrNull({_attr(_TURN)}) AS turn_index")
+        # Spans without the keys inherit them from a tagged span of their trace.
+        spans = f"""
+            SELECT * FROM (SELECT *, {keys} FROM {self.table}) AS tagged
+            WHERE cid IS NOT NULL AND turn_index IS NOT NULL
+            UNION ALL
+            SELECT s.* EXCEPT (cid, turn_index), t.cid, t.turn_index
+            FROM (SELECT *, {keys} FROM {self.table}) AS s
+            INNER JOIN (SELECT TraceId, any(nullIf({_attr(_CID)}, '')) AS cid,
+                               any(toInt64OrNull({_attr(_TURN)})) AS turn_index
+                        FROM {self.table} WHERE {_attr(_CID)} != ''
+                        AND {_attr(_TURN)} != '' GROUP BY TraceId) AS t
+            ON s.TraceId = t.TraceId
+            WHERE s.cid IS NULL OR s.turn_index IS NULL"""
+        return (f"SELECT cid AS conversation_id, turn_index AS turn, {', '.join(select)} "
+                f"FROM ({spans}) GROUP BY cid, turn_index ORDER BY cid, turn_index "
+                f"SETTINGS join_use_nulls = 1")
+
+    def fleet_turns(self) -> pd.DataFrame:
+        from kvobs.fleet._turns import STRING_COLUMNS, derive
+
+        table = self.query(self.turns_sql())
+        columns = {}
+        for name in table.column_names:
+            values = table.column(name)
+            if name == "conversation_id" or name in STRING_COLUMNS:
+                columns[name] = pd.Categorical(values.to_pandas())
+            elif pa.types.is_integer(values.type) and name.endswith("_ns"):
+                columns[name] = values.to_pandas(types_mapper=pd.ArrowDtype).astype("Int64")
+            elif name == "params_sent":
+                columns[name] = values.to_pandas(types_mapper=pd.ArrowDtype).astype("boolean")
+            else:
+                columns[name] = values.to_numpy(zero_copy_only=False)
+        turns = pd.DataFrame(columns)
+        turns["turn"] = turns["turn"].astype("int64")
+        for column in ("prompt_tokens", "local_hit_tokens", "remote_tokens",
+                       "candidate_tokens", "threshold", "read_bytes", "read_blocks",
+                       "export_tokens", "export_blocks", "release_read_count",
+                       "recomputed_tokens"):
+            turns[column] = pd.to_numeric(turns[column]).astype("Int64")
+        return derive(turns)
+
+
+def _http_query(endpoint: str, user: str | None, password: str):
+    def query(sql: str) -> pa.Table:
+        body = sql.strip()
+        if not body.upper().startswith(("INSERT", "CREATE")):
+            body += " FORMAT ArrowStream"
+        request = urllib.request.Request(endpoint, data=body.encode(), method="POST")
+        if user:
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
+        with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310
+            data = response.read()
+        if not data:
+            return pa.table({})
+        return pa.ipc.open_stream(data).read_all()
+
+    return query
+

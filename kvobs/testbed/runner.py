@@ -1,0 +1,198 @@
+"""Run a scenario's turns against a live testbed, as a multi-turn agent would.
+
+The runner is a client only: it talks to the proxy over HTTP, keeps each conversation's
+history (H + R + T), and records what the client saw (status, TTFT, latency) in
+``results.json``. Diagnosis comes from the telemetry, never from this file; the runner
+only records the scenario's expectations next to what happened so tests can compare.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from kvobs.testbed.scenario import ConversationSpec, Scenario, TurnSpec
+
+RESULTS_FILE = "results.json"
+MODEL_NAME = "tiny"
+
+
+class Testbed(Protocol):
+    proxy_url: str
+    safe_token_ids: list[int]
+
+    def act(self, action: str) -> None:
+        """Run a scenario action (restart-proxy, kill-decode, restart-decode, ...)."""
+
+    def set_link(self, delay_ms: float, rate_mbit: float) -> None:
+        """Shape the P<->D link (no-op without a network namespace)."""
+
+
+@dataclass
+class TurnResult:
+    conversation_id: str
+    turn: int
+    status: int
+    ok: bool
+    stream: bool
+    sent_conversation_id: bool
+    prompt_chars: int
+    completion_chars: int
+    ttft_s: float | None
+    latency_s: float
+    started_at: float
+    expect: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Conversation:
+    spec: ConversationSpec
+    rng: random.Random
+    history: str = ""
+    last_response: str = ""
+    next_turn: int = 1
+    due: float = 0.0
+    results: list[TurnResult] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.next_turn > len(self.spec.turns)
+
+    @property
+    def turn(self) -> TurnSpec:
+        return self.spec.turns[self.next_turn - 1]
+
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """``tokens`` single-byte characters: one token each with the byte-level tokenizer."""
+    return "".join(rng.choice(_ALPHABET) for _ in range(tokens))
+
+
+def _prompt(conversation: _Conversation, turn: TurnSpec) -> str:
+    history = conversation.history
+    if turn.rewrite_history == "strip-last-response" and conversation.last_response:
+        history = history[: len(history) - len(conversation.last_response)]
+    elif turn.rewrite_history == "truncate-head":
+        history = history[len(history) // 4:]
+    first = conversation.next_turn == 1
+    size = conversation.spec.system_tokens if first else turn.append_tokens
+    return history + _text(conversation.rng, size)
+
+
+def _request(conversation: _Conversation, turn: TurnSpec, prompt: str,
+             safe_ids: list[int]) -> tuple[str, dict[str, Any], bool]:
+    stream = conversation.spec.stream if turn.stream is None else turn.stream
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": turn.max_tokens,
+                            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if not turn.unstable_output:
+        body["allowed_token_ids"] = safe_ids
+    if conversation.spec.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    if not turn.no_conversation_id:
+        body["conversation_id"] = conversation.spec.id
+    return path, body, stream
+
+
+def _completion_text(payload: dict[str, Any]) -> str:
+    choice = (payload.get("choices") or [{}])[0]
+    if "text" in choice:
+        return choice.get("text") or ""
+    message = choice.get("message") or choice.get("delta") or {}
+    return message.get("content") or ""
+
+
+def _send(url: str, body: dict[str, Any], stream: bool,
+          timeout_s: float) -> tuple[int, str, float | None, str | None]:
+    """POST and read the answer; returns (status, completion text, TTFT, error)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            if not stream:
+                payload = json.loads(response.read())
+                return response.status, _completion_text(payload), time.monotonic() - start, None
+            text, ttft, error = [], None, None
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    error = str(event["error"].get("message", event["error"]))[:200]
+                    break
+                piece = _completion_text(event)
+                if piece and ttft is None:
+                    ttft = time.monotonic() - start
+                text.append(piece)
+            return response.status, "".join(text), ttft, error
+    except urllib.error.HTTPError as http_error:
+        return http_error.code, "", None, http_error.read().decode(errors="replace")[:200]
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return 0, "", None, f"{type(error).__name__}: {error}"[:200]
+
+
+def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
+                 log=print) -> list[TurnResult]:
+    """Run every turn; conversations interleave on one clock, one request at a time."""
+    conversations = [_Conversation(spec, random.Random(f"{scenario.seed}:{spec.id}"))
+                     for spec in scenario.conversations]
+    start = time.monotonic()
+    for conversation in conversations:
+        conversation.due = start + conversation.turn.gap_s
+    while True:
+        pending = [c for c in conversations if not c.done]
+        if not pending:
+            break
+        conversation = min(pending, key=lambda c: c.due)
+        time.sleep(max(0.0, conversation.due - time.monotonic()))
+        turn = conversation.turn
+        for action in turn.before:
+            log(f"[scenario] {action} before {conversation.spec.id} turn "
+                f"{conversation.next_turn}")
+            testbed.act(action)
+        prompt = _prompt(conversation, turn)
+        path, body, stream = _request(conversation, turn, prompt, testbed.safe_token_ids)
+        started_at = time.time()
+        begin = time.monotonic()
+        status, text, ttft, error = _send(testbed.proxy_url + path, body, stream, timeout_s)
+        result = TurnResult(conversation.spec.id, conversation.next_turn, status,
+                            status == 200 and error is None, stream,
+                            not turn.no_conversation_id, len(prompt), len(text), ttft,
+                            time.monotonic() - begin, started_at, turn.expect, error)
+        conversation.results.append(result)
+        log(f"[scenario] {result.conversation_id} turn {result.turn}: status {status} "
+            f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
+            + (f" error {error}" if error else ""))
+        conversation.history = prompt + text
+        conversation.last_response = text
+        conversation.next_turn += 1
+        if not conversation.done:
+            conversation.due = time.monotonic() + conversation.turn.gap_s
+    return [r for c in conversations for r in c.results]
+
+
+def write_results(out_dir: str, scenario: Scenario, results: list[TurnResult]) -> str:
+    import os
+
+    path = os.path.join(out_dir, RESULTS_FILE)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({"scenario": scenario.name, "turns": [asdict(r) for r in results]},
+                  handle, indent=2)
+    return path

@@ -1,0 +1,131 @@
+"""Scenario files: what the testbed runs (format in docs/scenarios.md).
+
+A scenario is TOML: one engine configuration (engines start once per scenario) and
+conversations whose turns are scheduled on one clock: turn k of a conversation starts
+``gap_s`` after turn k-1 ended, turns of different conversations interleave while others
+wait, and requests go one at a time so timings stay clean on two cores.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvobs.semconv import Verdict
+
+FAILURE_POLICIES = ("fail", "recompute")
+REWRITES = ("strip-last-response", "truncate-head")
+ACTIONS = ("restart-proxy", "kill-decode", "restart-decode")
+
+
+class ScenarioError(ValueError):
+    """The scenario file is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    ttl_s: float = 30.0  # decoder_kv_blocks_ttl
+    threshold: int = 64  # kv_recompute_threshold
+    prefill_prefix_caching: bool = False
+    failure_policy: str = "fail"  # kv_load_failure_policy
+    link_delay_ms: float = 0.0  # >0: D in a network namespace, UCX over TCP, netem delay
+    link_rate_mbit: float = 0.0  # >0: netem rate limit on the same link
+    prefix_guard: bool = True  # connector's block-hash guard
+    proxy_expiry_guard: bool = True  # proxy drops entries before D's blocks expire
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    append_tokens: int = 200  # new tool/user input T (one byte = one token)
+    gap_s: float = 0.0  # wait after the previous turn of this conversation ended
+    max_tokens: int = 16  # R
+    stream: bool | None = None  # None: the conversation's default
+    no_conversation_id: bool = False
+    before: tuple[str, ...] = ()  # actions run right before this turn (ACTIONS)
+    rewrite_history: str | None = None  # REWRITES
+    unstable_output: bool = False  # no allowed_token_ids: output may not re-tokenize
+    expect: str | None = None  # expected verdict (tests and the demo check it)
+
+
+@dataclass(frozen=True)
+class ConversationSpec:
+    id: str
+    turns: tuple[TurnSpec, ...]
+    stream: bool = False
+    system_tokens: int = 300  # the first prompt's length
+    endpoint: str = "completions"  # completions | chat
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    engines: EngineSettings
+    conversations: tuple[ConversationSpec, ...]
+    description: str = ""
+    seed: int = 0
+
+    @property
+    def expectations(self) -> dict[tuple[str, int], str]:
+        return {(c.id, i): t.expect for c in self.conversations
+                for i, t in enumerate(c.turns, 1) if t.expect}
+
+
+def _build(cls, raw: dict[str, Any], where: str, **overrides):
+    known = {f.name for f in fields(cls)}
+    unknown = set(raw) - known - set(overrides)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    values = {**raw, **overrides}
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ScenarioError(f"{where}: {error}") from None
+
+
+def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
+    before = raw.get("before", ())
+    before = (before,) if isinstance(before, str) else tuple(before)
+    turn = _build(TurnSpec, raw, where, before=before)
+    for action in turn.before:
+        if action not in ACTIONS:
+            raise ScenarioError(f"{where}.before: {action!r} not one of {ACTIONS}")
+    if turn.rewrite_history is not None and turn.rewrite_history not in REWRITES:
+        raise ScenarioError(f"{where}.rewrite_history: not one of {REWRITES}")
+    if turn.expect is not None and turn.expect not in {v.value for v in Verdict}:
+        raise ScenarioError(f"{where}.expect: {turn.expect!r} is not a verdict")
+    if turn.append_tokens < 1 or turn.max_tokens < 1 or turn.gap_s < 0:
+        raise ScenarioError(f"{where}: append_tokens, max_tokens >= 1 and gap_s >= 0")
+    return turn
+
+
+def parse(text: str, origin: str = "<scenario>") -> Scenario:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ScenarioError(f"{origin}: {error}") from None
+    engines = _build(EngineSettings, raw.pop("engines", {}), "engines")
+    if engines.failure_policy not in FAILURE_POLICIES:
+        raise ScenarioError(f"engines.failure_policy: not one of {FAILURE_POLICIES}")
+    conversations = []
+    for n, conv in enumerate(raw.pop("conversations", []), 1):
+        where = f"conversations[{n}]"
+        turns = tuple(_turn(t, f"{where}.turns[{i}]")
+                      for i, t in enumerate(conv.pop("turns", []), 1))
+        if not turns:
+            raise ScenarioError(f"{where}: no turns")
+        conversations.append(_build(ConversationSpec, conv, where, turns=turns))
+    if not conversations:
+        raise ScenarioError(f"{origin}: no conversations")
+    ids = [c.id for c in conversations]
+    if len(ids) != len(set(ids)):
+        raise ScenarioError(f"{origin}: conversation ids must be unique")
+    return _build(Scenario, raw, origin, engines=engines, conversations=tuple(conversations))
+
+
+def load(path: str) -> Scenario:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse(handle.read(), path)
+    except OSError as error:
+        raise ScenarioError(f"{path}: {error.strerror}") from None

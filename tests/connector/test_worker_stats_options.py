@@ -1,0 +1,251 @@
+"""Worker-side observer (fake worker), stats plumbing, Prometheus metrics, options."""
+
+from __future__ import annotations
+
+import doctest
+import functools
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+import _harness as h
+from connector_instrumented import _digest, _stats as st
+from connector_instrumented._compat import MissingHookError
+from connector_instrumented._options import Options
+from connector_instrumented._worker_observer import WorkerObserver
+from kvobs import semconv as sc
+
+
+class FakeWrapper:
+    def __init__(self):
+        self.bytes = {}
+
+    def get_xfer_telemetry(self, handle):
+        return SimpleNamespace(totalBytes=self.bytes[handle])
+
+
+class FakeWorker:
+    """The slice of upstream's pull worker the observer hooks, with the same flow."""
+
+    def __init__(self, expired=False):
+        self.nixl_wrapper = FakeWrapper()
+        self._recving_transfers = {}
+        self._recving_metadata = {}
+        self._remote_agents = {"d": {}}
+        self._engine_clock_offset = {"d": 100.0}  # D's clock runs 100 s ahead
+        self._reqs_to_send = {}
+        self.consumer_notification_counts_by_req = defaultdict(int)
+        self.expired = expired
+        self.done = set()
+        self.failed = set()
+        self.next_handle = 1
+
+    def _is_turn2_read_expired(self, meta):
+        return self.expired
+
+    def _read_blocks_for_req(self, req_id, meta):
+        self._recving_metadata[req_id] = meta
+        if self._is_turn2_read_expired(meta):
+            self.failed.add(req_id)
+            return
+        handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self.nixl_wrapper.bytes[handle] = 1000 * len(meta.local_block_ids[0])
+        self._recving_transfers[req_id] = [handle]
+
+    def _reap_expired_send_leases(self, done_sending):
+        now = time.perf_counter()
+        for req_id in [r for r, e in self._reqs_to_send.items() if now >= e]:
+            del self._reqs_to_send[req_id]
+            done_sending.add(req_id)
+
+    def get_transfer_results(self):
+        recving = set()
+        for req_id in list(self._recving_transfers):
+            if req_id in self.done:
+                for handle in self._recving_transfers.pop(req_id):
+                    self.nixl_wrapper.get_xfer_telemetry(handle)
+                recving.add(req_id)
+        recving |= self.failed
+        sending = {"read-by-p"} if "read-by-p" in self.done else set()
+        self._reap_expired_send_leases(sending)
+        results = SimpleNamespace(finished_sending=sending, finished_recving=recving,
+                                  failed_recving=set(self.failed))
+        self.failed = set()
+        return results
+
+
+def meta(blocks=3, expiry=130.0):
+    remote = SimpleNamespace(engine_id="d", blocks_expiry_time=time.perf_counter() + expiry)
+    return SimpleNamespace(local_block_ids=(list(range(blocks)),), remote=remote,
+                           awaiting_kvs=True)
+
+
+def test_worker_records_a_done_read():
+    worker = FakeWorker()
+    obs = WorkerObserver(worker, bidirectional=True)
+    m = meta(blocks=3, expiry=130.0)
+    obs.on_start_load(SimpleNamespace(reqs_to_recv={"r1": m}))
+    worker._read_blocks_for_req("r1", m)
+    assert worker.get_transfer_results().finished_recving == set()
+    worker.done.add("r1")
+    results = worker.get_transfer_results()
+    assert results.finished_recving == {"r1"}
+    ((req, outcome, nbytes, blocks, start, duration, ttl, error),) = obs.take()[0]
+    assert (req, outcome, nbytes, blocks, error) == ("r1", "done", 3000, 3, None)
+    assert ttl == pytest.approx(30.0, abs=0.5)  # 130 s on D's clock minus the offset
+    assert 0 <= duration < 1 and start == pytest.approx(time.time(), abs=5)
+
+
+def test_worker_records_a_declined_read():
+    worker = FakeWorker(expired=True)
+    obs = WorkerObserver(worker, bidirectional=True)
+    m = meta(expiry=102.0)
+    obs.on_start_load(SimpleNamespace(reqs_to_recv={"r2": m}))
+    worker._read_blocks_for_req("r2", m)
+    worker.get_transfer_results()
+    ((_, outcome, nbytes, *_rest),) = obs.take()[0]
+    assert (outcome, nbytes) == ("declined-expired", 0)
+
+
+def test_worker_records_release_reasons():
+    worker = FakeWorker()
+    obs = WorkerObserver(worker, bidirectional=True)
+    worker._reqs_to_send["expired"] = time.perf_counter() - 1
+    worker.done.add("read-by-p")
+    worker.get_transfer_results()
+    assert sorted(obs.take()[1]) == [["expired", "expired", 0], ["read-by-p", "read", 1]]
+
+
+def test_missing_hook_fails_loudly():
+    worker = FakeWorker()
+    del worker._recving_transfers
+    with pytest.raises(MissingHookError, match="_recving_transfers"):
+        WorkerObserver(worker, bidirectional=True)
+
+
+def test_worker_stats_through_connector_stats(model_dir):
+    """Worker raw records + upstream NIXL stats travel as one stats object."""
+    from connector_instrumented.connector import _as_kvobs
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlKVConnectorStats
+
+    upstream = NixlKVConnectorStats()
+    upstream.record_kv_expired_req()
+    ours = _as_kvobs(upstream)
+    ours.data[st.RAW_READS].append(["r", "done", 1, 1, 0.0, 0.1, None, None])
+    other = st.KvobsConnectorStats()
+    other.add(st.PULL_DECISIONS, "pull")
+    merged = ours.aggregate(other)
+    assert merged.data["num_kv_expired_reqs"] == [1]
+    assert merged.data[st.PULL_DECISIONS] == ["pull"]
+    assert not merged.is_empty()
+    assert "kvobs pull decisions" in merged.reduce()
+
+
+def _registry_types(registry):
+    return {Counter: functools.partial(Counter, registry=registry),
+            Gauge: functools.partial(Gauge, registry=registry),
+            Histogram: functools.partial(Histogram, registry=registry)}
+
+
+def test_prometheus_metrics_initialised_and_observed(model_dir):
+    registry = CollectorRegistry()
+    metrics = st.KvobsPromMetrics(h.make_config(model_dir), _registry_types(registry),
+                                  ["model_name", "engine"], {0: ["tiny", "0"]})
+    value = registry.get_sample_value
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert value("vllm:kvobs_pull_decisions_total", {**labels, "decision": "pull"}) == 0
+    assert value("vllm:kvobs_remote_reads_total",
+                 {**labels, "direction": "d_to_p", "outcome": "declined-expired"}) == 0
+    assert value("vllm:kvobs_retained_releases_total",
+                 {**labels, "reason": "expired", "was_read": "false"}) == 0
+    assert value("vllm:kvobs_recomputed_tokens_total", {**labels, "reason": "fallback"}) == 0
+    stats = st.KvobsConnectorStats()
+    stats.add(st.PULL_DECISIONS, "pull")
+    stats.add(st.READS, ["d_to_p", "done"])
+    stats.add(st.READ_BYTES, ["d_to_p", 2_000_000])
+    stats.add(st.READ_DURATION, ["d_to_p", 0.004])
+    stats.add(st.REMAINING_TTL, 25.0)
+    stats.add(st.RETAINED_BLOCKS, 7)
+    stats.add(st.RETAINED_BLOCKS, 4)
+    stats.add(st.RECOMPUTED_TOKENS, ["suffix", 8])
+    stats.add(st.STUCK_WAITS, 1)
+    stats.record_kv_expired_req()  # upstream's metric still works
+    metrics.observe(stats.data, 0)
+    assert value("vllm:kvobs_pull_decisions_total", {**labels, "decision": "pull"}) == 1
+    assert value("vllm:kvobs_remote_reads_total",
+                 {**labels, "direction": "d_to_p", "outcome": "done"}) == 1
+    assert value("vllm:kvobs_remote_read_bytes_sum", {**labels, "direction": "d_to_p"}) == 2e6
+    assert value("vllm:kvobs_remaining_ttl_at_read_seconds_count", labels) == 1
+    assert value("vllm:kvobs_retained_blocks", labels) == 4
+    assert value("vllm:kvobs_recomputed_tokens_total", {**labels, "reason": "suffix"}) == 8
+    assert value("vllm:kvobs_stuck_remote_waits_total", labels) == 1
+    assert value("vllm:nixl_num_kv_expired_reqs_total", labels) == 1
+    for metric in (sc.M_READS, sc.M_PULL_DECISIONS, sc.M_RETAINED_BYTES, sc.M_RELEASES,
+                   sc.M_RETAINED_BLOCK_SECONDS, sc.M_REUSED_TOKENS, sc.M_PREFIX_MISMATCH,
+                   sc.M_DECLINED_EXPIRED, sc.M_STUCK_PREVENTED, sc.M_TELEMETRY_ERRORS):
+        base = metric.name[:-len("_total")] if metric.name.endswith("_total") else metric.name
+        assert base in {m.name for m in registry.collect()}, base
+
+
+def test_build_classmethods(model_dir):
+    from connector_instrumented import KvobsNixlConnector
+
+    data = st.KvobsConnectorStats().data
+    assert isinstance(KvobsNixlConnector.build_kv_connector_stats(data),
+                      st.KvobsConnectorStats)
+    off = KvobsNixlConnector.build_prom_metrics(
+        h.make_config(model_dir, {"kvobs_telemetry": False}),
+        _registry_types(CollectorRegistry()), ["model_name", "engine"], {0: ["t", "0"]})
+    assert not isinstance(off, st.KvobsPromMetrics)
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_options_defaults_and_overrides():
+    assert Options.from_extra_config({}, environ={}) == Options()
+    opts = Options.from_extra_config(
+        {"kvobs_role": "Decode", "kvobs_prefix_guard": "false", "kvobs_fix_stuck_waits": 0,
+         "kvobs_stuck_after_s": 5}, environ={})
+    assert (opts.role, opts.prefix_guard, opts.fix_stuck_waits, opts.stuck_after_s) == (
+        sc.Service.DECODE, False, False, 5.0)
+    assert Options.from_extra_config({}, environ={"KVOBS_ROLE": "prefill"}).role \
+        is sc.Service.PREFILL
+    assert Options.from_extra_config({"kvobs_role": "decode"},
+                                     environ={"KVOBS_ROLE": "prefill"}).role is sc.Service.DECODE
+    with pytest.raises(ValueError, match="kvobs_role"):
+        Options.from_extra_config({"kvobs_role": "router"}, environ={})
+    with pytest.raises(ValueError, match="kvobs_prefix_guard"):
+        Options.from_extra_config({"kvobs_prefix_guard": "maybe"}, environ={})
+
+
+def test_digest_doctests():
+    result = doctest.testmod(_digest)
+    assert result.failed == 0 and result.attempted > 0
+
+
+# --------------------------------------------------------------------------- cost
+
+
+def test_hook_overhead_under_10us(model_dir):
+    """With no exporter configured (no-op tracer) every hook stays far below 10 µs."""
+    scheduler = h.make_scheduler(h.make_config(model_dir))
+    obs = scheduler.connector._kvobs_sched
+    plain = h.make_request(list(range(64)), None)
+    p_req = h.make_request(list(range(200)),
+                           h.d_params("d", range(8), 128, **{
+                               sc.KTP_BLOCK_DIGEST: _digest.encode(
+                                   h.make_request(list(range(200)), None).block_hashes,
+                                   128, h.BS, _digest.seed_fingerprint())}))
+    n = 2000
+    for req in (plain, p_req):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            obs._reqs.pop(req.request_id, None)
+            obs.before_match(req, 0)
+            obs.after_match(req, (128, True))
+        per_call = (time.perf_counter() - t0) / n / 2
+        assert per_call < 10e-6, (req.request_id, per_call)

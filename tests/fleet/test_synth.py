@@ -1,0 +1,65 @@
+"""The synthetic generator: store layout, determinism, every scenario judged as intended."""
+
+import collections
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from conftest import CONFIG
+from kvobs import semconv as sc
+from kvobs import synth
+from kvobs.diagnose import all_turns
+from kvobs.sources import open_source
+from kvobs.sources.store import COMPACTED_DIR, bucket_of
+
+
+def test_store_layout_one_file_per_bucket_sorted(synthetic_store):
+    path, result = synthetic_store
+    compacted = os.path.join(path, COMPACTED_DIR)
+    for bucket in os.listdir(compacted):
+        files = os.listdir(os.path.join(compacted, bucket))
+        assert len(files) == 1
+        table = pq.read_table(os.path.join(compacted, bucket, files[0]))
+        ids = table.column(sc.CONVERSATION_ID.key).to_pylist()
+        assert ids == sorted(ids)
+        assert {f"bucket={bucket_of(cid):02d}" for cid in set(ids)} == {bucket}
+    assert result.conversations == CONFIG.conversations
+    assert result.spans == len(open_source(path).spans())
+
+
+def test_names_are_synthetic_and_from_semconv(synthetic_store):
+    path, _ = synthetic_store
+    spans = open_source(path).spans()
+    assert spans[sc.CONVERSATION_ID.key].str.startswith(synth.SYNTHETIC_PREFIX).all()
+    assert set(spans["name"]) == set(sc.SPANS) - {sc.SPAN_STUCK.name}
+    assert set(spans["service"]) == {s.value for s in sc.Service}
+
+
+def test_same_config_same_spans():
+    a = synth.synthetic_frame(synth.small(20, seed=9))
+    b = synth.synthetic_frame(synth.small(20, seed=9))
+    assert a.equals(b)
+
+
+class _Frame:
+    problems: list = []
+
+    def __init__(self, frame):
+        self.frame = frame
+
+    def spans(self, conversation_id=None):
+        return self.frame
+
+
+def test_every_scenario_gets_its_expected_verdict_from_the_real_rules():
+    table, turns = synth.spans_table(CONFIG, np.arange(CONFIG.conversations))
+    ids = synth.conversation_ids(CONFIG)
+    expected = {(ids[c], int(t)): synth.EXPECTED_VERDICT[synth.Scenario(s)]
+                for c, t, s in zip(turns["conv"], turns["turn"],
+                                   synth.scenario_names(turns["scenario"]))}
+    got = {(d.conversation_id, d.turn.index): d.finding.verdict
+           for d in all_turns(_Frame(synth.synthetic_frame(CONFIG)))}
+    assert got == expected
+    seen = collections.Counter(got.values())
+    assert set(seen) == set(sc.Verdict) - {sc.Verdict.MISS}

@@ -1,0 +1,196 @@
+"""kvobs.monitoring.live against a real Prometheus scraping a real /metrics endpoint.
+
+The endpoint is a prometheus_client HTTP server started here, exposing a few kvobs metrics
+(names from kvobs.semconv) that a thread keeps moving; Prometheus is Debian's binary,
+started by ``live.start_prometheus`` in a temp dir and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvobs import semconv as sc
+from kvobs.monitoring import live, rules
+from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P
+
+
+def _name(metric: sc.Metric) -> str:
+    return metric.name[: -len("_total")] if metric.type == "counter" else metric.name
+
+
+class FakeEngineAndProxy:
+    """Two /metrics endpoints (engine, proxy) with a few kvobs series that keep changing."""
+
+    def __init__(self):
+        self.engine_registry = CollectorRegistry()
+        self.proxy_registry = CollectorRegistry()
+        vllm = ("model_name", "engine")
+        e = self.engine_registry
+        self.decisions = Counter(_name(sc.M_PULL_DECISIONS), "d",
+                                 vllm + sc.M_PULL_DECISIONS.labels, registry=e)
+        self.reads = Counter(_name(sc.M_READS), "d", vllm + sc.M_READS.labels, registry=e)
+        self.duration = Histogram(_name(sc.M_READ_DURATION), "d",
+                                  vllm + sc.M_READ_DURATION.labels,
+                                  buckets=sc.M_READ_DURATION.buckets, registry=e)
+        self.reused = Counter(_name(sc.M_REUSED_TOKENS), "d", vllm, registry=e)
+        self.retained = Gauge(_name(sc.M_RETAINED_BLOCKS), "d", vllm, registry=e)
+        p = self.proxy_registry
+        self.turns = Counter(_name(sc.M_PROXY_TURNS), "d", sc.M_PROXY_TURNS.labels, registry=p)
+        self.lookups = Counter(_name(sc.M_PROXY_LOOKUPS), "d", sc.M_PROXY_LOOKUPS.labels,
+                               registry=p)
+        self._stop = threading.Event()
+        self.servers = []
+
+    def tick(self):
+        m = ("m", "0")
+        self.decisions.labels(*m, sc.PullDecision.PULL.value).inc()
+        self.decisions.labels(*m, sc.PullDecision.BELOW_THRESHOLD.value).inc(0)
+        self.reads.labels(*m, DIRECTION_D_TO_P, sc.ReadOutcome.DONE.value).inc()
+        self.reads.labels(*m, DIRECTION_D_TO_P, sc.ReadOutcome.DECLINED_EXPIRED.value).inc(0)
+        self.duration.labels(*m, DIRECTION_D_TO_P).observe(0.004)
+        self.reused.labels(*m).inc(1700)
+        self.retained.labels(*m).set(42)
+        for turn in ("1", "2"):
+            self.turns.labels(turn, "512-2k", sc.LookupOutcome.HIT.value).inc()
+        self.turns.labels("2", "512-2k", sc.LookupOutcome.MISS.value).inc()
+        self.lookups.labels(sc.LookupOutcome.HIT.value).inc()
+
+    def _loop(self):
+        while not self._stop.wait(0.2):
+            self.tick()
+
+    def start(self) -> dict[str, list[str]]:
+        self.tick()
+        targets = {}
+        for job, registry in (("vllm-engine", self.engine_registry),
+                              ("kvobs-proxy", self.proxy_registry)):
+            port = live.free_port()
+            server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+            self.servers.append(server)
+            targets[job] = [f"127.0.0.1:{port}"]
+        threading.Thread(target=self._loop, daemon=True).start()
+        return targets
+
+    def stop(self):
+        self._stop.set()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(prometheus_binary):
+    fake = FakeEngineAndProxy()
+    targets = fake.start()
+    handle = live.start_prometheus(targets, binary=prometheus_binary, scrape_interval="1s")
+    try:
+        samples = live.wait_for_data(
+            handle.url, f"rate({sc.M_PULL_DECISIONS.name}[10s]) > 0 "
+                        f"and on() (rate({sc.M_PROXY_TURNS.name}[10s]) > 0)", timeout=60)
+        assert samples, handle.log()[-2000:]
+        yield handle
+    finally:
+        handle.stop()
+        fake.stop()
+
+
+@pytest.fixture(scope="module")
+def report(prometheus):
+    return live.check_live(prometheus.url, interval="10s")
+
+
+def _status(report, name):
+    (result,) = [r for r in report.results if r.name == name]
+    return result
+
+
+def test_no_query_errors_in_a_real_prometheus(report):
+    assert report.errors == [], [(r.name, r.error) for r in report.errors]
+    assert len(report.results) > 50
+
+
+def test_panels_over_exposed_metrics_return_data(report):
+    for name in ("P pull decisions [A]", "D->P read outcomes [A]",
+                 "Later turns by proxy lookup outcome [A]",
+                 "First turns by prompt-length bucket [A]",
+                 "Missing-metadata share by turn bucket [A]",
+                 "Read duration percentiles [B]", "Retained blocks [A]",
+                 "Expired and failed share of read attempts [A]",
+                 "Reused tokens per second of read time [A]", "Lookups by outcome [A]"):
+        assert _status(report, name).has_data, name
+
+
+def test_panels_over_missing_metrics_are_empty(report):
+    for name in ("Retained bytes [A]", "Engine TTFT p95 (vLLM) [A]", "Fallbacks by reason [A]",
+                 "Reads per second: kvobs vs NIXL [B]"):
+        assert _status(report, name).status == "empty", name
+
+
+def test_recording_rule_expressions(report):
+    assert _status(report, "job:vllm_kvobs_pull_decisions:rate5m").has_data
+    assert _status(report, "job:kvobs_proxy_turns_missing_metadata:ratio_rate5m").has_data
+    assert _status(report, "job:vllm_kvobs_remote_reads_expired:ratio_rate5m").has_data
+    assert _status(report, "job:vllm_kvobs_retained_bytes:sum").status == "empty"
+
+
+def test_missing_metadata_ratio_value(prometheus):
+    # The fake proxy counts per tick: turn 1 hit, turn 2 hit, turn 2 miss -> later-turn
+    # missing share 1/2; the first turn is not in the denominator.
+    (sample,) = live.instant_query(prometheus.url, _expr("job:kvobs_proxy_turns_missing_metadata:ratio_rate5m"))
+    assert float(sample["value"][1]) == pytest.approx(0.5)
+
+
+def _expr(record: str) -> str:
+    (rec,) = [r for r in rules.recordings(DEFAULT) if r.record == record]
+    return rec.expr
+
+
+def test_a_bad_query_is_reported_as_error(prometheus):
+    result = live._evaluate(prometheus.url, "panel", "bad", "sum(rate(x[5m])")
+    assert result.status == "error" and "parse" in result.error
+
+
+# What Prometheus 2.x sends when scraping (no `escaping` parameter).
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def test_prometheus_client_escapes_colons_for_prometheus_2_scrapes():
+    """Why start_prometheus restores colons: client_python#1177 (underscore escaping)."""
+    from prometheus_client.exposition import choose_encoder
+
+    fake = FakeEngineAndProxy()
+    fake.tick()
+    encoder, content_type = choose_encoder(PROMETHEUS_2_ACCEPT)
+    text = encoder(fake.engine_registry).decode()
+    assert "escaping=underscores" in content_type
+    underscored = sc.M_PULL_DECISIONS.name.replace(":", "_")
+    assert any(line.startswith(underscored + "{") for line in text.splitlines())
+
+
+def test_without_colon_restoring_relabel_engine_names_are_lost(prometheus_binary):
+    fake = FakeEngineAndProxy()
+    targets = fake.start()
+    handle = live.start_prometheus(targets, binary=prometheus_binary, restore_colons=False)
+    try:
+        underscored = sc.M_PULL_DECISIONS.name.replace(":", "_")
+        assert live.wait_for_data(handle.url, underscored, timeout=30)
+        assert live.instant_query(handle.url, sc.M_PULL_DECISIONS.name) == []
+    finally:
+        handle.stop()
+        fake.stop()
+
+
+def test_stop_ends_the_process_by_pid(prometheus_binary, tmp_path):
+    handle = live.start_prometheus({"nothing": ["127.0.0.1:1"]}, binary=prometheus_binary,
+                                   directory=tmp_path / "prom")
+    pid = handle.pid
+    os.kill(pid, 0)  # alive
+    handle.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert (tmp_path / "prom" / "prometheus.yml").is_file()  # caller's directory is kept

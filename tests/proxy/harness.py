@@ -1,0 +1,131 @@
+"""Runs the proxy (build_app) in front of stand-in engines, in one event loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
+from proxy_standins import DecodeState, StandInDecode, StandInPrefill, free_port
+
+
+class ProxyUnderTest:
+    def __init__(self, config: ProxyConfig, tracer=None):
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.exporter = InMemorySpanExporter()
+        if tracer is None:
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+            tracer = provider.get_tracer("test")
+        self.tracer = tracer
+        self.port = config.port
+        self._runner = None
+
+    async def start(self) -> "ProxyUnderTest":
+        app = build_app(self.config, tracer=self.tracer, registry=self.registry)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.registry.get_sample_value(name, labels or {})
+
+    def spans(self, name: str | None = None):
+        spans = self.exporter.get_finished_spans()
+        return [s for s in spans if name is None or s.name == name]
+
+
+class Harness:
+    """P and D stand-ins plus one proxy; ``extra_proxy`` adds replicas."""
+
+    def __init__(self, decode_kw: dict | None = None, state: DecodeState | None = None,
+                 **config_kw):
+        self.state = state or DecodeState()
+        self.prefill = StandInPrefill(self.state)
+        self.decode = StandInDecode(self.state, **(decode_kw or {}))
+        self.config_kw = config_kw
+        self.proxies: list[ProxyUnderTest] = []
+        self.session: aiohttp.ClientSession | None = None
+
+    def make_config(self, **overrides) -> ProxyConfig:
+        kw = {"decode_kv_ttl_s": self.state.ttl_s, **self.config_kw, **overrides}
+        return ProxyConfig(prefill=(Endpoint("127.0.0.1", self.prefill.port),),
+                           decode=(Endpoint("127.0.0.1", self.decode.port),),
+                           host="127.0.0.1", port=free_port(), **kw)
+
+    async def __aenter__(self) -> "Harness":
+        await self.prefill.start()
+        await self.decode.start()
+        self.session = aiohttp.ClientSession()
+        await self.add_proxy()
+        return self
+
+    async def add_proxy(self, **overrides) -> ProxyUnderTest:
+        proxy = await ProxyUnderTest(self.make_config(**overrides)).start()
+        self.proxies.append(proxy)
+        return proxy
+
+    @property
+    def proxy(self) -> ProxyUnderTest:
+        return self.proxies[0]
+
+    async def __aexit__(self, *exc) -> None:
+        for proxy in self.proxies:
+            await proxy.stop()
+        await self.session.close()
+        await self.prefill.stop()
+        await self.decode.stop()
+
+    async def post(self, body: Any, path: str = "/v1/chat/completions",
+                   proxy: ProxyUnderTest | None = None, headers: dict | None = None,
+                   raw: bytes | None = None) -> tuple[int, Any]:
+        proxy = proxy or self.proxy
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with self.session.post(proxy.url + path, data=data,
+                                     headers=headers or {}) as response:
+            text = await response.read()
+            if response.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return response.status, parse_sse(text)
+            return response.status, json.loads(text) if text else None
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    events = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            payload = line[6:]
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_text(events: list[Any]) -> str:
+    out = []
+    for event in events:
+        if isinstance(event, dict):
+            for choice in event.get("choices", []):
+                out.append((choice.get("delta") or {}).get("content") or choice.get("text")
+                           or "")
+    return "".join(out)
+
+
+def replace(config: ProxyConfig, **kw) -> ProxyConfig:
+    return dataclasses.replace(config, **kw)

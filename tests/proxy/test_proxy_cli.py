@@ -1,0 +1,49 @@
+"""`kvobs proxy` accepts upstream's flags (both spellings, argparse-style lists)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+import kvobs.cli.proxy as cli_proxy
+from connector_instrumented.proxy import Endpoint
+
+
+def _invoke(monkeypatch, args):
+    captured = {}
+    import connector_instrumented.proxy as package
+
+    monkeypatch.setattr(package, "run_proxy", lambda config: captured.setdefault("c", config))
+    result = CliRunner().invoke(cli_proxy.proxy_command, args)
+    return result, captured.get("c")
+
+
+def test_upstream_flags(monkeypatch):
+    result, config = _invoke(monkeypatch, [
+        "--host", "127.0.0.1", "--port", "9000",
+        "--prefiller-hosts", "p1", "p2", "--prefiller-ports", "8100", "8101",
+        "--decoder-host", "d1", "--decoder-port", "8200"])
+    assert result.exit_code == 0, result.output
+    assert config.prefill == (Endpoint("p1", 8100), Endpoint("p2", 8101))
+    assert config.decode == (Endpoint("d1", 8200),)
+    assert (config.host, config.port, config.store_backend) == ("127.0.0.1", 9000, "memory")
+
+
+def test_redis_url_selects_shared_store(monkeypatch):
+    result, config = _invoke(monkeypatch, ["--redis-url", "redis://x:1/0"])
+    assert result.exit_code == 0, result.output
+    assert config.store_backend == "redis" and config.publisher_kind == "redis"
+
+
+def test_bad_flags_exit_2(monkeypatch):
+    result, config = _invoke(monkeypatch, ["--prefiller-hosts", "a", "b",
+                                           "--prefiller-ports", "1"])
+    assert result.exit_code == 2 and config is None
+    result, config = _invoke(monkeypatch, ["--expiry-margin", "1"])
+    assert result.exit_code == 2 and "expiry_margin_s" in result.output + str(result.stderr_bytes)
+
+
+def test_registered_in_kvobs_group():
+    from kvobs.cli import main
+
+    assert "proxy" in main.commands
+    assert cli_proxy.COMMANDS == [cli_proxy.proxy_command]

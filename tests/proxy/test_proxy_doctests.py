@@ -1,0 +1,13 @@
+"""The proxy modules' docstring examples are tests too."""
+
+import doctest
+
+import pytest
+
+from connector_instrumented.proxy import _clock, _digest, _identity
+
+
+@pytest.mark.parametrize("module", [_clock, _digest, _identity])
+def test_doctests(module):
+    failures, tried = doctest.testmod(module)
+    assert tried > 0 and failures == 0

@@ -1,0 +1,91 @@
+"""No memory growth over 10,000 requests: the store is capped, nothing else accumulates."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import tracemalloc
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from prometheus_client import CollectorRegistry
+
+from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
+from proxy_standins import InstantEngine, free_port
+
+REQUESTS = 10_000
+WARMUP = 2_000  # every conversation seen once: the store is at its cap before measuring
+CONVERSATIONS = 2_000
+MAX_ENTRIES = 500
+# Allocations made during the measured requests and still live: the capped store's
+# replaced entries (~1.8 kB each) plus caches. Growth between the middle and the end of the
+# run must be near zero: a leak of 50 bytes per request would add 250 kB.
+BOUND_BYTES = 3 * 1024 * 1024
+GROWTH_BOUND_BYTES = 200 * 1024
+
+
+class _Counting(SpanProcessor):
+    def __init__(self):
+        self.ended = 0
+
+    def on_end(self, span) -> None:
+        self.ended += 1
+
+
+async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
+    prefill, decode = InstantEngine("prefill"), InstantEngine("decode")
+    await prefill.start()
+    await decode.start()
+    counting = _Counting()
+    provider = TracerProvider()
+    provider.add_span_processor(counting)
+    registry = CollectorRegistry()
+    config = ProxyConfig(prefill=(Endpoint("127.0.0.1", prefill.port),),
+                         decode=(Endpoint("127.0.0.1", decode.port),),
+                         port=free_port(), max_entries=max_entries)
+    runner = web.AppRunner(build_app(config, tracer=provider.get_tracer("t"),
+                                     registry=registry), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", config.port).start()
+    url = f"http://127.0.0.1:{config.port}/v1/chat/completions"
+    messages = [{"role": "user", "content": "hello " * 20}]
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def one(i: int) -> None:
+                body = {"messages": messages, "conversation_id": f"c{i % CONVERSATIONS}",
+                        "stream": i % 2 == 0}
+                async with session.post(url, data=json.dumps(body)) as response:
+                    assert response.status == 200
+                    await response.read()
+
+            async def batch(start: int, stop: int) -> None:
+                for base in range(start, stop, 50):
+                    await asyncio.gather(*(one(i) for i in range(base, min(base + 50, stop))))
+
+            await batch(0, WARMUP)
+            gc.collect()
+            tracemalloc.start()
+            half = WARMUP + REQUESTS // 2
+            await batch(WARMUP, half)
+            gc.collect()
+            middle, _peak = tracemalloc.get_traced_memory()
+            await batch(half, WARMUP + REQUESTS)
+            gc.collect()
+            current, _peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+    finally:
+        await runner.cleanup()
+        await prefill.stop()
+        await decode.stop()
+    evictions = registry.get_sample_value("kvobs_proxy_evictions_total")
+    return middle, current, counting.ended, evictions, WARMUP + REQUESTS
+
+
+def test_no_memory_growth_over_10000_requests():
+    middle, current, spans, evictions, total = asyncio.run(_drive(MAX_ENTRIES))
+    assert current < BOUND_BYTES, f"{current / 1e6:.2f} MB still held"
+    assert current - middle < GROWTH_BOUND_BYTES, f"grew {(current - middle) / 1e3:.0f} kB"
+    assert spans >= total * 3  # turn + lookup + store per request, all exported
+    assert evictions >= CONVERSATIONS - MAX_ENTRIES
