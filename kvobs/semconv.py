@@ -265,6 +265,11 @@ class Verdict(str, enum.Enum):
 HEALTHY_VERDICTS = frozenset(
     {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD})
 
+# --------------------------------------------------------------------------- embedded store
+
+STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters
+STORE_COMPACTED_DIR = "compacted"  # parquet segments written by `kvobs store compact`
+
 # --------------------------------------------------------------------------- correlation keys
 
 # Extra keys the proxy adds inside ``kv_transfer_params`` (vLLM hands the dict to the

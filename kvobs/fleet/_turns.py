@@ -43,8 +43,9 @@ _TURN_BITS = 20  # key = conversation code << 20 | turn
 
 def span_columns() -> list[str]:
     """Span-table columns a fleet turn table needs."""
-    needed = {"trace_id", "name", "start_ns", _CID, _TURN}
-    needed.update(source for _, source in FLEET_FIELDS.values())
+    needed = {"name", "start_ns", _CID, _TURN}
+    needed.update(source for column, (_, source) in FLEET_FIELDS.items()
+                  if column != "stuck_span_id")
     return sorted(needed)
 
 
@@ -63,12 +64,33 @@ def _numpy(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return array
 
 
+def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
+    """One dictionary array; no re-hashing when every chunk already shares a dictionary
+    (``_store_table`` unifies them once)."""
+    if pa.types.is_dictionary(column.type) and column.num_chunks:
+        first = column.chunk(0).dictionary
+        address = first.buffers()[-1].address if first.buffers()[-1] else None
+        if all(chunk.dictionary.buffers()[-1] is not None
+               and chunk.dictionary.buffers()[-1].address == address
+               and len(chunk.dictionary) == len(first) for chunk in column.chunks):
+            indices = pa.concat_arrays([chunk.indices for chunk in column.chunks])
+            return pa.DictionaryArray.from_arrays(indices, first)
+        column = column.cast(column.type.value_type)
+    return column.combine_chunks().dictionary_encode()
+
+
+def _untagged(table: pa.Table):
+    return pc.or_(pc.is_null(table.column(_CID)), pc.is_null(table.column(_TURN)))
+
+
 def _inherit_keys(table: pa.Table) -> pa.Table:
     """Spans without conversation/turn take them from a tagged span of their trace."""
-    cid, turn = table.column(_CID), table.column(_TURN)
-    untagged = pc.or_(pc.is_null(cid), pc.is_null(turn))
-    if not pc.any(untagged).as_py():
+    untagged = _untagged(table)
+    if not pc.any(untagged).as_py() or "trace_id" not in table.column_names:
         return table
+    plain = pa.schema([pa.field(f.name, f.type.value_type) if pa.types.is_dictionary(f.type)
+                       else f for f in table.schema])
+    table = table.cast(plain)
     tagged = table.filter(pc.invert(untagged)).select(["trace_id", _CID, _TURN])
     by_trace = tagged.group_by("trace_id", use_threads=False).aggregate(
         [(_CID, "first"), (_TURN, "first")]).rename_columns(["trace_id", "_cid", "_turn"])
@@ -82,9 +104,9 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
 def turns_from_table(table: pa.Table) -> pd.DataFrame:
     """Spans (Arrow, ``span_columns()`` at least) to the fleet turn table."""
     table = _inherit_keys(table)
-    table = table.filter(pc.and_(pc.is_valid(table.column(_CID)),
-                                 pc.is_valid(table.column(_TURN))))
-    ids = table.column(_CID).combine_chunks().dictionary_encode()
+    if table.column(_CID).null_count or table.column(_TURN).null_count:
+        table = table.filter(pc.invert(_untagged(table)))
+    ids = _dictionary(table.column(_CID))
     # Codes in conversation id order, so rows come out sorted like correlate's.
     rank = pc.rank(ids.dictionary, sort_keys="ascending", tiebreaker="first").to_numpy()
     codes = (rank.astype(np.int64) - 1)[ids.indices.to_numpy(zero_copy_only=False)]
@@ -93,9 +115,25 @@ def turns_from_table(table: pa.Table) -> pd.DataFrame:
     turn = pc.cast(table.column(_TURN), pa.int64()).to_numpy(zero_copy_only=False)
     key = (codes << _TURN_BITS) | turn
     start = pc.fill_null(table.column("start_ns"), 0).to_numpy(zero_copy_only=False)
-    names = table.column("name").combine_chunks().dictionary_encode()
+    names = _dictionary(table.column("name"))
     name_codes = names.indices.to_numpy(zero_copy_only=False)
     name_index = {name: i for i, name in enumerate(names.dictionary.to_pylist())}
+
+    # One sort by (span name, turn, start): each span name is then a contiguous slice and,
+    # within it, the first span of a turn comes first.
+    order = np.lexsort((start, key, name_codes))
+    sorted_names = name_codes[order]
+    sorted_keys_all = key[order]
+    valid_cache: dict[str, np.ndarray] = {}
+    # Single-chunk value columns make the takes below fast (the dictionary-encoded key
+    # columns are left alone: combining them would merge their dictionaries).
+    values_table = table.drop_columns([_CID, "name"]).combine_chunks()
+
+    def valid_sorted(source: str) -> np.ndarray:
+        if source not in valid_cache:
+            valid_cache[source] = table.column(source).is_valid().to_numpy(
+                zero_copy_only=False)[order]
+        return valid_cache[source]
 
     parts: list[pd.DataFrame] = [pd.DataFrame(index=pd.Index(np.unique(key), name="key"))]
     by_span: dict[str, list[tuple[str, str]]] = {}
@@ -106,37 +144,34 @@ def turns_from_table(table: pa.Table) -> pd.DataFrame:
         if code is None:
             parts.append(pd.DataFrame(columns=[c for c, _ in columns], dtype=float))
             continue
-        rows = np.flatnonzero(name_codes == code)
-        order = rows[np.lexsort((start[rows], key[rows]))]  # first span of a turn by time
-        sorted_keys = key[order]
-        firsts = np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])
-        first_rows = order[firsts]
+        lo, hi = np.searchsorted(sorted_names, np.array([code, code + 1], sorted_names.dtype))
+        sorted_keys = sorted_keys_all[lo:hi]
+        firsts = np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:hi - lo]
         for column, source in columns:
-            values = table.column(source)
+            if column == "stuck_span_id":  # presence of the span is the fact
+                parts.append(pd.DataFrame({column: np.full(firsts.sum(), True, object)},
+                                          index=pd.Index(sorted_keys[firsts], name="key")))
+                continue
+            values = values_table.column(source)
             if column in SUMMED:
-                summed = pd.Series(_numpy(values.take(pa.array(order)))).groupby(
+                summed = pd.Series(_numpy(values.take(pa.array(order[lo:hi])))).groupby(
                     sorted_keys).sum(min_count=1)
                 parts.append(pd.DataFrame({column: summed.to_numpy()},
                                           index=pd.Index(summed.index, name="key")))
                 continue
-            if column == "stuck_span_id":
-                chosen_rows = first_rows
-            else:
-                # pandas' groupby.first(): the first non-null value of each turn.
-                valid = values.is_valid().to_numpy(zero_copy_only=False)[order]
-                valid_rows, valid_keys = order[valid], sorted_keys[valid]
-                starts = np.concatenate([[True], valid_keys[1:] != valid_keys[:-1]]
-                                        )[:len(valid_keys)]
-                chosen_rows = valid_rows[starts]
-            chosen = values.take(pa.array(chosen_rows))
-            if column == "stuck_span_id":
-                data = np.where(chosen.is_valid().to_numpy(zero_copy_only=False), True, None)
-            elif column in STRING_COLUMNS:
+            # pandas' groupby.first(): the first non-null value of each turn.
+            positions = np.flatnonzero(valid_sorted(source)[lo:hi])
+            valid_keys = sorted_keys[positions]
+            starts = np.concatenate([[True], valid_keys[1:] != valid_keys[:-1]]
+                                    )[:len(valid_keys)]
+            chosen_positions = positions[starts]
+            chosen = values.take(pa.array(order[lo + chosen_positions]))
+            if column in STRING_COLUMNS:
                 data = pd.Categorical(chosen.to_pandas())
             else:
                 data = _numpy(chosen)
             parts.append(pd.DataFrame({column: data},
-                                      index=pd.Index(key[chosen_rows], name="key")))
+                                      index=pd.Index(sorted_keys[chosen_positions], name="key")))
     turns = pd.concat(parts, axis=1).sort_index()
     keys = turns.index.to_numpy()
     turns.insert(0, "turn", (keys & ((1 << _TURN_BITS) - 1)).astype(np.int64))
@@ -176,14 +211,18 @@ def _store_table(store_dir: str, columns: list[str], since_ns: int | None) -> pa
     compacted = os.path.join(store_dir, COMPACTED_DIR)
     tables = []
     if os.path.isdir(compacted):
-        dataset = ds.dataset(compacted, format="parquet", partitioning="hive")
+        # Strings as dictionaries straight from parquet: no 10M-string materialisation.
+        dictionary_columns = {_CID, "name"}
+        file_format = ds.ParquetFileFormat(
+            read_options=ds.ParquetReadOptions(dictionary_columns=dictionary_columns))
+        dataset = ds.dataset(compacted, format=file_format, partitioning="hive")
         present = [c for c in columns if c in dataset.schema.names]
         table = dataset.to_table(columns=present)
         for column in columns:
             if column not in present:
                 table = table.append_column(column, pa.nulls(table.num_rows,
                                                              schema.field(column).type))
-        tables.append(table.select(columns))
+        tables.append(table.select(columns).unify_dictionaries())
     from kvobs.sources.store import StoreSource
 
     live = StoreSource(store_dir)._live
@@ -194,7 +233,10 @@ def _store_table(store_dir: str, columns: list[str], since_ns: int | None) -> pa
                 pa.schema([schema.field(c) for c in columns])))
     if not tables:
         return pa.Table.from_pylist([], schema=pa.schema([schema.field(c) for c in columns]))
-    return pa.concat_tables([t.cast(tables[0].schema) for t in tables])
+    if len(tables) == 1:
+        return tables[0]
+    plain = pa.schema([schema.field(c) for c in columns])
+    return pa.concat_tables([t.cast(plain) for t in tables])
 
 
 def fleet_turns(source) -> pd.DataFrame:
@@ -203,7 +245,12 @@ def fleet_turns(source) -> pd.DataFrame:
 
     if hasattr(source, "fleet_turns"):
         return source.fleet_turns()
+    columns = span_columns()
     if isinstance(source, StoreSource):
-        return turns_from_table(_store_table(source.store_dir, span_columns(), None))
+        table = _store_table(source.store_dir, columns, None)
+        if pc.any(_untagged(table)).as_py():  # rare: inherit keys through trace ids
+            table = _store_table(source.store_dir, columns + ["trace_id"], None)
+        return turns_from_table(table)
     frame = source.spans()
-    return turns_from_table(pa.Table.from_pandas(frame[span_columns()], preserve_index=False))
+    return turns_from_table(pa.Table.from_pandas(frame[columns + ["trace_id"]],
+                                                 preserve_index=False))

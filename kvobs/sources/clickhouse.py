@@ -202,19 +202,23 @@ class ClickHouseSource:
         """One row per (conversation, turn): kvobs.fleet's turn table, built in SQL."""
         from kvobs.fleet._turns import FLEET_FIELDS, SUMMED
 
-        select = []
+        # Each value is computed only on rows of its span (short-circuit ``if``), once,
+        # in an inner projection; the outer GROUP BY aggregates the projected columns.
+        values, select = [], []
         for column, (span, source) in FLEET_FIELDS.items():
-            expression = _span_column(source) if source in ALL_DTYPES else source
+            expression = _span_column(source)
             is_span = f"SpanName = {_quote(span.name)}"
             if column == "stuck_span_id":
-                select.append(f"if(countIf({is_span}) > 0, 'yes', NULL) AS {column}")
-            elif column in SUMMED:
-                select.append(f"if(countIf({is_span} AND isNotNull({expression})) > 0, "
-                              f"sumIf({expression}, {is_span}), NULL) AS {column}")
+                values.append(f"{is_span} AS v_{column}")
+                select.append(f"if(countIf(v_{column}) > 0, 'yes', NULL) AS {column}")
+                continue
+            values.append(f"if({is_span}, {expression}, NULL) AS v_{column}")
+            if column in SUMMED:
+                select.append(f"sum(v_{column}) AS {column}")
             else:
                 # pandas groupby.first(): the first non-null value by start time.
-                select.append(f"argMinIf({expression}, Timestamp, {is_span} AND "
-                              f"isNotNull({expression})) AS {column}")
+                select.append(f"argMinIf(v_{column}, Timestamp, isNotNull(v_{column})) "
+                              f"AS {column}")
         keys = (f"nullIf({_attr(_CID)}, '') AS cid, "
                 f"toInt64OrNull({_attr(_TURN)}) AS turn_index")
         # Spans without the keys inherit them from a tagged span of their trace.
@@ -230,9 +234,19 @@ class ClickHouseSource:
                         AND {_attr(_TURN)} != '' GROUP BY TraceId) AS t
             ON s.TraceId = t.TraceId
             WHERE s.cid IS NULL OR s.turn_index IS NULL"""
+        if not self._has_untagged():
+            spans = (f"SELECT * FROM (SELECT *, {keys} FROM {self.table}) "
+                     f"WHERE cid IS NOT NULL AND turn_index IS NOT NULL")
+        projected = f"SELECT cid, turn_index, Timestamp, {', '.join(values)} FROM ({spans})"
         return (f"SELECT cid AS conversation_id, turn_index AS turn, {', '.join(select)} "
-                f"FROM ({spans}) GROUP BY cid, turn_index ORDER BY cid, turn_index "
+                f"FROM ({projected}) GROUP BY cid, turn_index ORDER BY cid, turn_index "
                 f"SETTINGS join_use_nulls = 1")
+
+    def _has_untagged(self) -> bool:
+        """Whether any span lacks the correlation keys (then they are joined by trace)."""
+        table = self.query(f"SELECT count() AS n FROM {self.table} WHERE "
+                           f"{_attr(_CID)} = '' OR {_attr(_TURN)} = ''")
+        return bool(table.column(0)[0].as_py())
 
     def fleet_turns(self) -> pd.DataFrame:
         from kvobs.fleet._turns import STRING_COLUMNS, derive

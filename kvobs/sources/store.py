@@ -25,18 +25,17 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import semconv as sc
-from kvobs.emit.setup import STORE_SPANS_DIR
 from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversation
 from kvobs.sources.otlp_json import OtlpJsonSource
 
-COMPACTED_DIR = "compacted"
+COMPACTED_DIR = sc.STORE_COMPACTED_DIR
 BUCKETS = 64
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
 
 
 def is_store(path: str) -> bool:
-    return any(os.path.isdir(os.path.join(path, sub)) for sub in (STORE_SPANS_DIR, COMPACTED_DIR))
+    return any(os.path.isdir(os.path.join(path, sub)) for sub in (sc.STORE_LIVE_DIR, COMPACTED_DIR))
 
 
 def bucket_of(conversation_id: str) -> int:
@@ -106,7 +105,7 @@ def compact(store_dir: str) -> tuple[int, list[str]]:
 
     A live file is deleted only after its rows are safely written: nothing is lost.
     """
-    live_dir = os.path.join(store_dir, STORE_SPANS_DIR)
+    live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
     if not os.path.isdir(live_dir):
         return 0, []
     source = OtlpJsonSource(live_dir)
@@ -123,7 +122,7 @@ class StoreSource:
 
     def __init__(self, store_dir: str):
         self.store_dir = store_dir
-        self._live = OtlpJsonSource(os.path.join(store_dir, STORE_SPANS_DIR))
+        self._live = OtlpJsonSource(os.path.join(store_dir, sc.STORE_LIVE_DIR))
         self.problems = self._live.problems
 
     def _dataset(self) -> ds.Dataset | None:

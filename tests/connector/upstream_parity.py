@@ -51,7 +51,7 @@ HF_CONFIGS = {
         "bos_token_id": 151643, "eos_token_id": 151645},
 }
 
-SWAP_PLUGIN = '''
+SWAP_PLUGIN = r'''
 import os
 if os.environ.get("KVOBS_SWAP") == "1":
     from connector_instrumented import KvobsNixlConnector
@@ -61,6 +61,15 @@ if os.environ.get("KVOBS_SWAP") == "1":
     nixl.NixlConnector = KvobsNixlConnector
     connector.NixlConnector = KvobsNixlConnector
     KVConnectorFactory._registry["NixlConnector"] = lambda: KvobsNixlConnector
+
+    def pytest_sessionfinish(session):
+        import sys
+        seen = {name: getattr(mod, "NixlConnector", None) is KvobsNixlConnector
+                for name, mod in sys.modules.items() if name.startswith("tests.v1.kv_connector")
+                and hasattr(mod, "NixlConnector")}
+        cls = KVConnectorFactory._registry["NixlConnector"]()
+        with open("swap-check.txt", "w") as f:
+            f.write(f"factory={cls is KvobsNixlConnector} modules={seen}\n")
 '''
 
 # The fixtures these two files use from upstream's top-level conftest (which imports the
@@ -178,12 +187,15 @@ def main() -> int:
     for name, outcomes in (("upstream", upstream), ("kvobs", swapped)):
         print(f"{name:9s} passed={count(outcomes, 'PASSED')} failed={count(outcomes, 'FAILED')}"
               f" error={count(outcomes, 'ERROR')} skipped={count(outcomes, 'SKIPPED')}")
+    check = (work / "swap-check.txt").read_text().strip()
+    print(f"swap check: {check}")
+    swapped_ok = "factory=True" in check and "False" not in check
     diff = {t: (upstream.get(t), swapped.get(t)) for t in set(upstream) | set(swapped)
             if upstream.get(t) != swapped.get(t)}
     for test, (before, after) in sorted(diff.items()):
         print(f"DIFF {test}: upstream={before} kvobs={after}")
     print(f"logs in {work}")
-    return 1 if diff or not upstream else 0
+    return 1 if diff or not upstream or not swapped_ok else 0
 
 
 if __name__ == "__main__":
