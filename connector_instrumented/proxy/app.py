@@ -113,7 +113,8 @@ class _Proxy:
         self.session: aiohttp.ClientSession | None = None
         self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
-        lifetime = config.max_entry_lifetime_s or (config.decode_kv_ttl_s - config.expiry_margin_s)
+        lifetime = (config.fixed_entry_lifetime_s or config.max_entry_lifetime_s
+                    or (config.decode_kv_ttl_s - config.expiry_margin_s))
         metrics.entry_lifetime.set(lifetime)
         metrics.decode_ttl.set(config.decode_kv_ttl_s)
 
@@ -506,6 +507,8 @@ class _Proxy:
             return None
         ttl = _number(params.get(sc.KTP_DECODE_TTL)) or self.config.decode_kv_ttl_s
         self.metrics.decode_ttl.set(ttl)
+        if self.config.fixed_entry_lifetime_s is not None:
+            return answered_wall + self.config.fixed_entry_lifetime_s
         engine = str(params.get("remote_engine_id"))
         expires = self.clock.expiry_wall(engine, expiry_d, ttl, sent_wall,
                                          answered_wall) - self.config.expiry_margin_s

@@ -39,6 +39,10 @@ class ProxyConfig:
     # End entries this long before D's blocks expire (>= P's fixed 5 s decline window).
     expiry_margin_s: float = 10.0
     max_entry_lifetime_s: float | None = None
+    # Upstream-compatible fixed entry life (upstream's example proxy: 450 s), ignoring D's
+    # own expiry. Unsafe when D's TTL is shorter: P then declines the reads (kvobs shows
+    # `expired` turns and the lifetime-above-TTL alert fires). None: derive from D.
+    fixed_entry_lifetime_s: float | None = None
     # How long a conversation's turn counter and digest survive without a turn.
     conversation_ttl_s: float = 24 * 3600.0
     max_entries: int = 100_000

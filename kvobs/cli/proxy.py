@@ -73,6 +73,9 @@ class _UpstreamFlags(click.Command):
               help="End entries this long before D's blocks expire (>= 5 s).")
 @click.option("--max-entry-lifetime", type=float, default=None,
               help="Optional cap (s) on an entry's life.")
+@click.option("--fixed-entry-lifetime", type=float, default=None,
+              help="Upstream-compatible fixed entry life (s), ignoring D's expiry. Unsafe "
+                   "when D's TTL is shorter (reads get declined as expired).")
 @click.option("--max-entries", type=int, default=100_000, show_default=True)
 @click.option("--conversation-ttl", type=float, default=86400.0, show_default=True,
               help="Idle time (s) after which a conversation's turn counter is forgotten.")
@@ -91,7 +94,8 @@ class _UpstreamFlags(click.Command):
 @click.option("--store-dir", default=None, help="kvobs span store directory (or KVOBS_STORE).")
 @click.option("--log-level", default="INFO", show_default=True)
 def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, decoder_ports,
-                  decode_kv_ttl, expiry_margin, max_entry_lifetime, max_entries,
+                  decode_kv_ttl, expiry_margin, max_entry_lifetime, fixed_entry_lifetime,
+                  max_entries,
                   conversation_ttl, redis_url, store_backend, params_publisher,
                   conversation_header, tenant_header, max_body_bytes, max_id_length,
                   store_dir, log_level):
@@ -107,7 +111,8 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
             prefill=_endpoints(prefiller_hosts, prefiller_ports, "prefiller"),
             decode=_endpoints(decoder_hosts, decoder_ports, "decoder"),
             host=host, port=port, decode_kv_ttl_s=decode_kv_ttl, expiry_margin_s=expiry_margin,
-            max_entry_lifetime_s=max_entry_lifetime, max_entries=max_entries,
+            max_entry_lifetime_s=max_entry_lifetime,
+            fixed_entry_lifetime_s=fixed_entry_lifetime, max_entries=max_entries,
             conversation_ttl_s=conversation_ttl, store_backend=store_backend,
             redis_url=redis_url, params_publisher=params_publisher,
             conversation_header=conversation_header, tenant_header=tenant_header,

@@ -32,7 +32,7 @@ class EngineSettings:
     link_delay_ms: float = 0.0  # >0: D in a network namespace, UCX over TCP, netem delay
     link_rate_mbit: float = 0.0  # >0: netem rate limit on the same link
     prefix_guard: bool = True  # connector's block-hash guard
-    proxy_expiry_guard: bool = True  # proxy drops entries before D's blocks expire
+    proxy_fixed_lifetime_s: float = 0.0  # >0: upstream-style fixed proxy entry life
 
 
 @dataclass(frozen=True)

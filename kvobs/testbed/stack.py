@@ -100,7 +100,14 @@ class Stack:
             prefill=f"127.0.0.1:{pair.prefill.spec.port}",
             decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
             store_dir=str(self.out_dir), redis_url=self.redis.url,
-            extra_args=["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "memory"])
+            port=self.proxy.port if self.proxy else None,  # a restart keeps its address
+            extra_args=self._proxy_args())
+
+    def _proxy_args(self) -> list[str]:
+        args = ["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "memory"]
+        if self.settings.proxy_fixed_lifetime_s > 0:
+            args += ["--fixed-entry-lifetime", str(self.settings.proxy_fixed_lifetime_s)]
+        return args
 
     def snapshot_metrics(self) -> None:
         """Each live component's /metrics into ``metrics/`` (evidence next to the spans)."""
