@@ -4,6 +4,13 @@
 "connector_instrumented"``.
 """
 
-from .connector import KvobsNixlConnector
-
 __all__ = ["KvobsNixlConnector"]
+
+
+def __getattr__(name: str):
+    # Lazy: the proxy lives in this package too and must not import vLLM and torch.
+    if name == "KvobsNixlConnector":
+        from connector_instrumented.connector import KvobsNixlConnector
+
+        return KvobsNixlConnector
+    raise AttributeError(name)

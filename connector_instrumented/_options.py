@@ -19,6 +19,7 @@ KEY_PREFIX_GUARD = "kvobs_prefix_guard"
 KEY_FIX_STUCK = "kvobs_fix_stuck_waits"
 KEY_STUCK_AFTER = "kvobs_stuck_after_s"
 KEY_STORE = "kvobs_store"
+KEY_PARAMS_REDIS = "kvobs_params_redis_url"
 
 # Environment fallbacks (extra config wins).
 ENV_ROLE = "KVOBS_ROLE"
@@ -51,6 +52,7 @@ class Options:
     fix_stuck_waits: bool = True  # recompute instead of waiting forever (DESIGN §6)
     stuck_after_s: float = 30.0  # watchdog: waiting longer than this is reported
     store_dir: str | None = None  # embedded span store (else KVOBS_STORE / OTEL_*)
+    params_redis_url: str | None = None  # D publishes its params here (streaming reuse)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None,
@@ -77,4 +79,5 @@ class Options:
             fix_stuck_waits=_as_bool(KEY_FIX_STUCK, extra.get(KEY_FIX_STUCK, True)),
             stuck_after_s=stuck_after,
             store_dir=extra.get(KEY_STORE) or None,
+            params_redis_url=extra.get(KEY_PARAMS_REDIS) or None,
         )

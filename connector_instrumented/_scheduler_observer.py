@@ -105,6 +105,11 @@ class SchedulerObserver:
         self._last_watchdog = 0.0
         self._errors_reported = 0
         self._stats = st.KvobsConnectorStats()
+        self._publisher = None
+        if options.params_redis_url:
+            from connector_instrumented._publisher import ParamsPublisher
+
+            self._publisher = ParamsPublisher(options.params_redis_url)
 
     # ------------------------------------------------------------------ helpers
 
@@ -409,6 +414,11 @@ class SchedulerObserver:
                                 self._seed_fp())
         if digest is not None:
             out[sc.KTP_BLOCK_DIGEST] = digest
+        if self._ttl:
+            out[sc.KTP_DECODE_TTL] = self._ttl  # lets the proxy end its entry in time
+        proxy_request_id = (request.kv_transfer_params or {}).get(sc.KTP_REQUEST_ID)
+        if self._publisher is not None and isinstance(proxy_request_id, str):
+            self._publisher.publish(proxy_request_id, dict(out))
         now_wall, now_mono = time.time(), time.perf_counter()
         expiry_mono = float(out["remote_blocks_expiry_time"])
         expires_at = now_wall + (expiry_mono - now_mono)

@@ -611,10 +611,14 @@ async def _to_client(awaitable) -> None:
 
 
 def _fallback_reason(body: bytes | None) -> sc.FallbackReason:
+    """What P's error body says; vLLM 0.32 answers a generic 500 for both a declined and
+    a failed read, so the proxy says only what it knows (P's read span says the rest)."""
     text = (body or b"")[:4096].lower()
     if b"expired" in text or b"declin" in text:
         return sc.FallbackReason.READ_DECLINED
-    return sc.FallbackReason.READ_FAILED
+    if b"kv load" in text or b"transfer" in text or b"nixl" in text:
+        return sc.FallbackReason.READ_FAILED
+    return sc.FallbackReason.PREFILL_ERROR
 
 
 def _single_choice(result: Any) -> bool:

@@ -151,7 +151,7 @@ def _send(url: str, body: dict[str, Any], stream: bool,
 def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
                  log=print) -> list[TurnResult]:
     """Run every turn; conversations interleave on one clock, one request at a time."""
-    conversations = [_Conversation(spec, random.Random(f"{scenario.seed}:{spec.id}"))
+    conversations = [_Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
                      for spec in scenario.conversations]
     start = time.monotonic()
     for conversation in conversations:

@@ -55,6 +55,7 @@ class ConversationSpec:
     stream: bool = False
     system_tokens: int = 300  # the first prompt's length
     endpoint: str = "completions"  # completions | chat
+    text_seed: str | None = None  # random text seed (default: the id); share it to fork
 
 
 @dataclass(frozen=True)
