@@ -281,6 +281,11 @@ KTP_TRACEPARENT = "kvobs_traceparent"
 # Digest of the block hashes D's exported KV covers (token-level prefix evidence).
 KTP_BLOCK_DIGEST = "kvobs_block_hashes"
 
+# Response header the proxy sets on every answer: the turn's trace id, what an operator
+# passes to kvobs (turns without a conversation id are listed as "anonymous:<trace id>").
+TRACE_ID_HEADER = "X-Kvobs-Trace-Id"
+ANONYMOUS_PREFIX = "anonymous:"
+
 CORRELATION_KEYS = (KTP_CONVERSATION_ID, KTP_TURN_INDEX, KTP_TENANT, KTP_TRACEPARENT)
 # The proxy's id for one turn, sent to P and D (also as ``X-Request-Id``); the decode
 # connector publishes D's params under ``PUBLISHED_PARAMS_PREFIX + <this id>`` (Redis) for

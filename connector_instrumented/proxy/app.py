@@ -45,6 +45,8 @@ _LOG = logging.getLogger("kvobs.proxy")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 _KTP = "kv_transfer_params"
+TRACE_ID_KEY = "kvobs_trace_id"  # request-scoped storage key
+TRACE_ID_HEADER = sc.TRACE_ID_HEADER
 _DONE = b"data: [DONE]"
 PROXY_KEY = web.AppKey("kvobs_proxy", object)
 
@@ -211,6 +213,7 @@ class _Proxy:
         with trace.use_span(span, end_on_exit=False):
             traceparent = current_traceparent() or \
                 f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+        request[TRACE_ID_KEY] = traceparent.split("-")[1]
         correlation = Correlation(identity.conversation_id, None, identity.tenant, traceparent)
         try:
             return await self._turn(request, path, body, identity, state, correlation)
@@ -261,8 +264,9 @@ class _Proxy:
         key = identity.store_key
         previous = None
         attributes: dict[str, Any] = {}
+        from_history = history_turn(body)
         if key is None:
-            state.turn, state.outcome = 1, LO.NO_ID
+            state.turn, state.outcome = from_history or 1, LO.NO_ID
         else:
             try:
                 state.turn, previous = await self.store.begin_turn(key, now)
@@ -270,6 +274,9 @@ class _Proxy:
                 _LOG.warning("metadata store failed at lookup", exc_info=True)
                 self.metrics.store_errors.labels(self.store.backend).inc()
                 previous = None
+            # A chat history says which turn this is even when the store forgot the
+            # conversation (restart, eviction, another replica without shared state).
+            state.turn = max(state.turn or 1, from_history or 1)
             if previous is not None and previous.ended_at is not None:
                 gap = max(0.0, now - previous.ended_at)
                 attributes[sc.INTER_TURN_GAP.key] = gap
@@ -610,6 +617,27 @@ async def _to_client(awaitable) -> None:
         raise _ClientGone from None
 
 
+def history_turn(body: dict[str, Any]) -> int | None:
+    """Turn index a chat request's own history implies: 1 + assistant messages.
+
+    >>> history_turn({"messages": [{"role": "user"}, {"role": "assistant"}, {"role": "user"}]})
+    2
+    >>> history_turn({"prompt": "abc"}) is None
+    True
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    return 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+
+
+async def _trace_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    # Lets a client (or an operator reading a client log) name the turn to kvobs.
+    trace_id = request.get(TRACE_ID_KEY)
+    if trace_id and not response.prepared:
+        response.headers[TRACE_ID_HEADER] = trace_id
+
+
 def _fallback_reason(body: bytes | None) -> sc.FallbackReason:
     """What P's error body says; vLLM 0.32 answers a generic 500 for both a declined and
     a failed read, so the proxy says only what it knows (P's read span says the rest)."""
@@ -744,6 +772,7 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
                    publisher or _make_publisher(config))
     app = web.Application(client_max_size=config.max_body_bytes + 1)
     app[PROXY_KEY] = proxy
+    app.on_response_prepare.append(_trace_id_header)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app.router.add_post("/v1/chat/completions", proxy.chat)

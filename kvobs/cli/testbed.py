@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import tempfile
@@ -63,28 +62,25 @@ def demo_command(out, scenario):
     from kvobs.diagnose import diagnose
     from kvobs.render import print_diagnosis
     from kvobs.sources import open_source
+    from kvobs.testbed.check import diagnosed_turns, mismatches
 
     out = out or tempfile.mkdtemp(prefix="kvobs-demo-")
     terminal = console()
     terminal.print(f"[bold]kvobs demo[/]: output in {out}")
     spec, results = run_to_dir(scenario, out)
     source = open_source(out)
-    mismatches = []
-    for conversation in spec.conversations:
-        diagnosis = diagnose(source, conversation.id)
-        print_diagnosis(terminal, diagnosis)
-        for item in diagnosis.turns:
-            expected = spec.expectations.get((conversation.id, item.turn.index))
-            if expected and expected != item.finding.verdict.value:
-                mismatches.append(f"{conversation.id} turn {item.turn.index}: expected "
-                                  f"{expected}, got {item.finding.verdict.value}")
+    diagnosed = diagnosed_turns(source, results)
+    shown = sorted({d.conversation_id for d in diagnosed.values() if d is not None})
+    for conversation_id in shown:
+        print_diagnosis(terminal, diagnose(source, conversation_id))
+    differ = mismatches(spec.expectations, diagnosed)
     unanswered = [r for r in results if not r.ok]
     terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "
-                   f"{len(mismatches)} verdicts differ from the scenario's expectations")
-    for line in mismatches:
+                   f"{len(differ)} verdicts differ from the scenario's expectations")
+    for line in differ:
         terminal.print(f"  [red]{line}[/]")
     terminal.print(f"Diagnose again: kvobs diagnose ID --source {out}")
-    sys.exit(EXIT_FAULT if mismatches or unanswered else EXIT_OK)
+    sys.exit(EXIT_FAULT if differ or unanswered else EXIT_OK)
 
 
 COMMANDS = [testbed_group, demo_command]

@@ -29,6 +29,16 @@ def frame_from_rows(rows: list[dict]) -> pd.DataFrame:
             if dtype == "Int64":
                 frame[column] = frame[column].round()
         frame[column] = frame[column].astype(dtype)
+    return _name_anonymous(frame)
+
+
+def _name_anonymous(frame: pd.DataFrame) -> pd.DataFrame:
+    """A turn sent without a conversation id is still a turn: its proxy turn span gets
+    the conversation id ``anonymous:<trace id>`` (the id the proxy's answer header gave)."""
+    cid = sc.CONVERSATION_ID.key
+    anonymous = ((frame["name"] == sc.SPAN_PROXY_TURN.name) & frame[cid].isna()).fillna(False)
+    if anonymous.any():
+        frame.loc[anonymous, cid] = sc.ANONYMOUS_PREFIX + frame.loc[anonymous, "trace_id"]
     return frame
 
 

@@ -361,6 +361,7 @@ class PDPair:
     decode_env: dict[str, str] | None = None
     prefill_args: list[str] | None = None  # vllm serve flags for one role only
     decode_args: list[str] | None = None
+    prefill_host: str = "127.0.0.1"
     decode_host: str = "127.0.0.1"
     decode_wrapper: tuple[str, ...] = ()
     sequential_start: bool = False
@@ -398,7 +399,7 @@ class PDPair:
             ),
             core=self.prefill_core if is_p else self.decode_core,
             engine_id=engine_id or f"kvobs-{role}",
-            host="127.0.0.1" if is_p else self.decode_host,
+            host=self.prefill_host if is_p else self.decode_host,
             wrapper=() if is_p else tuple(self.decode_wrapper),
         )
         return start_engine(

@@ -16,6 +16,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from kvobs.semconv import TRACE_ID_HEADER
 from kvobs.testbed.scenario import ConversationSpec, Scenario, TurnSpec
 
 RESULTS_FILE = "results.json"
@@ -48,13 +49,15 @@ class TurnResult:
     started_at: float
     expect: str | None = None
     error: str | None = None
+    trace_id: str | None = None  # the proxy's answer header: names the turn to kvobs
 
 
 @dataclass
 class _Conversation:
     spec: ConversationSpec
     rng: random.Random
-    history: str = ""
+    history: str = ""  # completions: the prompt text so far (H + R)
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat: the messages
     last_response: str = ""
     next_turn: int = 1
     due: float = 0.0
@@ -77,33 +80,48 @@ def _text(rng: random.Random, tokens: int) -> str:
     return "".join(rng.choice(_ALPHABET) for _ in range(tokens))
 
 
-def _prompt(conversation: _Conversation, turn: TurnSpec) -> str:
+def _new_input(conversation: _Conversation, turn: TurnSpec) -> str:
+    first = conversation.next_turn == 1
+    return _text(conversation.rng, conversation.spec.system_tokens if first
+                 else turn.append_tokens)
+
+
+def _prompt(conversation: _Conversation, turn: TurnSpec, new_input: str) -> str:
     history = conversation.history
     if turn.rewrite_history == "strip-last-response" and conversation.last_response:
         history = history[: len(history) - len(conversation.last_response)]
     elif turn.rewrite_history == "truncate-head":
         history = history[len(history) // 4:]
-    first = conversation.next_turn == 1
-    size = conversation.spec.system_tokens if first else turn.append_tokens
-    return history + _text(conversation.rng, size)
+    return history + new_input
 
 
-def _request(conversation: _Conversation, turn: TurnSpec, prompt: str,
-             safe_ids: list[int]) -> tuple[str, dict[str, Any], bool]:
+def _messages(conversation: _Conversation, turn: TurnSpec,
+              new_input: str) -> list[dict[str, str]]:
+    messages = [dict(m) for m in conversation.messages]
+    if turn.rewrite_history == "strip-last-response" and messages:
+        messages[-1]["content"] = ""  # e.g. reasoning stripped from the last answer
+    elif turn.rewrite_history == "truncate-head":
+        messages = messages[2:]
+    return messages + [{"role": "user", "content": new_input}]
+
+
+def _request(conversation: _Conversation, turn: TurnSpec, new_input: str,
+             safe_ids: list[int]) -> tuple[str, dict[str, Any], bool, int]:
+    """(path, body, stream, prompt characters) of the next turn."""
     stream = conversation.spec.stream if turn.stream is None else turn.stream
     body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": turn.max_tokens,
                             "temperature": 0.0, "ignore_eos": True, "stream": stream}
     if not turn.unstable_output:
         body["allowed_token_ids"] = safe_ids
     if conversation.spec.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-        path = "/v1/chat/completions"
+        body["messages"] = _messages(conversation, turn, new_input)
+        path, size = "/v1/chat/completions", sum(len(m["content"]) for m in body["messages"])
     else:
-        body["prompt"] = prompt
-        path = "/v1/completions"
+        body["prompt"] = _prompt(conversation, turn, new_input)
+        path, size = "/v1/completions", len(body["prompt"])
     if not turn.no_conversation_id:
         body["conversation_id"] = conversation.spec.id
-    return path, body, stream
+    return path, body, stream, size
 
 
 def _completion_text(payload: dict[str, Any]) -> str:
@@ -115,16 +133,18 @@ def _completion_text(payload: dict[str, Any]) -> str:
 
 
 def _send(url: str, body: dict[str, Any], stream: bool,
-          timeout_s: float) -> tuple[int, str, float | None, str | None]:
-    """POST and read the answer; returns (status, completion text, TTFT, error)."""
+          timeout_s: float) -> tuple[int, str, float | None, str | None, str | None]:
+    """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            trace_id = response.headers.get(TRACE_ID_HEADER)
             if not stream:
                 payload = json.loads(response.read())
-                return response.status, _completion_text(payload), time.monotonic() - start, None
+                return (response.status, _completion_text(payload), time.monotonic() - start,
+                        None, trace_id)
             text, ttft, error = [], None, None
             for raw in response:
                 line = raw.decode().strip()
@@ -141,11 +161,12 @@ def _send(url: str, body: dict[str, Any], stream: bool,
                 if piece and ttft is None:
                     ttft = time.monotonic() - start
                 text.append(piece)
-            return response.status, "".join(text), ttft, error
+            return response.status, "".join(text), ttft, error, trace_id
     except urllib.error.HTTPError as http_error:
-        return http_error.code, "", None, http_error.read().decode(errors="replace")[:200]
+        return (http_error.code, "", None, http_error.read().decode(errors="replace")[:200],
+                http_error.headers.get(TRACE_ID_HEADER))
     except (urllib.error.URLError, OSError, ValueError) as error:
-        return 0, "", None, f"{type(error).__name__}: {error}"[:200]
+        return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
 
 
 def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
@@ -167,20 +188,26 @@ def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
             log(f"[scenario] {action} before {conversation.spec.id} turn "
                 f"{conversation.next_turn}")
             testbed.act(action)
-        prompt = _prompt(conversation, turn)
-        path, body, stream = _request(conversation, turn, prompt, testbed.safe_token_ids)
+        new_input = _new_input(conversation, turn)
+        path, body, stream, size = _request(conversation, turn, new_input,
+                                            testbed.safe_token_ids)
         started_at = time.time()
         begin = time.monotonic()
-        status, text, ttft, error = _send(testbed.proxy_url + path, body, stream, timeout_s)
+        status, text, ttft, error, trace_id = _send(testbed.proxy_url + path, body, stream,
+                                                    timeout_s)
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,
                             status == 200 and error is None, stream,
-                            not turn.no_conversation_id, len(prompt), len(text), ttft,
-                            time.monotonic() - begin, started_at, turn.expect, error)
+                            not turn.no_conversation_id, size, len(text), ttft,
+                            time.monotonic() - begin, started_at, turn.expect, error,
+                            trace_id)
         conversation.results.append(result)
         log(f"[scenario] {result.conversation_id} turn {result.turn}: status {status} "
             f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
             + (f" error {error}" if error else ""))
-        conversation.history = prompt + text
+        if "messages" in body:
+            conversation.messages = body["messages"] + [{"role": "assistant", "content": text}]
+        else:
+            conversation.history = body["prompt"] + text
         conversation.last_response = text
         conversation.next_turn += 1
         if not conversation.done:

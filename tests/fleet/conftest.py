@@ -11,6 +11,11 @@ CONFIG = synth.small(250, seed=3)
 
 
 @pytest.fixture(scope="session")
+def synthetic_config():
+    return CONFIG
+
+
+@pytest.fixture(scope="session")
 def synthetic_store(tmp_path_factory):
     """A small synthetic store with every scenario; written through ``write_store``."""
     path = tmp_path_factory.mktemp("synthetic-store")

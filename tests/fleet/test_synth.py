@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 
-from conftest import CONFIG
 from kvobs import semconv as sc
 from kvobs import synth
 from kvobs.diagnose import all_turns
@@ -14,7 +13,7 @@ from kvobs.sources import open_source
 from kvobs.sources.store import COMPACTED_DIR, bucket_of
 
 
-def test_store_layout_one_file_per_bucket_sorted(synthetic_store):
+def test_store_layout_one_file_per_bucket_sorted(synthetic_store, synthetic_config):
     path, result = synthetic_store
     compacted = os.path.join(path, COMPACTED_DIR)
     for bucket in os.listdir(compacted):
@@ -24,7 +23,7 @@ def test_store_layout_one_file_per_bucket_sorted(synthetic_store):
         ids = table.column(sc.CONVERSATION_ID.key).to_pylist()
         assert ids == sorted(ids)
         assert {f"bucket={bucket_of(cid):02d}" for cid in set(ids)} == {bucket}
-    assert result.conversations == CONFIG.conversations
+    assert result.conversations == synthetic_config.conversations
     assert result.spans == len(open_source(path).spans())
 
 
@@ -52,7 +51,8 @@ class _Frame:
         return self.frame
 
 
-def test_every_scenario_gets_its_expected_verdict_from_the_real_rules():
+def test_every_scenario_gets_its_expected_verdict_from_the_real_rules(synthetic_config):
+    CONFIG = synthetic_config
     table, turns = synth.spans_table(CONFIG, np.arange(CONFIG.conversations))
     ids = synth.conversation_ids(CONFIG)
     expected = {(ids[c], int(t)): synth.EXPECTED_VERDICT[synth.Scenario(s)]

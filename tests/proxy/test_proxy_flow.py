@@ -211,7 +211,25 @@ def test_tenants_never_share_kv():
             assert tenants[0] == tenants[2] != tenants[1]
             assert all("sk-" not in t for t in tenants)
             turns = [r["kv_transfer_params"][sc.KTP_TURN_INDEX] for r in h.prefill.requests]
-            assert turns == [1, 1, 2]
+            # bob's history holds one assistant message: his request is turn 2 of a
+            # conversation the proxy never saw for him (a miss), not a fresh turn 1
+            assert turns == [1, 2, 2]
+    run(scenario())
+
+
+def test_turn_index_survives_a_forgetful_store():
+    """A chat history says which turn it is even after the store lost the conversation."""
+    async def scenario():
+        async with Harness() as h:
+            messages, _ = await converse(h, "amnesia", 2)
+            await h.proxies.pop(0).stop()  # restart: the in-process store forgets
+            await h.add_proxy()
+            messages.append({"role": "user", "content": "again"})
+            status, _ = await h.post({"messages": messages, "conversation_id": "amnesia"})
+            assert status == 200
+            turns = [r["kv_transfer_params"][sc.KTP_TURN_INDEX] for r in h.prefill.requests]
+            assert turns == [1, 2, 3]
+            assert outcomes(h.proxy)[-1] == "miss"
     run(scenario())
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvobs.diagnose import diagnose
 from kvobs.monitoring import live
 from kvobs.sources import open_source
+from kvobs.testbed.check import NOT_FOUND, diagnosed_turns
 from kvobs.testbed.runner import TurnResult, run_scenario, write_results
 from kvobs.testbed.scenario import Scenario, load
 from kvobs.testbed.stack import Stack
@@ -38,12 +38,9 @@ class Run:
     alerts: list[dict]
 
     def verdicts(self) -> dict[tuple[str, int], str]:
-        source = open_source(str(self.out))
-        found = {}
-        for conversation in self.scenario.conversations:
-            for item in diagnose(source, conversation.id).turns:
-                found[(conversation.id, item.turn.index)] = item.finding.verdict.value
-        return found
+        diagnosed = diagnosed_turns(open_source(str(self.out)), self.results)
+        return {key: d.finding.verdict.value if d else NOT_FOUND
+                for key, d in diagnosed.items()}
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -65,8 +62,8 @@ def _run(scenario_file: str, tmp_path_factory, with_prometheus: bool) -> Run:
     with Stack(scenario.engines, out) as stack:
         prometheus = None
         if with_prometheus:
-            engines = [f"127.0.0.1:{e.spec.port}" for e in (stack.pair.prefill,)]
-            engines.append(f"{stack.pair.decode.spec.host}:{stack.pair.decode.spec.port}")
+            engines = [f"{e.spec.host}:{e.spec.port}"
+                       for e in (stack.pair.prefill, stack.pair.decode)]
             prometheus = live.start_prometheus(
                 {"vllm": engines, "kvobs-proxy": [stack.proxy.url.split("//")[1]]},
                 rule_files=ALERT_FILES, directory=out / "prometheus")
@@ -195,3 +192,16 @@ def test_expired_reads_alert_goes_pending_or_firing(demo):
             ("KvobsRemoteReadsExpired", "firing")} & states, states
     assert {("KvobsProxyEntryOutlivesDecodeTTL", "pending"),
             ("KvobsProxyEntryOutlivesDecodeTTL", "firing")} & states, states
+
+
+def test_recompute_policy_declined_read_is_fixed_not_stuck(slow_link):
+    """Upstream leaves this request waiting forever; the connector's fix recomputes it:
+    the client gets its answer without the proxy's fallback, and the span says so."""
+    spans = open_source(str(slow_link.out)).spans("agent-late")
+    turn2 = spans[spans["kvobs.turn.index"] == 2]
+    names = list(turn2["name"])
+    assert "kvobs.prefill.read" in names and "kvobs.proxy.fallback" not in names
+    stuck = turn2[turn2["name"] == "kvobs.prefill.stuck_wait"]
+    assert list(stuck["kvobs.stuck.fixed"]) == [True]
+    result = [r for r in slow_link.results if (r.conversation_id, r.turn) == ("agent-late", 2)]
+    assert result[0].status == 200
