@@ -634,7 +634,7 @@ def history_turn(body: dict[str, Any]) -> int | None:
 async def _trace_id_header(request: web.Request, response: web.StreamResponse) -> None:
     # Lets a client (or an operator reading a client log) name the turn to kvobs.
     trace_id = request.get(TRACE_ID_KEY)
-    if trace_id and not response.prepared:
+    if trace_id:
         response.headers[TRACE_ID_HEADER] = trace_id
 
 

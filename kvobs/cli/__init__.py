@@ -1,4 +1,4 @@
-"""The ``kvobs`` command: one click group, one module per command.
+"""The ``kvobs`` command: one click group, one module per command, imported on use.
 
 Exit status (all commands):
   0  healthy: every turn's verdict is healthy
@@ -9,34 +9,39 @@ Exit status (all commands):
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from kvobs.cli import diagnose, store, turns
+# command name -> "module:attribute". Loaded on use, so `kvobs diagnose` pays for what it
+# needs only, and a command whose extra is not installed fails alone, with its hint.
+COMMANDS = {
+    "diagnose": "kvobs.cli.diagnose:command",
+    "turns": "kvobs.cli.turns:command",
+    "store": "kvobs.cli.store:group",
+    "report": "kvobs.cli.report:report_command",
+    "tune": "kvobs.cli.report:tune_command",
+    "whatif": "kvobs.cli.report:whatif_command",
+    "dashboards": "kvobs.cli.dashboards:dashboards_group",
+    "proxy": "kvobs.cli.proxy:proxy_command",
+    "testbed": "kvobs.cli.testbed:testbed_group",
+    "demo": "kvobs.cli.testbed:demo_command",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attribute = target.split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvobs")
 def main() -> None:
     """Observability and diagnostics for vLLM P/D bidirectional KV transfer."""
-
-
-main.add_command(diagnose.command)
-main.add_command(turns.command)
-main.add_command(store.group)
-
-
-def _register_optional() -> None:
-    # Commands whose modules need the testbed or proxy extras register only when present.
-    import importlib
-
-    for module in ("kvobs.cli.testbed", "kvobs.cli.proxy", "kvobs.cli.dashboards",
-                   "kvobs.cli.report"):
-        try:
-            loaded = importlib.import_module(module)
-        except ImportError:
-            continue
-        for command in getattr(loaded, "COMMANDS", ()):
-            main.add_command(command)
-
-
-_register_optional()

@@ -88,5 +88,4 @@ def export_command(directory: str, datasource_uid: str | None,
         out.print(f"wrote {path}", highlight=False)
 
 
-COMMANDS = [dashboards_group]
-__all__ = ["COMMANDS", "dashboards_group"]
+__all__ = ["dashboards_group"]

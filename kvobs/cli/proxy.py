@@ -122,4 +122,3 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
     run_proxy(config)
 
 
-COMMANDS = [proxy_command]

@@ -206,4 +206,3 @@ def _bytes(value) -> str:
     return str(value)
 
 
-COMMANDS = [report_command, tune_command, whatif_command]

@@ -83,4 +83,3 @@ def demo_command(out, scenario):
     sys.exit(EXIT_FAULT if differ or unanswered else EXIT_OK)
 
 
-COMMANDS = [testbed_group, demo_command]

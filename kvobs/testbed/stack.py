@@ -107,7 +107,8 @@ class Stack:
             extra_args=self._proxy_args())
 
     def _proxy_args(self) -> list[str]:
-        args = ["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "memory"]
+        # Redis holds the proxy's state, so a restarted proxy (restart-proxy) keeps it.
+        args = ["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "redis"]
         if self.settings.proxy_fixed_lifetime_s > 0:
             args += ["--fixed-entry-lifetime", str(self.settings.proxy_fixed_lifetime_s)]
         return args

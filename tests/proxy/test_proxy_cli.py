@@ -45,5 +45,4 @@ def test_bad_flags_exit_2(monkeypatch):
 def test_registered_in_kvobs_group():
     from kvobs.cli import main
 
-    assert "proxy" in main.commands
-    assert cli_proxy.COMMANDS == [cli_proxy.proxy_command]
+    assert main.get_command(None, "proxy") is cli_proxy.proxy_command

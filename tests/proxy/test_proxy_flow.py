@@ -330,3 +330,19 @@ def test_spans_and_metrics_never_contain_text_or_ids_as_labels():
             assert 'kvobs_proxy_lookups_total{outcome="hit"} 1.0' in text
             assert "kvobs_proxy_entries 1.0" in text
     run(scenario())
+
+
+def test_every_answer_names_its_trace():
+    async def scenario():
+        async with Harness() as h:
+            for stream in (False, True):
+                async with h.session.post(
+                        h.proxy.url + "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "hi"}],
+                              "conversation_id": "t", "stream": stream}) as response:
+                    await response.read()
+                    trace_id = response.headers[sc.TRACE_ID_HEADER]
+                (turn,) = [s for s in h.proxy.spans(TURN)
+                           if format(s.context.trace_id, "032x") == trace_id]
+                assert turn.attributes[sc.TURN_INDEX.key] == (1 if not stream else 2)
+    run(scenario())
