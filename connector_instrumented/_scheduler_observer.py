@@ -34,6 +34,7 @@ _RECOMPUTE_FOR = {
     sc.PullDecision.PULL: sc.RecomputeReason.SUFFIX,
 }
 _WATCHDOG_PERIOD_S = 1.0
+_NO_CORRELATION = Correlation()
 
 
 @dataclass
@@ -105,6 +106,7 @@ class SchedulerObserver:
         self._last_watchdog = 0.0
         self._errors_reported = 0
         self._stats = st.KvobsConnectorStats()
+        self._stats_dirty = False  # a fact was added since the last take_stats
         self._publisher = None
         if options.params_redis_url:
             from connector_instrumented._publisher import ParamsPublisher
@@ -117,6 +119,16 @@ class SchedulerObserver:
         if self._seed is None:
             self._seed = _digest.seed_fingerprint()
         return self._seed
+
+    def _add(self, key: str, value: Any) -> None:
+        self._stats.data[key].append(value)
+        self._stats_dirty = True
+
+    def _correlation(self, params: Any, span: sc.SpanName) -> Correlation:
+        """The request's correlation keys, or an empty one when no span will carry them."""
+        if not self._sink.enabled(span):
+            return _NO_CORRELATION
+        return Correlation.from_params(params)
 
     def _role_attr(self, span: sc.SpanName) -> str:
         service = self._options.role or span.service
@@ -134,7 +146,7 @@ class SchedulerObserver:
     def _recompute(self, req_id: str, r: _Req, reason: sc.RecomputeReason,
                    tokens: int) -> None:
         tokens = max(0, tokens)
-        self._stats.add(st.RECOMPUTED_TOKENS, [reason.value, tokens])
+        self._add(st.RECOMPUTED_TOKENS, [reason.value, tokens])
         now = time.time()
         self._emit(sc.SPAN_RECOMPUTE, req_id, r.correlation, {
             sc.RECOMPUTE_REASON.key: reason, sc.RECOMPUTED_TOKENS.key: tokens,
@@ -143,7 +155,7 @@ class SchedulerObserver:
 
     def _stuck(self, req_id: str, r: _Req, reason: sc.StuckReason, fixed: bool) -> None:
         r.stuck_reported = True
-        self._stats.add(st.STUCK_PREVENTED if fixed else st.STUCK_WAITS, 1)
+        self._add(st.STUCK_PREVENTED if fixed else st.STUCK_WAITS, 1)
         now = time.time()
         since = r.wait_since_wall or now
         self._emit(sc.SPAN_STUCK, req_id, r.correlation, {
@@ -153,8 +165,8 @@ class SchedulerObserver:
         }, since, now, error=not fixed)
 
     def _gauges(self) -> None:
-        self._stats.add(st.RETAINED_BLOCKS, self._retained_blocks)
-        self._stats.add(st.RETAINED_BYTES, self._retained_bytes)
+        self._add(st.RETAINED_BLOCKS, self._retained_blocks)
+        self._add(st.RETAINED_BYTES, self._retained_bytes)
 
     # ------------------------------------------------------------------ P: decision
 
@@ -165,7 +177,7 @@ class SchedulerObserver:
         req_id = request.request_id
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
-                self._reqs[req_id] = _Req(Correlation.from_params(params),
+                self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_STUCK),
                                           sc.ReadDirection.P_TO_D, time.time(),
                                           remote_engine=params.get("remote_engine_id"))
             return
@@ -173,7 +185,7 @@ class SchedulerObserver:
             return
         r = self._reqs.get(req_id)
         if r is None:
-            r = self._reqs[req_id] = _Req(Correlation.from_params(params),
+            r = self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_PULL_DECISION),
                                           sc.ReadDirection.D_TO_P, time.time())
         if r.decided or params.get("_remote_blocks_processed"):
             return  # re-admission (failed read, preemption): decided already
@@ -268,9 +280,9 @@ class SchedulerObserver:
             r.decided = True
             if r.decision is None:
                 r.decision = self._decide(r)
-            self._stats.add(st.PULL_DECISIONS, r.decision.value)
+            self._add(st.PULL_DECISIONS, r.decision.value)
             if r.decision is sc.PullDecision.PREFIX_MISMATCH:
-                self._stats.add(st.PREFIX_MISMATCHES, 1)
+                self._add(st.PREFIX_MISMATCHES, 1)
             now = time.time()
             self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, {
                 sc.PROMPT_TOKENS.key: r.prompt, sc.LOCAL_HIT_TOKENS.key: r.local,
@@ -357,14 +369,14 @@ class SchedulerObserver:
         if not records:
             self.guard.failed("read without worker record")  # counted as a dropped fact
         direction = r.direction.value
-        self._stats.add(st.READS, [direction, outcome.value])
+        self._add(st.READS, [direction, outcome.value])
         if outcome is sc.ReadOutcome.DONE:
-            self._stats.add(st.READ_BYTES, [direction, nbytes])
-            self._stats.add(st.READ_DURATION, [direction, duration])
+            self._add(st.READ_BYTES, [direction, nbytes])
+            self._add(st.READ_DURATION, [direction, duration])
         if ttl is not None:
-            self._stats.add(st.REMAINING_TTL, max(0.0, ttl))
+            self._add(st.REMAINING_TTL, max(0.0, ttl))
         if outcome is sc.ReadOutcome.DECLINED_EXPIRED:
-            self._stats.add(st.DECLINED_EXPIRED, 1)
+            self._add(st.DECLINED_EXPIRED, 1)
         if r.direction is sc.ReadDirection.D_TO_P:
             end = time.time()
             start = start if start is not None else end - duration
@@ -375,7 +387,7 @@ class SchedulerObserver:
                 sc.READ_ERROR.key: error, sc.REMOTE_ENGINE_ID.key: r.remote_engine,
             }, start, start + duration, error=outcome is not sc.ReadOutcome.DONE)
             if outcome is sc.ReadOutcome.DONE:
-                self._stats.add(st.REUSED_TOKENS, r.offered)
+                self._add(st.REUSED_TOKENS, r.offered)
                 reason = (sc.RecomputeReason.PREFIX_MISMATCH if r.guarded
                           else sc.RecomputeReason.SUFFIX)
                 self._recompute(req_id, r, reason, r.prompt - r.local - r.offered)
@@ -422,7 +434,7 @@ class SchedulerObserver:
         now_wall, now_mono = time.time(), time.perf_counter()
         expiry_mono = float(out["remote_blocks_expiry_time"])
         expires_at = now_wall + (expiry_mono - now_mono)
-        correlation = Correlation.from_params(request.kv_transfer_params)
+        correlation = self._correlation(request.kv_transfer_params, sc.SPAN_EXPORT)
         self._retained[req_id] = _Retained(correlation, blocks, nbytes, now_wall, now_mono,
                                            expiry_mono)
         self._retained_blocks += blocks
@@ -448,8 +460,8 @@ class SchedulerObserver:
         self._retained_blocks -= kept.blocks
         self._retained_bytes -= kept.nbytes
         self._gauges()
-        self._stats.add(st.RETAINED_BLOCK_SECONDS, kept.blocks * held)
-        self._stats.add(st.RELEASES, [reason.value, "true" if was_read else "false"])
+        self._add(st.RETAINED_BLOCK_SECONDS, kept.blocks * held)
+        self._add(st.RELEASES, [reason.value, "true" if was_read else "false"])
         self._emit(sc.SPAN_RELEASE, req_id, kept.correlation, {
             sc.RELEASE_REASON.key: reason, sc.RELEASE_READ_COUNT.key: read_count,
             sc.HELD_DURATION.key: held, sc.EXPORT_BLOCKS.key: kept.blocks,
@@ -460,10 +472,11 @@ class SchedulerObserver:
     def take_stats(self) -> st.KvobsConnectorStats | None:
         errors = self.guard.errors + self._sink.errors
         if errors > self._errors_reported:
-            self._stats.add(st.TELEMETRY_ERRORS, errors - self._errors_reported)
+            self._add(st.TELEMETRY_ERRORS, errors - self._errors_reported)
             self._errors_reported = errors
-        if self._stats.kvobs_empty():
+        if not self._stats_dirty:  # every fact goes through _add: no key scan per step
             return None
+        self._stats_dirty = False
         return self._stats.clone_and_reset()
 
 

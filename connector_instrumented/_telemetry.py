@@ -4,35 +4,70 @@ Tracers are built lazily, on the first span, in the process that emits it (the
 scheduler process or a worker process), so processes that never emit start no export
 thread. With ``kvobs_role`` set every span goes to that service; without it each span
 goes to the service ``kvobs.semconv`` assigns to its name.
+
+Hooks never build OTel spans: ``SpanSink.emit`` appends the raw facts (tracer, span
+name, correlation, attributes, start/end ns taken in the hook) to a bounded queue, and
+one daemon thread per sink (started with the first span) turns them into finished spans
+with those explicit timestamps, in batches (every 50 ms, or at once when the queue is
+half full). A full queue drops the span and counts it in
+``errors`` (-> ``vllm:kvobs_connector_telemetry_errors_total``); it never blocks.
+``flush()`` builds everything still queued, synchronously, then flushes the tracers.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
 import time
+from collections import deque
 from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.setup import configure_tracing, flush
+from kvobs.emit.setup import ENV_QUEUE_SIZE, configure_tracing, flush
 from kvobs.emit.spans import Correlation, emit
 
 _LOG = logging.getLogger("connector_instrumented")
 
 TracerFactory = Callable[[sc.Service], trace.Tracer]
+# The builder wakes on a timer and builds in batches: waking it per span would cost the
+# hook a futex wake and hand the GIL back and forth once per span. A queue half full
+# wakes it early so that bursts do not drop.
+_BUILD_INTERVAL_S = 0.05
 
 
 class SpanSink:
-    """Routes finished spans to per-service tracers; counts what it had to drop."""
+    """Routes finished spans to per-service tracers off the hook; counts what it drops."""
 
     def __init__(self, role: sc.Service | None, store_dir: str | None = None,
-                 tracer_factory: TracerFactory | None = None):
+                 tracer_factory: TracerFactory | None = None,
+                 max_queue: int | None = None):
         self._role = role
         self._store_dir = store_dir
         self._factory = tracer_factory or self._configure
         self._tracers: dict[sc.Service, trace.Tracer] = {}
-        self.errors = 0  # telemetry failures caught (hooks and spans)
+        self._max_queue = max(1, int(max_queue if max_queue is not None
+                                     else os.environ.get(ENV_QUEUE_SIZE, "8192")))
+        self._wake_at = max(1, self._max_queue // 2)
+        # deque append/popleft are atomic under the GIL: one producer (the hook's
+        # thread) and the builder thread need no lock to hand items over; the bound is
+        # checked before appending.
+        self._queue: deque = deque()
+        self._build_lock = threading.Lock()  # one builder at a time (thread or flush)
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self.dropped = 0  # spans dropped on a full queue (also counted in errors)
+        self._hook_errors = 0
+        self._build_errors = 0  # written by the builder thread only
+
+    @property
+    def errors(self) -> int:
+        """Telemetry failures caught (hooks and spans) plus spans dropped."""
+        return self._hook_errors + self._build_errors + self.dropped
 
     def _configure(self, service: sc.Service) -> trace.Tracer:
         return configure_tracing(service, self._store_dir)
@@ -42,6 +77,10 @@ class SpanSink:
         tracer = self._tracers.get(service)
         if tracer is None:
             tracer = self._tracers[service] = self._factory(service)
+            if not isinstance(tracer, trace.NoOpTracer):
+                # After the tracer's provider registered its own exit hook: ours runs
+                # first (LIFO) and builds what is still queued while it can export.
+                atexit.register(self._flush_at_exit)
         return tracer
 
     def enabled(self, span: sc.SpanName) -> bool:
@@ -51,23 +90,73 @@ class SpanSink:
     def emit(self, span: sc.SpanName, correlation: Correlation,
              attributes: Mapping[str, Any], start_s: float | None = None,
              end_s: float | None = None, error: bool = False) -> None:
-        """Emit one finished span; wall-clock seconds in, never raises."""
+        """Queue one finished span; wall-clock seconds in, never raises or blocks.
+
+        Timestamps are fixed here (a missing one is "now", in the hook), never in the
+        builder thread. ``attributes`` is kept by reference: callers pass a fresh dict.
+        """
         try:
             tracer = self.tracer(span)
             if isinstance(tracer, trace.NoOpTracer):
                 return
-            start_ns = int(start_s * 1e9) if start_s is not None else None
-            end_ns = int(end_s * 1e9) if end_s is not None else None
-            emit(tracer, span, correlation, attributes, start_ns, end_ns, error)
+            if len(self._queue) >= self._max_queue:
+                self.dropped += 1
+                return
+            now_ns = None
+            if start_s is None or end_s is None:
+                now_ns = time.time_ns()
+            start_ns = int(start_s * 1e9) if start_s is not None else now_ns
+            end_ns = int(end_s * 1e9) if end_s is not None else now_ns
+            self._queue.append((tracer, span, correlation, attributes, start_ns, end_ns,
+                                error))
+            if self._thread is None or self._pid != os.getpid():
+                self._start_thread()
+            elif len(self._queue) == self._wake_at:
+                self._wake.set()
         except Exception:  # noqa: BLE001
-            self.errors += 1
+            self._hook_errors += 1
+
+    def _start_thread(self) -> None:
+        if self._thread is not None:  # forked child: the queue came along, not the thread
+            self._build_lock = threading.Lock()
+            self._wake = threading.Event()
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="kvobs-span-build",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(_BUILD_INTERVAL_S)
+            self._wake.clear()
+            self._build()
+
+    def _build(self) -> None:
+        """Turn every queued fact into a finished OTel span (builder thread or flush)."""
+        queue = self._queue
+        with self._build_lock:
+            while queue:
+                try:
+                    tracer, span, correlation, attributes, start_ns, end_ns, error = (
+                        queue.popleft())
+                    emit(tracer, span, correlation, attributes, start_ns, end_ns, error)
+                except Exception:  # noqa: BLE001
+                    self._build_errors += 1
 
     def flush(self) -> None:
-        for tracer in self._tracers.values():
+        """Build every queued span now (in the caller's thread), then flush the tracers."""
+        try:
+            self._build()
+        except Exception:  # noqa: BLE001
+            self._hook_errors += 1
+        for tracer in list(self._tracers.values()):
             try:
                 flush(tracer)
             except Exception:  # noqa: BLE001
-                self.errors += 1
+                self._hook_errors += 1
+
+    def _flush_at_exit(self) -> None:
+        self.flush()
 
 
 class Guard:

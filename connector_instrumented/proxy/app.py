@@ -45,8 +45,9 @@ _LOG = logging.getLogger("kvobs.proxy")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 _KTP = "kv_transfer_params"
-TRACE_ID_KEY = "kvobs_trace_id"  # request-scoped storage key
+TRACE_ID_KEY = web.RequestKey("kvobs_trace_id", str)
 TRACE_ID_HEADER = sc.TRACE_ID_HEADER
+_TURN_KEYS = frozenset((*sc.CORRELATION_KEYS, sc.KTP_REQUEST_ID))
 _DONE = b"data: [DONE]"
 PROXY_KEY = web.AppKey("kvobs_proxy", object)
 
@@ -531,8 +532,9 @@ class _Proxy:
         start_ns = time.time_ns()
         expires_at = None
         if params is not None:
-            params = {k: v for k, v in params.items() if not k.startswith("kvobs_")
-                      or k == sc.KTP_DECODE_TTL}
+            # The turn's own correlation keys are replaced on the next turn; D's facts
+            # (its block-hash digest, its TTL) must reach P unchanged.
+            params = {k: v for k, v in params.items() if k not in _TURN_KEYS}
             if self.config.rewrite_remote_host:
                 params["remote_host"] = self._decode_host(params, state)
             expires_at = self._expires_at(params, sent_wall, answered_wall)

@@ -20,6 +20,10 @@ from kvobs.semconv import TRACE_ID_HEADER
 from kvobs.testbed.scenario import ConversationSpec, Scenario, TurnSpec
 
 RESULTS_FILE = "results.json"
+# What a misbehaving client might send: another engine's blocks. The proxy must drop it.
+INJECTED_PARAMS = {"do_remote_decode": True, "remote_engine_id": "not-yours",
+                   "remote_block_ids": [[0, 1, 2]], "remote_request_id": "forged",
+                   "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": 384}
 MODEL_NAME = "tiny"
 
 
@@ -121,6 +125,8 @@ def _request(conversation: _Conversation, turn: TurnSpec, new_input: str,
         path, size = "/v1/completions", len(body["prompt"])
     if not turn.no_conversation_id:
         body["conversation_id"] = conversation.spec.id
+    if turn.inject_params:
+        body["kv_transfer_params"] = INJECTED_PARAMS
     return path, body, stream, size
 
 

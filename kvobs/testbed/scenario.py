@@ -45,6 +45,7 @@ class TurnSpec:
     before: tuple[str, ...] = ()  # actions run right before this turn (ACTIONS)
     rewrite_history: str | None = None  # REWRITES
     unstable_output: bool = False  # no allowed_token_ids: output may not re-tokenize
+    inject_params: bool = False  # the client sends its own (bogus) kv_transfer_params
     expect: str | None = None  # expected verdict (tests and the demo check it)
 
 

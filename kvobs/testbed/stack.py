@@ -18,7 +18,11 @@ from kvobs.testbed.services import ProxyProcess, RedisServer
 
 CONNECTOR_CLASS = "KvobsNixlConnector"
 CONNECTOR_MODULE = "connector_instrumented"
-DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama"))
+# Small enough to start in seconds, big enough that recomputing a few hundred tokens
+# clearly costs more than reading their KV over NIXL: with a smaller model the two are
+# within noise of each other and "remote-hit" vs "slow-transfer" becomes a coin toss.
+MODEL_SIZE = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2}
+DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama-h512-l4"))
 LOGS, METRICS = "logs", "metrics"
 
 
@@ -63,7 +67,7 @@ class Stack:
 
     def start(self) -> None:
         (self.out_dir / LOGS).mkdir(parents=True, exist_ok=True)
-        model, self.safe_token_ids = build_tiny_model(self.model_dir)
+        model, self.safe_token_ids = build_tiny_model(self.model_dir, **MODEL_SIZE)
         self.redis = RedisServer(self.out_dir / LOGS / "redis")
         s = self.settings
         shaped = s.link_delay_ms > 0 or s.link_rate_mbit > 0

@@ -127,10 +127,20 @@ def d_params(request_id: str, blocks: list[int], tokens: int, **extra: Any) -> d
 
 
 class SpanCapture:
-    """Routes the connector's spans into an in-memory exporter (one per service)."""
+    """Routes the connector's spans into an in-memory exporter (one per service).
+
+    Spans are built off the hook by each ``SpanSink``'s thread: ``spans()`` flushes the
+    sinks (``sinks``, filled by the ``spans`` fixture) before reading, so assertions
+    never race the builder thread.
+    """
 
     def __init__(self):
         self.exporter = InMemorySpanExporter()
+        self.sinks: list = []
+
+    def flush(self):
+        for sink in self.sinks:
+            sink.flush()
 
     def factory(self, service):
         provider = TracerProvider(resource=Resource.create({"service.name": service.value}))
@@ -138,5 +148,6 @@ class SpanCapture:
         return provider.get_tracer("kvobs-test")
 
     def spans(self, name=None):
+        self.flush()
         return [s for s in self.exporter.get_finished_spans()
                 if name is None or s.name == getattr(name, "name", name)]

@@ -20,5 +20,12 @@ def model_dir(tmp_path_factory):
 def spans(monkeypatch):
     capture = h.SpanCapture()
     monkeypatch.setattr(SpanSink, "_configure", lambda self, service: capture.factory(service))
+    init = SpanSink.__init__
+
+    def tracked_init(self, *args, **kwargs):  # spans() flushes every sink first
+        init(self, *args, **kwargs)
+        capture.sinks.append(self)
+
+    monkeypatch.setattr(SpanSink, "__init__", tracked_init)
     monkeypatch.setattr(_scheduler_observer, "_WATCHDOG_PERIOD_S", 0.0)
     return capture

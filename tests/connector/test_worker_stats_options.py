@@ -249,3 +249,40 @@ def test_hook_overhead_under_10us(model_dir):
             obs.after_match(req, (128, True))
         per_call = (time.perf_counter() - t0) / n / 2
         assert per_call < 10e-6, (req.request_id, per_call)
+
+
+# --------------------------------------------------------------------------- span sink
+
+
+def test_span_sink_full_queue_drops_and_counts_without_blocking():
+    """Hooks only queue facts; a full queue drops (counted), never waits for the builder."""
+    from kvobs.emit.spans import Correlation
+
+    from connector_instrumented._telemetry import SpanSink
+
+    capture = h.SpanCapture()
+    sink = SpanSink(sc.Service.PREFILL, tracer_factory=capture.factory, max_queue=4)
+    corr = Correlation(conversation_id="c", turn=2)
+    with sink._build_lock:  # the builder thread is stuck: nothing leaves the queue
+        t0 = time.perf_counter()
+        for i in range(10):
+            sink.emit(sc.SPAN_RECOMPUTE, corr, {sc.RECOMPUTED_TOKENS.key: i},
+                      1000.0 + i, 1000.5 + i)
+        elapsed = time.perf_counter() - t0
+        assert sink.dropped == 6 and sink.errors == 6
+        assert capture.exporter.get_finished_spans() == ()
+    assert elapsed < 0.5, elapsed
+    sink.flush()
+    spans = capture.exporter.get_finished_spans()
+    assert [s.attributes[sc.RECOMPUTED_TOKENS.key] for s in spans] == [0, 1, 2, 3]
+    # timestamps are the hook's, not the builder's
+    assert [(s.start_time, s.end_time) for s in spans] == [
+        (int((1000.0 + i) * 1e9), int((1000.5 + i) * 1e9)) for i in range(4)]
+    assert all(s.attributes[sc.CONVERSATION_ID.key] == "c" for s in spans)
+    # the builder thread drains on its own once free
+    sink.emit(sc.SPAN_RECOMPUTE, corr, {sc.RECOMPUTED_TOKENS.key: 99}, None, None)
+    deadline = time.monotonic() + 5
+    while len(capture.exporter.get_finished_spans()) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    last = capture.exporter.get_finished_spans()[-1]
+    assert last.attributes[sc.RECOMPUTED_TOKENS.key] == 99 and sink.errors == 6

@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvobs import semconv as sc
+
 DECLINE_WINDOW_S = 5.0
 
 
@@ -168,7 +170,9 @@ class StandInDecode(_Engine):
                 "remote_block_ids": [[block]], "remote_engine_id": state.engine_id,
                 "remote_request_id": f"d-{block}", "remote_host": "d-side-channel",
                 "remote_port": 5601, "tp_size": 1, "remote_num_tokens": tokens,
-                "remote_blocks_expiry_time": expiry, "transfer_mode": "pull"}
+                "remote_blocks_expiry_time": expiry, "transfer_mode": "pull",
+                # what the instrumented D connector adds: D's facts, not turn keys
+                sc.KTP_BLOCK_DIGEST: f"digest-{block}", sc.KTP_DECODE_TTL: state.ttl_s}
 
     async def answer(self, request, body):
         self.count += 1

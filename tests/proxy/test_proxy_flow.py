@@ -51,6 +51,8 @@ def test_nonstreaming_reuse_carries_params_and_correlation():
             turn2_p = h.prefill.requests[1]["kv_transfer_params"]
             assert turn2_p["remote_block_ids"] == [[100]]
             assert turn2_p["remote_engine_id"] == "d-engine-1"
+            # D's own facts pass through to P untouched (P's prefix guard needs the digest)
+            assert turn2_p[sc.KTP_BLOCK_DIGEST] == "digest-100"
             assert turn2_p["remote_host"] == "127.0.0.1"
             assert turn2_p["do_remote_decode"] is True and turn2_p["do_remote_prefill"] is False
             assert h.prefill.requests[1]["max_tokens"] == 1
