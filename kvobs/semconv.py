@@ -265,6 +265,12 @@ class Verdict(str, enum.Enum):
 HEALTHY_VERDICTS = frozenset(
     {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD})
 
+# --------------------------------------------------------------------------- vLLM facts
+
+# Facts of the vLLM release kvobs observes that several kvobs parts reason with.
+VLLM_DEFAULT_DECODE_TTL_S = 480.0  # default decoder_kv_blocks_ttl
+VLLM_DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (fixed)
+
 # --------------------------------------------------------------------------- embedded store
 
 STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters

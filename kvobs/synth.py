@@ -40,7 +40,7 @@ __all__ = ["SyntheticConfig", "Scenario", "SYNTHETIC_PREFIX", "simulate_turns",
 SYNTHETIC_PREFIX = "synthetic-"
 SECOND = 1_000_000_000
 BLOCK = 16
-DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (vLLM, fixed)
+DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
 
 
 class Scenario(str, enum.Enum):
@@ -97,7 +97,7 @@ class SyntheticConfig:
     system_median: float = 1500.0
     reply_median: float = 150.0
     input_median: float = 300.0
-    ttl_s: float = 480.0  # decoder_kv_blocks_ttl
+    ttl_s: float = sc.VLLM_DEFAULT_DECODE_TTL_S  # decoder_kv_blocks_ttl
     proxy_lifetime_s: float = 450.0  # proxy entry lifetime (capped proxies)
     uncapped_proxy_share: float = 0.3  # conversations behind a proxy with no lifetime cap
     threshold: int = 64

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvobs import semconv as sc
+
 # vLLM's own default for ``decoder_kv_blocks_ttl`` (kv_transfer_config extra config).
-VLLM_DEFAULT_DECODE_TTL_S = 480.0
+VLLM_DEFAULT_DECODE_TTL_S = sc.VLLM_DEFAULT_DECODE_TTL_S
 # P declines a read whose blocks expire within this many seconds (fixed in vLLM).
-PREFILL_DECLINE_WINDOW_S = 5.0
+PREFILL_DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
 
 
 @dataclass(frozen=True)

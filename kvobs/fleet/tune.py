@@ -21,9 +21,10 @@ import numpy as np
 import pandas as pd
 
 from kvobs.correlate import prefill_rate
+from kvobs import semconv as sc
 from kvobs.semconv import ReadOutcome, Verdict
 
-DECLINE_WINDOW_S = 5.0  # P declines reads within this many seconds of D's expiry (vLLM)
+DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
 PROXY_MARGIN_S = 30.0  # proxy entry lifetime below D's TTL (defaults: 450 vs 480 s)
 BLOCK_TOKENS = 16
 TTL_GRID = (60, 120, 240, 300, 360, 480, 600, 900, 1200, 1800, 3600)
