@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from bisect import bisect_left
+from functools import lru_cache
 from typing import Sequence
 
 from kvobs.semconv import PrefixEvidence
@@ -48,6 +49,11 @@ def seed_fingerprint() -> str | None:
     except Exception:  # noqa: BLE001  (not initialised in this process)
         return None
     return hashlib.sha256(bytes(none_hash)).hexdigest()[:8]
+
+
+@lru_cache(maxsize=4096)
+def _checkpoints(num_blocks: int) -> tuple[int, ...]:
+    return tuple(checkpoints(num_blocks))
 
 
 def checkpoints(num_blocks: int) -> list[int]:
@@ -73,36 +79,25 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
     num_blocks = min(len(block_hashes), num_tokens // block_size)
     if num_blocks <= 0 or not seed:
         return None
-    entries = ",".join(f"{n}.{bytes(block_hashes[n - 1][:_PREFIX_BYTES]).hex()}"
-                       for n in checkpoints(num_blocks))
+    entries = ",".join([f"{n}.{block_hashes[n - 1][:_PREFIX_BYTES].hex()}"
+                        for n in _checkpoints(num_blocks)])
     return f"{VERSION}:{block_size}:{seed}:{entries}"
 
 
-def parse(digest: str) -> tuple[int, str, list[int], list[bytes]]:
-    version, block_size, seed, entries = digest.split(":", 3)
-    if version != VERSION:
-        raise ValueError(f"unknown digest version {version!r}")
-    counts: list[int] = []
-    prefixes: list[bytes] = []
-    for entry in entries.split(","):
-        count, hexed = entry.split(".", 1)
-        counts.append(int(count))
-        prefixes.append(bytes.fromhex(hexed))
-    return int(block_size), seed, counts, prefixes
-
-
 class _Agrees:
-    """Monotone predicate over checkpoints: False while P's hash matches D's."""
+    """Monotone predicate over checkpoints: False while P's hash matches D's.
 
-    def __init__(self, counts, prefixes, hashes):
-        self._counts, self._prefixes, self._hashes = counts, prefixes, hashes
+    Reads only the entries the binary search probes: a hook must stay cheap."""
+
+    def __init__(self, counts, entries, hashes):
+        self._counts, self._entries, self._hashes = counts, entries, hashes
 
     def __len__(self):
         return len(self._counts)
 
     def __getitem__(self, i):
-        mine = bytes(self._hashes[self._counts[i] - 1][:_PREFIX_BYTES])
-        return mine != self._prefixes[i]
+        theirs = self._entries[i].partition(".")[2]
+        return self._hashes[self._counts[i] - 1][:_PREFIX_BYTES].hex() != theirs
 
 
 def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
@@ -114,16 +109,22 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     """
     if not digest:
         return PrefixEvidence.ABSENT, 0
-    d_block_size, d_seed, counts, prefixes = parse(digest)
-    if d_block_size != block_size or not seed or d_seed != seed:
+    version, d_block_size, d_seed, body = digest.split(":", 3)
+    if version != VERSION:
+        raise ValueError(f"unknown digest version {version!r}")
+    if int(d_block_size) != block_size or not seed or d_seed != seed:
         return PrefixEvidence.INCOMPARABLE, 0
+    entries = body.split(",")
+    # The checkpoints follow from D's block count (the last entry): no need to parse all.
+    counts = _checkpoints(int(entries[-1].partition(".")[0]))
+    if len(counts) != len(entries):
+        raise ValueError("digest checkpoints do not match its block count")
     usable = min(len(block_hashes), limit_tokens // block_size)
     n = bisect_left(counts, usable + 1)  # checkpoints P can check
     if n == 0:
         return PrefixEvidence.INCOMPARABLE, 0
-    counts, prefixes = counts[:n], prefixes[:n]
     # Chained hashes: agreement at a checkpoint implies agreement at all earlier ones.
-    first_bad = bisect_left(_Agrees(counts, prefixes, block_hashes), True)
+    first_bad = bisect_left(_Agrees(counts[:n], entries, block_hashes), True)
     matched = counts[first_bad - 1] * block_size if first_bad else 0
     if first_bad == n:
         return PrefixEvidence.MATCH, matched
