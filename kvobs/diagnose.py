@@ -11,7 +11,7 @@ import pandas as pd
 from kvobs.correlate import prefill_rate, turns_from_spans
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
-from kvobs.verdicts import Context, Finding, Turn, classify
+from kvobs.verdicts import Context, Finding, Turn, findings
 
 # Turn columns shown with every turn in JSON and tables (numbers and ids only).
 SUMMARY_COLUMNS = ("gap_s", "prompt_tokens", "local_hit_tokens", "remote_tokens",
@@ -68,8 +68,9 @@ def classify_turns(turns: pd.DataFrame, read_slo_s: float | None = None,
                    prefill_tokens_per_s: float | None = None) -> tuple[list[TurnDiagnosis],
                                                                        Context]:
     context = Context(prefill_tokens_per_s or prefill_rate(turns), read_slo_s)
-    diagnoses = [TurnDiagnosis(str(row["conversation_id"]), turn, classify(turn, context))
-                 for row in turns.to_dict("records") for turn in (Turn(row),)]
+    turns = turns.reset_index(drop=True)
+    diagnoses = [TurnDiagnosis(str(row["conversation_id"]), Turn(row), finding)
+                 for row, finding in zip(turns.to_dict("records"), findings(turns, context))]
     return diagnoses, context
 
 

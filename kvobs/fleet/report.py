@@ -11,7 +11,7 @@ import pandas as pd
 
 from kvobs import semconv as sc
 from kvobs.correlate import prefill_rate
-from kvobs.fleet.classify import classify_frame
+from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
 
 VERDICTS = [v.value for v in Verdict]

@@ -1,8 +1,12 @@
 """Turn verdicts: one small pure rule per module, tried in a fixed order.
 
-The first rule that returns a finding decides the turn. A rule that needs a span the
-source lacks raises ``MissingEvidence`` and the turn is ``insufficient-evidence``,
-naming the missing span: kvobs never guesses.
+The first rule that applies decides the turn. A rule that needs a span the source lacks
+makes the turn ``insufficient-evidence``, naming the missing span: kvobs never guesses.
+
+Each rule module has ``applies(turns, context)``, deciding over a whole turn table at
+once (one definition for one conversation and for a million turns), optionally
+``missing(turns, context)`` naming the evidence it needs, and ``explain(turn, context)``
+giving the finding (evidence and remedy) for a turn it decided.
 
 Order, and why:
  1. first-turn        nothing earlier exists, whatever else happened
@@ -19,15 +23,20 @@ Order, and why:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
+
+import numpy as np
+import pandas as pd
 
 from kvobs.semconv import Verdict
 from kvobs.verdicts import (below_threshold, expired, first_turn, local_hit, miss,
                             missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
                             transfer_failed)
-from kvobs.verdicts._base import Context, Finding, MissingEvidence, Turn
+from kvobs.verdicts._base import Context, Finding, Turn
 
-__all__ = ["ORDER", "Context", "Finding", "Turn", "classify", "INSUFFICIENT_REMEDY"]
+__all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
+           "INSUFFICIENT_REMEDY"]
 
 ORDER: tuple[ModuleType, ...] = (first_turn, missing_metadata, prefix_mismatch, expired,
                                  transfer_failed, below_threshold, local_hit, slow_transfer,
@@ -35,20 +44,61 @@ ORDER: tuple[ModuleType, ...] = (first_turn, missing_metadata, prefix_mismatch, 
 
 INSUFFICIENT_REMEDY = ("Spans missing: check that the named component runs with kvobs "
                        "telemetry on and exports to this source.")
+_INSUFFICIENT = Verdict.INSUFFICIENT_EVIDENCE.value
 
 
-def classify(turn: Turn, context: Context = Context()) -> Finding:
-    """Exactly one finding for the turn."""
-    for rule in ORDER:
-        try:
-            finding = rule.check(turn, context)
-        except MissingEvidence as missing:
-            return Finding(Verdict.INSUFFICIENT_EVIDENCE, INSUFFICIENT_REMEDY,
-                           {"missing_span": missing.span.name,
-                            "missing_from": missing.span.service.value,
-                            "needed_for": rule.VERDICT.value, "missing_field": missing.column},
-                           rule=rule.__name__.rsplit(".", 1)[-1])
-        if finding is not None:
-            return Finding(finding.verdict, finding.remedy, finding.evidence,
-                           rule=rule.__name__.rsplit(".", 1)[-1])
-    raise AssertionError("miss.check always returns a finding or raises")
+@dataclass
+class Decisions:
+    """Per row of a turn table: the verdict value, the deciding rule's position in ORDER
+    and, for insufficient-evidence rows, the missing (column, span)."""
+
+    verdict: np.ndarray
+    rule: np.ndarray
+    missing: dict[int, tuple]
+
+
+def decide(turns: pd.DataFrame, context: Context = Context()) -> Decisions:
+    """Exactly one verdict per row: the first rule in ORDER that applies, unless a rule
+    before it lacks the evidence it needs on that row."""
+    rows = len(turns)
+    verdict = np.full(rows, "", dtype=object)
+    rule = np.full(rows, -1)
+    missing: dict[int, tuple] = {}
+    undecided = np.ones(rows, bool)
+    for position, module in enumerate(ORDER):
+        for needs in getattr(module, "missing", lambda *_: ())(turns, context):
+            chosen = undecided & needs.where
+            verdict[chosen], rule[chosen] = _INSUFFICIENT, position
+            missing.update((int(i), (needs.column, needs.span)) for i in np.flatnonzero(chosen))
+            undecided &= ~chosen
+        chosen = undecided & module.applies(turns, context)
+        verdict[chosen], rule[chosen] = module.VERDICT.value, position
+        undecided &= ~chosen
+    assert not undecided.any(), "miss applies to every row"
+    return Decisions(verdict, rule, missing)
+
+
+def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
+                   read_slo_s: float | None = None) -> pd.Series:
+    """The verdict value of every row of a turn table (fleet scale)."""
+    decisions = decide(turns, Context(prefill_tokens_per_s, read_slo_s))
+    return pd.Series(decisions.verdict, index=turns.index, name="verdict")
+
+
+def findings(turns: pd.DataFrame, context: Context = Context()) -> list[Finding]:
+    """The finding (verdict, evidence, remedy, rule) of every row of a turn table."""
+    decisions = decide(turns, context)
+    out = []
+    for i, row in enumerate(turns.to_dict("records")):
+        module = ORDER[decisions.rule[i]]
+        name = module.__name__.rsplit(".", 1)[-1]
+        if i in decisions.missing:
+            column, span = decisions.missing[i]
+            out.append(Finding(Verdict.INSUFFICIENT_EVIDENCE, INSUFFICIENT_REMEDY,
+                               {"missing_span": span.name, "missing_from": span.service.value,
+                                "needed_for": module.VERDICT.value, "missing_field": column},
+                               rule=name))
+            continue
+        finding = module.explain(Turn(row), context)
+        out.append(Finding(finding.verdict, finding.remedy, finding.evidence, rule=name))
+    return out

@@ -5,19 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import pandas as pd
 
 from kvobs import semconv as sc
 from kvobs.semconv import Verdict
 
 
-class MissingEvidence(Exception):
-    """A rule needs a span the source does not have."""
+@dataclass(frozen=True)
+class Needs:
+    """Evidence a rule needs on some rows: ``where`` marks the rows that lack it."""
 
-    def __init__(self, column: str, span: sc.SpanName):
-        super().__init__(f"{span.name} ({span.service.value})")
-        self.column = column
-        self.span = span
+    where: np.ndarray
+    column: str
+    span: sc.SpanName
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,6 @@ class Turn:
 
     def get(self, column: str) -> Any:
         return self._row.get(column)
-
-    def require(self, column: str, span: sc.SpanName) -> Any:
-        value = self._row.get(column)
-        if value is None:
-            raise MissingEvidence(column, span)
-        return value
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""

@@ -7,14 +7,21 @@ What to do: nothing unless ``kvobs tune`` shows reads of this size pay off; then
 
 from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, Verdict
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts import _columns as col
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.BELOW_THRESHOLD
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    if turn.require("decision", sc.SPAN_PULL_DECISION) != PullDecision.BELOW_THRESHOLD.value:
-        return None
+def missing(turns, context: Context):
+    return [Needs(col.null(turns, "decision"), "decision", sc.SPAN_PULL_DECISION)]
+
+
+def applies(turns, context: Context):
+    return col.eq(turns, "decision", PullDecision.BELOW_THRESHOLD.value)
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, "Remote remainder below kv_recompute_threshold: recomputed by "
                             "design; see `kvobs tune` before lowering the threshold.",
                    turn.pick("decision_span_id", "prompt_tokens", "local_hit_tokens",

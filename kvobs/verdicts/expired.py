@@ -10,9 +10,19 @@ it; set ``kv_load_failure_policy`` so a declined read recomputes instead of fail
 """
 
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
+from kvobs.verdicts import _columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.EXPIRED
+
+
+def applies(turns, context: Context):
+    released_before = (turns["prev_release_end_ns"].astype("Int64")
+                       <= turns["turn_start_ns"].astype("Int64")).fillna(False).to_numpy(bool)
+    released = col.eq(turns, "prev_release_reason", ReleaseReason.EXPIRED.value) & released_before
+    return (col.eq(turns, "read_outcome", ReadOutcome.DECLINED_EXPIRED.value)
+            | col.eq(turns, "fallback_reason", FallbackReason.READ_DECLINED.value)
+            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | released)
 
 
 def _remedy(turn: Turn) -> str:
@@ -23,16 +33,7 @@ def _remedy(turn: Turn) -> str:
     return "D's blocks expired before the read: raise decoder_kv_blocks_ttl if gaps are long."
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    declined = turn.get("read_outcome") == ReadOutcome.DECLINED_EXPIRED.value
-    fallback = turn.get("fallback_reason") == FallbackReason.READ_DECLINED.value
-    stale = turn.get("lookup") == LookupOutcome.STALE.value
-    released_end = turn.get("prev_release_end_ns")
-    released = (turn.get("prev_release_reason") == ReleaseReason.EXPIRED.value
-                and released_end is not None and turn.get("turn_start_ns") is not None
-                and released_end <= turn.get("turn_start_ns"))
-    if not (declined or fallback or stale or released):
-        return None
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, _remedy(turn), turn.pick(
         "gap_s", "prev_ttl_s", "remaining_ttl_s", "entry_age_s", "entry_remaining_ttl_s",
         "read_span_id", "read_outcome", "fallback_span_id", "fallback_reason", "lookup",

@@ -11,8 +11,10 @@ from kvobs.verdicts._base import Context, Finding, Turn
 VERDICT = Verdict.FIRST_TURN
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    if turn.index != 1:
-        return None
+def applies(turns, context: Context):
+    return turns["turn"].to_numpy() == 1
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, "Nothing to reuse on turn 1; judge reuse from turn 2 on.",
                    turn.pick("turn_span_id", "prompt_tokens", "local_hit_tokens", "ttft_s"))

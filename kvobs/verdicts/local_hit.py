@@ -4,16 +4,18 @@ What it means: no read was needed; P had the blocks.
 What to do: nothing.
 """
 
-from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, Verdict
+from kvobs.verdicts import _columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.LOCAL_HIT
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    if turn.require("decision", sc.SPAN_PULL_DECISION) != PullDecision.LOCAL_HIT.value:
-        return None
+def applies(turns, context: Context):
+    return col.eq(turns, "decision", PullDecision.LOCAL_HIT.value)
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, "P's local prefix cache covered the reusable range; no read "
                             "needed.",
                    turn.pick("decision_span_id", "prompt_tokens", "local_hit_tokens",

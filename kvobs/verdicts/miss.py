@@ -11,15 +11,25 @@ proxy and P) has its own rule above; ``miss`` is the honest name for the rest, p
 spans from the SDK path (``tests/core/test_verdicts.py``) rather than staged on engines.
 """
 
+import numpy as np
+
 from kvobs import semconv as sc
 from kvobs.semconv import Verdict
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts import _columns as col
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.MISS
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    turn.require("decision", sc.SPAN_PULL_DECISION)
+def missing(turns, context: Context):
+    return [Needs(col.null(turns, "decision"), "decision", sc.SPAN_PULL_DECISION)]
+
+
+def applies(turns, context: Context):
+    return np.ones(len(turns), bool)
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, "Params were valid but nothing was reused and no known cause "
                             "applies: inspect P's log at the decision span's time.",
                    turn.pick("lookup_span_id", "decision_span_id", "decision",

@@ -9,9 +9,12 @@ backend; check ``kvobs_proxy_stores_total`` for streaming responses.
 
 from kvobs import semconv as sc
 from kvobs.semconv import LookupOutcome, PullDecision, Verdict
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts import _columns as col
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.MISSING_METADATA
+_NO_ENTRY = (LookupOutcome.NO_ID.value, LookupOutcome.MISS.value)
+_LOST = (PullDecision.INVALID.value, PullDecision.NO_PARAMS.value)
 
 _REMEDIES = {
     LookupOutcome.NO_ID.value: "Request carried no conversation id: send `conversation_id` "
@@ -26,13 +29,18 @@ _REMEDIES = {
 }
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    lookup = turn.require("lookup", sc.SPAN_PROXY_LOOKUP)
-    evidence = turn.pick("lookup_span_id", "lookup", "gap_s", "decision_span_id", "decision")
-    if lookup in (LookupOutcome.NO_ID.value, LookupOutcome.MISS.value):
-        return Finding(VERDICT, _REMEDIES[lookup], evidence)
-    decision = turn.get("decision")
-    if (lookup == LookupOutcome.HIT.value and turn.get("params_sent")
-            and decision in (PullDecision.INVALID.value, PullDecision.NO_PARAMS.value)):
-        return Finding(VERDICT, _REMEDIES[decision], evidence)
-    return None
+def missing(turns, context: Context):
+    return [Needs(col.null(turns, "lookup"), "lookup", sc.SPAN_PROXY_LOOKUP)]
+
+
+def applies(turns, context: Context):
+    lost = (col.eq(turns, "lookup", LookupOutcome.HIT.value) & col.flag(turns, "params_sent")
+            & col.isin(turns, "decision", _LOST))
+    return col.isin(turns, "lookup", _NO_ENTRY) | lost
+
+
+def explain(turn: Turn, context: Context) -> Finding:
+    lookup = turn.get("lookup")
+    cause = lookup if lookup in _NO_ENTRY else turn.get("decision")
+    return Finding(VERDICT, _REMEDIES[cause], turn.pick(
+        "lookup_span_id", "lookup", "gap_s", "decision_span_id", "decision"))

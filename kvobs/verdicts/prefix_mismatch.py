@@ -9,16 +9,19 @@ and resend the exact token sequence; if intended, nothing: recomputing is correc
 """
 
 from kvobs.semconv import LookupOutcome, PullDecision, Verdict
+from kvobs.verdicts import _columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.PREFIX_MISMATCH
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
+def applies(turns, context: Context):
+    return (col.eq(turns, "lookup", LookupOutcome.PREFIX_MISMATCH.value)
+            | col.eq(turns, "decision", PullDecision.PREFIX_MISMATCH.value))
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     proxy_saw = turn.get("lookup") == LookupOutcome.PREFIX_MISMATCH.value
-    prefill_saw = turn.get("decision") == PullDecision.PREFIX_MISMATCH.value
-    if not (proxy_saw or prefill_saw):
-        return None
     where = "proxy history digest" if proxy_saw else "P's block-hash check"
     return Finding(
         VERDICT,

@@ -6,16 +6,22 @@ What to do: nothing.
 
 from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, ReadOutcome, Verdict
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts import _columns as col
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.REMOTE_HIT
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    if turn.get("decision") == PullDecision.PULL.value:
-        turn.require("read_outcome", sc.SPAN_READ)
-    if turn.get("read_outcome") != ReadOutcome.DONE.value:
-        return None
+def missing(turns, context: Context):
+    pulled = col.eq(turns, "decision", PullDecision.PULL.value)
+    return [Needs(pulled & col.null(turns, "read_outcome"), "read_outcome", sc.SPAN_READ)]
+
+
+def applies(turns, context: Context):
+    return col.eq(turns, "read_outcome", ReadOutcome.DONE.value)
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, "Remote KV read paid off.",
                    turn.pick("read_span_id", "read_bytes", "read_blocks", "read_duration_s",
                              "candidate_tokens", "remaining_ttl_s", "ttft_s"))

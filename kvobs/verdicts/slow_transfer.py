@@ -6,29 +6,45 @@ What to do: check the P<->D link (``vllm:kvobs_remote_read_duration_seconds``); 
 ``kv_recompute_threshold`` to the break-even point ``kvobs tune`` reports.
 """
 
+import numpy as np
+
 from kvobs import semconv as sc
 from kvobs.semconv import ReadOutcome, Verdict
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts import _columns as col
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.SLOW_TRANSFER
 
 
-def recompute_estimate_s(turn: Turn, context: Context) -> float | None:
+def _done(turns):
+    return col.eq(turns, "read_outcome", ReadOutcome.DONE.value)
+
+
+def missing(turns, context: Context):
+    return [Needs(_done(turns) & col.null(turns, "read_duration_s"), "read_duration_s",
+                  sc.SPAN_READ)]
+
+
+def recompute_estimate_s(turns, context: Context) -> np.ndarray:
+    """Seconds P would have needed to compute the M tokens it read (NaN: unknown)."""
+    tokens = col.num(turns, "candidate_tokens")
+    if not context.prefill_tokens_per_s:
+        return np.full(len(turns), np.nan)
+    return np.where(tokens > 0, tokens / context.prefill_tokens_per_s, np.nan)
+
+
+def applies(turns, context: Context):
+    duration = col.num(turns, "read_duration_s")
+    slower = duration > recompute_estimate_s(turns, context)  # NaN compares False
+    over_slo = (duration > context.read_slo_s if context.read_slo_s is not None
+                else col.none(turns))
+    return _done(turns) & (slower | over_slo)
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     tokens = turn.get("candidate_tokens")
-    if not tokens or not context.prefill_tokens_per_s:
-        return None
-    return tokens / context.prefill_tokens_per_s
-
-
-def check(turn: Turn, context: Context) -> Finding | None:
-    if turn.get("read_outcome") != ReadOutcome.DONE.value:
-        return None
-    duration = turn.require("read_duration_s", sc.SPAN_READ)
-    estimate = recompute_estimate_s(turn, context)
-    slower = estimate is not None and duration > estimate
-    over_slo = context.read_slo_s is not None and duration > context.read_slo_s
-    if not (slower or over_slo):
-        return None
+    estimate = (tokens / context.prefill_tokens_per_s
+                if tokens and context.prefill_tokens_per_s else None)
     evidence = turn.pick("read_span_id", "read_duration_s", "read_bytes", "candidate_tokens")
     evidence.update(recompute_estimate_s=estimate, read_slo_s=context.read_slo_s,
                     prefill_tokens_per_s=context.prefill_tokens_per_s)

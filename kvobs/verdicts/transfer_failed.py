@@ -7,17 +7,20 @@ check P and D agree on ``bidirectional_kv_xfer``; enable the connector's stuck-w
 """
 
 from kvobs.semconv import FallbackReason, ReadOutcome, Verdict
+from kvobs.verdicts import _columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.TRANSFER_FAILED
 
 
-def check(turn: Turn, context: Context) -> Finding | None:
-    failed = turn.get("read_outcome") == ReadOutcome.FAILED.value
-    fallback = turn.get("fallback_reason") == FallbackReason.READ_FAILED.value
+def applies(turns, context: Context):
+    return (col.eq(turns, "read_outcome", ReadOutcome.FAILED.value)
+            | col.eq(turns, "fallback_reason", FallbackReason.READ_FAILED.value)
+            | col.present(turns, "stuck_span_id"))
+
+
+def explain(turn: Turn, context: Context) -> Finding:
     stuck = turn.get("stuck_span_id") is not None
-    if not (failed or fallback or stuck):
-        return None
     what = "waited for remote KV that never came" if stuck else "remote read failed"
     return Finding(VERDICT, f"P {what}: check NIXL/UCX health between P and D and "
                             "P's log at this time.",

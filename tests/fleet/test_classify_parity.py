@@ -1,4 +1,4 @@
-"""The vectorised classifier and turn table agree with kvobs.verdicts / kvobs.correlate."""
+"""The fleet turn table (column-wise, for scale) labels every turn as kvobs diagnose does."""
 
 import pandas as pd
 import pytest
