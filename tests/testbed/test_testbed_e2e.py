@@ -222,3 +222,34 @@ def test_recompute_policy_declined_read_is_fixed_not_stuck(slow_link):
     assert list(stuck["kvobs.stuck.fixed"]) == [True]
     result = [r for r in slow_link.results if (r.conversation_id, r.turn) == ("agent-late", 2)]
     assert result[0].status == 200
+
+
+def _cli_json(run: Run, *args: str):
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+
+    result = CliRunner().invoke(main, [*args, "--source", str(run.out), "--json"])
+    assert result.exit_code in (0, 1, 3), result.output
+    return json.loads(result.output)
+
+
+def test_tune_recommends_by_link_speed_consistently_with_measurements(demo, slow_link):
+    """Loopback: reads pay off above a small break-even M*. Over the 2 Mbit/s link each
+    read costs far more than computing its tokens: the threshold moves out of reach (or
+    reads never pay off at all)."""
+    fast, slow = _cli_json(demo, "tune"), _cli_json(slow_link, "tune")
+    assert fast["recommended_threshold"] is not None
+    slow_threshold = slow["recommended_threshold"] or float("inf")
+    assert slow_threshold > 10 * fast["recommended_threshold"]
+    for tuning in (fast, slow):  # consistent with the recording: at M* read = recompute
+        read, m_star = tuning["read"], tuning["break_even_tokens"]
+        if m_star is not None:
+            assert read["fixed_s"] + m_star * read["s_per_token"] == pytest.approx(
+                m_star / tuning["prefill_tokens_per_s"])
+            assert tuning["recommended_threshold"] >= m_star
+    # and every read on the slow link really took longer than computing its tokens
+    reads = [t for t in _cli_json(slow_link, "turns") if t["read_outcome"] == "done"]
+    assert len(reads) >= 2
+    for turn in reads:
+        assert turn["read_duration_s"] > turn["candidate_tokens"] / slow["prefill_tokens_per_s"]
