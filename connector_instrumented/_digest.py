@@ -8,12 +8,15 @@ stride plus the last block for long ones); P finds the longest prefix that still
 
 Format (a string, so that it survives any JSON hop)::
 
-    kvobs1:<hash_block_size>:<seed fingerprint>:<n>.<16 hex>,<n>.<16 hex>,...
+    kvobs2:<hash_block_size>:<seed fingerprint>:<blocks>:<16 hex per checkpoint>
+
+The checkpoints follow from ``<blocks>`` (``checkpoints()``), so only the hash prefixes
+travel, concatenated: cheap to build on D's hook and to probe on P's.
 
 >>> hashes = [bytes([i]) * 32 for i in range(1, 6)]
 >>> d = encode(hashes, num_tokens=5 * 16 + 3, block_size=16, seed="abcd")
->>> d.split(":")[:3]
-['kvobs1', '16', 'abcd']
+>>> d.split(":")[:4]
+['kvobs2', '16', 'abcd', '5']
 >>> compare(d, hashes, block_size=16, seed="abcd", limit_tokens=83)
 (<PrefixEvidence.MATCH: 'match'>, 80)
 >>> other = hashes[:2] + [b"x" * 32] * 3
@@ -32,7 +35,8 @@ from typing import Sequence
 
 from kvobs.semconv import PrefixEvidence
 
-VERSION = "kvobs1"
+VERSION = "kvobs2"
+_HEX = 2 * 8  # hex digits of one hash prefix
 MAX_CHECKPOINTS = 64
 _PREFIX_BYTES = 8
 
@@ -79,9 +83,9 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
     num_blocks = min(len(block_hashes), num_tokens // block_size)
     if num_blocks <= 0 or not seed:
         return None
-    entries = ",".join([f"{n}.{block_hashes[n - 1][:_PREFIX_BYTES].hex()}"
-                        for n in _checkpoints(num_blocks)])
-    return f"{VERSION}:{block_size}:{seed}:{entries}"
+    prefixes = b"".join([block_hashes[n - 1][:_PREFIX_BYTES]
+                         for n in _checkpoints(num_blocks)])
+    return f"{VERSION}:{block_size}:{seed}:{num_blocks}:{prefixes.hex()}"
 
 
 class _Agrees:
@@ -89,14 +93,14 @@ class _Agrees:
 
     Reads only the entries the binary search probes: a hook must stay cheap."""
 
-    def __init__(self, counts, entries, hashes):
-        self._counts, self._entries, self._hashes = counts, entries, hashes
+    def __init__(self, counts, hexed, hashes):
+        self._counts, self._hexed, self._hashes = counts, hexed, hashes
 
     def __len__(self):
         return len(self._counts)
 
     def __getitem__(self, i):
-        theirs = self._entries[i].partition(".")[2]
+        theirs = self._hexed[i * _HEX:(i + 1) * _HEX]
         return self._hashes[self._counts[i] - 1][:_PREFIX_BYTES].hex() != theirs
 
 
@@ -109,22 +113,20 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     """
     if not digest:
         return PrefixEvidence.ABSENT, 0
-    version, d_block_size, d_seed, body = digest.split(":", 3)
+    version, d_block_size, d_seed, d_blocks, hexed = digest.split(":", 4)
     if version != VERSION:
         raise ValueError(f"unknown digest version {version!r}")
     if int(d_block_size) != block_size or not seed or d_seed != seed:
         return PrefixEvidence.INCOMPARABLE, 0
-    entries = body.split(",")
-    # The checkpoints follow from D's block count (the last entry): no need to parse all.
-    counts = _checkpoints(int(entries[-1].partition(".")[0]))
-    if len(counts) != len(entries):
+    counts = _checkpoints(int(d_blocks))
+    if len(hexed) != len(counts) * _HEX:
         raise ValueError("digest checkpoints do not match its block count")
     usable = min(len(block_hashes), limit_tokens // block_size)
     n = bisect_left(counts, usable + 1)  # checkpoints P can check
     if n == 0:
         return PrefixEvidence.INCOMPARABLE, 0
     # Chained hashes: agreement at a checkpoint implies agreement at all earlier ones.
-    first_bad = bisect_left(_Agrees(counts[:n], entries, block_hashes), True)
+    first_bad = bisect_left(_Agrees(counts[:n], hexed, block_hashes), True)
     matched = counts[first_bad - 1] * block_size if first_bad else 0
     if first_bad == n:
         return PrefixEvidence.MATCH, matched

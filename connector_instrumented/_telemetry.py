@@ -49,6 +49,7 @@ class SpanSink:
         self._store_dir = store_dir
         self._factory = tracer_factory or self._configure
         self._tracers: dict[sc.Service, trace.Tracer] = {}
+        self._enabled: dict[str, bool] = {}  # by span name: asked on every hook call
         self._max_queue = max(1, int(max_queue if max_queue is not None
                                      else os.environ.get(ENV_QUEUE_SIZE, "8192")))
         self._wake_at = max(1, self._max_queue // 2)
@@ -85,7 +86,11 @@ class SpanSink:
 
     def enabled(self, span: sc.SpanName) -> bool:
         """False when spans would be dropped anyway: skip building attributes."""
-        return not isinstance(self.tracer(span), trace.NoOpTracer)
+        flag = self._enabled.get(span.name)
+        if flag is None:
+            flag = self._enabled[span.name] = not isinstance(self.tracer(span),
+                                                             trace.NoOpTracer)
+        return flag
 
     def emit(self, span: sc.SpanName, correlation: Correlation,
              attributes: Mapping[str, Any], start_s: float | None = None,

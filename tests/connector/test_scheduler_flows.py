@@ -243,7 +243,7 @@ def test_d_export_digest_and_release(model_dir, spans):
     req, eco = _d_turn(scheduler, prompt)
     out = eco[0].outputs[0].kv_transfer_params
     assert out["remote_blocks_expiry_time"] is not None
-    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs1:16:")
+    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs2:16:")
     (export,) = spans.spans(sc.SPAN_EXPORT)
     a = attrs(export)
     assert a[sc.EXPORT_TOKENS.key] == out["remote_num_tokens"] == 50
