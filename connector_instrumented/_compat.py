@@ -22,6 +22,9 @@ except ImportError:  # pragma: no cover - older single-module layout
         NixlPromMetrics,
     )
 
+__all__ = ["UpstreamNixlConnector", "NixlKVConnectorStats", "NixlPromMetrics",
+           "MissingHookError", "require", "check_connector_class"]
+
 # Connector (public) methods the facade overrides: missing ones mean the scheduler or
 # model runner would never call our override.
 CONNECTOR_HOOKS = (

@@ -23,7 +23,7 @@ def fleet_source_option(function):
 
 
 def _labelled(source: str, read_slo, prefill_rate):
-    from kvobs.fleet import fleet_turns, label_turns, open_fleet_source
+    from kvobs.fleet import fleet_turns, open_fleet_source
     from kvobs.sources import SourceError
 
     try:

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvobs._net import free_port
 from kvobs.monitoring import dashboards, rules
 from kvobs.monitoring.config import COLON_RESTORING_RELABEL, DEFAULT, MonitoringConfig
 
@@ -126,12 +126,6 @@ def check_live(base_url: str, config: MonitoringConfig = DEFAULT,
 
 
 # --------------------------------------------------------------------------- local Prometheus
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvobs._net import free_ports  # noqa: F401  (part of this module's API)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
 SERVED_MODEL_NAME = "tiny"
@@ -43,23 +45,6 @@ except Exception as _e:  # pragma: no cover
     import sys as _sys
     print(f"[kvobs sitecustomize] patches not installed: {_e!r}", file=_sys.stderr)
 """
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct currently-free TCP ports on 127.0.0.1 (racy, fine for tests)."""
-    import socket
-
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def _vllm_version() -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,14 +27,9 @@ from typing import Any
 from aiohttp import web
 
 from kvobs import semconv as sc
+from kvobs._net import free_port  # noqa: F401  (harness and conftest use it)
 
 DECLINE_WINDOW_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prompt_text(body: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ import asyncio
 import json
 
 import aiohttp
-from harness import Harness, parse_sse
+from harness import Harness
 from test_proxy_flow import converse, outcomes, run
 
 from kvobs import semconv as sc
