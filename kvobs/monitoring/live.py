@@ -13,10 +13,8 @@ Standard library only (urllib, subprocess), so it runs wherever the testbed runs
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -27,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvobs._net import free_port
+from kvobs._proc import stop_process_group
 from kvobs.monitoring import dashboards, rules
 from kvobs.monitoring.config import COLON_RESTORING_RELABEL, DEFAULT, MonitoringConfig
 
@@ -142,16 +141,8 @@ class PrometheusProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop this Prometheus by its PID (SIGTERM, then SIGKILL) and clean up."""
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         if self._process is not None:
-            try:
-                self._process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self._process.wait(timeout)
+            stop_process_group(self._process, timeout)
         if self.owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 

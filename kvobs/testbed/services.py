@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvobs._proc import stop_process_group
 from kvobs.testbed.engines import REPO_ROOT, free_ports
 
 
@@ -47,20 +47,7 @@ class Process:
             return ""
 
     def stop(self, grace_s: float = 5.0) -> None:
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # stragglers of the group after the leader exited
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_process_group(self.proc, grace_s)
 
     def wait_until(self, probe, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s

@@ -14,11 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
-from proxy_standins import DecodeState, StandInDecode, StandInPrefill, free_port
+from proxy_standins import (DecodeState, LocalServer, StandInDecode, StandInPrefill,
+                            free_port)
 
 
-class ProxyUnderTest:
+class ProxyUnderTest(LocalServer):
     def __init__(self, config: ProxyConfig, tracer=None):
+        super().__init__(config.port)
         self.config = config
         self.registry = CollectorRegistry()
         self.exporter = InMemorySpanExporter()
@@ -27,24 +29,9 @@ class ProxyUnderTest:
             provider.add_span_processor(SimpleSpanProcessor(self.exporter))
             tracer = provider.get_tracer("test")
         self.tracer = tracer
-        self.port = config.port
-        self._runner = None
 
-    async def start(self) -> "ProxyUnderTest":
-        app = build_app(self.config, tracer=self.tracer, registry=self.registry)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def app(self) -> web.Application:
+        return build_app(self.config, tracer=self.tracer, registry=self.registry)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.registry.get_sample_value(name, labels or {})

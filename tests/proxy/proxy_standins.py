@@ -58,11 +58,11 @@ class DecodeState:
         return time.monotonic() + self.clock_offset
 
 
-class _Engine:
-    def __init__(self):
-        self.requests: list[dict[str, Any]] = []
-        self.headers: list[dict[str, str]] = []
-        self.port = free_port()
+class LocalServer:
+    """An aiohttp app on a loopback port, started and stopped inside a test."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
         self._runner: web.AppRunner | None = None
 
     @property
@@ -70,12 +70,9 @@ class _Engine:
         return f"http://127.0.0.1:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._handle)
-        app.router.add_post("/v1/completions", self._handle)
-        return app
+        raise NotImplementedError
 
-    async def start(self) -> "_Engine":
+    async def start(self):
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -85,6 +82,19 @@ class _Engine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+class _Engine(LocalServer):
+    def __init__(self):
+        super().__init__()
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/completions", self._handle)
+        return app
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

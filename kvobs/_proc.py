@@ -1,0 +1,26 @@
+"""Stopping the processes kvobs starts: by PID, the whole process group, always."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the group of ``proc`` (started with ``start_new_session=True``), wait
+    ``grace_s``, then SIGKILL whatever is left, stragglers included."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # stragglers of the group after the leader exited
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
