@@ -1,7 +1,10 @@
 """Join proxy, P and D spans into one row per turn.
 
-Every kvobs span carries the correlation keys (conversation id, turn index); spans that
-lack them inherit them from their trace. Each turn column comes from one span name and
+Every kvobs span carries the correlation keys (tenant digest, conversation id, turn
+index); spans that lack them inherit them from their trace. The tenant is part of the
+key because the proxy scopes conversations by tenant: two tenants using one conversation
+id are two conversations. Spans recorded without a tenant (no kvobs proxy in front) get
+``UNKNOWN_TENANT``. Each turn column comes from one span name and
 one attribute (``TURN_FIELDS``): the table is the whole mapping, so a new column is one
 line. Facts about the *previous* turn's KV (D's export and release) are shifted onto the
 turn that tried to reuse it.
@@ -13,7 +16,9 @@ import pandas as pd
 
 from kvobs import semconv as sc
 
-KEYS = ["conversation_id", "turn"]
+KEYS = ["tenant", "conversation_id", "turn"]
+CONVERSATION_KEYS = ["tenant", "conversation_id"]
+UNKNOWN_TENANT = ""
 
 # column -> (span, attribute key or a span column such as "span_id")
 TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
@@ -73,20 +78,26 @@ PREVIOUS_PREFIX = "prev_"
 
 
 def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
-    """Spans with conversation/turn filled from their trace where the span lacks them."""
+    """Spans with tenant/conversation/turn filled from their trace where the span lacks
+    them."""
     frame = spans.rename(columns={sc.CONVERSATION_ID.key: "conversation_id",
-                                  sc.TURN_INDEX.key: "turn"})
-    tagged = frame.dropna(subset=["conversation_id", "turn"]).drop_duplicates("trace_id")
-    by_trace = tagged.set_index("trace_id")[KEYS]
+                                  sc.TURN_INDEX.key: "turn",
+                                  sc.TENANT_DIGEST.key: "tenant"})
     for key in KEYS:
         missing = frame[key].isna()
         if missing.any():
-            frame.loc[missing, key] = frame.loc[missing, "trace_id"].map(by_trace[key])
+            tagged = frame.dropna(subset=[key]).drop_duplicates("trace_id")
+            if tagged.empty:
+                continue
+            by_trace = tagged.set_index("trace_id")[key]
+            frame.loc[missing, key] = frame.loc[missing, "trace_id"].map(by_trace)
+    frame["tenant"] = frame["tenant"].fillna(UNKNOWN_TENANT)
     return frame.dropna(subset=KEYS)
 
 
 def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per (conversation_id, turn), columns ``KEYS + TURN_FIELDS`` + derived."""
+    """One row per (tenant, conversation_id, turn), columns ``KEYS + TURN_FIELDS`` +
+    derived."""
     frame = _keyed(spans).sort_values("start_ns", kind="stable")
     turns = frame[KEYS].drop_duplicates().set_index(KEYS)
     for span_name in {span for span, _ in TURN_FIELDS.values()}:
@@ -110,7 +121,7 @@ def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
 
 
 def _derive(turns: pd.DataFrame) -> pd.DataFrame:
-    by_conversation = turns.groupby("conversation_id", sort=False)
+    by_conversation = turns.groupby(CONVERSATION_KEYS, sort=False)
     previous_end = by_conversation["turn_end_ns"].shift(1)
     previous_turn = by_conversation["turn"].shift(1)
     consecutive = previous_turn == turns["turn"] - 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvobs.correlate import prefill_rate, turns_from_spans
+from kvobs.correlate import UNKNOWN_TENANT, prefill_rate, turns_from_spans
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
 from kvobs.verdicts import Context, Finding, Turn, findings
@@ -22,10 +22,21 @@ SUMMARY_COLUMNS = ("gap_s", "prompt_tokens", "local_hit_tokens", "remote_tokens"
 
 
 class UnknownConversation(LookupError):
-    def __init__(self, conversation_id: str, near: list[str]):
+    def __init__(self, conversation_id: str, near: list[str], tenant: str | None = None):
         super().__init__(conversation_id)
         self.conversation_id = conversation_id
         self.near = near
+        self.tenant = tenant
+
+
+class AmbiguousConversation(LookupError):
+    """Several tenants use the conversation id: they are different conversations, and
+    merging them would read one tenant's turns as the other's."""
+
+    def __init__(self, conversation_id: str, tenants: list[str]):
+        super().__init__(conversation_id)
+        self.conversation_id = conversation_id
+        self.tenants = tenants
 
 
 @dataclass
@@ -33,9 +44,11 @@ class TurnDiagnosis:
     conversation_id: str
     turn: Turn
     finding: Finding
+    tenant: str = UNKNOWN_TENANT
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conversation_id": self.conversation_id, "turn": self.turn.index,
+        return {"conversation_id": self.conversation_id, "tenant": self.tenant,
+                "turn": self.turn.index,
                 "verdict": self.finding.verdict.value, "evidence": self.finding.evidence,
                 "remedy": self.finding.remedy, "rule": self.finding.rule,
                 **{column: self.turn.get(column) for column in SUMMARY_COLUMNS}}
@@ -47,6 +60,7 @@ class Diagnosis:
     turns: list[TurnDiagnosis]
     context: Context
     problems: list[str] = field(default_factory=list)
+    tenant: str = UNKNOWN_TENANT
 
     @property
     def verdicts(self) -> list[Verdict]:
@@ -57,7 +71,7 @@ class Diagnosis:
         return all(v in HEALTHY_VERDICTS for v in self.verdicts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conversation_id": self.conversation_id,
+        return {"conversation_id": self.conversation_id, "tenant": self.tenant,
                 "turns": [t.to_dict() for t in self.turns],
                 "context": {"prefill_tokens_per_s": self.context.prefill_tokens_per_s,
                             "read_slo_s": self.context.read_slo_s},
@@ -69,22 +83,35 @@ def classify_turns(turns: pd.DataFrame, read_slo_s: float | None = None,
                                                                        Context]:
     context = Context(prefill_tokens_per_s or prefill_rate(turns), read_slo_s)
     turns = turns.reset_index(drop=True)
-    diagnoses = [TurnDiagnosis(str(row["conversation_id"]), Turn(row), finding)
+    diagnoses = [TurnDiagnosis(str(row["conversation_id"]), Turn(row), finding,
+                               str(row["tenant"]))
                  for row, finding in zip(turns.to_dict("records"), findings(turns, context))]
     return diagnoses, context
 
 
 def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None = None,
-             prefill_tokens_per_s: float | None = None) -> Diagnosis:
+             prefill_tokens_per_s: float | None = None,
+             tenant: str | None = None) -> Diagnosis:
+    """One conversation's turns, classified. ``tenant`` (a digest, as spans carry it)
+    picks one when several tenants use the id; without it that case raises
+    ``AmbiguousConversation``."""
     spans = source.spans(conversation_id)
     turns = turns_from_spans(spans)
     turns = turns[turns["conversation_id"] == conversation_id]
+    tenants = sorted(turns["tenant"].unique())
+    if tenant is not None:
+        turns = turns[turns["tenant"] == tenant]
     if turns.empty:
         near = difflib.get_close_matches(conversation_id, source.conversation_ids(), n=5,
                                          cutoff=0.6)
-        raise UnknownConversation(conversation_id, near)
+        if tenant is not None and tenants:
+            near = [f"tenant {t}" for t in tenants]
+        raise UnknownConversation(conversation_id, near, tenant)
+    if len(tenants) > 1 and tenant is None:
+        raise AmbiguousConversation(conversation_id, tenants)
     diagnoses, context = classify_turns(turns, read_slo_s, prefill_tokens_per_s)
-    return Diagnosis(conversation_id, diagnoses, context, list(source.problems))
+    return Diagnosis(conversation_id, diagnoses, context, list(source.problems),
+                     str(turns["tenant"].iloc[0]))
 
 
 def all_turns(source: SpanSource, read_slo_s: float | None = None,

@@ -30,7 +30,10 @@ def _style(diagnosis: TurnDiagnosis) -> str:
 
 
 def diagnosis_table(diagnosis: Diagnosis) -> Table:
-    table = Table(title=f"conversation {diagnosis.conversation_id}", show_lines=False)
+    title = f"conversation {diagnosis.conversation_id}"
+    if diagnosis.tenant:
+        title += f" (tenant {diagnosis.tenant})"
+    table = Table(title=title, show_lines=False)
     for header in ("turn", "verdict", "gap s", "N", "L", "C", "M", "read", "bytes",
                    "read time", "TTFT", "remedy"):
         table.add_column(header, overflow="fold")

@@ -8,7 +8,7 @@ import click
 
 from kvobs.cli._common import (console, exit_status, fail_input, load_source, slo_option,
                                source_option)
-from kvobs.diagnose import UnknownConversation, diagnose
+from kvobs.diagnose import AmbiguousConversation, UnknownConversation, diagnose
 from kvobs.render import print_diagnosis, to_json
 
 
@@ -18,8 +18,10 @@ from kvobs.render import print_diagnosis, to_json
 @slo_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured from the conversation).")
+@click.option("--tenant", default=None, metavar="DIGEST",
+              help="Tenant digest (as spans carry it) when several tenants use the id.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(conversation_id, source, read_slo, prefill_rate, as_json):
+def command(conversation_id, source, read_slo, prefill_rate, tenant, as_json):
     """Classify every turn of CONVERSATION_ID and explain it.
 
     Exit status: 0 healthy, 1 a turn has a fault verdict, 2 usage/input error
@@ -27,10 +29,16 @@ def command(conversation_id, source, read_slo, prefill_rate, as_json):
     """
     span_source = load_source(source)
     try:
-        result = diagnose(span_source, conversation_id, read_slo, prefill_rate)
+        result = diagnose(span_source, conversation_id, read_slo, prefill_rate, tenant)
     except UnknownConversation as unknown:
         hint = f"; near matches: {', '.join(unknown.near)}" if unknown.near else ""
-        fail_input(f"unknown conversation id {unknown.conversation_id!r} in {source}{hint}")
+        scope = f" for tenant {unknown.tenant}" if unknown.tenant is not None else ""
+        fail_input(f"unknown conversation id {unknown.conversation_id!r}{scope} in "
+                   f"{source}{hint}")
+    except AmbiguousConversation as ambiguous:
+        fail_input(f"conversation id {ambiguous.conversation_id!r} is used by "
+                   f"{len(ambiguous.tenants)} tenants ({', '.join(ambiguous.tenants)}); "
+                   f"they are separate conversations: pass --tenant DIGEST")
     if as_json:
         click.echo(to_json(result.to_dict()))
     else:
