@@ -54,12 +54,12 @@ class Tracers:
 
 
 def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnSpec],
-                       start_s: float = 1_700_000_000.0) -> None:
+                       start_s: float = 1_700_000_000.0, tenant: str = "tenant0") -> None:
     t = int(start_s * SECOND)
     for index, spec in enumerate(turns, 1):
         if index > 1:
             t += int(spec.gap_s * SECOND)
-        corr = Correlation(conversation_id, index, "tenant0")
+        corr = Correlation(conversation_id, index, tenant)
         begin, end = t, t + int((spec.ttft_s + 0.1) * SECOND)
         proxy, prefill, decode = (tracers[sc.Service.PROXY], tracers[sc.Service.PREFILL],
                                   tracers[sc.Service.DECODE])

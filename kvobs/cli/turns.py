@@ -19,16 +19,19 @@ from kvobs.semconv import Verdict
 @click.option("--verdict", "verdicts", multiple=True,
               type=click.Choice([v.value for v in Verdict]), help="Only these verdicts.")
 @click.option("--conversation", "conversations", multiple=True, help="Only these ids.")
+@click.option("--tenant", "tenants", multiple=True, metavar="DIGEST",
+              help="Only these tenants (digests, as spans carry them).")
 @click.option("--min-turn", type=int, default=None, help="Only turns with index >= this.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-def command(source, read_slo, verdicts, conversations, min_turn, fmt, as_json):
+def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json):
     """All turns with their verdicts (load the CSV or JSON into pandas)."""
     span_source = load_source(source)
     items = all_turns(span_source, read_slo)
     items = [t for t in items
              if (not verdicts or t.finding.verdict.value in verdicts)
              and (not conversations or t.conversation_id in conversations)
+             and (not tenants or t.tenant in tenants)
              and (min_turn is None or t.turn.index >= min_turn)]
     rows = [t.to_dict() for t in items]
     fmt = "json" if as_json else fmt

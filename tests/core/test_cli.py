@@ -83,3 +83,32 @@ def test_turns_csv_loads_into_pandas(source):
     frame = pd.read_csv(io.StringIO(result.output))
     assert len(frame) == 6
     assert {"conversation_id", "turn", "verdict", "remedy", "evidence"} <= set(frame.columns)
+
+
+@pytest.fixture(scope="module")
+def two_tenants(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants")
+    tracers = Tracers(str(path))
+    write_conversation(tracers, "shared", [TurnSpec(), TurnSpec(read="done")], tenant="aaaa")
+    write_conversation(tracers, "shared", [TurnSpec(), TurnSpec(lookup="miss",
+                                                                decision="no-params")],
+                       start_s=1_700_000_100.0, tenant="bbbb")
+    return str(path)
+
+
+def test_one_id_used_by_two_tenants_is_two_conversations(two_tenants):
+    ambiguous = run("diagnose", "shared", "--source", two_tenants)
+    assert ambiguous.exit_code == 2 and "2 tenants (aaaa, bbbb)" in ambiguous.output
+    for tenant, verdicts, status in (("aaaa", ["first-turn", "remote-hit"], 0),
+                                     ("bbbb", ["first-turn", "missing-metadata"], 1)):
+        result = run("diagnose", "shared", "--tenant", tenant, "--source", two_tenants,
+                     "--json")
+        assert result.exit_code == status
+        payload = json.loads(result.output)
+        assert payload["tenant"] == tenant
+        assert [t["verdict"] for t in payload["turns"]] == verdicts
+    unknown = run("diagnose", "shared", "--tenant", "cccc", "--source", two_tenants)
+    assert unknown.exit_code == 2 and "tenant aaaa" in unknown.output
+    rows = json.loads(run("turns", "--tenant", "bbbb", "--source", two_tenants,
+                          "--json").output)
+    assert [(r["tenant"], r["turn"]) for r in rows] == [("bbbb", 1), ("bbbb", 2)]
