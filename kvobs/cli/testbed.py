@@ -70,9 +70,10 @@ def demo_command(out, scenario):
     spec, results = run_to_dir(scenario, out)
     source = open_source(out)
     diagnosed = diagnosed_turns(source, results)
-    shown = sorted({d.conversation_id for d in diagnosed.values() if d is not None})
-    for conversation_id in shown:
-        print_diagnosis(terminal, diagnose(source, conversation_id))
+    shown = sorted({(d.conversation_id, d.tenant) for d in diagnosed.values()
+                    if d is not None})
+    for conversation_id, tenant in shown:
+        print_diagnosis(terminal, diagnose(source, conversation_id, tenant=tenant))
     differ = mismatches(spec.expectations, diagnosed)
     unanswered = [r for r in results if not r.ok]
     terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "

@@ -16,7 +16,7 @@ NOT_FOUND = "not-found"
 def diagnosed_turns(source: SpanSource,
                     results: list[TurnResult]) -> dict[tuple[str, int], TurnDiagnosis | None]:
     by_trace = {d.turn.get("trace_id"): d for d in all_turns(source)}
-    return {(r.conversation_id, r.turn): by_trace.get(r.trace_id) for r in results}
+    return {(r.label, r.turn): by_trace.get(r.trace_id) for r in results}
 
 
 def mismatches(expectations: dict[tuple[str, int], str],

@@ -54,6 +54,12 @@ class TurnResult:
     expect: str | None = None
     error: str | None = None
     trace_id: str | None = None  # the proxy's answer header: names the turn to kvobs
+    tenant: str | None = None  # the scenario's tenant name (the API key sent)
+
+    @property
+    def label(self) -> str:
+        """The conversation's scenario label (``ConversationSpec.label``)."""
+        return f"{self.tenant}/{self.conversation_id}" if self.tenant else self.conversation_id
 
 
 @dataclass
@@ -138,11 +144,13 @@ def _completion_text(payload: dict[str, Any]) -> str:
     return message.get("content") or ""
 
 
-def _send(url: str, body: dict[str, Any], stream: bool,
-          timeout_s: float) -> tuple[int, str, float | None, str | None, str | None]:
+def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
+          api_key: str | None = None) -> tuple[int, str, float | None, str | None, str | None]:
     """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     start = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -191,7 +199,7 @@ def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
         time.sleep(max(0.0, conversation.due - time.monotonic()))
         turn = conversation.turn
         for action in turn.before:
-            log(f"[scenario] {action} before {conversation.spec.id} turn "
+            log(f"[scenario] {action} before {conversation.spec.label} turn "
                 f"{conversation.next_turn}")
             testbed.act(action)
         new_input = _new_input(conversation, turn)
@@ -200,14 +208,14 @@ def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
         started_at = time.time()
         begin = time.monotonic()
         status, text, ttft, error, trace_id = _send(testbed.proxy_url + path, body, stream,
-                                                    timeout_s)
+                                                    timeout_s, conversation.spec.tenant)
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,
                             status == 200 and error is None, stream,
                             not turn.no_conversation_id, size, len(text), ttft,
                             time.monotonic() - begin, started_at, turn.expect, error,
-                            trace_id)
+                            trace_id, conversation.spec.tenant)
         conversation.results.append(result)
-        log(f"[scenario] {result.conversation_id} turn {result.turn}: status {status} "
+        log(f"[scenario] {result.label} turn {result.turn}: status {status} "
             f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
             + (f" error {error}" if error else ""))
         if "messages" in body:

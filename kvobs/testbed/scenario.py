@@ -57,6 +57,13 @@ class ConversationSpec:
     system_tokens: int = 300  # the first prompt's length
     endpoint: str = "completions"  # completions | chat
     text_seed: str | None = None  # random text seed (default: the id); share it to fork
+    tenant: str | None = None  # sent as the API key (Authorization: Bearer <tenant>)
+
+    @property
+    def label(self) -> str:
+        """Unique in a scenario: the id, prefixed by the tenant when it has one (two
+        tenants may use one conversation id)."""
+        return f"{self.tenant}/{self.id}" if self.tenant else self.id
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ class Scenario:
 
     @property
     def expectations(self) -> dict[tuple[str, int], str]:
-        return {(c.id, i): t.expect for c in self.conversations
+        return {(c.label, i): t.expect for c in self.conversations
                 for i, t in enumerate(c.turns, 1) if t.expect}
 
 
@@ -119,9 +126,9 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         conversations.append(_build(ConversationSpec, conv, where, turns=turns))
     if not conversations:
         raise ScenarioError(f"{origin}: no conversations")
-    ids = [c.id for c in conversations]
-    if len(ids) != len(set(ids)):
-        raise ScenarioError(f"{origin}: conversation ids must be unique")
+    labels = [c.label for c in conversations]
+    if len(labels) != len(set(labels)):
+        raise ScenarioError(f"{origin}: conversation ids must be unique per tenant")
     return _build(Scenario, raw, origin, engines=engines, conversations=tuple(conversations))
 
 

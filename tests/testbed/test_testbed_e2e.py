@@ -253,3 +253,32 @@ def test_tune_recommends_by_link_speed_consistently_with_measurements(demo, slow
     assert len(reads) >= 2
     for turn in reads:
         assert turn["read_duration_s"] > turn["candidate_tokens"] / slow["prefill_tokens_per_s"]
+
+
+def test_two_tenants_using_one_conversation_id_never_share_kv(demo):
+    """tenant-b's first turn comes after tenant-a's turns under the same id: the proxy
+    finds no entry for it (a shared entry would send tenant-a's params and make it turn
+    3), each tenant's D export is read once, by its own next turn, and kvobs keeps the
+    two conversations apart (it asks which tenant rather than merging them)."""
+    from click.testing import CliRunner
+
+    from connector_instrumented.proxy._identity import tenant_digest
+    from kvobs.cli import main
+    from kvobs.diagnose import diagnose
+
+    merged = CliRunner().invoke(main, ["diagnose", "agent-shared", "--source", str(demo.out)])
+    assert merged.exit_code == 2 and "2 tenants" in merged.output, merged.output
+    source = open_source(str(demo.out))
+    a, b = (diagnose(source, "agent-shared", tenant=tenant_digest(name))
+            for name in ("tenant-a", "tenant-b"))
+    for tenant in (a, b):
+        assert [v.value for v in tenant.verdicts] == ["first-turn", "remote-hit"]
+        first, second = (t.turn for t in tenant.turns)
+        assert first.get("release_read_count") == 1
+        assert second.get("read_outcome") == "done"
+    b_first = b.turns[0].turn
+    assert (b_first.get("lookup"), b_first.get("params_sent")) == ("miss", False)
+    assert b_first.get("decode_request_id") != a.turns[0].turn.get("decode_request_id")
+    alone = CliRunner().invoke(main, ["diagnose", "agent-shared", "--tenant",
+                                      tenant_digest("tenant-b"), "--source", str(demo.out)])
+    assert alone.exit_code == 0 and "tenant " + tenant_digest("tenant-b") in alone.output
