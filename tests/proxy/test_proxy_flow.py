@@ -195,6 +195,29 @@ def test_replica_restart_with_redis_keeps_state(redis_url):
     run(scenario())
 
 
+def test_two_live_replicas_share_state_through_redis(redis_url):
+    """Turns of one conversation alternate between two running replicas: each finds the
+    entry the other stored (and refreshed)."""
+    async def scenario():
+        async with Harness(store_backend="redis", redis_url=redis_url) as h:
+            replica_b = await h.add_proxy()
+            messages = []
+            for turn, replica in enumerate((h.proxy, replica_b, h.proxy, replica_b), 1):
+                messages.append({"role": "user", "content": f"q{turn}"})
+                status, out = await h.post({"messages": list(messages),
+                                            "conversation_id": "shared"}, proxy=replica)
+                assert status == 200, out
+                messages.append({"role": "assistant",
+                                 "content": out["choices"][0]["message"]["content"]})
+            await asyncio.sleep(0.02)
+            assert outcomes(h.proxy) == ["miss", "hit"]
+            assert outcomes(replica_b) == ["hit", "hit"]
+            turns = [r["kv_transfer_params"][sc.KTP_TURN_INDEX] for r in h.prefill.requests]
+            assert turns == [1, 2, 3, 4]
+            assert len(h.prefill.reads) == 3
+    run(scenario())
+
+
 def test_tenants_never_share_kv():
     async def scenario():
         async with Harness() as h:
