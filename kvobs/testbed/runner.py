@@ -183,41 +183,56 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
         return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
 
 
-def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
-                 log=print) -> list[TurnResult]:
-    """Run every turn; conversations interleave on one clock, one request at a time."""
-    conversations = [_Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
-                     for spec in scenario.conversations]
-    start = time.monotonic()
-    for conversation in conversations:
-        conversation.due = start + conversation.turn.gap_s
-    while True:
-        pending = [c for c in conversations if not c.done]
-        if not pending:
-            break
-        conversation = min(pending, key=lambda c: c.due)
+class ScenarioClient:
+    """A scenario's client, one turn at a time: ``step()`` waits until the next due turn
+    (conversations interleave on one clock), sends it and returns what the client saw.
+    ``run_scenario`` steps it to the end; a benchmark can step two clients against two
+    testbeds alternately so both see the same load."""
+
+    def __init__(self, scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
+                 log=print):
+        self.testbed, self.timeout_s, self.log = testbed, timeout_s, log
+        self.conversations = [
+            _Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
+            for spec in scenario.conversations]
+        start = time.monotonic()
+        for conversation in self.conversations:
+            conversation.due = start + conversation.turn.gap_s
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.conversations)
+
+    @property
+    def results(self) -> list[TurnResult]:
+        return [r for c in self.conversations for r in c.results]
+
+    def step(self) -> TurnResult:
+        conversation = min((c for c in self.conversations if not c.done),
+                           key=lambda c: c.due)
         time.sleep(max(0.0, conversation.due - time.monotonic()))
         turn = conversation.turn
         for action in turn.before:
-            log(f"[scenario] {action} before {conversation.spec.label} turn "
-                f"{conversation.next_turn}")
-            testbed.act(action)
+            self.log(f"[scenario] {action} before {conversation.spec.label} turn "
+                     f"{conversation.next_turn}")
+            self.testbed.act(action)
         new_input = _new_input(conversation, turn)
         path, body, stream, size = _request(conversation, turn, new_input,
-                                            testbed.safe_token_ids)
+                                            self.testbed.safe_token_ids)
         started_at = time.time()
         begin = time.monotonic()
-        status, text, ttft, error, trace_id = _send(testbed.proxy_url + path, body, stream,
-                                                    timeout_s, conversation.spec.tenant)
+        status, text, ttft, error, trace_id = _send(self.testbed.proxy_url + path, body,
+                                                    stream, self.timeout_s,
+                                                    conversation.spec.tenant)
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,
                             status == 200 and error is None, stream,
                             not turn.no_conversation_id, size, len(text), ttft,
                             time.monotonic() - begin, started_at, turn.expect, error,
                             trace_id, conversation.spec.tenant)
         conversation.results.append(result)
-        log(f"[scenario] {result.label} turn {result.turn}: status {status} "
-            f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
-            + (f" error {error}" if error else ""))
+        self.log(f"[scenario] {result.label} turn {result.turn}: status {status} "
+                 f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
+                 + (f" error {error}" if error else ""))
         if "messages" in body:
             conversation.messages = body["messages"] + [{"role": "assistant", "content": text}]
         else:
@@ -226,7 +241,16 @@ def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
         conversation.next_turn += 1
         if not conversation.done:
             conversation.due = time.monotonic() + conversation.turn.gap_s
-    return [r for c in conversations for r in c.results]
+        return result
+
+
+def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
+                 log=print) -> list[TurnResult]:
+    """Run every turn; conversations interleave on one clock, one request at a time."""
+    client = ScenarioClient(scenario, testbed, timeout_s, log)
+    while not client.done:
+        client.step()
+    return client.results
 
 
 def write_results(out_dir: str, scenario: Scenario, results: list[TurnResult]) -> str:
