@@ -116,6 +116,13 @@ class SyntheticConfig:
     p_prev_prompt_cached: float = 0.5  # P still holds last turn's prompt locally
     p_system_cached: float = 0.6
     p_dropped: float = 0.0  # P's decision span lost (insufficient evidence)
+    tenants: int = 3  # conversations are spread over this many tenant digests
+
+
+def tenant_digests(config: SyntheticConfig) -> list[str]:
+    """Digest-shaped (16 hex) and marked synthetic (``5e`` like the trace ids)."""
+    return [f"5e{zlib.crc32(f'{config.seed}-{i}'.encode()):014x}"
+            for i in range(config.tenants)]
 
 
 # --------------------------------------------------------------------------- turns
@@ -268,6 +275,11 @@ class _Spans:
         conv, turn = turns["conv"].astype(np.uint64), turns["turn"].astype(np.uint64)
         self.trace_key = (conv << np.uint64(12)) | turn
         self.trace_hex = _prefixed("5e", _hex(self.trace_key, 30))  # 5e..: synthetic trace ids
+        digests = tenant_digests(config)
+        self.tenant = pa.DictionaryArray.from_arrays(
+            pa.array(turns["conv"] % len(digests), pa.int32()),
+            pa.array(digests)).cast(pa.large_string()) if digests else pa.nulls(
+            len(turns["conv"]), pa.large_string())
 
     def add(self, span: sc.SpanName, mask: np.ndarray, start_ns, end_ns, attrs: dict,
             kind: int, error=None, parent_root: bool = True):
@@ -298,6 +310,7 @@ class _Spans:
                       if error is not None else pa.array(np.zeros(m, dtype=bool))),
             sc.CONVERSATION_ID.key: self.ids.take(pa.array(self.turns["conv_local"][rows])),
             sc.TURN_INDEX.key: pa.array(self.turns["turn"][rows].astype(np.int64)),
+            sc.TENANT_DIGEST.key: self.tenant.take(take),
             sc.ROLE.key: pa.array(np.full(m, _ROLE[span.service], dtype=object),
                                   pa.large_string()),
         }

@@ -2,14 +2,13 @@
 columns fleet analysis needs, built column-wise (Arrow + numpy) instead of per span name
 with pandas groupbys, so millions of spans fit in seconds.
 
-Sources: the embedded store (parquet, projected columns only), any other ``SpanSource``
-(through its pandas span table), and ClickHouse (``kvobs.sources.clickhouse``, which
-builds the same table in SQL).
+Three steps, shared by every source: ``aggregate`` (spans -> one Arrow row per turn,
+before the previous-turn shifts), ``to_frame`` (Arrow turn rows -> the pandas table the
+rules read; also used for ClickHouse's SQL result and the store's per-turn files) and
+``derive`` (gap and previous-turn facts, never across conversations).
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pandas as pd
@@ -17,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import semconv as sc
-from kvobs.correlate import PREVIOUS_PREFIX, TURN_FIELDS
+from kvobs.correlate import KEYS, PREVIOUS_PREFIX, TURN_FIELDS, UNKNOWN_TENANT
 
 # Turn columns the fleet uses: name -> (span, source column), a subset of correlate's
 # TURN_FIELDS plus two of its own (when D's export ended, how long D held the blocks).
@@ -35,164 +34,259 @@ FLEET_FIELDS["entry_age_s"] = TURN_FIELDS["entry_age_s"]
 # Facts of turn k's KV that turn k+1's verdict reads (correlate.PREVIOUS_TURN_FIELDS).
 FLEET_PREVIOUS = ("release_reason", "release_end_ns", "ttl_s", "export_tokens")
 SUMMED = {"recomputed_tokens"}
+PRESENCE = {"stuck_span_id"}  # the span's presence is the fact: "yes" or null
 STRING_COLUMNS = {"lookup", "fallback_reason", "decision", "read_outcome", "release_reason",
                   "stuck_span_id"}
-_CID, _TURN = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
+_TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
+KEY_SOURCES = {"tenant": _TENANT, "conversation_id": _CID, "turn": _TURN}
 _TURN_BITS = 20  # key = conversation code << 20 | turn
+_SPAN_TYPES = {"start_ns": "int", "end_ns": "int", "error": "bool"}
+
+
+def column_type(column: str) -> str:
+    """The semconv type ("int", "float", "bool", "str") of a fleet turn column."""
+    if column in STRING_COLUMNS or column in ("tenant", "conversation_id"):
+        return "str"
+    if column == "turn":
+        return "int"
+    source = FLEET_FIELDS[column][1]
+    return _SPAN_TYPES.get(source) or sc.ATTRIBUTES[source].type
 
 
 def span_columns() -> list[str]:
     """Span-table columns a fleet turn table needs."""
-    needed = {"name", "start_ns", _CID, _TURN}
+    needed = {"name", "start_ns", *KEY_SOURCES.values()}
     needed.update(source for column, (_, source) in FLEET_FIELDS.items()
-                  if column != "stuck_span_id")
+                  if column not in PRESENCE)
     return sorted(needed)
 
 
-def _numpy(array: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    if pa.types.is_boolean(array.type):
-        return np.asarray(array.to_pandas(types_mapper=pd.ArrowDtype).astype("boolean"))
-    if pa.types.is_integer(array.type):
-        array = pc.cast(array, pa.int64())
-        if array.null_count == 0:
-            return array.to_numpy(zero_copy_only=False)
-        mask = array.is_null().to_numpy(zero_copy_only=False)
-        values = pc.fill_null(array, 0).to_numpy(zero_copy_only=False)
-        return pd.arrays.IntegerArray(values, mask)
-    if pa.types.is_floating(array.type):
-        return pc.cast(array, pa.float64()).to_numpy(zero_copy_only=False)
-    return array
+def needs_traces(table: pa.Table) -> bool:
+    """Whether some span must take a key from its trace (correlate's ``_keyed``): it
+    lacks conversation or turn, or lacks a tenant that other spans carry."""
+    tenant = table.column(_TENANT).null_count
+    return bool(table.column(_CID).null_count or table.column(_TURN).null_count
+                or 0 < tenant < table.num_rows)
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    return table.cast(pa.schema([pa.field(f.name, f.type.value_type)
+                                 if pa.types.is_dictionary(f.type) else f
+                                 for f in table.schema]))
+
+
+def _inherit_keys(table: pa.Table) -> pa.Table:
+    """Each key a span lacks comes from the first span of its trace that has it."""
+    if "trace_id" not in table.column_names or not needs_traces(table):
+        return table
+    table = _plain(table)
+    for key in KEY_SOURCES.values():
+        column = table.column(key)
+        if column.null_count in (0, table.num_rows):
+            continue
+        by_trace = table.filter(pc.is_valid(column)).select(["trace_id", key]).group_by(
+            "trace_id", use_threads=False).aggregate([(key, "first")])
+        index = pc.index_in(table.column("trace_id"), value_set=by_trace.column("trace_id"))
+        inherited = by_trace.column(f"{key}_first").take(index)
+        table = table.set_column(table.column_names.index(key), key,
+                                 pc.coalesce(column, inherited))
+    return table
 
 
 def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
     """One dictionary array; no re-hashing when every chunk already shares a dictionary
-    (``_store_table`` unifies them once)."""
+    (``unify_dictionaries`` after a parquet read)."""
     if pa.types.is_dictionary(column.type) and column.num_chunks:
         first = column.chunk(0).dictionary
-        address = first.buffers()[-1].address if first.buffers()[-1] else None
-        if all(chunk.dictionary.buffers()[-1] is not None
-               and chunk.dictionary.buffers()[-1].address == address
-               and len(chunk.dictionary) == len(first) for chunk in column.chunks):
+        if all(_same_buffer(chunk.dictionary, first) for chunk in column.chunks):
             indices = pa.concat_arrays([chunk.indices for chunk in column.chunks])
             return pa.DictionaryArray.from_arrays(indices, first)
         column = column.cast(column.type.value_type)
+    if not len(column):
+        return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
     return column.combine_chunks().dictionary_encode()
 
 
-def _untagged(table: pa.Table):
-    return pc.or_(pc.is_null(table.column(_CID)), pc.is_null(table.column(_TURN)))
+def _same_buffer(a: pa.Array, b: pa.Array) -> bool:
+    if a is b:
+        return True
+    x, y = a.buffers()[-1], b.buffers()[-1]
+    return x is not None and y is not None and x.address == y.address and len(a) == len(b)
 
 
-def _inherit_keys(table: pa.Table) -> pa.Table:
-    """Spans without conversation/turn take them from a tagged span of their trace."""
-    untagged = _untagged(table)
-    if not pc.any(untagged).as_py() or "trace_id" not in table.column_names:
-        return table
-    plain = pa.schema([pa.field(f.name, f.type.value_type) if pa.types.is_dictionary(f.type)
-                       else f for f in table.schema])
-    table = table.cast(plain)
-    tagged = table.filter(pc.invert(untagged)).select(["trace_id", _CID, _TURN])
-    by_trace = tagged.group_by("trace_id", use_threads=False).aggregate(
-        [(_CID, "first"), (_TURN, "first")]).rename_columns(["trace_id", "_cid", "_turn"])
-    rest = table.filter(untagged).drop_columns([_CID, _TURN]).join(
-        by_trace, "trace_id", join_type="inner").rename_columns(
-        {"_cid": _CID, "_turn": _TURN})
-    rest = rest.select(table.column_names).cast(table.schema)
-    return pa.concat_tables([table.filter(pc.invert(untagged)), rest])
+def _ranked(column: pa.ChunkedArray, null_as: str | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row codes in sorted string order, and the sorted distinct strings. Works on
+    dictionary codes: the common one-tenant column never becomes 10M strings."""
+    encoded = _dictionary(column)
+    dictionary = encoded.dictionary.cast(pa.string())
+    indices = encoded.indices
+    if null_as is not None and indices.null_count:
+        indices = pc.fill_null(indices, len(dictionary))
+        dictionary = pa.concat_arrays([dictionary, pa.array([null_as], pa.string())])
+    # Dense ranks: equal strings (an unmerged dictionary) share one code.
+    rank = pc.rank(dictionary, sort_keys="ascending", tiebreaker="dense").to_numpy() - 1
+    categories = np.empty(int(rank.max()) + 1 if len(rank) else 0, dtype=object)
+    categories[rank] = dictionary.to_numpy(zero_copy_only=False)
+    return rank.astype(np.int64)[indices.to_numpy(zero_copy_only=False)], categories
 
 
-def turns_from_table(table: pa.Table) -> pd.DataFrame:
-    """Spans (Arrow, ``span_columns()`` at least) to the fleet turn table."""
+def _firsts(sorted_keys: np.ndarray) -> np.ndarray:
+    return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:len(sorted_keys)]
+
+
+def _turn_order(keys: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Rows sorted by (turn key, start): a stable sort by key is enough unless spans of
+    one turn were stored out of start order (then the two-key sort)."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    same = sorted_keys[1:] == sorted_keys[:-1]
+    if same.any():
+        starts = start[order]
+        if (starts[1:][same] < starts[:-1][same]).any():
+            order = np.lexsort((start, keys))
+    return order
+
+
+def aggregate(table: pa.Table) -> pa.Table:
+    """Spans (Arrow, ``span_columns()`` at least; ``trace_id`` when ``needs_traces``) to
+    one row per (tenant, conversation_id, turn), sorted by those keys, before
+    ``derive``. Each column is the first non-null value of its span by start time
+    (pandas' ``groupby.first()``), or the sum for ``SUMMED``."""
     table = _inherit_keys(table)
     if table.column(_CID).null_count or table.column(_TURN).null_count:
-        table = table.filter(pc.invert(_untagged(table)))
-    ids = _dictionary(table.column(_CID))
-    # Codes in conversation id order, so rows come out sorted like correlate's.
-    rank = pc.rank(ids.dictionary, sort_keys="ascending", tiebreaker="first").to_numpy()
-    codes = (rank.astype(np.int64) - 1)[ids.indices.to_numpy(zero_copy_only=False)]
-    categories = np.empty(len(rank), dtype=object)
-    categories[rank - 1] = ids.dictionary.to_pylist()
+        table = table.filter(pc.and_(pc.is_valid(table.column(_CID)),
+                                     pc.is_valid(table.column(_TURN))))
+    tenant_codes, tenants = _ranked(table.column(_TENANT), UNKNOWN_TENANT)
+    cid_codes, cids = _ranked(table.column(_CID))
+    conversation = tenant_codes * max(len(cids), 1) + cid_codes
     turn = pc.cast(table.column(_TURN), pa.int64()).to_numpy(zero_copy_only=False)
-    key = (codes << _TURN_BITS) | turn
+    key = (conversation << _TURN_BITS) | turn
     start = pc.fill_null(table.column("start_ns"), 0).to_numpy(zero_copy_only=False)
     names = _dictionary(table.column("name"))
     name_codes = names.indices.to_numpy(zero_copy_only=False)
     name_index = {name: i for i, name in enumerate(names.dictionary.to_pylist())}
 
-    # One sort by (span name, turn, start): each span name is then a contiguous slice and,
-    # within it, the first span of a turn comes first.
-    order = np.lexsort((start, key, name_codes))
-    sorted_names = name_codes[order]
-    sorted_keys_all = key[order]
-    valid_cache: dict[str, np.ndarray] = {}
-    # Single-chunk value columns make the takes below fast (the dictionary-encoded key
-    # columns are left alone: combining them would merge their dictionaries).
-    values_table = table.drop_columns([_CID, "name"]).combine_chunks()
-
-    def valid_sorted(source: str) -> np.ndarray:
-        if source not in valid_cache:
-            valid_cache[source] = table.column(source).is_valid().to_numpy(
-                zero_copy_only=False)[order]
-        return valid_cache[source]
-
-    parts: list[pd.DataFrame] = [pd.DataFrame(index=pd.Index(np.unique(key), name="key"))]
-    by_span: dict[str, list[tuple[str, str]]] = {}
-    for column, (span, source) in FLEET_FIELDS.items():
-        by_span.setdefault(span.name, []).append((column, source))
-    for span_name, columns in by_span.items():
-        code = name_index.get(span_name)
-        if code is None:
-            parts.append(pd.DataFrame(columns=[c for c, _ in columns], dtype=float))
+    # Per span name: its rows in turn order, each row's turn (group) and the turn keys.
+    by_name: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for span_name in {span.name for span, _ in FLEET_FIELDS.values()}:
+        if span_name not in name_index:
             continue
-        lo, hi = np.searchsorted(sorted_names, np.array([code, code + 1], sorted_names.dtype))
-        sorted_keys = sorted_keys_all[lo:hi]
-        firsts = np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:hi - lo]
-        for column, source in columns:
-            if column == "stuck_span_id":  # presence of the span is the fact
-                parts.append(pd.DataFrame({column: np.full(firsts.sum(), True, object)},
-                                          index=pd.Index(sorted_keys[firsts], name="key")))
-                continue
-            values = values_table.column(source)
-            if column in SUMMED:
-                summed = pd.Series(_numpy(values.take(pa.array(order[lo:hi])))).groupby(
-                    sorted_keys).sum(min_count=1)
-                parts.append(pd.DataFrame({column: summed.to_numpy()},
-                                          index=pd.Index(summed.index, name="key")))
-                continue
-            # pandas' groupby.first(): the first non-null value of each turn.
-            positions = np.flatnonzero(valid_sorted(source)[lo:hi])
-            valid_keys = sorted_keys[positions]
-            starts = np.concatenate([[True], valid_keys[1:] != valid_keys[:-1]]
-                                    )[:len(valid_keys)]
-            chosen_positions = positions[starts]
-            chosen = values.take(pa.array(order[lo + chosen_positions]))
-            if column in STRING_COLUMNS:
-                data = pd.Categorical(chosen.to_pandas())
-            else:
-                data = _numpy(chosen)
-            parts.append(pd.DataFrame({column: data},
-                                      index=pd.Index(sorted_keys[chosen_positions], name="key")))
-    turns = pd.concat(parts, axis=1).sort_index()
-    keys = turns.index.to_numpy()
-    turns.insert(0, "turn", (keys & ((1 << _TURN_BITS) - 1)).astype(np.int64))
-    turns.insert(0, "conversation_id", pd.Categorical.from_codes(
-        keys >> _TURN_BITS, categories=pd.Index(categories)))
-    turns = turns.reset_index(drop=True)
-    return derive(turns, keys)
+        rows = np.flatnonzero(name_codes == name_index[span_name])
+        rows = rows[_turn_order(key[rows], start[rows])]
+        firsts = _firsts(key[rows])
+        by_name[span_name] = rows, np.cumsum(firsts) - 1, key[rows][firsts]
+    every = np.concatenate([keys for _, _, keys in by_name.values()] or [np.zeros(0, np.int64)])
+    turn_keys = np.sort(every, kind="stable")  # sorted runs: a merge
+    turn_keys = turn_keys[_firsts(turn_keys)]
+    n = len(turn_keys)
+    combined: dict[str, pa.Array] = {}
+
+    def source_column(source: str) -> pa.Array:
+        # One chunk per column makes the takes fast; only the columns used are copied.
+        if source not in combined:
+            combined[source] = table.column(source).combine_chunks()
+        return combined[source]
+
+    conversation_of = turn_keys >> _TURN_BITS
+    columns: dict[str, pa.Array] = {
+        "tenant": pa.DictionaryArray.from_arrays(
+            pa.array(conversation_of // max(len(cids), 1), pa.int32()),
+            pa.array(tenants, pa.string())),
+        "conversation_id": pa.DictionaryArray.from_arrays(
+            pa.array(conversation_of % max(len(cids), 1), pa.int32()),
+            pa.array(cids, pa.string())),
+        "turn": pa.array(turn_keys & ((1 << _TURN_BITS) - 1), pa.int64())}
+    for column, (span, source) in FLEET_FIELDS.items():
+        arrow_type = _ARROW[column_type(column)]
+        if span.name not in by_name:
+            columns[column] = pa.nulls(n, arrow_type)
+            continue
+        rows, group, keys = by_name[span.name]
+        position = np.searchsorted(turn_keys, keys)
+        if column in PRESENCE:
+            present = np.zeros(n, bool)
+            present[position] = True
+            columns[column] = pa.array(np.where(present, "yes", None), pa.string())
+            continue
+        values = source_column(source).take(pa.array(rows))
+        if column in SUMMED:
+            columns[column] = _summed(values, group, position, n)
+            continue
+        valid = np.flatnonzero(values.is_valid().to_numpy(zero_copy_only=False))
+        first = valid[_firsts(group[valid])]
+        take = np.full(n, -1, np.int64)
+        take[position[group[first]]] = first
+        columns[column] = values.take(pa.array(take, mask=take < 0)).cast(arrow_type)
+    return pa.table(columns)
 
 
-def derive(turns: pd.DataFrame, keys: np.ndarray | None = None) -> pd.DataFrame:
-    """Gap and previous-turn facts; rows must be grouped by conversation, by turn."""
-    if keys is None:
-        codes = turns["conversation_id"].astype("category").cat.codes.to_numpy(np.int64)
-        keys = (codes << _TURN_BITS) | turns["turn"].to_numpy(np.int64)
+_ARROW = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+
+
+def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
+            n: int) -> pa.Array:
+    """Sum per turn, null when no span of the turn has a value (``min_count=1``)."""
+    numbers = pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    total = np.zeros(n, np.int64)
+    counted = np.zeros(n, np.int64)
+    np.add.at(total, position[group], numbers)
+    np.add.at(counted, position[group], valid)
+    return pa.array(total, mask=counted == 0)
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """Arrow turn rows (``aggregate``, ClickHouse, the store's turn files) to the pandas
+    turn table, typed by semconv: strings categorical, integers nullable ``Int64``."""
+    columns = {}
+    for name in table.column_names:
+        values = table.column(name)
+        kind = column_type(name)
+        if kind == "str":
+            if not pa.types.is_dictionary(values.type):
+                values = values.dictionary_encode()
+            columns[name] = values.to_pandas()
+            if not isinstance(columns[name].dtype, pd.CategoricalDtype):
+                columns[name] = pd.Categorical(columns[name])
+        elif name == "turn":
+            columns[name] = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+        elif kind == "int":
+            values = pc.cast(values, pa.int64())
+            columns[name] = pd.arrays.IntegerArray(
+                pc.fill_null(values, 0).to_numpy(zero_copy_only=False),
+                pc.is_null(values).to_numpy(zero_copy_only=False))
+        elif kind == "bool":
+            values = pc.cast(values, pa.bool_())
+            columns[name] = pd.arrays.BooleanArray(
+                pc.fill_null(values, False).to_numpy(zero_copy_only=False),
+                pc.is_null(values).to_numpy(zero_copy_only=False))
+        else:
+            columns[name] = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    return pd.DataFrame(columns)
+
+
+def _codes(values: pd.Series) -> np.ndarray:
+    if isinstance(values.dtype, pd.CategoricalDtype):
+        return values.cat.codes.to_numpy(np.int64)
+    return pd.factorize(values)[0]
+
+
+def derive(turns: pd.DataFrame) -> pd.DataFrame:
+    """Gap and previous-turn facts. Rows must be grouped by (tenant, conversation), by
+    turn; a shift never crosses a conversation, so never a tenant."""
     consecutive = np.zeros(len(turns), bool)
-    consecutive[1:] = keys[1:] == keys[:-1] + 1
-    previous = np.concatenate([[0], np.arange(len(turns) - 1)])
+    if len(turns) > 1:
+        same = np.ones(len(turns) - 1, bool)
+        for key in KEYS[:-1]:
+            codes = _codes(turns[key])
+            same &= codes[1:] == codes[:-1]
+        turn = turns["turn"].to_numpy(np.int64)
+        consecutive[1:] = same & (turn[1:] == turn[:-1] + 1)
+    previous = np.concatenate([[0], np.arange(len(turns) - 1)])[:len(turns)]
 
     def shifted(column):
-        values = turns[column]
-        out = values.iloc[previous].reset_index(drop=True)
+        out = turns[column].iloc[previous].reset_index(drop=True)
         return out.where(consecutive)
 
     turns["gap_s"] = ((turns["turn_start_ns"] - shifted("turn_end_ns")) / 1e9).where(
@@ -202,41 +296,9 @@ def derive(turns: pd.DataFrame, keys: np.ndarray | None = None) -> pd.DataFrame:
     return turns
 
 
-def _store_table(store_dir: str, columns: list[str], since_ns: int | None) -> pa.Table:
-    import pyarrow.dataset as ds
-
-    from kvobs.sources.store import COMPACTED_DIR, store_schema
-
-    schema = store_schema()
-    compacted = os.path.join(store_dir, COMPACTED_DIR)
-    tables = []
-    if os.path.isdir(compacted):
-        # Strings as dictionaries straight from parquet: no 10M-string materialisation.
-        dictionary_columns = {_CID, "name"}
-        file_format = ds.ParquetFileFormat(
-            read_options=ds.ParquetReadOptions(dictionary_columns=dictionary_columns))
-        dataset = ds.dataset(compacted, format=file_format, partitioning="hive")
-        present = [c for c in columns if c in dataset.schema.names]
-        table = dataset.to_table(columns=present)
-        for column in columns:
-            if column not in present:
-                table = table.append_column(column, pa.nulls(table.num_rows,
-                                                             schema.field(column).type))
-        tables.append(table.select(columns).unify_dictionaries())
-    from kvobs.sources.store import StoreSource
-
-    live = StoreSource(store_dir)._live
-    if os.path.isdir(live.location):
-        frame = live.spans()
-        if not frame.empty:
-            tables.append(pa.Table.from_pandas(frame[columns], preserve_index=False).cast(
-                pa.schema([schema.field(c) for c in columns])))
-    if not tables:
-        return pa.Table.from_pylist([], schema=pa.schema([schema.field(c) for c in columns]))
-    if len(tables) == 1:
-        return tables[0]
-    plain = pa.schema([schema.field(c) for c in columns])
-    return pa.concat_tables([t.cast(plain) for t in tables])
+def turns_from_table(table: pa.Table) -> pd.DataFrame:
+    """Spans (Arrow) to the fleet turn table."""
+    return derive(to_frame(aggregate(table)))
 
 
 def fleet_turns(source) -> pd.DataFrame:
@@ -245,12 +307,10 @@ def fleet_turns(source) -> pd.DataFrame:
 
     if hasattr(source, "fleet_turns"):
         return source.fleet_turns()
-    columns = span_columns()
     if isinstance(source, StoreSource):
-        table = _store_table(source.store_dir, columns, None)
-        if pc.any(_untagged(table)).as_py():  # rare: inherit keys through trace ids
-            table = _store_table(source.store_dir, columns + ["trace_id"], None)
-        return turns_from_table(table)
+        from kvobs.fleet._store_turns import store_turns
+
+        return derive(to_frame(store_turns(source)))
     frame = source.spans()
-    return turns_from_table(pa.Table.from_pandas(frame[columns + ["trace_id"]],
+    return turns_from_table(pa.Table.from_pandas(frame[span_columns() + ["trace_id"]],
                                                  preserve_index=False))

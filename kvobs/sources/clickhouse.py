@@ -6,8 +6,9 @@ DateTime64(9)), ``TraceId``, ``SpanId``, ``ParentSpanId``, ``SpanName``, ``Servi
 String)`` (every attribute value as a string). See docs/clickhouse.md for the collector
 configuration.
 
-Heavy work stays in SQL: ``fleet_turns()`` pivots spans into one row per turn with one
-``GROUP BY`` (the same columns as ``kvobs.fleet``'s store path); ``spans(cid)`` reads one
+Heavy work stays in SQL: ``fleet_turns()`` pivots spans into one row per (tenant,
+conversation, turn) with one ``GROUP BY`` (the same columns as ``kvobs.fleet``'s store
+path); ``spans(cid)`` reads one
 conversation's traces only. Queries go through a ``query(sql) -> pyarrow.Table`` callable:
 ClickHouse's HTTP interface (``FORMAT ArrowStream``, no client library needed) or chdb
 (embedded ClickHouse; ``pip install chdb``) for tests and local files.
@@ -23,6 +24,7 @@ from typing import Callable
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.sources._frame import ALL_DTYPES
@@ -33,7 +35,7 @@ ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
 DEFAULT_TABLE = "otel_traces"
 ERROR_STATUS = ("Error", "STATUS_CODE_ERROR")
-_CID, _TURN = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
+_TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
 
 # The exporter's table (contrib exporter/clickhouseexporter, traces), abridged to what
 # kvobs reads plus the exporter's own indexes; for tests, demos and docs.
@@ -198,79 +200,87 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- fleet
 
-    def turns_sql(self) -> str:
-        """One row per (conversation, turn): kvobs.fleet's turn table, built in SQL."""
-        from kvobs.fleet._turns import FLEET_FIELDS, SUMMED
+    def turns_sql(self, inherit: bool = False) -> str:
+        """One row per (tenant, conversation, turn): kvobs.fleet's turn table, in SQL.
+        ``inherit``: spans lacking a key take it from their trace (a join; only needed
+        when the plain query shows keyless spans, see ``fleet_turns``)."""
+        from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
 
-        # Each value is computed only on rows of its span (short-circuit ``if``), once,
-        # in an inner projection; the outer GROUP BY aggregates the projected columns.
-        values, select = [], []
-        for column, (span, source) in FLEET_FIELDS.items():
-            expression = _span_column(source)
-            is_span = f"SpanName = {_quote(span.name)}"
-            if column == "stuck_span_id":
-                values.append(f"{is_span} AS v_{column}")
-                select.append(f"if(countIf(v_{column}) > 0, 'yes', NULL) AS {column}")
-                continue
-            values.append(f"if({is_span}, {expression}, NULL) AS v_{column}")
-            if column in SUMMED:
+        # One branch per span name, filtered on SpanName (the exporter's sort key): each
+        # attribute is looked up in the map only on rows of its own span.
+        names = sorted({span.name for span, _ in FLEET_FIELDS.values()})
+        branches = []
+        for name in names:
+            values = []
+            for column, (span, source) in FLEET_FIELDS.items():
+                kind = "bool" if column in PRESENCE else column_type(column)
+                if span.name != name:
+                    values.append(f"CAST(NULL, '{_NULLABLE[kind]}') AS v_{column}")
+                elif column in PRESENCE:
+                    values.append(f"CAST(1, '{_NULLABLE[kind]}') AS v_{column}")
+                else:
+                    values.append(f"CAST({_span_column(source)}, '{_NULLABLE[kind]}') "
+                                  f"AS v_{column}")
+            branches.append(
+                f"SELECT TraceId, Timestamp, {_attr(_TENANT)} AS tenant, "
+                f"{_attr(_CID)} AS cid, toInt64OrNull({_attr(_TURN)}) AS turn_index, "
+                f"{', '.join(values)} FROM {self.table} WHERE SpanName = {_quote(name)}")
+        spans = " UNION ALL ".join(branches)
+        if inherit:
+            spans = f"""
+                SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, ''))
+                                    AS tenant,
+                                    if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
+                                    ifNull(s.turn_index, t.turn_index) AS turn_index)
+                FROM ({spans}) AS s
+                LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
+                                  anyIf(cid, cid != '') AS cid,
+                                  anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
+                           FROM (SELECT TraceId, {_attr(_TENANT)} AS tenant,
+                                        {_attr(_CID)} AS cid,
+                                        toInt64OrNull({_attr(_TURN)}) AS turn_index
+                                 FROM {self.table})
+                           GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
+        select = []
+        for column in FLEET_FIELDS:
+            if column in PRESENCE:
+                select.append(f"if(countIf(v_{column} IS NOT NULL) > 0, 'yes', NULL) "
+                              f"AS {column}")
+            elif column in SUMMED:
                 select.append(f"sum(v_{column}) AS {column}")
             else:
                 # pandas groupby.first(): the first non-null value by start time.
-                select.append(f"argMinIf(v_{column}, Timestamp, isNotNull(v_{column})) "
+                select.append(f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
                               f"AS {column}")
-        keys = (f"nullIf({_attr(_CID)}, '') AS cid, "
-                f"toInt64OrNull({_attr(_TURN)}) AS turn_index")
-        # Spans without the keys inherit them from a tagged span of their trace.
-        spans = f"""
-            SELECT * FROM (SELECT *, {keys} FROM {self.table}) AS tagged
-            WHERE cid IS NOT NULL AND turn_index IS NOT NULL
-            UNION ALL
-            SELECT s.* EXCEPT (cid, turn_index), t.cid, t.turn_index
-            FROM (SELECT *, {keys} FROM {self.table}) AS s
-            INNER JOIN (SELECT TraceId, any(nullIf({_attr(_CID)}, '')) AS cid,
-                               any(toInt64OrNull({_attr(_TURN)})) AS turn_index
-                        FROM {self.table} WHERE {_attr(_CID)} != ''
-                        AND {_attr(_TURN)} != '' GROUP BY TraceId) AS t
-            ON s.TraceId = t.TraceId
-            WHERE s.cid IS NULL OR s.turn_index IS NULL"""
-        if not self._has_untagged():
-            spans = (f"SELECT * FROM (SELECT *, {keys} FROM {self.table}) "
-                     f"WHERE cid IS NOT NULL AND turn_index IS NOT NULL")
-        projected = f"SELECT cid, turn_index, Timestamp, {', '.join(values)} FROM ({spans})"
-        return (f"SELECT cid AS conversation_id, turn_index AS turn, {', '.join(select)} "
-                f"FROM ({projected}) GROUP BY cid, turn_index ORDER BY cid, turn_index "
-                f"SETTINGS join_use_nulls = 1")
-
-    def _has_untagged(self) -> bool:
-        """Whether any span lacks the correlation keys (then they are joined by trace)."""
-        table = self.query(f"SELECT count() AS n FROM {self.table} WHERE "
-                           f"{_attr(_CID)} = '' OR {_attr(_TURN)} = ''")
-        return bool(table.column(0)[0].as_py())
+        return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
+                f"{', '.join(select)} FROM ({spans}) GROUP BY tenant, cid, turn_index "
+                f"ORDER BY tenant, cid, turn_index SETTINGS join_use_nulls = 1")
 
     def fleet_turns(self) -> pd.DataFrame:
-        from kvobs.fleet._turns import STRING_COLUMNS, derive
+        from kvobs.fleet._turns import derive, to_frame
 
         table = self.query(self.turns_sql())
-        columns = {}
-        for name in table.column_names:
-            values = table.column(name)
-            if name == "conversation_id" or name in STRING_COLUMNS:
-                columns[name] = pd.Categorical(values.to_pandas())
-            elif pa.types.is_integer(values.type) and name.endswith("_ns"):
-                columns[name] = values.to_pandas(types_mapper=pd.ArrowDtype).astype("Int64")
-            elif name == "params_sent":
-                columns[name] = values.to_pandas(types_mapper=pd.ArrowDtype).astype("boolean")
-            else:
-                columns[name] = values.to_numpy(zero_copy_only=False)
-        turns = pd.DataFrame(columns)
-        turns["turn"] = turns["turn"].astype("int64")
-        for column in ("prompt_tokens", "local_hit_tokens", "remote_tokens",
-                       "candidate_tokens", "threshold", "read_bytes", "read_blocks",
-                       "export_tokens", "export_blocks", "release_read_count",
-                       "recomputed_tokens"):
-            turns[column] = pd.to_numeric(turns[column]).astype("Int64")
-        return derive(turns)
+        if _keyless(table):
+            table = self.query(self.turns_sql(inherit=True))
+        keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
+                        pc.is_valid(table.column("turn")))
+        return derive(to_frame(table.filter(keyed)))
+
+
+# Semconv type -> ClickHouse type of a turn value (NULL when the span lacks it).
+_NULLABLE = {"int": "Nullable(Int64)", "float": "Nullable(Float64)",
+             "bool": "Nullable(Bool)", "str": "Nullable(String)"}
+
+
+def _keyless(turns: pa.Table) -> bool:
+    """Whether some span lacked a key its trace may supply: a turn row without
+    conversation or turn, or tenant-less rows next to tenant rows."""
+    if not turns.num_rows:
+        return False
+    empty_tenant = pc.sum(pc.equal(turns.column("tenant"), "")).as_py() or 0
+    return bool(pc.any(pc.equal(turns.column("conversation_id"), "")).as_py()
+                or turns.column("turn").null_count
+                or 0 < empty_tenant < turns.num_rows)
 
 
 def _http_query(endpoint: str, user: str | None, password: str):

@@ -5,6 +5,9 @@ Layout of a store directory::
     spans/*.otlp.jsonl          live segments, OTLP-JSON lines appended by the emitters
     compacted/bucket=NN/*.parquet  columnar segments, one column per semconv attribute,
                                 rows sorted by conversation id, hash-partitioned by it
+    turns/bucket=NN/*.parquet   the turn rows of the span file of the same name
+                                (``kvobs.fleet``'s per-turn aggregate), so a fleet report
+                                reads turns, not spans
 
 ``compact()`` turns live segments into parquet. Reading one conversation touches one
 bucket and, thanks to the sort, few row groups: that keeps ``diagnose`` fast at fleet
@@ -29,6 +32,7 @@ from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversatio
 from kvobs.sources.otlp_json import OtlpJsonSource
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
+TURNS_DIR = "turns"
 BUCKETS = 64
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
@@ -95,26 +99,61 @@ def write_table(store_dir: str, table: pa.Table) -> int:
         part = table.slice(begin, stop - begin)
         directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
         os.makedirs(directory, exist_ok=True)
-        pq.write_table(part, os.path.join(directory, f"{uuid.uuid4().hex}.parquet"),
-                       row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        path = os.path.join(directory, f"{uuid.uuid4().hex}.parquet")
+        pq.write_table(part, path, row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        write_turns(store_dir, path, part)
     return table.num_rows
 
 
+def turns_path(store_dir: str, span_file: str) -> str:
+    """The turn file of a compacted span file (it may not exist: older stores)."""
+    bucket = os.path.basename(os.path.dirname(span_file))
+    return os.path.join(store_dir, TURNS_DIR, bucket, os.path.basename(span_file))
+
+
+def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -> None:
+    """Write the turn rows of one span file, after the span file itself: a span file
+    without turns is read from its spans, never the reverse."""
+    from kvobs.fleet._turns import aggregate
+
+    if spans is None:
+        spans = pq.read_table(span_file)
+    path = turns_path(store_dir, span_file)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(aggregate(spans), path + ".tmp", compression="zstd")
+    os.replace(path + ".tmp", path)
+
+
+def span_files(store_dir: str) -> list[str]:
+    compacted = os.path.join(store_dir, COMPACTED_DIR)
+    if not os.path.isdir(compacted):
+        return []
+    return sorted(os.path.join(compacted, bucket, name)
+                  for bucket in os.listdir(compacted) if bucket.startswith("bucket=")
+                  for name in os.listdir(os.path.join(compacted, bucket))
+                  if name.endswith(".parquet"))
+
+
 def compact(store_dir: str) -> tuple[int, list[str]]:
-    """Move live OTLP-JSON segments into parquet. Returns (spans moved, problems).
+    """Move live OTLP-JSON segments into parquet (and their turn files). Returns (spans
+    moved, problems). Also writes turn files that older compactions did not.
 
     A live file is deleted only after its rows are safely written: nothing is lost.
     """
     live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
-    if not os.path.isdir(live_dir):
-        return 0, []
-    source = OtlpJsonSource(live_dir)
-    frame = source.spans()
-    files = [os.path.join(live_dir, name) for name in os.listdir(live_dir)]
-    moved = write_parquet(store_dir, frame)
-    for path in files:
-        os.remove(path)
-    return moved, source.problems
+    moved, problems = 0, []
+    if os.path.isdir(live_dir):
+        source = OtlpJsonSource(live_dir)
+        frame = source.spans()
+        files = [os.path.join(live_dir, name) for name in os.listdir(live_dir)]
+        moved = write_parquet(store_dir, frame)
+        for path in files:
+            os.remove(path)
+        problems = source.problems
+    for path in span_files(store_dir):
+        if not os.path.exists(turns_path(store_dir, path)):
+            write_turns(store_dir, path)
+    return moved, problems
 
 
 class StoreSource:

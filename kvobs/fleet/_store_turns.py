@@ -1,0 +1,121 @@
+"""The embedded store's turn rows, mostly read from the turn files written at compaction.
+
+A turn file holds ``aggregate`` of one compacted span file, so it is the whole truth only
+for a conversation whose spans all sit in that file. A conversation also found in
+another compacted file (a turn's release compacted later, a conversation spanning
+compactions), among live spans, or in a span file without turn file is rebuilt from all
+its spans; the result equals ``aggregate`` over every span of the store.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
+
+_READ_AS_DICTIONARY = ["tenant", "conversation_id"]
+
+
+def _live_spans(source, columns: list[str]) -> pa.Table | None:
+    from kvobs.sources.store import store_schema
+
+    if not os.path.isdir(source._live.location):
+        return None
+    frame = source._live.spans()
+    if frame.empty:
+        return None
+    schema = store_schema()
+    return pa.Table.from_pandas(frame[columns], preserve_index=False).cast(
+        pa.schema([schema.field(c) for c in columns]))
+
+
+def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
+                     ) -> pa.Table:
+    from kvobs.sources.store import store_schema
+
+    schema = pa.schema([store_schema().field(c) for c in columns])
+    if not files:
+        return schema.empty_table()
+    # Keys and names as dictionaries straight from parquet: never 10M separate strings.
+    file_format = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
+        dictionary_columns={_TENANT, _CID, "name"}))
+    dataset = ds.dataset(files, format=file_format)
+    present = [c for c in columns if c in dataset.schema.names]
+    table = dataset.to_table(columns=present, filter=None if cids is None
+                             else ds.field(_CID).isin(cids))
+    for column in columns:
+        if column not in present:
+            table = table.append_column(column, pa.nulls(table.num_rows,
+                                                         schema.field(column).type))
+    return table.select(columns).unify_dictionaries()
+
+
+def _sorted(table: pa.Table) -> pa.Table:
+    """Rows in (tenant, conversation_id, turn) order, as ``aggregate`` gives them."""
+    table = table.unify_dictionaries()
+    tenant, _ = _ranked(table.column("tenant"))
+    cid, _ = _ranked(table.column("conversation_id"))
+    turn = table.column("turn").to_numpy()
+    return table.take(pa.array(np.lexsort((turn, cid, tenant))))
+
+
+def store_turns(source) -> pa.Table:
+    """Turn rows (before ``derive``) of a ``StoreSource``, sorted by the turn keys."""
+    from kvobs.sources.store import span_files, turns_path
+
+    store_dir = source.store_dir
+    columns = span_columns() + ["trace_id"]
+    live = _live_spans(source, columns)
+    files = span_files(store_dir)
+    has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
+    indexed = [f for f in files if has_turns[f]]
+    unindexed = [f for f in files if not has_turns[f]]
+    if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
+        # A live span without conversation may belong to any compacted trace.
+        return aggregate(pa.concat_tables([_plain(_compacted_spans(files, columns, None)), live]))
+    turns = [pq.read_table(turns_path(store_dir, f), read_dictionary=_READ_AS_DICTIONARY)
+             for f in indexed]
+    rebuild = [pa.chunked_array([], pa.string())]
+    if unindexed:
+        rebuild.append(_compacted_spans(unindexed, [_CID], None).column(_CID))
+    if live is not None:
+        rebuild.append(live.column(_CID))
+    # Buckets partition conversation ids: only a bucket with several files can split one.
+    by_bucket: dict[str, list[pa.Table]] = {}
+    for path, table in zip(indexed, turns):
+        by_bucket.setdefault(os.path.dirname(path), []).append(table)
+    rebuild.extend(_split(tables) for tables in by_bucket.values() if len(tables) > 1)
+    cids = pc.unique(pa.chunked_array([chunk for c in rebuild
+                                       for chunk in c.cast(pa.string()).chunks],
+                                      pa.string()).combine_chunks())
+    kept = [_without(t, cids) for t in turns] if len(cids) else turns
+    if len(cids):
+        spans = _compacted_spans(files, columns, cids)
+        if live is not None:
+            spans = pa.concat_tables([_plain(spans), live])
+        kept.append(aggregate(spans))
+    if not kept:
+        return aggregate(_compacted_spans([], columns, None))
+    schema = kept[-1].schema
+    return _sorted(pa.concat_tables([t.cast(schema) for t in kept]))
+
+
+def _split(turns: list[pa.Table]) -> pa.ChunkedArray:
+    """Conversation ids found in more than one turn file."""
+    ids = pa.chunked_array([t.column("conversation_id").cast(pa.string()) for t in turns])
+    codes, names = _ranked(ids)
+    lengths = np.array([t.num_rows for t in turns])
+    pairs = np.unique(codes * len(turns) + np.repeat(np.arange(len(turns)), lengths))
+    files_per_id = np.bincount(pairs // len(turns), minlength=len(names))
+    return pa.chunked_array([pa.array(names[files_per_id > 1], pa.string())])
+
+
+def _without(turns: pa.Table, cids: pa.Array) -> pa.Table:
+    ids = turns.column("conversation_id").cast(pa.string())
+    return turns.filter(pc.invert(pc.is_in(ids, value_set=cids)))
