@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from kvobs.fleet._merge import sort_turns
 from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
 
 _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
@@ -54,15 +55,6 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
             table = table.append_column(column, pa.nulls(table.num_rows,
                                                          schema.field(column).type))
     return table.select(columns).unify_dictionaries()
-
-
-def _sorted(table: pa.Table) -> pa.Table:
-    """Rows in (tenant, conversation_id, turn) order, as ``aggregate`` gives them."""
-    table = table.unify_dictionaries()
-    tenant, _ = _ranked(table.column("tenant"))
-    cid, _ = _ranked(table.column("conversation_id"))
-    turn = table.column("turn").to_numpy()
-    return table.take(pa.array(np.lexsort((turn, cid, tenant))))
 
 
 def store_turns(source) -> pa.Table:
@@ -103,7 +95,7 @@ def store_turns(source) -> pa.Table:
     if not kept:
         return aggregate(_compacted_spans([], columns, None))
     schema = kept[-1].schema
-    return _sorted(pa.concat_tables([t.cast(schema) for t in kept]))
+    return sort_turns(pa.concat_tables([t.cast(schema) for t in kept]))
 
 
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:
