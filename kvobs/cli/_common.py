@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
-from kvobs.sources import SourceError, SpanSource, open_source
+from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 ENV_SOURCE = "KVOBS_SOURCE"
@@ -17,7 +17,7 @@ ENV_SOURCE = "KVOBS_SOURCE"
 def source_option(function):
     return click.option(
         "--source", "-s", "source", envvar=ENV_SOURCE, required=True, show_envvar=True,
-        help="Span source: a kvobs store directory, or OTLP-JSON lines file(s)/directory.",
+        help=SOURCE_HELP,
     )(function)
 
 
@@ -28,9 +28,10 @@ def slo_option(function):
 
 
 def load_source(location: str) -> SpanSource:
+    """The one way every command opens ``--source`` (exit 2 when it cannot)."""
     try:
         return open_source(location)
-    except SourceError as error:
+    except (SourceError, OSError) as error:
         fail_input(str(error))
 
 

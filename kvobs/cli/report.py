@@ -10,24 +10,17 @@ import sys
 
 import click
 
-from kvobs.cli._common import EXIT_OK, console, exit_status, fail_input, slo_option
+from kvobs.cli._common import (EXIT_OK, console, exit_status, fail_input, load_source,
+                               slo_option, source_option)
 from kvobs.render import to_json
-
-SOURCE_HELP = ("Span source: a kvobs store directory, OTLP-JSON file(s), "
-               "clickhouse://HOST:8123/DB[?table=otel_traces] or chdb:PATH.")
-
-
-def fleet_source_option(function):
-    return click.option("--source", "-s", "source", envvar="KVOBS_SOURCE", required=True,
-                        show_envvar=True, help=SOURCE_HELP)(function)
 
 
 def _labelled(source: str, read_slo, prefill_rate):
-    from kvobs.fleet import fleet_turns, open_fleet_source
+    from kvobs.fleet import fleet_turns
     from kvobs.sources import SourceError
 
+    span_source = load_source(source)
     try:
-        span_source = open_fleet_source(source)
         turns = fleet_turns(span_source)
     except (SourceError, OSError) as error:
         fail_input(str(error))
@@ -37,7 +30,7 @@ def _labelled(source: str, read_slo, prefill_rate):
 
 
 @click.command("report")
-@fleet_source_option
+@source_option
 @slo_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
@@ -107,7 +100,7 @@ def _print_report(report, html_file) -> None:
 
 
 @click.command("tune")
-@fleet_source_option
+@source_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
 @click.option("--target", type=float, default=0.95, show_default=True,
@@ -141,7 +134,7 @@ def tune_command(source, prefill_rate, target, as_json):
 
 
 @click.command("whatif")
-@fleet_source_option
+@source_option
 @click.option("--ttl", type=float, required=True, help="decoder_kv_blocks_ttl to replay (s).")
 @click.option("--threshold", type=int, required=True, help="kv_recompute_threshold to replay.")
 @click.option("--proxy-lifetime", type=float, default=None,

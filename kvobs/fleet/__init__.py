@@ -13,16 +13,5 @@ from kvobs.verdicts import classify_frame
 from kvobs.fleet.whatif import WhatIf, whatif
 
 __all__ = ["fleet_turns", "classify_frame", "FleetReport", "build_report", "label_turns",
-           "Tuning", "tune", "WhatIf", "whatif", "open_fleet_source"]
+           "Tuning", "tune", "WhatIf", "whatif"]
 
-
-def open_fleet_source(location: str):
-    """``open_source`` plus ClickHouse: ``clickhouse://HOST:PORT/DB[?table=T]`` (HTTP
-    interface) or ``chdb:PATH`` (embedded ClickHouse, for tests and local files)."""
-    if location.startswith(("clickhouse://", "clickhouses://", "chdb:")):
-        from kvobs.sources.clickhouse import ClickHouseSource
-
-        return ClickHouseSource.from_url(location)
-    from kvobs.sources import open_source
-
-    return open_source(location)

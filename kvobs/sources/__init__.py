@@ -15,7 +15,8 @@ import pandas as pd
 
 from kvobs.sources._frame import SPAN_COLUMNS, empty_spans
 
-__all__ = ["SpanSource", "SourceError", "open_source", "SPAN_COLUMNS", "empty_spans"]
+__all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS",
+           "empty_spans"]
 
 
 class SourceError(Exception):
@@ -32,11 +33,26 @@ class SpanSource(Protocol):
         """Every conversation id the source knows."""
 
 
+CLICKHOUSE_SCHEMES = ("clickhouse://", "clickhouses://", "chdb:")
+SOURCE_HELP = ("Span source: a kvobs store directory, OTLP-JSON lines file(s)/directory, "
+               "clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces] or "
+               "chdb:PATH[?table=T].")
+
+
 def open_source(location: str) -> SpanSource:
-    """A store directory (has ``spans/`` or ``compacted/``), else OTLP-JSON file(s)."""
+    """Every command's ``--source`` (``SOURCE_HELP``): ClickHouse by URL (HTTP interface)
+    or ``chdb:PATH`` (embedded ClickHouse), a store directory (has ``spans/`` or
+    ``compacted/``), else OTLP-JSON file(s)."""
     from kvobs.sources.otlp_json import OtlpJsonSource
     from kvobs.sources.store import StoreSource, is_store
 
+    if location.startswith(CLICKHOUSE_SCHEMES):
+        from kvobs.sources.clickhouse import ClickHouseSource
+
+        try:
+            return ClickHouseSource.from_url(location)
+        except ImportError as error:  # chdb not installed
+            raise SourceError(f"{location}: {error}") from error
     if not os.path.exists(location):
         raise SourceError(f"source not found: {location}")
     if os.path.isdir(location) and is_store(location):
