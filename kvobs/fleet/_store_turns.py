@@ -70,7 +70,8 @@ def store_turns(source) -> pa.Table:
     unindexed = [f for f in files if not has_turns[f]]
     if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
         # A live span without conversation may belong to any compacted trace.
-        return aggregate(pa.concat_tables([_plain(_compacted_spans(files, columns, None)), live]))
+        spans = _plain(_compacted_spans(files, columns, None)).cast(live.schema)
+        return aggregate(pa.concat_tables([spans, live]))
     turns = [pq.read_table(turns_path(store_dir, f), read_dictionary=_READ_AS_DICTIONARY)
              for f in indexed]
     rebuild = [pa.chunked_array([], pa.string())]
@@ -90,7 +91,7 @@ def store_turns(source) -> pa.Table:
     if len(cids):
         spans = _compacted_spans(files, columns, cids)
         if live is not None:
-            spans = pa.concat_tables([_plain(spans), live])
+            spans = pa.concat_tables([_plain(spans).cast(live.schema), live])
         kept.append(aggregate(spans))
     if not kept:
         return aggregate(_compacted_spans([], columns, None))
