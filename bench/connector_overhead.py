@@ -73,9 +73,11 @@ class Timer:
         self.depth = 0
         self.on = False
 
-    def wrap(self, obj, name: str, nested_ok: bool = False) -> None:
+    def wrap(self, obj, name: str, nested_ok: bool = False, also: str | None = None) -> None:
+        """Time ``obj.name`` into ``ns[name]`` (and ``ns[also]``: the per-role series)."""
         inner = getattr(obj, name)
         ns = self.ns[name]
+        extra = self.ns[also] if also else None
         clock = time.perf_counter_ns
 
         def timed(*args, **kwargs):
@@ -86,7 +88,10 @@ class Timer:
             try:
                 return inner(*args, **kwargs)
             finally:
-                ns.append(clock() - t0)
+                elapsed = clock() - t0
+                ns.append(elapsed)
+                if extra is not None:
+                    extra.append(elapsed)
                 self.depth -= 0 if nested_ok else 1
 
         setattr(obj, name, timed)
@@ -119,7 +124,7 @@ class Variant:
                                                    module=module), num_blocks=2000)
             for hook in HOOKS + EXTRA_HOOKS:
                 if hasattr(sched.connector, hook):
-                    self.timer.wrap(sched.connector, hook)
+                    self.timer.wrap(sched.connector, hook, also=f"{hook}@{role}")
             self.schedulers[role] = sched
         self.kvobs = name != "upstream"
 
@@ -261,6 +266,11 @@ def _us(ns_list) -> float:
     return statistics.fmean(ns_list) / 1000 if ns_list else float("nan")
 
 
+def _rank_us(sorted_ns, q: float) -> float:
+    """The q-quantile (nearest rank) of sorted nanosecond samples, in us."""
+    return sorted_ns[min(len(sorted_ns) - 1, int(q * len(sorted_ns)))] / 1000
+
+
 def _store_spans(store: Path) -> int:
     n = 0
     for path in store.rglob("*.jsonl"):
@@ -346,9 +356,22 @@ def hook_cost(flows: int, block: int, warmup: int) -> dict:
     print("\nper hook call, kvobs-on - upstream in us: mean / p50 / p95 of the calls")
     for hook in HOOKS:
         a, b = sorted(base.get(hook, [0])), sorted(on.timer.ns.get(hook, [0]))
-        pct = lambda s, q: s[min(len(s) - 1, int(q * len(s)))] / 1000  # noqa: E731
-        print(f"  {hook:28s} {_us(b) - _us(a):+7.2f} / {pct(b, .5) - pct(a, .5):+7.2f} / "
-              f"{pct(b, .95) - pct(a, .95):+7.2f}")
+        print(f"  {hook:28s} {_us(b) - _us(a):+7.2f} / "
+              f"{_rank_us(b, .5) - _rank_us(a, .5):+7.2f} / "
+              f"{_rank_us(b, .95) - _rank_us(a, .95):+7.2f}")
+    # The per-hook rows mix D's and P's calls (one D-export and one P-pull request per
+    # flow); the costly path of a hook usually runs on one side only.
+    print("\nper hook call and side (D = decode scheduler, P = prefill), kvobs-on - upstream"
+          " in us: mean / p50 / p95")
+    for hook in HOOKS:
+        for role, side in (("decode", "D"), ("prefill", "P")):
+            key = f"{hook}@{role}"
+            a, b = sorted(base.get(key, [])), sorted(on.timer.ns.get(key, []))
+            if not a or not b:
+                continue
+            print(f"  {hook:28s} {side} {_us(b) - _us(a):+7.2f} / "
+                  f"{_rank_us(b, .5) - _rank_us(a, .5):+7.2f} / "
+                  f"{_rank_us(b, .95) - _rank_us(a, .95):+7.2f}")
     per_req = {n: _us(v.sched_ns) / 2 for n, v in variants.items()}
     med_req = {n: statistics.median(v.sched_ns) / 2000 for n, v in variants.items()}
     hooks_per_req = {n: sum(sum(v.timer.ns.get(k, [])) for k in HOOKS + EXTRA_HOOKS)

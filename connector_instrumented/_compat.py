@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older single-module layout
     )
 
 __all__ = ["UpstreamNixlConnector", "NixlKVConnectorStats", "NixlPromMetrics",
-           "MissingHookError", "require", "check_connector_class"]
+           "MissingHookError", "require", "check_connector_class", "check_completion_path"]
 
 # Connector (public) methods the facade overrides: missing ones mean the scheduler or
 # model runner would never call our override.
@@ -71,3 +71,24 @@ def require(obj, names, where: str) -> None:
 
 def check_connector_class() -> None:
     require(UpstreamNixlConnector, CONNECTOR_HOOKS, UpstreamNixlConnector.__name__)
+
+
+def check_completion_path(connector_cls: type = UpstreamNixlConnector) -> None:
+    """Read completions must reach the worker's ``get_transfer_results`` (wrapped by kvobs).
+
+    vLLM 0.32's NIXL facade forwards ``get_transfer_results`` to the worker, and the
+    worker's ``get_finished`` delegates to it. Upstream NIXL facades that only inherit
+    the base-class default (which calls ``get_finished``) reach a worker ``get_finished``
+    that computes completions itself: the wrapper would never see a read finish, and
+    every read would lose its record without an error. Refuse to start instead.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    own = getattr(connector_cls, "get_transfer_results", None)
+    if own is None or own is getattr(KVConnectorBase_V1, "get_transfer_results", None):
+        raise MissingHookError(
+            f"kvobs instrumented connector: {connector_cls.__name__} does not forward "
+            f"get_transfer_results to its worker in this vLLM version, so kvobs would "
+            f"miss every finished read. Use vLLM's NixlConnector directly, or set "
+            f"kv_connector_extra_config.kvobs_telemetry=false to run upstream "
+            f"behaviour through this class without observation.")

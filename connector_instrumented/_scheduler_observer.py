@@ -14,17 +14,16 @@ merges TP ranks once per request, and keeps prompt-side ids out of worker metada
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvobs import semconv as sc
-from kvobs.emit.spans import Correlation
 
 from . import _digest, _stats as st
 from ._options import Options
-from ._telemetry import Guard, SpanSink
+from ._telemetry import Guard, SpanSink, raw_correlation
 
-_REQUIRED_REMOTE = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_REQUIRED_REMOTE = frozenset(("remote_engine_id", "remote_request_id", "remote_host",
+                              "remote_port"))
 _RECOMPUTE_FOR = {
     sc.PullDecision.NO_PARAMS: sc.RecomputeReason.NO_PARAMS,
     sc.PullDecision.INVALID: sc.RecomputeReason.INVALID,
@@ -34,45 +33,73 @@ _RECOMPUTE_FOR = {
     sc.PullDecision.PULL: sc.RecomputeReason.SUFFIX,
 }
 _WATCHDOG_PERIOD_S = 1.0
-_NO_CORRELATION = Correlation()
+
+# Span attributes as constant key tuples: the hook queues only the values, the sink's
+# builder thread zips them into the dict (see _telemetry).
+_IDS = (sc.REQUEST_ID.key, sc.ROLE.key)
+_RECOMPUTE_KEYS = (sc.RECOMPUTE_REASON.key, sc.RECOMPUTED_TOKENS.key, sc.PROMPT_TOKENS.key,
+                   sc.LOCAL_HIT_TOKENS.key) + _IDS
+_STUCK_KEYS = (sc.STUCK_REASON.key, sc.STUCK_FIXED.key, sc.STUCK_WAITED.key,
+               sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key) + _IDS
+_DECISION_KEYS = (sc.PROMPT_TOKENS.key, sc.LOCAL_HIT_TOKENS.key, sc.REMOTE_TOKENS.key,
+                  sc.CANDIDATE_TOKENS.key, sc.THRESHOLD.key, sc.PULL_DECISION.key,
+                  sc.PREFIX_EVIDENCE.key, sc.PREFIX_MATCHED_TOKENS.key, sc.PREFIX_GUARD.key,
+                  sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key) + _IDS
+_READ_KEYS = (sc.READ_DIRECTION.key, sc.READ_OUTCOME.key, sc.READ_BYTES.key,
+              sc.READ_BLOCKS.key, sc.READ_DURATION.key, sc.REMAINING_TTL_AT_READ.key,
+              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key) + _IDS
+_EXPORT_KEYS = (sc.EXPORT_BLOCKS.key, sc.EXPORT_TOKENS.key, sc.EXPORT_EXPIRES_AT.key,
+                sc.TTL.key) + _IDS
+_RELEASE_KEYS = (sc.RELEASE_REASON.key, sc.RELEASE_READ_COUNT.key, sc.HELD_DURATION.key,
+                 sc.EXPORT_BLOCKS.key) + _IDS
+# Enum members and their values as module constants: on the hook path an Enum class
+# attribute costs ~50 ns and ``.value`` ~80 ns, a global ~10 ns.
+_D_TO_P, _P_TO_D = sc.ReadDirection.D_TO_P, sc.ReadDirection.P_TO_D
+_DONE, _FAILED = sc.ReadOutcome.DONE, sc.ReadOutcome.FAILED
+_DECLINED = sc.ReadOutcome.DECLINED_EXPIRED
+_FAILED_V, _DECLINED_V = _FAILED.value, _DECLINED.value
+_MATCH, _MISMATCH = sc.PrefixEvidence.MATCH, sc.PrefixEvidence.MISMATCH
+_PREFIX_MISMATCH = sc.PullDecision.PREFIX_MISMATCH
+_R_GUARDED, _R_SUFFIX = sc.RecomputeReason.PREFIX_MISMATCH, sc.RecomputeReason.SUFFIX
+_R_EXPIRED, _R_READ = sc.ReleaseReason.EXPIRED, sc.ReleaseReason.READ
+_EXPIRED = _R_EXPIRED.value
+_KTP_DIGEST, _KTP_TTL = sc.KTP_BLOCK_DIGEST, sc.KTP_DECODE_TTL
+_CORR_KEYS = sc.CORRELATION_KEYS
+_SPANS = (sc.SPAN_RECOMPUTE, sc.SPAN_STUCK, sc.SPAN_PULL_DECISION, sc.SPAN_READ,
+          sc.SPAN_EXPORT, sc.SPAN_RELEASE)
 
 
-@dataclass
 class _Req:
-    """What the scheduler knows about one request that may read remote KV."""
+    """What the scheduler knows about one request that may read remote KV.
 
-    correlation: Correlation
-    direction: sc.ReadDirection
-    first_wall: float
-    prompt: int = 0  # N
-    local: int = 0  # L
-    remote: int = 0  # C, as D advertised it
-    candidate: int = 0  # M
-    offered: int = 0  # what the connector told the scheduler
-    remote_engine: str | None = None
+    A plain class with class-level defaults (not a dataclass): one is made on the
+    matching hook of every request with params, and only the first fields differ."""
+
+    prompt = 0  # N
+    local = 0  # L
+    remote = 0  # C, as D advertised it
+    candidate = 0  # M
+    offered = 0  # what the connector told the scheduler
     decision: sc.PullDecision | None = None
     evidence: sc.PrefixEvidence | None = None
     matched: int | None = None
-    guarded: bool = False
-    decided: bool = False
+    guarded = False
+    decided = False
     stuck_reason: sc.StuckReason | None = None  # predicted: no read will be queued
-    prevented: bool = False  # kvobs_fix_stuck_waits answered (0, False) instead
+    prevented = False  # kvobs_fix_stuck_waits answered (0, False) instead
     wait_since: float | None = None  # monotonic, while WAITING_FOR_REMOTE_KVS
     wait_since_wall: float | None = None
-    read_queued: bool = False
-    stuck_reported: bool = False
-    finished: bool = False
-    raw: list = field(default_factory=list)
+    read_queued = False
+    stuck_reported = False
+    finished = False
 
-
-@dataclass
-class _Retained:
-    correlation: Correlation
-    blocks: int
-    nbytes: int
-    export_wall: float
-    export_mono: float
-    expiry_mono: float
+    def __init__(self, correlation: tuple | None, direction: sc.ReadDirection,
+                 first_wall: float, remote_engine: str | None = None):
+        self.correlation = correlation  # raw_correlation(params), parsed off the hook
+        self.direction = direction
+        self.first_wall = first_wall
+        self.remote_engine = remote_engine
+        self.raw: list = []
 
 
 class SchedulerObserver:
@@ -94,13 +121,17 @@ class SchedulerObserver:
         groups = (getattr(kv_cache_config, "transfer_groups", None)
                   or getattr(kv_cache_config, "kv_cache_groups", None) or [])
         self._bytes_per_block = [_group_block_bytes(g) for g in groups]
+        self._role_of = {span.name: self._role_attr(span) for span in _SPANS}
         self._single_group = len(groups) <= 1 and not getattr(scheduler, "_is_hma_required",
                                                                False)
         self._seed: str | None = None
         self._reqs: dict[str, _Req] = {}
         self._unchecked: set[str] = set()  # offered async this step: read queued?
         self._waiting: dict[str, _Req] = {}  # in WAITING_FOR_REMOTE_KVS (watchdog)
-        self._retained: dict[str, _Retained] = {}
+        # req id -> (raw correlation, blocks, bytes, export wall time, export monotonic
+        # time, expiry on the monotonic clock): a plain tuple, as a NamedTuple's __new__
+        # is one more Python call on D's request_finished.
+        self._retained: dict[str, tuple] = {}
         self._retained_blocks = 0
         self._retained_bytes = 0
         self._last_watchdog = 0.0
@@ -124,49 +155,48 @@ class SchedulerObserver:
         self._stats.data[key].append(value)
         self._stats_dirty = True
 
-    def _correlation(self, params: Any, span: sc.SpanName) -> Correlation:
-        """The request's correlation keys, or an empty one when no span will carry them."""
+    def _correlation(self, params: Any, span: sc.SpanName) -> tuple | None:
+        """The request's raw correlation values, or None when no span will carry them."""
         if not self._sink.enabled(span):
-            return _NO_CORRELATION
-        return Correlation.from_params(params)
+            return None
+        return raw_correlation(params)
 
     def _role_attr(self, span: sc.SpanName) -> str:
         service = self._options.role or span.service
         return "prefill" if service is sc.Service.PREFILL else "decode"
 
-    def _emit(self, span: sc.SpanName, req_id: str, correlation: Correlation,
-              attributes: dict, start: float | None = None, end: float | None = None,
+    def _emit(self, span: sc.SpanName, req_id: str, correlation: tuple | None,
+              keys: tuple, values: tuple, start: float, end: float,
               error: bool = False) -> None:
+        """Queue a span: ``values`` match ``keys`` less the trailing ids added here."""
         if not self._sink.enabled(span):
             return
-        attributes[sc.REQUEST_ID.key] = req_id
-        attributes[sc.ROLE.key] = self._role_attr(span)
-        self._sink.emit(span, correlation, attributes, start, end, error)
+        self._sink.emit_fields(span, correlation, keys,
+                               values + (req_id, self._role_of[span.name]), start, end,
+                               error)
 
     def _recompute(self, req_id: str, r: _Req, reason: sc.RecomputeReason,
                    tokens: int) -> None:
         tokens = max(0, tokens)
-        self._add(st.RECOMPUTED_TOKENS, [reason.value, tokens])
+        self._add(st.RECOMPUTED_TOKENS, [reason._value_, tokens])
         now = time.time()
-        self._emit(sc.SPAN_RECOMPUTE, req_id, r.correlation, {
-            sc.RECOMPUTE_REASON.key: reason, sc.RECOMPUTED_TOKENS.key: tokens,
-            sc.PROMPT_TOKENS.key: r.prompt, sc.LOCAL_HIT_TOKENS.key: r.local,
-        }, now, now)
+        self._emit(sc.SPAN_RECOMPUTE, req_id, r.correlation, _RECOMPUTE_KEYS,
+                   (reason, tokens, r.prompt, r.local), now, now)
 
     def _stuck(self, req_id: str, r: _Req, reason: sc.StuckReason, fixed: bool) -> None:
         r.stuck_reported = True
         self._add(st.STUCK_PREVENTED if fixed else st.STUCK_WAITS, 1)
         now = time.time()
         since = r.wait_since_wall or now
-        self._emit(sc.SPAN_STUCK, req_id, r.correlation, {
-            sc.STUCK_REASON.key: reason, sc.STUCK_FIXED.key: fixed,
-            sc.STUCK_WAITED.key: now - since, sc.OFFERED_TOKENS.key: r.offered,
-            sc.REMOTE_ENGINE_ID.key: r.remote_engine,
-        }, since, now, error=not fixed)
+        self._emit(sc.SPAN_STUCK, req_id, r.correlation, _STUCK_KEYS,
+                   (reason, fixed, now - since, r.offered, r.remote_engine), since, now,
+                   error=not fixed)
 
     def _gauges(self) -> None:
-        self._add(st.RETAINED_BLOCKS, self._retained_blocks)
-        self._add(st.RETAINED_BYTES, self._retained_bytes)
+        data = self._stats.data
+        data[st.RETAINED_BLOCKS].append(self._retained_blocks)
+        data[st.RETAINED_BYTES].append(self._retained_bytes)
+        self._stats_dirty = True
 
     # ------------------------------------------------------------------ P: decision
 
@@ -178,35 +208,39 @@ class SchedulerObserver:
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
                 self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_STUCK),
-                                          sc.ReadDirection.P_TO_D, time.time(),
-                                          remote_engine=params.get("remote_engine_id"))
+                                          _P_TO_D, time.time(),
+                                          params.get("remote_engine_id"))
             return
         if not params.get("do_remote_decode"):
             return
         r = self._reqs.get(req_id)
         if r is None:
-            r = self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_PULL_DECISION),
-                                          sc.ReadDirection.D_TO_P, time.time())
+            r = self._reqs[req_id] = _Req(
+                tuple(map(params.get, _CORR_KEYS))  # raw_correlation(params), inline
+                if self._sink.enabled(sc.SPAN_PULL_DECISION) else None,
+                _D_TO_P, time.time())
         if r.decided or params.get("_remote_blocks_processed"):
             return  # re-admission (failed read, preemption): decided already
-        r.prompt = request.num_prompt_tokens
+        r.prompt = prompt = request.num_prompt_tokens
         r.local = num_computed_tokens
-        r.remote = int(params.get("remote_num_tokens") or 0)
-        r.candidate = max(0, min(r.remote, r.prompt) - r.local)
+        r.remote = remote = int(params.get("remote_num_tokens") or 0)
+        limit = min(remote, prompt)
+        r.candidate = max(0, limit - num_computed_tokens)
         r.remote_engine = params.get("remote_engine_id")
         if not params.get("remote_block_ids"):
             r.decision = sc.PullDecision.NO_PARAMS
             return
-        if not all(key in params for key in _REQUIRED_REMOTE):
+        if not params.keys() >= _REQUIRED_REMOTE:
             r.decision = sc.PullDecision.INVALID
             return
         evidence, matched = _digest.compare(
-            params.get(sc.KTP_BLOCK_DIGEST), request.block_hashes, self._hash_block_size,
-            self._seed_fp(), min(r.remote, r.prompt))
+            params.get(_KTP_DIGEST), request.block_hashes, self._hash_block_size,
+            self._seed or self._seed_fp(), limit)
         r.evidence = evidence
-        if evidence in (sc.PrefixEvidence.MATCH, sc.PrefixEvidence.MISMATCH):
+        if evidence is _MATCH:
             r.matched = matched
-        if evidence is sc.PrefixEvidence.MISMATCH:
+        elif evidence is _MISMATCH:
+            r.matched = matched
             r.decision = sc.PullDecision.PREFIX_MISMATCH
             if self._options.prefix_guard:
                 self._cut_offer(params, matched)
@@ -229,7 +263,7 @@ class SchedulerObserver:
 
     def after_match(self, request: Any, result: tuple) -> tuple:
         r = self._reqs.get(request.request_id)
-        if r is None or r.direction is not sc.ReadDirection.D_TO_P:
+        if r is None or r.direction is not _D_TO_P:
             return result
         count, load_async = result
         params = request.kv_transfer_params
@@ -274,27 +308,22 @@ class SchedulerObserver:
             r.stuck_reported = False
             self._unchecked.add(req_id)
             self._waiting[req_id] = r
-        if r.direction is not sc.ReadDirection.D_TO_P:
+        if r.direction is not _D_TO_P:
             return
         if not r.decided:
             r.decided = True
-            if r.decision is None:
-                r.decision = self._decide(r)
-            self._add(st.PULL_DECISIONS, r.decision.value)
-            if r.decision is sc.PullDecision.PREFIX_MISMATCH:
+            decision = r.decision
+            if decision is None:
+                r.decision = decision = self._decide(r)
+            self._add(st.PULL_DECISIONS, decision._value_)
+            if decision is _PREFIX_MISMATCH:
                 self._add(st.PREFIX_MISMATCHES, 1)
-            now = time.time()
-            self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, {
-                sc.PROMPT_TOKENS.key: r.prompt, sc.LOCAL_HIT_TOKENS.key: r.local,
-                sc.REMOTE_TOKENS.key: r.remote, sc.CANDIDATE_TOKENS.key: r.candidate,
-                sc.THRESHOLD.key: self._threshold, sc.PULL_DECISION.key: r.decision,
-                sc.PREFIX_EVIDENCE.key: r.evidence, sc.PREFIX_MATCHED_TOKENS.key: r.matched,
-                sc.PREFIX_GUARD.key: r.guarded, sc.OFFERED_TOKENS.key: num_external_tokens,
-                sc.REMOTE_ENGINE_ID.key: r.remote_engine,
-            }, r.first_wall, now)
+            self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, _DECISION_KEYS, (
+                r.prompt, r.local, r.remote, r.candidate, self._threshold, decision,
+                r.evidence, r.matched, r.guarded, num_external_tokens, r.remote_engine,
+            ), r.first_wall, time.time())
             if num_external_tokens == 0 and not r.prevented:
-                self._recompute(req_id, r, _RECOMPUTE_FOR[r.decision],
-                                r.prompt - r.local)
+                self._recompute(req_id, r, _RECOMPUTE_FOR[decision], r.prompt - r.local)
         if r.prevented:
             r.prevented = False
             self._stuck(req_id, r, r.stuck_reason or sc.StuckReason.NOT_QUEUED, True)
@@ -328,38 +357,45 @@ class SchedulerObserver:
                 self._stuck(req_id, r, sc.StuckReason.WAIT_TIMEOUT, False)
 
     def on_output(self, output: Any) -> None:
+        # Called every step, usually with little in it: test before touching anything.
         stats = getattr(output, "kv_connector_stats", None)
-        releases: dict[str, list] = {}
+        raw_releases = ()
         if isinstance(stats, st.KvobsConnectorStats):
-            for record in stats.data.get(st.RAW_READS, ()):
-                r = self._reqs.get(record[0])
+            data = stats.data
+            raw_reads = data.get(st.RAW_READS)
+            if raw_reads:
+                for record in raw_reads:
+                    r = self._reqs.get(record[0])
+                    if r is not None:
+                        r.raw.append(record)
+                data[st.RAW_READS] = []  # consumed: keep them off the front-end
+            raw_releases = data.get(st.RAW_RELEASES) or ()
+            if raw_releases:
+                data[st.RAW_RELEASES] = []
+        finished = output.finished_recving
+        if finished:
+            failed = getattr(output, "failed_recving", None) or ()
+            for req_id in finished:
+                r = self._reqs.get(req_id)
                 if r is not None:
-                    r.raw.append(record)
-            for record in stats.data.get(st.RAW_RELEASES, ()):
-                releases.setdefault(record[0], []).append(record)
-            stats.data[st.RAW_READS] = []  # consumed: keep them off the front-end
-            stats.data[st.RAW_RELEASES] = []
-        failed = getattr(output, "failed_recving", None) or ()
-        for req_id in output.finished_recving or ():
-            r = self._reqs.get(req_id)
-            if r is not None:
-                self._read_done(req_id, r, req_id in failed)
-        if self._retained:
-            for req_id in output.finished_sending or ():
-                if req_id in self._retained:
-                    self._release(req_id, releases.get(req_id, ()))
+                    self._read_done(req_id, r, req_id in failed)
+        if self._retained and output.finished_sending:
+            retained = self._retained
+            for req_id in output.finished_sending:
+                if req_id in retained:
+                    self._release(req_id, [rec for rec in raw_releases if rec[0] == req_id])
 
     def _read_done(self, req_id: str, r: _Req, failed: bool) -> None:
         records, r.raw = r.raw, []
         r.wait_since = None
         self._waiting.pop(req_id, None)
-        outcome = sc.ReadOutcome.FAILED if failed else sc.ReadOutcome.DONE
+        outcome = _FAILED if failed else _DONE
         nbytes, blocks, start, duration, ttl, error = 0, 0, None, 0.0, None, None
         for _, rec_outcome, rbytes, rblocks, rstart, rdur, rttl, rerror in records:
-            if rec_outcome == sc.ReadOutcome.DECLINED_EXPIRED.value:
-                outcome = sc.ReadOutcome.DECLINED_EXPIRED
-            elif rec_outcome == sc.ReadOutcome.FAILED.value and outcome is sc.ReadOutcome.DONE:
-                outcome = sc.ReadOutcome.FAILED
+            if rec_outcome == _DECLINED_V:
+                outcome = _DECLINED
+            elif rec_outcome == _FAILED_V and outcome is _DONE:
+                outcome = _FAILED
             nbytes += rbytes or 0
             blocks = max(blocks, rblocks or 0)
             start = rstart if start is None else min(start, rstart)
@@ -368,29 +404,28 @@ class SchedulerObserver:
             error = error or rerror
         if not records:
             self.guard.failed("read without worker record")  # counted as a dropped fact
-        direction = r.direction.value
-        self._add(st.READS, [direction, outcome.value])
-        if outcome is sc.ReadOutcome.DONE:
-            self._add(st.READ_BYTES, [direction, nbytes])
-            self._add(st.READ_DURATION, [direction, duration])
+        direction = r.direction._value_
+        done = outcome is _DONE
+        data = self._stats.data  # what _add does, without a call per fact
+        self._stats_dirty = True
+        data[st.READS].append([direction, outcome._value_])
+        if done:
+            data[st.READ_BYTES].append([direction, nbytes])
+            data[st.READ_DURATION].append([direction, duration])
         if ttl is not None:
-            self._add(st.REMAINING_TTL, max(0.0, ttl))
-        if outcome is sc.ReadOutcome.DECLINED_EXPIRED:
-            self._add(st.DECLINED_EXPIRED, 1)
-        if r.direction is sc.ReadDirection.D_TO_P:
-            end = time.time()
-            start = start if start is not None else end - duration
-            self._emit(sc.SPAN_READ, req_id, r.correlation, {
-                sc.READ_DIRECTION.key: direction, sc.READ_OUTCOME.key: outcome,
-                sc.READ_BYTES.key: nbytes, sc.READ_BLOCKS.key: blocks,
-                sc.READ_DURATION.key: duration, sc.REMAINING_TTL_AT_READ.key: ttl,
-                sc.READ_ERROR.key: error, sc.REMOTE_ENGINE_ID.key: r.remote_engine,
-            }, start, start + duration, error=outcome is not sc.ReadOutcome.DONE)
-            if outcome is sc.ReadOutcome.DONE:
-                self._add(st.REUSED_TOKENS, r.offered)
-                reason = (sc.RecomputeReason.PREFIX_MISMATCH if r.guarded
-                          else sc.RecomputeReason.SUFFIX)
-                self._recompute(req_id, r, reason, r.prompt - r.local - r.offered)
+            data[st.REMAINING_TTL].append(max(0.0, ttl))
+        if outcome is _DECLINED:
+            data[st.DECLINED_EXPIRED].append(1)
+        if r.direction is _D_TO_P:
+            if start is None:
+                start = time.time() - duration
+            self._emit(sc.SPAN_READ, req_id, r.correlation, _READ_KEYS, (
+                direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
+            ), start, start + duration, error=not done)
+            if done:
+                data[st.REUSED_TOKENS].append(r.offered)
+                self._recompute(req_id, r, _R_GUARDED if r.guarded else _R_SUFFIX,
+                                r.prompt - r.local - r.offered)
             # Failed/declined: with policy "recompute" the request is re-admitted and
             # the recompute (or the stuck wait) is reported then; with "fail" it errors.
         if r.finished:
@@ -418,54 +453,65 @@ class SchedulerObserver:
     def _export(self, request: Any, out: dict) -> None:
         req_id = request.request_id
         groups = out.get("remote_block_ids") or ()
-        blocks = sum(len(g) for g in groups)
-        nbytes = sum(len(g) * (self._bytes_per_block[i] if i < len(self._bytes_per_block)
-                               else 0) for i, g in enumerate(groups))
+        per_block = self._bytes_per_block
+        if len(groups) == 1:  # one KV cache group: the common case, no generators
+            blocks = len(groups[0])
+            nbytes = blocks * per_block[0] if per_block else 0
+        else:
+            blocks = sum(map(len, groups))
+            nbytes = sum(len(g) * (per_block[i] if i < len(per_block) else 0)
+                         for i, g in enumerate(groups))
         tokens = int(out.get("remote_num_tokens") or 0)
         digest = _digest.encode(request.block_hashes, tokens, self._hash_block_size,
-                                self._seed_fp())
+                                self._seed or self._seed_fp())
         if digest is not None:
-            out[sc.KTP_BLOCK_DIGEST] = digest
+            out[_KTP_DIGEST] = digest
         if self._ttl:
-            out[sc.KTP_DECODE_TTL] = self._ttl  # lets the proxy end its entry in time
-        proxy_request_id = (request.kv_transfer_params or {}).get(sc.KTP_REQUEST_ID)
-        if self._publisher is not None and isinstance(proxy_request_id, str):
-            self._publisher.publish(proxy_request_id, dict(out))
+            out[_KTP_TTL] = self._ttl  # lets the proxy end its entry in time
+        params = request.kv_transfer_params
+        if self._publisher is not None:
+            proxy_request_id = (params or {}).get(sc.KTP_REQUEST_ID)
+            if isinstance(proxy_request_id, str):
+                self._publisher.publish(proxy_request_id, dict(out))
         now_wall, now_mono = time.time(), time.perf_counter()
         expiry_mono = float(out["remote_blocks_expiry_time"])
-        expires_at = now_wall + (expiry_mono - now_mono)
-        correlation = self._correlation(request.kv_transfer_params, sc.SPAN_EXPORT)
-        self._retained[req_id] = _Retained(correlation, blocks, nbytes, now_wall, now_mono,
-                                           expiry_mono)
+        spans = self._sink.enabled(sc.SPAN_EXPORT)
+        correlation = raw_correlation(params) if spans and params else None
+        self._retained[req_id] = (correlation, blocks, nbytes, now_wall, now_mono,
+                                  expiry_mono)
         self._retained_blocks += blocks
         self._retained_bytes += nbytes
-        self._gauges()
-        self._emit(sc.SPAN_EXPORT, req_id, correlation, {
-            sc.EXPORT_BLOCKS.key: blocks, sc.EXPORT_TOKENS.key: tokens,
-            sc.EXPORT_EXPIRES_AT.key: expires_at, sc.TTL.key: self._ttl,
-        }, now_wall, now_wall)
+        data = self._stats.data  # _gauges(), inline
+        data[st.RETAINED_BLOCKS].append(self._retained_blocks)
+        data[st.RETAINED_BYTES].append(self._retained_bytes)
+        self._stats_dirty = True
+        if spans:
+            self._sink.emit_fields(sc.SPAN_EXPORT, correlation, _EXPORT_KEYS, (
+                blocks, tokens, now_wall + (expiry_mono - now_mono), self._ttl, req_id,
+                self._role_of[sc.SPAN_EXPORT.name]), now_wall, now_wall)
 
     def _release(self, req_id: str, records) -> None:
-        kept = self._retained.pop(req_id)
+        correlation, kept_blocks, kept_bytes, export_wall, export_mono, expiry_mono = (
+            self._retained.pop(req_id))
         now_wall, now_mono = time.time(), time.perf_counter()
         if records:
-            expired = any(rec[1] == sc.ReleaseReason.EXPIRED.value for rec in records)
-            read_count = max(int(rec[2] or 0) for rec in records)
+            expired, read_count = False, 0
+            for rec in records:  # one per TP rank: usually one
+                expired = expired or rec[1] == _EXPIRED
+                read_count = max(read_count, int(rec[2] or 0))
         else:  # no worker record (hook unavailable): infer from the deadline
-            expired = now_mono >= kept.expiry_mono
+            expired = now_mono >= expiry_mono
             read_count = 0
-        reason = sc.ReleaseReason.EXPIRED if expired else sc.ReleaseReason.READ
-        was_read = reason is sc.ReleaseReason.READ or read_count > 0
-        held = now_mono - kept.export_mono
-        self._retained_blocks -= kept.blocks
-        self._retained_bytes -= kept.nbytes
+        reason = _R_EXPIRED if expired else _R_READ
+        was_read = not expired or read_count > 0
+        held = now_mono - export_mono
+        self._retained_blocks -= kept_blocks
+        self._retained_bytes -= kept_bytes
         self._gauges()
-        self._add(st.RETAINED_BLOCK_SECONDS, kept.blocks * held)
-        self._add(st.RELEASES, [reason.value, "true" if was_read else "false"])
-        self._emit(sc.SPAN_RELEASE, req_id, kept.correlation, {
-            sc.RELEASE_REASON.key: reason, sc.RELEASE_READ_COUNT.key: read_count,
-            sc.HELD_DURATION.key: held, sc.EXPORT_BLOCKS.key: kept.blocks,
-        }, kept.export_wall, now_wall)
+        self._add(st.RETAINED_BLOCK_SECONDS, kept_blocks * held)
+        self._add(st.RELEASES, [reason._value_, "true" if was_read else "false"])
+        self._emit(sc.SPAN_RELEASE, req_id, correlation, _RELEASE_KEYS,
+                   (reason, read_count, held, kept_blocks), export_wall, now_wall)
 
     # ------------------------------------------------------------------ stats
 

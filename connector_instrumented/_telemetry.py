@@ -5,11 +5,14 @@ scheduler process or a worker process), so processes that never emit start no ex
 thread. With ``kvobs_role`` set every span goes to that service; without it each span
 goes to the service ``kvobs.semconv`` assigns to its name.
 
-Hooks never build OTel spans: ``SpanSink.emit`` appends the raw facts (tracer, span
-name, correlation, attributes, start/end ns taken in the hook) to a bounded queue, and
-one daemon thread per sink (started with the first span) turns them into finished spans
-with those explicit timestamps, in batches (every 50 ms, or at once when the queue is
-half full). A full queue drops the span and counts it in
+Hooks never build OTel spans, nor even their attribute dicts: ``SpanSink.emit_fields``
+appends one flat tuple (span name, the four raw correlation values, a constant key
+tuple, the matching values, start/end taken in the hook) to a bounded queue, and one
+daemon thread per sink (started with the first span) parses the correlation, zips the
+attributes and builds finished spans with those explicit timestamps, in batches (every
+50 ms, or at once when the queue is half full). ``emit`` (a ready ``Correlation`` and
+attribute dict) is the convenience form of the same queue. A full queue drops the span
+and counts it in
 ``errors`` (-> ``vllm:kvobs_connector_telemetry_errors_total``); it never blocks.
 ``flush()`` builds everything still queued, synchronously, then flushes the tracers.
 """
@@ -21,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Mapping
 
@@ -37,6 +41,32 @@ TracerFactory = Callable[[sc.Service], trace.Tracer]
 # hook a futex wake and hand the GIL back and forth once per span. A queue half full
 # wakes it early so that bursts do not drop.
 _BUILD_INTERVAL_S = 0.05
+
+
+def raw_correlation(params: Mapping[str, Any] | None) -> tuple | None:
+    """A request's correlation values as they came (one C-level pass over the keys).
+
+    A snapshot, not a reference to ``params``: the request's dict may be mutated or
+    outlive its use, and a retained export would otherwise pin its block lists."""
+    return tuple(map(params.get, sc.CORRELATION_KEYS)) if params else None
+
+
+def _correlation_of(raw: tuple | None) -> Correlation:
+    # Same validation as the hook used to do in place, now in the builder thread.
+    return Correlation.from_params(dict(zip(sc.CORRELATION_KEYS, raw)) if raw else None)
+
+
+# Fork detection without a getpid() system call on every span (~150 ns on the hook).
+_SINKS: "weakref.WeakSet[SpanSink]" = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for sink in list(_SINKS):
+        sink._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
 
 
 class SpanSink:
@@ -60,7 +90,8 @@ class SpanSink:
         self._build_lock = threading.Lock()  # one builder at a time (thread or flush)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        self._forked = False  # set in a forked child: the queue came along, not the thread
+        _SINKS.add(self)
         self.dropped = 0  # spans dropped on a full queue (also counted in errors)
         self._hook_errors = 0
         self._build_errors = 0  # written by the builder thread only
@@ -101,22 +132,35 @@ class SpanSink:
         builder thread. ``attributes`` is kept by reference: callers pass a fresh dict.
         """
         try:
-            tracer = self.tracer(span)
-            if isinstance(tracer, trace.NoOpTracer):
+            if not self.enabled(span):
                 return
-            if len(self._queue) >= self._max_queue:
+            now = time.time() if start_s is None or end_s is None else 0.0
+        except Exception:  # noqa: BLE001
+            self._hook_errors += 1
+            return
+        self.emit_fields(span, correlation, None, attributes,
+                         now if start_s is None else start_s,
+                         now if end_s is None else end_s, error)
+
+    def emit_fields(self, span: sc.SpanName, raw_correlation: tuple | None,
+                    keys: tuple | None, values: Any, start_s: float, end_s: float,
+                    error: bool = False) -> None:
+        """The hook-path form of ``emit``: the caller checked ``enabled(span)``.
+
+        ``raw_correlation`` is ``raw_correlation(params)`` (or None); ``keys`` a constant
+        tuple of attribute keys and ``values`` the matching values (``keys`` None:
+        ``values`` is the attribute dict and the correlation a ``Correlation``). The
+        dict, the ``Correlation`` and the nanosecond timestamps are made by the builder.
+        """
+        try:
+            queue = self._queue
+            if len(queue) >= self._max_queue:
                 self.dropped += 1
                 return
-            now_ns = None
-            if start_s is None or end_s is None:
-                now_ns = time.time_ns()
-            start_ns = int(start_s * 1e9) if start_s is not None else now_ns
-            end_ns = int(end_s * 1e9) if end_s is not None else now_ns
-            self._queue.append((tracer, span, correlation, attributes, start_ns, end_ns,
-                                error))
-            if self._thread is None or self._pid != os.getpid():
+            queue.append((span, raw_correlation, keys, values, start_s, end_s, error))
+            if self._thread is None or self._forked:
                 self._start_thread()
-            elif len(self._queue) == self._wake_at:
+            elif len(queue) == self._wake_at:
                 self._wake.set()
         except Exception:  # noqa: BLE001
             self._hook_errors += 1
@@ -125,7 +169,7 @@ class SpanSink:
         if self._thread is not None:  # forked child: the queue came along, not the thread
             self._build_lock = threading.Lock()
             self._wake = threading.Event()
-        self._pid = os.getpid()
+        self._forked = False
         self._thread = threading.Thread(target=self._run, name="kvobs-span-build",
                                         daemon=True)
         self._thread.start()
@@ -134,17 +178,28 @@ class SpanSink:
         while True:
             self._wake.wait(_BUILD_INTERVAL_S)
             self._wake.clear()
-            self._build()
+            self._build(yield_gil=True)
 
-    def _build(self) -> None:
-        """Turn every queued fact into a finished OTel span (builder thread or flush)."""
+    def _build(self, yield_gil: bool = False) -> None:
+        """Turn every queued fact into a finished OTel span (builder thread or flush).
+
+        The builder thread gives the GIL back after every span: otherwise a scheduler
+        thread that wants it waits out the switch interval (5 ms) behind a whole batch,
+        which lands as one multi-millisecond stall inside whatever hook is running."""
         queue = self._queue
+        pause = time.sleep if yield_gil else None
         with self._build_lock:
             while queue:
+                if pause is not None:
+                    pause(0)
                 try:
-                    tracer, span, correlation, attributes, start_ns, end_ns, error = (
-                        queue.popleft())
-                    emit(tracer, span, correlation, attributes, start_ns, end_ns, error)
+                    span, correlation, keys, values, start_s, end_s, error = queue.popleft()
+                    if keys is not None:
+                        values = dict(zip(keys, values))
+                    if type(correlation) is not Correlation:
+                        correlation = _correlation_of(correlation)
+                    emit(self.tracer(span), span, correlation, values, int(start_s * 1e9),
+                         int(end_s * 1e9), error)
                 except Exception:  # noqa: BLE001
                     self._build_errors += 1
 

@@ -222,9 +222,49 @@ def test_options_defaults_and_overrides():
         Options.from_extra_config({"kvobs_prefix_guard": "maybe"}, environ={})
 
 
+def test_completion_path_guard():
+    """A NIXL facade that leaves get_transfer_results to the base class is refused."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from connector_instrumented import _compat
+
+    _compat.check_completion_path()  # vLLM 0.32: the facade forwards it
+
+    class LegacyFacade(KVConnectorBase_V1):
+        pass
+
+    with pytest.raises(MissingHookError, match="get_transfer_results"):
+        _compat.check_completion_path(LegacyFacade)
+
+
 def test_digest_doctests():
     result = doctest.testmod(_digest)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("blocks", [1, 5, 64, 65, 100, 1000])
+@pytest.mark.parametrize("width", [32, 16, 24])
+def test_digest_matches_its_checkpoint_definition(blocks, width):
+    """The gathered prefixes are exactly the 8-byte prefixes at ``checkpoints()``."""
+    import hashlib
+
+    hashes, prev = [], b"seed"
+    for i in range(blocks):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()[:width]
+        hashes.append(prev)
+    digest = _digest.encode(hashes, blocks * 16 + 3, 16, "abcd")
+    expected = "".join(hashes[n - 1][:8].hex() for n in _digest.checkpoints(blocks))
+    assert digest == f"kvobs2:16:abcd:{blocks}:{expected}"
+    assert _digest.compare(digest, hashes, 16, "abcd", blocks * 16 + 3) == (
+        sc.PrefixEvidence.MATCH, _digest.checkpoints(blocks)[-1] * 16)
+    # P's history diverges at block k: the longest verified prefix is the last
+    # checkpoint before k, found by bisection.
+    k = blocks // 2
+    other = hashes[:k] + [bytes(width)] * (blocks - k)
+    points = _digest.checkpoints(blocks)
+    verified = max([c for c in points if c <= k], default=0)
+    evidence, matched = _digest.compare(digest, other, 16, "abcd", blocks * 16)
+    assert (evidence, matched) == (sc.PrefixEvidence.MISMATCH, verified * 16)
 
 
 # --------------------------------------------------------------------------- cost
