@@ -51,15 +51,19 @@ def ensure_store(directory: str, config: synth.SyntheticConfig,
     return recorded
 
 
-def peak_rss_mb_of(command: list[str]) -> tuple[float, float, str]:
-    """Run a command; (wall s, peak RSS MiB, stdout) via GNU time if present."""
+def peak_rss_mb_of(command: list[str]) -> tuple[float, float, str, float]:
+    """Run a command; (wall s, peak RSS MiB, stdout, CPU s). CPU (user + system, the
+    command and its children) is steadier than wall on a shared box."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    if shutil.which("/usr/bin/time"):
-        done = subprocess.run(["/usr/bin/time", "-f", "%M", *command], capture_output=True,
-                              text=True)
-        wall = time.perf_counter() - started
-        lines = done.stderr.strip().splitlines()
-        peak = int(lines[-1]) / 1024 if lines and lines[-1].isdigit() else float("nan")
-        return wall, peak, done.stdout
-    done = subprocess.run(command, capture_output=True, text=True)
-    return time.perf_counter() - started, float("nan"), done.stdout
+    timed = ["/usr/bin/time", "-f", "%M", *command] if shutil.which("/usr/bin/time") else command
+    done = subprocess.run(timed, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = done.stderr.strip().splitlines()
+    peak = int(lines[-1]) / 1024 if timed is not command and lines and lines[-1].isdigit() \
+        else float("nan")
+    return wall, peak, done.stdout, cpu

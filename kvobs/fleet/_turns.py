@@ -239,31 +239,23 @@ def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
 def to_frame(table: pa.Table) -> pd.DataFrame:
     """Arrow turn rows (``aggregate``, ClickHouse, the store's turn files) to the pandas
     turn table, typed by semconv: strings categorical, integers nullable ``Int64``."""
-    columns = {}
+    columns = []
     for name in table.column_names:
         values = table.column(name)
         kind = column_type(name)
         if kind == "str":
             if not pa.types.is_dictionary(values.type):
                 values = values.dictionary_encode()
-            columns[name] = values.to_pandas()
-            if not isinstance(columns[name].dtype, pd.CategoricalDtype):
-                columns[name] = pd.Categorical(columns[name])
-        elif name == "turn":
-            columns[name] = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
-        elif kind == "int":
-            values = pc.cast(values, pa.int64())
-            columns[name] = pd.arrays.IntegerArray(
-                pc.fill_null(values, 0).to_numpy(zero_copy_only=False),
-                pc.is_null(values).to_numpy(zero_copy_only=False))
-        elif kind == "bool":
-            values = pc.cast(values, pa.bool_())
-            columns[name] = pd.arrays.BooleanArray(
-                pc.fill_null(values, False).to_numpy(zero_copy_only=False),
-                pc.is_null(values).to_numpy(zero_copy_only=False))
         else:
-            columns[name] = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
-    return pd.DataFrame(columns)
+            values = pc.cast(values, _ARROW[kind])
+        columns.append(values)
+    frame = pa.table(columns, names=table.column_names).to_pandas(
+        types_mapper=_PANDAS.get, split_blocks=True)
+    frame["turn"] = frame["turn"].astype(np.int64)
+    return frame
+
+
+_PANDAS = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 
 def _codes(values: pd.Series) -> np.ndarray:

@@ -277,15 +277,22 @@ class ClickHouseSource:
                           f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
                           f"AS {column}")
         group = "tenant, cid, turn_index"
-        named = "tenant, cid AS conversation_id, turn_index AS turn, " if keys else ""
-        return (f"SELECT {named}"
-                f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
-                f"cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant, "
-                f"{', '.join(select)} FROM (SELECT Timestamp, {_attr(_TENANT)} AS tenant, "
-                f"{_attr(_CID)} AS cid, toInt64OrNull({_attr(_TURN)}) AS turn_index"
-                f"{''.join(', ' + v for v in values)} FROM {self.table} "
-                f"WHERE SpanName = {_quote(span)}) GROUP BY {group} "
-                f"ORDER BY {group if keys else HASH}")
+        spans = (f"SELECT Timestamp, {_attr(_TENANT)} AS tenant, {_attr(_CID)} AS cid, "
+                 f"toInt64OrNull({_attr(_TURN)}) AS turn_index"
+                 f"{''.join(', ' + v for v in values)} FROM {self.table} "
+                 f"WHERE SpanName = {_quote(span)}")
+        flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
+        if keys:
+            return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
+                    f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, {flags}, "
+                    f"{', '.join(select)} FROM ({spans}) GROUP BY {group} ORDER BY {group}")
+        # Grouped by the hash (a fixed-size key, cheaper than strings); two keys sharing
+        # it show as two CHECK values in one group.
+        return (f"SELECT {HASH}, min(c) AS {CHECK}, min(c) != max(c) AS collided, "
+                f"max(keyless) AS keyless, max(no_tenant) AS no_tenant, "
+                f"{', '.join(select)} FROM (SELECT *, cityHash64({group}) AS {HASH}, "
+                f"xxHash64({group}) AS c, {flags} FROM ({spans})) "
+                f"GROUP BY {HASH} ORDER BY {HASH}")
 
     def fleet_turns(self) -> pd.DataFrame:
         from kvobs.fleet._merge import align_parts, merge_parts
