@@ -30,9 +30,13 @@ def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
 
 
 def _buckets(values: pd.Series, label, order) -> pd.Series:
+    """Bucket labels as categorical codes: one label call per distinct value, no
+    per-turn strings."""
     uniques, inverse = np.unique(values.to_numpy(np.int64), return_inverse=True)
-    names = np.array([label(int(u)) for u in uniques], dtype=object)[inverse]
-    return pd.Series(pd.Categorical(names, categories=list(order)), index=values.index)
+    position = {name: i for i, name in enumerate(order)}
+    codes = np.array([position.get(label(int(u)), -1) for u in uniques], np.int64)
+    return pd.Series(pd.Categorical.from_codes(codes[inverse], categories=list(order)),
+                     index=values.index)
 
 
 def since_cutoff_ns(turns: pd.DataFrame, since: str | None) -> int | None:
@@ -46,6 +50,10 @@ def since_cutoff_ns(turns: pd.DataFrame, since: str | None) -> int | None:
         return int(newest - float(since[:-1]) * units[since[-1]] * 1e9)
     return int(pd.Timestamp(since).tz_localize("UTC").value
                if pd.Timestamp(since).tzinfo is None else pd.Timestamp(since).value)
+
+
+METRIC_COLUMNS = ["verdict", "read_outcome", "read_bytes", "candidate_tokens",
+                  "recomputed_tokens", "ttft_s"]
 
 
 def _metrics(group: pd.DataFrame) -> dict[str, Any]:
@@ -135,8 +143,11 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
     cutoff = since_cutoff_ns(labelled, since)
     if cutoff is not None:
         labelled = labelled[(labelled["turn_start_ns"] >= cutoff).fillna(False)]
-    first = labelled["turn"] == 1
-    later = labelled[~first]
+    # The grouped metrics read a few columns: slicing those only keeps the per-group
+    # copies small (a million turns, ~40 columns).
+    measured = labelled[["turn", "turn_bucket", "prompt_bucket", *METRIC_COLUMNS]]
+    first = measured["turn"] == 1
+    later = measured[~first]
 
     def grouped(frame, keys):
         rows = []
@@ -148,11 +159,11 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
     cids = labelled["conversation_id"]
     report = FleetReport(
         source=source, since=since, conversations=int(cids.nunique()), turns=len(labelled),
-        prefill_tokens_per_s=rate, first_turn=_metrics(labelled[first]),
+        prefill_tokens_per_s=rate, first_turn=_metrics(measured[first]),
         later_turns=_metrics(later),
-        by_turn=grouped(labelled, ["turn_bucket"]),
+        by_turn=grouped(measured, ["turn_bucket"]),
         by_prompt=grouped(later, ["prompt_bucket"]),
-        by_turn_and_prompt=grouped(labelled, ["turn_bucket", "prompt_bucket"]),
+        by_turn_and_prompt=grouped(measured, ["turn_bucket", "prompt_bucket"]),
         memory=memory_held(labelled),
         synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
     return report, labelled
