@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older single-module layout
     )
 
 __all__ = ["UpstreamNixlConnector", "NixlKVConnectorStats", "NixlPromMetrics",
-           "MissingHookError", "require", "check_connector_class", "check_completion_path"]
+           "MissingHookError", "require", "check_connector_class", "completion_method"]
 
 # Connector (public) methods the facade overrides: missing ones mean the scheduler or
 # model runner would never call our override.
@@ -36,7 +36,6 @@ CONNECTOR_HOOKS = (
 
 # Worker internals wrapped per instance (facts only the worker has).
 WORKER_HOOKS = (
-    "get_transfer_results",  # completion of reads, failures, releases (both APIs)
     "_read_blocks_for_req",  # the moment a read really starts (after any handshake)
     "_recving_transfers",  # req -> NIXL handles, to attribute bytes per request
     "_recving_metadata",  # reads in flight (not notify-only local hits)
@@ -45,6 +44,12 @@ WORKER_HOOKS_BIDIRECTIONAL = (
     "_is_turn2_read_expired",  # declined-expired vs failed
     "_engine_clock_offset",  # remaining TTL on P's clock
 )
+# Completion of reads and releases: the worker method that reports them (see
+# ``completion_method``). The legacy one reports no failures: they come from
+# ``_log_failure``, required then.
+COMPLETION_RESULTS = "get_transfer_results"
+COMPLETION_LEGACY = "get_finished"
+WORKER_HOOKS_LEGACY_COMPLETION = ("_log_failure",)
 WORKER_HOOKS_OPTIONAL = (
     "_reap_expired_send_leases",  # exact release reason (else inferred from expiry)
     "_log_failure",  # failure class of a failed read (else no error class)
@@ -73,22 +78,18 @@ def check_connector_class() -> None:
     require(UpstreamNixlConnector, CONNECTOR_HOOKS, UpstreamNixlConnector.__name__)
 
 
-def check_completion_path(connector_cls: type = UpstreamNixlConnector) -> None:
-    """Read completions must reach the worker's ``get_transfer_results`` (wrapped by kvobs).
+def completion_method(connector_cls: type = UpstreamNixlConnector) -> str:
+    """The worker method through which finished reads and releases reach the scheduler.
 
-    vLLM 0.32's NIXL facade forwards ``get_transfer_results`` to the worker, and the
-    worker's ``get_finished`` delegates to it. Upstream NIXL facades that only inherit
-    the base-class default (which calls ``get_finished``) reach a worker ``get_finished``
-    that computes completions itself: the wrapper would never see a read finish, and
-    every read would lose its record without an error. Refuse to start instead.
+    vLLM 0.32's NIXL facade forwards ``get_transfer_results`` to the worker (whose
+    ``get_finished`` delegates to it). Upstream facades that only inherit the base-class
+    default (which calls ``get_finished``) reach a worker ``get_finished`` that computes
+    completions itself: wrapping ``get_transfer_results`` there would see no read finish,
+    and every read would lose its record without an error. So observe what is called.
     """
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    own = getattr(connector_cls, "get_transfer_results", None)
-    if own is None or own is getattr(KVConnectorBase_V1, "get_transfer_results", None):
-        raise MissingHookError(
-            f"kvobs instrumented connector: {connector_cls.__name__} does not forward "
-            f"get_transfer_results to its worker in this vLLM version, so kvobs would "
-            f"miss every finished read. Use vLLM's NixlConnector directly, or set "
-            f"kv_connector_extra_config.kvobs_telemetry=false to run upstream "
-            f"behaviour through this class without observation.")
+    own = getattr(connector_cls, COMPLETION_RESULTS, None)
+    if own is None or own is getattr(KVConnectorBase_V1, COMPLETION_RESULTS, None):
+        return COMPLETION_LEGACY
+    return COMPLETION_RESULTS

@@ -34,9 +34,18 @@ class _Read:
     nbytes: int = 0
 
 
+# vLLM's ``_log_failure`` types that mean the read itself failed.
+_READ_FAILURES = frozenset({"handshake_failed", "transfer_setup_failed", "transfer_failed",
+                            "transfer_exception"})
+
+
 class WorkerObserver:
-    def __init__(self, worker: Any, bidirectional: bool):
-        _compat.require(worker, _compat.WORKER_HOOKS, type(worker).__name__)
+    def __init__(self, worker: Any, bidirectional: bool,
+                 completion: str = _compat.COMPLETION_RESULTS):
+        _compat.require(worker, _compat.WORKER_HOOKS + (completion,), type(worker).__name__)
+        if completion == _compat.COMPLETION_LEGACY:
+            _compat.require(worker, _compat.WORKER_HOOKS_LEGACY_COMPLETION,
+                            type(worker).__name__)
         if bidirectional:
             _compat.require(worker, _compat.WORKER_HOOKS_BIDIRECTIONAL,
                             type(worker).__name__)
@@ -51,7 +60,7 @@ class WorkerObserver:
         self._declined_now = False
         self.raw_reads: list[list] = []
         self.raw_releases: list[list] = []
-        self._wrap(worker, "get_transfer_results", self._get_transfer_results)
+        self._wrap(worker, completion, self._completions)
         self._wrap(worker, "_read_blocks_for_req", self._read_blocks_for_req)
         self._wrap(wrapper, "get_xfer_telemetry", self._get_xfer_telemetry)
         if hasattr(worker, "_is_turn2_read_expired"):
@@ -142,7 +151,7 @@ class WorkerObserver:
             self.guard.failed("release")
         return result
 
-    def _get_transfer_results(self, original, *args, **kwargs):
+    def _completions(self, original, *args, **kwargs):
         try:
             handles = ({r: list(h) for r, h in self._worker._recving_transfers.items()}
                        if self._reads else {})
@@ -159,7 +168,10 @@ class WorkerObserver:
 
     def _after_results(self, results: Any, handles: dict) -> None:
         if isinstance(results, tuple):  # legacy (finished_sending, finished_recving)
-            sending, recving, failed = results[0], results[1], set()
+            # No failure set on this API: a read failed when the worker logged a failure
+            # of the read itself for it (not of a notification or a release).
+            sending, recving = results[0] or set(), results[1] or set()
+            failed = {r for r, kind in self._errors.items() if kind in _READ_FAILURES}
         else:
             sending = results.finished_sending
             recving = results.finished_recving

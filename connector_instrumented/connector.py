@@ -54,10 +54,10 @@ class KvobsNixlConnector(UpstreamNixlConnector):
                 self.connector_scheduler, vllm_config, kv_cache_config,
                 self.kvobs_options, self._kvobs_sink)
         if self.connector_worker is not None:
-            _compat.check_completion_path(UpstreamNixlConnector)
             bidirectional = bool(vllm_config.kv_transfer_config.get_from_extra_config(
                 "bidirectional_kv_xfer", False))
-            self._kvobs_worker = WorkerObserver(self.connector_worker, bidirectional)
+            self._kvobs_worker = WorkerObserver(self.connector_worker, bidirectional,
+                                                _compat.completion_method())
 
     # ------------------------------------------------------------------ scheduler side
 

@@ -222,19 +222,61 @@ def test_options_defaults_and_overrides():
         Options.from_extra_config({"kvobs_prefix_guard": "maybe"}, environ={})
 
 
-def test_completion_path_guard():
-    """A NIXL facade that leaves get_transfer_results to the base class is refused."""
+class LegacyWorker(FakeWorker):
+    """A worker of a vLLM whose facade calls ``get_finished`` (no failure set: failed
+    reads are known from ``_log_failure``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged = []
+
+    def _log_failure(self, failure_type=None, req_id=None, **kwargs):
+        self.logged.append((failure_type, req_id))
+
+    def get_finished(self):
+        results = FakeWorker.get_transfer_results(self)
+        return results.finished_sending, results.finished_recving
+
+    get_transfer_results = None  # the method this vLLM never calls
+
+
+def test_completion_method_follows_the_facade():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
     from connector_instrumented import _compat
 
-    _compat.check_completion_path()  # vLLM 0.32: the facade forwards it
+    assert _compat.completion_method() == "get_transfer_results"  # vLLM 0.32's facade
 
     class LegacyFacade(KVConnectorBase_V1):
         pass
 
-    with pytest.raises(MissingHookError, match="get_transfer_results"):
-        _compat.check_completion_path(LegacyFacade)
+    assert _compat.completion_method(LegacyFacade) == "get_finished"
+
+
+def test_legacy_completion_path_records_done_failed_and_releases():
+    worker = LegacyWorker()
+    obs = WorkerObserver(worker, bidirectional=False, completion="get_finished")
+    m1, m2 = meta(blocks=2), meta(blocks=1)
+    obs.on_start_load(SimpleNamespace(reqs_to_recv={"ok": m1, "bad": m2}))
+    worker._read_blocks_for_req("ok", m1)
+    worker._read_blocks_for_req("bad", m2)
+    worker._log_failure(failure_type="transfer_failed", req_id="bad")
+    worker._log_failure(failure_type="notification_failed", req_id="ok")  # read is fine
+    worker.done |= {"ok", "bad", "read-by-p"}
+    assert worker.get_finished()[1] == {"ok", "bad"}
+    reads, releases = obs.take()
+    outcomes = sorted((r[0], r[1], r[2], r[7]) for r in reads)
+    assert outcomes == [("bad", "failed", 1000, "transfer_failed"),
+                        ("ok", "done", 2000, "notification_failed")]
+    assert releases == [["read-by-p", "read", 1]]
+
+
+def test_legacy_completion_path_needs_the_failure_log():
+    class WithoutFailureLog(FakeWorker):
+        get_finished = LegacyWorker.get_finished
+
+    with pytest.raises(MissingHookError, match="_log_failure"):
+        WorkerObserver(WithoutFailureLog(), bidirectional=False, completion="get_finished")
 
 
 def test_digest_doctests():
