@@ -72,8 +72,9 @@ def merge_parts(parts: list[pa.Table], columns: dict[str, pa.DataType]) -> pa.Ta
 
 def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.DataType]
                 ) -> pa.Table | None:
-    """``keyed``'s rows (sorted by the turn key) with the columns of ``parts`` (sorted by
-    ``HASH``) lined up; None when a part has a turn ``keyed`` lacks, or on a collision."""
+    """``keyed``'s rows (sorted by the turn key) with the columns of ``parts`` (one row per
+    (``HASH``, ``CHECK``), sorted by ``HASH``) lined up; None when a part has a turn
+    ``keyed`` lacks, or on a collision."""
     hashes = keyed.column(HASH).to_numpy()
     order = np.argsort(hashes)
     by_hash = hashes[order]
@@ -83,9 +84,9 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
     n = keyed.num_rows
     out = {name: keyed.column(name) for name in keyed.column_names if name in columns}
     for part in parts:
-        if "collided" in part.column_names and pc.max(part.column("collided")).as_py():
-            return None
         hashed = part.column(HASH).to_numpy()
+        if (hashed[1:] == hashed[:-1]).any():  # sorted by hash: a repeat is a collision
+            return None
         position = np.minimum(np.searchsorted(by_hash, hashed), max(n - 1, 0))
         if len(hashed) and (not n or (by_hash[position] != hashed).any()):
             return None

@@ -286,13 +286,12 @@ class ClickHouseSource:
             return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
                     f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, {flags}, "
                     f"{', '.join(select)} FROM ({spans}) GROUP BY {group} ORDER BY {group}")
-        # Grouped by the hash (a fixed-size key, cheaper than strings); two keys sharing
-        # it show as two CHECK values in one group.
-        return (f"SELECT {HASH}, min(c) AS {CHECK}, min(c) != max(c) AS collided, "
-                f"max(keyless) AS keyless, max(no_tenant) AS no_tenant, "
-                f"{', '.join(select)} FROM (SELECT *, cityHash64({group}) AS {HASH}, "
-                f"xxHash64({group}) AS c, {flags} FROM ({spans})) "
-                f"GROUP BY {HASH} ORDER BY {HASH}")
+        # Grouped by the two hashes (a fixed-size key, cheaper than strings); two keys
+        # sharing the first show as two rows with one HASH.
+        return (f"SELECT {HASH}, {CHECK}, any(keyless) AS keyless, "
+                f"any(no_tenant) AS no_tenant, {', '.join(select)} "
+                f"FROM (SELECT *, cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
+                f"{flags} FROM ({spans})) GROUP BY {HASH}, {CHECK} ORDER BY {HASH}")
 
     def fleet_turns(self) -> pd.DataFrame:
         from kvobs.fleet._merge import align_parts, merge_parts
