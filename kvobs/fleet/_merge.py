@@ -6,8 +6,7 @@ are then lined up here by a 64-bit hash of (tenant, conversation, turn), checked
 a second, independent hash so that a collision is detected, never merged.
 
 ``align_parts`` is the common case, with no string work: one part (the proxy's turn span,
-in nearly every turn) brings the keys already sorted, the others only hashes, sorted by
-hash. ``merge_parts`` is the general one (every part with keys; any turn may lack any
+in nearly every turn) brings the keys already sorted, the others only hashes. ``merge_parts`` is the general one (every part with keys; any turn may lack any
 span).
 """
 
@@ -73,8 +72,8 @@ def merge_parts(parts: list[pa.Table], columns: dict[str, pa.DataType]) -> pa.Ta
 def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.DataType]
                 ) -> pa.Table | None:
     """``keyed``'s rows (sorted by the turn key) with the columns of ``parts`` (one row per
-    (``HASH``, ``CHECK``), sorted by ``HASH``) lined up; None when a part has a turn
-    ``keyed`` lacks, or on a collision."""
+    (``HASH``, ``CHECK``), any order) lined up; None when a part has a turn ``keyed``
+    lacks, or on a collision."""
     hashes = keyed.column(HASH).to_numpy()
     order = np.argsort(hashes)
     by_hash = hashes[order]
@@ -85,13 +84,15 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
     out = {name: keyed.column(name) for name in keyed.column_names if name in columns}
     for part in parts:
         hashed = part.column(HASH).to_numpy()
-        if (hashed[1:] == hashed[:-1]).any():  # sorted by hash: a repeat is a collision
-            return None
         position = np.minimum(np.searchsorted(by_hash, hashed), max(n - 1, 0))
         if len(hashed) and (not n or (by_hash[position] != hashed).any()):
             return None
         rows = order[position]
         if (checks[rows] != part.column(CHECK).to_numpy()).any():
+            return None
+        hit = np.zeros(n, bool)
+        hit[rows] = True
+        if hit.sum() != len(rows):  # two rows of one part on one turn: a collision
             return None
         take = np.full(n, -1, np.int64)
         take[rows] = np.arange(len(rows))
