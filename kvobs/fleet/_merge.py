@@ -83,19 +83,19 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
     n = keyed.num_rows
     out = {name: keyed.column(name) for name in keyed.column_names if name in columns}
     for part in parts:
-        hashed = part.column(HASH).to_numpy()
+        # Looked up in hash order: sorted queries keep the binary searches cache-friendly.
+        part_order = np.argsort(part.column(HASH).to_numpy())
+        hashed = part.column(HASH).to_numpy()[part_order]
         position = np.minimum(np.searchsorted(by_hash, hashed), max(n - 1, 0))
         if len(hashed) and (not n or (by_hash[position] != hashed).any()):
             return None
-        rows = order[position]
-        if (checks[rows] != part.column(CHECK).to_numpy()).any():
+        if (hashed[1:] == hashed[:-1]).any():  # two rows of one part on one key
             return None
-        hit = np.zeros(n, bool)
-        hit[rows] = True
-        if hit.sum() != len(rows):  # two rows of one part on one turn: a collision
+        rows = order[position]
+        if (checks[rows] != part.column(CHECK).to_numpy()[part_order]).any():
             return None
         take = np.full(n, -1, np.int64)
-        take[rows] = np.arange(len(rows))
+        take[rows] = part_order
         # A part in every turn needs no null mask (a faster take).
         index = pa.array(take) if len(rows) == n else pa.array(take, mask=take < 0)
         for name in part.column_names:

@@ -202,10 +202,10 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- fleet
 
-    def turns_sql(self, inherit: bool = False) -> str:
-        """One row per (tenant, conversation, turn): kvobs.fleet's turn table, in SQL.
-        ``inherit``: spans lacking a key take it from their trace (a join; only needed
-        when the plain query shows keyless spans, see ``fleet_turns``)."""
+    def turns_sql(self) -> str:
+        """One row per (tenant, conversation, turn) in one query, spans lacking a key
+        taking it from their trace (a join): what ``fleet_turns`` falls back to when its
+        per-span-name parts show such spans, or on a hash collision."""
         from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
 
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
@@ -227,22 +227,18 @@ class ClickHouseSource:
                 f"SELECT TraceId, Timestamp, {_attr(_TENANT)} AS tenant, "
                 f"{_attr(_CID)} AS cid, toInt64OrNull({_attr(_TURN)}) AS turn_index, "
                 f"{', '.join(values)} FROM {self.table} WHERE SpanName = {_quote(name)}")
-        spans = " UNION ALL ".join(branches)
-        if inherit:
-            spans = f"""
-                SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, ''))
-                                    AS tenant,
-                                    if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
-                                    ifNull(s.turn_index, t.turn_index) AS turn_index)
-                FROM ({spans}) AS s
-                LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
-                                  anyIf(cid, cid != '') AS cid,
-                                  anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
-                           FROM (SELECT TraceId, {_attr(_TENANT)} AS tenant,
-                                        {_attr(_CID)} AS cid,
-                                        toInt64OrNull({_attr(_TURN)}) AS turn_index
-                                 FROM {self.table})
-                           GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
+        spans = f"""
+            SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
+                                if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
+                                ifNull(s.turn_index, t.turn_index) AS turn_index)
+            FROM ({" UNION ALL ".join(branches)}) AS s
+            LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
+                              anyIf(cid, cid != '') AS cid,
+                              anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
+                       FROM (SELECT TraceId, {_attr(_TENANT)} AS tenant, {_attr(_CID)} AS cid,
+                                    toInt64OrNull({_attr(_TURN)}) AS turn_index
+                             FROM {self.table})
+                       GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = []
         for column in FLEET_FIELDS:
             if column in PRESENCE:
@@ -306,12 +302,14 @@ class ClickHouseSource:
         keyed = self.query(self.branch_sql(proxy))
         parts = [self.query(self.branch_sql(name, keys=False)) for name in others]
         types = {column: _ARROW[column_type(column)] for column in FLEET_FIELDS}
-        table = align_parts(keyed, parts, types) if keyed.num_rows else None
+        table = None
+        if not _need_traces([keyed, *parts]):
+            table = align_parts(keyed, parts, types) if keyed.num_rows else None
+            if table is None:
+                parts = [self.query(self.branch_sql(name)) for name in others]
+                table = merge_parts([keyed, *parts], types)
         if table is None:
-            parts = [keyed] + [self.query(self.branch_sql(name)) for name in others]
-            table = merge_parts(parts, types)
-        if table is None or _need_traces([keyed, *parts]):
-            table = self.query(self.turns_sql(inherit=True))  # keys from traces; collision
+            table = self.query(self.turns_sql())  # keys from traces; or a collision
         keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
                         pc.is_valid(table.column("turn")))
         return derive(to_frame(table.filter(keyed)))

@@ -12,6 +12,7 @@ chdb = pytest.importorskip("chdb")
 from conftest import SHARED_ID, assert_same_turns  # noqa: E402
 from test_classify_parity import compare_verdicts  # noqa: E402
 
+from kvobs import semconv as sc  # noqa: E402
 from kvobs.cli import main  # noqa: E402
 from kvobs.diagnose import diagnose  # noqa: E402
 from kvobs.fleet import fleet_turns, label_turns  # noqa: E402
@@ -60,11 +61,37 @@ def test_sql_keeps_tenants_sharing_an_id_apart(factory_clickhouse, factory_store
     assert turns[turns["conversation_id"] == SHARED_ID]["tenant"].nunique() == 2
 
 
+KEYLESS = {"reads": {sc.SPAN_READ.name: (sc.CONVERSATION_ID.key, sc.TURN_INDEX.key),
+                     sc.SPAN_EXPORT.name: (sc.TENANT_DIGEST.key,)},
+           "tenant": {sc.SPAN_EXPORT.name: (sc.TENANT_DIGEST.key,)}}
+
+
+@pytest.mark.parametrize("case", list(KEYLESS))
+def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, case):
+    """P's reads without conversation and turn, D's exports without tenant: the keys
+    come from the trace, as correlate does it."""
+    from kvobs.correlate import turns_from_spans
+
+    source = ClickHouseSource.chdb(chdb_path, f"keyless_{case}")
+    source.create_table()
+    keys = KEYLESS[case]
+    attributes = "SpanAttributes"
+    for name, dropped in keys.items():
+        quoted = ", ".join(f"'{key}'" for key in dropped)
+        attributes = (f"if(SpanName = '{name}', mapFilter((k, v) -> k NOT IN ({quoted}), "
+                      f"SpanAttributes), {attributes})")
+    source.query(f"INSERT INTO {source.table} SELECT * REPLACE ({attributes} AS "
+                 f"SpanAttributes) FROM {clickhouse.table}")
+    turns = compare_verdicts(source)
+    assert_same_turns(turns, turns_from_spans(source.spans()))
+    assert turns["read_outcome"].notna().any() and turns["export_tokens"].notna().any()
+
+
 def test_single_query_sql_equals_the_per_span_parts(clickhouse, factory_clickhouse):
     from kvobs.fleet._turns import derive, to_frame
 
     for source in (clickhouse, factory_clickhouse):
-        single = derive(to_frame(source.query(source.turns_sql(inherit=True))))
+        single = derive(to_frame(source.query(source.turns_sql())))
         assert_same_turns(fleet_turns(source), single)
 
 
