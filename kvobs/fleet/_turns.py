@@ -39,7 +39,6 @@ STRING_COLUMNS = {"lookup", "fallback_reason", "decision", "read_outcome", "rele
                   "stuck_span_id"}
 _TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
 KEY_SOURCES = {"tenant": _TENANT, "conversation_id": _CID, "turn": _TURN}
-_TURN_BITS = 20  # key = conversation code << 20 | turn
 _SPAN_TYPES = {"start_ns": "int", "end_ns": "int", "error": "bool"}
 
 
@@ -161,7 +160,11 @@ def aggregate(table: pa.Table) -> pa.Table:
     cid_codes, cids = _ranked(table.column(_CID))
     conversation = tenant_codes * max(len(cids), 1) + cid_codes
     turn = pc.cast(table.column(_TURN), pa.int64()).to_numpy(zero_copy_only=False)
-    key = (conversation << _TURN_BITS) | turn
+    # key = conversation << bits | (turn - lowest): as many bits as the turns need, so a
+    # stray turn index can never spill into the next conversation's keys.
+    lowest = int(turn.min()) if len(turn) else 0
+    bits = max(int(turn.max() - lowest).bit_length(), 1) if len(turn) else 1
+    key = (conversation << bits) | (turn - lowest)
     start = pc.fill_null(table.column("start_ns"), 0).to_numpy(zero_copy_only=False)
     names = _dictionary(table.column("name"))
     name_codes = names.indices.to_numpy(zero_copy_only=False)
@@ -188,7 +191,7 @@ def aggregate(table: pa.Table) -> pa.Table:
             combined[source] = table.column(source).combine_chunks()
         return combined[source]
 
-    conversation_of = turn_keys >> _TURN_BITS
+    conversation_of = turn_keys >> bits
     columns: dict[str, pa.Array] = {
         "tenant": pa.DictionaryArray.from_arrays(
             pa.array(conversation_of // max(len(cids), 1), pa.int32()),
@@ -196,7 +199,7 @@ def aggregate(table: pa.Table) -> pa.Table:
         "conversation_id": pa.DictionaryArray.from_arrays(
             pa.array(conversation_of % max(len(cids), 1), pa.int32()),
             pa.array(cids, pa.string())),
-        "turn": pa.array(turn_keys & ((1 << _TURN_BITS) - 1), pa.int64())}
+        "turn": pa.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
     for column, (span, source) in FLEET_FIELDS.items():
         arrow_type = _ARROW[column_type(column)]
         if span.name not in by_name:

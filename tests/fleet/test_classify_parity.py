@@ -42,3 +42,20 @@ def test_fleet_turn_table_equals_correlate(synthetic_store):
     turns = fleet_turns(source)
     assert turns["tenant"].nunique() > 1
     assert_same_turns(turns, turns_from_spans(source.spans()))
+
+
+def test_turn_indices_of_any_size_stay_in_their_conversation():
+    import pyarrow as pa
+
+    from kvobs import semconv as sc
+    from kvobs.fleet._turns import aggregate, span_columns
+    from kvobs.sources.store import store_schema
+
+    turns = [("a", 1), ("a", 2_000_000), ("b", -3), ("b", 5)]
+    rows = [{"name": sc.SPAN_PROXY_TURN.name, "start_ns": 1, sc.CONVERSATION_ID.key: cid,
+             sc.TURN_INDEX.key: turn} for cid, turn in turns]
+    schema = pa.schema([store_schema().field(c) for c in span_columns()])
+    table = aggregate(pa.Table.from_pylist(rows, schema=schema))
+    assert list(zip(table.column("conversation_id").to_pylist(),
+                    table.column("turn").to_pylist())) == turns
+    assert set(table.column("tenant").to_pylist()) == {""}
