@@ -50,9 +50,11 @@ def open_source(location: str) -> SpanSource:
         from kvobs.sources.clickhouse import ClickHouseSource
 
         try:
-            return ClickHouseSource.from_url(location)
+            source = ClickHouseSource.from_url(location)
         except ImportError as error:  # chdb not installed
             raise SourceError(f"{location}: {error}") from error
+        source.check()
+        return source
     if not os.path.exists(location):
         raise SourceError(f"source not found: {location}")
     if os.path.isdir(location) and is_store(location):

@@ -171,6 +171,18 @@ class ClickHouseSource:
             SETTINGS input_format_parquet_allow_missing_columns = 1""")
         return self.count()
 
+    def check(self) -> None:
+        """Raise ``SourceError`` unless the table can be read (unreachable server, no
+        such table): commands then fail with a message, not a traceback."""
+        from kvobs.sources import SourceError
+
+        try:
+            exists = self.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py()
+        except Exception as error:  # noqa: BLE001 - HTTP, chdb and SQL errors alike
+            raise SourceError(f"{self.location}: {error}") from error
+        if not exists:
+            raise SourceError(f"{self.location}: no table {self.table}")
+
     def count(self) -> int:
         return int(self.query(f"SELECT count() AS n FROM {self.table}").column(0)[0].as_py())
 

@@ -124,4 +124,11 @@ def test_every_command_takes_a_chdb_source(clickhouse, factory_clickhouse, synth
 def test_url_parsing():
     source = ClickHouseSource.from_url("clickhouse://u:p@ch.example:9000/otel?table=spans")
     assert source.table == "spans" and source.location == "http://ch.example:9000/otel"
-    assert isinstance(open_source("clickhouse://ch.example/otel"), ClickHouseSource)
+
+
+def test_unreadable_clickhouse_source_is_an_input_error(clickhouse):
+    runner = CliRunner()
+    for location in (f"{clickhouse.location}?table=no_such_table",
+                     "clickhouse://127.0.0.1:9/otel"):
+        result = runner.invoke(main, ["diagnose", "x", "--source", location])
+        assert result.exit_code == 2 and "error:" in result.output, location
