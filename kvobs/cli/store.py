@@ -17,7 +17,8 @@ def group():
 @group.command("compact")
 @click.argument("store_dir", type=click.Path(exists=True, file_okay=False))
 def compact_command(store_dir):
-    """Move live OTLP-JSON segments of STORE_DIR into indexed parquet."""
+    """Move live OTLP-JSON segments of STORE_DIR into indexed parquet, each file with its
+    turn rows (what kvobs report reads; written too for files compacted without them)."""
     moved, problems = compact(store_dir)
     out = console()
     out.print(f"compacted {moved} spans into {store_dir}/compacted")
