@@ -6,21 +6,30 @@ fingerprints the whole prefix ``[0, n * block_size)``. D exports the first 8 byt
 hashes at up to ``MAX_CHECKPOINTS`` block counts (every block for short prefixes, an even
 stride plus the last block for long ones); P finds the longest prefix that still agrees.
 
+Block hashes cover full blocks only, but D's KV usually ends inside a block, and P
+reads that partial block too. Its tokens are where re-tokenization bites: the last tokens
+of D's output meet the next turn's text there. So the digest also carries a fingerprint
+of the tail tokens (after the last full block), checked by P when its prompt covers them.
+
 Format (a string, so that it survives any JSON hop)::
 
-    kvobs2:<hash_block_size>:<seed fingerprint>:<blocks>:<16 hex per checkpoint>
+    kvobs3:<hash_block_size>:<seed fingerprint>:<blocks>:<tail tokens>:<tail hex>:<16 hex per checkpoint>
 
 The checkpoints follow from ``<blocks>`` (``checkpoints()``), so only the hash prefixes
 travel, concatenated: cheap to build on D's hook and to probe on P's.
 
 >>> hashes = [bytes([i]) * 32 for i in range(1, 6)]
->>> d = encode(hashes, num_tokens=5 * 16 + 3, block_size=16, seed="abcd")
->>> d.split(":")[:4]
-['kvobs2', '16', 'abcd', '5']
->>> compare(d, hashes, block_size=16, seed="abcd", limit_tokens=83)
-(<PrefixEvidence.MATCH: 'match'>, 80)
+>>> tokens = list(range(5 * 16 + 3))
+>>> d = encode(hashes, num_tokens=83, block_size=16, seed="abcd", token_ids=tokens)
+>>> d.split(":")[:5]
+['kvobs3', '16', 'abcd', '5', '3']
+>>> compare(d, hashes, block_size=16, seed="abcd", limit_tokens=83, token_ids=tokens)
+(<PrefixEvidence.MATCH: 'match'>, 83)
+>>> retokenized = tokens[:81] + [7, 7]  # the same blocks, another tail
+>>> compare(d, hashes, block_size=16, seed="abcd", limit_tokens=83, token_ids=retokenized)
+(<PrefixEvidence.MISMATCH: 'mismatch'>, 80)
 >>> other = hashes[:2] + [b"x" * 32] * 3
->>> compare(d, other, block_size=16, seed="abcd", limit_tokens=83)
+>>> compare(d, other, block_size=16, seed="abcd", limit_tokens=83, token_ids=tokens)
 (<PrefixEvidence.MISMATCH: 'mismatch'>, 32)
 >>> compare(d, hashes, block_size=16, seed="other", limit_tokens=83)[0].value
 'incomparable'
@@ -35,7 +44,7 @@ from typing import Sequence
 
 from kvobs.semconv import PrefixEvidence
 
-VERSION = "kvobs2"
+VERSION = "kvobs3"
 _HEX = 2 * 8  # hex digits of one hash prefix
 MAX_CHECKPOINTS = 64
 _PREFIX_BYTES = 8
@@ -77,9 +86,21 @@ def checkpoints(num_blocks: int) -> list[int]:
     return points
 
 
+def tail_fingerprint(token_ids: Sequence[int]) -> str:
+    """16 hex of the tail tokens. CPython's tuple hash of ints does not depend on
+    PYTHONHASHSEED; an engine pair on different hash implementations would only see a
+    false mismatch, which costs a recompute of the tail, never a wrong read.
+
+    >>> tail_fingerprint([1, 2, 3]) == tail_fingerprint([1, 2, 3]) != tail_fingerprint([1, 2])
+    True
+    """
+    return f"{hash(tuple(token_ids)) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
 def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
-           seed: str | None) -> str | None:
-    """Digest of the full blocks covering ``num_tokens`` (None if there are none).
+           seed: str | None, token_ids: Sequence[int] | None = None) -> str | None:
+    """Digest of the full blocks covering ``num_tokens`` and of the tail tokens after
+    them (from ``token_ids``; no tail without them). None if there are no full blocks.
 
     Runs inside D's ``request_finished``. One hash function per engine means one width
     for every hash, so a (strided) list slice, one join and one strided memoryview
@@ -87,6 +108,12 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
     num_blocks = min(len(block_hashes), num_tokens // block_size)
     if num_blocks <= 0 or not seed:
         return None
+    tail = num_tokens - num_blocks * block_size
+    if tail and token_ids is not None and len(token_ids) >= num_tokens:
+        head = f"{VERSION}:{block_size}:{seed}:{num_blocks}:{tail}:" + tail_fingerprint(
+            token_ids[num_blocks * block_size:num_tokens])
+    else:
+        head = f"{VERSION}:{block_size}:{seed}:{num_blocks}:0:"
     width = len(block_hashes[0])
     if type(block_hashes) is list and width and not width % _PREFIX_BYTES:
         if num_blocks <= MAX_CHECKPOINTS:  # every block is a checkpoint
@@ -99,10 +126,10 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
         joined = b"".join(picked)
         if len(joined) == width * len(picked):
             hexed = memoryview(joined).cast("Q")[::width // _PREFIX_BYTES].tobytes().hex()
-            return f"{VERSION}:{block_size}:{seed}:{num_blocks}:{hexed}"
+            return f"{head}:{hexed}"
     hexed = b"".join([block_hashes[n - 1][:_PREFIX_BYTES]
                       for n in _checkpoints(num_blocks)]).hex()
-    return f"{VERSION}:{block_size}:{seed}:{num_blocks}:{hexed}"
+    return f"{head}:{hexed}"
 
 
 @lru_cache(maxsize=64)
@@ -115,28 +142,36 @@ _MATCH, _MISMATCH = PrefixEvidence.MATCH, PrefixEvidence.MISMATCH
 
 
 def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
-            seed: str | None, limit_tokens: int) -> tuple[PrefixEvidence, int]:
-    """Compare D's digest with P's hashes over ``[0, limit_tokens)``.
+            seed: str | None, limit_tokens: int,
+            token_ids: Sequence[int] | None = None) -> tuple[PrefixEvidence, int]:
+    """Compare D's digest with P's hashes (and P's ``token_ids`` for the tail) over
+    ``[0, limit_tokens)``.
 
-    Returns the evidence and the number of tokens verified to match (a multiple of
-    ``block_size``; on a mismatch, the longest prefix still verified).
+    Returns the evidence and the number of tokens verified to match: full blocks, plus
+    D's tail when P's prompt covers it and it agrees; on a mismatch, the longest prefix
+    still verified (whole blocks).
     """
     if not digest:
         return _ABSENT, 0
     head = _head(block_size, seed) if seed else None
     if head is not None and digest.startswith(head):
         # Runs inside P's matching hook: same version, block size and seed as ours, so
-        # read the block count and the hex in place instead of splitting a copy.
+        # read the counts and the hex in place instead of splitting a copy.
         colon = digest.index(":", len(head))
         d_count = int(digest[len(head):colon])
-        hexed, base = digest, colon + 1
+        tail_colon = digest.index(":", colon + 1)
+        d_tail = int(digest[colon + 1:tail_colon])
+        base = digest.index(":", tail_colon + 1) + 1
+        d_tail_hex = digest[tail_colon + 1:base - 1]
+        hexed = digest
     else:
-        version, d_block_size, d_seed, d_blocks, hexed = digest.split(":", 4)
+        version, d_block_size, d_seed, d_blocks, d_tail, d_tail_hex, hexed = digest.split(
+            ":", 6)
         if version != VERSION:
             raise ValueError(f"unknown digest version {version!r}")
         if int(d_block_size) != block_size or not seed or d_seed != seed:
             return _INCOMPARABLE, 0
-        d_count, base = int(d_blocks), 0
+        d_count, d_tail, base = int(d_blocks), int(d_tail), 0
     usable = min(len(block_hashes), limit_tokens // block_size)
     if d_count <= MAX_CHECKPOINTS:  # checkpoints 1..d_count: no list, no bisect
         if len(hexed) - base != d_count * _HEX:
@@ -157,7 +192,14 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     # first disagreeing one is found by bisection, reading only the probed entries.
     at = base + (n - 1) * _HEX
     if block_hashes[last - 1][:_PREFIX_BYTES].hex() == hexed[at:at + _HEX]:
-        return _MATCH, last * block_size
+        verified = last * block_size
+        end = verified + d_tail
+        if (d_tail and last == d_count and token_ids is not None and limit_tokens >= end
+                and len(token_ids) >= end):
+            if tail_fingerprint(token_ids[verified:end]) != d_tail_hex:
+                return _MISMATCH, verified
+            return _MATCH, end
+        return _MATCH, verified
     if counts is None:
         counts = _checkpoints(d_count)
     lo, hi = 0, n

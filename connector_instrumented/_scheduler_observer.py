@@ -235,7 +235,7 @@ class SchedulerObserver:
             return
         evidence, matched = _digest.compare(
             params.get(_KTP_DIGEST), request.block_hashes, self._hash_block_size,
-            self._seed or self._seed_fp(), limit)
+            self._seed or self._seed_fp(), limit, request.prompt_token_ids)
         r.evidence = evidence
         if evidence is _MATCH:
             r.matched = matched
@@ -463,7 +463,7 @@ class SchedulerObserver:
                          for i, g in enumerate(groups))
         tokens = int(out.get("remote_num_tokens") or 0)
         digest = _digest.encode(request.block_hashes, tokens, self._hash_block_size,
-                                self._seed or self._seed_fp())
+                                self._seed or self._seed_fp(), request.all_token_ids)
         if digest is not None:
             out[_KTP_DIGEST] = digest
         if self._ttl:

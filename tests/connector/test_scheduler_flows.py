@@ -111,7 +111,8 @@ def test_below_threshold(model_dir, spans):
 
 def _digest_of(token_ids, n_tokens):
     d_req = h.make_request(token_ids, None)
-    return _digest.encode(d_req.block_hashes, n_tokens, h.BS, _digest.seed_fingerprint())
+    return _digest.encode(d_req.block_hashes, n_tokens, h.BS, _digest.seed_fingerprint(),
+                          token_ids)
 
 
 @pytest.mark.parametrize("guard", [True, False])
@@ -136,6 +137,35 @@ def test_prefix_mismatch(model_dir, spans, guard):
         assert a[sc.OFFERED_TOKENS.key] == 64
         assert [len(g) for g in meta.remote.block_ids] == [5]
     assert kv_stats(eco)[st.PREFIX_MISMATCHES] == [1]
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_tail_mismatch_inside_the_last_partial_block(model_dir, spans, guard):
+    """D's KV ends inside a block (60 tokens: 3 full blocks + 12); the next prompt
+    re-tokenized one of those 12 differently. Block hashes cover full blocks only, the
+    tail fingerprint catches it: only the full blocks are read (guard on)."""
+    prompt = tokens(72)
+    d_tokens = list(prompt)
+    d_tokens[55] = 499
+    scheduler = h.make_scheduler(h.make_config(model_dir, {"kvobs_prefix_guard": guard}))
+    req, so, _ = p_turn2(scheduler, prompt, 60,
+                         **{sc.KTP_BLOCK_DIGEST: _digest_of(d_tokens, 60)})
+    (decision,) = spans.spans(sc.SPAN_PULL_DECISION)
+    a = attrs(decision)
+    assert (a[sc.PULL_DECISION.key], a[sc.PREFIX_MATCHED_TOKENS.key]) == (
+        "prefix-mismatch", 48)
+    meta = so.kv_connector_metadata.reqs_to_recv[req.request_id]
+    expected = (48, 3) if guard else (60, 4)
+    assert (a[sc.OFFERED_TOKENS.key], len(meta.remote.block_ids[0])) == expected
+
+
+def test_tail_match_verifies_every_remote_token(model_dir, spans):
+    prompt = tokens(72)
+    scheduler = h.make_scheduler(h.make_config(model_dir))
+    p_turn2(scheduler, prompt, 60, **{sc.KTP_BLOCK_DIGEST: _digest_of(prompt, 60)})
+    (decision,) = spans.spans(sc.SPAN_PULL_DECISION)
+    assert (attrs(decision)[sc.PULL_DECISION.key],
+            attrs(decision)[sc.PREFIX_MATCHED_TOKENS.key]) == ("pull", 60)
 
 
 def test_prefix_match_pulls(model_dir, spans):
@@ -243,7 +273,7 @@ def test_d_export_digest_and_release(model_dir, spans):
     req, eco = _d_turn(scheduler, prompt)
     out = eco[0].outputs[0].kv_transfer_params
     assert out["remote_blocks_expiry_time"] is not None
-    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs2:16:")
+    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs3:16:")
     (export,) = spans.spans(sc.SPAN_EXPORT)
     a = attrs(export)
     assert a[sc.EXPORT_TOKENS.key] == out["remote_num_tokens"] == 50
@@ -251,11 +281,15 @@ def test_d_export_digest_and_release(model_dir, spans):
     assert a[sc.EXPORT_EXPIRES_AT.key] == pytest.approx(time.time() + 30, abs=1)
     assert a[sc.CONVERSATION_ID.key] == "conv-1" and a[sc.ROLE.key] == "decode"
     assert kv_stats(eco)[st.RETAINED_BLOCKS] == [a[sc.EXPORT_BLOCKS.key]]
-    # P of the next turn verifies D's digest against its own prompt: a match.
-    evidence, matched = _digest.compare(
-        out[sc.KTP_BLOCK_DIGEST], h.make_request(prompt + [5, 6], None).block_hashes,
-        h.BS, _digest.seed_fingerprint(), 50)
-    assert (evidence.value, matched) == ("match", 48)
+    # P of the next turn verifies D's digest against its own prompt: a match, the
+    # partial block's two tokens included; a re-tokenized tail is a mismatch after the
+    # last full block.
+    for p_prompt, expected in ((prompt + [5, 6], ("match", 50)),
+                               (prompt[:49] + [7, 5, 6], ("mismatch", 48))):
+        evidence, matched = _digest.compare(
+            out[sc.KTP_BLOCK_DIGEST], h.make_request(p_prompt, None).block_hashes,
+            h.BS, _digest.seed_fingerprint(), 50, p_prompt)
+        assert (evidence.value, matched) == expected
 
     release = st.KvobsConnectorStats()
     release.add(st.RAW_RELEASES, [req.request_id, "read", 1])

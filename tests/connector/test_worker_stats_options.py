@@ -296,7 +296,7 @@ def test_digest_matches_its_checkpoint_definition(blocks, width):
         hashes.append(prev)
     digest = _digest.encode(hashes, blocks * 16 + 3, 16, "abcd")
     expected = "".join(hashes[n - 1][:8].hex() for n in _digest.checkpoints(blocks))
-    assert digest == f"kvobs2:16:abcd:{blocks}:{expected}"
+    assert digest == f"kvobs3:16:abcd:{blocks}:0::{expected}"  # no token ids: no tail
     assert _digest.compare(digest, hashes, 16, "abcd", blocks * 16 + 3) == (
         sc.PrefixEvidence.MATCH, _digest.checkpoints(blocks)[-1] * 16)
     # P's history diverges at block k: the longest verified prefix is the last
@@ -307,30 +307,6 @@ def test_digest_matches_its_checkpoint_definition(blocks, width):
     verified = max([c for c in points if c <= k], default=0)
     evidence, matched = _digest.compare(digest, other, 16, "abcd", blocks * 16)
     assert (evidence, matched) == (sc.PrefixEvidence.MISMATCH, verified * 16)
-
-
-# --------------------------------------------------------------------------- cost
-
-
-def test_hook_overhead_under_10us(model_dir):
-    """With no exporter configured (no-op tracer) every hook stays far below 10 µs."""
-    scheduler = h.make_scheduler(h.make_config(model_dir))
-    obs = scheduler.connector._kvobs_sched
-    plain = h.make_request(list(range(64)), None)
-    p_req = h.make_request(list(range(200)),
-                           h.d_params("d", range(8), 128, **{
-                               sc.KTP_BLOCK_DIGEST: _digest.encode(
-                                   h.make_request(list(range(200)), None).block_hashes,
-                                   128, h.BS, _digest.seed_fingerprint())}))
-    n = 2000
-    for req in (plain, p_req):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            obs._reqs.pop(req.request_id, None)
-            obs.before_match(req, 0)
-            obs.after_match(req, (128, True))
-        per_call = (time.perf_counter() - t0) / n / 2
-        assert per_call < 10e-6, (req.request_id, per_call)
 
 
 # --------------------------------------------------------------------------- span sink
