@@ -267,9 +267,9 @@ def _codes(values: pd.Series) -> np.ndarray:
     return pd.factorize(values)[0]
 
 
-def derive(turns: pd.DataFrame) -> pd.DataFrame:
-    """Gap and previous-turn facts. Rows must be grouped by (tenant, conversation), by
-    turn; a shift never crosses a conversation, so never a tenant."""
+def follows(turns: pd.DataFrame) -> np.ndarray:
+    """Per row: whether it is the next turn of the row before, in the same (tenant,
+    conversation). Rows must be grouped by those keys and sorted by turn."""
     consecutive = np.zeros(len(turns), bool)
     if len(turns) > 1:
         same = np.ones(len(turns) - 1, bool)
@@ -278,6 +278,13 @@ def derive(turns: pd.DataFrame) -> pd.DataFrame:
             same &= codes[1:] == codes[:-1]
         turn = turns["turn"].to_numpy(np.int64)
         consecutive[1:] = same & (turn[1:] == turn[:-1] + 1)
+    return consecutive
+
+
+def derive(turns: pd.DataFrame) -> pd.DataFrame:
+    """Gap and previous-turn facts. Rows must be grouped by (tenant, conversation), by
+    turn; a shift never crosses a conversation, so never a tenant."""
+    consecutive = follows(turns)
     previous = np.concatenate([[0], np.arange(len(turns) - 1)])[:len(turns)]
 
     def shifted(column):

@@ -42,7 +42,10 @@ def pick_conversation(turns: pd.DataFrame) -> str | None:
 def waterfall(turns: pd.DataFrame, conversation_id: str):
     import matplotlib.pyplot as plt
 
-    rows = turns[turns["conversation_id"] == conversation_id].sort_values("turn")
+    rows = turns[turns["conversation_id"] == conversation_id]
+    # An id several tenants use is several conversations: draw the first tenant's.
+    rows = rows[rows["tenant"] == rows["tenant"].iloc[0]] if len(rows) else rows
+    rows = rows.sort_values("turn")
     figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
     y = rows["turn"].to_numpy()
     read = rows["read_duration_s"].astype(float).fillna(0).to_numpy()
@@ -65,7 +68,8 @@ def waterfall(turns: pd.DataFrame, conversation_id: str):
     axis.invert_yaxis()
     axis.set_xlabel("seconds from turn start")
     axis.set_ylabel("turn")
-    axis.set_title(f"conversation {conversation_id}")
+    tenant = f" (tenant {rows['tenant'].iloc[0]})" if len(rows) and rows["tenant"].iloc[0] else ""
+    axis.set_title(f"conversation {conversation_id}{tenant}")
     axis.legend(loc="lower right", fontsize=8)
     return figure
 

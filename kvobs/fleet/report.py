@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from kvobs import semconv as sc
-from kvobs.correlate import prefill_rate
+from kvobs.correlate import CONVERSATION_KEYS, prefill_rate
 from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
 
@@ -158,7 +158,8 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
 
     cids = labelled["conversation_id"]
     report = FleetReport(
-        source=source, since=since, conversations=int(cids.nunique()), turns=len(labelled),
+        source=source, since=since,
+        conversations=len(labelled[CONVERSATION_KEYS].drop_duplicates()), turns=len(labelled),
         prefill_tokens_per_s=rate, first_turn=_metrics(measured[first]),
         later_turns=_metrics(later),
         by_turn=grouped(measured, ["turn_bucket"]),

@@ -72,11 +72,11 @@ def read_model(turns: pd.DataFrame) -> ReadModel | None:
 
 def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """For each row: whether the conversation's next turn follows it, and that turn's row."""
+    from kvobs.fleet._turns import follows
+
     n = len(turns)
-    codes = turns["conversation_id"].astype("category").cat.codes.to_numpy(np.int64)
-    turn = turns["turn"].to_numpy(np.int64)
     has_next = np.zeros(n, bool)
-    has_next[:-1] = (codes[1:] == codes[:-1]) & (turn[1:] == turn[:-1] + 1)
+    has_next[:-1] = follows(turns)[1:]
     return has_next, np.minimum(np.arange(n) + 1, n - 1)
 
 

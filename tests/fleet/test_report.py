@@ -83,3 +83,17 @@ def test_tune_and_whatif_cli(synthetic_store):
                                   "--threshold", "32", "--json"])
     assert replay.exit_code == 0
     assert json.loads(replay.output)["ttl_s"] == 900
+
+
+def test_tenants_sharing_an_id_are_separate_conversations(factory_store):
+    import pandas as pd
+    from conftest import FACTORY_CASES, TENANTS
+
+    from kvobs.fleet.tune import next_turn
+
+    report, _ = build_report(fleet_turns(open_source(factory_store)))
+    assert report.conversations == len(FACTORY_CASES) + len(TENANTS)
+    # Turn 3 of one tenant right after turn 2 of another is not its next turn.
+    turns = pd.DataFrame({"tenant": ["a", "a", "b"], "conversation_id": ["x", "x", "x"],
+                          "turn": [1, 2, 3]})
+    assert next_turn(turns)[0].tolist() == [True, False, False]
