@@ -74,6 +74,9 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
     """``keyed``'s rows (sorted by the turn key) with the columns of ``parts`` (one row per
     (``HASH``, ``CHECK``), any order) lined up; None when a part has a turn ``keyed``
     lacks, or on a collision."""
+    # One chunk per column: query results come in many batches, and takes across
+    # chunks cost ~10x more.
+    keyed = keyed.combine_chunks()
     hashes = keyed.column(HASH).to_numpy()
     order = np.argsort(hashes)
     by_hash = hashes[order]
@@ -83,6 +86,7 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
     n = keyed.num_rows
     out = {name: keyed.column(name) for name in keyed.column_names if name in columns}
     for part in parts:
+        part = part.combine_chunks()
         # Looked up in hash order: sorted queries keep the binary searches cache-friendly.
         part_order = np.argsort(part.column(HASH).to_numpy())
         hashed = part.column(HASH).to_numpy()[part_order]
