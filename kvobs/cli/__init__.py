@@ -10,6 +10,7 @@ Exit status (all commands):
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
@@ -32,6 +33,20 @@ COMMANDS = {
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            # A source that opened but failed a later read is an input error (exit 2),
+            # not a traceback. Looked up, not imported: commands that never read spans
+            # (the proxy) must not pay for pandas.
+            sources = sys.modules.get("kvobs.sources")
+            if sources is not None and isinstance(error, sources.SourceError):
+                from kvobs.cli._common import fail_input
+
+                fail_input(str(error))
+            raise
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = COMMANDS.get(name)

@@ -112,3 +112,22 @@ def test_one_id_used_by_two_tenants_is_two_conversations(two_tenants):
     rows = json.loads(run("turns", "--tenant", "bbbb", "--source", two_tenants,
                           "--json").output)
     assert [(r["tenant"], r["turn"]) for r in rows] == [("bbbb", 1), ("bbbb", 2)]
+
+
+def test_source_failing_after_open_is_an_input_error(monkeypatch, source):
+    """A server that answered at open time and fails a later query: exit 2, one line."""
+    from kvobs.sources import SourceError
+
+    class Failing:
+        problems: list = []
+
+        def spans(self, conversation_id=None):
+            raise SourceError("clickhouse://db: Code: 60. Unknown table")
+
+        def conversation_ids(self):
+            return []
+
+    monkeypatch.setattr("kvobs.cli._common.open_source", lambda location: Failing())
+    result = CliRunner().invoke(main, ["diagnose", "x", "--source", "clickhouse://db"])
+    assert result.exit_code == 2
+    assert "Unknown table" in result.output and "Traceback" not in result.output
