@@ -282,3 +282,18 @@ def test_two_tenants_using_one_conversation_id_never_share_kv(demo):
     alone = CliRunner().invoke(main, ["diagnose", "agent-shared", "--tenant",
                                       tenant_digest("tenant-b"), "--source", str(demo.out)])
     assert alone.exit_code == 0 and "tenant " + tenant_digest("tenant-b") in alone.output
+
+
+def test_block_digest_verifies_the_partial_tail_block_on_real_engines(demo):
+    """D's KV ends inside a block (H + R - 1 tokens, CPU block 128): P's check covers
+    those tail tokens too, so every pulled turn verified all of D's tokens, not only its
+    full blocks (the unstable-output turn stops at its last agreeing block)."""
+    from kvobs.correlate import turns_from_spans
+
+    turns = turns_from_spans(open_source(str(demo.out)).spans())
+    pulled = turns[(turns["decision"] == "pull")]
+    assert len(pulled) >= 5
+    assert (pulled["prefix_matched_tokens"] == pulled["remote_tokens"]).all()
+    assert (pulled["remote_tokens"] % 128 != 0).all()  # every one had a partial block
+    mismatch = turns[turns["decision"] == "prefix-mismatch"]
+    assert (mismatch["prefix_matched_tokens"] % 128 == 0).all()
