@@ -186,8 +186,8 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
 class ScenarioClient:
     """A scenario's client, one turn at a time: ``step()`` waits until the next due turn
     (conversations interleave on one clock), sends it and returns what the client saw.
-    ``run_scenario`` steps it to the end; a benchmark can step two clients against two
-    testbeds alternately so both see the same load."""
+    ``run_scenario`` steps it to the end; a caller that needs to act between turns
+    (watch, measure, interleave) steps it itself."""
 
     def __init__(self, scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
                  log=print):
