@@ -275,6 +275,7 @@ VLLM_DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (fixed)
 
 STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters
 STORE_COMPACTED_DIR = "compacted"  # parquet segments written by `kvobs store compact`
+STORE_TURNS_DIR = "turns"  # per-turn rows of each compacted segment (fleet reads these)
 
 # --------------------------------------------------------------------------- correlation keys
 

@@ -32,7 +32,7 @@ from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversatio
 from kvobs.sources.otlp_json import OtlpJsonSource
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
-TURNS_DIR = "turns"
+TURNS_DIR = sc.STORE_TURNS_DIR
 BUCKETS = 64
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key

@@ -6,7 +6,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import spanfactory  # noqa: E402
 from spanfactory import Tracers, TurnSpec, write_conversation  # noqa: E402
 
 from kvobs import synth  # noqa: E402
@@ -40,16 +39,6 @@ TENANTS = {"tenant0": [TurnSpec(release="expired", ttl_s=10),
            "tenant1": [TurnSpec(), TurnSpec(read="done"), TurnSpec(read="done")]}
 
 
-def write_as_tenant(tracers: Tracers, tenant: str, conversation_id: str,
-                    specs: list[TurnSpec], start_s: float = 1_700_000_000.0) -> None:
-    """``write_conversation`` with another tenant digest than its default."""
-    real = spanfactory.Correlation
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(spanfactory, "Correlation",
-                      lambda cid, index, _tenant: real(cid, index, tenant))
-        write_conversation(tracers, conversation_id, specs, start_s)
-
-
 @pytest.fixture(scope="session")
 def synthetic_config():
     return CONFIG
@@ -72,7 +61,7 @@ def factory_store(tmp_path_factory):
     for name, specs in FACTORY_CASES.items():
         write_conversation(tracers, name, specs)
     for offset, (tenant, specs) in enumerate(TENANTS.items()):
-        write_as_tenant(tracers, tenant, SHARED_ID, specs, 1_700_000_000.0 + 3 * offset)
+        write_conversation(tracers, SHARED_ID, specs, 1_700_000_000.0 + 3 * offset, tenant)
     return str(path)
 
 

@@ -4,7 +4,7 @@ conversation (or one turn) is split across compactions and live segments."""
 import os
 import shutil
 
-from conftest import TENANTS, assert_same_turns, write_as_tenant
+from conftest import TENANTS, assert_same_turns
 from spanfactory import SECOND, Tracers, TurnSpec, write_conversation
 
 from kvobs import semconv as sc
@@ -28,7 +28,7 @@ def _release_later(tracers: Tracers, cid: str, turn: int, at_s: float, tenant="t
 def _split_store(path: str) -> str:
     tracers = Tracers(path)
     write_conversation(tracers, "a", [TurnSpec(), TurnSpec(read="done")], T0)
-    write_as_tenant(tracers, "tenant1", "a", TENANTS["tenant1"], T0 + 1)
+    write_conversation(tracers, "a", TENANTS["tenant1"], T0 + 1, "tenant1")
     write_conversation(tracers, "whole", [TurnSpec(), TurnSpec(read="done")], T0)
     write_conversation(tracers, "split", [TurnSpec(), TurnSpec(read="done")], T0 + 2)
     compact(path)
