@@ -20,6 +20,7 @@ COMMANDS = {
     "diagnose": "kvobs.cli.diagnose:command",
     "turns": "kvobs.cli.turns:command",
     "store": "kvobs.cli.store:group",
+    "clickhouse": "kvobs.cli.clickhouse:group",
     "report": "kvobs.cli.report:report_command",
     "tune": "kvobs.cli.report:tune_command",
     "whatif": "kvobs.cli.report:whatif_command",

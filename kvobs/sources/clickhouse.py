@@ -7,16 +7,19 @@ String)`` (every attribute value as a string). See docs/clickhouse.md for the co
 configuration.
 
 Heavy work stays in SQL: ``fleet_turns()`` pivots spans into one row per (tenant,
-conversation, turn) with one ``GROUP BY`` (the same columns as ``kvobs.fleet``'s store
-path); ``spans(cid)`` reads one
-conversation's traces only. Queries go through a ``query(sql) -> pyarrow.Table`` callable:
-ClickHouse's HTTP interface (``FORMAT ArrowStream``, no client library needed) or chdb
-(embedded ClickHouse; ``pip install chdb``) for tests and local files.
+conversation, turn) (the same columns as ``kvobs.fleet``'s store path), from the turn
+view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
+store's turn files are to its spans) when it holds every span, else from the spans with
+one ``GROUP BY`` per span name; ``spans(cid)`` reads one conversation's traces only.
+Queries go through a ``query(sql) -> pyarrow.Table`` callable: ClickHouse's HTTP
+interface (``FORMAT ArrowStream``, no client library needed) or chdb (embedded
+ClickHouse; ``pip install chdb``) for tests and local files.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import urllib.parse
 import urllib.request
@@ -29,11 +32,15 @@ import pyarrow.compute as pc
 from kvobs import semconv as sc
 from kvobs.sources._frame import ALL_DTYPES
 
-__all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD"]
+__all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
+           "turns_view_ddl", "backfill_sql"]
 
 ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
 DEFAULT_TABLE = "otel_traces"
+# The turn view of table T: T + TURNS_SUFFIX (AggregatingMergeTree) filled by the
+# materialized view T + TURNS_SUFFIX + "_mv".
+TURNS_SUFFIX = "_kvobs_turns"
 ERROR_STATUS = ("Error", "STATUS_CODE_ERROR")
 _TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
 
@@ -145,6 +152,13 @@ class ClickHouseSource:
     def create_table(self) -> None:
         self.query(OTEL_TRACES_DDL.format(table=self.table))
 
+    def create_turns_view(self, backfill: bool = False) -> None:
+        """``turns_view_ddl`` (and ``backfill_sql`` for spans already in the table)."""
+        for statement in turns_view_ddl(self.table):
+            self.query(statement)
+        if backfill:
+            self.query(backfill_sql(self.table))
+
     def load_store(self, store_dir: str) -> int:
         """Copy an embedded store's parquet segments into ``otel_traces`` the way the
         exporter would have written them (tests, demos, benchmarks). Returns spans."""
@@ -222,9 +236,8 @@ class ClickHouseSource:
 
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up in the map only on rows of its own span.
-        names = sorted({span.name for span, _ in FLEET_FIELDS.values()})
         branches = []
-        for name in names:
+        for name in _fleet_span_names():
             values = []
             for column, (span, source) in FLEET_FIELDS.items():
                 kind = "bool" if column in PRESENCE else column_type(column)
@@ -302,29 +315,163 @@ class ClickHouseSource:
                 f"FROM (SELECT *, cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
                 f"{flags} FROM ({spans})) GROUP BY {HASH}, {CHECK}")
 
+    def view_sql(self) -> str:
+        """The turn rows from the turn view: its partial states merged per turn."""
+        merged = ", ".join(f"{merge} AS {name}" for name, _, _, merge in _view_columns())
+        keys = "tenant, conversation_id, turn"
+        return (f"SELECT {keys}, {merged} FROM {self.table}{TURNS_SUFFIX} "
+                f"GROUP BY {keys} ORDER BY {keys}")
+
+    def view_state(self) -> str:
+        """What a fleet report reads: the turn view ("turns") when it holds exactly the
+        table's fleet spans and none lacks a key; else the spans: through ``turns_sql``
+        ("traces": some span must take a key from its trace) or the per-span-name
+        parts ("" no view; "stale": made by another kvobs version; "incomplete": the
+        span counts differ: created after spans arrived and not backfilled, spans
+        dropped by a TTL, a backfill that overlapped inserts)."""
+        target = self.table + TURNS_SUFFIX
+        if not self.query(f"EXISTS TABLE {target}").column(0)[0].as_py():
+            return ""
+        created = self.query(f"SHOW CREATE TABLE {target}").column(0)[0].as_py()
+        if _quote(_view_mark(self.table)) not in created:
+            return "stale"
+        names = ", ".join(map(_quote, _fleet_span_names()))
+        row = self.query(
+            f"SELECT sum(spans) = (SELECT count() FROM {self.table} WHERE SpanName IN "
+            f"({names})) AS complete, max(keyless) AS keyless, "
+            f"countIf(tenant = '') > 0 AND countIf(tenant != '') > 0 AS partial_tenant "
+            f"FROM {target}").to_pylist()[0]
+        if not row["complete"]:
+            return "incomplete"
+        return "traces" if row["keyless"] or row["partial_tenant"] else "turns"
+
     def fleet_turns(self) -> pd.DataFrame:
+        from kvobs.fleet._turns import derive, to_frame
+
+        state = self.view_state()
+        if state == "turns":
+            table = self.query(self.view_sql())
+        elif state == "traces":
+            table = self.query(self.turns_sql())
+        else:
+            table = self._turns_from_parts()
+        keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
+                        pc.is_valid(table.column("turn")))
+        return derive(to_frame(table.filter(keyed)))
+
+    def _turns_from_parts(self) -> pa.Table:
         from kvobs.fleet._merge import align_parts, merge_parts
-        from kvobs.fleet._turns import _ARROW, FLEET_FIELDS, column_type, derive, to_frame
+        from kvobs.fleet._turns import _ARROW, FLEET_FIELDS, column_type
 
         # The proxy's turn span is in (almost) every turn: its part brings the key strings,
         # the others only hashes (align_parts); if some turn lacks it, every part is
         # asked with keys (merge_parts).
         proxy = sc.SPAN_PROXY_TURN.name
-        others = sorted({span.name for span, _ in FLEET_FIELDS.values()} - {proxy})
+        others = [name for name in _fleet_span_names() if name != proxy]
         keyed = self.query(self.branch_sql(proxy))
         parts = [self.query(self.branch_sql(name, keys=False)) for name in others]
         types = {column: _ARROW[column_type(column)] for column in FLEET_FIELDS}
-        table = None
-        if not _need_traces([keyed, *parts]):
-            table = align_parts(keyed, parts, types) if keyed.num_rows else None
-            if table is None:
-                parts = [self.query(self.branch_sql(name)) for name in others]
-                table = merge_parts([keyed, *parts], types)
+        if _need_traces([keyed, *parts]):
+            return self.query(self.turns_sql())
+        table = align_parts(keyed, parts, types) if keyed.num_rows else None
         if table is None:
-            table = self.query(self.turns_sql())  # keys from traces; or a collision
-        keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
-                        pc.is_valid(table.column("turn")))
-        return derive(to_frame(table.filter(keyed)))
+            parts = [self.query(self.branch_sql(name)) for name in others]
+            table = merge_parts([keyed, *parts], types)
+        return table if table is not None else self.query(self.turns_sql())  # a collision
+
+
+# ----------------------------------------------------------------- turn view
+
+def _fleet_span_names() -> list[str]:
+    from kvobs.fleet._turns import FLEET_FIELDS
+
+    return sorted({span.name for span, _ in FLEET_FIELDS.values()})
+
+
+def _view_columns() -> list[tuple[str, str, str, str]]:
+    """Per fleet column: (name, type in the view, its state at insert, its merge at read),
+    with the span path's semantics: the first non-null value of the column's span by
+    start time, the sum for SUMMED, presence for PRESENCE."""
+    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
+
+    columns = []
+    for column, (span, source) in FLEET_FIELDS.items():
+        on_span = f"SpanName = {_quote(span.name)}"
+        value = f"v_{column}"
+        if column in PRESENCE:
+            columns.append((column, "SimpleAggregateFunction(max, UInt8)", f"max({on_span})",
+                            f"if(max({column}) = 1, 'yes', NULL)"))
+            continue
+        kind = _NULLABLE[column_type(column)]
+        if column in SUMMED:
+            columns.append((column, f"AggregateFunction(sumIf, {kind}, UInt8)",
+                            f"sumIfState({value}, {on_span})", f"sumIfMerge({column})"))
+        else:
+            columns.append((column, f"AggregateFunction(argMinIf, {kind}, DateTime64(9), UInt8)",
+                            f"argMinIfState({value}, Timestamp, {on_span} AND {value} IS NOT NULL)",
+                            f"argMinIfMerge({column})"))
+    return columns
+
+
+def _view_select(table: str) -> str:
+    """Fleet spans of ``table`` as partial turn rows. A span lacking conversation or turn
+    cannot be placed (its trace may supply them, at read time): it marks its row
+    ``keyless`` so that readers take the span path."""
+    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, column_type
+
+    values = "".join(
+        f",\n        CAST({_span_column(source)}, '{_NULLABLE[column_type(column)]}') "
+        f"AS v_{column}"
+        for column, (_, source) in FLEET_FIELDS.items() if column not in PRESENCE)
+    states = "".join(f",\n    {state} AS {name}" for name, _, state, _ in _view_columns())
+    names = ", ".join(map(_quote, _fleet_span_names()))
+    return (f"SELECT tenant, conversation_id, ifNull(turn_index, 0) AS turn,\n"
+            f"    count() AS spans,\n"
+            f"    max(conversation_id = '' OR turn_index IS NULL) AS keyless{states}\n"
+            f"FROM (SELECT Timestamp, SpanName,\n        {_attr(_TENANT)} AS tenant,\n"
+            f"        {_attr(_CID)} AS conversation_id,\n"
+            f"        toInt64OrNull({_attr(_TURN)}) AS turn_index{values}\n"
+            f"    FROM {table} WHERE SpanName IN ({names}))\n"
+            f"GROUP BY tenant, conversation_id, turn")
+
+
+def turns_view_ddl(table: str = DEFAULT_TABLE) -> list[str]:
+    """Statements creating ``table``'s turn view: an ``AggregatingMergeTree`` with one
+    row (partial aggregate states) per (tenant, conversation, turn) and the materialized
+    view filling it on every insert into ``table``. Spans already in ``table`` need
+    ``backfill_sql``."""
+    target, view = _view_statements(table)
+    # A view made by another kvobs version may pick other values: its mark differs and
+    # readers take the spans.
+    return [f"{target}\nCOMMENT {_quote(_view_mark(table))}", view]
+
+
+def _view_statements(table: str) -> tuple[str, str]:
+    target = table + TURNS_SUFFIX
+    columns = ",\n    ".join(f"{name} {type_}" for name, type_, _, _ in _view_columns())
+    return (f"""CREATE TABLE IF NOT EXISTS {target} (
+    tenant LowCardinality(String),
+    conversation_id String,
+    turn Int64,
+    spans SimpleAggregateFunction(sum, UInt64),
+    keyless SimpleAggregateFunction(max, UInt8),
+    {columns}
+) ENGINE = AggregatingMergeTree
+ORDER BY (tenant, conversation_id, turn)""",
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {target}_mv TO {target} AS\n"
+            f"{_view_select(table)}")
+
+
+def _view_mark(table: str) -> str:
+    digest = hashlib.sha256("\n".join(_view_statements(table)).encode()).hexdigest()
+    return f"kvobs turn view {digest[:16]}"
+
+
+def backfill_sql(table: str = DEFAULT_TABLE) -> str:
+    """The view's rows for spans already in ``table``. Run once, right after
+    ``turns_view_ddl`` and while nothing inserts into ``table``: a span inserted during
+    the backfill is counted twice, and the view then reads as incomplete (span path)."""
+    return f"INSERT INTO {table}{TURNS_SUFFIX}\n{_view_select(table)}"
 
 
 # Semconv type -> ClickHouse type of a turn value (NULL when the span lacks it).

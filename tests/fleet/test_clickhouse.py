@@ -17,7 +17,7 @@ from kvobs.cli import main  # noqa: E402
 from kvobs.diagnose import diagnose  # noqa: E402
 from kvobs.fleet import fleet_turns, label_turns  # noqa: E402
 from kvobs.sources import open_source  # noqa: E402
-from kvobs.sources.clickhouse import ClickHouseSource  # noqa: E402
+from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource  # noqa: E402
 from kvobs.sources.store import compact  # noqa: E402
 
 
@@ -47,6 +47,77 @@ def factory_clickhouse(factory_store, chdb_path, tmp_path_factory):
     return source
 
 
+def _load(chdb_path: str, table: str, store: str, view: bool) -> ClickHouseSource:
+    """The store's spans in ``table``, inserted after the turn view was created (as a
+    collector would insert them) when ``view``."""
+    source = ClickHouseSource.chdb(chdb_path, table)
+    source.create_table()
+    if view:
+        source.create_turns_view()
+    source.load_store(store)
+    return source
+
+
+@pytest.fixture(scope="module")
+def viewed(synthetic_store, chdb_path):
+    return _load(chdb_path, "viewed_traces", synthetic_store[0], view=True)
+
+
+@pytest.fixture(scope="module")
+def factory_viewed(factory_clickhouse, chdb_path):
+    source = ClickHouseSource.chdb(chdb_path, "factory_viewed")
+    source.create_table()
+    source.create_turns_view()
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {factory_clickhouse.table}")
+    return source
+
+
+def test_turn_view_gives_the_span_path_turn_table(viewed, clickhouse, synthetic_store):
+    assert viewed.view_state() == "turns" and clickhouse.view_state() == ""
+    # Fewer rows than spans: the view aggregated as spans arrived.
+    rows = viewed.query(f"SELECT count() AS n FROM {viewed.table}{TURNS_SUFFIX}")
+    assert rows.column("n")[0].as_py() < synthetic_store[1].spans
+    view = fleet_turns(viewed)
+    assert_same_turns(view, fleet_turns(clickhouse))
+    assert_same_turns(view, fleet_turns(open_source(synthetic_store[0])))
+
+
+def test_turn_view_keeps_tenants_sharing_an_id_apart(factory_viewed, factory_clickhouse,
+                                                      factory_store):
+    assert factory_viewed.view_state() == "turns"
+    turns = compare_verdicts(factory_viewed, open_source(factory_store))
+    assert turns[turns["conversation_id"] == SHARED_ID]["tenant"].nunique() == 2
+    assert_same_turns(turns, fleet_turns(factory_clickhouse))
+
+
+def test_turn_view_created_after_spans_is_used_once_backfilled(clickhouse, chdb_path):
+    source = ClickHouseSource.chdb(chdb_path, "late_view")
+    source.create_table()
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {clickhouse.table}")
+    source.create_turns_view()
+    assert source.view_state() == "incomplete"  # spans the view never saw: read spans
+    assert_same_turns(fleet_turns(source), fleet_turns(clickhouse))
+    source.create_turns_view(backfill=True)
+    assert source.view_state() == "turns"
+    assert_same_turns(fleet_turns(source), fleet_turns(clickhouse))
+    # A backfill overlapping the view's own rows counts spans twice: spans again.
+    source.create_turns_view(backfill=True)
+    assert source.view_state() == "incomplete"
+
+
+def test_turn_view_of_another_version_is_not_read(clickhouse, chdb_path):
+    from kvobs.sources.clickhouse import turns_view_ddl
+
+    source = ClickHouseSource.chdb(chdb_path, "old_view")
+    source.create_table()
+    target, view = turns_view_ddl(source.table)
+    source.query(target.replace("kvobs turn view ", "kvobs turn view 0"))
+    source.query(view)
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {clickhouse.table}")
+    assert source.view_state() == "stale"
+    assert_same_turns(fleet_turns(source), fleet_turns(clickhouse))
+
+
 def test_sql_turn_table_equals_store_turn_table(clickhouse, synthetic_store):
     store = fleet_turns(open_source(synthetic_store[0]))
     sql = fleet_turns(clickhouse)
@@ -74,6 +145,7 @@ def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, ca
 
     source = ClickHouseSource.chdb(chdb_path, f"keyless_{case}")
     source.create_table()
+    source.create_turns_view()  # it cannot place these spans: must not be used
     keys = KEYLESS[case]
     attributes = "SpanAttributes"
     for name, dropped in keys.items():
@@ -82,6 +154,7 @@ def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, ca
                       f"SpanAttributes), {attributes})")
     source.query(f"INSERT INTO {source.table} SELECT * REPLACE ({attributes} AS "
                  f"SpanAttributes) FROM {clickhouse.table}")
+    assert source.view_state() == "traces"
     turns = compare_verdicts(source)
     assert_same_turns(turns, turns_from_spans(source.spans()))
     assert turns["read_outcome"].notna().any() and turns["export_tokens"].notna().any()
@@ -132,3 +205,21 @@ def test_unreadable_clickhouse_source_is_an_input_error(clickhouse):
                      "clickhouse://127.0.0.1:9/otel"):
         result = runner.invoke(main, ["diagnose", "x", "--source", location])
         assert result.exit_code == 2 and "error:" in result.output, location
+
+
+def test_clickhouse_init_prints_or_creates_the_turn_view(clickhouse, chdb_path):
+    runner = CliRunner()
+    printed = runner.invoke(main, ["clickhouse", "init", "--table", "spans", "--backfill"])
+    assert printed.exit_code == 0
+    assert "CREATE MATERIALIZED VIEW IF NOT EXISTS spans_kvobs_turns_mv" in printed.output
+    assert "INSERT INTO spans_kvobs_turns" in printed.output
+    source = ClickHouseSource.chdb(chdb_path, "cli_traces")
+    source.create_table()
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {clickhouse.table}")
+    location = f"{clickhouse.location}?table=cli_traces"
+    created = runner.invoke(main, ["clickhouse", "init", "--source", location, "--backfill"])
+    assert created.exit_code == 0 and "complete; reports read it" in created.output
+    reports = [json.loads(runner.invoke(main, ["report", "--source", at, "--json"]).output)
+               for at in (location, clickhouse.location)]
+    assert reports[0].pop("source") != reports[1].pop("source")
+    assert reports[0] == reports[1]  # the view's report is the spans' report
