@@ -29,9 +29,9 @@ Two parts, every figure printed next to a baseline measured in the same process 
    instrumented one (this connector, spans to the store) run the same scenario one after
    the other, ``--pairs`` times in ABBA order; each turn is paired with the same turn of
    the neighbouring run (median of the paired differences, bootstrap interval). Side by
-   side is no option on two cores: idle vLLM workers busy-poll for a second after every
-   step and starve the other stack's workers pinned to the same core. Waits for other
-   engineers' engines to be gone first.
+   side is no option on two cores: a D engine steps busily for as long as it holds
+   retained blocks (up to the TTL), so two stacks' workers pinned to the same core
+   starve each other. Waits for other engineers' engines to be gone first.
 
     /work/venv/bin/python bench/connector_overhead.py                 # both parts
     /work/venv/bin/python bench/connector_overhead.py --no-engines    # hook cost only
@@ -511,8 +511,8 @@ def run_stack(instrumented: bool, scenario, base_out: Path, tag: str, quiet_wait
 
 
 def engines_ttft(args) -> dict:
-    """Stacks one after the other (two vLLM workers on one core busy-poll each other
-    into the ground, so side by side is no option on two cores), ``--pairs`` times in
+    """Stacks one after the other (side by side, two D engines stepping busily while
+    they hold retained blocks starve each other on two cores), ``--pairs`` times in
     ABBA order. Each scenario turn of an instrumented run is paired with the same turn of
     the upstream run next to it: the paired differences cancel prompt length and turn
     position, what is left is run-to-run drift plus the connector's cost."""
