@@ -15,6 +15,7 @@ per-turn files its compaction wrote, ``otel_traces`` through its turn view.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -71,10 +72,11 @@ def main() -> None:
 
 def load_chdb(chdb_dir: str, store: str, info: dict) -> None:
     """Both chdb tables, (re)loaded unless ``chdb_dir`` already holds this store."""
-    from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource
+    from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource, turns_view_ddl
 
     marker = os.path.join(chdb_dir, "loaded.json")
-    wanted = {"spans": info["spans"], "config": info["config"], "tables": [VIEWED, PLAIN]}
+    wanted = {"spans": info["spans"], "config": info["config"], "tables": [VIEWED, PLAIN],
+              "view": hashlib.sha256("".join(turns_view_ddl(VIEWED)).encode()).hexdigest()}
     if os.path.exists(marker) and json.load(open(marker, encoding="utf-8")) == wanted:
         return
     shutil.rmtree(chdb_dir, ignore_errors=True)  # a regenerated store: reload
@@ -89,8 +91,20 @@ def load_chdb(chdb_dir: str, store: str, info: dict) -> None:
     plain = ClickHouseSource(source.query, PLAIN)
     plain.create_table()
     source.query(f"INSERT INTO {PLAIN} SELECT * FROM {VIEWED}")
+    settle(source)
     with open(marker, "w", encoding="utf-8") as handle:
         json.dump({**wanted, "spans": loaded}, handle)
+
+
+def settle(source, quiet_s: float = 20, limit_s: float = 600) -> None:
+    """Wait for chdb's background merges of the fresh parts: a server has long merged
+    them when someone reports; a report process would otherwise run them, and pay."""
+    started = quiet = time.perf_counter()
+    while time.perf_counter() - quiet < quiet_s and time.perf_counter() - started < limit_s:
+        if source.query("SELECT count() FROM system.merges").column(0)[0].as_py():
+            quiet = time.perf_counter()
+        time.sleep(1)
+    print(f"background merges settled in {time.perf_counter() - started:.0f}s")
 
 
 if __name__ == "__main__":

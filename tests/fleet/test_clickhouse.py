@@ -68,7 +68,11 @@ def factory_viewed(factory_clickhouse, chdb_path):
     source = ClickHouseSource.chdb(chdb_path, "factory_viewed")
     source.create_table()
     source.create_turns_view()
-    source.query(f"INSERT INTO {source.table} SELECT * FROM {factory_clickhouse.table}")
+    # One insert per span name: each turn's view rows are merged at read time.
+    for name in factory_clickhouse.query(f"SELECT DISTINCT SpanName AS name FROM "
+                                         f"{factory_clickhouse.table}").column("name"):
+        source.query(f"INSERT INTO {source.table} SELECT * FROM {factory_clickhouse.table} "
+                     f"WHERE SpanName = '{name}'")
     return source
 
 
@@ -85,6 +89,8 @@ def test_turn_view_gives_the_span_path_turn_table(viewed, clickhouse, synthetic_
 def test_turn_view_keeps_tenants_sharing_an_id_apart(factory_viewed, factory_clickhouse,
                                                       factory_store):
     assert factory_viewed.view_state() == "turns"
+    rows = factory_viewed.query(f"SELECT count() AS n FROM {factory_viewed.table}{TURNS_SUFFIX}")
+    assert rows.column("n")[0].as_py() > len(fleet_turns(factory_viewed))
     turns = compare_verdicts(factory_viewed, open_source(factory_store))
     assert turns[turns["conversation_id"] == SHARED_ID]["tenant"].nunique() == 2
     assert_same_turns(turns, fleet_turns(factory_clickhouse))
@@ -223,3 +229,17 @@ def test_clickhouse_init_prints_or_creates_the_turn_view(clickhouse, chdb_path):
                for at in (location, clickhouse.location)]
     assert reports[0].pop("source") != reports[1].pop("source")
     assert reports[0] == reports[1]  # the view's report is the spans' report
+
+
+def test_view_rows_repeating_a_turn_are_caught():
+    import pyarrow as pa
+
+    from kvobs.sources.clickhouse import _repeats_a_turn
+
+    def rows(*keys):
+        tenants, cids, turns = zip(*keys)
+        return pa.table({"tenant": pa.array(tenants).dictionary_encode(),
+                         "conversation_id": cids, "turn": turns})
+
+    assert _repeats_a_turn(rows(("t", "a", 1), ("t", "a", 1)))
+    assert not _repeats_a_turn(rows(("t", "a", 1), ("u", "a", 1), ("u", "a", 2)))
