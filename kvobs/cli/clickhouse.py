@@ -6,8 +6,12 @@ from __future__ import annotations
 import click
 
 from kvobs.cli._common import fail_input, load_source
-from kvobs.sources.clickhouse import (DEFAULT_TABLE, ClickHouseSource, backfill_sql,
-                                      turns_view_ddl)
+from kvobs.sources.clickhouse import (
+    DEFAULT_TABLE,
+    ClickHouseSource,
+    backfill_sql,
+    turns_view_ddl,
+)
 
 
 @click.group("clickhouse", context_settings={"help_option_names": ["-h", "--help"]})
