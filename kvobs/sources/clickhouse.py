@@ -19,95 +19,41 @@ ClickHouse; ``pip install chdb``) for tests and local files.
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import urllib.parse
 import urllib.request
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import semconv as sc
+from kvobs.sources._clickhouse_sql import (
+    CID_KEY,
+    DEFAULT_TABLE,
+    ENV_PASSWORD,
+    ENV_USER,
+    NULLABLE,
+    OTEL_TRACES_DDL,
+    TENANT_KEY,
+    TURN_KEY,
+    TURNS_SUFFIX,
+    attr,
+    fleet_span_names,
+    quote,
+    span_column,
+)
+from kvobs.sources._clickhouse_view import (
+    backfill_sql,
+    turns_view_ddl,
+    view_columns,
+    view_mark,
+)
 from kvobs.sources._frame import ALL_DTYPES
 
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
-           "turns_view_ddl", "backfill_sql"]
-
-ENV_USER = "KVOBS_CLICKHOUSE_USER"
-ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
-DEFAULT_TABLE = "otel_traces"
-# The turn view of table T: T + TURNS_SUFFIX (AggregatingMergeTree) filled by the
-# materialized view T + TURNS_SUFFIX + "_mv".
-TURNS_SUFFIX = "_kvobs_turns"
-ERROR_STATUS = ("Error", "STATUS_CODE_ERROR")
-_TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
-
-# The exporter's table (contrib exporter/clickhouseexporter, traces), abridged to what
-# kvobs reads plus the exporter's own indexes; for tests, demos and docs.
-OTEL_TRACES_DDL = """
-CREATE TABLE IF NOT EXISTS {table} (
-    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
-    TraceId String CODEC(ZSTD(1)),
-    SpanId String CODEC(ZSTD(1)),
-    ParentSpanId String CODEC(ZSTD(1)),
-    TraceState String CODEC(ZSTD(1)),
-    SpanName LowCardinality(String) CODEC(ZSTD(1)),
-    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
-    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
-    ResourceAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
-    ScopeName String CODEC(ZSTD(1)),
-    ScopeVersion String CODEC(ZSTD(1)),
-    SpanAttributes Map(LowCardinality(String), String) CODEC(ZSTD(1)),
-    Duration UInt64 CODEC(ZSTD(1)),
-    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
-    StatusMessage String CODEC(ZSTD(1)),
-    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
-    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
-    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1
-) ENGINE = MergeTree
-PARTITION BY toDate(Timestamp)
-ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
-"""
-
-
-def _quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _attr(key: str) -> str:
-    # Same value as SpanAttributes[key] ('' when absent), ~25% less CPU: the key is
-    # looked up in the LowCardinality key array instead of through the map.
-    return f"SpanAttributes.values[indexOf(SpanAttributes.keys, {_quote(key)})]"
-
-
-def _typed(key: str, type_: str) -> str:
-    """An attribute as its semconv type, NULL when absent (the map returns '')."""
-    raw = _attr(key)
-    if type_ == "int":
-        return f"toInt64OrNull({raw})"
-    if type_ == "float":
-        return f"toFloat64OrNull({raw})"
-    if type_ == "bool":
-        return f"if({raw} = '', NULL, {raw} IN ('true', 'True', '1'))"
-    return f"nullIf({raw}, '')"
-
-
-_START = "toUnixTimestamp64Nano(Timestamp)"
-_END = f"({_START} + toInt64(Duration))"
-
-
-def _span_column(column: str) -> str:
-    """SQL for a span-table column."""
-    base = {"trace_id": "TraceId", "span_id": "SpanId",
-            "parent_span_id": "nullIf(ParentSpanId, '')", "name": "SpanName",
-            "service": "ServiceName", "start_ns": _START, "end_ns": _END,
-            "error": f"StatusCode IN ({', '.join(map(_quote, ERROR_STATUS))})"}
-    if column in base:
-        return base[column]
-    return _typed(column, sc.ATTRIBUTES[column].type)
-
+           "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
 
 class ClickHouseSource:
     """A ``SpanSource`` over an ``otel_traces`` table, plus ``fleet_turns()`` in SQL."""
@@ -170,7 +116,7 @@ class ClickHouseSource:
             value = f"`{key}`"
             text = (f"if({value}, 'true', 'false')" if type_ == "bool"
                     else f"toString({value})")
-            pairs.append(f"{_quote(key)}, ifNull({text}, '')")
+            pairs.append(f"{quote(key)}, ifNull({text}, '')")
         attributes = f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))"
         self.query(f"""
             INSERT INTO {self.table} (Timestamp, TraceId, SpanId, ParentSpanId, SpanName,
@@ -181,7 +127,7 @@ class ClickHouseSource:
                 map('service.name', service), {attributes},
                 toUInt64(greatest(end_ns - start_ns, 0)),
                 if(error, 'Error', 'Unset')
-            FROM file({_quote(pattern)}, Parquet)
+            FROM file({quote(pattern)}, Parquet)
             SETTINGS input_format_parquet_allow_missing_columns = 1""")
         return self.count()
 
@@ -203,7 +149,7 @@ class ClickHouseSource:
     # ----------------------------------------------------------------- SpanSource
 
     def _frame(self, where: str) -> pd.DataFrame:
-        columns = ", ".join(f"{_span_column(c)} AS `{c}`" for c in ALL_DTYPES)
+        columns = ", ".join(f"{span_column(c)} AS `{c}`" for c in ALL_DTYPES)
         table = self.query(f"SELECT {columns} FROM {self.table} {where}")
         frame = table.to_pandas(types_mapper=pd.ArrowDtype)
         for column, dtype in ALL_DTYPES.items():
@@ -218,11 +164,11 @@ class ClickHouseSource:
         # exporter's bloom-filter index on map values.
         return self._frame(
             f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
-            f"WHERE has(mapValues(SpanAttributes), {_quote(conversation_id)}) "
-            f"AND {_attr(_CID)} = {_quote(conversation_id)})")
+            f"WHERE has(mapValues(SpanAttributes), {quote(conversation_id)}) "
+            f"AND {attr(CID_KEY)} = {quote(conversation_id)})")
 
     def conversation_ids(self) -> list[str]:
-        table = self.query(f"SELECT DISTINCT {_attr(_CID)} AS cid FROM {self.table} "
+        table = self.query(f"SELECT DISTINCT {attr(CID_KEY)} AS cid FROM {self.table} "
                            f"WHERE cid != '' ORDER BY cid")
         return table.column("cid").to_pylist()
 
@@ -237,21 +183,21 @@ class ClickHouseSource:
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up in the map only on rows of its own span.
         branches = []
-        for name in _fleet_span_names():
+        for name in fleet_span_names():
             values = []
             for column, (span, source) in FLEET_FIELDS.items():
                 kind = "bool" if column in PRESENCE else column_type(column)
                 if span.name != name:
-                    values.append(f"CAST(NULL, '{_NULLABLE[kind]}') AS v_{column}")
+                    values.append(f"CAST(NULL, '{NULLABLE[kind]}') AS v_{column}")
                 elif column in PRESENCE:
-                    values.append(f"CAST(1, '{_NULLABLE[kind]}') AS v_{column}")
+                    values.append(f"CAST(1, '{NULLABLE[kind]}') AS v_{column}")
                 else:
-                    values.append(f"CAST({_span_column(source)}, '{_NULLABLE[kind]}') "
+                    values.append(f"CAST({span_column(source)}, '{NULLABLE[kind]}') "
                                   f"AS v_{column}")
             branches.append(
-                f"SELECT TraceId, Timestamp, {_attr(_TENANT)} AS tenant, "
-                f"{_attr(_CID)} AS cid, toInt64OrNull({_attr(_TURN)}) AS turn_index, "
-                f"{', '.join(values)} FROM {self.table} WHERE SpanName = {_quote(name)}")
+                f"SELECT TraceId, Timestamp, {attr(TENANT_KEY)} AS tenant, "
+                f"{attr(CID_KEY)} AS cid, toInt64OrNull({attr(TURN_KEY)}) AS turn_index, "
+                f"{', '.join(values)} FROM {self.table} WHERE SpanName = {quote(name)}")
         spans = f"""
             SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
                                 if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
@@ -260,8 +206,8 @@ class ClickHouseSource:
             LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
                               anyIf(cid, cid != '') AS cid,
                               anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
-                       FROM (SELECT TraceId, {_attr(_TENANT)} AS tenant, {_attr(_CID)} AS cid,
-                                    toInt64OrNull({_attr(_TURN)}) AS turn_index
+                       FROM (SELECT TraceId, {attr(TENANT_KEY)} AS tenant, {attr(CID_KEY)} AS cid,
+                                    toInt64OrNull({attr(TURN_KEY)}) AS turn_index
                              FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = []
@@ -293,15 +239,15 @@ class ClickHouseSource:
                 select.append(f"'yes' AS {column}")
                 continue
             kind = column_type(column)
-            values.append(f"CAST({_span_column(source)}, '{_NULLABLE[kind]}') AS v_{column}")
+            values.append(f"CAST({span_column(source)}, '{NULLABLE[kind]}') AS v_{column}")
             select.append(f"sum(v_{column}) AS {column}" if column in SUMMED else
                           f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
                           f"AS {column}")
         group = "tenant, cid, turn_index"
-        spans = (f"SELECT Timestamp, {_attr(_TENANT)} AS tenant, {_attr(_CID)} AS cid, "
-                 f"toInt64OrNull({_attr(_TURN)}) AS turn_index"
+        spans = (f"SELECT Timestamp, {attr(TENANT_KEY)} AS tenant, {attr(CID_KEY)} AS cid, "
+                 f"toInt64OrNull({attr(TURN_KEY)}) AS turn_index"
                  f"{''.join(', ' + v for v in values)} FROM {self.table} "
-                 f"WHERE SpanName = {_quote(span)}")
+                 f"WHERE SpanName = {quote(span)}")
         flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
         if keys:
             return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
@@ -322,7 +268,7 @@ class ClickHouseSource:
         keys = "tenant, conversation_id, turn"
         target = self.table + TURNS_SUFFIX
         split = f"({keys}) IN (SELECT {keys} FROM {target} GROUP BY {keys} HAVING count() > 1)"
-        columns = _view_columns()
+        columns = view_columns()
         whole = ", ".join(f"{c.value(grouped=False)} AS {c.name}" for c in columns)
         merged = ", ".join(f"{c.value(grouped=True)} AS {c.name}" for c in columns)
         return (f"SELECT * FROM (SELECT {keys}, {whole} FROM {target} WHERE NOT {split} "
@@ -340,9 +286,9 @@ class ClickHouseSource:
         if not self.query(f"EXISTS TABLE {target}").column(0)[0].as_py():
             return ""
         created = self.query(f"SHOW CREATE TABLE {target}").column(0)[0].as_py()
-        if _quote(_view_mark(self.table)) not in created:
+        if quote(view_mark(self.table)) not in created:
             return "stale"
-        names = ", ".join(map(_quote, _fleet_span_names()))
+        names = ", ".join(map(quote, fleet_span_names()))
         row = self.query(
             f"SELECT sum(spans) = (SELECT count() FROM {self.table} WHERE SpanName IN "
             f"({names})) AS complete, max(keyless) AS keyless, "
@@ -372,7 +318,7 @@ class ClickHouseSource:
         # the others only hashes (align_parts); if some turn lacks it, every part is
         # asked with keys (merge_parts).
         proxy = sc.SPAN_PROXY_TURN.name
-        others = [name for name in _fleet_span_names() if name != proxy]
+        others = [name for name in fleet_span_names() if name != proxy]
         keyed = self.query(self.branch_sql(proxy))
         parts = [self.query(self.branch_sql(name, keys=False)) for name in others]
         types = {column: _ARROW[column_type(column)] for column in FLEET_FIELDS}
@@ -383,124 +329,6 @@ class ClickHouseSource:
             parts = [self.query(self.branch_sql(name)) for name in others]
             table = merge_parts([keyed, *parts], types)
         return table if table is not None else self.query(self.turns_sql())  # a collision
-
-
-# ----------------------------------------------------------------- turn view
-
-def _fleet_span_names() -> list[str]:
-    from kvobs.fleet._turns import FLEET_FIELDS
-
-    return sorted({span.name for span, _ in FLEET_FIELDS.values()})
-
-
-class _ViewColumn(NamedTuple):
-    name: str
-    merge: str  # the view's aggregate function: merges rows of one turn
-    type: str  # its argument type
-    insert: str  # a turn's value from its spans in one insert
-    read: str  # the turn value from a merged value ("{}")
-
-    def value(self, grouped: bool) -> str:
-        return self.read.format(f"{self.merge}({self.name})" if grouped else self.name)
-
-
-def _view_columns() -> list[_ViewColumn]:
-    """The view's fleet columns, with the span path's semantics: the first non-null
-    value of the column's span by start time, the sum for SUMMED, presence for PRESENCE.
-
-    Plain columns, no aggregate states (deserializing 29 argMin states per turn cost as
-    much as reading the spans): the first non-null value is the least (rank, start,
-    value), rank 0 for a value, 1 for a null, 2 for a row of another span."""
-    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
-
-    columns = []
-    for column, (span, source) in FLEET_FIELDS.items():
-        on_span = f"SpanName = {_quote(span.name)}"
-        value = f"v_{column}"
-        kind = _NULLABLE[column_type(column)]
-        if column in PRESENCE:
-            columns.append(_ViewColumn(column, "max", "UInt8", f"max({on_span})",
-                                       "if({} = 1, 'yes', NULL)"))
-        elif column in SUMMED:
-            columns.append(_ViewColumn(column, "sum", kind, f"sumIf({value}, {on_span})",
-                                       "{}"))
-        else:
-            # Typed aggregates tupled after grouping: a min over tuples is ClickHouse's
-            # generic path, 2x the insert cost.
-            present = f"{on_span} AND {value} IS NOT NULL"
-            columns.append(_ViewColumn(
-                column, "min", f"Tuple(UInt8, DateTime64(9), {kind})",
-                f"(if(countIf({present}) > 0, 0, if(countIf({on_span}) > 0, 1, 2)), "
-                f"minIf(Timestamp, {present}), argMinIf({value}, Timestamp, {present}))",
-                "{}.3"))
-    return columns
-
-
-def _view_select(table: str) -> str:
-    """Fleet spans of ``table`` as partial turn rows. A span lacking conversation or turn
-    cannot be placed (its trace may supply them, at read time): it marks its row
-    ``keyless`` so that readers take the span path."""
-    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, column_type
-
-    values = "".join(
-        f",\n        CAST({_span_column(source)}, '{_NULLABLE[column_type(column)]}') "
-        f"AS v_{column}"
-        for column, (_, source) in FLEET_FIELDS.items() if column not in PRESENCE)
-    states = "".join(f",\n    {c.insert} AS {c.name}" for c in _view_columns())
-    names = ", ".join(map(_quote, _fleet_span_names()))
-    return (f"SELECT tenant, conversation_id, ifNull(turn_index, 0) AS turn,\n"
-            f"    count() AS spans,\n"
-            f"    max(conversation_id = '' OR turn_index IS NULL) AS keyless{states}\n"
-            f"FROM (SELECT Timestamp, SpanName,\n        {_attr(_TENANT)} AS tenant,\n"
-            f"        {_attr(_CID)} AS conversation_id,\n"
-            f"        toInt64OrNull({_attr(_TURN)}) AS turn_index{values}\n"
-            f"    FROM {table} WHERE SpanName IN ({names}))\n"
-            f"GROUP BY tenant, conversation_id, turn")
-
-
-def turns_view_ddl(table: str = DEFAULT_TABLE) -> list[str]:
-    """Statements creating ``table``'s turn view: an ``AggregatingMergeTree`` with one
-    row (partial aggregate states) per (tenant, conversation, turn) and the materialized
-    view filling it on every insert into ``table``. Spans already in ``table`` need
-    ``backfill_sql``."""
-    target, view = _view_statements(table)
-    # A view made by another kvobs version may pick other values: its mark differs and
-    # readers take the spans.
-    return [f"{target}\nCOMMENT {_quote(_view_mark(table))}", view]
-
-
-def _view_statements(table: str) -> tuple[str, str]:
-    target = table + TURNS_SUFFIX
-    columns = ",\n    ".join(f"{c.name} SimpleAggregateFunction({c.merge}, {c.type})"
-                           for c in _view_columns())
-    return (f"""CREATE TABLE IF NOT EXISTS {target} (
-    tenant LowCardinality(String),
-    conversation_id String,
-    turn Int64,
-    spans SimpleAggregateFunction(sum, UInt64),
-    keyless SimpleAggregateFunction(max, UInt8),
-    {columns}
-) ENGINE = AggregatingMergeTree
-ORDER BY (tenant, conversation_id, turn)""",
-            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {target}_mv TO {target} AS\n"
-            + _view_select(table))
-
-
-def _view_mark(table: str) -> str:
-    digest = hashlib.sha256("\n".join(_view_statements(table)).encode()).hexdigest()
-    return f"kvobs turn view {digest[:16]}"
-
-
-def backfill_sql(table: str = DEFAULT_TABLE) -> str:
-    """The view's rows for spans already in ``table``. Run once, right after
-    ``turns_view_ddl`` and while nothing inserts into ``table``: a span inserted during
-    the backfill is counted twice, and the view then reads as incomplete (span path)."""
-    return f"INSERT INTO {table}{TURNS_SUFFIX}\n{_view_select(table)}"
-
-
-# Semconv type -> ClickHouse type of a turn value (NULL when the span lacks it).
-_NULLABLE = {"int": "Nullable(Int64)", "float": "Nullable(Float64)",
-             "bool": "Nullable(Bool)", "str": "Nullable(String)"}
 
 
 def _repeats_a_turn(table: pa.Table) -> bool:

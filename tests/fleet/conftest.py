@@ -1,42 +1,15 @@
 import os
 import sys
 
-import pandas as pd
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spanfactory import Tracers, TurnSpec, write_conversation  # noqa: E402
+from fleet_cases import CONFIG, FACTORY_CASES, SHARED_ID, TENANTS  # noqa: E402
+from spanfactory import Tracers, write_conversation  # noqa: E402
 
 from kvobs import synth  # noqa: E402
-from kvobs.fleet._turns import PRESENCE  # noqa: E402
-
-CONFIG = synth.small(250, seed=3)
-
-FACTORY_CASES = {
-    "hit": [TurnSpec(), TurnSpec(read="done")],
-    "declined": [TurnSpec(), TurnSpec(read="declined-expired", fallback="read-declined")],
-    "failed": [TurnSpec(), TurnSpec(read="failed", fallback="read-failed")],
-    "stuck": [TurnSpec(), TurnSpec(stuck=True, read=None)],
-    "no-lookup": [TurnSpec(), TurnSpec(lookup=None)],
-    "no-decision": [TurnSpec(), TurnSpec(decision=None, read="done")],
-    "pull-no-read": [TurnSpec(), TurnSpec(read=None)],
-    "invalid": [TurnSpec(), TurnSpec(decision="invalid")],
-    "no-id": [TurnSpec(), TurnSpec(lookup="no-id")],
-    "stale": [TurnSpec(), TurnSpec(lookup="stale", decision="no-params")],
-    "released": [TurnSpec(release="expired", ttl_s=10), TurnSpec(gap_s=20, decision="local-hit")],
-    "slow": [TurnSpec(prefill_leg_s=0.1), TurnSpec(read="done", read_duration_s=5.0)],
-    "miss": [TurnSpec(), TurnSpec(decision="no-params")],
-    "below": [TurnSpec(), TurnSpec(decision="below-threshold", local=960)],
-    "no-proxy-span": [TurnSpec(), TurnSpec(proxy=False, read="done")],
-}
-# One conversation id used by two tenants: two conversations with different histories
-# (a merge would give 3 turns instead of 2 + 3, and shift one tenant's export onto the
-# other's turn).
-SHARED_ID = "shared"
-TENANTS = {"tenant0": [TurnSpec(release="expired", ttl_s=10),
-                       TurnSpec(gap_s=20, decision="local-hit")],
-           "tenant1": [TurnSpec(), TurnSpec(read="done"), TurnSpec(read="done")]}
 
 
 @pytest.fixture(scope="session")
@@ -63,22 +36,3 @@ def factory_store(tmp_path_factory):
     for offset, (tenant, specs) in enumerate(TENANTS.items()):
         write_conversation(tracers, SHARED_ID, specs, 1_700_000_000.0 + 3 * offset, tenant)
     return str(path)
-
-
-def assert_same_turns(turns: pd.DataFrame, reference: pd.DataFrame) -> None:
-    """Same rows in the same order, and equal values in every shared column."""
-    for key in ("tenant", "conversation_id", "turn"):
-        assert list(turns[key].astype(str)) == list(reference[key].astype(str)), key
-    for column in turns.columns:
-        if column not in reference.columns:
-            continue
-        if column in PRESENCE:  # the fleet keeps only whether the span exists
-            assert (turns[column].notna() == reference[column].notna()).all(), column
-            continue
-        left = pd.Series(turns[column].astype(object)).where(turns[column].notna(), None)
-        right = pd.Series(reference[column].astype(object)).where(
-            reference[column].notna(), None)
-        assert all(a == b or (a is not None and b is not None and not isinstance(a, str)
-                              and abs(float(a) - float(b))
-                              <= 1e-6 * max(1, abs(float(a)) / 1e9))
-                   for a, b in zip(left, right)), column

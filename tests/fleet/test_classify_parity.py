@@ -1,7 +1,7 @@
 """The fleet turn table (column-wise, for scale) labels every turn as kvobs diagnose does,
 keyed by (tenant, conversation, turn)."""
 
-from conftest import SHARED_ID, TENANTS, assert_same_turns
+from fleet_cases import SHARED_ID, TENANTS, assert_same_turns
 
 from kvobs.correlate import prefill_rate, turns_from_spans
 from kvobs.diagnose import all_turns

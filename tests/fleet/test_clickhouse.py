@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 chdb = pytest.importorskip("chdb")
 
-from conftest import SHARED_ID, assert_same_turns  # noqa: E402
+from fleet_cases import SHARED_ID, assert_same_turns  # noqa: E402
 from test_classify_parity import compare_verdicts  # noqa: E402
 
 from kvobs import semconv as sc  # noqa: E402

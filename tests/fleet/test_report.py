@@ -87,7 +87,7 @@ def test_tune_and_whatif_cli(synthetic_store):
 
 def test_tenants_sharing_an_id_are_separate_conversations(factory_store):
     import pandas as pd
-    from conftest import FACTORY_CASES, TENANTS
+    from fleet_cases import FACTORY_CASES, TENANTS
 
     from kvobs.fleet.tune import next_turn
 

@@ -4,7 +4,7 @@ conversation (or one turn) is split across compactions and live segments."""
 import os
 import shutil
 
-from conftest import TENANTS, assert_same_turns
+from fleet_cases import TENANTS, assert_same_turns
 from spanfactory import SECOND, Tracers, TurnSpec, write_conversation
 
 from kvobs import semconv as sc
@@ -61,8 +61,9 @@ def test_split_and_live_conversations_equal_the_span_table(tmp_path):
 
 
 def test_report_from_turn_files_equals_report_from_spans(tmp_path):
-    from kvobs.fleet._turns import turns_from_table, span_columns
     import pyarrow as pa
+
+    from kvobs.fleet._turns import span_columns, turns_from_table
 
     path = _split_store(str(tmp_path))
     source = open_source(path)
