@@ -17,7 +17,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvobs.semconv import TRACE_ID_HEADER
-from kvobs.testbed.scenario import ConversationSpec, Scenario, TurnSpec
+from kvobs.testbed.scenario import (
+    ConversationSpec,
+    Scenario,
+    TurnSpec,
+    conversation_label,
+)
 
 RESULTS_FILE = "results.json"
 # What a misbehaving client might send: another engine's blocks. The proxy must drop it.
@@ -58,8 +63,7 @@ class TurnResult:
 
     @property
     def label(self) -> str:
-        """The conversation's scenario label (``ConversationSpec.label``)."""
-        return f"{self.tenant}/{self.conversation_id}" if self.tenant else self.conversation_id
+        return conversation_label(self.conversation_id, self.tenant)
 
 
 @dataclass

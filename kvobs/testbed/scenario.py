@@ -8,9 +8,10 @@ wait, and requests go one at a time so timings stay clean on two cores.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
+
+import tomllib
 
 from kvobs.semconv import Verdict
 
@@ -49,6 +50,12 @@ class TurnSpec:
     expect: str | None = None  # expected verdict (tests and the demo check it)
 
 
+def conversation_label(conversation_id: str, tenant: str | None) -> str:
+    """Unique in a scenario: the id, prefixed by the tenant when it has one (two tenants
+    may use one conversation id)."""
+    return f"{tenant}/{conversation_id}" if tenant else conversation_id
+
+
 @dataclass(frozen=True)
 class ConversationSpec:
     id: str
@@ -61,9 +68,7 @@ class ConversationSpec:
 
     @property
     def label(self) -> str:
-        """Unique in a scenario: the id, prefixed by the tenant when it has one (two
-        tenants may use one conversation id)."""
-        return f"{self.tenant}/{self.id}" if self.tenant else self.id
+        return conversation_label(self.id, self.tenant)
 
 
 @dataclass(frozen=True)
