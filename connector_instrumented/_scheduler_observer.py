@@ -47,7 +47,11 @@ _DECISION_KEYS = (sc.PROMPT_TOKENS.key, sc.LOCAL_HIT_TOKENS.key, sc.REMOTE_TOKEN
                   sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key) + _IDS
 _READ_KEYS = (sc.READ_DIRECTION.key, sc.READ_OUTCOME.key, sc.READ_BYTES.key,
               sc.READ_BLOCKS.key, sc.READ_DURATION.key, sc.REMAINING_TTL_AT_READ.key,
-              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key) + _IDS
+              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key, sc.READ_SETUP.key) + _IDS
+_REQUEST_KEYS = (sc.REQUEST_ARRIVED_AT.key, sc.REQUEST_SCHEDULED_AT.key,
+                 sc.REQUEST_ALLOCATED_AT.key, sc.REQUEST_KV_READY_AT.key,
+                 sc.REQUEST_FIRST_TOKEN_AT.key, sc.PROMPT_TOKENS.key,
+                 sc.OUTPUT_TOKENS.key) + _IDS
 _EXPORT_KEYS = (sc.EXPORT_BLOCKS.key, sc.EXPORT_TOKENS.key, sc.EXPORT_EXPIRES_AT.key,
                 sc.TTL.key) + _IDS
 _RELEASE_KEYS = (sc.RELEASE_REASON.key, sc.RELEASE_READ_COUNT.key, sc.HELD_DURATION.key,
@@ -66,7 +70,8 @@ _EXPIRED = _R_EXPIRED.value
 _KTP_DIGEST, _KTP_TTL = sc.KTP_BLOCK_DIGEST, sc.KTP_DECODE_TTL
 _CORR_KEYS = sc.CORRELATION_KEYS
 _SPANS = (sc.SPAN_RECOMPUTE, sc.SPAN_STUCK, sc.SPAN_PULL_DECISION, sc.SPAN_READ,
-          sc.SPAN_EXPORT, sc.SPAN_RELEASE)
+          sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_PREFILL_REQUEST, sc.SPAN_DECODE_REQUEST,
+          sc.SPAN_HANDOFF)
 
 
 class _Req:
@@ -92,6 +97,12 @@ class _Req:
     read_queued = False
     stuck_reported = False
     finished = False
+    # Timeline marks (wall clock; ``first_wall`` is when the scheduler first tried it).
+    arrived: float | None = None  # vLLM's arrival_time
+    allocated: float | None = None
+    kv_ready: float | None = None
+    first_token: float | None = None
+    request: Any = None  # D only: the vLLM request, while its first token is awaited
 
     def __init__(self, correlation: tuple | None, direction: sc.ReadDirection,
                  first_wall: float, remote_engine: str | None = None):
@@ -128,6 +139,7 @@ class SchedulerObserver:
         self._reqs: dict[str, _Req] = {}
         self._unchecked: set[str] = set()  # offered async this step: read queued?
         self._waiting: dict[str, _Req] = {}  # in WAITING_FOR_REMOTE_KVS (watchdog)
+        self._first_pending: dict[str, _Req] = {}  # D: KV arrived, first token not yet
         # req id -> (raw correlation, blocks, bytes, export wall time, export monotonic
         # time, expiry on the monotonic clock): a plain tuple, as a NamedTuple's __new__
         # is one more Python call on D's request_finished.
@@ -207,9 +219,12 @@ class SchedulerObserver:
         req_id = request.request_id
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
-                self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_STUCK),
-                                          _P_TO_D, time.time(),
-                                          params.get("remote_engine_id"))
+                r = self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_STUCK),
+                                              _P_TO_D, time.time(),
+                                              params.get("remote_engine_id"))
+                r.arrived = request.arrival_time
+                r.prompt = request.num_prompt_tokens
+                r.request = request  # until it finishes: its first token is watched
             return
         if not params.get("do_remote_decode"):
             return
@@ -221,6 +236,7 @@ class SchedulerObserver:
                 _D_TO_P, time.time())
         if r.decided or params.get("_remote_blocks_processed"):
             return  # re-admission (failed read, preemption): decided already
+        r.arrived = request.arrival_time
         r.prompt = prompt = request.num_prompt_tokens
         r.local = num_computed_tokens
         r.remote = remote = int(params.get("remote_num_tokens") or 0)
@@ -301,6 +317,8 @@ class SchedulerObserver:
         r = self._reqs.get(req_id)
         if r is None:
             return
+        if r.allocated is None:
+            r.allocated = time.time()
         if num_external_tokens > 0:
             r.wait_since = time.perf_counter()
             r.wait_since_wall = time.time()
@@ -321,7 +339,7 @@ class SchedulerObserver:
             self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, _DECISION_KEYS, (
                 r.prompt, r.local, r.remote, r.candidate, self._threshold, decision,
                 r.evidence, r.matched, r.guarded, num_external_tokens, r.remote_engine,
-            ), r.first_wall, time.time())
+            ), r.first_wall, r.allocated)
             if num_external_tokens == 0 and not r.prevented:
                 self._recompute(req_id, r, _RECOMPUTE_FOR[decision], r.prompt - r.local)
         if r.prevented:
@@ -332,7 +350,18 @@ class SchedulerObserver:
 
     # ------------------------------------------------------------------ per step
 
+    def _first_tokens(self) -> None:
+        """Mark the first token of D requests whose KV arrived: the first step that
+        gave them an output token (seen after that step's output was applied)."""
+        now = None
+        for req_id, r in list(self._first_pending.items()):
+            if r.request.num_output_tokens > 0:
+                r.first_token = now = now or time.time()
+                del self._first_pending[req_id]
+
     def on_meta(self, meta: Any) -> None:
+        if self._first_pending:
+            self._first_tokens()
         if self._unchecked:
             queued = getattr(meta, "reqs_to_recv", {})
             for req_id in self._unchecked:
@@ -358,6 +387,8 @@ class SchedulerObserver:
 
     def on_output(self, output: Any) -> None:
         # Called every step, usually with little in it: test before touching anything.
+        if self._first_pending:
+            self._first_tokens()
         stats = getattr(output, "kv_connector_stats", None)
         raw_releases = ()
         if isinstance(stats, st.KvobsConnectorStats):
@@ -390,8 +421,11 @@ class SchedulerObserver:
         r.wait_since = None
         self._waiting.pop(req_id, None)
         outcome = _FAILED if failed else _DONE
-        nbytes, blocks, start, duration, ttl, error = 0, 0, None, 0.0, None, None
-        for _, rec_outcome, rbytes, rblocks, rstart, rdur, rttl, rerror in records:
+        nbytes, blocks, start, duration, ttl, error, setup = 0, 0, None, 0.0, None, None, None
+        for _, rec_outcome, rbytes, rblocks, rstart, rdur, rttl, rerror, *more in records:
+            rsetup = more[0] if more else None
+            if rsetup is not None and (setup is None or rsetup > setup):
+                setup = rsetup
             if rec_outcome == _DECLINED_V:
                 outcome = _DECLINED
             elif rec_outcome == _FAILED_V and outcome is _DONE:
@@ -412,22 +446,33 @@ class SchedulerObserver:
         if done:
             data[st.READ_BYTES].append([direction, nbytes])
             data[st.READ_DURATION].append([direction, duration])
+        if setup is not None:
+            data[st.READ_SETUP].append([direction, setup])
         if ttl is not None:
             data[st.REMAINING_TTL].append(max(0.0, ttl))
         if outcome is _DECLINED:
             data[st.DECLINED_EXPIRED].append(1)
+        now = time.time()
+        if done:
+            r.kv_ready = now
+        if start is None:
+            start = now - duration
         if r.direction is _D_TO_P:
-            if start is None:
-                start = time.time() - duration
             self._emit(sc.SPAN_READ, req_id, r.correlation, _READ_KEYS, (
                 direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-            ), start, start + duration, error=not done)
+                setup), start, start + duration, error=not done)
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
                 self._recompute(req_id, r, _R_GUARDED if r.guarded else _R_SUFFIX,
                                 r.prompt - r.local - r.offered)
             # Failed/declined: with policy "recompute" the request is re-admitted and
             # the recompute (or the stuck wait) is reported then; with "fail" it errors.
+        else:  # D pulled P's KV: the hand-off; its first token comes next
+            self._emit(sc.SPAN_HANDOFF, req_id, r.correlation, _READ_KEYS, (
+                direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
+                setup), start, start + duration, error=not done)
+            if done and r.request is not None and r.first_token is None:
+                self._first_pending[req_id] = r
         if r.finished:
             self._reqs.pop(req_id, None)
 
@@ -437,6 +482,7 @@ class SchedulerObserver:
         req_id = request.request_id
         r = self._reqs.get(req_id)
         if r is not None:
+            self._request_done(req_id, request, r)
             if r.wait_since is not None and r.read_queued:
                 r.finished = True  # read still in flight: keep until it reports
             else:
@@ -449,6 +495,23 @@ class SchedulerObserver:
             return result
         self._export(request, out)
         return result
+
+    def _request_done(self, req_id: str, request: Any, r: _Req) -> None:
+        """The request's timeline span: P's ends at its first token (P's only one in
+        P/D), D's at its last. A request that ends without a token (an error, an
+        abort) has no timeline to give: its turn's phases say so."""
+        if self._first_pending:
+            self._first_pending.pop(req_id, None)
+        r.request = None
+        outputs = request.num_output_tokens
+        if not outputs:
+            return
+        now = time.time()
+        span = sc.SPAN_PREFILL_REQUEST if r.direction is _D_TO_P else sc.SPAN_DECODE_REQUEST
+        start = r.arrived if r.arrived is not None else r.first_wall
+        self._emit(span, req_id, r.correlation, _REQUEST_KEYS, (
+            r.arrived, r.first_wall, r.allocated, r.kv_ready, r.first_token or now, r.prompt,
+            outputs), start, now)
 
     def _export(self, request: Any, out: dict) -> None:
         req_id = request.request_id

@@ -21,13 +21,15 @@ from kvobs import semconv as sc
 from ._compat import NixlKVConnectorStats, NixlPromMetrics
 
 # Worker -> scheduler raw records (consumed by the scheduler-side observer).
-RAW_READS = "kvobs_raw_reads"  # [req_id, outcome, bytes, blocks, start_wall, dur, ttl, error]
+RAW_READS = "kvobs_raw_reads"  # [req_id, outcome, bytes, blocks, start_wall, dur, ttl, error,
+#                                  setup]
 RAW_RELEASES = "kvobs_raw_releases"  # [req_id, reason, read_count]
 
 # Finished facts -> Prometheus (one key per metric).
 READS = "kvobs_reads"  # [direction, outcome]
 READ_BYTES = "kvobs_read_bytes"  # [direction, bytes]
 READ_DURATION = "kvobs_read_duration"  # [direction, seconds]
+READ_SETUP = "kvobs_read_setup"  # [direction, seconds]
 REMAINING_TTL = "kvobs_remaining_ttl"  # seconds
 DECLINED_EXPIRED = "kvobs_declined_expired"  # 1
 PULL_DECISIONS = "kvobs_pull_decisions"  # decision
@@ -43,7 +45,7 @@ PREFIX_MISMATCHES = "kvobs_prefix_mismatches"  # 1
 TELEMETRY_ERRORS = "kvobs_telemetry_errors"  # n
 
 RAW_KEYS = (RAW_READS, RAW_RELEASES)
-FACT_KEYS = (READS, READ_BYTES, READ_DURATION, REMAINING_TTL, DECLINED_EXPIRED,
+FACT_KEYS = (READS, READ_BYTES, READ_DURATION, READ_SETUP, REMAINING_TTL, DECLINED_EXPIRED,
              PULL_DECISIONS, RETAINED_BLOCKS, RETAINED_BYTES, RETAINED_BLOCK_SECONDS,
              RELEASES, RECOMPUTED_TOKENS, REUSED_TOKENS, STUCK_WAITS, STUCK_PREVENTED,
              PREFIX_MISMATCHES, TELEMETRY_ERRORS)
@@ -107,6 +109,7 @@ class KvobsPromMetrics(NixlPromMetrics):
         self.kvobs_reads = self._make(sc.M_READS, [(d, o) for d in DIRECTIONS for o in outcomes])
         self.kvobs_read_bytes = self._make(sc.M_READ_BYTES, [(d,) for d in DIRECTIONS])
         self.kvobs_read_duration = self._make(sc.M_READ_DURATION, [(d,) for d in DIRECTIONS])
+        self.kvobs_read_setup = self._make(sc.M_READ_SETUP, [(d,) for d in DIRECTIONS])
         self.kvobs_remaining_ttl = self._make(sc.M_REMAINING_TTL)
         self.kvobs_declined = self._make(sc.M_DECLINED_EXPIRED)
         self.kvobs_decisions = self._make(sc.M_PULL_DECISIONS,
@@ -152,6 +155,8 @@ class KvobsPromMetrics(NixlPromMetrics):
             self.kvobs_read_bytes[engine_idx][(direction,)].observe(value)
         for direction, value in get(READ_DURATION, ()):
             self.kvobs_read_duration[engine_idx][(direction,)].observe(value)
+        for direction, value in get(READ_SETUP, ()):
+            self.kvobs_read_setup[engine_idx][(direction,)].observe(value)
         for value in get(REMAINING_TTL, ()):
             self.kvobs_remaining_ttl[engine_idx].observe(value)
         for value in get(DECLINED_EXPIRED, ()):

@@ -1,6 +1,7 @@
 """Worker-side observer: facts only the worker has, recorded, never emitted here.
 
-Per read: when it really started (after any handshake), whether it was declined as
+Per read: when it was requested and when it really started (the difference is the
+connection set-up: the NIXL handshake, the first time a worker reads from an engine), whether it was declined as
 expired, how many bytes NIXL moved for it (NIXL's own per-transfer telemetry, the same
 numbers behind ``vllm:nixl_bytes_transferred``), its duration and the remaining TTL on
 this process's clock. Per release of retained blocks: expired or read. The records ride
@@ -194,11 +195,15 @@ class WorkerObserver:
                     outcome = sc.ReadOutcome.FAILED
                 else:
                     outcome = sc.ReadOutcome.DONE
-                start_wall = read.start_wall if read.start_wall is not None else read.first_wall
-                start_mono = read.start_mono if read.start_mono is not None else read.first_mono
+                started = read.start_mono is not None
+                start_wall = read.start_wall if started else read.first_wall
+                start_mono = read.start_mono if started else read.first_mono
+                # Set-up: from the read's request to its start (the handshake, when
+                # the holder was not connected yet); unknown when it never started.
+                setup = read.start_mono - read.first_mono if started else None
                 self.raw_reads.append([
                     req_id, outcome.value, read.nbytes, read.blocks, start_wall,
-                    now - start_mono, read.ttl, self._errors.pop(req_id, None)])
+                    now - start_mono, read.ttl, self._errors.pop(req_id, None), setup])
         if sending:
             expired = self._expired_now
             if expired is not None:

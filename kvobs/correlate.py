@@ -28,9 +28,15 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "turn_end_ns": (sc.SPAN_PROXY_TURN, "end_ns"),
     "turn_error": (sc.SPAN_PROXY_TURN, "error"),
     "stream": (sc.SPAN_PROXY_TURN, sc.STREAM.key),
-    "ttft_s": (sc.SPAN_PROXY_TURN, sc.TTFT.key),
+    "proxy_ttft_s": (sc.SPAN_PROXY_TURN, sc.TTFT.key),
     "prefill_leg_s": (sc.SPAN_PROXY_TURN, sc.PREFILL_TIME.key),
     "decode_leg_s": (sc.SPAN_PROXY_TURN, sc.DECODE_TIME.key),
+    "p_sent_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_SENT_AT.key),
+    "p_retry_sent_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_RETRY_SENT_AT.key),
+    "p_answered_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_ANSWERED_AT.key),
+    "d_sent_at": (sc.SPAN_PROXY_TURN, sc.DECODE_SENT_AT.key),
+    "d_first_byte_at": (sc.SPAN_PROXY_TURN, sc.DECODE_FIRST_BYTE_AT.key),
+    "d_answered_at": (sc.SPAN_PROXY_TURN, sc.DECODE_ANSWERED_AT.key),
     "lookup_span_id": (sc.SPAN_PROXY_LOOKUP, "span_id"),
     "lookup": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_OUTCOME.key),
     "entry_age_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_AGE.key),
@@ -48,6 +54,8 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "decision": (sc.SPAN_PULL_DECISION, sc.PULL_DECISION.key),
     "prefix_matched_tokens": (sc.SPAN_PULL_DECISION, sc.PREFIX_MATCHED_TOKENS.key),
     "read_span_id": (sc.SPAN_READ, "span_id"),
+    "read_start_ns": (sc.SPAN_READ, "start_ns"),
+    "read_setup_s": (sc.SPAN_READ, sc.READ_SETUP.key),
     "read_outcome": (sc.SPAN_READ, sc.READ_OUTCOME.key),
     "read_bytes": (sc.SPAN_READ, sc.READ_BYTES.key),
     "read_blocks": (sc.SPAN_READ, sc.READ_BLOCKS.key),
@@ -58,6 +66,24 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "recomputed_tokens": (sc.SPAN_RECOMPUTE, sc.RECOMPUTED_TOKENS.key),
     "recompute_reason": (sc.SPAN_RECOMPUTE, sc.RECOMPUTE_REASON.key),
     "stuck_span_id": (sc.SPAN_STUCK, "span_id"),
+    "p_request_span_id": (sc.SPAN_PREFILL_REQUEST, "span_id"),
+    "p_arrived_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_ARRIVED_AT.key),
+    "p_scheduled_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_SCHEDULED_AT.key),
+    "p_allocated_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_ALLOCATED_AT.key),
+    "p_kv_ready_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_KV_READY_AT.key),
+    "p_first_token_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_FIRST_TOKEN_AT.key),
+    "d_request_span_id": (sc.SPAN_DECODE_REQUEST, "span_id"),
+    "d_arrived_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_ARRIVED_AT.key),
+    "d_scheduled_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_SCHEDULED_AT.key),
+    "d_kv_ready_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_KV_READY_AT.key),
+    "d_first_token_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_FIRST_TOKEN_AT.key),
+    "output_tokens": (sc.SPAN_DECODE_REQUEST, sc.OUTPUT_TOKENS.key),
+    "handoff_span_id": (sc.SPAN_HANDOFF, "span_id"),
+    "handoff_start_ns": (sc.SPAN_HANDOFF, "start_ns"),
+    "handoff_outcome": (sc.SPAN_HANDOFF, sc.READ_OUTCOME.key),
+    "handoff_bytes": (sc.SPAN_HANDOFF, sc.READ_BYTES.key),
+    "handoff_duration_s": (sc.SPAN_HANDOFF, sc.READ_DURATION.key),
+    "handoff_setup_s": (sc.SPAN_HANDOFF, sc.READ_SETUP.key),
     "export_span_id": (sc.SPAN_EXPORT, "span_id"),
     "decode_request_id": (sc.SPAN_EXPORT, sc.REQUEST_ID.key),
     "export_tokens": (sc.SPAN_EXPORT, sc.EXPORT_TOKENS.key),
@@ -130,14 +156,3 @@ def _derive(turns: pd.DataFrame) -> pd.DataFrame:
         shifted = by_conversation[column].shift(1)
         turns[PREVIOUS_PREFIX + column] = shifted.where(consecutive)
     return turns
-
-
-def prefill_rate(turns: pd.DataFrame) -> float | None:
-    """Measured P compute rate (tokens/s) from turns that read nothing: median of
-    computed tokens over P's leg time. None when no such turn exists."""
-    computed = turns["prompt_tokens"] - turns["local_hit_tokens"].fillna(0)
-    usable = (turns["read_outcome"].isna() & (computed > 0)
-              & (turns["prefill_leg_s"] > 0)).fillna(False)
-    if not usable.any():
-        return None
-    return float((computed[usable] / turns.loc[usable, "prefill_leg_s"]).median())

@@ -8,17 +8,20 @@ from typing import Any
 
 import pandas as pd
 
-from kvobs.correlate import UNKNOWN_TENANT, prefill_rate, turns_from_spans
+from kvobs.causes import CauseFinding, causes, decode_context
+from kvobs.correlate import UNKNOWN_TENANT, turns_from_spans
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
+from kvobs.timeline import Timeline, add_timeline, timeline_of
 from kvobs.verdicts import Context, Finding, Turn, findings
 
 # Turn columns shown with every turn in JSON and tables (numbers and ids only).
 SUMMARY_COLUMNS = ("gap_s", "prompt_tokens", "local_hit_tokens", "remote_tokens",
                    "candidate_tokens", "threshold", "decision", "read_outcome", "read_bytes",
-                   "read_blocks", "read_duration_s", "remaining_ttl_s", "recomputed_tokens",
-                   "ttft_s", "lookup", "fallback_reason", "prefill_request_id",
-                   "decode_request_id", "trace_id")
+                   "read_blocks", "read_duration_s", "read_setup_s", "remaining_ttl_s",
+                   "recomputed_tokens", "output_tokens", "stream", "lookup", "fallback_reason",
+                   "compute_saved_tokens", "compute_saved_s", "ttft_gained_s",
+                   "prefill_request_id", "decode_request_id", "trace_id")
 
 
 class UnknownConversation(LookupError):
@@ -41,16 +44,22 @@ class AmbiguousConversation(LookupError):
 
 @dataclass
 class TurnDiagnosis:
+    """One turn: its reuse verdict, where its time went, and why it took that time."""
+
     conversation_id: str
     turn: Turn
     finding: Finding
     tenant: str = UNKNOWN_TENANT
+    timeline: Timeline = field(default_factory=Timeline)
+    causes: list[CauseFinding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"conversation_id": self.conversation_id, "tenant": self.tenant,
                 "turn": self.turn.index,
                 "verdict": self.finding.verdict.value, "evidence": self.finding.evidence,
                 "remedy": self.finding.remedy, "rule": self.finding.rule,
+                **self.timeline.to_dict(),
+                "causes": [c.to_dict() for c in self.causes],
                 **{column: self.turn.get(column) for column in SUMMARY_COLUMNS}}
 
 
@@ -81,11 +90,16 @@ class Diagnosis:
 def classify_turns(turns: pd.DataFrame, read_slo_s: float | None = None,
                    prefill_tokens_per_s: float | None = None) -> tuple[list[TurnDiagnosis],
                                                                        Context]:
-    context = Context(prefill_tokens_per_s or prefill_rate(turns), read_slo_s)
-    turns = turns.reset_index(drop=True)
-    diagnoses = [TurnDiagnosis(str(row["conversation_id"]), Turn(row), finding,
-                               str(row["tenant"]))
-                 for row, finding in zip(turns.to_dict("records"), findings(turns, context))]
+    turns, marks, rate = add_timeline(turns.reset_index(drop=True), prefill_tokens_per_s)
+    context = Context(rate, read_slo_s)
+    cause_context = decode_context(turns)
+    diagnoses = []
+    for i, (row, finding) in enumerate(zip(turns.to_dict("records"),
+                                           findings(turns, context))):
+        turn = Turn(row)
+        diagnoses.append(TurnDiagnosis(
+            str(row["conversation_id"]), turn, finding, str(row["tenant"]),
+            timeline_of(marks, i, turn.as_dict()), causes(turn.as_dict(), cause_context)))
     return diagnoses, context
 
 

@@ -63,9 +63,27 @@ ENTRY_REMAINING_TTL = _attr(
 INTER_TURN_GAP = _attr("kvobs.turn.gap", "float", "s", "Time since the previous turn ended.")
 PARAMS_SENT = _attr("kvobs.proxy.params_sent", "bool", "", "Previous turn's params sent to P.")
 STREAM = _attr("kvobs.proxy.stream", "bool", "", "Client asked for a streaming response.")
-TTFT = _attr("kvobs.ttft", "float", "s", "Time to first token seen by the proxy.")
+TTFT = _attr("kvobs.ttft", "float", "s",
+             "Time to first token seen by the proxy: streamed turns only (a non-streamed "
+             "response shows the proxy only its end; see the turn timeline).")
 PREFILL_TIME = _attr("kvobs.proxy.prefill.duration", "float", "s", "P leg duration.")
 DECODE_TIME = _attr("kvobs.proxy.decode.duration", "float", "s", "D leg duration.")
+# Proxy timeline marks (wall clock): with the turn span's start and end they bound the
+# proxy's phases and the hops to each engine (kvobs/timeline.py).
+PREFILL_SENT_AT = _attr(
+    "kvobs.proxy.prefill.sent_at", "float", "unix s", "The proxy sent the P request.")
+PREFILL_RETRY_SENT_AT = _attr(
+    "kvobs.proxy.prefill.retry_sent_at", "float", "unix s",
+    "The proxy sent the P request again, without params (fallback retry).")
+PREFILL_ANSWERED_AT = _attr(
+    "kvobs.proxy.prefill.answered_at", "float", "unix s", "P's whole answer reached the proxy.")
+DECODE_SENT_AT = _attr(
+    "kvobs.proxy.decode.sent_at", "float", "unix s", "The proxy sent the D request.")
+DECODE_FIRST_BYTE_AT = _attr(
+    "kvobs.proxy.decode.first_byte_at", "float", "unix s",
+    "D's first streamed bytes reached the proxy (streamed turns only).")
+DECODE_ANSWERED_AT = _attr(
+    "kvobs.proxy.decode.answered_at", "float", "unix s", "D's whole answer reached the proxy.")
 FALLBACK_REASON = _attr("kvobs.fallback.reason", "str", "", "FallbackReason value.")
 STORE_ACTION = _attr("kvobs.proxy.store.action", "str", "", "stored | refreshed | skipped.")
 STORE_EXPIRES_AT = _attr(
@@ -101,6 +119,29 @@ READ_ERROR = _attr("kvobs.read.error", "str", "", "Error class of a failed read 
 REMAINING_TTL_AT_READ = _attr(
     "kvobs.read.remaining_ttl", "float", "s", "Seconds left before D's expiry when the read began.")
 REMOTE_ENGINE_ID = _attr("kvobs.remote.engine_id", "str", "", "Engine id of the KV's holder.")
+READ_SETUP = _attr(
+    "kvobs.read.setup", "float", "s",
+    "Seconds the read waited before it could start: the NIXL handshake with the KV's "
+    "holder (the first read from an engine), measured by the reading worker.")
+
+# Engine request timeline (P's and D's request spans; vLLM's own clocks where it has them)
+REQUEST_ARRIVED_AT = _attr(
+    "kvobs.request.arrived_at", "float", "unix s",
+    "vLLM's arrival_time: the engine's API server accepted the request (wall clock).")
+REQUEST_SCHEDULED_AT = _attr(
+    "kvobs.request.scheduled_at", "float", "unix s",
+    "The scheduler first tried to schedule the request (it left the waiting queue).")
+REQUEST_ALLOCATED_AT = _attr(
+    "kvobs.request.allocated_at", "float", "unix s",
+    "Blocks allocated and the remote-KV decision taken (a read, if any, is queued).")
+REQUEST_KV_READY_AT = _attr(
+    "kvobs.request.kv_ready_at", "float", "unix s",
+    "Remote KV arrived (the scheduler saw the read finish): absent when nothing was read.")
+REQUEST_FIRST_TOKEN_AT = _attr(
+    "kvobs.request.first_token_at", "float", "unix s",
+    "The engine produced the request's first output token.")
+OUTPUT_TOKENS = _attr(
+    "gen_ai.usage.output_tokens", "int", "tokens", "Tokens the engine generated.")
 
 # Decode export / retention
 EXPORT_BLOCKS = _attr("kvobs.export.blocks", "int", "blocks", "Blocks D retained for reuse.")
@@ -151,6 +192,14 @@ SPAN_READ = _span("kvobs.prefill.read", Service.PREFILL, "A D->P read: done, dec
 SPAN_RECOMPUTE = _span("kvobs.prefill.recompute", Service.PREFILL, "Tokens P computed itself.")
 SPAN_STUCK = _span(
     "kvobs.prefill.stuck_wait", Service.PREFILL, "A request waiting for remote KV that never comes.")
+SPAN_PREFILL_REQUEST = _span(
+    "kvobs.prefill.request", Service.PREFILL,
+    "P's request from arrival to its first token: queue, schedule, read, compute marks.")
+SPAN_DECODE_REQUEST = _span(
+    "kvobs.decode.request", Service.DECODE,
+    "D's request from arrival to its end: queue, hand-off, first token, decode marks.")
+SPAN_HANDOFF = _span(
+    "kvobs.decode.handoff", Service.DECODE, "D reading P's KV for the turn (P->D hand-off).")
 SPAN_EXPORT = _span("kvobs.decode.export", Service.DECODE, "D retained blocks and exported params.")
 SPAN_RELEASE = _span("kvobs.decode.release", Service.DECODE, "D released retained blocks.")
 
@@ -262,6 +311,47 @@ class Verdict(str, enum.Enum):
     INSUFFICIENT_EVIDENCE = "insufficient-evidence"
 
 
+class Phase(str, enum.Enum):
+    """A turn's latency, phase by phase, in time order (``kvobs/timeline.py`` gives each
+    phase's boundary marks and where they come from). Each phase starts where the one
+    before ends, so a turn's phases add up to its latency."""
+
+    PROXY_IN = "proxy-in"  # turn start -> P request sent: lookup, body rewrite
+    P_RETRY = "p-retry"  # P request sent -> sent again without params (failed attempt)
+    P_FRONTEND = "p-frontend"  # P request sent -> P engine arrival: HTTP, tokenization
+    P_QUEUE = "p-queue"  # P arrival -> first scheduled: waiting behind other requests
+    P_SCHEDULE = "p-schedule"  # first scheduled -> blocks allocated, pull decided
+    READ_SETUP = "read-setup"  # decided -> D->P read started: NIXL handshake, first time
+    READ = "read"  # D->P read started -> P's scheduler saw the KV arrive
+    P_COMPUTE = "p-compute"  # KV ready (or decided) -> P's first token: tokens not reused
+    P_RETURN = "p-return"  # P's first token -> P's answer at the proxy
+    PROXY_HOP = "proxy-hop"  # P's answer at the proxy -> D request sent
+    D_FRONTEND = "d-frontend"  # D request sent -> D engine arrival
+    D_QUEUE = "d-queue"  # D arrival -> first scheduled on D
+    HANDOFF_SETUP = "handoff-setup"  # D scheduled -> D's read of P's KV started
+    HANDOFF = "handoff"  # D's read of P's KV (P->D hand-off) -> KV ready on D
+    D_FIRST_TOKEN = "d-first-token"  # KV ready on D -> first token (client-visible)
+    DECODE = "decode"  # first token -> D's whole answer at the proxy
+    PROXY_OUT = "proxy-out"  # D's answer at the proxy -> turn end: store, last write
+
+
+class LatencyCause(str, enum.Enum):
+    """Why a turn took its time, named from the phase(s) that dominate it
+    (``kvobs/causes/``). Independent of the reuse verdict: both are reported."""
+
+    QUEUED_AT_P = "queued-at-p"
+    QUEUED_AT_D = "queued-at-d"
+    CONNECTION_SETUP = "connection-setup"
+    SLOW_READ = "slow-read"
+    PREFILL_COMPUTE = "prefill-compute"
+    SLOW_HANDOFF = "slow-handoff"
+    DECODE_BUSY = "decode-busy"
+    LONG_OUTPUT = "long-output"
+    ENGINE_API = "engine-api"
+    PROXY_OVERHEAD = "proxy-overhead"
+    FAILED_ATTEMPT = "failed-attempt"
+
+
 HEALTHY_VERDICTS = frozenset(
     {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD})
 
@@ -368,6 +458,10 @@ M_STUCK_PREVENTED = _metric("vllm:kvobs_stuck_remote_waits_prevented_total", "co
                             "Would-be stuck waits turned into recomputes by kvobs_fix_stuck_waits.")
 M_TELEMETRY_ERRORS = _metric("vllm:kvobs_connector_telemetry_errors_total", "counter", "",
                              "Telemetry failures caught (and dropped) inside the connector.")
+M_READ_SETUP = _metric("vllm:kvobs_read_setup_seconds", "histogram", "seconds",
+                       "Wait before a remote read could start (NIXL handshake the first "
+                       "time a worker reads from an engine).", ("direction",),
+                       DURATION_BUCKETS + (10, 30))
 M_PREFIX_MISMATCH = _metric("vllm:kvobs_prefix_mismatches_total", "counter", "",
                             "Offered remote KV whose block hashes did not match the prompt.")
 
@@ -394,8 +488,22 @@ M_PROXY_ENTRIES = _metric("kvobs_proxy_entries", "gauge", "", "Entries in the me
 M_PROXY_STORE_ERRORS = _metric("kvobs_proxy_store_errors_total", "counter", "",
                                "Metadata store backend errors.", ("backend",))
 M_PROXY_TTFT = _metric("kvobs_proxy_ttft_seconds", "histogram", "seconds",
-                       "TTFT by turn and prompt-length bucket.",
+                       "TTFT of streamed turns (first bytes of D's stream at the proxy), "
+                       "by turn and prompt-length bucket. Non-streamed turns are not "
+                       "observed: the proxy sees only their end.",
                        (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL), TTFT_BUCKETS)
+M_PROXY_LATENCY = _metric("kvobs_proxy_turn_duration_seconds", "histogram", "seconds",
+                          "Whole-turn latency as the proxy served it (request in to last "
+                          "byte out), by turn and prompt-length bucket.",
+                          (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL), TTFT_BUCKETS + (60,))
+# ``phase`` label values of M_PROXY_PHASE: the proxy's own phases (Phase values) and the
+# two engine legs as the proxy times them.
+PROXY_PHASE_VALUES = ("proxy-in", "proxy-hop", "proxy-out", "prefill-leg", "decode-leg")
+M_PROXY_PHASE = _metric("kvobs_proxy_phase_seconds", "histogram", "seconds",
+                        "Time of a turn spent in the phases the proxy measures alone "
+                        "(proxy-in, proxy-hop, proxy-out: the proxy's own work; prefill "
+                        "and decode: the engine legs as the proxy saw them).", ("phase",),
+                        DURATION_BUCKETS + (10, 30))
 M_PROXY_UPSTREAM_ERRORS = _metric("kvobs_proxy_upstream_errors_total", "counter", "",
                                   "Failed engine legs.", ("role", "kind"))
 M_PROXY_REJECTED = _metric("kvobs_proxy_rejected_requests_total", "counter", "",
@@ -427,6 +535,14 @@ M_NIXL_EXPIRED = _upstream("vllm:nixl_num_kv_expired_reqs_total", "counter", "",
                            "Requests whose remote KV expired, counted on P (vLLM).")
 M_VLLM_TTFT = _upstream("vllm:time_to_first_token_seconds", "histogram", "seconds",
                         "Engine-side time to first token (vLLM).")
+M_VLLM_QUEUE_TIME = _upstream("vllm:request_queue_time_seconds", "histogram", "seconds",
+                              "Time a request waited in the engine's queue (vLLM).")
+M_VLLM_PREFILL_TIME = _upstream("vllm:request_prefill_time_seconds", "histogram", "seconds",
+                                "Time from first scheduled to first token (vLLM).")
+M_VLLM_DECODE_TIME = _upstream("vllm:request_decode_time_seconds", "histogram", "seconds",
+                               "Time from first token to last token (vLLM).")
+M_VLLM_E2E = _upstream("vllm:e2e_request_latency_seconds", "histogram", "seconds",
+                       "Engine-side request latency (vLLM).")
 M_VLLM_PROMPT_TOKENS_BY_SOURCE = _upstream(
     "vllm:prompt_tokens_by_source_total", "counter", "tokens",
     "Prompt tokens by source: local_compute | local_cache_hit | external_kv_transfer (vLLM).",

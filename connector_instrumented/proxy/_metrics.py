@@ -47,6 +47,8 @@ class ProxyMetrics:
         self.entries = _gauge(sc.M_PROXY_ENTRIES, r)
         self.store_errors = _counter(sc.M_PROXY_STORE_ERRORS, r)
         self.ttft = _histogram(sc.M_PROXY_TTFT, r)
+        self.latency = _histogram(sc.M_PROXY_LATENCY, r)
+        self.phase = _histogram(sc.M_PROXY_PHASE, r)
         self.upstream_errors = _counter(sc.M_PROXY_UPSTREAM_ERRORS, r)
         self.rejected = _counter(sc.M_PROXY_REJECTED, r)
         self.stripped = _counter(sc.M_PROXY_CLIENT_PARAMS_STRIPPED, r)
@@ -57,8 +59,11 @@ class ProxyMetrics:
         for turn in sc.TURN_BUCKET_VALUES:
             for prompt in sc.PROMPT_BUCKET_VALUES:
                 self.ttft.labels(turn, prompt)
+                self.latency.labels(turn, prompt)
                 for outcome in outcomes:
                     self.turns.labels(turn, prompt, outcome)
+        for phase in sc.PROXY_PHASE_VALUES:
+            self.phase.labels(phase)
         for outcome in outcomes:
             self.lookups.labels(outcome)
         for action in _STORE_ACTIONS:

@@ -98,7 +98,14 @@ class _TurnState:
     prompt_tokens: int | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # streamed turns only: D's first bytes at the proxy
+    # Timeline marks (wall clock, unix s): see sc.Phase and kvobs/timeline.py.
+    p_sent: float | None = None
+    p_retry_sent: float | None = None
+    p_answered: float | None = None
+    d_sent: float | None = None
+    d_first_byte: float | None = None
+    d_answered: float | None = None
     source: sc.ParamsSource = PS.NONE
     error: sc.ProxyError | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -348,6 +355,7 @@ class _Proxy:
         params = previous.params if state.params_sent else None
         endpoint = next(self._prefill)
         started = time.perf_counter()
+        state.p_sent = time.time()
         try:
             try:
                 response = await self._post_prefill(
@@ -359,6 +367,7 @@ class _Proxy:
                 self.metrics.upstream_errors.labels("prefill", error.kind).inc()
                 self.metrics.fallbacks.labels(reason.value).inc()
                 fallback_start = time.time_ns()
+                state.p_retry_sent = fallback_start / 1e9
                 state.extra["fallback"] = reason.value
                 state.params_sent = False
                 try:
@@ -372,6 +381,7 @@ class _Proxy:
                          start_ns=fallback_start)
             return response, endpoint
         finally:
+            state.p_answered = time.time()
             state.prefill_s = time.perf_counter() - started
 
     # ------------------------------------------------------------------ decode
@@ -399,7 +409,7 @@ class _Proxy:
     async def _decode_whole(self, path, d_body, endpoint, headers, identity, state,
                             correlation, previous) -> web.StreamResponse:
         started = time.perf_counter()
-        sent_wall = time.time()
+        sent_wall = state.d_sent = time.time()
         try:
             response = await self._open_decode(endpoint, path, d_body, headers)
             try:
@@ -411,9 +421,8 @@ class _Proxy:
         except _UpstreamError as error:
             state.decode_s = time.perf_counter() - started
             return self._upstream_failure(error, state)
-        answered_wall = time.time()
+        answered_wall = state.d_answered = time.time()
         state.decode_s = time.perf_counter() - started
-        state.ttft_s = time.perf_counter() - state.start_perf
         try:
             result = json.loads(raw)
         except ValueError:
@@ -433,7 +442,7 @@ class _Proxy:
     async def _decode_stream(self, request, path, d_body, endpoint, headers, identity,
                              state, correlation, previous) -> web.StreamResponse:
         started = time.perf_counter()
-        sent_wall = time.time()
+        sent_wall = state.d_sent = time.time()
         try:
             response = await self._open_decode(endpoint, path, d_body, headers)
         except _UpstreamError as error:
@@ -449,6 +458,7 @@ class _Proxy:
             async for chunk in response.content.iter_any():
                 if state.ttft_s is None:
                     state.ttft_s = time.perf_counter() - state.start_perf
+                    state.d_first_byte = time.time()
                 buffer += chunk
                 cut = buffer.rfind(b"\n") + 1
                 if not cut:
@@ -479,7 +489,7 @@ class _Proxy:
             return client
         finally:
             response.release()
-        answered_wall = time.time()
+        answered_wall = state.d_answered = time.time()
         state.decode_s = time.perf_counter() - started
         params = collector.params
         if params is not None:
@@ -578,8 +588,12 @@ class _Proxy:
         turn_bucket = sc.turn_bucket(state.turn or 1)
         prompt_bucket = sc.prompt_bucket(state.prompt_tokens or 0)
         self.metrics.turns.labels(turn_bucket, prompt_bucket, state.outcome.value).inc()
-        if state.ttft_s is not None and state.error is None:
-            self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(state.ttft_s)
+        if state.error is None and state.d_answered is not None:
+            if state.ttft_s is not None:
+                self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(state.ttft_s)
+            self.metrics.latency.labels(turn_bucket, prompt_bucket).observe(
+                time.perf_counter() - state.start_perf)
+            self._observe_phases(state)
         try:
             if span.is_recording():
                 span.set_attributes({**correlation.attributes(), **clean({
@@ -595,12 +609,29 @@ class _Proxy:
                     sc.ROLE.key: "proxy",
                     sc.PROXY_ERROR.key: state.error,
                     sc.FALLBACK_REASON.key: state.extra.get("fallback"),
+                    sc.PREFILL_SENT_AT.key: state.p_sent,
+                    sc.PREFILL_RETRY_SENT_AT.key: state.p_retry_sent,
+                    sc.PREFILL_ANSWERED_AT.key: state.p_answered,
+                    sc.DECODE_SENT_AT.key: state.d_sent,
+                    sc.DECODE_FIRST_BYTE_AT.key: state.d_first_byte,
+                    sc.DECODE_ANSWERED_AT.key: state.d_answered,
                 })})
                 if state.error is not None:
                     span.set_status(trace.Status(trace.StatusCode.ERROR))
             span.end()
         except Exception:  # noqa: BLE001 - telemetry never breaks serving
             _LOG.debug("turn span failed", exc_info=True)
+
+
+    def _observe_phases(self, state: _TurnState) -> None:
+        """The phases the proxy times alone (a completed turn has every mark)."""
+        end = time.time()
+        phase = self.metrics.phase
+        phase.labels("proxy-in").observe(max(0.0, state.p_sent - state.start_wall))
+        phase.labels("prefill-leg").observe(max(0.0, state.p_answered - state.p_sent))
+        phase.labels("proxy-hop").observe(max(0.0, state.d_sent - state.p_answered))
+        phase.labels("decode-leg").observe(max(0.0, state.d_answered - state.d_sent))
+        phase.labels("proxy-out").observe(max(0.0, end - state.d_answered))
 
 
 def correlation_with(correlation: Correlation, state: _TurnState) -> Correlation:

@@ -39,23 +39,31 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
         click.echo(to_json(rows))
     elif fmt == "csv":
         frame = pd.DataFrame(rows)
-        if "evidence" in frame:
-            frame["evidence"] = frame["evidence"].map(to_json)
+        for column in ("evidence", "phases", "unmeasured", "causes", "clock_skew"):
+            if column in frame:  # nested values: one JSON cell each
+                frame[column] = frame[column].map(to_json)
         click.echo(frame.to_csv(index=False), nl=False)
     else:
         out = console()
         from rich.table import Table
 
         table = Table()
-        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT s"):
+        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT s",
+                       "latency s", "slowest", "cause"):
             table.add_column(header)
         for row in rows:
+            cause = row["causes"][0]["cause"] if row["causes"] else None
             table.add_row(row["conversation_id"], str(row["turn"]), row["verdict"],
                           str(row["prompt_tokens"]), str(row["candidate_tokens"]),
-                          str(row["read_outcome"]), str(row["ttft_s"]))
+                          str(row["read_outcome"]), _seconds(row["ttft_s"]),
+                          _seconds(row["latency_s"]), str(row["slowest_phase"]), str(cause))
         out.print(table)
     print_problems(console() if fmt == "table" else _stderr(), span_source.problems)
     sys.exit(exit_status([t.finding.verdict for t in items]))
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _stderr():

@@ -22,11 +22,18 @@ from kvobs.correlate import KEYS, PREVIOUS_PREFIX, TURN_FIELDS, UNKNOWN_TENANT
 # TURN_FIELDS plus two of its own (when D's export ended, how long D held the blocks).
 FLEET_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     column: TURN_FIELDS[column] for column in (
-        "turn_start_ns", "turn_end_ns", "ttft_s", "prefill_leg_s", "lookup", "params_sent",
-        "fallback_reason", "prompt_tokens", "local_hit_tokens", "remote_tokens",
-        "candidate_tokens", "threshold", "decision", "read_outcome", "read_bytes",
-        "read_blocks", "read_duration_s", "stuck_span_id", "export_tokens", "export_blocks",
-        "ttl_s", "release_reason", "release_end_ns", "release_read_count")}
+        "turn_start_ns", "turn_end_ns", "proxy_ttft_s", "prefill_leg_s", "lookup",
+        "params_sent", "fallback_reason", "prompt_tokens", "local_hit_tokens",
+        "remote_tokens", "candidate_tokens", "threshold", "decision", "read_outcome",
+        "read_bytes", "read_blocks", "read_duration_s", "stuck_span_id", "export_tokens",
+        "export_blocks", "ttl_s", "release_reason", "release_end_ns", "release_read_count",
+        # timeline marks (kvobs/timeline.py MARKS) and what decides whether they apply
+        "p_sent_at", "p_retry_sent_at", "p_answered_at", "d_sent_at", "d_first_byte_at",
+        "d_answered_at", "read_span_id", "read_start_ns", "read_setup_s",
+        "p_arrived_at", "p_scheduled_at", "p_allocated_at", "p_kv_ready_at",
+        "p_first_token_at", "d_request_span_id", "d_arrived_at", "d_scheduled_at",
+        "d_kv_ready_at", "d_first_token_at", "output_tokens", "handoff_span_id",
+        "handoff_start_ns", "handoff_bytes", "handoff_duration_s", "handoff_setup_s")}
 FLEET_FIELDS["recomputed_tokens"] = TURN_FIELDS["recomputed_tokens"]  # summed per turn
 FLEET_FIELDS["export_end_ns"] = (sc.SPAN_EXPORT, "end_ns")
 FLEET_FIELDS["held_s"] = (sc.SPAN_RELEASE, sc.HELD_DURATION.key)
@@ -34,9 +41,10 @@ FLEET_FIELDS["entry_age_s"] = TURN_FIELDS["entry_age_s"]
 # Facts of turn k's KV that turn k+1's verdict reads (correlate.PREVIOUS_TURN_FIELDS).
 FLEET_PREVIOUS = ("release_reason", "release_end_ns", "ttl_s", "export_tokens")
 SUMMED = {"recomputed_tokens"}
-PRESENCE = {"stuck_span_id"}  # the span's presence is the fact: "yes" or null
+# The span's presence is the fact: "yes" or null.
+PRESENCE = {"stuck_span_id", "read_span_id", "handoff_span_id", "d_request_span_id"}
 STRING_COLUMNS = {"lookup", "fallback_reason", "decision", "read_outcome", "release_reason",
-                  "stuck_span_id"}
+                  *PRESENCE}
 _TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
 KEY_SOURCES = {"tenant": _TENANT, "conversation_id": _CID, "turn": _TURN}
 _SPAN_TYPES = {"start_ns": "int", "end_ns": "int", "error": "bool"}

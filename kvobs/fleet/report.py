@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 
 from kvobs import semconv as sc
-from kvobs.correlate import CONVERSATION_KEYS, prefill_rate
+from kvobs.correlate import CONVERSATION_KEYS
+from kvobs.timeline import add_timeline
 from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
 
@@ -19,9 +20,10 @@ VERDICTS = [v.value for v in Verdict]
 
 def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
                 read_slo_s: float | None = None) -> tuple[pd.DataFrame, float | None]:
-    """Turn table plus ``verdict``, ``turn_bucket`` and ``prompt_bucket`` columns."""
-    rate = prefill_tokens_per_s or prefill_rate(turns)
-    turns = turns.assign(verdict=classify_frame(turns, rate, read_slo_s).to_numpy())
+    """Turn table plus its timeline (``kvobs.timeline``), ``verdict``, ``turn_bucket``
+    and ``prompt_bucket`` columns."""
+    turns, _, rate = add_timeline(turns, prefill_tokens_per_s)
+    turns["verdict"] = classify_frame(turns, rate, read_slo_s).to_numpy()
     turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
     prompt = turns["prompt_tokens"].astype("Float64").fillna(-1).to_numpy(np.int64)
     labels = _buckets(pd.Series(prompt), sc.prompt_bucket, sc.PROMPT_BUCKET_VALUES)

@@ -2,7 +2,7 @@
 
 - Break-even read size: reads cost ``a + M * s`` seconds (least-squares fit of measured
   read time on tokens read: ``a`` fixed cost, ``s`` seconds per token); recomputing costs
-  ``M / p`` (``p``: measured prefill rate, ``kvobs.correlate.prefill_rate``). Reading pays
+  ``M / p`` (``p``: measured prefill rate, ``kvobs.timeline.prefill_rate``). Reading pays
   off from ``M* = a / (1/p - s)``; ``kv_recompute_threshold`` is ``M*`` rounded up to a
   block.
 - TTL: a later turn can reuse D's KV when its gap is below ``ttl - 5 s`` (P declines reads
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvobs.correlate import prefill_rate
+from kvobs.timeline import prefill_rate
 from kvobs import semconv as sc
 from kvobs.semconv import ReadOutcome, Verdict
 

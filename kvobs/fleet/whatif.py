@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvobs.correlate import prefill_rate
+from kvobs.timeline import prefill_rate
 from kvobs.fleet.report import VERDICTS
 from kvobs.fleet.tune import (PROXY_MARGIN_S, REUSE_VERDICTS, candidate_tokens, next_turn, read_model,
                               reuse_window_s)

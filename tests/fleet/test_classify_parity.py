@@ -3,18 +3,19 @@ keyed by (tenant, conversation, turn)."""
 
 from fleet_cases import SHARED_ID, TENANTS, assert_same_turns
 
-from kvobs.correlate import prefill_rate, turns_from_spans
+from kvobs.correlate import turns_from_spans
 from kvobs.diagnose import all_turns
 from kvobs.fleet import classify_frame, fleet_turns
 from kvobs.sources import open_source
+from kvobs.timeline import add_timeline
 
 
 def compare_verdicts(source, reference_source=None):
     """Fleet verdicts of ``source`` equal diagnose's (of ``reference_source``)."""
     reference = {(d.tenant, d.conversation_id, d.turn.index): d.finding.verdict.value
                  for d in all_turns(reference_source or source)}
-    turns = fleet_turns(source)
-    verdicts = classify_frame(turns, prefill_rate(turns))
+    turns, _, rate = add_timeline(fleet_turns(source))
+    verdicts = classify_frame(turns, rate)
     fleet = {(str(tenant), str(c), int(t)): v for tenant, c, t, v in
              zip(turns["tenant"], turns["conversation_id"], turns["turn"], verdicts)}
     assert fleet == reference

@@ -1,0 +1,246 @@
+"""Latency causes: why a turn took its time, named from the phases that dominate it.
+
+The reuse verdict says what happened to the previous turn's KV; a turn is often slow
+elsewhere. Every phase belongs to one cause (``CAUSE_OF``). A cause applies to a turn
+when its phases hold the turn's slowest phase, or take at least ``DOMINANT_SHARE`` of
+its latency (of its TTFT for phases before the first token) and ``MIN_SECONDS``. So a
+turn whose slowest phase lies outside P's reuse path always gets a cause besides its
+verdict. Each cause's ``explain`` is a small pure function of the turn and the
+source-wide context, returning its evidence and remedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from kvobs.semconv import LatencyCause as LC
+from kvobs.semconv import Phase as P
+from kvobs.timeline import PHASES, phase_column
+
+DOMINANT_SHARE = 0.25
+MIN_SECONDS = 0.005
+# Decode is "busy" when its seconds per output token exceed this multiple of the
+# source's median: D was shared (other decodes, long prefills) while it generated.
+DECODE_BUSY_FACTOR = 1.5
+_BEFORE_FIRST_TOKEN = frozenset(PHASES[:PHASES.index(P.DECODE)])
+
+CAUSE_OF: dict[P, LC] = {
+    P.PROXY_IN: LC.PROXY_OVERHEAD, P.PROXY_HOP: LC.PROXY_OVERHEAD,
+    P.PROXY_OUT: LC.PROXY_OVERHEAD, P.P_RETRY: LC.FAILED_ATTEMPT,
+    P.P_FRONTEND: LC.ENGINE_API, P.P_RETURN: LC.ENGINE_API, P.D_FRONTEND: LC.ENGINE_API,
+    P.P_QUEUE: LC.QUEUED_AT_P, P.P_SCHEDULE: LC.PREFILL_COMPUTE,
+    P.P_COMPUTE: LC.PREFILL_COMPUTE, P.READ_SETUP: LC.CONNECTION_SETUP,
+    P.HANDOFF_SETUP: LC.CONNECTION_SETUP, P.READ: LC.SLOW_READ, P.HANDOFF: LC.SLOW_HANDOFF,
+    P.D_QUEUE: LC.QUEUED_AT_D, P.D_FIRST_TOKEN: LC.DECODE_BUSY, P.DECODE: LC.LONG_OUTPUT,
+}
+
+
+@dataclass(frozen=True)
+class CauseContext:
+    """Source-wide facts causes weigh a turn against."""
+
+    decode_s_per_token: float | None = None  # median over the source's turns
+
+
+@dataclass(frozen=True)
+class CauseFinding:
+    cause: LC
+    seconds: float
+    share: float | None
+    remedy: str
+    evidence: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause.value, "seconds": self.seconds, "share": self.share,
+                "remedy": self.remedy, "evidence": self.evidence}
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _get(turn: Mapping[str, Any], column: str) -> Any:
+    value = turn.get(column)
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    return value
+
+
+def _per_token(turn: Mapping[str, Any]) -> float | None:
+    decode = _get(turn, phase_column(P.DECODE))
+    tokens = _get(turn, "output_tokens")
+    if decode is None or not tokens or tokens < 2:
+        return None
+    return decode / (tokens - 1)
+
+
+def decode_context(turns: pd.DataFrame) -> CauseContext:
+    column = phase_column(P.DECODE)
+    if column not in turns or "output_tokens" not in turns:
+        return CauseContext()
+    decode = pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
+    tokens = pd.to_numeric(turns["output_tokens"], errors="coerce").to_numpy(
+        float, na_value=np.nan)
+    usable = (tokens >= 2) & (decode > 0)
+    if usable.sum() < 3:  # too few to call anything typical
+        return CauseContext()
+    return CauseContext(float(np.median(decode[usable] / (tokens[usable] - 1))))
+
+
+# --------------------------------------------------------------------------- explanations
+# Each: (turn row, seconds the cause took, context) -> (remedy, evidence).
+
+Explain = Callable[[Mapping[str, Any], float, CauseContext], tuple[str, dict[str, Any]]]
+
+
+def _queued_at_p(turn, seconds, context):
+    return (f"P queued the request {_ms(seconds)} behind other work: add prefill capacity or "
+            "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); watch "
+            "vllm:request_queue_time_seconds on P.",
+            {"p_arrived_at": _get(turn, "p_arrived_at"),
+             "p_scheduled_at": _get(turn, "p_scheduled_at"),
+             "prompt_tokens": _get(turn, "prompt_tokens")})
+
+
+def _queued_at_d(turn, seconds, context):
+    return (f"D queued the request {_ms(seconds)} before scheduling it: add decode capacity "
+            "or lower its load; watch vllm:request_queue_time_seconds on D.",
+            {"d_arrived_at": _get(turn, "d_arrived_at"),
+             "d_scheduled_at": _get(turn, "d_scheduled_at")})
+
+
+def _connection_setup(turn, seconds, context):
+    read_setup = _get(turn, "read_setup_s")
+    return (f"{_ms(seconds)} went to NIXL connection set-up (the handshake of the first "
+            "transfer between this P and D, e.g. after an engine (re)start): warm each P/D "
+            "pair with one request at start-up; watch vllm:kvobs_read_setup_seconds.",
+            {"read_setup_s": read_setup, "handoff_setup_s": _get(turn, "handoff_setup_s"),
+             "remote_engine_id": _get(turn, "remote_engine_id")})
+
+
+def _slow_read(turn, seconds, context):
+    return (f"The D->P read took {_ms(seconds)}: check the P<->D link "
+            "(vllm:kvobs_remote_read_duration_seconds).",
+            {"read_span_id": _get(turn, "read_span_id"), "read_bytes": _get(turn, "read_bytes"),
+             "read_duration_s": _get(turn, "read_duration_s")})
+
+
+def _prefill_compute(turn, seconds, context):
+    return (f"P computed for {_ms(seconds)} ({_get(turn, 'recomputed_tokens')} tokens it did "
+            "not reuse): see the verdict for why they were not reused; add prefill capacity "
+            "for long first turns.",
+            {"recomputed_tokens": _get(turn, "recomputed_tokens"),
+             "prompt_tokens": _get(turn, "prompt_tokens")})
+
+
+def _slow_handoff(turn, seconds, context):
+    nbytes = _get(turn, "handoff_bytes")
+    duration = _get(turn, "handoff_duration_s")
+    rate = nbytes / duration / 1e6 if nbytes and duration else None
+    return (f"D pulling P's KV (the P->D hand-off) took {_ms(seconds)}"
+            + (f" at {rate:.1f} MB/s" if rate else "")
+            + ": check the P->D link (vllm:kvobs_remote_read_duration_seconds"
+              "{direction=\"p_to_d\"} on D).",
+            {"handoff_span_id": _get(turn, "handoff_span_id"), "handoff_bytes": nbytes,
+             "handoff_duration_s": duration})
+
+
+def _decode_busy(turn, seconds, context):
+    per_token = _per_token(turn)
+    return (f"D was busy: {_ms(seconds)} from KV to answer"
+            + (f", {per_token * 1000:.1f} ms per token against a typical "
+               f"{context.decode_s_per_token * 1000:.1f} ms"
+               if per_token and context.decode_s_per_token else "")
+            + ": other requests shared D's steps; add decode capacity or lower max_num_seqs.",
+            {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token,
+             "typical_decode_s_per_token": context.decode_s_per_token})
+
+
+def _long_output(turn, seconds, context):
+    per_token = _per_token(turn)
+    return (f"Decode took {_ms(seconds)} for {_get(turn, 'output_tokens')} tokens"
+            + (f" ({per_token * 1000:.1f} ms each, typical for this source)"
+               if per_token else "")
+            + ": latency follows output length; stream the answer to see the first token "
+              "early, or cap max_tokens.",
+            {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token})
+
+
+def _engine_api(turn, seconds, context):
+    return (f"The engines' API servers (HTTP, tokenization, detokenization) took "
+            f"{_ms(seconds)}: check their CPU headroom.",
+            {phase.value: _get(turn, phase_column(phase))
+             for phase in (P.P_FRONTEND, P.P_RETURN, P.D_FRONTEND)})
+
+
+def _proxy_overhead(turn, seconds, context):
+    return (f"The proxy's own work (lookup, store, relaying) took {_ms(seconds)}: check its "
+            "CPU and its metadata store (kvobs_proxy_phase_seconds).",
+            {phase.value: _get(turn, phase_column(phase))
+             for phase in (P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT)})
+
+
+def _failed_attempt(turn, seconds, context):
+    return (f"P's first attempt failed ({_get(turn, 'fallback_reason')}) and the proxy "
+            f"retried without params: {_ms(seconds)} lost; see the verdict.",
+            {"fallback_span_id": _get(turn, "fallback_span_id"),
+             "fallback_reason": _get(turn, "fallback_reason")})
+
+
+EXPLAIN: dict[LC, Explain] = {
+    LC.QUEUED_AT_P: _queued_at_p, LC.QUEUED_AT_D: _queued_at_d,
+    LC.CONNECTION_SETUP: _connection_setup, LC.SLOW_READ: _slow_read,
+    LC.PREFILL_COMPUTE: _prefill_compute, LC.SLOW_HANDOFF: _slow_handoff,
+    LC.DECODE_BUSY: _decode_busy, LC.LONG_OUTPUT: _long_output, LC.ENGINE_API: _engine_api,
+    LC.PROXY_OVERHEAD: _proxy_overhead, LC.FAILED_ATTEMPT: _failed_attempt,
+}
+assert set(EXPLAIN) == set(LC) == set(CAUSE_OF.values()) | {LC.DECODE_BUSY}
+
+
+def cause_of(phase: P, turn: Mapping[str, Any], context: CauseContext) -> LC:
+    """The cause a phase's time counts for on this turn (decode splits on its rate)."""
+    if phase is P.DECODE:
+        per_token = _per_token(turn)
+        typical = context.decode_s_per_token
+        if per_token and typical and per_token > DECODE_BUSY_FACTOR * typical:
+            return LC.DECODE_BUSY
+    return CAUSE_OF[phase]
+
+
+def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()
+           ) -> list[CauseFinding]:
+    """The causes of one turn (a turn-table row with timeline columns), largest first."""
+    latency = _get(turn, "latency_s")
+    ttft = _get(turn, "ttft_s")
+    slowest = _get(turn, "slowest_phase")
+    seconds: dict[LC, float] = {}
+    before_first: dict[LC, float] = {}
+    holds_slowest: set[LC] = set()
+    for phase in PHASES:
+        value = _get(turn, phase_column(phase))
+        if value is None:
+            continue
+        cause = cause_of(phase, turn, context)
+        seconds[cause] = seconds.get(cause, 0.0) + value
+        if phase in _BEFORE_FIRST_TOKEN:
+            before_first[cause] = before_first.get(cause, 0.0) + value
+        if slowest == phase.value:
+            holds_slowest.add(cause)
+    out = []
+    for cause, total in seconds.items():
+        share = total / latency if latency else None
+        ttft_share = before_first.get(cause, 0.0) / ttft if ttft else 0.0
+        dominant = total >= MIN_SECONDS and (
+            (share or 0.0) >= DOMINANT_SHARE or ttft_share >= DOMINANT_SHARE)
+        if not (dominant or cause in holds_slowest):
+            continue
+        remedy, evidence = EXPLAIN[cause](turn, total, context)
+        evidence = {k: v for k, v in evidence.items() if v is not None}
+        if ttft:
+            evidence["ttft_share"] = ttft_share
+        out.append(CauseFinding(cause, total, share, remedy, evidence))
+    return sorted(out, key=lambda finding: -finding.seconds)

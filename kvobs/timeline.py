@@ -1,0 +1,350 @@
+"""Where a turn's time went: consecutive phases between timeline marks.
+
+The stage between correlation and classification. A turn's marks are wall-clock instants
+from the proxy's turn span, P's and D's request spans and the read and hand-off spans
+(``MARKS``, in time order); phase *i* (``semconv.Phase``) runs from mark *i* to mark
+*i + 1*, so a turn's phases add up to its latency by construction.
+
+A mark can be:
+- known: the span carrying it is there;
+- not applicable: the turn had no such step (no D->P read, no fallback retry): its phase
+  is 0 and the next phase starts at the previous mark;
+- missing: the step happened (or may have) but the span is absent. Nothing is guessed:
+  the phases on both sides of a missing mark merge into one (``"p-queue+p-schedule"``)
+  and ``unmeasured`` names each merged phase with the span that would have split it.
+
+Marks come from different processes' wall clocks (the engines may run on other hosts):
+durations within a process are exact, a phase that crosses processes carries their
+clock offset. A phase more than ``SKEW_TOLERANCE_S`` below zero is reported as skew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pandas as pd
+
+from kvobs import semconv as sc
+from kvobs.semconv import Phase
+
+SKEW_TOLERANCE_S = 0.005
+PHASES: tuple[Phase, ...] = tuple(Phase)
+# Phases of P's reuse path: what the reuse verdict already explains.
+REUSE_PATH = frozenset({Phase.READ_SETUP, Phase.READ, Phase.P_COMPUTE})
+
+
+def phase_column(phase: Phase) -> str:
+    """Turn-table column holding a phase's seconds (NaN: not measured alone)."""
+    return "phase_" + phase.value.replace("-", "_") + "_s"
+
+
+PHASE_COLUMNS = tuple(phase_column(p) for p in PHASES)
+# Columns this stage adds to the turn table (public: JSON, CSV, report).
+TIMELINE_COLUMNS = ("latency_s", "ttft_s", "ttft_source", "slowest_phase", "slowest_s",
+                    "slowest_share", "compute_saved_tokens", "compute_saved_s",
+                    "ttft_gained_s") + PHASE_COLUMNS
+
+_T = pd.DataFrame
+
+
+def _num(turns: _T, column: str) -> np.ndarray:
+    if column not in turns:
+        return np.full(len(turns), np.nan)
+    return pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
+
+
+def _ns(column: str) -> Callable[[_T], np.ndarray]:
+    return lambda turns: _num(turns, column) / 1e9
+
+
+def _col(column: str) -> Callable[[_T], np.ndarray]:
+    return lambda turns: _num(turns, column)
+
+
+def _present(turns: _T, column: str) -> np.ndarray:
+    if column not in turns:
+        return np.zeros(len(turns), bool)
+    return turns[column].notna().to_numpy(bool)
+
+
+def _is(turns: _T, column: str, value: str) -> np.ndarray:
+    if column not in turns:
+        return np.zeros(len(turns), bool)
+    return (turns[column].astype(object) == value).to_numpy(bool)
+
+
+def _always(turns: _T) -> np.ndarray:
+    return np.ones(len(turns), bool)
+
+
+def _first_token(turns: _T) -> np.ndarray:
+    """Client-visible first token: D's first bytes at the proxy when streamed, else D's
+    engine-side first token (the proxy sees a non-streamed answer only at its end)."""
+    streamed = _num(turns, "d_first_byte_at")
+    return np.where(np.isnan(streamed), _num(turns, "d_first_token_at"), streamed)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A timeline instant: how to read it, which span carries it, when it applies."""
+
+    name: str
+    read: Callable[[_T], np.ndarray]
+    span: sc.SpanName
+    applies: Callable[[_T], np.ndarray] = _always
+
+
+def _read_applies(turns: _T) -> np.ndarray:
+    return _is(turns, "decision", sc.PullDecision.PULL.value) | _present(turns, "read_span_id")
+
+
+def _read_done(turns: _T) -> np.ndarray:
+    return _is(turns, "read_outcome", sc.ReadOutcome.DONE.value)
+
+
+def _handoff_applies(turns: _T) -> np.ndarray:
+    """D pulled P's KV (or did not say: its request span is missing too)."""
+    return (_present(turns, "handoff_span_id") | _present(turns, "d_kv_ready_at")
+            | ~_present(turns, "d_request_span_id"))
+
+
+MARKS: tuple[Mark, ...] = (
+    Mark("turn-start", _ns("turn_start_ns"), sc.SPAN_PROXY_TURN),
+    Mark("p-sent", _col("p_sent_at"), sc.SPAN_PROXY_TURN),
+    Mark("p-retry-sent", _col("p_retry_sent_at"), sc.SPAN_PROXY_TURN,
+         lambda t: _present(t, "p_retry_sent_at")),
+    Mark("p-arrived", _col("p_arrived_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("p-scheduled", _col("p_scheduled_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("p-allocated", _col("p_allocated_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("read-start", _ns("read_start_ns"), sc.SPAN_READ, _read_applies),
+    Mark("p-kv-ready", _col("p_kv_ready_at"), sc.SPAN_PREFILL_REQUEST, _read_done),
+    Mark("p-first-token", _col("p_first_token_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("p-answered", _col("p_answered_at"), sc.SPAN_PROXY_TURN),
+    Mark("d-sent", _col("d_sent_at"), sc.SPAN_PROXY_TURN),
+    Mark("d-arrived", _col("d_arrived_at"), sc.SPAN_DECODE_REQUEST),
+    Mark("d-scheduled", _col("d_scheduled_at"), sc.SPAN_DECODE_REQUEST),
+    Mark("handoff-start", _ns("handoff_start_ns"), sc.SPAN_HANDOFF, _handoff_applies),
+    Mark("d-kv-ready", _col("d_kv_ready_at"), sc.SPAN_DECODE_REQUEST, _handoff_applies),
+    Mark("first-token", _first_token, sc.SPAN_DECODE_REQUEST),
+    Mark("d-answered", _col("d_answered_at"), sc.SPAN_PROXY_TURN),
+    Mark("turn-end", _ns("turn_end_ns"), sc.SPAN_PROXY_TURN),
+)
+assert len(MARKS) == len(PHASES) + 1
+_FIRST_TOKEN = [m.name for m in MARKS].index("first-token")
+
+KNOWN, NOT_APPLICABLE, MISSING = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Marks:
+    """Every turn's marks: ``value`` (rows x marks, unix s; a not-applicable mark holds
+    the previous mark's value) and ``status`` (KNOWN, NOT_APPLICABLE or MISSING)."""
+
+    value: np.ndarray
+    status: np.ndarray
+
+
+def read_marks(turns: _T) -> Marks:
+    rows = len(turns)
+    value = np.full((rows, len(MARKS)), np.nan)
+    status = np.full((rows, len(MARKS)), MISSING, np.int8)
+    last = np.full(rows, np.nan)
+    for i, mark in enumerate(MARKS):
+        read = mark.read(turns)
+        applies = mark.applies(turns)
+        known = applies & ~np.isnan(read)
+        value[known, i] = read[known]
+        status[known, i] = KNOWN
+        skipped = ~applies
+        value[skipped, i] = last[skipped]
+        status[skipped, i] = NOT_APPLICABLE
+        last = np.where(known, read, last)
+    return Marks(value, status)
+
+
+def _missing_reason(mark: Mark, turns_row: Mapping[str, Any]) -> str:
+    if mark.name == "first-token" and not turns_row.get("stream"):
+        return ("non-streamed turn: the proxy sees only the end of D's answer, and D's "
+                f"first token needs the {mark.span.name} span ({mark.span.service.value})")
+    return f"no {mark.span.name} span ({mark.span.service.value}) for mark {mark.name}"
+
+
+@dataclass
+class Timeline:
+    """One turn's phases: ``phases`` in time order (merged names for phases a missing
+    mark could not split), ``unmeasured`` {phase: why}, and the headline numbers."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    unmeasured: dict[str, str] = field(default_factory=dict)
+    latency_s: float | None = None
+    ttft_s: float | None = None
+    ttft_source: str | None = None
+    skew: list[str] = field(default_factory=list)
+
+    @property
+    def slowest(self) -> tuple[str, float] | None:
+        measured = [(name, s) for name, s in self.phases.items() if "+" not in name]
+        if not measured:
+            return None
+        return max(measured, key=lambda item: item[1])
+
+    def to_dict(self) -> dict[str, Any]:
+        slowest = self.slowest
+        share = (slowest[1] / self.latency_s if slowest and self.latency_s else None)
+        return {"latency_s": self.latency_s, "ttft_s": self.ttft_s,
+                "ttft_source": self.ttft_source, "phases": self.phases,
+                "slowest_phase": slowest[0] if slowest else None,
+                "slowest_share": share, "unmeasured": self.unmeasured,
+                "clock_skew": self.skew}
+
+
+def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
+    """The phases of one turn (``row`` of ``marks``; ``turn`` its turn-table row)."""
+    value, status = marks.value[row], marks.status[row]
+    out = Timeline()
+    known = np.flatnonzero(status == KNOWN)
+    if len(known) >= 2:
+        out.latency_s = float(value[known[-1]] - value[known[0]])
+    start = None
+    pending: list[str] = []  # phases a missing mark keeps from being split
+    gaps: list[str] = []  # why: the missing marks
+    for i, phase in enumerate(PHASES):
+        if status[i] == KNOWN and start is None:
+            start = value[i]
+        end = status[i + 1]
+        if end == NOT_APPLICABLE:
+            continue  # a step this turn did not take: no phase, the start carries on
+        if start is None:  # before the first known mark: outside the measured latency
+            out.unmeasured[phase.value] = _missing_reason(MARKS[i], turn)
+            continue
+        pending.append(phase.value)
+        if end == MISSING:
+            gaps.append(_missing_reason(MARKS[i + 1], turn))
+            continue
+        name = "+".join(pending)
+        seconds = float(value[i + 1] - start)
+        if len(pending) > 1:
+            for merged in pending:
+                out.unmeasured[merged] = f"measured only as {name}: " + "; ".join(gaps)
+        if seconds < -SKEW_TOLERANCE_S:
+            out.skew.append(f"{name}: {seconds * 1000:.1f} ms (clocks of "
+                            f"{MARKS[i].span.service.value} and "
+                            f"{MARKS[i + 1].span.service.value} disagree)")
+        out.phases[name] = seconds
+        start, pending, gaps = value[i + 1], [], []
+    for phase in pending:  # after the last known mark
+        out.unmeasured[phase] = "; ".join(gaps)
+    if status[0] == MISSING:
+        out.unmeasured["latency"] = ("no kvobs.proxy.turn span: latency runs from the "
+                                     "first engine mark, the router's own time unseen")
+    if status[0] == KNOWN and status[_FIRST_TOKEN] == KNOWN:
+        out.ttft_s = float(value[_FIRST_TOKEN] - value[0])
+        out.ttft_source = ("proxy-stream" if turn.get("d_first_byte_at") is not None
+                           else "engine")
+    return out
+
+
+def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
+                 ) -> tuple[_T, Marks, float | None]:
+    """The turn table with ``TIMELINE_COLUMNS`` added in place (a phase's seconds when
+    measured alone, 0 for a step the turn did not take, NaN when merged or missing; in
+    place because a fleet table has millions of rows), the marks for ``timeline_of`` and
+    the P compute rate the reuse gains were priced at (given, or measured here)."""
+    marks = read_marks(turns)
+    value, status = marks.value, marks.status
+    out = turns
+    rows = len(turns)
+    # A phase is measured alone when it starts at a known instant (its own mark, or
+    # the last known one carried over marks that do not apply) and ends at a known mark.
+    starts_known = _carried_known(status)[:, :-1]
+    end = status[:, 1:]
+    seconds = np.diff(value, axis=1) if rows else np.zeros((0, len(PHASES)))
+    phase_seconds = np.where(starts_known & (end == KNOWN), seconds, np.nan)
+    phase_seconds = np.where(starts_known & (end == NOT_APPLICABLE), 0.0, phase_seconds)
+    for i, column in enumerate(PHASE_COLUMNS):
+        out[column] = phase_seconds[:, i]
+    have = status == KNOWN
+    instants = np.where(have, value, np.nan)
+    enough = have.sum(axis=1) >= 2
+    with np.errstate(invalid="ignore"):
+        lo = np.min(np.where(have, instants, np.inf), axis=1) if rows else np.zeros(0)
+        hi = np.max(np.where(have, instants, -np.inf), axis=1) if rows else np.zeros(0)
+    out["latency_s"] = np.where(enough, hi - lo, np.nan)
+    ttft_known = (status[:, 0] == KNOWN) & (status[:, _FIRST_TOKEN] == KNOWN)
+    out["ttft_s"] = np.where(ttft_known, value[:, _FIRST_TOKEN] - value[:, 0], np.nan)
+    streamed = _present(turns, "d_first_byte_at")
+    out["ttft_source"] = pd.array(np.where(
+        ttft_known, np.where(streamed, "proxy-stream", "engine"), None), dtype=object)
+    filled = np.where(np.isnan(phase_seconds), -np.inf, phase_seconds)
+    best = filled.argmax(axis=1) if rows else np.zeros(0, int)
+    best_s = filled[np.arange(rows), best] if rows else np.zeros(0)
+    has_best = np.isfinite(best_s)
+    names = np.array([p.value for p in PHASES], dtype=object)
+    out["slowest_phase"] = pd.array(np.where(has_best, names[best], None), dtype=object)
+    out["slowest_s"] = np.where(has_best, best_s, np.nan)
+    latency = out["latency_s"].to_numpy(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["slowest_share"] = np.where(has_best & (latency > 0), best_s / latency, np.nan)
+    rate = prefill_tokens_per_s or prefill_rate(out)
+    _reuse_gain(out, rate)
+    return out, marks, rate
+
+
+def _reuse_gain(turns: _T, rate: float | None) -> None:
+    """Compute saved and TTFT gained by a read, apart: the read saved P computing the
+    tokens it brought (tokens, and seconds at ``rate``); TTFT gained what those seconds
+    were worth less what the read cost (set-up and read phases). Reuse can save compute
+    and still gain no TTFT."""
+    done = _read_done(turns)
+    tokens = _num(turns, "offered_tokens") if "offered_tokens" in turns else \
+        _num(turns, "candidate_tokens")
+    tokens = np.where(done, tokens, np.where(_present(turns, "decision"), 0, np.nan))
+    turns["compute_saved_tokens"] = tokens
+    saved = tokens / rate if rate else np.full(len(turns), np.nan)
+    turns["compute_saved_s"] = saved
+    cost = (np.nan_to_num(_first_of(turns, phase_column(Phase.READ_SETUP), "read_setup_s"))
+            + _first_of(turns, phase_column(Phase.READ), "read_duration_s"))
+    turns["ttft_gained_s"] = np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan))
+
+
+def _first_of(turns: _T, *columns: str) -> np.ndarray:
+    """Per row, the first of ``columns`` with a value (NaN when none has)."""
+    out = np.full(len(turns), np.nan)
+    for column in columns:
+        out = np.where(np.isnan(out), _num(turns, column), out)
+    return out
+
+
+def _carried_known(status: np.ndarray) -> np.ndarray:
+    """Per mark: whether its value (its own, or carried over marks that do not apply)
+    is a known instant."""
+    out = np.zeros(status.shape, bool)
+    last = np.zeros(status.shape[0], bool)
+    for i in range(status.shape[1]):
+        last = np.where(status[:, i] == KNOWN, True,
+                        np.where(status[:, i] == MISSING, False, last))
+        out[:, i] = last
+    return out
+
+
+def computed_tokens(turns: _T) -> np.ndarray:
+    """Tokens P computed itself (recompute spans summed; else N - L)."""
+    recomputed = _num(turns, "recomputed_tokens")
+    fallback = _num(turns, "prompt_tokens") - np.nan_to_num(_num(turns, "local_hit_tokens"))
+    return np.where(np.isnan(recomputed), fallback, recomputed)
+
+
+def prefill_rate(turns: _T) -> float | None:
+    """Measured P compute rate (tokens/s): median over turns that read nothing of the
+    tokens P computed over its compute phase (the P leg the proxy timed when the
+    engines' request spans are absent). None when no such turn exists."""
+    computed = computed_tokens(turns)
+    no_read = ~_present(turns, "read_outcome")
+    for column in (phase_column(Phase.P_COMPUTE), "prefill_leg_s"):
+        seconds = _num(turns, column)
+        usable = no_read & (computed > 0) & (seconds > 0)
+        if usable.any():
+            return float(np.median(computed[usable] / seconds[usable]))
+    return None
