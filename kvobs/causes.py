@@ -151,11 +151,13 @@ def _slow_handoff(turn, seconds, context):
 
 def _decode_busy(turn, seconds, context):
     per_token = _per_token(turn)
-    return (f"D was busy: {_ms(seconds)} from KV to answer"
+    return (f"D was slow to answer: {_ms(seconds)} from KV to tokens"
             + (f", {per_token * 1000:.1f} ms per token against a typical "
                f"{context.decode_s_per_token * 1000:.1f} ms"
                if per_token and context.decode_s_per_token else "")
-            + ": other requests shared D's steps; add decode capacity or lower max_num_seqs.",
+            + ": D's steps were shared or slowed (other requests' decodes or prefills, "
+              "a cold engine, a starved API server); add decode capacity or lower "
+              "max_num_seqs if it persists.",
             {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token,
              "typical_decode_s_per_token": context.decode_s_per_token})
 

@@ -381,12 +381,31 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     read_end = read_start + (read_s * SECOND).astype(np.int64)
     end_s = end / SECOND
 
+    # Timeline marks (unix s) as the proxy and the engines' request spans carry them.
+    ms = 0.001
+    mark = {"start": start / SECOND, "p0": p0 / SECOND}
+    mark["p_sent"] = mark["start"] + 0.5 * ms
+    mark["p_arrived"] = mark["p_sent"] + 0.5 * ms
+    mark["p_scheduled"] = mark["p0"] + 1 * ms
+    mark["p_allocated"] = mark["p0"] + 1.1 * ms
+    mark["p_first_token"] = mark["p0"] + 2 * ms + read_s + recompute_s
+    mark["p_answered"] = mark["p_first_token"] + 0.5 * ms
+    mark["d_sent"] = mark["p_answered"] + 0.3 * ms
+    mark["d_arrived"] = mark["d_sent"] + 0.5 * ms
+    mark["d_scheduled"] = mark["d_arrived"] + 0.2 * ms
+    mark["handoff_start"] = mark["d_scheduled"] + 0.2 * ms
+    mark["d_kv_ready"] = mark["handoff_start"] + 0.8 * ms
+    mark["d_first_token"] = mark["start"] + ttft
+    mark["d_answered"] = end / SECOND - 0.3 * ms
+
     spans = _Spans(schema, t, ids, config)
     S = sc  # noqa: N806
-    # Proxy turn span (root of the trace).
+    # Proxy turn span (root of the trace). Non-streamed: no TTFT at the proxy.
     spans.add(S.SPAN_PROXY_TURN, np.ones(n, bool), start, end, {
-        S.STREAM.key: False, S.TTFT.key: ttft, S.PREFILL_TIME.key: prefill_s,
-        S.DECODE_TIME.key: decode_s}, kind=0)
+        S.STREAM.key: False, S.PREFILL_TIME.key: prefill_s,
+        S.DECODE_TIME.key: decode_s, S.PREFILL_SENT_AT.key: mark["p_sent"],
+        S.PREFILL_ANSWERED_AT.key: mark["p_answered"], S.DECODE_SENT_AT.key: mark["d_sent"],
+        S.DECODE_ANSWERED_AT.key: mark["d_answered"]}, kind=0)
     # Proxy lookup (later turns).
     lookup = np.full(n, LookupOutcome_HIT, dtype=object)
     lookup[is_(Scenario.NO_ID)] = sc.LookupOutcome.NO_ID.value
@@ -454,6 +473,30 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     spans.add(S.SPAN_RECOMPUTE, computed > 0, read_end + 500_000,
               read_end + 500_000 + (recompute_s * SECOND).astype(np.int64), {
                   S.RECOMPUTED_TOKENS.key: computed, S.RECOMPUTE_REASON.key: reason}, kind=6)
+    # P's and D's request spans (timeline marks) and D's pull of P's KV.
+    read_kv = read_ok & ~is_(Scenario.DROPPED)
+    spans.add(S.SPAN_PREFILL_REQUEST, ~fallback, (mark["p_arrived"] * SECOND).astype(np.int64),
+              (mark["p_first_token"] * SECOND).astype(np.int64), {
+                  S.REQUEST_ARRIVED_AT.key: mark["p_arrived"],
+                  S.REQUEST_SCHEDULED_AT.key: mark["p_scheduled"],
+                  S.REQUEST_ALLOCATED_AT.key: mark["p_allocated"],
+                  S.REQUEST_KV_READY_AT.key: pa.array(read_end / SECOND + 0.2 * ms,
+                                                      mask=~read_kv),
+                  S.REQUEST_FIRST_TOKEN_AT.key: mark["p_first_token"],
+                  S.PROMPT_TOKENS.key: t["prompt"], S.OUTPUT_TOKENS.key: 1}, kind=10)
+    spans.add(S.SPAN_HANDOFF, np.ones(n, bool),
+              (mark["handoff_start"] * SECOND).astype(np.int64),
+              (mark["d_kv_ready"] * SECOND).astype(np.int64), {
+                  S.READ_DIRECTION.key: "p_to_d", S.READ_OUTCOME.key: "done",
+                  S.READ_BYTES.key: t["prompt"] * 512, S.READ_DURATION.key: 0.8 * ms,
+                  S.READ_SETUP.key: 0.2 * ms}, kind=11)
+    spans.add(S.SPAN_DECODE_REQUEST, np.ones(n, bool),
+              (mark["d_arrived"] * SECOND).astype(np.int64), end - 300_000, {
+                  S.REQUEST_ARRIVED_AT.key: mark["d_arrived"],
+                  S.REQUEST_SCHEDULED_AT.key: mark["d_scheduled"],
+                  S.REQUEST_KV_READY_AT.key: mark["d_kv_ready"],
+                  S.REQUEST_FIRST_TOKEN_AT.key: mark["d_first_token"],
+                  S.PROMPT_TOKENS.key: t["prompt"], S.OUTPUT_TOKENS.key: t["reply"]}, kind=12)
     # D retains H+R and exports its params; the proxy stores them.
     export_tokens = t["prompt"] + t["reply"]
     export_blocks = export_tokens // BLOCK

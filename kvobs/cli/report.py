@@ -42,8 +42,9 @@ def _labelled(source: str, read_slo, prefill_rate):
               help="Also write an HTML report with plots to this file (needs matplotlib).")
 @click.option("--conversation", default=None, help="Conversation for the HTML waterfall.")
 def report_command(source, read_slo, prefill_rate, since, as_json, html_file, conversation):
-    """Fleet report: verdict mix, reuse, bytes, TTFT, recompute and D memory, by turn
-    index and prompt length (turn 1 apart)."""
+    """Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D memory, by
+    turn index and prompt length, and the phases that cost the fleet most (turn 1
+    apart)."""
     from kvobs.fleet import build_report
 
     _, turns = _labelled(source, read_slo, prefill_rate)
@@ -70,7 +71,8 @@ def _print_report(report, html_file) -> None:
               f"{_num(report.prefill_tokens_per_s)} tokens/s")
     table = Table(title="by turn index and prompt length")
     for header in ("turns", "prompt", "n", "remote-hit", "bytes read", "reused tok",
-                   "recomputed tok", "TTFT p50", "TTFT p95", "verdicts"):
+                   "recomputed tok", "TTFT p50", "TTFT p95", "no TTFT", "latency p50",
+                   "latency p95", "verdicts"):
         table.add_column(header, overflow="fold")
 
     def add(scope, prompt, row):
@@ -78,7 +80,8 @@ def _print_report(report, html_file) -> None:
         table.add_row(scope, prompt, f"{row['turns']:,}", _pct(row["remote_hit_ratio"]),
                       _bytes(row["bytes_read"]), f"{row['reused_tokens']:,}",
                       f"{row['recomputed_tokens']:,}", _ms(row["ttft_p50_s"]),
-                      _ms(row["ttft_p95_s"]), verdicts)
+                      _ms(row["ttft_p95_s"]), f"{row['ttft_unmeasured_turns']:,}",
+                      _ms(row["latency_p50_s"]), _ms(row["latency_p95_s"]), verdicts)
 
     add("1", "all", report.first_turn)
     add("2+", "all", report.later_turns)
@@ -88,6 +91,8 @@ def _print_report(report, html_file) -> None:
     for row in report.by_prompt:
         add("2+", row["prompt_bucket"], row)
     out.print(table)
+    for scope, title in (("first_turn", "turn 1"), ("later_turns", "later turns")):
+        out.print(_phase_table(report.phases[scope], title))
     memory = report.memory
     out.print(f"D memory held for reuse: {memory['block_seconds_held']:,.0f} block-s over "
               f"{memory['exports']:,} exports; {_pct(memory['read_share_of_blocks'])} of "
@@ -97,6 +102,28 @@ def _print_report(report, html_file) -> None:
                  else ""))
     if html_file:
         out.print(f"HTML report written to {html_file}")
+
+
+def _phase_table(section, title):
+    """One scope's ranked phases (those some turn spent time in), then the unmeasured
+    rest."""
+    from rich.table import Table
+
+    table = Table(title=f"where the time went, {title}: {section['timed_turns']:,} turns "
+                        f"with a latency, {_seconds(section['latency_s'])} in all "
+                        "(phases ranked by total)")
+    for header in ("#", "phase", "total", "share", "p50", "p95", "slowest in"):
+        table.add_column(header, justify="left" if header == "phase" else "right")
+    spent = [row for row in section["phases"] if row["total_s"] or row["slowest_turns"]]
+    for rank, row in enumerate(spent, 1):
+        table.add_row(str(rank), row["phase"], _seconds(row["total_s"]), _pct(row["share"]),
+                      _duration(row["p50_s"]), _duration(row["p95_s"]),
+                      f"{row['slowest_turns']:,}")
+    if section["unmeasured_turns"]:
+        table.add_row("", f"unmeasured ({section['unmeasured_turns']:,} turns)",
+                      _seconds(section["unmeasured_s"]), _pct(section["unmeasured_share"]),
+                      "", "", "")
+    return table
 
 
 @click.command("tune")
@@ -185,6 +212,19 @@ def _pct(value) -> str:
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f}ms"
+
+
+def _duration(value) -> str:
+    """Per-turn seconds: phases run from microseconds (a proxy hop) to minutes."""
+    if value is None:
+        return "-"
+    if abs(value) >= 1:
+        return f"{value:.2f}s"
+    return f"{value * 1000:.0f}ms" if abs(value) >= 0.01 else f"{value * 1000:.2f}ms"
+
+
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:,.1f}s"
 
 
 def _num(value) -> str:

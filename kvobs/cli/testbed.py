@@ -62,7 +62,8 @@ def demo_command(out, scenario):
     from kvobs.diagnose import diagnose
     from kvobs.render import print_diagnosis
     from kvobs.sources import open_source
-    from kvobs.testbed.check import diagnosed_turns, mismatches
+    from kvobs.testbed.check import (accounting_errors, cause_mismatches, diagnosed_turns,
+                                     mismatches)
 
     out = out or tempfile.mkdtemp(prefix="kvobs-demo-")
     terminal = console()
@@ -75,12 +76,16 @@ def demo_command(out, scenario):
     for conversation_id, tenant in shown:
         print_diagnosis(terminal, diagnose(source, conversation_id, tenant=tenant))
     differ = mismatches(spec.expectations, diagnosed)
+    differ_causes = cause_mismatches(spec.cause_expectations, diagnosed)
+    unaccounted = accounting_errors(results, diagnosed)
     unanswered = [r for r in results if not r.ok]
     terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "
-                   f"{len(differ)} verdicts differ from the scenario's expectations")
-    for line in differ:
+                   f"{len(differ)} verdicts and {len(differ_causes)} latency causes differ "
+                   f"from the scenario's expectations; {len(unaccounted)} turns whose "
+                   "phases do not add up to what the client measured")
+    for line in differ + differ_causes + unaccounted:
         terminal.print(f"  [red]{line}[/]")
     terminal.print(f"Diagnose again: kvobs diagnose ID --source {out}")
-    sys.exit(EXIT_FAULT if differ or unanswered else EXIT_OK)
+    sys.exit(EXIT_FAULT if differ or differ_causes or unaccounted or unanswered else EXIT_OK)
 
 

@@ -23,9 +23,17 @@ class Selectors:
     # narrow them (e.g. 'job="vllm-prefill"') when one Prometheus scrapes several fleets.
     engine: str = 'job!=""'
     proxy: str = 'job!=""'
+    # Added to ``engine`` where a vLLM metric means different things on P and on D (queue
+    # time, prefill time, TTFT): the engines expose no role label, so roles are told apart
+    # by how they are scraped. The defaults expect the jobs to name the role
+    # (vllm-prefill, vllm-decode); use any label that does (e.g. 'instance=~"p-.*"').
+    prefill: str = 'job=~".*prefill.*"'
+    decode: str = 'job=~".*decode.*"'
 
 
-# Matchers the dashboards use: every query is filtered by the template variables.
+# Matchers the dashboards use: every query is filtered by the template variables. The role
+# matchers stay those of the config (``MonitoringConfig.selectors``): the dashboard's own
+# selection ($job, $instance, ...) narrows within a role, it does not define one.
 DASHBOARD_SELECTORS = Selectors(
     engine='job=~"$job", model_name=~"$model_name", instance=~"$instance", engine=~"$engine"',
     proxy='job=~"$job", instance=~"$instance"',
@@ -49,6 +57,9 @@ class Thresholds:
     recompute_tokens_per_second: float = 20000.0
     # Proxy fallbacks (P retried without params) per second.
     fallback_rate: float = 0.01
+    # Share of P's mean engine TTFT spent waiting in P's queue (not counting the wait for
+    # D's KV, which vLLM counts as queue time too): above it P lacks capacity.
+    prefill_queue_share: float = 0.5
     # Metadata store (e.g. Redis) errors per second.
     store_error_rate: float = 0.0
     # Spans dropped by a full export queue per second.
@@ -62,6 +73,7 @@ class RateFloors:
     read_attempts: float = 0.01
     later_turns: float = 0.01
     reads_done: float = 0.01
+    prefill_requests: float = 0.01  # requests finished by the prefill engines
 
 
 @dataclass(frozen=True)
@@ -111,4 +123,5 @@ COLON_RESTORING_RELABEL = {
 
 # Label values the rules and panels select on.
 DIRECTION_D_TO_P = ReadDirection.D_TO_P.value
+DIRECTION_P_TO_D = ReadDirection.P_TO_D.value
 WAS_READ_FALSE = "false"  # M_RELEASES label was_read: "true" | "false" (connector _stats)

@@ -15,11 +15,14 @@ import re
 from dataclasses import dataclass, field
 
 from kvobs.monitoring import queries as q
+from kvobs.monitoring import rules
 from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
 from kvobs.semconv import (
     METRICS,
     M_PROXY_TURNS,
     M_PULL_DECISIONS,
+    M_READ_DURATION,
+    M_READ_SETUP,
     M_READS,
     M_RETAINED_BLOCKS,
     PROMPT_BUCKET_LABEL,
@@ -87,7 +90,8 @@ def description(spec: PanelSpec) -> str:
 
 
 def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
-    s = q.Scope(DASHBOARD_SELECTORS.engine, DASHBOARD_SELECTORS.proxy, RATE_INTERVAL)
+    s = q.Scope(DASHBOARD_SELECTORS.engine, DASHBOARD_SELECTORS.proxy, RATE_INTERVAL,
+                prefill=config.selectors.prefill, decode=config.selectors.decode)
     th = config.thresholds
     T = Target
     return (
@@ -358,7 +362,109 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                    "{{model_name}} engine {{engine}}"),),
                 "s"),
         )),
+        where_ttft_goes(s, config),
     )
+
+
+def where_ttft_goes(s: q.Scope, config: MonitoringConfig) -> RowSpec:
+    """A turn's latency phase by phase (the metric side of ``kvobs diagnose``'s timeline)."""
+    T = Target
+    D2P, P2D = q.D_TO_P, q.P_TO_D
+    alert = rules.PREFILL_QUEUEING_ALERT
+    return RowSpec("Where TTFT goes", (
+        PanelSpec(
+            "Mean seconds per request, by phase",
+            "Where a turn's time goes before its first token, in time order: P's queue "
+            "(vLLM's queue time less the wait for D's KV, which vLLM counts as queue time), "
+            "the NIXL set-up and the D->P read (per P request, so turns without a read count "
+            "as 0), P's prefill, D's queue less the hand-off, the P->D set-up and hand-off "
+            "(per D request), and the proxy's own phases (per turn). Engine frontends, D's "
+            "first token and the decode are not in the stack: compare with the turn latency "
+            "and TTFT panel.",
+            (T(q.queue_waiting_per_request(s, D2P), "P queue (waiting)"),
+             T(q.transfer_per_request(s, M_READ_SETUP, D2P), "D->P NIXL set-up"),
+             T(q.transfer_per_request(s, M_READ_DURATION, D2P), "D->P read"),
+             T(q.prefill_time_mean(s), "P prefill"),
+             T(q.queue_waiting_per_request(s, P2D), "D queue (waiting)"),
+             T(q.transfer_per_request(s, M_READ_SETUP, P2D), "P->D NIXL set-up"),
+             T(q.transfer_per_request(s, M_READ_DURATION, P2D), "P->D hand-off"),
+             T(q.proxy_own_phase_mean(s.keeping("phase")), "proxy {{phase}}")),
+            "s", stacked=True, width=16),
+        PanelSpec(
+            "Turn latency and TTFT (proxy)",
+            "Whole-turn latency (request in to last byte out, every turn) and time to first "
+            "token (streamed turns only: the proxy sees a non-streamed answer only at its "
+            "end), mean and p95. Latency is not TTFT: a long answer lengthens latency only.",
+            (T(q.turn_latency_mean(s), "turn latency mean"),
+             T(q.turn_latency_quantile(s, 0.95), "turn latency p95"),
+             T(q.proxy_ttft_mean(s), "TTFT mean (streamed turns)"),
+             T(q.proxy_ttft_quantile(s, 0.95), "TTFT p95 (streamed turns)")),
+            "s"),
+        PanelSpec(
+            "P queue share of P's TTFT",
+            "Mean time P's requests waited in its queue (wait for D's KV excluded) over P's "
+            f"mean engine TTFT. Above the dashed line for {config.windows.for_ratio} {alert} "
+            f"fires (runbook: {rules.runbook_url(alert, config)}); `kvobs diagnose` names "
+            "the turns' cause queued-at-p.",
+            (T(q.prefill_queue_share(s), "P queue / P engine TTFT"),),
+            "percentunit", threshold=config.thresholds.prefill_queue_share),
+        PanelSpec(
+            "P queue (prefill engines)",
+            "Seconds P's requests waited before P scheduled them: the wait alone (vLLM's "
+            "queue time less the D->P set-up and read), vLLM's own queue time (mean, p95: "
+            "the wait for D's KV included), and P's engine TTFT for scale.",
+            (T(q.queue_waiting_per_request(s, D2P), "waiting mean"),
+             T(q.queue_mean(s, D2P), "vLLM queue mean (with KV wait)"),
+             T(q.queue_quantile(s, 0.95, D2P), "vLLM queue p95 (with KV wait)"),
+             T(q.prefill_ttft_mean(s), "P engine TTFT mean")),
+            "s"),
+        PanelSpec(
+            "P prefill time (prefill engines)",
+            "vLLM's prefill time on P: scheduled (remote KV in place) to first token, i.e. "
+            "computing the tokens not reused.",
+            (T(q.prefill_time_mean(s), "mean"), T(q.prefill_time_quantile(s, 0.95), "p95")),
+            "s"),
+        PanelSpec(
+            "D->P read (P reading D's KV)",
+            "Duration of P's reads of D's retained KV: mean and p95 per read, and per P "
+            "request (what reads add to an average request).",
+            (T(q.transfer_mean(s, M_READ_DURATION, D2P), "mean per read"),
+             T(q.transfer_quantile(s, 0.95, M_READ_DURATION, D2P), "p95 per read"),
+             T(q.transfer_per_request(s, M_READ_DURATION, D2P), "per P request")),
+            "s"),
+        PanelSpec(
+            "NIXL connection set-up by direction",
+            "Wait before a read could start, per read: the NIXL handshake the first time a "
+            "worker reads from an engine, near 0 after. d_to_p: P reading D; p_to_d: D "
+            "pulling P's prefill. A p95 that stays high means engines keep reconnecting.",
+            (T(q.transfer_mean(s.keeping("direction"), M_READ_SETUP, ""), "mean {{direction}}"),
+             T(q.transfer_quantile(s.keeping("direction"), 0.95, M_READ_SETUP, ""),
+               "p95 {{direction}}")),
+            "s"),
+        PanelSpec(
+            "P->D hand-off (D reading P's KV)",
+            "Duration of D's reads of the KV P just computed (the classic P/D hand-off): "
+            "mean and p95 per read.",
+            (T(q.transfer_mean(s, M_READ_DURATION, P2D), "mean"),
+             T(q.transfer_quantile(s, 0.95, M_READ_DURATION, P2D), "p95")),
+            "s"),
+        PanelSpec(
+            "D queue (decode engines)",
+            "Seconds D's requests waited before D scheduled them: the wait alone (vLLM's "
+            "queue time less the P->D set-up and hand-off) and vLLM's own queue time "
+            "(mean, p95: the hand-off included).",
+            (T(q.queue_waiting_per_request(s, P2D), "waiting mean"),
+             T(q.queue_mean(s, P2D), "vLLM queue mean (with hand-off)"),
+             T(q.queue_quantile(s, 0.95, P2D), "vLLM queue p95 (with hand-off)")),
+            "s"),
+        PanelSpec(
+            "Proxy's own time by phase",
+            "The proxy's own work per turn: proxy-in (lookup, body rewrite), proxy-hop (P's "
+            "answer to the D request) and proxy-out (store, last write); mean and p95.",
+            (T(q.proxy_own_phase_mean(s.keeping("phase")), "mean {{phase}}"),
+             T(q.proxy_own_phase_quantile(s.keeping("phase"), 0.95), "p95 {{phase}}")),
+            "s"),
+    ))
 
 
 # --------------------------------------------------------------------------- SDK assembly
@@ -430,8 +536,8 @@ def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
     builder = (db.Dashboard(config.dashboard_title).uid(config.dashboard_uid)
                .description("KV reuse across turns in vLLM P/D disaggregated serving with "
                             "bidirectional KV transfer: turn outcomes, D->P reads, retention, "
-                            "proxy metadata, recompute and TTFT. Generated by kvobs; edit "
-                            "kvobs/monitoring/dashboards.py, not this JSON.")
+                            "proxy metadata, recompute, TTFT and where it goes. Generated by "
+                            "kvobs; edit kvobs/monitoring/dashboards.py, not this JSON.")
                .tags(list(config.dashboard_tags)).editable().refresh("30s")
                .time("now-3h", "now").timezone("browser")
                .tooltip(DashboardCursorSync.CROSSHAIR))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvobs.monitoring.config import DIRECTION_D_TO_P, WAS_READ_FALSE
+from kvobs.monitoring.config import DIRECTION_D_TO_P, DIRECTION_P_TO_D, WAS_READ_FALSE
 from kvobs.semconv import (
     M_DECLINED_EXPIRED,
     M_NIXL_BYTES,
@@ -38,7 +38,9 @@ from kvobs.semconv import (
     M_PROXY_EVICTIONS,
     M_PROXY_FALLBACKS,
     M_PROXY_GAP,
+    M_PROXY_LATENCY,
     M_PROXY_LOOKUPS,
+    M_PROXY_PHASE,
     M_PROXY_REJECTED,
     M_PROXY_STORE_ERRORS,
     M_PROXY_STORES,
@@ -48,6 +50,7 @@ from kvobs.semconv import (
     M_PULL_DECISIONS,
     M_READ_BYTES,
     M_READ_DURATION,
+    M_READ_SETUP,
     M_READS,
     M_RECOMPUTED_TOKENS,
     M_RELEASES,
@@ -60,12 +63,16 @@ from kvobs.semconv import (
     M_STUCK_WAITS,
     M_TELEMETRY_DROPPED,
     M_TELEMETRY_ERRORS,
+    M_VLLM_PREFILL_TIME,
     M_VLLM_PROMPT_TOKENS_BY_SOURCE,
+    M_VLLM_QUEUE_TIME,
     M_VLLM_TTFT,
+    PROXY_PHASE_VALUES,
     TURN_BUCKET_LABEL,
     TURN_BUCKET_VALUES,
     LookupOutcome,
     Metric,
+    Phase,
     ReadOutcome,
 )
 
@@ -74,6 +81,9 @@ from kvobs.semconv import (
 MISSING_LOOKUPS = (LookupOutcome.MISS, LookupOutcome.STALE, LookupOutcome.NO_ID)
 FIRST_TURN = TURN_BUCKET_VALUES[0]
 D_TO_P = f'direction="{DIRECTION_D_TO_P}"'
+P_TO_D = f'direction="{DIRECTION_P_TO_D}"'
+# The proxy's own phases among M_PROXY_PHASE's labels (the others are the engine legs).
+PROXY_OWN_PHASES = tuple(v for v in PROXY_PHASE_VALUES if v in {p.value for p in Phase})
 
 
 @dataclass(frozen=True)
@@ -81,13 +91,16 @@ class Scope:
     """Where queries look and how they aggregate.
 
     ``engine``/``proxy``: label matchers without braces; ``window``: the ``rate()`` range;
-    ``by``: labels every aggregation keeps (extra breakdown labels are appended).
+    ``by``: labels every aggregation keeps (extra breakdown labels are appended);
+    ``prefill``/``decode``: matchers added to ``engine`` for one role's engines.
     """
 
     engine: str
     proxy: str
     window: str
     by: tuple[str, ...] = ()
+    prefill: str = ""
+    decode: str = ""
 
     def keeping(self, *labels: str) -> "Scope":
         return replace(self, by=self.by + tuple(labels))
@@ -125,6 +138,24 @@ def quantile(q: float, metric: Metric, selector: str, window: str, by: tuple[str
              *extra: str) -> str:
     inner = sum_rate(metric, selector, window, tuple(by) + ("le",), *extra, suffix="_bucket")
     return f"histogram_quantile({q}, {inner})"
+
+
+def mean(metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
+         *extra: str) -> str:
+    """Mean of a histogram's observations: ``rate(_sum) / rate(_count)``."""
+    return ratio(sum_rate(metric, selector, window, by, *extra, suffix="_sum"),
+                 sum_rate(metric, selector, window, by, *extra, suffix="_count"))
+
+
+def minus(total: str, *parts: str) -> str:
+    """``total`` less ``parts`` (an absent part counts as 0), never below 0: the parts are
+    timed by other clocks and can overshoot a little.
+
+    >>> minus("a", "b")
+    'clamp_min((a) - ((b) or ((a) * 0)), 0)'
+    """
+    terms = "".join(f" - (({part}) or (({total}) * 0))" for part in parts)
+    return f"clamp_min(({total}){terms}, 0)"
 
 
 def le_matcher(bound: float) -> str:
@@ -381,6 +412,117 @@ def proxy_ttft_quantile(s: Scope, q: float, *extra: str) -> str:
 
 def engine_ttft_quantile(s: Scope, q: float) -> str:
     return quantile(q, M_VLLM_TTFT, s.engine, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- where TTFT goes
+#
+# vLLM's queue time runs from the request's arrival at the scheduler to its first
+# scheduling into a batch, and a request waiting for remote KV is scheduled only once the
+# KV arrived (vllm/v1/core/sched/scheduler.py, WAITING_FOR_REMOTE_KVS): on P the D->P read
+# and its set-up sit inside vLLM's queue time, on D the P->D hand-off does. The "waiting"
+# figures take them out, so a turn's phases are not counted twice and a slow read does not
+# pass for a full queue. vLLM's metrics need the role matchers (same names on P and D);
+# kvobs' read metrics do not: the direction names the reader (d_to_p on P, p_to_d on D).
+
+
+def _role(s: Scope, direction: str) -> str:
+    """The role matcher of the engines that read in ``direction``."""
+    return s.prefill if direction == D_TO_P else s.decode
+
+
+def requests_rate(s: Scope, direction: str) -> str:
+    """Requests per second the role reading in ``direction`` finished (P: D_TO_P)."""
+    return sum_rate(M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction),
+                    suffix="_count")
+
+
+def prefill_requests_rate(s: Scope) -> str:
+    return requests_rate(s, D_TO_P)
+
+
+def transfer_seconds_rate(s: Scope, metric: Metric, direction: str) -> str:
+    """Seconds per second spent in reads (M_READ_DURATION) or their set-up (M_READ_SETUP)."""
+    return sum_rate(metric, s.engine, s.window, s.by, direction, suffix="_sum")
+
+
+def transfer_per_request(s: Scope, metric: Metric, direction: str) -> str:
+    """Read (or set-up) seconds per request of the reading role: a read's mean weighted
+    by how many requests read, so phases of one request add up."""
+    return ratio(transfer_seconds_rate(s, metric, direction), requests_rate(s, direction))
+
+
+def transfer_mean(s: Scope, metric: Metric, direction: str) -> str:
+    """Mean seconds per read (or per set-up) in ``direction`` ("": every direction)."""
+    return mean(metric, s.engine, s.window, s.by, direction)
+
+
+def transfer_quantile(s: Scope, q: float, metric: Metric, direction: str) -> str:
+    return quantile(q, metric, s.engine, s.window, s.by, direction)
+
+
+def queue_mean(s: Scope, direction: str) -> str:
+    """vLLM's mean queue time on the role reading in ``direction`` (remote-KV wait included)."""
+    return mean(M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction))
+
+
+def queue_quantile(s: Scope, q: float, direction: str) -> str:
+    return quantile(q, M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction))
+
+
+def queue_waiting_per_request(s: Scope, direction: str) -> str:
+    """Mean seconds a request waited in the queue of the role reading in ``direction``,
+    not counting the wait for its remote KV (set-up and read)."""
+    queued = sum_rate(M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction),
+                      suffix="_sum")
+    waiting = minus(queued, transfer_seconds_rate(s, M_READ_DURATION, direction),
+                    transfer_seconds_rate(s, M_READ_SETUP, direction))
+    return ratio(waiting, requests_rate(s, direction))
+
+
+def prefill_time_mean(s: Scope) -> str:
+    """P's mean time from scheduled (KV in place) to first token: its compute."""
+    return mean(M_VLLM_PREFILL_TIME, s.engine, s.window, s.by, s.prefill)
+
+
+def prefill_time_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_VLLM_PREFILL_TIME, s.engine, s.window, s.by, s.prefill)
+
+
+def prefill_ttft_mean(s: Scope) -> str:
+    """vLLM's mean TTFT on P: arrival at P's API server to P's first token."""
+    return mean(M_VLLM_TTFT, s.engine, s.window, s.by, s.prefill)
+
+
+def prefill_queue_share(s: Scope) -> str:
+    """Share of P's mean TTFT spent waiting in P's queue (remote-KV wait excluded)."""
+    return ratio(queue_waiting_per_request(s, D_TO_P), prefill_ttft_mean(s))
+
+
+def _own_phases() -> str:
+    return f'phase=~"{_any(PROXY_OWN_PHASES)}"'
+
+
+def proxy_own_phase_mean(s: Scope) -> str:
+    """Mean seconds per turn of the proxy's own phases (each is timed once a turn)."""
+    return mean(M_PROXY_PHASE, s.proxy, s.window, s.by, _own_phases())
+
+
+def proxy_own_phase_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_PROXY_PHASE, s.proxy, s.window, s.by, _own_phases())
+
+
+def turn_latency_mean(s: Scope) -> str:
+    """Whole-turn latency at the proxy (request in to last byte out): not TTFT."""
+    return mean(M_PROXY_LATENCY, s.proxy, s.window, s.by)
+
+
+def turn_latency_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_PROXY_LATENCY, s.proxy, s.window, s.by)
+
+
+def proxy_ttft_mean(s: Scope) -> str:
+    """TTFT at the proxy; streamed turns only (the proxy sees a non-streamed one end)."""
+    return mean(M_PROXY_TTFT, s.proxy, s.window, s.by)
 
 
 # --------------------------------------------------------------------------- absence

@@ -30,18 +30,23 @@ from kvobs.semconv import (
     M_PROXY_TURNS,
     M_PULL_DECISIONS,
     M_READ_DURATION,
+    M_READ_SETUP,
     M_READS,
     M_RECOMPUTED_TOKENS,
     M_RETAINED_BYTES,
     M_REUSED_TOKENS,
     M_STUCK_WAITS,
     M_TELEMETRY_DROPPED,
+    M_VLLM_QUEUE_TIME,
+    M_VLLM_TTFT,
     LookupOutcome,
     Metric,
     ReadOutcome,
 )
 
 LEVEL = "job"
+# Named here because the dashboard's panel over the same query points at its runbook.
+PREFILL_QUEUEING_ALERT = "KvobsPrefillQueueingDominates"
 
 # --------------------------------------------------------------------------- model
 
@@ -161,6 +166,21 @@ def _turns(turn_bucket: str, lookup: LookupOutcome, n: float) -> dict[str, str]:
     return {sel(M_PROXY_TURNS, labels): per_minute(n)}
 
 
+def _prefill_phases(requests: float, queued: float, ttft: float, read: float = 0,
+                    setup: float = 0) -> dict[str, str]:
+    """P's histograms as the queueing alert reads them (``_sum`` and ``_count`` only):
+    per minute, ``requests`` requests with ``queued``/``ttft`` seconds in all, and
+    ``read``/``setup`` seconds of D->P reads (one per request)."""
+    out = {}
+    for metric, seconds, labels in ((M_VLLM_QUEUE_TIME, queued, ENGINE),
+                                    (M_VLLM_TTFT, ttft, ENGINE),
+                                    (M_READ_DURATION, read, {**ENGINE, **D2P}),
+                                    (M_READ_SETUP, setup, {**ENGINE, **D2P})):
+        out[sel(metric, labels, "_sum")] = per_minute(seconds)
+        out[sel(metric, labels, "_count")] = per_minute(requests)
+    return out
+
+
 SLOW = {"0.01": 0, "0.5": 0, "1": 0, "2.5": 60, "+Inf": 60}
 FAST = {"0.01": 60, "0.5": 60, "1": 60, "2.5": 60, "+Inf": 60}
 
@@ -168,7 +188,9 @@ FAST = {"0.01": 60, "0.5": 60, "1": 60, "2.5": 60, "+Inf": 60}
 
 
 def _scope(config: MonitoringConfig) -> q.Scope:
-    return q.Scope(config.selectors.engine, config.selectors.proxy, config.windows.rate, (LEVEL,))
+    selectors = config.selectors
+    return q.Scope(selectors.engine, selectors.proxy, config.windows.rate, (LEVEL,),
+                   prefill=selectors.prefill, decode=selectors.decode)
 
 
 def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
@@ -233,6 +255,22 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
              Case("100k tokens per read-second",
                   {sel(M_REUSED_TOKENS, ENGINE): per_minute(6000),
                    **_durations(FAST, 0.06)}, False))),
+        Alert(
+            PREFILL_QUEUEING_ALERT,
+            f"({q.prefill_queue_share(s)}) > {th.prefill_queue_share:g}\n"
+            f"and ({q.prefill_requests_rate(s)}) > {fl.prefill_requests:g}",
+            w.for_ratio, "warning",
+            "Prefill requests spend most of their TTFT queued on {{ $labels.job }}.",
+            "Requests on the prefill engines of {{ $labels.job }} spend "
+            "{{ $value | humanizePercentage }} of their mean engine TTFT waiting in P's "
+            "queue (vLLM's queue time less the wait for D's KV): P lacks capacity and every "
+            "turn's TTFT grows with its queue (latency cause queued-at-p).",
+            (Case("0.7 s of a 1 s TTFT queued", _prefill_phases(60, 48, 60, read=6), True,
+                  labels=job, value="70%"),
+             # vLLM counts the wait for D's KV as queue time: slow reads are not queueing.
+             Case("queue time is the wait for D's KV",
+                  _prefill_phases(60, 48, 60, read=40, setup=4), False),
+             Case("queued but below the rate floor", _prefill_phases(0.3, 0.24, 0.3), False))),
         Alert(
             "KvobsProxyEntryOutlivesDecodeTTL",
             q.entry_lifetime_not_below_decode_ttl(s),

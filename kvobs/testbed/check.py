@@ -28,3 +28,45 @@ def mismatches(expectations: dict[tuple[str, int], str],
         if got != expected:
             lines.append(f"{key[0]} turn {key[1]}: expected {expected}, got {got}")
     return lines
+
+
+def cause_mismatches(expectations: dict[tuple[str, int], str],
+                     diagnosed: dict[tuple[str, int], TurnDiagnosis | None]) -> list[str]:
+    """Turns whose expected latency cause is not among the causes kvobs diagnosed."""
+    lines = []
+    for key, expected in sorted(expectations.items()):
+        found = diagnosed.get(key)
+        got = [c.cause.value for c in found.causes] if found is not None else [NOT_FOUND]
+        if expected not in got:
+            lines.append(f"{key[0]} turn {key[1]}: expected cause {expected}, got "
+                         f"{', '.join(got) or 'none'}")
+    return lines
+
+
+def tolerance_s(seconds: float) -> float:
+    """How far accounted time may stray from what the client measured: max(10 %, 5 ms)
+    (the client's own connect and parse sit outside the proxy's span)."""
+    return max(0.1 * seconds, 0.005)
+
+
+def accounting_errors(results: list[TurnResult],
+                      diagnosed: dict[tuple[str, int], TurnDiagnosis | None]) -> list[str]:
+    """Answered turns whose phases do not add up to what the client measured: the whole
+    latency, and for streamed turns the TTFT (phases before the first token)."""
+    lines = []
+    for result in results:
+        found = diagnosed.get((result.label, result.turn))
+        if not result.ok or found is None:
+            continue
+        timeline = found.timeline
+        where = f"{result.label} turn {result.turn}"
+        total = sum(timeline.phases.values())
+        if abs(total - result.latency_s) > tolerance_s(result.latency_s):
+            lines.append(f"{where}: phases add up to {total:.4f} s, client saw "
+                         f"{result.latency_s:.4f} s")
+        if result.ttft_s is not None and (
+                timeline.ttft_s is None
+                or abs(timeline.ttft_s - result.ttft_s) > tolerance_s(result.ttft_s)):
+            lines.append(f"{where}: TTFT accounted {timeline.ttft_s} s, client saw "
+                         f"{result.ttft_s:.4f} s")
+    return lines

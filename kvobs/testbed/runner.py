@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +43,9 @@ class Testbed(Protocol):
     def set_link(self, delay_ms: float, rate_mbit: float) -> None:
         """Shape the P<->D link (no-op without a network namespace)."""
 
+    def engine_url(self, role: str) -> str:
+        """Base URL of the prefill or decode engine's own API server."""
+
 
 @dataclass
 class TurnResult:
@@ -53,7 +57,7 @@ class TurnResult:
     sent_conversation_id: bool
     prompt_chars: int
     completion_chars: int
-    ttft_s: float | None
+    ttft_s: float | None  # streamed turns only: first text; None for a non-streamed answer
     latency_s: float
     started_at: float
     expect: str | None = None
@@ -149,8 +153,10 @@ def _completion_text(payload: dict[str, Any]) -> str:
 
 
 def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
-          api_key: str | None = None) -> tuple[int, str, float | None, str | None, str | None]:
-    """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
+          api_key: str | None = None, on_first_token=None
+          ) -> tuple[int, str, float | None, str | None, str | None]:
+    """POST and read the answer: (status, completion text, TTFT, error, trace id);
+    ``on_first_token`` runs when a streamed answer's first text arrives."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -159,10 +165,9 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             trace_id = response.headers.get(TRACE_ID_HEADER)
-            if not stream:
+            if not stream:  # the client sees no first token, only the whole answer
                 payload = json.loads(response.read())
-                return (response.status, _completion_text(payload), time.monotonic() - start,
-                        None, trace_id)
+                return response.status, _completion_text(payload), None, None, trace_id
             text, ttft, error = [], None, None
             for raw in response:
                 line = raw.decode().strip()
@@ -178,6 +183,8 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
                 piece = _completion_text(event)
                 if piece and ttft is None:
                     ttft = time.monotonic() - start
+                    if on_first_token is not None:
+                        on_first_token()
                 text.append(piece)
             return response.status, "".join(text), ttft, error, trace_id
     except urllib.error.HTTPError as http_error:
@@ -185,6 +192,71 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
                 http_error.headers.get(TRACE_ID_HEADER))
     except (urllib.error.URLError, OSError, ValueError) as error:
         return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
+
+
+class _Load:
+    """Background requests straight at one engine (streamed, no kvobs correlation),
+    competing with a turn for its steps. ``start`` returns once each is in the engine
+    (its response headers came back) or, with ``generating``, once each streamed a first
+    token; ``join`` waits for them to end."""
+
+    def __init__(self, url: str, bodies: list[dict[str, Any]], generating: bool):
+        self.started = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._run, args=(url, body, generating),
+                                         daemon=True) for body in bodies]
+
+    def _run(self, url: str, body: dict[str, Any], generating: bool) -> None:
+        request = urllib.request.Request(
+            url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"})
+        released = False
+        try:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                if not generating:  # headers back: the engine holds the request
+                    self.started.release()
+                    released = True
+                for line in response:
+                    if not released and line.startswith(b"data:"):
+                        self.started.release()
+                        released = True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        finally:
+            if not released:  # a failed load must not hang the scenario
+                self.started.release()
+
+    def start(self, wait: bool = True, settle_s: float = 0.05) -> "_Load":
+        for thread in self.threads:
+            thread.start()
+        if wait:
+            for _ in self.threads:
+                self.started.acquire(timeout=120)
+            time.sleep(settle_s)
+        return self
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=300)
+
+
+def _prefill_load(testbed: Testbed, turn: TurnSpec, rng: random.Random) -> list[_Load]:
+    """Long prompts sent to P right before the turn: it queues behind their prefills."""
+    if not turn.prefill_load:
+        return []
+    bodies = [{"model": MODEL_NAME, "prompt": _text(rng, turn.prefill_load_tokens),
+               "max_tokens": 1, "temperature": 0.0} for _ in range(turn.prefill_load)]
+    return [_Load(testbed.engine_url("prefill"), bodies, generating=False).start()]
+
+
+def _decode_load(testbed: Testbed, turn: TurnSpec, rng: random.Random,
+                 safe_ids: list[int]) -> _Load | None:
+    if not turn.decode_load:
+        return None
+    bodies = [{"model": MODEL_NAME, "prompt": _text(rng, turn.decode_load_prompt_tokens),
+               "max_tokens": turn.decode_load_tokens, "ignore_eos": True,
+               "temperature": 0.0, "allowed_token_ids": safe_ids}
+              for _ in range(turn.decode_load)]
+    return _Load(testbed.engine_url("decode"), bodies, generating=True)
 
 
 class ScenarioClient:
@@ -223,19 +295,33 @@ class ScenarioClient:
         new_input = _new_input(conversation, turn)
         path, body, stream, size = _request(conversation, turn, new_input,
                                             self.testbed.safe_token_ids)
+        loads = _prefill_load(self.testbed, turn, conversation.rng)
+        decode_load = _decode_load(self.testbed, turn, conversation.rng,
+                                   self.testbed.safe_token_ids)
+        on_first_token = None
+        if decode_load is not None:
+            loads.append(decode_load)
+            if stream:  # D takes the load on while it decodes this turn
+                on_first_token = lambda: decode_load.start(wait=False)  # noqa: E731
+            else:
+                decode_load.start(settle_s=0.2)
         started_at = time.time()
         begin = time.monotonic()
         status, text, ttft, error, trace_id = _send(self.testbed.proxy_url + path, body,
                                                     stream, self.timeout_s,
-                                                    conversation.spec.tenant)
+                                                    conversation.spec.tenant, on_first_token)
+        latency = time.monotonic() - begin
+        for load in loads:
+            load.join()
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,
                             status == 200 and error is None, stream,
                             not turn.no_conversation_id, size, len(text), ttft,
-                            time.monotonic() - begin, started_at, turn.expect, error,
+                            latency, started_at, turn.expect, error,
                             trace_id, conversation.spec.tenant)
         conversation.results.append(result)
         self.log(f"[scenario] {result.label} turn {result.turn}: status {status} "
-                 f"ttft {ttft if ttft is None else round(ttft * 1000)} ms"
+                 f"ttft {ttft if ttft is None else round(ttft * 1000)} ms latency "
+                 f"{round(latency * 1000)} ms"
                  + (f" error {error}" if error else ""))
         if "messages" in body:
             conversation.messages = body["messages"] + [{"role": "assistant", "content": text}]

@@ -13,7 +13,7 @@ from typing import Any
 
 import tomllib
 
-from kvobs.semconv import Verdict
+from kvobs.semconv import LatencyCause, Verdict
 
 FAILURE_POLICIES = ("fail", "recompute")
 REWRITES = ("strip-last-response", "truncate-head")
@@ -47,7 +47,18 @@ class TurnSpec:
     rewrite_history: str | None = None  # REWRITES
     unstable_output: bool = False  # no allowed_token_ids: output may not re-tokenize
     inject_params: bool = False  # the client sends its own (bogus) kv_transfer_params
+    # Background load started right before the turn, straight at one engine (no proxy,
+    # no conversation): it competes with the turn for that engine's steps.
+    prefill_load: int = 0  # concurrent long prompts sent to P (P queueing)
+    prefill_load_tokens: int = 3000  # their length
+    decode_load: int = 0  # concurrent requests sent to D (D contention): before the
+    #                       turn, or for a streamed turn at its first token (they then
+    #                       share D's steps with its decode)
+    decode_load_prompt_tokens: int = 64  # their prompt (D computes it itself)
+    decode_load_tokens: int = 400  # tokens each generates
     expect: str | None = None  # expected verdict (tests and the demo check it)
+    expect_cause: str | None = None  # expected latency cause (kvobs/causes.py) among
+    #                                  the turn's diagnosed causes
 
 
 def conversation_label(conversation_id: str, tenant: str | None) -> str:
@@ -84,6 +95,11 @@ class Scenario:
         return {(c.label, i): t.expect for c in self.conversations
                 for i, t in enumerate(c.turns, 1) if t.expect}
 
+    @property
+    def cause_expectations(self) -> dict[tuple[str, int], str]:
+        return {(c.label, i): t.expect_cause for c in self.conversations
+                for i, t in enumerate(c.turns, 1) if t.expect_cause}
+
 
 def _build(cls, raw: dict[str, Any], where: str, **overrides):
     known = {f.name for f in fields(cls)}
@@ -108,6 +124,14 @@ def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
         raise ScenarioError(f"{where}.rewrite_history: not one of {REWRITES}")
     if turn.expect is not None and turn.expect not in {v.value for v in Verdict}:
         raise ScenarioError(f"{where}.expect: {turn.expect!r} is not a verdict")
+    causes = {c.value for c in LatencyCause}
+    if turn.expect_cause is not None and turn.expect_cause not in causes:
+        raise ScenarioError(f"{where}.expect_cause: {turn.expect_cause!r} is not one of "
+                            f"{sorted(causes)}")
+    if min(turn.prefill_load, turn.decode_load) < 0 or min(
+            turn.prefill_load_tokens, turn.decode_load_tokens,
+            turn.decode_load_prompt_tokens) < 1:
+        raise ScenarioError(f"{where}: loads >= 0 and their token counts >= 1")
     if turn.append_tokens < 1 or turn.max_tokens < 1 or turn.gap_s < 0:
         raise ScenarioError(f"{where}: append_tokens, max_tokens >= 1 and gap_s >= 0")
     return turn

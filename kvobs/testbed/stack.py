@@ -205,6 +205,9 @@ class Stack:
         else:
             raise ValueError(f"unknown action {action!r}")
 
+    def engine_url(self, role: str) -> str:
+        return (self.pair.prefill if role == "prefill" else self.pair.decode).url
+
     def set_link(self, delay_ms: float, rate_mbit: float) -> None:
         if self.netns is not None:
             self.netns.shape(delay_ms, rate_mbit)

@@ -37,6 +37,7 @@ def explain(turn: Turn, context: Context) -> Finding:
     gained = turn.get("ttft_gained_s")
     saved = turn.get("compute_saved_s")
     tokens = turn.get("compute_saved_tokens")
+    tokens = int(tokens) if tokens is not None else None
     if gained is None or saved is None:
         return Finding(VERDICT, f"Remote KV read brought {tokens} tokens; whether it paid "
                                 "off is unknown (no measured prefill rate or read time).",

@@ -93,10 +93,29 @@ def test_worker_records_a_done_read():
     worker.done.add("r1")
     results = worker.get_transfer_results()
     assert results.finished_recving == {"r1"}
-    ((req, outcome, nbytes, blocks, start, duration, ttl, error),) = obs.take()[0]
+    ((req, outcome, nbytes, blocks, start, duration, ttl, error, setup),) = obs.take()[0]
     assert (req, outcome, nbytes, blocks, error) == ("r1", "done", 3000, 3, None)
     assert ttl == pytest.approx(30.0, abs=0.5)  # 130 s on D's clock minus the offset
     assert 0 <= duration < 1 and start == pytest.approx(time.time(), abs=5)
+    assert 0 <= setup < 0.05  # D was connected: the read started when it was asked for
+
+
+def test_worker_records_connection_setup_before_a_first_read():
+    """Upstream starts a NIXL handshake when the holder is not connected and calls
+    ``_read_blocks_for_req`` again once it is: the wait in between is the set-up."""
+    worker = FakeWorker()
+    worker._remote_agents = {}  # not connected yet
+    obs = WorkerObserver(worker, bidirectional=True)
+    m = meta(blocks=2)
+    obs.on_start_load(SimpleNamespace(reqs_to_recv={"r1": m}))
+    worker._read_blocks_for_req("r1", m)  # not ready: handshake in flight
+    time.sleep(0.05)
+    worker._remote_agents = {"d": {}}  # handshake done
+    worker._read_blocks_for_req("r1", m)
+    worker.done.add("r1")
+    worker.get_transfer_results()
+    ((*_, setup),) = obs.take()[0]
+    assert 0.05 <= setup < 1
 
 
 def test_worker_records_a_declined_read():

@@ -32,7 +32,24 @@ def test_diagnose_json_shape_and_exit_ok(source):
     assert [(t["turn"], t["verdict"]) for t in payload["turns"]] == [
         (1, "first-turn"), (2, "remote-hit")]
     assert payload["turns"][1]["evidence"]["read_bytes"] == 2_000_000
-    assert payload["turns"][1]["remedy"] == "Remote KV read paid off."
+    # 900 tokens at the rate measured from turn 1 (1000 tokens over its 0.2 s P leg)
+    # saved 180 ms of P compute; the read (5 ms) cost less: TTFT gained 175 ms.
+    assert payload["turns"][1]["remedy"] == (
+        "Remote KV read paid off: 900 tokens (180 ms of P compute) saved, TTFT 175 ms "
+        "better than recomputing.")
+    assert payload["turns"][1]["compute_saved_tokens"] == 900
+    assert payload["turns"][1]["ttft_gained_s"] == pytest.approx(0.175)
+    # These turns carry no timeline spans (only the turn and read spans): nothing is
+    # guessed: the phases between known marks stay merged and still add up.
+    turn = payload["turns"][1]
+    assert turn["ttft_s"] is None
+    assert list(turn["phases"]) == [
+        "proxy-in+p-frontend+p-queue+p-schedule+read-setup",
+        "read+p-compute+p-return+proxy-hop+d-frontend+d-queue+handoff-setup+handoff"
+        "+d-first-token+decode+proxy-out"]
+    assert sum(turn["phases"].values()) == pytest.approx(turn["latency_s"])
+    assert turn["slowest_phase"] is None
+    assert "kvobs.prefill.request" in turn["unmeasured"]["p-queue"]
 
 
 def test_diagnose_fault_exit_status_and_table(source):

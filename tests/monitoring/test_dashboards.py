@@ -9,9 +9,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from dataclasses import replace
+
 from kvobs import semconv
-from kvobs.monitoring import dashboards, generate, queries
-from kvobs.monitoring.config import DEFAULT
+from kvobs.monitoring import dashboards, generate, queries, rules
+from kvobs.monitoring.config import DEFAULT, Selectors
 
 SCHEMA = json.loads((Path(__file__).parent / "grafana_dashboard.schema.json").read_text())
 KNOWN = {**semconv.METRICS, **semconv.UPSTREAM_METRICS}
@@ -84,6 +86,7 @@ def test_rows(board):
         "Proxy",
         "Recompute",
         "TTFT by turn",
+        "Where TTFT goes",
     ]
 
 
@@ -169,3 +172,83 @@ def test_queries_module_doctests():
     for module in (queries, dashboards, rules, live, gen_module):
         failures, _ = doctest.testmod(module)
         assert failures == 0, module.__name__
+
+
+def _row(board, title):
+    """The panels under the row titled ``title`` (rows are not collapsed)."""
+    panels, inside = [], False
+    for panel in board["panels"]:
+        if panel["type"] == "row":
+            inside = panel["title"] == title
+        elif inside:
+            panels.append(panel)
+    return panels
+
+
+def _targets(panels):
+    return [(p["title"], t) for p in panels for t in p["targets"]]
+
+
+def test_latency_is_never_labelled_ttft(board):
+    latency, ttft = semconv.M_PROXY_LATENCY.name, semconv.M_PROXY_TTFT.name
+    for title, target in _targets(_panels(board)):
+        if latency in dashboards.metrics_in(target["expr"]):
+            assert "TTFT" not in target["legendFormat"], title
+    for title, target in _targets(_row(board, "Where TTFT goes")):
+        if ttft in dashboards.metrics_in(target["expr"]):
+            assert "(streamed turns)" in target["legendFormat"], title
+
+
+def test_where_ttft_goes_headline_stacks_every_phase_in_time_order(board):
+    headline = _row(board, "Where TTFT goes")[0]
+    assert headline["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert [t["legendFormat"] for t in headline["targets"]] == [
+        "P queue (waiting)", "D->P NIXL set-up", "D->P read", "P prefill",
+        "D queue (waiting)", "P->D NIXL set-up", "P->D hand-off", "proxy {{phase}}"]
+    proxy = headline["targets"][-1]["expr"]
+    assert f'phase=~"{"|".join(queries.PROXY_OWN_PHASES)}"' in proxy
+    assert queries.PROXY_OWN_PHASES == ("proxy-in", "proxy-hop", "proxy-out")
+
+
+def test_vllm_request_histograms_are_split_by_role(board):
+    """vLLM's queue/prefill/TTFT histograms mean different things on P and D."""
+    roles = (DEFAULT.selectors.prefill, DEFAULT.selectors.decode)
+    role_split = (semconv.M_VLLM_QUEUE_TIME, semconv.M_VLLM_PREFILL_TIME)
+    for title, target in _targets(_row(board, "Where TTFT goes")):
+        for metric in role_split + (semconv.M_VLLM_TTFT,):
+            for matchers in re.findall(re.escape(metric.name) + r"_\w+\{([^}]*)\}",
+                                       target["expr"]):
+                assert any(role in matchers for role in roles), title
+
+
+def test_queue_wait_excludes_the_remote_kv_wait(board):
+    (panel,) = [p for p in _row(board, "Where TTFT goes")
+                if p["title"] == "P queue (prefill engines)"]
+    waiting = panel["targets"][0]["expr"]
+    assert waiting.startswith("((clamp_min(")
+    for metric in (semconv.M_READ_DURATION, semconv.M_READ_SETUP):
+        assert f'{metric.name}_sum{{' in waiting
+    assert 'direction="d_to_p"' in waiting and 'direction="p_to_d"' not in waiting
+
+
+def test_queueing_panel_names_the_alert_and_its_threshold(board):
+    (panel,) = [p for p in _row(board, "Where TTFT goes")
+                if p["title"] == "P queue share of P's TTFT"]
+    assert rules.PREFILL_QUEUEING_ALERT in panel["description"]
+    assert rules.runbook_url(rules.PREFILL_QUEUEING_ALERT) in panel["description"]
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert steps[-1]["value"] == DEFAULT.thresholds.prefill_queue_share
+    assert dashboards.metrics_in(panel["targets"][0]["expr"]) == [
+        semconv.M_VLLM_QUEUE_TIME.name, semconv.M_READ_DURATION.name,
+        semconv.M_READ_SETUP.name, semconv.M_VLLM_TTFT.name]
+
+
+def test_role_selectors_come_from_the_config(sdk):
+    config = replace(DEFAULT, selectors=Selectors(prefill='instance=~"p-.*"',
+                                                  decode='instance=~"d-.*"'))
+    exprs = [e for _, _, e in dashboards.panel_queries(dashboards.build_overview(config))]
+    for role in ('instance=~"p-.*"', 'instance=~"d-.*"'):
+        assert any(role in e for e in exprs), role
+    (alert,) = [a for a in rules.alerts(config) if a.name == rules.PREFILL_QUEUEING_ALERT]
+    assert 'instance=~"p-.*"' in alert.expr
+    assert DEFAULT.selectors.prefill not in alert.expr

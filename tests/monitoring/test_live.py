@@ -15,21 +15,40 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from kvobs import semconv as sc
 from kvobs.monitoring import live, rules
-from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P
+from kvobs.monitoring import queries as q
+from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P, DIRECTION_P_TO_D
 
 
 def _name(metric: sc.Metric) -> str:
     return metric.name[: -len("_total")] if metric.type == "counter" else metric.name
 
 
+# Seconds each fake request spends per phase (one request, one read per tick): the queue
+# time vLLM reports on P includes the D->P set-up and read, as on a real engine.
+P_QUEUE, P_TTFT, P_PREFILL, P_READ, P_SETUP = 0.3, 0.5, 0.1, 0.004, 0.001
+
+
+def _histogram(metric: sc.Metric, registry, labels=()) -> Histogram:
+    return Histogram(_name(metric), "d", tuple(labels) + metric.labels,
+                     buckets=metric.buckets or Histogram.DEFAULT_BUCKETS, registry=registry)
+
+
 class FakeEngineAndProxy:
-    """Two /metrics endpoints (engine, proxy) with a few kvobs series that keep changing."""
+    """Three /metrics endpoints (a prefill and a decode engine, the proxy) with a few kvobs
+    and vLLM series that keep changing. The engine jobs name their role, as the default
+    role selectors expect."""
 
     def __init__(self):
         self.engine_registry = CollectorRegistry()
+        self.decode_registry = CollectorRegistry()
         self.proxy_registry = CollectorRegistry()
         vllm = ("model_name", "engine")
-        e = self.engine_registry
+        e, d = self.engine_registry, self.decode_registry
+        self.p_queue, self.d_queue = (_histogram(sc.M_VLLM_QUEUE_TIME, r) for r in (e, d))
+        self.p_ttft = _histogram(sc.M_VLLM_TTFT, e)
+        self.p_prefill = _histogram(sc.M_VLLM_PREFILL_TIME, e)
+        self.setup = _histogram(sc.M_READ_SETUP, e, vllm)
+        self.handoff = _histogram(sc.M_READ_DURATION, d, vllm)
         self.decisions = Counter(_name(sc.M_PULL_DECISIONS), "d",
                                  vllm + sc.M_PULL_DECISIONS.labels, registry=e)
         self.reads = Counter(_name(sc.M_READS), "d", vllm + sc.M_READS.labels, registry=e)
@@ -42,6 +61,8 @@ class FakeEngineAndProxy:
         self.turns = Counter(_name(sc.M_PROXY_TURNS), "d", sc.M_PROXY_TURNS.labels, registry=p)
         self.lookups = Counter(_name(sc.M_PROXY_LOOKUPS), "d", sc.M_PROXY_LOOKUPS.labels,
                                registry=p)
+        self.latency = _histogram(sc.M_PROXY_LATENCY, p)
+        self.phase = _histogram(sc.M_PROXY_PHASE, p)
         self._stop = threading.Event()
         self.servers = []
 
@@ -51,13 +72,26 @@ class FakeEngineAndProxy:
         self.decisions.labels(*m, sc.PullDecision.BELOW_THRESHOLD.value).inc(0)
         self.reads.labels(*m, DIRECTION_D_TO_P, sc.ReadOutcome.DONE.value).inc()
         self.reads.labels(*m, DIRECTION_D_TO_P, sc.ReadOutcome.DECLINED_EXPIRED.value).inc(0)
-        self.duration.labels(*m, DIRECTION_D_TO_P).observe(0.004)
+        self.duration.labels(*m, DIRECTION_D_TO_P).observe(P_READ)
         self.reused.labels(*m).inc(1700)
         self.retained.labels(*m).set(42)
         for turn in ("1", "2"):
             self.turns.labels(turn, "512-2k", sc.LookupOutcome.HIT.value).inc()
         self.turns.labels("2", "512-2k", sc.LookupOutcome.MISS.value).inc()
         self.lookups.labels(sc.LookupOutcome.HIT.value).inc()
+        self._tick_phases(m)
+
+    def _tick_phases(self, m):
+        """One request through P and D, one turn through the proxy."""
+        self.p_queue.labels(*m).observe(P_QUEUE)
+        self.p_ttft.labels(*m).observe(P_TTFT)
+        self.p_prefill.labels(*m).observe(P_PREFILL)
+        self.setup.labels(*m, DIRECTION_D_TO_P).observe(P_SETUP)
+        self.d_queue.labels(*m).observe(0.02)
+        self.handoff.labels(*m, DIRECTION_P_TO_D).observe(0.01)
+        self.latency.labels("2", "512-2k").observe(1.5)
+        for phase in sc.PROXY_PHASE_VALUES:
+            self.phase.labels(phase).observe(0.001)
 
     def _loop(self):
         while not self._stop.wait(0.2):
@@ -66,7 +100,8 @@ class FakeEngineAndProxy:
     def start(self) -> dict[str, list[str]]:
         self.tick()
         targets = {}
-        for job, registry in (("vllm-engine", self.engine_registry),
+        for job, registry in (("vllm-prefill", self.engine_registry),
+                              ("vllm-decode", self.decode_registry),
                               ("kvobs-proxy", self.proxy_registry)):
             port = live.free_port()
             server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
@@ -125,9 +160,29 @@ def test_panels_over_exposed_metrics_return_data(report):
 
 
 def test_panels_over_missing_metrics_are_empty(report):
-    for name in ("Retained bytes [A]", "Engine TTFT p95 (vLLM) [A]", "Fallbacks by reason [A]",
-                 "Reads per second: kvobs vs NIXL [B]"):
+    for name in ("Retained bytes [A]", "Entries in the store [A]", "Fallbacks by reason [A]",
+                 "Reads per second: kvobs vs NIXL [B]",
+                 "Turn latency and TTFT (proxy) [C]"):  # no streamed turn
         assert _status(report, name).status == "empty", name
+
+
+def test_where_ttft_goes_panels_return_data(report):
+    headline = "Mean seconds per request, by phase"
+    for name in [f"{headline} [{ref}]" for ref in "ABCDEFGH"] + [
+            "Turn latency and TTFT (proxy) [A]", "P queue share of P's TTFT [A]",
+            "P queue (prefill engines) [C]", "NIXL connection set-up by direction [B]",
+            "P->D hand-off (D reading P's KV) [B]", "D queue (decode engines) [A]",
+            "Proxy's own time by phase [B]"]:
+        assert _status(report, name).has_data, name
+
+
+def test_prefill_queue_share_value(prometheus):
+    """P's wait alone (vLLM's queue time less the D->P set-up and read) over P's TTFT."""
+    s = q.Scope(DEFAULT.selectors.engine, DEFAULT.selectors.proxy, "30s",
+                prefill=DEFAULT.selectors.prefill, decode=DEFAULT.selectors.decode)
+    (sample,) = live.instant_query(prometheus.url, q.prefill_queue_share(s))
+    expected = (P_QUEUE - P_READ - P_SETUP) / P_TTFT
+    assert float(sample["value"][1]) == pytest.approx(expected, rel=0.02)
 
 
 def test_recording_rule_expressions(report):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvobs import semconv
 from kvobs.monitoring import rules
 from kvobs.monitoring.config import DEFAULT
 
@@ -146,3 +147,17 @@ def test_entry_lifetime_alert_compares_the_two_gauges():
     (alert,) = [a for a in rules.alerts(DEFAULT) if a.name == "KvobsProxyEntryOutlivesDecodeTTL"]
     assert "kvobs_proxy_entry_lifetime_seconds" in alert.expr
     assert ">= (max by (job) (kvobs_proxy_decode_ttl_seconds" in alert.expr
+
+
+def test_prefill_queueing_alert_compares_the_wait_alone_with_p_ttft():
+    """vLLM counts the wait for D's KV as queue time: the alert takes it out, on P only."""
+    (alert,) = [a for a in rules.alerts(DEFAULT) if a.name == rules.PREFILL_QUEUEING_ALERT]
+    for metric in (semconv.M_VLLM_QUEUE_TIME, semconv.M_VLLM_TTFT):
+        assert f'{metric.name}_sum{{{DEFAULT.selectors.engine}, {DEFAULT.selectors.prefill}}}' \
+            in alert.expr
+    for metric in (semconv.M_READ_DURATION, semconv.M_READ_SETUP):
+        assert f'{metric.name}_sum{{{DEFAULT.selectors.engine}, direction="d_to_p"}}' in alert.expr
+    assert f"> {DEFAULT.thresholds.prefill_queue_share:g}\nand (" in alert.expr
+    assert alert.expr.endswith(f"> {DEFAULT.floors.prefill_requests:g}")
+    (silent_kv_wait,) = [c for c in alert.cases if "wait for D's KV" in c.name]
+    assert not silent_kv_wait.fires

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from harness import Harness, stream_text
 from kvobs import semconv as sc
 
@@ -84,8 +85,21 @@ def test_nonstreaming_reuse_carries_params_and_correlation():
             attrs = dict(turn2.attributes)
             assert attrs[sc.TURN_INDEX.key] == 2 and attrs[sc.STREAM.key] is False
             assert attrs[sc.PARAMS_SOURCE.key] == "body"
-            for key in (sc.TTFT.key, sc.PREFILL_TIME.key, sc.DECODE_TIME.key):
+            for key in (sc.PREFILL_TIME.key, sc.DECODE_TIME.key):
                 assert attrs[key] > 0
+            # Non-streamed: the proxy saw only the end of D's answer, so no TTFT; the
+            # timeline marks are in order inside the turn span.
+            assert sc.TTFT.key not in attrs and sc.DECODE_FIRST_BYTE_AT.key not in attrs
+            marks = [turn2.start_time / 1e9] + [attrs[m.key] for m in (
+                sc.PREFILL_SENT_AT, sc.PREFILL_ANSWERED_AT, sc.DECODE_SENT_AT,
+                sc.DECODE_ANSWERED_AT)] + [turn2.end_time / 1e9]
+            assert marks == sorted(marks)
+            assert h.proxy.metric("kvobs_proxy_ttft_seconds_count",
+                                  {"turn_bucket": "2", "prompt_bucket": "0-512"}) == 0
+            assert h.proxy.metric("kvobs_proxy_turn_duration_seconds_count",
+                                  {"turn_bucket": "2", "prompt_bucket": "0-512"}) == 1
+            assert h.proxy.metric("kvobs_proxy_phase_seconds_count",
+                                  {"phase": "proxy-hop"}) == 3
             (lookup2,) = [s for s in h.proxy.spans(LOOKUP)
                           if s.context.trace_id == turn2.context.trace_id]
             assert lookup2.parent.span_id == turn2.context.span_id
@@ -144,6 +158,15 @@ def test_streaming_reuse_from_stream_chunk_and_params_removed_for_client():
             turns = h.proxy.spans(TURN)
             assert turns[0].attributes[sc.PARAMS_SOURCE.key] == "stream"
             assert turns[0].attributes[sc.STREAM.key] is True
+            # Streamed: TTFT is D's first bytes at the proxy, inside the D leg.
+            attrs = turns[0].attributes
+            first_byte = attrs[sc.DECODE_FIRST_BYTE_AT.key]
+            assert attrs[sc.DECODE_SENT_AT.key] <= first_byte <= attrs[
+                sc.DECODE_ANSWERED_AT.key]
+            assert attrs[sc.TTFT.key] == pytest.approx(
+                first_byte - turns[0].start_time / 1e9, abs=0.002)
+            assert h.proxy.metric("kvobs_proxy_ttft_seconds_count",
+                                  {"turn_bucket": "1", "prompt_bucket": "0-512"}) == 1
     run(scenario())
 
 

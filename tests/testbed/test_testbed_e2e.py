@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from kvobs import semconv as sc
 from kvobs.monitoring import live, rules
 from kvobs.monitoring.config import DEFAULT, RateFloors
 from kvobs.monitoring.generate import dump_yaml
 from kvobs.sources import open_source
-from kvobs.testbed.check import NOT_FOUND, diagnosed_turns
+from kvobs.testbed.check import (NOT_FOUND, accounting_errors, cause_mismatches,
+                                 diagnosed_turns)
 from kvobs.testbed.runner import TurnResult, run_scenario, write_results
 from kvobs.testbed.scenario import Scenario, load
 from kvobs.testbed.stack import Stack
@@ -51,10 +53,12 @@ class Run:
     live: live.LiveReport | None
     alerts: list[dict]
 
+    def diagnosed(self):
+        return diagnosed_turns(open_source(str(self.out)), self.results)
+
     def verdicts(self) -> dict[tuple[str, int], str]:
-        diagnosed = diagnosed_turns(open_source(str(self.out)), self.results)
         return {key: d.finding.verdict.value if d else NOT_FOUND
-                for key, d in diagnosed.items()}
+                for key, d in self.diagnosed().items()}
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -76,10 +80,12 @@ def _run(scenario_file: str, tmp_path_factory, with_prometheus: bool) -> Run:
     with Stack(scenario.engines, out) as stack:
         prometheus = None
         if with_prometheus:
-            engines = [f"{e.spec.host}:{e.spec.port}"
-                       for e in (stack.pair.prefill, stack.pair.decode)]
+            # One job per role: the dashboards tell P from D by job (monitoring config).
+            prefill, decode = (f"{e.spec.host}:{e.spec.port}"
+                               for e in (stack.pair.prefill, stack.pair.decode))
             prometheus = live.start_prometheus(
-                {"vllm": engines, "kvobs-proxy": [stack.proxy.url.split("//")[1]]},
+                {"vllm-prefill": [prefill], "vllm-decode": [decode],
+                 "kvobs-proxy": [stack.proxy.url.split("//")[1]]},
                 rule_files=_rule_files(out / "rules"), directory=out / "prometheus")
             # Rates need a sample from before the traffic: wait for every target's scrape.
             live.wait_for_data(prometheus.url, "count(up == 1) == 3", timeout=60)
@@ -106,6 +112,16 @@ def demo(tmp_path_factory) -> Run:
 @pytest.fixture(scope="session")
 def slow_link(tmp_path_factory) -> Run:
     return _run("slow-link.toml", tmp_path_factory, with_prometheus=False)
+
+
+@pytest.fixture(scope="session")
+def latency(tmp_path_factory) -> Run:
+    return _run("latency.toml", tmp_path_factory, with_prometheus=False)
+
+
+@pytest.fixture(params=["demo", "slow_link", "latency"])
+def any_run(request) -> Run:
+    return request.getfixturevalue(request.param)
 
 
 def _expectations(name):
@@ -297,3 +313,78 @@ def test_block_digest_verifies_the_partial_tail_block_on_real_engines(demo):
     assert (pulled["remote_tokens"] % 128 != 0).all()  # every one had a partial block
     mismatch = turns[turns["decision"] == "prefix-mismatch"]
     assert (mismatch["prefix_matched_tokens"] % 128 == 0).all()
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
+    """Per turn: the named phases sum to the client's latency, and for streamed turns
+    the phases before the first token to the client's TTFT, within max(10 %, 5 ms)."""
+    diagnosed = any_run.diagnosed()
+    answered = [r for r in any_run.results if r.ok]
+    assert all(diagnosed[(r.label, r.turn)] is not None for r in answered)
+    assert accounting_errors(answered, diagnosed) == []
+    streamed = [r for r in answered if r.stream]
+    assert streamed and all(diagnosed[(r.label, r.turn)].timeline.ttft_s for r in streamed)
+
+
+def test_latency_turns_get_their_expected_causes(latency, slow_link, demo):
+    for run in (latency, slow_link, demo):
+        assert cause_mismatches(run.scenario.cause_expectations, run.diagnosed()) == []
+
+
+def test_every_turn_slow_outside_the_reuse_path_has_a_cause(any_run):
+    """No turn whose slowest phase lies outside P's reuse path is explained only by its
+    reuse verdict."""
+    from kvobs.timeline import REUSE_PATH
+
+    for key, item in any_run.diagnosed().items():
+        if item is None or item.timeline.slowest is None:
+            continue
+        slowest = item.timeline.slowest[0]
+        if sc.Phase(slowest) not in REUSE_PATH:
+            assert item.causes, (key, slowest)
+
+
+def test_non_streamed_turn_shows_ttft_and_latency_apart(latency):
+    """A 96-token non-streamed turn: TTFT is D's first token (engine side), far below the
+    latency that ends with the last token; the proxy's own TTFT field stays empty."""
+    item = latency.diagnosed()[("lat-first-contact", 3)]
+    result = [r for r in latency.results if (r.label, r.turn) == ("lat-first-contact", 3)][0]
+    assert not result.stream and result.ttft_s is None
+    timeline = item.timeline
+    assert timeline.ttft_source == "engine"
+    assert 0 < timeline.ttft_s < 0.6 * timeline.latency_s
+    assert item.turn.get("proxy_ttft_s") is None and item.turn.get("output_tokens") == 96
+    assert timeline.phases["decode"] > timeline.ttft_s / 2
+
+
+def test_engine_request_spans_time_every_request(latency):
+    """Each answered turn has P's and D's request span, D's hand-off, and the marks in
+    order on each engine's own clock."""
+    from kvobs.correlate import turns_from_spans
+
+    turns = turns_from_spans(open_source(str(latency.out)).spans())
+    assert len(turns) == len(latency.results)
+    for column in ("p_request_span_id", "d_request_span_id", "handoff_span_id"):
+        assert turns[column].notna().all(), column
+    for role in ("p", "d"):
+        marks = turns[[f"{role}_arrived_at", f"{role}_scheduled_at", f"{role}_kv_ready_at"
+                       if role == "d" else f"{role}_allocated_at",
+                       f"{role}_first_token_at"]].astype(float).to_numpy()
+        assert (marks[:, 1:] >= marks[:, :-1]).all(), role
+
+
+def test_phase_metrics_on_metrics_endpoints(latency):
+    proxy = next((latency.out / "metrics").glob("proxy*.prom")).read_text()
+    answered = len([r for r in latency.results if r.ok])
+    assert _metric(proxy, "kvobs_proxy_turn_duration_seconds_count") == answered
+    assert _metric(proxy, "kvobs_proxy_ttft_seconds_count") == len(
+        [r for r in latency.results if r.ok and r.stream])
+    for phase in sc.PROXY_PHASE_VALUES:
+        assert _metric(proxy, "kvobs_proxy_phase_seconds_count", phase=phase) == answered
+    decode = (latency.out / "metrics" / "decode.prom").read_text()
+    # every turn's hand-off waited for a connection, once long (the first contact)
+    assert _metric(decode, "vllm:kvobs_read_setup_seconds_count", direction="p_to_d") == \
+        answered

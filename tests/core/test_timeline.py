@@ -1,0 +1,129 @@
+"""The turn timeline and latency causes, through the real emit -> store -> read path."""
+
+from __future__ import annotations
+
+import pytest
+from spanfactory import Tracers, TurnSpec, write_conversation
+
+from kvobs import semconv as sc
+from kvobs.causes import CauseContext, causes
+from kvobs.diagnose import diagnose
+from kvobs.sources import open_source
+from kvobs.timeline import PHASES, phase_column
+
+# A streamed turn that read D's KV: every phase named, in milliseconds.
+FULL = {"proxy-in": 0.002, "p-frontend": 0.003, "p-queue": 0.040, "p-schedule": 0.001,
+        "read-setup": 0.004, "read": 0.006, "p-compute": 0.050, "p-return": 0.002,
+        "proxy-hop": 0.001, "d-frontend": 0.003, "d-queue": 0.002, "handoff-setup": 0.001,
+        "handoff": 0.010, "d-first-token": 0.020, "decode": 0.300, "proxy-out": 0.002}
+
+
+def _source(tmp_path, turns, cid="c"):
+    tracers = Tracers(str(tmp_path))
+    write_conversation(tracers, cid, turns)
+    return open_source(str(tmp_path))
+
+
+def _turn(tmp_path, spec, first=None):
+    first = first or TurnSpec(phases={"p-compute": 0.1}, decision="no-params")
+    source = _source(tmp_path, [first, spec])
+    return diagnose(source, "c").turns[1]
+
+
+def test_phases_of_a_streamed_turn_add_up_to_latency_and_ttft(tmp_path):
+    item = _turn(tmp_path, TurnSpec(read="done", phases=FULL, stream=True))
+    timeline = item.timeline
+    assert list(timeline.phases) == [p for p in FULL]  # time order; p-retry not taken
+    assert timeline.phases == pytest.approx(FULL, abs=2e-6)
+    assert timeline.latency_s == pytest.approx(sum(FULL.values()), abs=2e-6)
+    before_first_token = sum(v for k, v in FULL.items() if k not in ("decode", "proxy-out"))
+    assert timeline.ttft_s == pytest.approx(before_first_token, abs=2e-6)
+    assert timeline.ttft_source == "proxy-stream"
+    assert timeline.unmeasured == {} and timeline.skew == []
+    assert timeline.slowest == ("decode", pytest.approx(0.3, abs=2e-6))
+
+
+def test_non_streamed_ttft_is_the_engine_first_token(tmp_path):
+    item = _turn(tmp_path, TurnSpec(read="done", phases=FULL, stream=False))
+    assert item.timeline.ttft_source == "engine"
+    assert item.timeline.ttft_s == pytest.approx(
+        sum(FULL.values()) - FULL["decode"] - FULL["proxy-out"], abs=2e-6)
+    assert item.to_dict()["ttft_s"] != item.to_dict()["latency_s"]
+
+
+def test_missing_decode_span_merges_phases_and_says_why(tmp_path):
+    spec = TurnSpec(read="done", phases=FULL, stream=False,
+                    omit=(sc.SPAN_DECODE_REQUEST.name,))
+    timeline = _turn(tmp_path, spec).timeline
+    assert timeline.ttft_s is None  # non-streamed and no D request span: not guessed
+    merged = "d-frontend+d-queue+handoff-setup"
+    assert timeline.phases[merged] == pytest.approx(0.006, abs=2e-6)
+    assert timeline.phases["handoff+d-first-token+decode"] == pytest.approx(0.33, abs=2e-6)
+    assert "kvobs.decode.request" in timeline.unmeasured["d-queue"]
+    assert "non-streamed turn" in timeline.unmeasured["decode"]
+    assert sum(timeline.phases.values()) == pytest.approx(timeline.latency_s, abs=1e-6)
+
+
+def test_a_turn_without_read_has_no_read_phases(tmp_path):
+    phases = {"proxy-in": 0.001, "p-queue": 0.01, "p-compute": 0.2, "decode": 0.1}
+    item = _turn(tmp_path, TurnSpec(lookup="miss", decision="no-params", phases=phases))
+    assert "read" not in item.timeline.phases and "read-setup" not in item.timeline.phases
+    assert item.turn.get(phase_column(sc.Phase.READ)) == 0.0
+    assert item.timeline.phases["p-compute"] == pytest.approx(0.2, abs=2e-6)
+    assert item.timeline.unmeasured == {}
+
+
+def test_queued_at_p_is_named_although_the_reuse_verdict_is_healthy(tmp_path):
+    phases = {**FULL, "p-queue": 3.0}
+    item = _turn(tmp_path, TurnSpec(read="done", phases=phases, stream=True))
+    assert item.finding.verdict is sc.Verdict.REMOTE_HIT
+    assert item.timeline.slowest[0] == "p-queue"
+    assert item.causes[0].cause is sc.LatencyCause.QUEUED_AT_P
+    assert item.causes[0].share == pytest.approx(3.0 / sum(phases.values()), abs=1e-4)
+    assert "queue" in item.finding.remedy and "p-queue" in item.finding.remedy
+
+
+def test_connection_setup_eats_the_gain_of_a_read(tmp_path):
+    """The read saved P compute but the handshake cost more: no TTFT gained, said so."""
+    first = TurnSpec(phases={"p-compute": 0.1}, n=1000,  # rate: 10,000 tokens/s
+                     decision="no-params", lookup=None)
+    phases = {**FULL, "read-setup": 0.66}
+    item = _turn(tmp_path, TurnSpec(read="done", phases=phases, read_duration_s=0.006,
+                                    remote=900, stream=True), first)
+    assert item.finding.verdict is sc.Verdict.REMOTE_HIT
+    assert item.turn.get("compute_saved_s") == pytest.approx(0.09)
+    assert item.turn.get("ttft_gained_s") == pytest.approx(0.09 - 0.66 - 0.006, abs=1e-4)
+    assert "gained no TTFT: NIXL connection set-up" in item.finding.remedy
+    assert sc.LatencyCause.CONNECTION_SETUP in [c.cause for c in item.causes]
+
+
+def _row(**phases):
+    row = {phase_column(p): 0.0 for p in PHASES}
+    row.update({phase_column(sc.Phase(k)): v for k, v in phases.items()})
+    row["latency_s"] = sum(phases.values())
+    row["slowest_phase"] = max(phases, key=phases.get)
+    return row
+
+
+def test_decode_splits_into_busy_or_long_output_by_its_rate():
+    typical = CauseContext(decode_s_per_token=0.01)
+    busy = {**_row(decode=1.0, **{"p-compute": 0.1}), "output_tokens": 51}  # 20 ms/token
+    normal = {**_row(decode=0.5, **{"p-compute": 0.1}), "output_tokens": 51}  # 10 ms/token
+    assert causes(busy, typical)[0].cause is sc.LatencyCause.DECODE_BUSY
+    assert causes(normal, typical)[0].cause is sc.LatencyCause.LONG_OUTPUT
+    assert causes(normal, CauseContext())[0].cause is sc.LatencyCause.LONG_OUTPUT
+
+
+def test_small_phases_are_not_causes_unless_slowest():
+    row = _row(decode=1.0, **{"proxy-in": 0.01, "p-queue": 0.2})
+    assert [c.cause for c in causes(row)] == [sc.LatencyCause.LONG_OUTPUT]
+    row = _row(**{"proxy-in": 0.03, "proxy-out": 0.03, "p-compute": 0.02})
+    assert causes(row)[0].cause is sc.LatencyCause.PROXY_OVERHEAD
+    assert causes(row)[0].seconds == pytest.approx(0.06)
+
+
+def test_every_phase_has_a_cause_with_a_remedy():
+    for phase in PHASES:
+        row = _row(**{phase.value: 1.0})
+        (finding,) = causes(row)
+        assert finding.share == 1.0 and finding.remedy
