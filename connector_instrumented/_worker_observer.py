@@ -1,10 +1,10 @@
 """Worker-side observer: facts only the worker has, recorded, never emitted here.
 
 Per read: when it was requested and when it really started (the difference is the
-connection set-up: the NIXL handshake, the first time a worker reads from an engine), whether it was declined as
-expired, how many bytes NIXL moved for it (NIXL's own per-transfer telemetry, the same
-numbers behind ``vllm:nixl_bytes_transferred``), its duration and the remaining TTL on
-this process's clock. Per release of retained blocks: expired or read. The records ride
+connection set-up: the NIXL handshake the first time a worker reads from an engine),
+whether it was declined as expired, how many bytes NIXL moved for it (NIXL's own
+per-transfer telemetry, the same numbers behind ``vllm:nixl_bytes_transferred``), its
+duration and the remaining TTL on this process's clock. Per release of retained blocks: expired or read. The records ride
 to the scheduler in the connector stats (see ``_scheduler_observer``).
 
 Hooks are instance-level wraps of the upstream worker that always call the original

@@ -1,7 +1,9 @@
 """Generate the docs that must never drift from code: ``python -m kvobs.catalogue DIR``.
 
 - ``telemetry.md``: the span and metric catalogue, from ``kvobs.semconv``;
-- ``verdicts.md``: the verdict guide, from the rule modules' docstrings in decision order.
+- ``verdicts.md``: the verdict guide, from the rule modules' docstrings in decision order;
+- ``timeline.md``: the turn's phases, where each boundary comes from, and the latency
+  causes, from ``kvobs.timeline`` and ``kvobs.causes``.
 ``tests/core/test_docs.py`` fails when the checked-in files differ.
 """
 
@@ -64,7 +66,36 @@ def verdicts_md() -> str:
     return "\n".join(lines)
 
 
-GENERATED = {"telemetry.md": telemetry_md, "verdicts.md": verdicts_md}
+def timeline_md() -> str:
+    from kvobs import causes, timeline
+
+    lines = [_GENERATED, "# Where a turn's time goes\n", inspect.getdoc(timeline) + "\n",
+             "## Phases\n", "| phase | from mark | to mark |", "|---|---|---|"]
+    for phase, start, end in zip(timeline.PHASES, timeline.MARKS, timeline.MARKS[1:]):
+        lines.append(f"| `{phase.value}` | {start.name} | {end.name} |")
+    lines += ["", "## Marks and where they come from\n",
+              "| mark | span | service | turn column | applies |", "|---|---|---|---|---|"]
+    for mark in timeline.MARKS:
+        applies = "always" if mark.applies is timeline._always else (
+            inspect.getdoc(mark.applies) or mark.applies.__name__.strip("_").replace("_", " "))
+        lines.append(f"| {mark.name} | `{mark.span.name}` | `{mark.span.service.value}` | "
+                     f"`{timeline.MARK_COLUMNS[mark.name]}` | {applies} |")
+    lines += ["", "vLLM's own request span (`--otlp-traces-endpoint`; `kvobs collect` receives "
+              "it where no Collector runs) stands in for the connector's request spans: its "
+              "start is vLLM's arrival time, plus its TTFT the first token "
+              f"({', '.join(sorted(timeline._VLLM_TOO))}).\n",
+              "## Latency causes\n", inspect.getdoc(causes) + "\n",
+              "| cause | phases | meaning and what to do |", "|---|---|---|"]
+    for cause in sc.LatencyCause:
+        phases = [p.value for p, c in causes.CAUSE_OF.items() if c is cause]
+        if cause is sc.LatencyCause.DECODE_BUSY:
+            phases.append("decode (when slower than typical)")
+        lines.append(f"| `{cause.value}` | {', '.join(phases)} | {causes.CAUSE_DOCS[cause]} |")
+    return "\n".join(lines) + "\n"
+
+
+GENERATED = {"telemetry.md": telemetry_md, "verdicts.md": verdicts_md,
+             "timeline.md": timeline_md}
 
 
 def main(directory: str) -> None:

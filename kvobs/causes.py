@@ -32,7 +32,8 @@ CAUSE_OF: dict[P, LC] = {
     P.PROXY_IN: LC.PROXY_OVERHEAD, P.PROXY_HOP: LC.PROXY_OVERHEAD,
     P.PROXY_OUT: LC.PROXY_OVERHEAD, P.P_RETRY: LC.FAILED_ATTEMPT,
     P.P_FRONTEND: LC.ENGINE_API, P.P_RETURN: LC.ENGINE_API, P.D_FRONTEND: LC.ENGINE_API,
-    P.P_QUEUE: LC.QUEUED_AT_P, P.P_SCHEDULE: LC.PREFILL_COMPUTE,
+    P.P_QUEUE: LC.QUEUED_AT_P, P.READ_WAIT: LC.QUEUED_AT_P, P.HANDOFF_WAIT: LC.QUEUED_AT_D,
+    P.P_SCHEDULE: LC.PREFILL_COMPUTE,
     P.P_COMPUTE: LC.PREFILL_COMPUTE, P.READ_SETUP: LC.CONNECTION_SETUP,
     P.HANDOFF_SETUP: LC.CONNECTION_SETUP, P.READ: LC.SLOW_READ, P.HANDOFF: LC.SLOW_HANDOFF,
     P.D_QUEUE: LC.QUEUED_AT_D, P.D_FIRST_TOKEN: LC.DECODE_BUSY, P.DECODE: LC.LONG_OUTPUT,
@@ -107,8 +108,9 @@ def _queued_at_p(turn, seconds, context):
 
 
 def _queued_at_d(turn, seconds, context):
-    return (f"D queued the request {_ms(seconds)} before scheduling it: add decode capacity "
-            "or lower its load; watch vllm:request_queue_time_seconds on D.",
+    return (f"D held the request {_ms(seconds)} behind other work before scheduling it or "
+            "pulling P's KV: add decode capacity or lower its load; watch "
+            "vllm:request_queue_time_seconds on D.",
             {"d_arrived_at": _get(turn, "d_arrived_at"),
              "d_scheduled_at": _get(turn, "d_scheduled_at")})
 
@@ -201,6 +203,28 @@ EXPLAIN: dict[LC, Explain] = {
     LC.PROXY_OVERHEAD: _proxy_overhead, LC.FAILED_ATTEMPT: _failed_attempt,
 }
 assert set(EXPLAIN) == set(LC) == set(CAUSE_OF.values()) | {LC.DECODE_BUSY}
+
+# What each cause means and what to do (docs/timeline.md is generated from these).
+CAUSE_DOCS: dict[LC, str] = {
+    LC.QUEUED_AT_P: "P held the request behind other work (in its waiting queue, or its "
+                    "worker finishing a step before starting the read): add prefill "
+                    "capacity, bound concurrent long prompts.",
+    LC.QUEUED_AT_D: "D held the request behind other work (before scheduling it, or "
+                    "before starting to pull P's KV): add decode capacity.",
+    LC.CONNECTION_SETUP: "A NIXL handshake before the first transfer between a P and a D "
+                         "(after an engine start): warm each pair at start-up.",
+    LC.SLOW_READ: "P's read of D's KV took long: the P<->D link, or a busy D.",
+    LC.PREFILL_COMPUTE: "P computed the tokens it did not reuse: see the reuse verdict; "
+                        "prefill capacity for long prompts.",
+    LC.SLOW_HANDOFF: "D pulling P's KV (the P->D hand-off) took long: the P->D link.",
+    LC.DECODE_BUSY: "D produced tokens slower than this source's typical rate, or took "
+                    "long to its first token after the KV arrived: shared or slowed steps.",
+    LC.LONG_OUTPUT: "Decode at the typical rate dominated: latency follows output length.",
+    LC.ENGINE_API: "The engines' API servers (HTTP, tokenization, detokenization).",
+    LC.PROXY_OVERHEAD: "The proxy's own work: lookup, store, relaying.",
+    LC.FAILED_ATTEMPT: "P's first attempt failed and was retried without D's params.",
+}
+assert set(CAUSE_DOCS) == set(LC)
 
 
 def cause_of(phase: P, turn: Mapping[str, Any], context: CauseContext) -> LC:

@@ -35,7 +35,7 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "p_retry_sent_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_RETRY_SENT_AT.key),
     "p_answered_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_ANSWERED_AT.key),
     "d_sent_at": (sc.SPAN_PROXY_TURN, sc.DECODE_SENT_AT.key),
-    "d_first_byte_at": (sc.SPAN_PROXY_TURN, sc.DECODE_FIRST_BYTE_AT.key),
+    "d_first_output_at": (sc.SPAN_PROXY_TURN, sc.DECODE_FIRST_OUTPUT_AT.key),
     "d_answered_at": (sc.SPAN_PROXY_TURN, sc.DECODE_ANSWERED_AT.key),
     "lookup_span_id": (sc.SPAN_PROXY_LOOKUP, "span_id"),
     "lookup": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_OUTCOME.key),
@@ -84,6 +84,11 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "handoff_bytes": (sc.SPAN_HANDOFF, sc.READ_BYTES.key),
     "handoff_duration_s": (sc.SPAN_HANDOFF, sc.READ_DURATION.key),
     "handoff_setup_s": (sc.SPAN_HANDOFF, sc.READ_SETUP.key),
+    "vllm_p_start_ns": (sc.SPAN_VLLM_PREFILL, "start_ns"),
+    "vllm_p_ttft_s": (sc.SPAN_VLLM_PREFILL, sc.VLLM_TTFT.key),
+    "vllm_d_start_ns": (sc.SPAN_VLLM_DECODE, "start_ns"),
+    "vllm_d_ttft_s": (sc.SPAN_VLLM_DECODE, sc.VLLM_TTFT.key),
+    "vllm_d_e2e_s": (sc.SPAN_VLLM_DECODE, sc.VLLM_E2E.key),
     "export_span_id": (sc.SPAN_EXPORT, "span_id"),
     "decode_request_id": (sc.SPAN_EXPORT, sc.REQUEST_ID.key),
     "export_tokens": (sc.SPAN_EXPORT, sc.EXPORT_TOKENS.key),
@@ -101,6 +106,25 @@ PREVIOUS_TURN_FIELDS = ("export_span_id", "export_tokens", "export_expires_at", 
                         "release_span_id", "release_reason", "release_end_ns",
                         "decode_request_id")
 PREVIOUS_PREFIX = "prev_"
+
+
+def vllm_roles(spans: pd.DataFrame) -> pd.DataFrame:
+    """vLLM's request spans renamed by role. Every engine names its span alike; the role
+    comes from ``service.name`` when it says prefill or decode, else from the trace: the
+    turn's last vLLM span is D's (the proxy calls P first, D last), earlier ones P's."""
+    vllm = spans["name"] == sc.VLLM_REQUEST_SPAN
+    if not vllm.any():
+        return spans
+    rows = spans[vllm]
+    service = rows["service"].astype("string").str.lower() if "service" in rows else \
+        pd.Series(pd.NA, index=rows.index, dtype="string")
+    last = rows["start_ns"] == rows.groupby("trace_id")["start_ns"].transform("max")
+    decode = service.str.contains("decode").fillna(False) | (
+        ~service.str.contains("prefill").fillna(False) & last)
+    spans = spans.copy()
+    spans.loc[rows.index, "name"] = decode.map(
+        {True: sc.SPAN_VLLM_DECODE.name, False: sc.SPAN_VLLM_PREFILL.name})
+    return spans
 
 
 def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
@@ -124,7 +148,7 @@ def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
 def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per (tenant, conversation_id, turn), columns ``KEYS + TURN_FIELDS`` +
     derived."""
-    frame = _keyed(spans).sort_values("start_ns", kind="stable")
+    frame = _keyed(vllm_roles(spans)).sort_values("start_ns", kind="stable")
     turns = frame[KEYS].drop_duplicates().set_index(KEYS)
     for span_name in {span for span, _ in TURN_FIELDS.values()}:
         columns = {column: source for column, (span, source) in TURN_FIELDS.items()

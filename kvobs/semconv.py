@@ -64,8 +64,9 @@ INTER_TURN_GAP = _attr("kvobs.turn.gap", "float", "s", "Time since the previous 
 PARAMS_SENT = _attr("kvobs.proxy.params_sent", "bool", "", "Previous turn's params sent to P.")
 STREAM = _attr("kvobs.proxy.stream", "bool", "", "Client asked for a streaming response.")
 TTFT = _attr("kvobs.ttft", "float", "s",
-             "Time to first token seen by the proxy: streamed turns only (a non-streamed "
-             "response shows the proxy only its end; see the turn timeline).")
+             "Time to first token seen by the proxy (the first chunk carrying output): "
+             "streamed turns only (a non-streamed response shows the proxy only its end; "
+             "see the turn timeline).")
 PREFILL_TIME = _attr("kvobs.proxy.prefill.duration", "float", "s", "P leg duration.")
 DECODE_TIME = _attr("kvobs.proxy.decode.duration", "float", "s", "D leg duration.")
 # Proxy timeline marks (wall clock): with the turn span's start and end they bound the
@@ -79,9 +80,10 @@ PREFILL_ANSWERED_AT = _attr(
     "kvobs.proxy.prefill.answered_at", "float", "unix s", "P's whole answer reached the proxy.")
 DECODE_SENT_AT = _attr(
     "kvobs.proxy.decode.sent_at", "float", "unix s", "The proxy sent the D request.")
-DECODE_FIRST_BYTE_AT = _attr(
-    "kvobs.proxy.decode.first_byte_at", "float", "unix s",
-    "D's first streamed bytes reached the proxy (streamed turns only).")
+DECODE_FIRST_OUTPUT_AT = _attr(
+    "kvobs.proxy.decode.first_output_at", "float", "unix s",
+    "The first streamed chunk carrying output (text, reasoning or a tool call) reached the "
+    "proxy: the client-visible first token (streamed turns only).")
 DECODE_ANSWERED_AT = _attr(
     "kvobs.proxy.decode.answered_at", "float", "unix s", "D's whole answer reached the proxy.")
 FALLBACK_REASON = _attr("kvobs.fallback.reason", "str", "", "FallbackReason value.")
@@ -143,6 +145,15 @@ REQUEST_FIRST_TOKEN_AT = _attr(
 OUTPUT_TOKENS = _attr(
     "gen_ai.usage.output_tokens", "int", "tokens", "Tokens the engine generated.")
 
+# vLLM's own request span (``--otlp-traces-endpoint``), read when present: emitted by
+# each engine's API server at the request's end, child of the proxy's traceparent.
+VLLM_TTFT = _attr("gen_ai.latency.time_to_first_token", "float", "s",
+                  "vLLM: first token minus arrival (its request span).")
+VLLM_E2E = _attr("gen_ai.latency.e2e", "float", "s",
+                 "vLLM: request end minus arrival (its request span).")
+VLLM_TIME_IN_QUEUE = _attr("gen_ai.latency.time_in_queue", "float", "s",
+                           "vLLM: queued to scheduled, engine clock (its request span).")
+
 # Decode export / retention
 EXPORT_BLOCKS = _attr("kvobs.export.blocks", "int", "blocks", "Blocks D retained for reuse.")
 EXPORT_TOKENS = _attr("kvobs.export.tokens", "int", "tokens", "Tokens those blocks cover.")
@@ -200,6 +211,13 @@ SPAN_DECODE_REQUEST = _span(
     "D's request from arrival to its end: queue, hand-off, first token, decode marks.")
 SPAN_HANDOFF = _span(
     "kvobs.decode.handoff", Service.DECODE, "D reading P's KV for the turn (P->D hand-off).")
+# vLLM's request span, one name for every engine; kvobs tells P's from D's
+# (kvobs/correlate.py) and reads them under these role names.
+VLLM_REQUEST_SPAN = "llm_request"
+SPAN_VLLM_PREFILL = SpanName("vllm.prefill.llm_request", Service.PREFILL,
+                             "vLLM's own request span on P (role assigned by kvobs).")
+SPAN_VLLM_DECODE = SpanName("vllm.decode.llm_request", Service.DECODE,
+                            "vLLM's own request span on D (role assigned by kvobs).")
 SPAN_EXPORT = _span("kvobs.decode.export", Service.DECODE, "D retained blocks and exported params.")
 SPAN_RELEASE = _span("kvobs.decode.release", Service.DECODE, "D released retained blocks.")
 
@@ -321,14 +339,16 @@ class Phase(str, enum.Enum):
     P_FRONTEND = "p-frontend"  # P request sent -> P engine arrival: HTTP, tokenization
     P_QUEUE = "p-queue"  # P arrival -> first scheduled: waiting behind other requests
     P_SCHEDULE = "p-schedule"  # first scheduled -> blocks allocated, pull decided
-    READ_SETUP = "read-setup"  # decided -> D->P read started: NIXL handshake, first time
+    READ_WAIT = "read-wait"  # decided -> P's worker asked for the read: its step finishing
+    READ_SETUP = "read-setup"  # read asked for -> started: NIXL handshake, first time
     READ = "read"  # D->P read started -> P's scheduler saw the KV arrive
     P_COMPUTE = "p-compute"  # KV ready (or decided) -> P's first token: tokens not reused
     P_RETURN = "p-return"  # P's first token -> P's answer at the proxy
     PROXY_HOP = "proxy-hop"  # P's answer at the proxy -> D request sent
     D_FRONTEND = "d-frontend"  # D request sent -> D engine arrival
     D_QUEUE = "d-queue"  # D arrival -> first scheduled on D
-    HANDOFF_SETUP = "handoff-setup"  # D scheduled -> D's read of P's KV started
+    HANDOFF_WAIT = "handoff-wait"  # D scheduled -> D's worker asked for P's KV
+    HANDOFF_SETUP = "handoff-setup"  # asked for -> D's read of P's KV started: handshake
     HANDOFF = "handoff"  # D's read of P's KV (P->D hand-off) -> KV ready on D
     D_FIRST_TOKEN = "d-first-token"  # KV ready on D -> first token (client-visible)
     DECODE = "decode"  # first token -> D's whole answer at the proxy

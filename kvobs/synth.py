@@ -452,6 +452,7 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
         S.READ_ERROR.key: pa.array(np.full(n, "nixl-transfer-error", dtype=object),
                                    mask=~failed),
         S.REMAINING_TTL_AT_READ.key: config.ttl_s - t["gap"],
+        S.READ_SETUP.key: 0.2 * ms,
         S.REMOTE_ENGINE_ID.key: "synthetic-decode-0"}, kind=3, error=failed)
     # Fallback: the proxy retries P without params; P decides again and recomputes.
     spans.add(S.SPAN_PROXY_FALLBACK, fallback, read_end, read_end + 200_000, {

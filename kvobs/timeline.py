@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pandas as pd
 
+from kvobs import columns as col
 from kvobs import semconv as sc
 from kvobs.semconv import Phase
 
@@ -47,43 +48,44 @@ TIMELINE_COLUMNS = ("latency_s", "ttft_s", "ttft_source", "slowest_phase", "slow
                     "ttft_gained_s") + PHASE_COLUMNS
 
 _T = pd.DataFrame
+_C = col.Cached  # what mark readers get: the turn table, each column converted once
 
 
-def _num(turns: _T, column: str) -> np.ndarray:
-    if column not in turns:
-        return np.full(len(turns), np.nan)
-    return pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
+def _ns(column: str) -> Callable[[_C], np.ndarray]:
+    return lambda c: c.num(column) / 1e9
 
 
-def _ns(column: str) -> Callable[[_T], np.ndarray]:
-    return lambda turns: _num(turns, column) / 1e9
+def _col(column: str) -> Callable[[_C], np.ndarray]:
+    return lambda c: c.num(column)
 
 
-def _col(column: str) -> Callable[[_T], np.ndarray]:
-    return lambda turns: _num(turns, column)
+def _always(c: _C) -> np.ndarray:
+    return np.ones(len(c), bool)
 
 
-def _present(turns: _T, column: str) -> np.ndarray:
-    if column not in turns:
-        return np.zeros(len(turns), bool)
-    return turns[column].notna().to_numpy(bool)
+def _or_vllm(column: str, role: str, ttft: bool = False) -> Callable[[_C], np.ndarray]:
+    """A connector mark, else the same instant from vLLM's own request span (its start
+    is vLLM's arrival time; its first token is that plus its TTFT)."""
+    def read(c: _C) -> np.ndarray:
+        vllm = c.num(f"vllm_{role}_start_ns") / 1e9
+        if ttft:
+            vllm = vllm + c.num(f"vllm_{role}_ttft_s")
+        own = c.num(column)
+        return np.where(np.isnan(own), vllm, own)
+    return read
 
 
-def _is(turns: _T, column: str, value: str) -> np.ndarray:
-    if column not in turns:
-        return np.zeros(len(turns), bool)
-    return (turns[column].astype(object) == value).to_numpy(bool)
+def _requested(prefix: str) -> Callable[[_C], np.ndarray]:
+    """When the worker was asked for a read: its start less its set-up (one span)."""
+    return lambda c: c.num(f"{prefix}_start_ns") / 1e9 - c.num(f"{prefix}_setup_s")
 
 
-def _always(turns: _T) -> np.ndarray:
-    return np.ones(len(turns), bool)
-
-
-def _first_token(turns: _T) -> np.ndarray:
+def _first_token(c: _C) -> np.ndarray:
     """Client-visible first token: D's first bytes at the proxy when streamed, else D's
     engine-side first token (the proxy sees a non-streamed answer only at its end)."""
-    streamed = _num(turns, "d_first_byte_at")
-    return np.where(np.isnan(streamed), _num(turns, "d_first_token_at"), streamed)
+    streamed = c.num("d_first_output_at")
+    return np.where(np.isnan(streamed), _or_vllm("d_first_token_at", "d", True)(c),
+                    streamed)
 
 
 @dataclass(frozen=True)
@@ -91,40 +93,49 @@ class Mark:
     """A timeline instant: how to read it, which span carries it, when it applies."""
 
     name: str
-    read: Callable[[_T], np.ndarray]
+    read: Callable[[_C], np.ndarray]
     span: sc.SpanName
-    applies: Callable[[_T], np.ndarray] = _always
+    applies: Callable[[_C], np.ndarray] = _always
 
 
-def _read_applies(turns: _T) -> np.ndarray:
-    return _is(turns, "decision", sc.PullDecision.PULL.value) | _present(turns, "read_span_id")
+def _read_applies(c: _C) -> np.ndarray:
+    """P decided to read D's KV (or a read span exists)."""
+    return c.eq("decision", sc.PullDecision.PULL.value) | c.present("read_span_id")
 
 
-def _read_done(turns: _T) -> np.ndarray:
-    return _is(turns, "read_outcome", sc.ReadOutcome.DONE.value)
+def _read_done(c: _C) -> np.ndarray:
+    """P's read of D's KV succeeded."""
+    return c.eq("read_outcome", sc.ReadOutcome.DONE.value)
 
 
-def _handoff_applies(turns: _T) -> np.ndarray:
+def _retried(c: _C) -> np.ndarray:
+    """The proxy retried P without params."""
+    return c.present("p_retry_sent_at")
+
+
+def _handoff_applies(c: _C) -> np.ndarray:
     """D pulled P's KV (or did not say: its request span is missing too)."""
-    return (_present(turns, "handoff_span_id") | _present(turns, "d_kv_ready_at")
-            | ~_present(turns, "d_request_span_id"))
+    return (c.present("handoff_span_id") | c.present("d_kv_ready_at")
+            | ~c.present("d_request_span_id"))
 
 
 MARKS: tuple[Mark, ...] = (
     Mark("turn-start", _ns("turn_start_ns"), sc.SPAN_PROXY_TURN),
     Mark("p-sent", _col("p_sent_at"), sc.SPAN_PROXY_TURN),
     Mark("p-retry-sent", _col("p_retry_sent_at"), sc.SPAN_PROXY_TURN,
-         lambda t: _present(t, "p_retry_sent_at")),
-    Mark("p-arrived", _col("p_arrived_at"), sc.SPAN_PREFILL_REQUEST),
+         _retried),
+    Mark("p-arrived", _or_vllm("p_arrived_at", "p"), sc.SPAN_PREFILL_REQUEST),
     Mark("p-scheduled", _col("p_scheduled_at"), sc.SPAN_PREFILL_REQUEST),
     Mark("p-allocated", _col("p_allocated_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("read-requested", _requested("read"), sc.SPAN_READ, _read_applies),
     Mark("read-start", _ns("read_start_ns"), sc.SPAN_READ, _read_applies),
     Mark("p-kv-ready", _col("p_kv_ready_at"), sc.SPAN_PREFILL_REQUEST, _read_done),
-    Mark("p-first-token", _col("p_first_token_at"), sc.SPAN_PREFILL_REQUEST),
+    Mark("p-first-token", _or_vllm("p_first_token_at", "p", True), sc.SPAN_PREFILL_REQUEST),
     Mark("p-answered", _col("p_answered_at"), sc.SPAN_PROXY_TURN),
     Mark("d-sent", _col("d_sent_at"), sc.SPAN_PROXY_TURN),
-    Mark("d-arrived", _col("d_arrived_at"), sc.SPAN_DECODE_REQUEST),
+    Mark("d-arrived", _or_vllm("d_arrived_at", "d"), sc.SPAN_DECODE_REQUEST),
     Mark("d-scheduled", _col("d_scheduled_at"), sc.SPAN_DECODE_REQUEST),
+    Mark("handoff-requested", _requested("handoff"), sc.SPAN_HANDOFF, _handoff_applies),
     Mark("handoff-start", _ns("handoff_start_ns"), sc.SPAN_HANDOFF, _handoff_applies),
     Mark("d-kv-ready", _col("d_kv_ready_at"), sc.SPAN_DECODE_REQUEST, _handoff_applies),
     Mark("first-token", _first_token, sc.SPAN_DECODE_REQUEST),
@@ -132,6 +143,21 @@ MARKS: tuple[Mark, ...] = (
     Mark("turn-end", _ns("turn_end_ns"), sc.SPAN_PROXY_TURN),
 )
 assert len(MARKS) == len(PHASES) + 1
+# The turn-table column each mark is read from (docs; vLLM fallbacks in _or_vllm).
+MARK_COLUMNS = {
+    "turn-start": "turn_start_ns", "p-sent": "p_sent_at", "p-retry-sent": "p_retry_sent_at",
+    "p-arrived": "p_arrived_at", "p-scheduled": "p_scheduled_at",
+    "p-allocated": "p_allocated_at",
+    "read-requested": "read_start_ns - read_setup_s", "read-start": "read_start_ns",
+    "p-kv-ready": "p_kv_ready_at", "p-first-token": "p_first_token_at",
+    "p-answered": "p_answered_at", "d-sent": "d_sent_at", "d-arrived": "d_arrived_at",
+    "d-scheduled": "d_scheduled_at",
+    "handoff-requested": "handoff_start_ns - handoff_setup_s",
+    "handoff-start": "handoff_start_ns",
+    "d-kv-ready": "d_kv_ready_at",
+    "first-token": "d_first_output_at (streamed) else d_first_token_at",
+    "d-answered": "d_answered_at", "turn-end": "turn_end_ns"}
+assert set(MARK_COLUMNS) == {m.name for m in MARKS}
 _FIRST_TOKEN = [m.name for m in MARKS].index("first-token")
 
 KNOWN, NOT_APPLICABLE, MISSING = 0, 1, 2
@@ -146,14 +172,15 @@ class Marks:
     status: np.ndarray
 
 
-def read_marks(turns: _T) -> Marks:
-    rows = len(turns)
+def read_marks(turns: _T | _C) -> Marks:
+    c = turns if isinstance(turns, col.Cached) else col.Cached(turns)
+    rows = len(c)
     value = np.full((rows, len(MARKS)), np.nan)
     status = np.full((rows, len(MARKS)), MISSING, np.int8)
     last = np.full(rows, np.nan)
     for i, mark in enumerate(MARKS):
-        read = mark.read(turns)
-        applies = mark.applies(turns)
+        read = mark.read(c)
+        applies = mark.applies(c)
         known = applies & ~np.isnan(read)
         value[known, i] = read[known]
         status[known, i] = KNOWN
@@ -164,11 +191,17 @@ def read_marks(turns: _T) -> Marks:
     return Marks(value, status)
 
 
+_VLLM_TOO = {"p-arrived", "p-first-token", "d-arrived", "first-token"}
+
+
 def _missing_reason(mark: Mark, turns_row: Mapping[str, Any]) -> str:
+    alternative = " or vLLM's own request span" if mark.name in _VLLM_TOO else ""
     if mark.name == "first-token" and not turns_row.get("stream"):
         return ("non-streamed turn: the proxy sees only the end of D's answer, and D's "
-                f"first token needs the {mark.span.name} span ({mark.span.service.value})")
-    return f"no {mark.span.name} span ({mark.span.service.value}) for mark {mark.name}"
+                f"first token needs the {mark.span.name} span ({mark.span.service.value})"
+                + alternative)
+    return (f"no {mark.span.name} span ({mark.span.service.value}){alternative} for mark "
+            f"{mark.name}")
 
 
 @dataclass
@@ -185,7 +218,8 @@ class Timeline:
 
     @property
     def slowest(self) -> tuple[str, float] | None:
-        measured = [(name, s) for name, s in self.phases.items() if "+" not in name]
+        measured = [(name, s) for name, s in self.phases.items()
+                    if "+" not in name and s > 0]
         if not measured:
             return None
         return max(measured, key=lambda item: item[1])
@@ -241,7 +275,7 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
                                      "first engine mark, the router's own time unseen")
     if status[0] == KNOWN and status[_FIRST_TOKEN] == KNOWN:
         out.ttft_s = float(value[_FIRST_TOKEN] - value[0])
-        out.ttft_source = ("proxy-stream" if turn.get("d_first_byte_at") is not None
+        out.ttft_source = ("proxy-stream" if turn.get("d_first_output_at") is not None
                            else "engine")
     return out
 
@@ -252,7 +286,8 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     measured alone, 0 for a step the turn did not take, NaN when merged or missing; in
     place because a fleet table has millions of rows), the marks for ``timeline_of`` and
     the P compute rate the reuse gains were priced at (given, or measured here)."""
-    marks = read_marks(turns)
+    c = col.Cached(turns)
+    marks = read_marks(c)
     value, status = marks.value, marks.status
     out = turns
     rows = len(turns)
@@ -274,46 +309,47 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     out["latency_s"] = np.where(enough, hi - lo, np.nan)
     ttft_known = (status[:, 0] == KNOWN) & (status[:, _FIRST_TOKEN] == KNOWN)
     out["ttft_s"] = np.where(ttft_known, value[:, _FIRST_TOKEN] - value[:, 0], np.nan)
-    streamed = _present(turns, "d_first_byte_at")
-    out["ttft_source"] = pd.array(np.where(
-        ttft_known, np.where(streamed, "proxy-stream", "engine"), None), dtype=object)
+    streamed = c.present("d_first_output_at")
+    # Categorical: two names (and the phases' below) over millions of rows.
+    out["ttft_source"] = pd.Categorical.from_codes(
+        np.where(ttft_known, np.where(streamed, 0, 1), -1), ["proxy-stream", "engine"])
     filled = np.where(np.isnan(phase_seconds), -np.inf, phase_seconds)
     best = filled.argmax(axis=1) if rows else np.zeros(0, int)
     best_s = filled[np.arange(rows), best] if rows else np.zeros(0)
-    has_best = np.isfinite(best_s)
-    names = np.array([p.value for p in PHASES], dtype=object)
-    out["slowest_phase"] = pd.array(np.where(has_best, names[best], None), dtype=object)
+    has_best = np.isfinite(best_s) & (best_s > 0)
+    out["slowest_phase"] = pd.Categorical.from_codes(np.where(has_best, best, -1),
+                                                     [p.value for p in PHASES])
     out["slowest_s"] = np.where(has_best, best_s, np.nan)
     latency = out["latency_s"].to_numpy(float)
     with np.errstate(invalid="ignore", divide="ignore"):
         out["slowest_share"] = np.where(has_best & (latency > 0), best_s / latency, np.nan)
-    rate = prefill_tokens_per_s or prefill_rate(out)
-    _reuse_gain(out, rate)
+    rate = prefill_tokens_per_s or prefill_rate(c)
+    _reuse_gain(c, rate)
     return out, marks, rate
 
 
-def _reuse_gain(turns: _T, rate: float | None) -> None:
+def _reuse_gain(c: _C, rate: float | None) -> None:
     """Compute saved and TTFT gained by a read, apart: the read saved P computing the
     tokens it brought (tokens, and seconds at ``rate``); TTFT gained what those seconds
     were worth less what the read cost (set-up and read phases). Reuse can save compute
     and still gain no TTFT."""
-    done = _read_done(turns)
-    tokens = _num(turns, "offered_tokens") if "offered_tokens" in turns else \
-        _num(turns, "candidate_tokens")
-    tokens = np.where(done, tokens, np.where(_present(turns, "decision"), 0, np.nan))
+    turns = c.turns
+    done = _read_done(c)
+    tokens = c.num("offered_tokens") if "offered_tokens" in c else c.num("candidate_tokens")
+    tokens = np.where(done, tokens, np.where(c.present("decision"), 0, np.nan))
     turns["compute_saved_tokens"] = tokens
-    saved = tokens / rate if rate else np.full(len(turns), np.nan)
+    saved = tokens / rate if rate else np.full(len(c), np.nan)
     turns["compute_saved_s"] = saved
-    cost = (np.nan_to_num(_first_of(turns, phase_column(Phase.READ_SETUP), "read_setup_s"))
-            + _first_of(turns, phase_column(Phase.READ), "read_duration_s"))
+    cost = (np.nan_to_num(_first_of(c, phase_column(Phase.READ_SETUP), "read_setup_s"))
+            + _first_of(c, phase_column(Phase.READ), "read_duration_s"))
     turns["ttft_gained_s"] = np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan))
 
 
-def _first_of(turns: _T, *columns: str) -> np.ndarray:
+def _first_of(c: _C, *columns: str) -> np.ndarray:
     """Per row, the first of ``columns`` with a value (NaN when none has)."""
-    out = np.full(len(turns), np.nan)
+    out = np.full(len(c), np.nan)
     for column in columns:
-        out = np.where(np.isnan(out), _num(turns, column), out)
+        out = np.where(np.isnan(out), c.num(column), out)
     return out
 
 
@@ -329,21 +365,22 @@ def _carried_known(status: np.ndarray) -> np.ndarray:
     return out
 
 
-def computed_tokens(turns: _T) -> np.ndarray:
+def computed_tokens(c: _C) -> np.ndarray:
     """Tokens P computed itself (recompute spans summed; else N - L)."""
-    recomputed = _num(turns, "recomputed_tokens")
-    fallback = _num(turns, "prompt_tokens") - np.nan_to_num(_num(turns, "local_hit_tokens"))
+    recomputed = c.num("recomputed_tokens")
+    fallback = c.num("prompt_tokens") - np.nan_to_num(c.num("local_hit_tokens"))
     return np.where(np.isnan(recomputed), fallback, recomputed)
 
 
-def prefill_rate(turns: _T) -> float | None:
+def prefill_rate(turns: _T | _C) -> float | None:
     """Measured P compute rate (tokens/s): median over turns that read nothing of the
     tokens P computed over its compute phase (the P leg the proxy timed when the
     engines' request spans are absent). None when no such turn exists."""
-    computed = computed_tokens(turns)
-    no_read = ~_present(turns, "read_outcome")
+    c = turns if isinstance(turns, col.Cached) else col.Cached(turns)
+    computed = computed_tokens(c)
+    no_read = ~c.present("read_outcome")
     for column in (phase_column(Phase.P_COMPUTE), "prefill_leg_s"):
-        seconds = _num(turns, column)
+        seconds = c.num(column)
         usable = no_read & (computed > 0) & (seconds > 0)
         if usable.any():
             return float(np.median(computed[usable] / seconds[usable]))

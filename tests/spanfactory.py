@@ -48,36 +48,46 @@ class TurnSpec:
     omit: tuple[str, ...] = ()  # span names of the timeline not to emit
 
 
-def marks_of(spec: TurnSpec, begin_ns: int) -> list[int]:
-    """The timeline's marks (ns) for ``spec.phases``, in kvobs.timeline.MARKS order."""
-    out = [begin_ns]
-    for phase in sc.Phase:
-        out.append(out[-1] + int((spec.phases or {}).get(phase.value, 0.0) * SECOND))
+def marks_of(spec: TurnSpec, begin_ns: int) -> dict[str, int]:
+    """The timeline's marks (ns) for ``spec.phases``, by kvobs.timeline.MARKS name."""
+    from kvobs.timeline import MARKS
+
+    out = {MARKS[0].name: begin_ns}
+    previous = begin_ns
+    for phase, mark in zip(sc.Phase, MARKS[1:]):
+        previous += int((spec.phases or {}).get(phase.value, 0.0) * SECOND)
+        out[mark.name] = previous
     return out
 
 
-def _emit_timeline(tracers, corr, spec: TurnSpec, index: int, cid: str, m: list[int]):
-    s = [v / SECOND for v in m]
+def _emit_timeline(tracers, corr, spec: TurnSpec, index: int, cid: str, m: dict[str, int]):
+    s = {name: ns / SECOND for name, ns in m.items()}
     prefill, decode = tracers[sc.Service.PREFILL], tracers[sc.Service.DECODE]
     read_done = spec.read == "done"
     if sc.SPAN_PREFILL_REQUEST.name not in spec.omit:
         emit(prefill, sc.SPAN_PREFILL_REQUEST, corr, {
-            sc.REQUEST_ARRIVED_AT.key: s[3], sc.REQUEST_SCHEDULED_AT.key: s[4],
-            sc.REQUEST_ALLOCATED_AT.key: s[5],
-            sc.REQUEST_KV_READY_AT.key: s[7] if read_done else None,
-            sc.REQUEST_FIRST_TOKEN_AT.key: s[8], sc.PROMPT_TOKENS.key: spec.n,
-            sc.OUTPUT_TOKENS.key: 1, sc.REQUEST_ID.key: f"p-{cid}-{index}"}, m[3], m[8])
+            sc.REQUEST_ARRIVED_AT.key: s["p-arrived"],
+            sc.REQUEST_SCHEDULED_AT.key: s["p-scheduled"],
+            sc.REQUEST_ALLOCATED_AT.key: s["p-allocated"],
+            sc.REQUEST_KV_READY_AT.key: s["p-kv-ready"] if read_done else None,
+            sc.REQUEST_FIRST_TOKEN_AT.key: s["p-first-token"], sc.PROMPT_TOKENS.key: spec.n,
+            sc.OUTPUT_TOKENS.key: 1, sc.REQUEST_ID.key: f"p-{cid}-{index}"},
+             m["p-arrived"], m["p-first-token"])
     if sc.SPAN_DECODE_REQUEST.name not in spec.omit:
         emit(decode, sc.SPAN_DECODE_REQUEST, corr, {
-            sc.REQUEST_ARRIVED_AT.key: s[11], sc.REQUEST_SCHEDULED_AT.key: s[12],
-            sc.REQUEST_KV_READY_AT.key: s[14], sc.REQUEST_FIRST_TOKEN_AT.key: s[15],
+            sc.REQUEST_ARRIVED_AT.key: s["d-arrived"],
+            sc.REQUEST_SCHEDULED_AT.key: s["d-scheduled"],
+            sc.REQUEST_KV_READY_AT.key: s["d-kv-ready"],
+            sc.REQUEST_FIRST_TOKEN_AT.key: s["first-token"],
             sc.PROMPT_TOKENS.key: spec.n, sc.OUTPUT_TOKENS.key: spec.output_tokens,
-            sc.REQUEST_ID.key: f"d-{cid}-{index}"}, m[11], m[16])
+            sc.REQUEST_ID.key: f"d-{cid}-{index}"}, m["d-arrived"], m["d-answered"])
     if sc.SPAN_HANDOFF.name not in spec.omit:
         emit(decode, sc.SPAN_HANDOFF, corr, {
             sc.READ_DIRECTION.key: "p_to_d", sc.READ_OUTCOME.key: "done",
-            sc.READ_BYTES.key: spec.read_bytes, sc.READ_DURATION.key: s[14] - s[13],
-            sc.READ_SETUP.key: s[13] - s[12]}, m[13], m[14])
+            sc.READ_BYTES.key: spec.read_bytes,
+            sc.READ_DURATION.key: s["d-kv-ready"] - s["handoff-start"],
+            sc.READ_SETUP.key: s["handoff-start"] - s["handoff-requested"]},
+             m["handoff-start"], m["d-kv-ready"])
 
 
 class Tracers:
@@ -102,7 +112,7 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
         begin, end = t, t + int((spec.ttft_s + 0.1) * SECOND)
         marks = marks_of(spec, begin) if spec.phases is not None else None
         if marks is not None:
-            end = marks[-1]
+            end = marks["turn-end"]
             _emit_timeline(tracers, corr, spec, index, conversation_id, marks)
         proxy, prefill, decode = (tracers[sc.Service.PROXY], tracers[sc.Service.PREFILL],
                                   tracers[sc.Service.DECODE])
@@ -110,14 +120,15 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
             attributes = {sc.STREAM.key: spec.stream, sc.TTFT.key: spec.ttft_s,
                           sc.PREFILL_TIME.key: spec.prefill_leg_s}
             if marks is not None:
-                s = [v / SECOND for v in marks]
+                s = {name: ns / SECOND for name, ns in marks.items()}
                 attributes.update({
-                    sc.TTFT.key: s[15] - s[0] if spec.stream else None,
-                    sc.PREFILL_SENT_AT.key: s[1],
-                    sc.PREFILL_RETRY_SENT_AT.key: s[2] if spec.fallback else None,
-                    sc.PREFILL_ANSWERED_AT.key: s[9], sc.DECODE_SENT_AT.key: s[10],
-                    sc.DECODE_FIRST_BYTE_AT.key: s[15] if spec.stream else None,
-                    sc.DECODE_ANSWERED_AT.key: s[16]})
+                    sc.TTFT.key: s["first-token"] - s["turn-start"] if spec.stream else None,
+                    sc.PREFILL_SENT_AT.key: s["p-sent"],
+                    sc.PREFILL_RETRY_SENT_AT.key: s["p-retry-sent"] if spec.fallback else None,
+                    sc.PREFILL_ANSWERED_AT.key: s["p-answered"],
+                    sc.DECODE_SENT_AT.key: s["d-sent"],
+                    sc.DECODE_FIRST_OUTPUT_AT.key: s["first-token"] if spec.stream else None,
+                    sc.DECODE_ANSWERED_AT.key: s["d-answered"]})
             emit(proxy, sc.SPAN_PROXY_TURN, corr, attributes, begin, end)
             if spec.lookup is not None and index > 1:
                 emit(proxy, sc.SPAN_PROXY_LOOKUP, corr,
@@ -136,12 +147,13 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
                   sc.REQUEST_ID.key: f"p-{conversation_id}-{index}", **spec.extra},
                  begin + 1000, begin + 2000)
         if spec.read is not None and sc.SPAN_READ.name not in spec.omit:
-            read_start = marks[6] if marks is not None else begin + 2000
+            read_start = marks["read-start"] if marks is not None else begin + 2000
+            setup = (marks["read-start"] - marks["read-requested"]) / SECOND if marks else None
             emit(prefill, sc.SPAN_READ, corr,
                  {sc.READ_OUTCOME.key: spec.read, sc.READ_BYTES.key: spec.read_bytes,
                   sc.READ_DURATION.key: spec.read_duration_s, sc.READ_BLOCKS.key: 50,
                   sc.REMAINING_TTL_AT_READ.key: spec.ttl_s - spec.gap_s,
-                  sc.READ_SETUP.key: (marks[6] - marks[5]) / SECOND if marks else None},
+                  sc.READ_SETUP.key: setup},
                  read_start, read_start + int(spec.read_duration_s * SECOND),
                  error=spec.read == "failed")
         if spec.stuck:

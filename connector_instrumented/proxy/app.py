@@ -104,7 +104,7 @@ class _TurnState:
     p_retry_sent: float | None = None
     p_answered: float | None = None
     d_sent: float | None = None
-    d_first_byte: float | None = None
+    d_first_output: float | None = None
     d_answered: float | None = None
     source: sc.ParamsSource = PS.NONE
     error: sc.ProxyError | None = None
@@ -456,18 +456,23 @@ class _Proxy:
             await _to_client(client.prepare(request))
             buffer = b""
             async for chunk in response.content.iter_any():
-                if state.ttft_s is None:
-                    state.ttft_s = time.perf_counter() - state.start_perf
-                    state.d_first_byte = time.time()
                 buffer += chunk
                 cut = buffer.rfind(b"\n") + 1
                 if not cut:
                     continue
                 lines, buffer = buffer[:cut], buffer[cut:]
                 out, done = collector.feed(lines)
+                if state.ttft_s is None and collector.has_output:
+                    # TTFT is the first output the client gets, not D's first bytes (a
+                    # role-only or empty first chunk carries no token).
+                    state.ttft_s = time.perf_counter() - state.start_perf
+                    state.d_first_output = time.time()
                 await _to_client(client.write(out))
             if buffer:
                 out, done = collector.feed(buffer + b"\n")
+                if state.ttft_s is None and collector.has_output:
+                    state.ttft_s = time.perf_counter() - state.start_perf
+                    state.d_first_output = time.time()
                 await _to_client(client.write(out))
             if not done:
                 raise aiohttp.ClientPayloadError("decode stream ended without [DONE]")
@@ -613,7 +618,7 @@ class _Proxy:
                     sc.PREFILL_RETRY_SENT_AT.key: state.p_retry_sent,
                     sc.PREFILL_ANSWERED_AT.key: state.p_answered,
                     sc.DECODE_SENT_AT.key: state.d_sent,
-                    sc.DECODE_FIRST_BYTE_AT.key: state.d_first_byte,
+                    sc.DECODE_FIRST_OUTPUT_AT.key: state.d_first_output,
                     sc.DECODE_ANSWERED_AT.key: state.d_answered,
                 })})
                 if state.error is not None:
@@ -701,10 +706,12 @@ def _first_choice(result: Any) -> tuple[dict[str, Any] | None, str | None]:
 class _StreamCollector:
     """Parses SSE lines as they pass: assembles the answer, lifts out D's params."""
 
-    __slots__ = ("params", "_content", "_reasoning", "_text", "_tools", "single", "_chat")
+    __slots__ = ("params", "_content", "_reasoning", "_text", "_tools", "single", "_chat",
+                 "has_output")
 
     def __init__(self):
         self.params: dict[str, Any] | None = None
+        self.has_output = False  # a chunk carried text, reasoning or a tool call
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._text: list[str] = []
@@ -752,8 +759,10 @@ class _StreamCollector:
                     value = delta.get(key)
                     if isinstance(value, str):
                         sink.append(value)
+                        self.has_output = self.has_output or bool(value)
                 for call in delta.get("tool_calls") or ():
                     if isinstance(call, dict):
+                        self.has_output = True
                         slot = self._tools.setdefault(int(call.get("index", 0)), ["", ""])
                         function = call.get("function") or {}
                         slot[0] += function.get("name") or ""
@@ -761,6 +770,7 @@ class _StreamCollector:
             text = choice.get("text")
             if isinstance(text, str):
                 self._text.append(text)
+                self.has_output = self.has_output or bool(text)
 
     def message(self) -> dict[str, Any] | None:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}

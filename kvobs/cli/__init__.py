@@ -27,6 +27,7 @@ COMMANDS = {
     "dashboards": "kvobs.cli.dashboards:dashboards_group",
     "proxy": "kvobs.cli.proxy:proxy_command",
     "testbed": "kvobs.cli.testbed:testbed_group",
+    "collect": "kvobs.cli.collect:command",
     "demo": "kvobs.cli.testbed:demo_command",
 }
 

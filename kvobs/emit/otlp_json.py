@@ -21,7 +21,12 @@ _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> str:
     """Encode finished SDK spans as one OTLP-JSON line (no trailing newline)."""
-    request = MessageToDict(encode_spans(spans))
+    return request_to_otlp_json(encode_spans(spans))
+
+
+def request_to_otlp_json(message) -> str:
+    """An ``ExportTraceServiceRequest`` (protobuf) as one OTLP-JSON line."""
+    request = MessageToDict(message)
     for resource_spans in request.get("resourceSpans", ()):
         for scope_spans in resource_spans.get("scopeSpans", ()):
             for span in scope_spans.get("spans", ()):

@@ -28,7 +28,7 @@ FLEET_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
         "read_bytes", "read_blocks", "read_duration_s", "stuck_span_id", "export_tokens",
         "export_blocks", "ttl_s", "release_reason", "release_end_ns", "release_read_count",
         # timeline marks (kvobs/timeline.py MARKS) and what decides whether they apply
-        "p_sent_at", "p_retry_sent_at", "p_answered_at", "d_sent_at", "d_first_byte_at",
+        "p_sent_at", "p_retry_sent_at", "p_answered_at", "d_sent_at", "d_first_output_at",
         "d_answered_at", "read_span_id", "read_start_ns", "read_setup_s",
         "p_arrived_at", "p_scheduled_at", "p_allocated_at", "p_kv_ready_at",
         "p_first_token_at", "d_request_span_id", "d_arrived_at", "d_scheduled_at",

@@ -86,12 +86,13 @@ def _quantile(values: pd.Series, q: float) -> float | None:
 
 def phase_ranking(turns: pd.DataFrame, rows: np.ndarray, slowest: dict[str, int],
                   unmeasured: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
-    """Where the time of the turns at positions ``rows`` went: per phase its seconds summed over turns, its
-    share of their summed latency, p50/p95 seconds per turn (over turns that measured it
-    alone; 0 when a turn did not take the step) and ``slowest_turns`` (turns where it was
-    the slowest phase), ranked by total seconds, largest first. ``unmeasured_s``: the
-    latency no phase measured alone holds (``unmeasured_latency``), so the phases' shares
-    and its share add up to 1; ``unmeasured_turns``: turns with such a phase."""
+    """Where the time of the turns at positions ``rows`` went: per phase its seconds
+    summed over turns, its share of their summed latency, p50/p95 seconds per turn (over
+    turns that measured it alone; 0 when a turn did not take the step) and
+    ``slowest_turns`` (turns where it was the slowest phase), ranked by total seconds,
+    largest first. ``unmeasured_s``: the latency no phase measured alone holds
+    (``unmeasured_latency``), so the phases' shares and its share add up to 1;
+    ``unmeasured_turns``: turns with such a phase."""
     latency = turns["latency_s"].to_numpy(float).take(rows)
     timed = ~np.isnan(latency)
     latency_ns = _sum_ns(latency[timed])

@@ -8,6 +8,7 @@ only records the scenario's expectations next to what happened so tests can comp
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import threading
@@ -153,10 +154,9 @@ def _completion_text(payload: dict[str, Any]) -> str:
 
 
 def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
-          api_key: str | None = None, on_first_token=None
+          api_key: str | None = None
           ) -> tuple[int, str, float | None, str | None, str | None]:
-    """POST and read the answer: (status, completion text, TTFT, error, trace id);
-    ``on_first_token`` runs when a streamed answer's first text arrives."""
+    """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -183,8 +183,6 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
                 piece = _completion_text(event)
                 if piece and ttft is None:
                     ttft = time.monotonic() - start
-                    if on_first_token is not None:
-                        on_first_token()
                 text.append(piece)
             return response.status, "".join(text), ttft, error, trace_id
     except urllib.error.HTTPError as http_error:
@@ -298,19 +296,29 @@ class ScenarioClient:
         loads = _prefill_load(self.testbed, turn, conversation.rng)
         decode_load = _decode_load(self.testbed, turn, conversation.rng,
                                    self.testbed.safe_token_ids)
-        on_first_token = None
+        timer = None
         if decode_load is not None:
             loads.append(decode_load)
-            if stream:  # D takes the load on while it decodes this turn
-                on_first_token = lambda: decode_load.start(wait=False)  # noqa: E731
+            if turn.decode_load_delay_s:  # lands while D decodes this turn
+                timer = threading.Timer(turn.decode_load_delay_s, decode_load.start,
+                                        kwargs={"wait": False})
             else:
                 decode_load.start(settle_s=0.2)
-        started_at = time.time()
-        begin = time.monotonic()
-        status, text, ttft, error, trace_id = _send(self.testbed.proxy_url + path, body,
-                                                    stream, self.timeout_s,
-                                                    conversation.spec.tenant, on_first_token)
-        latency = time.monotonic() - begin
+        # The client is the instrument the timeline is checked against: no collection of
+        # a long test process's garbage may land inside a measured turn.
+        gc.collect()
+        gc.disable()
+        try:
+            started_at = time.time()
+            begin = time.monotonic()
+            if timer is not None:
+                timer.start()
+            status, text, ttft, error, trace_id = _send(
+                self.testbed.proxy_url + path, body, stream, self.timeout_s,
+                conversation.spec.tenant)
+            latency = time.monotonic() - begin
+        finally:
+            gc.enable()
         for load in loads:
             load.join()
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,

@@ -114,3 +114,18 @@ class ProxyProcess(Process):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+class CollectProcess(Process):
+    """``kvobs collect``: receives the engines' own OTLP traces into ``store_dir``."""
+
+    def __init__(self, log_path: Path, store_dir: str, port: int | None = None):
+        self.port = port or free_ports(1)[0]
+        super().__init__("collect", [sys.executable, "-m", "kvobs", "collect", "--store-dir",
+                                     store_dir, "--port", str(self.port)], log_path)
+        self.wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.port}/health"), 30,
+                        "healthy")
+
+    @property
+    def traces_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/traces"

@@ -16,7 +16,7 @@ from kvobs.testbed.engines import PDPair, free_ports
 from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
 from kvobs.testbed.scenario import EngineSettings
-from kvobs.testbed.services import ProxyProcess, RedisServer
+from kvobs.testbed.services import CollectProcess, ProxyProcess, RedisServer
 
 CONNECTOR_CLASS = "KvobsNixlConnector"
 CONNECTOR_MODULE = "connector_instrumented"
@@ -60,6 +60,7 @@ class Stack:
         self.pair: PDPair | None = None
         self.redis: RedisServer | None = None
         self.proxy: ProxyProcess | None = None
+        self.collect: CollectProcess | None = None
         self.netns: LinkNamespace | None = None
         self.safe_token_ids: list[int] = []
         self._proxy_starts = 0
@@ -107,6 +108,17 @@ class Stack:
             self.netns.shape(s.link_delay_ms, s.link_rate_mbit)
         telemetry = {"KVOBS_STORE": str(self.out_dir)} if self.instrumented else {}
         transport = {"UCX_TLS": "tcp,self"} if shaped else {}
+        tracing_args: list[str] = []
+        if s.vllm_tracing:
+            # vLLM's own request spans over OTLP, through a receiver into the store. vLLM
+            # puts its endpoint in the engine's environment, where the connector's spans
+            # follow it (the standard OTEL_* route): they too reach the store that way,
+            # once, instead of also being written there directly.
+            self.collect = CollectProcess(self.out_dir / LOGS / "collect.log",
+                                          str(self.out_dir))
+            tracing_args = ["--otlp-traces-endpoint", self.collect.traces_url]
+            telemetry = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.collect.traces_url}
         p_http, d_http, p_side, d_side = free_ports(4)
         self.pair = PDPair(
             model, self.out_dir / LOGS, prefill_port=p_http, decode_port=d_http,
@@ -116,6 +128,7 @@ class Stack:
             decoder_kv_blocks_ttl=s.ttl_s, kv_recompute_threshold=s.threshold,
             kv_load_failure_policy=s.failure_policy,
             extra_config=self._connector_config() if self.instrumented else None,
+            extra_args=tracing_args,
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
             prefill_env={**telemetry, **transport, "KVOBS_ROLE": "prefill"},
             decode_env={**telemetry, **transport, "KVOBS_ROLE": "decode"},
@@ -175,14 +188,14 @@ class Stack:
         # the teardown short and orphan what is not stopped yet: we are stopping anyway.
         previous = _set_sigterm(signal.SIG_IGN)
         try:
-            for component in (self.proxy, self.pair, self.redis, self.netns):
+            for component in (self.proxy, self.pair, self.collect, self.redis, self.netns):
                 if component is None:
                     continue
                 try:
                     component.stop()
                 except Exception as error:  # noqa: BLE001 - keep stopping the rest
                     self.log(f"[testbed] stopping {type(component).__name__}: {error}")
-            self.proxy = self.pair = self.redis = self.netns = None
+            self.proxy = self.pair = self.collect = self.redis = self.netns = None
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

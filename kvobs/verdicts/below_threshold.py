@@ -7,7 +7,7 @@ What to do: nothing unless ``kvobs tune`` shows reads of this size pay off; then
 
 from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.BELOW_THRESHOLD

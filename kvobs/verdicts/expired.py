@@ -10,7 +10,7 @@ it; set ``kv_load_failure_policy`` so a declined read recomputes instead of fail
 """
 
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.EXPIRED

@@ -5,7 +5,7 @@ What to do: nothing.
 """
 
 from kvobs.semconv import PullDecision, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.LOCAL_HIT

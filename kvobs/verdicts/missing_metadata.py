@@ -9,7 +9,7 @@ backend; check ``kvobs_proxy_stores_total`` for streaming responses.
 
 from kvobs import semconv as sc
 from kvobs.semconv import LookupOutcome, PullDecision, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.MISSING_METADATA

@@ -9,7 +9,7 @@ and resend the exact token sequence; if intended, nothing: recomputing is correc
 """
 
 from kvobs.semconv import LookupOutcome, PullDecision, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.PREFIX_MISMATCH

@@ -7,7 +7,7 @@ check P and D agree on ``bidirectional_kv_xfer``; enable the connector's stuck-w
 """
 
 from kvobs.semconv import FallbackReason, ReadOutcome, Verdict
-from kvobs.verdicts import _columns as col
+from kvobs import columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.TRANSFER_FAILED

@@ -44,9 +44,9 @@ def test_diagnose_json_shape_and_exit_ok(source):
     turn = payload["turns"][1]
     assert turn["ttft_s"] is None
     assert list(turn["phases"]) == [
-        "proxy-in+p-frontend+p-queue+p-schedule+read-setup",
-        "read+p-compute+p-return+proxy-hop+d-frontend+d-queue+handoff-setup+handoff"
-        "+d-first-token+decode+proxy-out"]
+        "proxy-in+p-frontend+p-queue+p-schedule+read-wait+read-setup",
+        "read+p-compute+p-return+proxy-hop+d-frontend+d-queue+handoff-wait+handoff-setup"
+        "+handoff+d-first-token+decode+proxy-out"]
     assert sum(turn["phases"].values()) == pytest.approx(turn["latency_s"])
     assert turn["slowest_phase"] is None
     assert "kvobs.prefill.request" in turn["unmeasured"]["p-queue"]

@@ -89,7 +89,7 @@ def test_nonstreaming_reuse_carries_params_and_correlation():
                 assert attrs[key] > 0
             # Non-streamed: the proxy saw only the end of D's answer, so no TTFT; the
             # timeline marks are in order inside the turn span.
-            assert sc.TTFT.key not in attrs and sc.DECODE_FIRST_BYTE_AT.key not in attrs
+            assert sc.TTFT.key not in attrs and sc.DECODE_FIRST_OUTPUT_AT.key not in attrs
             marks = [turn2.start_time / 1e9] + [attrs[m.key] for m in (
                 sc.PREFILL_SENT_AT, sc.PREFILL_ANSWERED_AT, sc.DECODE_SENT_AT,
                 sc.DECODE_ANSWERED_AT)] + [turn2.end_time / 1e9]
@@ -160,11 +160,11 @@ def test_streaming_reuse_from_stream_chunk_and_params_removed_for_client():
             assert turns[0].attributes[sc.STREAM.key] is True
             # Streamed: TTFT is D's first bytes at the proxy, inside the D leg.
             attrs = turns[0].attributes
-            first_byte = attrs[sc.DECODE_FIRST_BYTE_AT.key]
-            assert attrs[sc.DECODE_SENT_AT.key] <= first_byte <= attrs[
+            first_output = attrs[sc.DECODE_FIRST_OUTPUT_AT.key]
+            assert attrs[sc.DECODE_SENT_AT.key] <= first_output <= attrs[
                 sc.DECODE_ANSWERED_AT.key]
             assert attrs[sc.TTFT.key] == pytest.approx(
-                first_byte - turns[0].start_time / 1e9, abs=0.002)
+                first_output - turns[0].start_time / 1e9, abs=0.002)
             assert h.proxy.metric("kvobs_proxy_ttft_seconds_count",
                                   {"turn_bucket": "1", "prompt_bucket": "0-512"}) == 1
     run(scenario())
