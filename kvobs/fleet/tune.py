@@ -60,14 +60,29 @@ def read_model(turns: pd.DataFrame) -> ReadModel | None:
     keep = per_token <= np.quantile(per_token, 0.9)
     if keep.sum() >= 2 and np.ptp(x[keep]) > 0:
         x, y = x[keep], y[keep]
-    if np.ptp(x) > 0:
-        slope, intercept = np.polyfit(x, y, 1)
-    else:
-        slope, intercept = float(np.mean(y / x)), 0.0
+    intercept, slope = _fit(x, y)
     read_bytes = turns["read_bytes"].astype(float).to_numpy()[usable]
     total_s = seconds[usable].sum()
-    return ReadModel(max(0.0, float(intercept)), max(0.0, float(slope)), int(usable.sum()),
+    return ReadModel(intercept, slope, int(usable.sum()),
                      float(np.nansum(read_bytes) / total_s) if total_s > 0 else None)
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(fixed seconds, seconds per token), both >= 0, least squares within that bound.
+
+    Reads of similar sizes with noisy times give a line of any slope and a negative
+    intercept; clamping only the intercept keeps that slope (a 1 ms read of 139 tokens
+    then "costs" 0.5 ms per token). Refit with the bound active instead: through the
+    origin when the intercept would be negative, flat when the slope would be."""
+    if np.ptp(x) > 0:
+        slope, intercept = (float(v) for v in np.polyfit(x, y, 1))
+        if intercept >= 0 and slope >= 0:
+            return intercept, slope
+        if intercept < 0:
+            slope = float(x @ y / (x @ x))
+            if slope >= 0:
+                return 0.0, slope
+    return max(0.0, float(np.mean(y))), 0.0
 
 
 def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

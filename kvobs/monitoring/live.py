@@ -177,9 +177,10 @@ def prometheus_config(targets: dict[str, list[str]], scrape_interval: str = "1s"
 def start_prometheus(targets: dict[str, list[str]], *, binary: str = "prometheus",
                      scrape_interval: str = "1s", rule_files: tuple[str, ...] = (),
                      port: int | None = None, directory: str | Path | None = None,
-                     ready_timeout: float = 30.0, restore_colons: bool = True
-                     ) -> PrometheusProcess:
-    """Start ``prometheus`` scraping ``{job: ["host:port", ...]}``; wait until it is ready."""
+                     ready_timeout: float = 30.0, restore_colons: bool = True,
+                     niceness: int = 0) -> PrometheusProcess:
+    """Start ``prometheus`` scraping ``{job: ["host:port", ...]}``; wait until it is ready.
+    ``niceness`` > 0 runs it below what it watches (a small box measuring latency)."""
     executable = shutil.which(binary)
     if executable is None:
         raise FileNotFoundError(f"{binary!r} not found (Debian: apt-get install prometheus)")
@@ -193,7 +194,8 @@ def start_prometheus(targets: dict[str, list[str]], *, binary: str = "prometheus
     port = port or free_port()
     log = open(workdir / "prometheus.log", "wb")
     process = subprocess.Popen(
-        [executable, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
+        [*(["nice", "-n", str(niceness)] if niceness else []),
+         executable, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
         start_new_session=True)

@@ -234,7 +234,8 @@ class _Load:
 
     def join(self) -> None:
         for thread in self.threads:
-            thread.join(timeout=300)
+            if thread.ident is not None:  # started
+                thread.join(timeout=300)
 
 
 def _prefill_load(testbed: Testbed, turn: TurnSpec, rng: random.Random) -> list[_Load]:
@@ -319,6 +320,8 @@ class ScenarioClient:
             latency = time.monotonic() - begin
         finally:
             gc.enable()
+        if timer is not None:
+            timer.join()  # the load starts even after a short turn, then ends with it
         for load in loads:
             load.join()
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,

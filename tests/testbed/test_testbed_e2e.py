@@ -86,7 +86,10 @@ def _run(scenario_file: str, tmp_path_factory, with_prometheus: bool) -> Run:
             prometheus = live.start_prometheus(
                 {"vllm-prefill": [prefill], "vllm-decode": [decode],
                  "kvobs-proxy": [stack.proxy.url.split("//")[1]]},
-                rule_files=_rule_files(out / "rules"), directory=out / "prometheus")
+                rule_files=_rule_files(out / "rules"), directory=out / "prometheus",
+                # Below the engines, proxy and client: its scrapes and rule evaluations
+                # must not steal the CPU of the turns whose timing is checked.
+                niceness=10)
             # Rates need a sample from before the traffic: wait for every target's scrape.
             live.wait_for_data(prometheus.url, "count(up == 1) == 3", timeout=60)
         try:
