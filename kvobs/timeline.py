@@ -165,8 +165,9 @@ KNOWN, NOT_APPLICABLE, MISSING = 0, 1, 2
 
 @dataclass(frozen=True)
 class Marks:
-    """Every turn's marks: ``value`` (rows x marks, unix s; a not-applicable mark holds
-    the previous mark's value) and ``status`` (KNOWN, NOT_APPLICABLE or MISSING)."""
+    """Every turn's marks: ``value`` (marks x rows, unix s; a not-applicable mark holds
+    the previous mark's value) and ``status`` (KNOWN, NOT_APPLICABLE or MISSING). Mark
+    major: each mark's row of millions of turns is contiguous."""
 
     value: np.ndarray
     status: np.ndarray
@@ -175,18 +176,15 @@ class Marks:
 def read_marks(turns: _T | _C) -> Marks:
     c = turns if isinstance(turns, col.Cached) else col.Cached(turns)
     rows = len(c)
-    value = np.full((rows, len(MARKS)), np.nan)
-    status = np.full((rows, len(MARKS)), MISSING, np.int8)
+    value = np.empty((len(MARKS), rows))
+    status = np.empty((len(MARKS), rows), np.int8)
     last = np.full(rows, np.nan)
     for i, mark in enumerate(MARKS):
         read = mark.read(c)
         applies = mark.applies(c)
         known = applies & ~np.isnan(read)
-        value[known, i] = read[known]
-        status[known, i] = KNOWN
-        skipped = ~applies
-        value[skipped, i] = last[skipped]
-        status[skipped, i] = NOT_APPLICABLE
+        value[i] = np.where(applies, read, last)
+        status[i] = np.where(known, KNOWN, np.where(applies, MISSING, NOT_APPLICABLE))
         last = np.where(known, read, last)
     return Marks(value, status)
 
@@ -236,7 +234,7 @@ class Timeline:
 
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     """The phases of one turn (``row`` of ``marks``; ``turn`` its turn-table row)."""
-    value, status = marks.value[row], marks.status[row]
+    value, status = marks.value[:, row], marks.status[:, row]
     out = Timeline()
     known = np.flatnonzero(status == KNOWN)
     if len(known) >= 2:
@@ -289,43 +287,50 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     c = col.Cached(turns)
     marks = read_marks(c)
     value, status = marks.value, marks.status
-    out = turns
     rows = len(turns)
     # A phase is measured alone when it starts at a known instant (its own mark, or
     # the last known one carried over marks that do not apply) and ends at a known mark.
-    starts_known = _carried_known(status)[:, :-1]
-    end = status[:, 1:]
-    seconds = np.diff(value, axis=1) if rows else np.zeros((0, len(PHASES)))
-    phase_seconds = np.where(starts_known & (end == KNOWN), seconds, np.nan)
-    phase_seconds = np.where(starts_known & (end == NOT_APPLICABLE), 0.0, phase_seconds)
-    for i, column in enumerate(PHASE_COLUMNS):
-        out[column] = phase_seconds[:, i]
-    have = status == KNOWN
-    instants = np.where(have, value, np.nan)
-    enough = have.sum(axis=1) >= 2
-    with np.errstate(invalid="ignore"):
-        lo = np.min(np.where(have, instants, np.inf), axis=1) if rows else np.zeros(0)
-        hi = np.max(np.where(have, instants, -np.inf), axis=1) if rows else np.zeros(0)
-    out["latency_s"] = np.where(enough, hi - lo, np.nan)
-    ttft_known = (status[:, 0] == KNOWN) & (status[:, _FIRST_TOKEN] == KNOWN)
-    out["ttft_s"] = np.where(ttft_known, value[:, _FIRST_TOKEN] - value[:, 0], np.nan)
+    starts_known = _carried_known(status)[:-1]
+    end = status[1:]
+    phase_seconds = np.where(starts_known & (end == KNOWN), np.diff(value, axis=0), np.nan)
+    phase_seconds[starts_known & (end == NOT_APPLICABLE)] = 0.0
+    # Marks are in time order: the latency runs from the first known to the last.
+    # (Reductions run mark by mark: each mark's row is contiguous, a reduction across
+    # marks per turn is not.)
+    earliest, latest = np.full(rows, np.nan), np.full(rows, np.nan)
+    count = np.zeros(rows, np.int8)
+    for i in range(len(MARKS)):
+        known = status[i] == KNOWN
+        earliest = np.where(known & (count == 0), value[i], earliest)
+        latest = np.where(known, value[i], latest)
+        count += known
+    latency = np.where(count >= 2, latest - earliest, np.nan)
+    ttft_known = (status[0] == KNOWN) & (status[_FIRST_TOKEN] == KNOWN)
     streamed = c.present("d_first_output_at")
-    # Categorical: two names (and the phases' below) over millions of rows.
-    out["ttft_source"] = pd.Categorical.from_codes(
-        np.where(ttft_known, np.where(streamed, 0, 1), -1), ["proxy-stream", "engine"])
-    filled = np.where(np.isnan(phase_seconds), -np.inf, phase_seconds)
-    best = filled.argmax(axis=1) if rows else np.zeros(0, int)
-    best_s = filled[np.arange(rows), best] if rows else np.zeros(0)
-    has_best = np.isfinite(best_s) & (best_s > 0)
-    out["slowest_phase"] = pd.Categorical.from_codes(np.where(has_best, best, -1),
-                                                     [p.value for p in PHASES])
-    out["slowest_s"] = np.where(has_best, best_s, np.nan)
-    latency = out["latency_s"].to_numpy(float)
+    best, best_s = np.zeros(rows, np.int64), np.zeros(rows)
+    for i in range(len(PHASES)):
+        longer = phase_seconds[i] > best_s  # NaN compares False
+        best = np.where(longer, i, best)
+        best_s = np.where(longer, phase_seconds[i], best_s)
+    has_best = best_s > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        out["slowest_share"] = np.where(has_best & (latency > 0), best_s / latency, np.nan)
+        share = np.where(has_best & (latency > 0), best_s / latency, np.nan)
+    # One insertion for all the new float columns: a fleet table has millions of rows
+    # and ~60 columns, and each single-column insert costs tens of ms.
+    turns[list(PHASE_COLUMNS)] = pd.DataFrame(phase_seconds.T, index=turns.index,
+                                              columns=PHASE_COLUMNS)
+    turns["latency_s"] = latency
+    turns["ttft_s"] = np.where(ttft_known, value[_FIRST_TOKEN] - value[0], np.nan)
+    # Categorical: two names (and the phases' below) over millions of rows.
+    turns["ttft_source"] = pd.Categorical.from_codes(
+        np.where(ttft_known, np.where(streamed, 0, 1), -1), ["proxy-stream", "engine"])
+    turns["slowest_phase"] = pd.Categorical.from_codes(np.where(has_best, best, -1),
+                                                       [p.value for p in PHASES])
+    turns["slowest_s"] = np.where(has_best, best_s, np.nan)
+    turns["slowest_share"] = share
     rate = prefill_tokens_per_s or prefill_rate(c)
     _reuse_gain(c, rate)
-    return out, marks, rate
+    return turns, marks, rate
 
 
 def _reuse_gain(c: _C, rate: float | None) -> None:
@@ -356,12 +361,11 @@ def _first_of(c: _C, *columns: str) -> np.ndarray:
 def _carried_known(status: np.ndarray) -> np.ndarray:
     """Per mark: whether its value (its own, or carried over marks that do not apply)
     is a known instant."""
-    out = np.zeros(status.shape, bool)
-    last = np.zeros(status.shape[0], bool)
-    for i in range(status.shape[1]):
-        last = np.where(status[:, i] == KNOWN, True,
-                        np.where(status[:, i] == MISSING, False, last))
-        out[:, i] = last
+    out = np.empty(status.shape, bool)
+    last = np.zeros(status.shape[1], bool)
+    for i in range(status.shape[0]):
+        last = np.where(status[i] == KNOWN, True, np.where(status[i] == MISSING, False, last))
+        out[i] = last
     return out
 
 

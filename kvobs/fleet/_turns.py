@@ -249,7 +249,11 @@ def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
 
 def to_frame(table: pa.Table) -> pd.DataFrame:
     """Arrow turn rows (``aggregate``, ClickHouse, the store's turn files) to the pandas
-    turn table, typed by semconv: strings categorical, integers nullable ``Int64``."""
+    turn table, typed by semconv: strings categorical, integers nullable ``Int64``.
+    Columns this version does not know (turn files written by another kvobs version) are
+    left out; columns they lack read as missing downstream."""
+    known = set(FLEET_FIELDS) | set(KEYS)
+    table = table.select([name for name in table.column_names if name in known])
     columns = []
     for name in table.column_names:
         values = table.column(name)
