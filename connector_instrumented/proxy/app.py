@@ -156,8 +156,11 @@ class _Proxy:
                 self.metrics.entries.set(size)
         except Exception:  # noqa: BLE001
             self.metrics.store_errors.labels(self.store.backend).inc()
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # Rendering every series takes milliseconds (tens on a busy box): off the event
+        # loop, so a scrape never holds back the turns being relayed.
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, generate_latest, self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/chat/completions")

@@ -224,7 +224,10 @@ def _duration(value) -> str:
 
 
 def _seconds(value) -> str:
-    return "-" if value is None else f"{value:,.1f}s"
+    """Totals: hours of fleet time, or milliseconds of a small source's."""
+    if value is None:
+        return "-"
+    return f"{value:,.1f}s" if abs(value) >= 10 else _duration(value)
 
 
 def _num(value) -> str:

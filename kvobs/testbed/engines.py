@@ -219,14 +219,6 @@ def _kill_group(proc: subprocess.Popen, grace_s: float) -> None:
         pass
 
 
-# D runs a little below everything else. On two cores a D engine steps busily for as long
-# as it retains blocks (bench/README.md) and starved the proxy and the client that share
-# its core: the client measured tens of ms the proxy never saw (its process waiting for a
-# CPU), which no span can account for. In production the proxy and clients have their own
-# hosts. P keeps normal priority: its reads and prefills are what the verdicts weigh.
-NICENESS = {"prefill": 0, "decode": 5}
-
-
 def start_engine(
     spec: EngineSpec,
     model_path: str | os.PathLike,
@@ -249,7 +241,6 @@ def start_engine(
     cfg = dict(kv_config)
     cfg.setdefault("engine_id", spec.engine_id)
     cmd = [
-        "nice", "-n", str(NICENESS.get(spec.role, 0)),
         *spec.wrapper, python, "-m", "kvobs.testbed._launch", "serve", str(model_path),
         "--host", spec.host,
         "--port", str(spec.port),

@@ -59,8 +59,9 @@ class TurnSpec:
     decode_load_delay_s: float = 0.0  # sent this long after the turn (0: before it, once
     #                                   each generates), to land inside its decode
     expect: str | None = None  # expected verdict (tests and the demo check it)
-    expect_cause: str | None = None  # expected latency cause (kvobs/causes.py) among
-    #                                  the turn's diagnosed causes
+    # Expected latency cause (kvobs/causes.py) among the turn's diagnosed causes; a list
+    # means any one of them (contention that shows as one phase or another by timing).
+    expect_cause: str | tuple[str, ...] | None = None
 
 
 def conversation_label(conversation_id: str, tenant: str | None) -> str:
@@ -98,7 +99,7 @@ class Scenario:
                 for i, t in enumerate(c.turns, 1) if t.expect}
 
     @property
-    def cause_expectations(self) -> dict[tuple[str, int], str]:
+    def cause_expectations(self) -> dict[tuple[str, int], str | tuple[str, ...]]:
         return {(c.label, i): t.expect_cause for c in self.conversations
                 for i, t in enumerate(c.turns, 1) if t.expect_cause}
 
@@ -118,7 +119,9 @@ def _build(cls, raw: dict[str, Any], where: str, **overrides):
 def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
     before = raw.get("before", ())
     before = (before,) if isinstance(before, str) else tuple(before)
-    turn = _build(TurnSpec, raw, where, before=before)
+    cause = raw.get("expect_cause")
+    turn = _build(TurnSpec, raw, where, before=before,
+                  expect_cause=tuple(cause) if isinstance(cause, list) else cause)
     for action in turn.before:
         if action not in ACTIONS:
             raise ScenarioError(f"{where}.before: {action!r} not one of {ACTIONS}")
@@ -127,7 +130,9 @@ def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
     if turn.expect is not None and turn.expect not in {v.value for v in Verdict}:
         raise ScenarioError(f"{where}.expect: {turn.expect!r} is not a verdict")
     causes = {c.value for c in LatencyCause}
-    if turn.expect_cause is not None and turn.expect_cause not in causes:
+    expected = (turn.expect_cause,) if isinstance(turn.expect_cause, str) else (
+        turn.expect_cause or ())
+    if not set(expected) <= causes or (turn.expect_cause is not None and not expected):
         raise ScenarioError(f"{where}.expect_cause: {turn.expect_cause!r} is not one of "
                             f"{sorted(causes)}")
     if min(turn.prefill_load, turn.decode_load) < 0 or min(

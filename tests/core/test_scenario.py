@@ -43,6 +43,10 @@ def test_defaults():
     (MINIMAL + 'expect = "fast"\n', r"expect: 'fast' is not a verdict"),
     (MINIMAL + 'before = "reboot"\n', r"before: 'reboot' not one of"),
     (MINIMAL + "gap_s = -1\n", r"gap_s >= 0"),
+    (MINIMAL + 'expect_cause = "slow"\n', r"expect_cause: 'slow' is not one of"),
+    (MINIMAL + 'expect_cause = ["queued-at-p", "slow"]\n', r"expect_cause: .* is not one of"),
+    (MINIMAL + "expect_cause = []\n", r"expect_cause: \(\) is not one of"),
+    (MINIMAL + "decode_load = -1\n", r"loads >= 0"),
     ('name = "x"\n[engines]\nfailure_policy = "retry"\n' + MINIMAL.split('name = "x"')[1],
      r"engines\.failure_policy"),
     ('name = "x"\n', r"no conversations"),
@@ -56,3 +60,10 @@ def test_bad_scenarios_name_the_field(text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ScenarioError, match="No such file"):
         load(str(tmp_path / "none.toml"))
+
+
+def test_expected_causes_one_or_any_of_several():
+    scenario = parse(MINIMAL + 'expect_cause = ["decode-busy", "queued-at-d"]\n')
+    assert scenario.cause_expectations == {("a", 1): ("decode-busy", "queued-at-d")}
+    assert parse(MINIMAL + 'expect_cause = "queued-at-p"\n').cause_expectations == {
+        ("a", 1): "queued-at-p"}

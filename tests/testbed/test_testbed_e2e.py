@@ -403,3 +403,24 @@ def test_first_hand_off_after_a_decode_restart_waits_for_a_new_connection(demo):
                     and label != "agent-d-restart")
     typical = others[len(others) // 2]
     assert restart > 0.05 and restart > 10 * typical, (restart, others)
+
+
+def test_vllm_own_request_spans_agree_with_the_connector(latency):
+    """With vLLM's tracing on, its request spans reach the store (kvobs collect), are
+    given their roles, and time the same requests as the connector's: arrival (its span
+    start) is the connector's arrival mark, first token (start + its TTFT) within a few
+    ms of the connector's (vLLM stamps it in its API server, after the engine step)."""
+    from kvobs.correlate import turns_from_spans
+
+    turns = turns_from_spans(open_source(str(latency.out)).spans())
+    assert turns["vllm_p_start_ns"].notna().all() and turns["vllm_d_start_ns"].notna().all()
+    for role in ("p", "d"):
+        vllm_arrival = turns[f"vllm_{role}_start_ns"].astype(float) / 1e9
+        ours = turns[f"{role}_arrived_at"].astype(float)
+        assert ((vllm_arrival - ours).abs() < 0.002).all(), role
+    vllm_first = (turns["vllm_d_start_ns"].astype(float) / 1e9
+                  + turns["vllm_d_ttft_s"].astype(float))
+    # Never before ours (the API server learns of the token after the engine step that
+    # made it), usually just after; a busy API server lags further (the d-busy turn).
+    lag = vllm_first - turns["d_first_token_at"].astype(float)
+    assert (lag > -0.002).all() and lag.median() < 0.05, list(lag)
