@@ -23,6 +23,15 @@ def _fmt(value: Any, unit: str = "") -> str:
     return str(value)
 
 
+def duration(value: float | None) -> str:
+    """Seconds for people: phases run from microseconds (a proxy hop) to minutes."""
+    if value is None:
+        return "-"
+    if abs(value) >= 1:
+        return f"{value:.2f}s"
+    return f"{value * 1000:.0f}ms" if abs(value) >= 0.01 else f"{value * 1000:.2f}ms"
+
+
 def _style(diagnosis: TurnDiagnosis) -> str:
     verdict = diagnosis.finding.verdict
     if verdict.value == "insufficient-evidence":
@@ -91,9 +100,9 @@ def timeline_line(timeline: Timeline) -> str:
     total = timeline.latency_s or 0.0
     parts = [f"{name} {seconds / total:.0%}" if total > 0 else name
              for name, seconds in ranked]
-    ttft = (f" ttft {_fmt(timeline.ttft_s, 'ms')} ({timeline.ttft_source})"
+    ttft = (f" ttft {duration(timeline.ttft_s)} ({timeline.ttft_source})"
             if timeline.ttft_s is not None else " ttft -")
-    return (f"{timeline_bar(timeline)} {_fmt(timeline.latency_s, 'ms')}{ttft}  "
+    return (f"{timeline_bar(timeline)} {duration(timeline.latency_s)}{ttft}  "
             + " · ".join(parts))
 
 

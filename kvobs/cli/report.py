@@ -12,7 +12,7 @@ import click
 
 from kvobs.cli._common import (EXIT_OK, console, exit_status, fail_input, load_source,
                                slo_option, source_option)
-from kvobs.render import to_json
+from kvobs.render import duration, to_json
 
 
 def _labelled(source: str, read_slo, prefill_rate):
@@ -117,7 +117,7 @@ def _phase_table(section, title):
     spent = [row for row in section["phases"] if row["total_s"] or row["slowest_turns"]]
     for rank, row in enumerate(spent, 1):
         table.add_row(str(rank), row["phase"], _seconds(row["total_s"]), _pct(row["share"]),
-                      _duration(row["p50_s"]), _duration(row["p95_s"]),
+                      duration(row["p50_s"]), duration(row["p95_s"]),
                       f"{row['slowest_turns']:,}")
     if section["unmeasured_turns"]:
         table.add_row("", f"unmeasured ({section['unmeasured_turns']:,} turns)",
@@ -214,20 +214,11 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f}ms"
 
 
-def _duration(value) -> str:
-    """Per-turn seconds: phases run from microseconds (a proxy hop) to minutes."""
-    if value is None:
-        return "-"
-    if abs(value) >= 1:
-        return f"{value:.2f}s"
-    return f"{value * 1000:.0f}ms" if abs(value) >= 0.01 else f"{value * 1000:.2f}ms"
-
-
 def _seconds(value) -> str:
     """Totals: hours of fleet time, or milliseconds of a small source's."""
     if value is None:
         return "-"
-    return f"{value:,.1f}s" if abs(value) >= 10 else _duration(value)
+    return f"{value:,.1f}s" if abs(value) >= 10 else duration(value)
 
 
 def _num(value) -> str:

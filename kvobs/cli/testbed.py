@@ -81,11 +81,14 @@ def demo_command(out, scenario):
     unanswered = [r for r in results if not r.ok]
     terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "
                    f"{len(differ)} verdicts and {len(differ_causes)} latency causes differ "
-                   f"from the scenario's expectations; {len(unaccounted)} turns whose "
-                   "phases do not add up to what the client measured")
-    for line in differ + differ_causes + unaccounted:
+                   "from the scenario's expectations")
+    for line in differ + differ_causes:
         terminal.print(f"  [red]{line}[/]")
+    # Informative, not a failure: on a small box the client or the proxy sometimes
+    # waits for a CPU outside every span (tests/testbed bounds how often).
+    for line in unaccounted:
+        terminal.print(f"  [yellow]note:[/] {line} (time outside every span)")
     terminal.print(f"Diagnose again: kvobs diagnose ID --source {out}")
-    sys.exit(EXIT_FAULT if differ or differ_causes or unaccounted or unanswered else EXIT_OK)
+    sys.exit(EXIT_FAULT if differ or differ_causes or unanswered else EXIT_OK)
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 
 from kvobs.cli._common import console, exit_status, load_source, slo_option, source_option
 from kvobs.diagnose import all_turns
-from kvobs.render import print_problems, to_json
+from kvobs.render import duration, print_problems, to_json
 from kvobs.semconv import Verdict
 
 
@@ -48,22 +48,18 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
         from rich.table import Table
 
         table = Table()
-        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT s",
-                       "latency s", "slowest", "cause"):
+        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT",
+                       "latency", "slowest", "cause"):
             table.add_column(header)
         for row in rows:
             cause = row["causes"][0]["cause"] if row["causes"] else None
             table.add_row(row["conversation_id"], str(row["turn"]), row["verdict"],
                           str(row["prompt_tokens"]), str(row["candidate_tokens"]),
-                          str(row["read_outcome"]), _seconds(row["ttft_s"]),
-                          _seconds(row["latency_s"]), str(row["slowest_phase"]), str(cause))
+                          str(row["read_outcome"]), duration(row["ttft_s"]),
+                          duration(row["latency_s"]), str(row["slowest_phase"]), str(cause))
         out.print(table)
     print_problems(console() if fmt == "table" else _stderr(), span_source.problems)
     sys.exit(exit_status([t.finding.verdict for t in items]))
-
-
-def _seconds(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def _stderr():

@@ -123,9 +123,13 @@ def prometheus(prometheus_binary):
     targets = fake.start()
     handle = live.start_prometheus(targets, binary=prometheus_binary, scrape_interval="1s")
     try:
+        # Every job's rates need two scrapes: wait for each of the three (a panel over
+        # the decode job's series was empty when only the others were ready).
         samples = live.wait_for_data(
             handle.url, f"rate({sc.M_PULL_DECISIONS.name}[10s]) > 0 "
-                        f"and on() (rate({sc.M_PROXY_TURNS.name}[10s]) > 0)", timeout=60)
+                        f"and on() (rate({sc.M_PROXY_TURNS.name}[10s]) > 0) "
+                        f"and on() (rate({sc.M_VLLM_QUEUE_TIME.name}_count"
+                        f"{{job=\"vllm-decode\"}}[10s]) > 0)", timeout=60)
         assert samples, handle.log()[-2000:]
         yield handle
     finally:

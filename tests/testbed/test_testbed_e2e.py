@@ -327,10 +327,11 @@ def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
 
     Per turn, exactly: the phases sum to the turn's latency (no gap, no overlap) and
     kvobs never accounts more than the client saw (beyond the tolerance). Against the
-    client: the median turn and at least 90 % of the turns within max(10 %, 5 ms). The
-    rest (1-3 of 36 turns in some runs on this 2-core box, 15-420 ms) is time the client
-    or the proxy process waited for a CPU outside every span, before the proxy's
-    handler ran or between its write and the client's read: no span can hold it."""
+    client: the median turn, and all turns but 10 % (at least one allowed per scenario
+    and measure), within max(10 %, 5 ms). The rest (1-3 of 36 turns in some runs on this
+    2-core box, 15-420 ms) is time the client or the proxy process waited for a CPU
+    outside every span, before the proxy's handler ran or between its write and the
+    client's read: no span can hold it."""
     diagnosed = any_run.diagnosed()
     answered = [r for r in any_run.results if r.ok]
     assert all(diagnosed[(r.label, r.turn)] is not None for r in answered)
@@ -350,7 +351,8 @@ def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
     errors = accounting_errors(answered, diagnosed)
     for within in (latency_gaps, ttft_gaps):
         if within:
-            assert sum(within) >= 0.9 * len(within), errors
+            outside = len(within) - sum(within)
+            assert outside <= max(1, 0.1 * len(within)), errors
             assert sorted(within)[len(within) // 2], errors  # the median turn
 
 
