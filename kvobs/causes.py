@@ -120,13 +120,12 @@ def _connection_setup(turn, seconds, context):
     return (f"{_ms(seconds)} went to NIXL connection set-up (the handshake of the first "
             "transfer between this P and D, e.g. after an engine (re)start): warm each P/D "
             "pair with one request at start-up; watch vllm:kvobs_read_setup_seconds.",
-            {"read_setup_s": read_setup, "handoff_setup_s": _get(turn, "handoff_setup_s"),
-             "remote_engine_id": _get(turn, "remote_engine_id")})
+            {"read_setup_s": read_setup, "handoff_setup_s": _get(turn, "handoff_setup_s")})
 
 
 def _slow_read(turn, seconds, context):
-    return (f"The D->P read took {_ms(seconds)}: check the P<->D link "
-            "(vllm:kvobs_remote_read_duration_seconds).",
+    return (f"The D->P read took {_ms(seconds)}: check the P<->D link and D's load (a busy "
+            "D serves reads late; vllm:kvobs_remote_read_duration_seconds).",
             {"read_span_id": _get(turn, "read_span_id"), "read_bytes": _get(turn, "read_bytes"),
              "read_duration_s": _get(turn, "read_duration_s")})
 
