@@ -79,11 +79,11 @@ def timeline_md() -> str:
         applies = "always" if mark.applies is timeline._always else (
             inspect.getdoc(mark.applies) or mark.applies.__name__.strip("_").replace("_", " "))
         lines.append(f"| {mark.name} | `{mark.span.name}` | `{mark.span.service.value}` | "
-                     f"`{timeline.MARK_COLUMNS[mark.name]}` | {applies} |")
+                     f"`{mark.read.source}` | {applies} |")
     lines += ["", "vLLM's own request span (`--otlp-traces-endpoint`; `kvobs collect` receives "
               "it where no Collector runs) stands in for the connector's request spans: its "
               "start is vLLM's arrival time, plus its TTFT the first token "
-              f"({', '.join(sorted(timeline._VLLM_TOO))}).\n",
+              "(marks whose columns read `vllm_*` above).\n",
               "## Latency causes\n", inspect.getdoc(causes) + "\n",
               "| cause | phases | meaning and what to do |", "|---|---|---|"]
     for cause in sc.LatencyCause:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import pandas as pd
 
+from kvobs import columns as col
 from kvobs.semconv import LatencyCause as LC
 from kvobs.semconv import Phase as P
 from kvobs.timeline import PHASES, phase_column
@@ -71,6 +72,15 @@ def _get(turn: Mapping[str, Any], column: str) -> Any:
     return value
 
 
+def _pick(turn: Mapping[str, Any], *columns: str) -> dict[str, Any]:
+    """Evidence: the named columns of the turn (missing ones are dropped by ``causes``)."""
+    return {column: _get(turn, column) for column in columns}
+
+
+def _phases(turn: Mapping[str, Any], *phases: P) -> dict[str, Any]:
+    return {phase.value: _get(turn, phase_column(phase)) for phase in phases}
+
+
 def _per_token(turn: Mapping[str, Any]) -> float | None:
     decode = _get(turn, phase_column(P.DECODE))
     tokens = _get(turn, "output_tokens")
@@ -80,12 +90,8 @@ def _per_token(turn: Mapping[str, Any]) -> float | None:
 
 
 def decode_context(turns: pd.DataFrame) -> CauseContext:
-    column = phase_column(P.DECODE)
-    if column not in turns or "output_tokens" not in turns:
-        return CauseContext()
-    decode = pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
-    tokens = pd.to_numeric(turns["output_tokens"], errors="coerce").to_numpy(
-        float, na_value=np.nan)
+    decode = col.num(turns, phase_column(P.DECODE))
+    tokens = col.num(turns, "output_tokens")
     usable = (tokens >= 2) & (decode > 0)
     if usable.sum() < 3:  # too few to call anything typical
         return CauseContext()
@@ -102,40 +108,34 @@ def _queued_at_p(turn, seconds, context):
     return (f"P queued the request {_ms(seconds)} behind other work: add prefill capacity or "
             "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); watch "
             "vllm:request_queue_time_seconds on P.",
-            {"p_arrived_at": _get(turn, "p_arrived_at"),
-             "p_scheduled_at": _get(turn, "p_scheduled_at"),
-             "prompt_tokens": _get(turn, "prompt_tokens")})
+            _pick(turn, "p_arrived_at", "p_scheduled_at", "prompt_tokens"))
 
 
 def _queued_at_d(turn, seconds, context):
     return (f"D held the request {_ms(seconds)} behind other work before scheduling it or "
             "pulling P's KV: add decode capacity or lower its load; watch "
             "vllm:request_queue_time_seconds on D.",
-            {"d_arrived_at": _get(turn, "d_arrived_at"),
-             "d_scheduled_at": _get(turn, "d_scheduled_at")})
+            _pick(turn, "d_arrived_at", "d_scheduled_at"))
 
 
 def _connection_setup(turn, seconds, context):
-    read_setup = _get(turn, "read_setup_s")
     return (f"{_ms(seconds)} went to NIXL connection set-up (the handshake of the first "
             "transfer between this P and D, e.g. after an engine (re)start): warm each P/D "
             "pair with one request at start-up; watch vllm:kvobs_read_setup_seconds.",
-            {"read_setup_s": read_setup, "handoff_setup_s": _get(turn, "handoff_setup_s")})
+            _pick(turn, "read_setup_s", "handoff_setup_s"))
 
 
 def _slow_read(turn, seconds, context):
     return (f"The D->P read took {_ms(seconds)}: check the P<->D link and D's load (a busy "
             "D serves reads late; vllm:kvobs_remote_read_duration_seconds).",
-            {"read_span_id": _get(turn, "read_span_id"), "read_bytes": _get(turn, "read_bytes"),
-             "read_duration_s": _get(turn, "read_duration_s")})
+            _pick(turn, "read_span_id", "read_bytes", "read_duration_s"))
 
 
 def _prefill_compute(turn, seconds, context):
     return (f"P computed for {_ms(seconds)} ({_get(turn, 'recomputed_tokens')} tokens it did "
             "not reuse): see the verdict for why they were not reused; add prefill capacity "
             "for long first turns.",
-            {"recomputed_tokens": _get(turn, "recomputed_tokens"),
-             "prompt_tokens": _get(turn, "prompt_tokens")})
+            _pick(turn, "recomputed_tokens", "prompt_tokens"))
 
 
 def _slow_handoff(turn, seconds, context):
@@ -176,22 +176,19 @@ def _long_output(turn, seconds, context):
 def _engine_api(turn, seconds, context):
     return (f"The engines' API servers (HTTP, tokenization, detokenization) took "
             f"{_ms(seconds)}: check their CPU headroom.",
-            {phase.value: _get(turn, phase_column(phase))
-             for phase in (P.P_FRONTEND, P.P_RETURN, P.D_FRONTEND)})
+            _phases(turn, P.P_FRONTEND, P.P_RETURN, P.D_FRONTEND))
 
 
 def _proxy_overhead(turn, seconds, context):
     return (f"The proxy's own work (lookup, store, relaying) took {_ms(seconds)}: check its "
             "CPU and its metadata store (kvobs_proxy_phase_seconds).",
-            {phase.value: _get(turn, phase_column(phase))
-             for phase in (P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT)})
+            _phases(turn, P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT))
 
 
 def _failed_attempt(turn, seconds, context):
     return (f"P's first attempt failed ({_get(turn, 'fallback_reason')}) and the proxy "
             f"retried without params: {_ms(seconds)} lost; see the verdict.",
-            {"fallback_span_id": _get(turn, "fallback_span_id"),
-             "fallback_reason": _get(turn, "fallback_reason")})
+            _pick(turn, "fallback_span_id", "fallback_reason"))
 
 
 EXPLAIN: dict[LC, Explain] = {

@@ -51,19 +51,28 @@ _T = pd.DataFrame
 _C = col.Cached  # what mark readers get: the turn table, each column converted once
 
 
-def _ns(column: str) -> Callable[[_C], np.ndarray]:
-    return lambda c: c.num(column) / 1e9
+Reader = Callable[[_C], np.ndarray]
 
 
-def _col(column: str) -> Callable[[_C], np.ndarray]:
-    return lambda c: c.num(column)
+def _sourced(source: str, read: Reader) -> Reader:
+    """A mark reader that says which turn columns it reads (docs/timeline.md)."""
+    read.source = source
+    return read
+
+
+def _ns(column: str) -> Reader:
+    return _sourced(column, lambda c: c.num(column) / 1e9)
+
+
+def _col(column: str) -> Reader:
+    return _sourced(column, lambda c: c.num(column))
 
 
 def _always(c: _C) -> np.ndarray:
     return np.ones(len(c), bool)
 
 
-def _or_vllm(column: str, role: str, ttft: bool = False) -> Callable[[_C], np.ndarray]:
+def _or_vllm(column: str, role: str, ttft: bool = False) -> Reader:
     """A connector mark, else the same instant from vLLM's own request span (its start
     is vLLM's arrival time; its first token is that plus its TTFT)."""
     def read(c: _C) -> np.ndarray:
@@ -72,20 +81,27 @@ def _or_vllm(column: str, role: str, ttft: bool = False) -> Callable[[_C], np.nd
             vllm = vllm + c.num(f"vllm_{role}_ttft_s")
         own = c.num(column)
         return np.where(np.isnan(own), vllm, own)
-    return read
+    vllm = f"vllm_{role}_start_ns" + (f" + vllm_{role}_ttft_s" if ttft else "")
+    return _sourced(f"{column}, else {vllm}", read)
 
 
-def _requested(prefix: str) -> Callable[[_C], np.ndarray]:
+def _requested(prefix: str) -> Reader:
     """When the worker was asked for a read: its start less its set-up (one span)."""
-    return lambda c: c.num(f"{prefix}_start_ns") / 1e9 - c.num(f"{prefix}_setup_s")
+    return _sourced(f"{prefix}_start_ns - {prefix}_setup_s",
+                    lambda c: c.num(f"{prefix}_start_ns") / 1e9 - c.num(f"{prefix}_setup_s"))
+
+
+_D_FIRST_TOKEN = _or_vllm("d_first_token_at", "d", True)
 
 
 def _first_token(c: _C) -> np.ndarray:
-    """Client-visible first token: D's first bytes at the proxy when streamed, else D's
-    engine-side first token (the proxy sees a non-streamed answer only at its end)."""
+    """Client-visible first token: the first output at the proxy when streamed, else
+    D's engine-side first token (the proxy sees a non-streamed answer only at its end)."""
     streamed = c.num("d_first_output_at")
-    return np.where(np.isnan(streamed), _or_vllm("d_first_token_at", "d", True)(c),
-                    streamed)
+    return np.where(np.isnan(streamed), _D_FIRST_TOKEN(c), streamed)
+
+
+_sourced(f"d_first_output_at (streamed), else {_D_FIRST_TOKEN.source}", _first_token)
 
 
 @dataclass(frozen=True)
@@ -93,9 +109,9 @@ class Mark:
     """A timeline instant: how to read it, which span carries it, when it applies."""
 
     name: str
-    read: Callable[[_C], np.ndarray]
+    read: Reader  # with ``.source``: the turn columns it reads
     span: sc.SpanName
-    applies: Callable[[_C], np.ndarray] = _always
+    applies: Reader = _always
 
 
 def _read_applies(c: _C) -> np.ndarray:
@@ -143,21 +159,6 @@ MARKS: tuple[Mark, ...] = (
     Mark("turn-end", _ns("turn_end_ns"), sc.SPAN_PROXY_TURN),
 )
 assert len(MARKS) == len(PHASES) + 1
-# The turn-table column each mark is read from (docs; vLLM fallbacks in _or_vllm).
-MARK_COLUMNS = {
-    "turn-start": "turn_start_ns", "p-sent": "p_sent_at", "p-retry-sent": "p_retry_sent_at",
-    "p-arrived": "p_arrived_at", "p-scheduled": "p_scheduled_at",
-    "p-allocated": "p_allocated_at",
-    "read-requested": "read_start_ns - read_setup_s", "read-start": "read_start_ns",
-    "p-kv-ready": "p_kv_ready_at", "p-first-token": "p_first_token_at",
-    "p-answered": "p_answered_at", "d-sent": "d_sent_at", "d-arrived": "d_arrived_at",
-    "d-scheduled": "d_scheduled_at",
-    "handoff-requested": "handoff_start_ns - handoff_setup_s",
-    "handoff-start": "handoff_start_ns",
-    "d-kv-ready": "d_kv_ready_at",
-    "first-token": "d_first_output_at (streamed) else d_first_token_at",
-    "d-answered": "d_answered_at", "turn-end": "turn_end_ns"}
-assert set(MARK_COLUMNS) == {m.name for m in MARKS}
 _FIRST_TOKEN = [m.name for m in MARKS].index("first-token")
 
 KNOWN, NOT_APPLICABLE, MISSING = 0, 1, 2
@@ -189,11 +190,8 @@ def read_marks(turns: _T | _C) -> Marks:
     return Marks(value, status)
 
 
-_VLLM_TOO = {"p-arrived", "p-first-token", "d-arrived", "first-token"}
-
-
 def _missing_reason(mark: Mark, turns_row: Mapping[str, Any]) -> str:
-    alternative = " or vLLM's own request span" if mark.name in _VLLM_TOO else ""
+    alternative = " or vLLM's own request span" if "vllm_" in mark.read.source else ""
     if mark.name == "first-token" and not turns_row.get("stream"):
         return ("non-streamed turn: the proxy sees only the end of D's answer, and D's "
                 f"first token needs the {mark.span.name} span ({mark.span.service.value})"
@@ -212,33 +210,30 @@ class Timeline:
     latency_s: float | None = None
     ttft_s: float | None = None
     ttft_source: str | None = None
+    slowest_phase: str | None = None
+    slowest_s: float | None = None
+    slowest_share: float | None = None
     skew: list[str] = field(default_factory=list)
 
     @property
     def slowest(self) -> tuple[str, float] | None:
-        measured = [(name, s) for name, s in self.phases.items()
-                    if "+" not in name and s > 0]
-        if not measured:
-            return None
-        return max(measured, key=lambda item: item[1])
+        return None if self.slowest_phase is None else (self.slowest_phase, self.slowest_s)
 
     def to_dict(self) -> dict[str, Any]:
-        slowest = self.slowest
-        share = (slowest[1] / self.latency_s if slowest and self.latency_s else None)
         return {"latency_s": self.latency_s, "ttft_s": self.ttft_s,
                 "ttft_source": self.ttft_source, "phases": self.phases,
-                "slowest_phase": slowest[0] if slowest else None,
-                "slowest_share": share, "unmeasured": self.unmeasured,
-                "clock_skew": self.skew}
+                "slowest_phase": self.slowest_phase, "slowest_share": self.slowest_share,
+                "unmeasured": self.unmeasured, "clock_skew": self.skew}
 
 
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
-    """The phases of one turn (``row`` of ``marks``; ``turn`` its turn-table row)."""
+    """The phases of one turn (``row`` of ``marks``; ``turn`` its row of the table
+    ``add_timeline`` made, whose headline numbers it carries over), with merged phases
+    named and why they could not be split."""
     value, status = marks.value[:, row], marks.status[:, row]
-    out = Timeline()
-    known = np.flatnonzero(status == KNOWN)
-    if len(known) >= 2:
-        out.latency_s = float(value[known[-1]] - value[known[0]])
+    out = Timeline(**{name: turn.get(name) for name in (
+        "latency_s", "ttft_s", "ttft_source", "slowest_phase", "slowest_s",
+        "slowest_share")})
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
@@ -271,10 +266,6 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     if status[0] == MISSING:
         out.unmeasured["latency"] = ("no kvobs.proxy.turn span: latency runs from the "
                                      "first engine mark, the router's own time unseen")
-    if status[0] == KNOWN and status[_FIRST_TOKEN] == KNOWN:
-        out.ttft_s = float(value[_FIRST_TOKEN] - value[0])
-        out.ttft_source = ("proxy-stream" if turn.get("d_first_output_at") is not None
-                           else "engine")
     return out
 
 

@@ -465,17 +465,11 @@ class _Proxy:
                     continue
                 lines, buffer = buffer[:cut], buffer[cut:]
                 out, done = collector.feed(lines)
-                if state.ttft_s is None and collector.has_output:
-                    # TTFT is the first output the client gets, not D's first bytes (a
-                    # role-only or empty first chunk carries no token).
-                    state.ttft_s = time.perf_counter() - state.start_perf
-                    state.d_first_output = time.time()
+                _first_output(state, collector)
                 await _to_client(client.write(out))
             if buffer:
                 out, done = collector.feed(buffer + b"\n")
-                if state.ttft_s is None and collector.has_output:
-                    state.ttft_s = time.perf_counter() - state.start_perf
-                    state.d_first_output = time.time()
+                _first_output(state, collector)
                 await _to_client(client.write(out))
             if not done:
                 raise aiohttp.ClientPayloadError("decode stream ended without [DONE]")
@@ -640,6 +634,14 @@ class _Proxy:
         phase.labels("proxy-hop").observe(max(0.0, state.d_sent - state.p_answered))
         phase.labels("decode-leg").observe(max(0.0, state.d_answered - state.d_sent))
         phase.labels("proxy-out").observe(max(0.0, end - state.d_answered))
+
+
+def _first_output(state: _TurnState, collector: "_StreamCollector") -> None:
+    """TTFT is the first output the client gets, not D's first bytes (a role-only or
+    empty first chunk carries no token)."""
+    if state.ttft_s is None and collector.has_output:
+        state.ttft_s = time.perf_counter() - state.start_perf
+        state.d_first_output = time.time()
 
 
 def correlation_with(correlation: Correlation, state: _TurnState) -> Correlation:

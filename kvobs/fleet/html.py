@@ -21,6 +21,7 @@ from kvobs.causes import causes, decode_context
 from kvobs.fleet.report import FleetReport
 from kvobs.semconv import Phase, ReadOutcome, Verdict
 from kvobs.timeline import PHASES, read_marks, timeline_of
+from kvobs.verdicts import Turn
 
 UNMEASURED = "unmeasured"
 # Marks are float unix seconds (~0.24 us apart at today's dates): a step not taken can
@@ -63,8 +64,8 @@ def _unmeasured_style() -> dict:
 
 
 def _records(rows: pd.DataFrame) -> list[dict]:
-    """Rows as dicts with None for missing values (what timeline_of and causes read)."""
-    return rows.astype(object).where(rows.notna(), None).to_dict("records")
+    """Rows as plain values, None for missing (what timeline_of and causes read)."""
+    return [Turn(row).as_dict() for row in rows.to_dict("records")]
 
 
 def _conversation(turns: pd.DataFrame, conversation_id: str) -> pd.DataFrame:
