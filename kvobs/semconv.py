@@ -164,6 +164,38 @@ RELEASE_REASON = _attr("kvobs.release.reason", "str", "", "ReleaseReason value."
 RELEASE_READ_COUNT = _attr("kvobs.release.read_count", "int", "", "Remote reads of the blocks.")
 HELD_DURATION = _attr("kvobs.release.held", "float", "s", "How long D held the blocks.")
 
+# Prefix lineage and engine identity: what lets kvobs tie turns together from engine
+# evidence alone, behind any router (kvobs/lineage.py).
+PREFIX_LINEAGE = _attr(
+    "kvobs.prefix.lineage", "str", "",
+    "Block-hash chain of the tokens the span is about (D's export: prompt + output it "
+    "retains; P's decision: its prompt), 16 hex per checkpoint on a fixed grid of block "
+    "counts: hash prefixes only, never token ids or text.")
+REMOTE_REQUEST_ID = _attr(
+    "kvobs.remote.request_id", "str", "",
+    "The other role's engine request id, from kv_transfer_params (remote_request_id): on "
+    "D, the P request whose KV it pulled; on P, the D request whose KV it was offered.")
+ENGINE_ID = _attr("kvobs.engine.id", "str", "", "This engine's NIXL engine id.")
+ENGINE_STARTED_AT = _attr(
+    "kvobs.engine.started_at", "float", "unix s",
+    "When this engine's connector started: a restart shows as a new id and a later start.")
+ENGINE_ENDPOINT = _attr(
+    "kvobs.engine.endpoint", "str", "",
+    "This engine's NIXL side channel host:port: the same engine across restarts.")
+REMOTE_ENDPOINT = _attr(
+    "kvobs.remote.endpoint", "str", "", "Side channel host:port of the KV's holder.")
+
+# Proxy lookups without (or with a forgotten) conversation id
+LOOKUP_INFERRED = _attr(
+    "kvobs.proxy.lookup.inferred", "bool", "",
+    "The request carried no conversation id; the proxy found the conversation it continues "
+    "by its history's prefix (tenant-scoped) and used that.")
+LOOKUP_MISS_REASON = _attr(
+    "kvobs.proxy.lookup.miss_reason", "str", "", "MissReason value: why the proxy had no entry.")
+PROXY_INSTANCE = _attr(
+    "kvobs.proxy.instance", "str", "", "Random id of this proxy process (new at every start).")
+PROXY_STARTED_AT = _attr("kvobs.proxy.started_at", "float", "unix s", "When this proxy started.")
+
 # Stuck waits (P scheduler side)
 STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
 STUCK_FIXED = _attr(
@@ -230,6 +262,14 @@ class LookupOutcome(str, enum.Enum):
     STALE = "stale"
     NO_ID = "no-id"
     PREFIX_MISMATCH = "prefix-mismatch"
+
+
+class MissReason(str, enum.Enum):
+    """Why the proxy had no usable entry for a conversation it was asked about."""
+
+    NEVER_SEEN = "never-seen"  # no entry at all: new to this proxy (restart, replica, no id)
+    NOT_STORED = "not-stored"  # the previous turn ended without storing D's params
+    EVICTED = "evicted"  # the entry cap pushed it out
 
 
 class PullDecision(str, enum.Enum):
