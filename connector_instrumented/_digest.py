@@ -2,9 +2,13 @@
 
 vLLM hashes every full block of ``hash_block_size`` tokens for prefix caching, chaining
 each hash over its parent (``request.block_hashes``). A hash at block ``n`` therefore
-fingerprints the whole prefix ``[0, n * block_size)``. D exports the first 8 bytes of the
-hashes at up to ``MAX_CHECKPOINTS`` block counts (every block for short prefixes, an even
-stride plus the last block for long ones); P finds the longest prefix that still agrees.
+fingerprints the whole prefix ``[0, n * block_size)``. A digest carries the first 8 bytes
+of the hashes at a fixed grid of block counts (every count up to 64, then 16 per
+doubling: ``checkpoints()``) plus the last full block. The grid is the same for every
+request, so two digests always share their checkpoints below the shorter one's end:
+P finds the longest prefix of its prompt that agrees with D's KV (the prefix guard),
+and kvobs finds which earlier D export a prompt extends from the two spans alone
+(``kvobs.lineage``), whatever router sits in front.
 
 Block hashes cover full blocks only, but D's KV usually ends inside a block, and P
 reads that partial block too. Its tokens are where re-tokenization bites: the last tokens
@@ -13,16 +17,17 @@ of the tail tokens (after the last full block), checked by P when its prompt cov
 
 Format (a string, so that it survives any JSON hop)::
 
-    kvobs3:<hash_block_size>:<seed fingerprint>:<blocks>:<tail tokens>:<tail hex>:<16 hex per checkpoint>
+    kvobs4:<hash_block_size>:<seed fingerprint>:<blocks>:<tail tokens>:<tail hex>:<16 hex per checkpoint>
 
 The checkpoints follow from ``<blocks>`` (``checkpoints()``), so only the hash prefixes
-travel, concatenated: cheap to build on D's hook and to probe on P's.
+travel, concatenated: cheap to build on D's hook and to probe on P's. A digest of
+another version (an engine on an older kvobs) compares as ``incomparable``.
 
 >>> hashes = [bytes([i]) * 32 for i in range(1, 6)]
 >>> tokens = list(range(5 * 16 + 3))
 >>> d = encode(hashes, num_tokens=83, block_size=16, seed="abcd", token_ids=tokens)
 >>> d.split(":")[:5]
-['kvobs3', '16', 'abcd', '5', '3']
+['kvobs4', '16', 'abcd', '5', '3']
 >>> compare(d, hashes, block_size=16, seed="abcd", limit_tokens=83, token_ids=tokens)
 (<PrefixEvidence.MATCH: 'match'>, 83)
 >>> retokenized = tokens[:81] + [7, 7]  # the same blocks, another tail
@@ -33,6 +38,8 @@ travel, concatenated: cheap to build on D's hook and to probe on P's.
 (<PrefixEvidence.MISMATCH: 'mismatch'>, 32)
 >>> compare(d, hashes, block_size=16, seed="other", limit_tokens=83)[0].value
 'incomparable'
+>>> compare("kvobs3:16:abcd:5:0::" + "00" * 40, hashes, 16, "abcd", 83)[0].value
+'incomparable'
 """
 
 from __future__ import annotations
@@ -42,11 +49,10 @@ from bisect import bisect_left
 from functools import lru_cache
 from typing import Sequence
 
+from kvobs.prefix_chain import DENSE_BLOCKS, VERSION, checkpoints
 from kvobs.semconv import PrefixEvidence
 
-VERSION = "kvobs3"
 _HEX = 2 * 8  # hex digits of one hash prefix
-MAX_CHECKPOINTS = 64
 _PREFIX_BYTES = 8
 
 
@@ -69,23 +75,6 @@ def _checkpoints(num_blocks: int) -> tuple[int, ...]:
     return tuple(checkpoints(num_blocks))
 
 
-def checkpoints(num_blocks: int) -> list[int]:
-    """Block counts a digest carries.
-
-    >>> checkpoints(3)
-    [1, 2, 3]
-    >>> c = checkpoints(1000); len(c) <= MAX_CHECKPOINTS + 1, c[:2], c[-1]
-    (True, [16, 32], 1000)
-    """
-    if num_blocks <= MAX_CHECKPOINTS:
-        return list(range(1, num_blocks + 1))
-    stride = -(-num_blocks // MAX_CHECKPOINTS)
-    points = list(range(stride, num_blocks + 1, stride))
-    if points[-1] != num_blocks:
-        points.append(num_blocks)
-    return points
-
-
 def tail_fingerprint(token_ids: Sequence[int]) -> str:
     """16 hex of the tail tokens. CPython's tuple hash of ints does not depend on
     PYTHONHASHSEED; an engine pair on different hash implementations would only see a
@@ -103,8 +92,8 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
     them (from ``token_ids``; no tail without them). None if there are no full blocks.
 
     Runs inside D's ``request_finished``. One hash function per engine means one width
-    for every hash, so a (strided) list slice, one join and one strided memoryview
-    slice gather the prefixes in C instead of one Python slice per checkpoint."""
+    for every hash, so one join and one strided memoryview slice gather the prefixes
+    in C instead of one Python slice per checkpoint."""
     num_blocks = min(len(block_hashes), num_tokens // block_size)
     if num_blocks <= 0 or not seed:
         return None
@@ -116,13 +105,10 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
         head = f"{VERSION}:{block_size}:{seed}:{num_blocks}:0:"
     width = len(block_hashes[0])
     if type(block_hashes) is list and width and not width % _PREFIX_BYTES:
-        if num_blocks <= MAX_CHECKPOINTS:  # every block is a checkpoint
+        if num_blocks <= DENSE_BLOCKS:  # every block is a checkpoint
             picked = block_hashes[:num_blocks]
         else:
-            stride = _checkpoints(num_blocks)[0]  # regular ones: stride, 2*stride, ...
-            picked = block_hashes[stride - 1:num_blocks:stride]
-            if num_blocks % stride:  # the extra last-block checkpoint
-                picked.append(block_hashes[num_blocks - 1])
+            picked = [block_hashes[n - 1] for n in _checkpoints(num_blocks)]
         joined = b"".join(picked)
         if len(joined) == width * len(picked):
             hexed = memoryview(joined).cast("Q")[::width // _PREFIX_BYTES].tobytes().hex()
@@ -167,13 +153,13 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     else:
         version, d_block_size, d_seed, d_blocks, d_tail, d_tail_hex, hexed = digest.split(
             ":", 6)
-        if version != VERSION:
-            raise ValueError(f"unknown digest version {version!r}")
+        if version != VERSION:  # another kvobs on D: its checkpoints mean other counts
+            return _INCOMPARABLE, 0
         if int(d_block_size) != block_size or not seed or d_seed != seed:
             return _INCOMPARABLE, 0
         d_count, d_tail, base = int(d_blocks), int(d_tail), 0
     usable = min(len(block_hashes), limit_tokens // block_size)
-    if d_count <= MAX_CHECKPOINTS:  # checkpoints 1..d_count: no list, no bisect
+    if d_count <= DENSE_BLOCKS:  # checkpoints 1..d_count: no list, no bisect
         if len(hexed) - base != d_count * _HEX:
             raise ValueError("digest checkpoints do not match its block count")
         n = min(d_count, usable)  # checkpoints P can check

@@ -20,7 +20,7 @@ from kvobs import semconv as sc
 
 from . import _digest, _stats as st
 from ._options import Options
-from ._telemetry import Guard, SpanSink, raw_correlation
+from ._telemetry import Deferred, Guard, SpanSink, raw_correlation
 
 _REQUIRED_REMOTE = frozenset(("remote_engine_id", "remote_request_id", "remote_host",
                               "remote_port"))
@@ -36,7 +36,10 @@ _WATCHDOG_PERIOD_S = 1.0
 
 # Span attributes as constant key tuples: the hook queues only the values, the sink's
 # builder thread zips them into the dict (see _telemetry).
-_IDS = (sc.REQUEST_ID.key, sc.ROLE.key)
+# Every span ends with the request id, the role and the engine's identity (which engine,
+# since when, at which side channel): a restart shows as a new id at the same endpoint.
+_IDS = (sc.REQUEST_ID.key, sc.ROLE.key, sc.ENGINE_ID.key, sc.ENGINE_STARTED_AT.key,
+        sc.ENGINE_ENDPOINT.key)
 _RECOMPUTE_KEYS = (sc.RECOMPUTE_REASON.key, sc.RECOMPUTED_TOKENS.key, sc.PROMPT_TOKENS.key,
                    sc.LOCAL_HIT_TOKENS.key) + _IDS
 _STUCK_KEYS = (sc.STUCK_REASON.key, sc.STUCK_FIXED.key, sc.STUCK_WAITED.key,
@@ -44,16 +47,18 @@ _STUCK_KEYS = (sc.STUCK_REASON.key, sc.STUCK_FIXED.key, sc.STUCK_WAITED.key,
 _DECISION_KEYS = (sc.PROMPT_TOKENS.key, sc.LOCAL_HIT_TOKENS.key, sc.REMOTE_TOKENS.key,
                   sc.CANDIDATE_TOKENS.key, sc.THRESHOLD.key, sc.PULL_DECISION.key,
                   sc.PREFIX_EVIDENCE.key, sc.PREFIX_MATCHED_TOKENS.key, sc.PREFIX_GUARD.key,
-                  sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key) + _IDS
+                  sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key, sc.REMOTE_REQUEST_ID.key,
+                  sc.PREFIX_LINEAGE.key) + _IDS
 _READ_KEYS = (sc.READ_DIRECTION.key, sc.READ_OUTCOME.key, sc.READ_BYTES.key,
               sc.READ_BLOCKS.key, sc.READ_DURATION.key, sc.REMAINING_TTL_AT_READ.key,
-              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key, sc.READ_SETUP.key) + _IDS
+              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key, sc.READ_SETUP.key,
+              sc.REMOTE_REQUEST_ID.key) + _IDS
 _REQUEST_KEYS = (sc.REQUEST_ARRIVED_AT.key, sc.REQUEST_SCHEDULED_AT.key,
                  sc.REQUEST_ALLOCATED_AT.key, sc.REQUEST_KV_READY_AT.key,
                  sc.REQUEST_FIRST_TOKEN_AT.key, sc.PROMPT_TOKENS.key,
-                 sc.OUTPUT_TOKENS.key) + _IDS
+                 sc.OUTPUT_TOKENS.key, sc.REMOTE_REQUEST_ID.key) + _IDS
 _EXPORT_KEYS = (sc.EXPORT_BLOCKS.key, sc.EXPORT_TOKENS.key, sc.EXPORT_EXPIRES_AT.key,
-                sc.TTL.key) + _IDS
+                sc.TTL.key, sc.PREFIX_LINEAGE.key, sc.REMOTE_REQUEST_ID.key) + _IDS
 _RELEASE_KEYS = (sc.RELEASE_REASON.key, sc.RELEASE_READ_COUNT.key, sc.HELD_DURATION.key,
                  sc.EXPORT_BLOCKS.key) + _IDS
 # Enum members and their values as module constants: on the hook path an Enum class
@@ -103,6 +108,8 @@ class _Req:
     kv_ready: float | None = None
     first_token: float | None = None
     request: Any = None  # D only: the vLLM request, while its first token is awaited
+    remote_request: str | None = None  # the other role's request id (remote_request_id)
+    lineage: Any = None  # P only: its prompt's block-hash chain, built off the hook
 
     def __init__(self, correlation: tuple | None, direction: sc.ReadDirection,
                  first_wall: float, remote_engine: str | None = None):
@@ -133,6 +140,9 @@ class SchedulerObserver:
                   or getattr(kv_cache_config, "kv_cache_groups", None) or [])
         self._bytes_per_block = [_group_block_bytes(g) for g in groups]
         self._role_of = {span.name: self._role_attr(span) for span in _SPANS}
+        self._engine = (str(getattr(scheduler, "engine_id", "") or ""), time.time(),
+                        f"{getattr(scheduler, 'side_channel_host', '')}:"
+                        f"{getattr(scheduler, 'side_channel_port', '')}")
         self._single_group = len(groups) <= 1 and not getattr(scheduler, "_is_hma_required",
                                                                False)
         self._seed: str | None = None
@@ -184,8 +194,8 @@ class SchedulerObserver:
         if not self._sink.enabled(span):
             return
         self._sink.emit_fields(span, correlation, keys,
-                               values + (req_id, self._role_of[span.name]), start, end,
-                               error)
+                               values + (req_id, self._role_of[span.name]) + self._engine,
+                               start, end, error)
 
     def _recompute(self, req_id: str, r: _Req, reason: sc.RecomputeReason,
                    tokens: int) -> None:
@@ -225,6 +235,7 @@ class SchedulerObserver:
                 r.arrived = request.arrival_time
                 r.prompt = request.num_prompt_tokens
                 r.request = request  # until it finishes: its first token is watched
+                r.remote_request = params.get("remote_request_id")
             return
         if not params.get("do_remote_decode"):
             return
@@ -243,6 +254,13 @@ class SchedulerObserver:
         limit = min(remote, prompt)
         r.candidate = max(0, limit - num_computed_tokens)
         r.remote_engine = params.get("remote_engine_id")
+        r.remote_request = params.get("remote_request_id")
+        if r.correlation is not None or self._sink.enabled(sc.SPAN_PULL_DECISION):
+            # Which earlier D export this prompt extends, whatever router sent it: the
+            # prompt's chain on the same grid as D's digest (kvobs.lineage), built by the
+            # span builder: the prompt's hashes do not change while the span waits.
+            r.lineage = Deferred(_digest.encode, request.block_hashes, prompt,
+                                 self._hash_block_size, self._seed or self._seed_fp())
         if not params.get("remote_block_ids"):
             r.decision = sc.PullDecision.NO_PARAMS
             return
@@ -339,7 +357,8 @@ class SchedulerObserver:
             self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, _DECISION_KEYS, (
                 r.prompt, r.local, r.remote, r.candidate, self._threshold, decision,
                 r.evidence, r.matched, r.guarded, num_external_tokens, r.remote_engine,
-            ), r.first_wall, r.allocated)
+                r.remote_request, r.lineage), r.first_wall, r.allocated)
+            r.lineage = None
             if num_external_tokens == 0 and not r.prevented:
                 self._recompute(req_id, r, _RECOMPUTE_FOR[decision], r.prompt - r.local)
         if r.prevented:
@@ -460,7 +479,7 @@ class SchedulerObserver:
         if r.direction is _D_TO_P:
             self._emit(sc.SPAN_READ, req_id, r.correlation, _READ_KEYS, (
                 direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup), start, start + duration, error=not done)
+                setup, r.remote_request), start, start + duration, error=not done)
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
                 self._recompute(req_id, r, _R_GUARDED if r.guarded else _R_SUFFIX,
@@ -470,7 +489,7 @@ class SchedulerObserver:
         else:  # D pulled P's KV: the hand-off; its first token comes next
             self._emit(sc.SPAN_HANDOFF, req_id, r.correlation, _READ_KEYS, (
                 direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup), start, start + duration, error=not done)
+                setup, r.remote_request), start, start + duration, error=not done)
             if done and r.request is not None and r.first_token is None:
                 self._first_pending[req_id] = r
         if r.finished:
@@ -511,7 +530,7 @@ class SchedulerObserver:
         start = r.arrived if r.arrived is not None else r.first_wall
         self._emit(span, req_id, r.correlation, _REQUEST_KEYS, (
             r.arrived, r.first_wall, r.allocated, r.kv_ready, r.first_token or now, r.prompt,
-            outputs), start, now)
+            outputs, r.remote_request), start, now)
 
     def _export(self, request: Any, out: dict) -> None:
         req_id = request.request_id
@@ -550,8 +569,9 @@ class SchedulerObserver:
         self._stats_dirty = True
         if spans:
             self._sink.emit_fields(sc.SPAN_EXPORT, correlation, _EXPORT_KEYS, (
-                blocks, tokens, now_wall + (expiry_mono - now_mono), self._ttl, req_id,
-                self._role_of[sc.SPAN_EXPORT.name]), now_wall, now_wall)
+                blocks, tokens, now_wall + (expiry_mono - now_mono), self._ttl, digest,
+                (params or {}).get("remote_request_id"), req_id,
+                self._role_of[sc.SPAN_EXPORT.name]) + self._engine, now_wall, now_wall)
 
     def _release(self, req_id: str, records) -> None:
         correlation, kept_blocks, kept_bytes, export_wall, export_mono, expiry_mono = (

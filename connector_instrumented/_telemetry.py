@@ -51,6 +51,27 @@ def raw_correlation(params: Mapping[str, Any] | None) -> tuple | None:
     return tuple(map(params.get, sc.CORRELATION_KEYS)) if params else None
 
 
+class Deferred:
+    """A span attribute computed by the builder thread, not the hook: ``fn(*args)``.
+
+    For values that cost more than the hook may spend (a prompt's block-hash chain); the
+    args must stay valid until the span is built (references the request does not
+    mutate in that range)."""
+
+    __slots__ = ("fn", "args")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self.fn = fn
+        self.args = args
+
+
+def _resolve(values: dict) -> dict:
+    for key, value in values.items():
+        if type(value) is Deferred:
+            values[key] = value.fn(*value.args)
+    return values
+
+
 def _correlation_of(raw: tuple | None) -> Correlation:
     # Same validation as the hook used to do in place, now in the builder thread.
     return Correlation.from_params(dict(zip(sc.CORRELATION_KEYS, raw)) if raw else None)
@@ -195,7 +216,7 @@ class SpanSink:
                 try:
                     span, correlation, keys, values, start_s, end_s, error = queue.popleft()
                     if keys is not None:
-                        values = dict(zip(keys, values))
+                        values = _resolve(dict(zip(keys, values)))
                     if type(correlation) is not Correlation:
                         correlation = _correlation_of(correlation)
                     emit(self.tracer(span), span, correlation, values, int(start_s * 1e9),

@@ -182,8 +182,6 @@ ENGINE_STARTED_AT = _attr(
 ENGINE_ENDPOINT = _attr(
     "kvobs.engine.endpoint", "str", "",
     "This engine's NIXL side channel host:port: the same engine across restarts.")
-REMOTE_ENDPOINT = _attr(
-    "kvobs.remote.endpoint", "str", "", "Side channel host:port of the KV's holder.")
 
 # Proxy lookups without (or with a forgotten) conversation id
 LOOKUP_INFERRED = _attr(

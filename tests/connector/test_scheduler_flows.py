@@ -58,13 +58,23 @@ def test_pull_decision_read_and_recompute_spans(model_dir, spans):
 
     (decision,) = spans.spans(sc.SPAN_PULL_DECISION)
     assert decision.context.trace_id == int(TRACE_ID, 16)
-    assert attrs(decision) == {
+    identity = {key: attrs(decision).pop(key) for key in (
+        sc.ENGINE_ID.key, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ENDPOINT.key)}
+    assert identity[sc.ENGINE_ID.key] == scheduler.connector.connector_scheduler.engine_id
+    assert 0 < time.time() - identity[sc.ENGINE_STARTED_AT.key] < 600
+    assert identity[sc.ENGINE_ENDPOINT.key].endswith(":5600")
+    # The prompt's chain: 3 full blocks of 56 tokens, the same as a D digest of them.
+    assert attrs(decision)[sc.PREFIX_LINEAGE.key] == _digest.encode(
+        req.block_hashes, 56, h.BS, _digest.seed_fingerprint())
+    assert {k: v for k, v in attrs(decision).items() if k not in identity
+            and k != sc.PREFIX_LINEAGE.key} == {
         sc.CONVERSATION_ID.key: "conv-1", sc.TURN_INDEX.key: 2,
         sc.REQUEST_ID.key: req.request_id, sc.ROLE.key: "prefill",
         sc.PROMPT_TOKENS.key: 56, sc.LOCAL_HIT_TOKENS.key: 0, sc.REMOTE_TOKENS.key: 48,
         sc.CANDIDATE_TOKENS.key: 48, sc.THRESHOLD.key: 0, sc.PULL_DECISION.key: "pull",
         sc.PREFIX_EVIDENCE.key: "absent", sc.PREFIX_GUARD.key: False,
-        sc.OFFERED_TOKENS.key: 48, sc.REMOTE_ENGINE_ID.key: "decode-engine"}
+        sc.OFFERED_TOKENS.key: 48, sc.REMOTE_ENGINE_ID.key: "decode-engine",
+        sc.REMOTE_REQUEST_ID.key: "d-req"}
 
     _, eco = h.step(scheduler, None, **dict(
         finished_recving={req.request_id}, kv_connector_stats=read_record(req.request_id)))
@@ -273,13 +283,17 @@ def test_d_export_digest_and_release(model_dir, spans):
     req, eco = _d_turn(scheduler, prompt)
     out = eco[0].outputs[0].kv_transfer_params
     assert out["remote_blocks_expiry_time"] is not None
-    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs3:16:")
+    assert out[sc.KTP_BLOCK_DIGEST].startswith("kvobs4:16:")
     (export,) = spans.spans(sc.SPAN_EXPORT)
     a = attrs(export)
     assert a[sc.EXPORT_TOKENS.key] == out["remote_num_tokens"] == 50
     assert a[sc.EXPORT_BLOCKS.key] == sum(len(g) for g in out["remote_block_ids"])
     assert a[sc.EXPORT_EXPIRES_AT.key] == pytest.approx(time.time() + 30, abs=1)
     assert a[sc.CONVERSATION_ID.key] == "conv-1" and a[sc.ROLE.key] == "decode"
+    # The span carries D's digest as the lineage chain, and the P request it pulled from.
+    assert a[sc.PREFIX_LINEAGE.key] == out[sc.KTP_BLOCK_DIGEST]
+    assert a[sc.REMOTE_REQUEST_ID.key] == req.kv_transfer_params["remote_request_id"]
+    assert a[sc.REMOTE_REQUEST_ID.key]
     assert kv_stats(eco)[st.RETAINED_BLOCKS] == [a[sc.EXPORT_BLOCKS.key]]
     # P of the next turn verifies D's digest against its own prompt: a match, the
     # partial block's two tokens included; a re-tokenized tail is a mismatch after the

@@ -315,7 +315,7 @@ def test_digest_matches_its_checkpoint_definition(blocks, width):
         hashes.append(prev)
     digest = _digest.encode(hashes, blocks * 16 + 3, 16, "abcd")
     expected = "".join(hashes[n - 1][:8].hex() for n in _digest.checkpoints(blocks))
-    assert digest == f"kvobs3:16:abcd:{blocks}:0::{expected}"  # no token ids: no tail
+    assert digest == f"kvobs4:16:abcd:{blocks}:0::{expected}"  # no token ids: no tail
     assert _digest.compare(digest, hashes, 16, "abcd", blocks * 16 + 3) == (
         sc.PrefixEvidence.MATCH, _digest.checkpoints(blocks)[-1] * 16)
     # P's history diverges at block k: the longest verified prefix is the last

@@ -1,0 +1,109 @@
+"""The prefix chain: which block counts a block-hash digest carries, and reading one.
+
+Emitted by the connector (``connector_instrumented._digest`` builds and compares digests
+on the engines' hooks), read by ``kvobs.lineage`` to tie a prompt to the earlier D export
+it extends. One definition of the grid for both, so that they always agree.
+
+A digest string is ``kvobs4:<block size>:<seed>:<blocks>:<tail tokens>:<tail hex>:<hex>``
+where ``<hex>`` is 16 hex digits per checkpoint (``checkpoints(blocks)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VERSION = "kvobs4"
+DENSE_BLOCKS = 64  # every block count up to here is a checkpoint
+_PER_DOUBLING = 16  # beyond: this many per doubling of the block count
+HEX_PER_POINT = 16
+
+
+def checkpoints(num_blocks: int) -> list[int]:
+    """Block counts a digest of ``num_blocks`` carries: the grid points up to it, then
+    ``num_blocks`` itself. The grid is every count up to ``DENSE_BLOCKS``, then
+    ``_PER_DOUBLING`` evenly spaced counts per doubling (64 < n <= 128 by 4, ...).
+
+    >>> checkpoints(3)
+    [1, 2, 3]
+    >>> c = checkpoints(1000); len(c), c[63:66], c[-2:]
+    (128, [64, 68, 72], [992, 1000])
+    >>> set(checkpoints(1000)[:-1]) <= set(checkpoints(5000))  # one grid for every length
+    True
+    """
+    if num_blocks <= DENSE_BLOCKS:
+        return list(range(1, num_blocks + 1))
+    points = list(range(1, DENSE_BLOCKS + 1))
+    low = DENSE_BLOCKS
+    while low < num_blocks:
+        step = low // _PER_DOUBLING
+        points.extend(range(low + step, min(2 * low, num_blocks) + 1, step))
+        low *= 2
+    if points[-1] != num_blocks:
+        points.append(num_blocks)
+    return points
+
+
+def grid_point(num_blocks: int) -> int:
+    """The largest grid point at or below ``num_blocks``: the last checkpoint that every
+    longer digest also carries.
+
+    >>> grid_point(50), grid_point(70), grid_point(72), grid_point(1000)
+    (50, 68, 72, 992)
+    """
+    if num_blocks <= DENSE_BLOCKS:
+        return num_blocks
+    low = DENSE_BLOCKS
+    while 2 * low < num_blocks:
+        low *= 2
+    step = low // _PER_DOUBLING
+    return num_blocks - (num_blocks - low) % step
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A parsed digest: what a lineage match needs (no token ids, only hash prefixes)."""
+
+    scope: str  # "<block size>:<seed>": chains of different scopes never compare
+    block_size: int
+    blocks: int
+    tail_tokens: int
+    hexed: str
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size + self.tail_tokens
+
+    def at(self, points: list[int] | None = None) -> dict[int, str]:
+        """Hash prefix (hex) per checkpoint block count."""
+        points = points if points is not None else checkpoints(self.blocks)
+        return {n: self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+                for i, n in enumerate(points)}
+
+    def key(self) -> tuple[int, str] | None:
+        """The (grid point, hash) every prompt extending this chain also carries."""
+        point = grid_point(self.blocks)
+        points = checkpoints(self.blocks)
+        i = points.index(point)
+        return point, self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+
+
+def parse(digest: object) -> Chain | None:
+    """A digest string as a ``Chain``; None for anything else (absent, another version,
+    malformed): a reader never fails on one span's value.
+
+    >>> c = parse("kvobs4:16:abcd:2:3:ffff:" + "aa" * 8 + "bb" * 8)
+    >>> c.tokens, c.key()
+    (35, (2, 'bbbbbbbbbbbbbbbb'))
+    >>> parse("kvobs3:16:abcd:2:0::00"), parse(None), parse("kvobs4:x")
+    (None, None, None)
+    """
+    if not isinstance(digest, str) or not digest.startswith(VERSION + ":"):
+        return None
+    try:
+        _, block_size, seed, blocks, tail, _tail_hex, hexed = digest.split(":", 6)
+        chain = Chain(f"{block_size}:{seed}", int(block_size), int(blocks), int(tail), hexed)
+    except ValueError:
+        return None
+    if chain.blocks <= 0 or len(hexed) != len(checkpoints(chain.blocks)) * HEX_PER_POINT:
+        return None
+    return chain
