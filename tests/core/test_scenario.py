@@ -49,6 +49,10 @@ def test_defaults():
     (MINIMAL + "decode_load = -1\n", r"loads >= 0"),
     ('name = "x"\n[engines]\nfailure_policy = "retry"\n' + MINIMAL.split('name = "x"')[1],
      r"engines\.failure_policy"),
+    ('name = "x"\n[engines]\nrouter = "nginx"\n' + MINIMAL.split('name = "x"')[1],
+     r"engines\.router: 'nginx' not one of"),
+    ('name = "x"\n[engines]\nrouter = "vllm-router"\nproxy_fixed_lifetime_s = 450\n'
+     + MINIMAL.split('name = "x"')[1], r"engines\.proxy_fixed_lifetime_s: a kvobs proxy"),
     ('name = "x"\n', r"no conversations"),
     ("name = ", r"<scenario>:"),
 ])
