@@ -8,13 +8,17 @@ id are two conversations. Spans recorded without a tenant (no kvobs proxy in fro
 one attribute (``TURN_FIELDS``): the table is the whole mapping, so a new column is one
 line. Facts about the *previous* turn's KV (D's export and release) are shifted onto the
 turn that tried to reuse it.
+
+The first stage, ``kvobs.lineage``, gives id-less turns their conversation and turn from
+the engines' prefix chains, and every turn the facts of the D export its prompt extends
+(``lineage.LINK_COLUMNS``), joined on P's request id.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from kvobs import semconv as sc
+from kvobs import lineage, semconv as sc
 
 KEYS = ["tenant", "conversation_id", "turn"]
 CONVERSATION_KEYS = ["tenant", "conversation_id"]
@@ -42,6 +46,12 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "entry_age_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_AGE.key),
     "entry_remaining_ttl_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_REMAINING_TTL.key),
     "params_sent": (sc.SPAN_PROXY_LOOKUP, sc.PARAMS_SENT.key),
+    "lookup_inferred": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_INFERRED.key),
+    "lookup_miss_reason": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_MISS_REASON.key),
+    "proxy_instance": (sc.SPAN_PROXY_LOOKUP, sc.PROXY_INSTANCE.key),
+    "proxy_started_at": (sc.SPAN_PROXY_LOOKUP, sc.PROXY_STARTED_AT.key),
+    "store_span_id": (sc.SPAN_PROXY_STORE, "span_id"),
+    "store_action": (sc.SPAN_PROXY_STORE, sc.STORE_ACTION.key),
     "fallback_span_id": (sc.SPAN_PROXY_FALLBACK, "span_id"),
     "fallback_reason": (sc.SPAN_PROXY_FALLBACK, sc.FALLBACK_REASON.key),
     "decision_span_id": (sc.SPAN_PULL_DECISION, "span_id"),
@@ -104,7 +114,8 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
 # Facts of turn k's KV that belong to turn k+1's diagnosis.
 PREVIOUS_TURN_FIELDS = ("export_span_id", "export_tokens", "export_expires_at", "ttl_s",
                         "release_span_id", "release_reason", "release_end_ns",
-                        "decode_request_id")
+                        "decode_request_id", "store_span_id", "store_action", "stream",
+                        "proxy_instance", "turn_end_ns")
 PREVIOUS_PREFIX = "prev_"
 
 
@@ -148,7 +159,8 @@ def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
 def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per (tenant, conversation_id, turn), columns ``KEYS + TURN_FIELDS`` +
     derived."""
-    frame = _keyed(vllm_roles(spans)).sort_values("start_ns", kind="stable")
+    spans, links = lineage.link(vllm_roles(spans))
+    frame = _keyed(spans).sort_values("start_ns", kind="stable")
     turns = frame[KEYS].drop_duplicates().set_index(KEYS)
     for span_name in {span for span, _ in TURN_FIELDS.values()}:
         columns = {column: source for column, (span, source) in TURN_FIELDS.items()
@@ -167,6 +179,8 @@ def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
     turns = turns.reset_index()
     turns["turn"] = turns["turn"].astype("int64")
     turns = turns.sort_values(KEYS, kind="stable").reset_index(drop=True)
+    turns = turns.join(links, on="prefill_request_id") if "prefill_request_id" in turns \
+        else turns.assign(**{column: None for column in links.columns})
     return _derive(turns)
 
 

@@ -440,6 +440,8 @@ KTP_BLOCK_DIGEST = "kvobs_block_hashes"
 # passes to kvobs (turns without a conversation id are listed as "anonymous:<trace id>").
 TRACE_ID_HEADER = "X-Kvobs-Trace-Id"
 ANONYMOUS_PREFIX = "anonymous:"
+# A conversation kvobs.lineage rebuilt from engine spans alone (no id anywhere).
+LINEAGE_PREFIX = "lineage:"
 
 CORRELATION_KEYS = (KTP_CONVERSATION_ID, KTP_TURN_INDEX, KTP_TENANT, KTP_TRACEPARENT)
 # The proxy's id for one turn, sent to P and D (also as ``X-Request-Id``); the decode

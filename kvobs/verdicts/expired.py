@@ -11,21 +11,49 @@ it; set ``kv_load_failure_policy`` so a declined read recomputes instead of fail
 
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
 from kvobs import columns as col
+from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.EXPIRED
 
 
 def applies(turns, context: Context):
-    released_before = (turns["prev_release_end_ns"].astype("Int64")
-                       <= turns["turn_start_ns"].astype("Int64")).fillna(False).to_numpy(bool)
+    released_before = col.num(turns, "prev_release_end_ns") <= col.num(turns, "turn_start_ns")
     released = col.eq(turns, "prev_release_reason", ReleaseReason.EXPIRED.value) & released_before
+    lapsed = _export.unrouted(turns) & ~col.flag(turns, "extends_live")
+    # A D restart since the export took the blocks whatever the clock said: that turn is
+    # transfer-failed, named as a restart, however long the restart took.
     return (col.eq(turns, "read_outcome", ReadOutcome.DECLINED_EXPIRED.value)
             | col.eq(turns, "fallback_reason", FallbackReason.READ_DECLINED.value)
-            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | released)
+            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | released
+            | lapsed) & ~_export.restarted(turns)
+
+
+def _d_left_s(turn: Turn) -> float | None:
+    """Seconds D's blocks still had when this turn began, from lineage or the previous
+    turn's export."""
+    if turn.get("extends_live"):
+        return turn.get("extends_ttl_left_s")
+    expires, start = turn.get("prev_export_expires_at"), turn.get("turn_start_ns")
+    released, reason = turn.get("prev_release_end_ns"), turn.get("prev_release_reason")
+    if expires is None or start is None or expires * 1e9 <= start:
+        return None
+    if released is not None and released <= start and reason == ReleaseReason.EXPIRED.value:
+        return None
+    return expires - start / 1e9
 
 
 def _remedy(turn: Turn) -> str:
+    if turn.get("lookup") is None and turn.get("extends_request_id"):
+        return (f"The history extends earlier KV, but it was gone when this turn came "
+                f"({_export.named(turn)}): raise decoder_kv_blocks_ttl if such gaps are "
+                "common (costs retained memory).")
+    left = _d_left_s(turn)
+    if turn.get("lookup") == LookupOutcome.STALE.value and left is not None and left > 0:
+        return (f"The proxy dropped its entry while D still held the blocks for {left:.1f}s "
+                "more: its entry ends --expiry-margin seconds (default 10) before D's "
+                "expiry. Lower --expiry-margin (it must stay above P's decline window) or "
+                "raise decoder_kv_blocks_ttl.")
     gap, ttl = turn.get("gap_s"), turn.get("prev_ttl_s")
     if gap is not None and ttl is not None:
         return (f"Gap {gap:.1f}s outlived D's TTL {ttl:.0f}s: raise decoder_kv_blocks_ttl "
@@ -37,4 +65,5 @@ def explain(turn: Turn, context: Context) -> Finding:
     return Finding(VERDICT, _remedy(turn), turn.pick(
         "gap_s", "prev_ttl_s", "remaining_ttl_s", "entry_age_s", "entry_remaining_ttl_s",
         "read_span_id", "read_outcome", "fallback_span_id", "fallback_reason", "lookup",
-        "lookup_span_id", "prev_release_span_id", "prev_release_reason"))
+        "lookup_span_id", "prev_release_span_id", "prev_release_reason",
+        "prev_export_expires_at", *_export.EVIDENCE))

@@ -1,46 +1,98 @@
 """missing-metadata: a later turn, but P got no usable params.
 
 What it means: the request had no conversation id, the proxy had no entry for it
-(restart without shared state, another replica, entry evicted, D's params not captured
-from a streaming response), or the params that reached P lacked required fields.
-What to do: send ``conversation_id`` (or ``X-Session-ID``); run proxies on the Redis
-backend; check ``kvobs_proxy_stores_total`` for streaming responses.
+(never stored: a streamed turn whose D params never reached the proxy; evicted by the
+entry cap; lost with a proxy restart or kept by another replica), the params that reached
+P lacked required fields, or another router sent the turn without D's params although
+the prompt extends KV that D still held (``kvobs.lineage`` names that export).
+What to do: what the cause says: send ``conversation_id`` (or leave the proxy's
+conversation inference on); run proxies on the Redis backend; raise the entry cap; route
+through ``kvobs proxy`` or a router that forwards D's ``kv_transfer_params`` to P.
 """
 
 from kvobs import semconv as sc
-from kvobs.semconv import LookupOutcome, PullDecision, Verdict
+from kvobs.semconv import LookupOutcome, MissReason, PullDecision, Verdict
 from kvobs import columns as col
+from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.MISSING_METADATA
 _NO_ENTRY = (LookupOutcome.NO_ID.value, LookupOutcome.MISS.value)
-_LOST = (PullDecision.INVALID.value, PullDecision.NO_PARAMS.value)
-
-_REMEDIES = {
-    LookupOutcome.NO_ID.value: "Request carried no conversation id: send `conversation_id` "
-                               "in the body or an X-Session-ID header.",
-    LookupOutcome.MISS.value: "Proxy had no entry for this conversation (restart, other "
-                              "replica, eviction or params not captured): use the Redis "
-                              "backend and check kvobs_proxy_stores_total.",
-    PullDecision.INVALID.value: "Params reached P without required fields: check the "
-                                "proxy and D versions agree on kv_transfer_params.",
-    PullDecision.NO_PARAMS.value: "Proxy sent params but P saw none: check what strips "
-                                  "kv_transfer_params between proxy and P.",
-}
 
 
 def missing(turns, context: Context):
-    return [Needs(col.null(turns, "lookup"), "lookup", sc.SPAN_PROXY_LOOKUP)]
+    # Without a proxy lookup, P's own decision (params arrived) or a lineage link tells
+    # what happened; with neither, the lookup is the evidence this rule needs.
+    params_arrived = col.present(turns, "decision") & ~col.isin(turns, "decision", _export.LOST)
+    return [Needs(col.null(turns, "lookup") & ~params_arrived
+                  & col.null(turns, "extends_request_id"), "lookup", sc.SPAN_PROXY_LOOKUP)]
 
 
 def applies(turns, context: Context):
     lost = (col.eq(turns, "lookup", LookupOutcome.HIT.value) & col.flag(turns, "params_sent")
-            & col.isin(turns, "decision", _LOST))
-    return col.isin(turns, "lookup", _NO_ENTRY) | lost
+            & col.isin(turns, "decision", _export.LOST))
+    router = _export.unrouted(turns) & col.flag(turns, "extends_live")
+    return col.isin(turns, "lookup", _NO_ENTRY) | lost | router
+
+
+def _held(turn: Turn) -> str:
+    return f" ({_export.named(turn)})" if turn.get("extends_request_id") else ""
+
+
+def _never_seen(turn: Turn) -> str:
+    before, now = turn.get("prev_proxy_instance"), turn.get("proxy_instance")
+    if before is None or now is None or before == now:
+        return ("The proxy never saw this conversation's earlier turns: check that every "
+                "turn goes through a proxy sharing one store (--store redis).")
+    started, ended = turn.get("proxy_started_at"), turn.get("prev_turn_end_ns")
+    if started is not None and ended is not None and started * 1e9 > ended:
+        return ("The proxy restarted since the previous turn and its entries did not "
+                "survive: run it with --store redis so they do.")
+    return ("Another proxy replica served the previous turn and they share no store: run "
+            "every replica on one --store redis.")
+
+
+def _not_stored(turn: Turn) -> str:
+    if turn.get("prev_stream"):
+        return ("The previous turn was streamed and D's params never reached the proxy (not "
+                "in the stream, and not published to Redis by D): check that D's connector "
+                "has kvobs_params_redis_url set and D can reach Redis; see the previous "
+                "turn's store span.")
+    return ("The previous turn stored no params (D returned none usable: no retained "
+            "blocks or no expiry): see the previous turn's store span and D's TTL.")
+
+
+_MISS = {MissReason.NEVER_SEEN.value: _never_seen, MissReason.NOT_STORED.value: _not_stored,
+         MissReason.EVICTED.value: lambda turn: (
+             "The proxy's entry cap evicted this conversation before its next turn: raise "
+             "--max-entries (or the tenant's quota).")}
+
+
+def _remedy(turn: Turn) -> str:
+    lookup, decision = turn.get("lookup"), turn.get("decision")
+    if lookup is None:
+        return (f"The router did not forward D's params to P, though D still held this "
+                f"history's KV{_held(turn)}: route through kvobs proxy, or a router that "
+                "passes D's kv_transfer_params to P on the next turn.")
+    if lookup == LookupOutcome.NO_ID.value:
+        return (f"Request carried no conversation id and the proxy found none it continues"
+                f"{_held(turn)}: send `conversation_id` (or X-Session-ID), or keep the "
+                "proxy's conversation inference on.")
+    if lookup == LookupOutcome.MISS.value:
+        reason = _MISS.get(turn.get("lookup_miss_reason"))
+        text = reason(turn) if reason else (
+            "The proxy had no entry for this conversation (restart, another replica, "
+            "eviction or params not captured): see kvobs_proxy_stores_total.")
+        return text + _held(turn)
+    if decision == PullDecision.INVALID.value:
+        return ("Params reached P without required fields: check the proxy and D versions "
+                "agree on kv_transfer_params.")
+    return "Proxy sent params but P saw none: check what strips kv_transfer_params between " \
+           "proxy and P."
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    lookup = turn.get("lookup")
-    cause = lookup if lookup in _NO_ENTRY else turn.get("decision")
-    return Finding(VERDICT, _REMEDIES[cause], turn.pick(
-        "lookup_span_id", "lookup", "gap_s", "decision_span_id", "decision"))
+    return Finding(VERDICT, _remedy(turn), turn.pick(
+        "lookup_span_id", "lookup", "lookup_miss_reason", "gap_s", "decision_span_id",
+        "decision", "prev_store_span_id", "prev_store_action", "proxy_instance",
+        "prev_proxy_instance", *_export.EVIDENCE))

@@ -56,7 +56,7 @@ def test_diagnose_fault_exit_status_and_table(source):
     result = run("diagnose", "faulty-1", "--source", source)
     assert result.exit_code == 1
     assert "missing-metadata" in result.output
-    assert "Proxy had no entry" in result.output
+    assert "proxy had no entry" in result.output
 
 
 def test_diagnose_insufficient_evidence_exit_status(source):

@@ -1,0 +1,263 @@
+"""Correlation from engine evidence alone: which earlier D export each prompt extends.
+
+The first correlation stage. Every P request's pull-decision span carries its prompt's
+block-hash chain and every D export the chain of the KV it retains
+(``kvobs.prefix_chain``; hash prefixes only). A prompt that extends an export shares its
+hash at the export's last grid point: one dict probe per checkpoint of the prompt. The
+D request of that export names the P request of its own turn (``remote_request_id``),
+so prompt -> export -> previous prompt is a chain of turns, whatever routed them.
+
+From the links:
+- every P request gets the facts of the export it extends (``LINK_COLUMNS``): which D
+  engine and request, how many tokens, when it expired or was released, and whether
+  that engine restarted since; the verdict rules read them like any turn column;
+- requests without a conversation id (behind another router, or id-less clients of the
+  proxy, whose turns are named ``anonymous:<trace>``) get a conversation and turn index
+  from the chain: the conversation of the turn they extend, one turn later; a chain's
+  first turn keeps its anonymous id, or gets ``lineage:<P request id>``. An id the
+  client sent always wins.
+
+Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
+before the prompt arrives) and longest-first (the export with the most matching
+blocks; among equals the latest).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvobs import semconv as sc
+from kvobs.prefix_chain import HEX_PER_POINT, checkpoints, parse
+
+_CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
+_RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
+_P_ROLE_SPANS = {span.name for span in (
+    sc.SPAN_PULL_DECISION, sc.SPAN_READ, sc.SPAN_RECOMPUTE, sc.SPAN_STUCK,
+    sc.SPAN_PREFILL_REQUEST)}
+_D_ROLE_SPANS = {span.name for span in (
+    sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)}
+
+# Per P request: the export its prompt extends (all None when it extends none).
+LINK_COLUMNS = {
+    "extends_request_id": "D's request whose retained KV the prompt extends.",
+    "extends_span_id": "That export's span.",
+    "extends_prefill_request_id": "The P request of the turn that export came from.",
+    "extends_tokens": "Tokens the export retained.",
+    "extends_verified_tokens": "Tokens of it the prompt is verified to extend (grid).",
+    "extends_exported_at": "When D exported it (unix s).",
+    "extends_expires_at": "When D's blocks were due to expire (unix s).",
+    "extends_released_at": "When D released them, if it did before the diagnosis.",
+    "extends_release_reason": "Why D released them (read or expired).",
+    "extends_engine_id": "The D engine that held them.",
+    "extends_endpoint": "That engine's side channel host:port.",
+    "extends_engine_restarted_at": "A new engine started at that endpoint after the "
+                                   "export and before this prompt (unix s).",
+    "extends_ttl_left_s": "Seconds D's blocks had left when the prompt reached P.",
+    "extends_live": "D still held the blocks when the prompt reached P (not expired, "
+                    "not released, its engine not restarted): reuse was possible.",
+    "lineage_conversation_id": "The conversation the chain of links puts the turn in.",
+    "lineage_turn": "Its turn index in that chain.",
+}
+
+
+def _first(frame: pd.DataFrame, names: set[str], by: str, columns: list[str]) -> pd.DataFrame:
+    rows = frame[frame["name"].isin(names) & frame[by].notna()]
+    return rows.sort_values("start_ns", kind="stable").groupby(by)[columns].first()
+
+
+def _exports(spans: pd.DataFrame) -> pd.DataFrame:
+    columns = ["span_id", "end_ns", _REMOTE_RID, sc.PREFIX_LINEAGE.key, sc.EXPORT_TOKENS.key,
+               sc.EXPORT_EXPIRES_AT.key, sc.ENGINE_ID.key, sc.ENGINE_ENDPOINT.key, _TENANT]
+    exports = _first(spans, {sc.SPAN_EXPORT.name}, _RID, columns)
+    released = _first(spans, {sc.SPAN_RELEASE.name}, _RID,
+                      ["end_ns", sc.RELEASE_REASON.key]).rename(
+        columns={"end_ns": "released_ns"})
+    return exports.join(released, how="left")
+
+
+def _index(exports: pd.DataFrame) -> dict[tuple, list]:
+    """(scope, grid point, hash) -> [(export end ns, D request id, point, tenant)]."""
+    index: dict[tuple, list] = {}
+    for request_id, digest, end_ns, tenant in zip(
+            exports.index, exports[sc.PREFIX_LINEAGE.key], exports["end_ns"],
+            exports[_TENANT]):
+        chain = parse(digest)
+        key = chain.key() if chain is not None else None
+        if key is None or pd.isna(end_ns):
+            continue
+        index.setdefault((chain.scope, *key), []).append(
+            (int(end_ns), request_id, key[0] * chain.block_size,
+             None if pd.isna(tenant) else tenant))
+    return index
+
+
+def _extended(digest, start_ns, tenant, index, points_with_keys) -> tuple | None:
+    """(D request id, verified tokens) of the longest, latest export the chain extends."""
+    chain = parse(digest)
+    if chain is None or pd.isna(start_ns):
+        return None
+    points = checkpoints(chain.blocks)
+    tenant = None if pd.isna(tenant) else tenant
+    for i in range(len(points) - 1, -1, -1):
+        point = points[i]
+        if point not in points_with_keys:
+            continue
+        hexed = chain.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+        candidates = [c for c in index.get((chain.scope, point, hexed), ())
+                      if c[0] < start_ns and (tenant is None or c[3] in (None, tenant))]
+        if candidates:
+            end_ns, request_id, verified, _ = max(candidates)
+            return request_id, verified
+    return None
+
+
+def _restarts(spans: pd.DataFrame) -> dict[str, list[tuple[float, str]]]:
+    """Per D endpoint: (engine start, engine id) of every engine seen there."""
+    rows = spans[spans["name"].isin(_D_ROLE_SPANS) & spans[sc.ENGINE_ENDPOINT.key].notna()]
+    seen = rows[[sc.ENGINE_ENDPOINT.key, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ID.key]]
+    by_endpoint: dict[str, list] = {}
+    for endpoint, started, engine in seen.drop_duplicates().itertuples(index=False):
+        if not pd.isna(started):
+            by_endpoint.setdefault(endpoint, []).append((float(started), engine))
+    return by_endpoint
+
+
+def _restarted_at(engines, endpoint, engine_id, after_s, before_s) -> float | None:
+    if endpoint is None or pd.isna(endpoint):
+        return None
+    starts = [s for s, e in engines.get(endpoint, ()) if e != engine_id
+              and after_s < s <= before_s]
+    return min(starts) if starts else None
+
+
+def _liveness(row: dict, prompt_s: float) -> dict:
+    expires = row["extends_expires_at"]
+    left = None if expires is None or pd.isna(expires) else float(expires) - prompt_s
+    released = row["extends_released_at"]
+    live = (left is not None and left > 0 and row["extends_engine_restarted_at"] is None
+            and (released is None or released > prompt_s))
+    return {"extends_ttl_left_s": left, "extends_live": live}
+
+
+def _trace_ids(spans: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per trace: the conversation id a client sent, and the anonymous id the proxy gave
+    a turn sent without one."""
+    cid = spans[_CID]
+    anonymous = cid.astype("string").str.startswith(sc.ANONYMOUS_PREFIX).fillna(False)
+
+    def per_trace(rows: pd.Series) -> pd.Series:
+        return spans[rows.to_numpy(bool)].drop_duplicates("trace_id").set_index(
+            "trace_id")[_CID]
+
+    return per_trace(cid.notna() & ~anonymous), per_trace(anonymous)
+
+
+def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``spans`` with conversation and turn filled for id-less turns, and one row per P
+    request (index: its request id) with ``LINK_COLUMNS``."""
+    links = pd.DataFrame(columns=list(LINK_COLUMNS), index=pd.Index([], name=_RID))
+    if spans.empty or sc.PREFIX_LINEAGE.key not in spans:
+        return spans, links
+    prompts = _first(spans, {sc.SPAN_PULL_DECISION.name}, _RID,
+                     ["start_ns", "trace_id", sc.PREFIX_LINEAGE.key, _TENANT, _TURN])
+    if prompts.empty:
+        return spans, links
+    exports = _exports(spans)
+    index = _index(exports)
+    points_with_keys = {point for _, point, _ in index}
+    engines = _restarts(spans)
+    rows = {}
+    for rid, digest, start_ns, tenant in zip(prompts.index, prompts[sc.PREFIX_LINEAGE.key],
+                                             prompts["start_ns"], prompts[_TENANT]):
+        hit = _extended(digest, start_ns, tenant, index, points_with_keys)
+        if hit is None:
+            continue
+        d_request, verified = hit
+        export = exports.loc[d_request]
+        exported_s = export["end_ns"] / 1e9
+        released = export["released_ns"]
+        rows[rid] = {
+            "extends_request_id": d_request, "extends_span_id": export["span_id"],
+            "extends_prefill_request_id": export[_REMOTE_RID],
+            "extends_tokens": export[sc.EXPORT_TOKENS.key],
+            "extends_verified_tokens": verified, "extends_exported_at": exported_s,
+            "extends_expires_at": export[sc.EXPORT_EXPIRES_AT.key],
+            "extends_released_at": None if pd.isna(released) else released / 1e9,
+            "extends_release_reason": export[sc.RELEASE_REASON.key],
+            "extends_engine_id": export[sc.ENGINE_ID.key],
+            "extends_endpoint": export[sc.ENGINE_ENDPOINT.key],
+            "extends_engine_restarted_at": _restarted_at(
+                engines, export[sc.ENGINE_ENDPOINT.key], export[sc.ENGINE_ID.key],
+                exported_s, start_ns / 1e9)}
+        rows[rid].update(_liveness(rows[rid], start_ns / 1e9))
+    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(LINK_COLUMNS))
+    links = links.reindex(prompts.index)
+    links.index.name = _RID
+
+    client_ids, anonymous_ids = _trace_ids(spans)
+    parent = {rid: p for rid, p in links["extends_prefill_request_id"].items()
+              if isinstance(p, str) and p in links.index and p != rid}
+    order = prompts["start_ns"].sort_values(kind="stable").index
+    named = {rid: anonymous_ids.get(trace) for rid, trace in prompts["trace_id"].items()}
+    named = {rid: cid for rid, cid in named.items() if isinstance(cid, str)}
+    lineage = _walk(order, parent, {}, named)
+    links["lineage_conversation_id"] = pd.Series({r: k[0] for r, k in lineage.items()},
+                                                 dtype="object")
+    links["lineage_turn"] = pd.Series({r: k[1] for r, k in lineage.items()}, dtype="Int64")
+    # What the turn table uses: a client's id wins; id-less turns continue the chain.
+    fixed = {}
+    for rid, trace, turn in zip(prompts.index, prompts["trace_id"], prompts[_TURN]):
+        cid = client_ids.get(trace)
+        if isinstance(cid, str) and not pd.isna(turn):
+            fixed[rid] = (cid, int(turn))
+    keys = _walk(order, parent, fixed, named)
+    idless = {rid: key for rid, key in keys.items() if rid not in fixed}
+    return _assign(spans, prompts, idless), links
+
+
+def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str, int]]:
+    """(conversation, turn) of every P request in time order (a parent always starts
+    before its children): a fixed one (a client's id) as is; else one turn after the
+    turn it extends; a first turn named as given (``named``) or ``lineage:<request id>``.
+    A second request extending the same turn (a fork, a retry) starts its own
+    conversation, numbered on from the turn it extends."""
+    keys: dict[str, tuple[str, int]] = {}
+    continued: set[str] = set()
+    for rid in order:
+        p = parent.get(rid)
+        if rid in fixed:
+            keys[rid] = fixed[rid]
+        elif p in keys and p not in continued:
+            keys[rid] = (keys[p][0], keys[p][1] + 1)
+        else:
+            keys[rid] = (named.get(rid) or sc.LINEAGE_PREFIX + str(rid),
+                         keys[p][1] + 1 if p in keys else 1)
+        if p is not None:
+            continued.add(p)
+    return keys
+
+
+def _assign(spans: pd.DataFrame, prompts: pd.DataFrame,
+            keys: dict[str, tuple[str, int]]) -> pd.DataFrame:
+    """Write the lineage keys onto every span of the id-less requests' turns: P's spans
+    by request id, D's by the P request they pulled from, the rest by trace."""
+    if not keys:
+        return spans
+    d_spans = spans[spans["name"].isin(_D_ROLE_SPANS) & spans[_REMOTE_RID].notna()]
+    p_of_d = d_spans.drop_duplicates(_RID).set_index(_RID)[_REMOTE_RID]
+    unit = pd.Series(pd.NA, index=spans.index, dtype="object")
+    p_role = spans["name"].isin(_P_ROLE_SPANS).to_numpy(bool)
+    unit[p_role] = spans.loc[p_role, _RID]
+    d_role = spans["name"].isin(_D_ROLE_SPANS).to_numpy(bool)
+    unit[d_role] = spans.loc[d_role, _REMOTE_RID].fillna(spans.loc[d_role, _RID].map(p_of_d))
+    traces = prompts.loc[list(keys), "trace_id"].dropna()
+    by_trace = pd.Series(traces.index, index=traces.to_numpy())
+    unit = unit.fillna(spans["trace_id"].map(by_trace[~by_trace.index.duplicated()]))
+    chosen = unit.isin(list(keys)).fillna(False).to_numpy(bool)
+    if not chosen.any():
+        return spans
+    spans = spans.copy()
+    mapped = unit[chosen]
+    spans.loc[chosen, _CID] = mapped.map({r: k[0] for r, k in keys.items()}).astype("string")
+    spans.loc[chosen, _TURN] = mapped.map({r: k[1] for r, k in keys.items()}).astype("Int64")
+    return spans

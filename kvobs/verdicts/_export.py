@@ -1,0 +1,35 @@
+"""The D export a turn's prompt extends (``kvobs.lineage``): tests and wording the rules
+share."""
+
+from __future__ import annotations
+
+from kvobs import columns as col
+from kvobs.semconv import PullDecision
+from kvobs.verdicts._base import Turn
+
+# Decisions that mean P had no usable params.
+LOST = (PullDecision.INVALID.value, PullDecision.NO_PARAMS.value)
+EVIDENCE = ("extends_request_id", "extends_span_id", "extends_engine_id", "extends_endpoint",
+            "extends_tokens", "extends_verified_tokens", "extends_ttl_left_s",
+            "extends_engine_restarted_at")
+
+
+def unrouted(turns):
+    """No kvobs proxy lookup and P got no params, though the prompt extends an export:
+    another router (or none) sent the turn."""
+    return (col.null(turns, "lookup") & col.isin(turns, "decision", LOST)
+            & col.present(turns, "extends_request_id"))
+
+
+def restarted(turns):
+    return col.present(turns, "extends_engine_restarted_at")
+
+
+def named(turn: Turn) -> str:
+    """"D engine <id> (<endpoint>) request <id> held <n> tokens (<s> s of TTL left)"."""
+    left = turn.get("extends_ttl_left_s")
+    ttl = f", {left:.1f}s of TTL left" if left is not None and left > 0 else (
+        f", expired {-left:.1f}s earlier" if left is not None else "")
+    return (f"D engine {turn.get('extends_engine_id')} ({turn.get('extends_endpoint')}) "
+            f"request {turn.get('extends_request_id')} held {turn.get('extends_tokens')} "
+            f"tokens of this history{ttl}")

@@ -1,0 +1,163 @@
+"""Prefix lineage: conversations and turns rebuilt from engine spans alone.
+
+The spans are what the instrumented engines emit behind a router that sends no
+conversation id (vllm-router, llm-d): P's decision span with its prompt's chain, D's
+export with the chain of what it retains and the P request it pulled from. The chains
+are real digests (``connector_instrumented._digest.encode``) over chained block hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pandas as pd
+import pytest
+
+from connector_instrumented import _digest
+from kvobs import lineage, semconv as sc
+from kvobs.correlate import turns_from_spans
+from kvobs.sources._frame import frame_from_rows
+
+BS = 16
+SEED = "abcd1234"
+SECOND = 1_000_000_000
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    out, parent = [], b"root"
+    for i in range(len(tokens) // BS):
+        parent = hashlib.sha256(parent + bytes(str(tokens[i * BS:(i + 1) * BS]), "ascii")).digest()
+        out.append(parent)
+    return out
+
+
+def chain(tokens: list[int]) -> str:
+    return _digest.encode(block_hashes(tokens), len(tokens), BS, SEED, tokens)
+
+
+def span(name, start_s, trace, **attrs):
+    row = {"name": name.name, "trace_id": trace, "span_id": f"{trace}-{name.name}",
+           "start_ns": int(start_s * SECOND), "end_ns": int(start_s * SECOND) + 1000,
+           "service": name.service.value}
+    row.update(attrs)
+    return row
+
+
+def router_turns(conversation: str, turns: int, start_s: float, base: list[int],
+                 step_tokens: int = 100, output_tokens: int = 40, tenant=None,
+                 client_id: str | None = None, gap_s: float = 2.0,
+                 engine="d-engine-1", endpoint="d:5600") -> list[dict]:
+    """Spans of ``turns`` turns of one agent conversation behind a router: each prompt
+    is the previous prompt + the previous output + new input."""
+    rows, history, t = [], list(base), start_s
+    salt = sum(map(ord, conversation))  # each conversation says something else
+    for k in range(1, turns + 1):
+        history = history + [1000 + salt + k * 7 + i % 5 for i in range(step_tokens)]
+        p_id, d_id, trace = f"p-{conversation}-{k}", f"d-{conversation}-{k}", f"t-{conversation}-{k}"
+        keys = {sc.TENANT_DIGEST.key: tenant}
+        if client_id:
+            keys.update({sc.CONVERSATION_ID.key: client_id, sc.TURN_INDEX.key: k})
+        rows.append(span(sc.SPAN_PULL_DECISION, t, trace, **keys, **{
+            sc.REQUEST_ID.key: p_id, sc.ROLE.key: "prefill",
+            sc.PULL_DECISION.key: "no-params", sc.PROMPT_TOKENS.key: len(history),
+            sc.PREFIX_LINEAGE.key: chain(history)}))
+        output = [2000 + salt + k * 13 + i % 7 for i in range(output_tokens)]
+        retained = history + output
+        rows.append(span(sc.SPAN_EXPORT, t + 0.5, trace + "-d", **keys, **{
+            sc.REQUEST_ID.key: d_id, sc.ROLE.key: "decode",
+            sc.REMOTE_REQUEST_ID.key: p_id, sc.EXPORT_TOKENS.key: len(retained) - 1,
+            sc.EXPORT_EXPIRES_AT.key: t + 0.5 + 30, sc.TTL.key: 30.0,
+            sc.PREFIX_LINEAGE.key: chain(retained[:-1]), sc.ENGINE_ID.key: engine,
+            sc.ENGINE_ENDPOINT.key: endpoint, sc.ENGINE_STARTED_AT.key: 1.0}))
+        history = retained
+        t += gap_s
+    return rows
+
+
+def frame(rows):
+    return frame_from_rows(rows)
+
+
+def test_conversations_and_turn_order_from_engine_spans_alone():
+    base_a, base_b = list(range(50)), list(range(300, 350))
+    spans = frame(router_turns("a", 3, 100.0, base_a) + router_turns("b", 4, 100.7, base_b))
+    turns = turns_from_spans(spans)
+    by = {cid: list(g.sort_values("turn")["prefill_request_id"])
+          for cid, g in turns.groupby("conversation_id")}
+    assert by == {"lineage:p-a-1": ["p-a-1", "p-a-2", "p-a-3"],
+                  "lineage:p-b-1": ["p-b-1", "p-b-2", "p-b-3", "p-b-4"]}
+    b3 = turns[turns["prefill_request_id"] == "p-b-3"].iloc[0]
+    assert (b3["turn"], b3["extends_request_id"], b3["extends_prefill_request_id"]) == (
+        3, "d-b-2", "p-b-2")
+    assert b3["extends_engine_id"] == "d-engine-1"
+    assert b3["extends_verified_tokens"] > 0 and b3["extends_tokens"] >= b3["extends_verified_tokens"]
+    first = turns[turns["turn"] == 1]
+    assert first["extends_request_id"].isna().all()
+
+
+def test_a_shared_system_prompt_does_not_join_conversations():
+    system = list(range(200))  # 12 full blocks shared by both conversations' first turns
+    spans = frame(router_turns("a", 2, 100.0, system) + router_turns("b", 2, 100.2, system))
+    turns = turns_from_spans(spans)
+    assert sorted(turns["conversation_id"].unique()) == ["lineage:p-a-1", "lineage:p-b-1"]
+    assert turns.set_index("prefill_request_id").loc["p-b-2", "extends_request_id"] == "d-b-1"
+
+
+def test_matching_is_tenant_scoped_and_time_ordered():
+    base = list(range(64))
+    same_prompts = router_turns("a", 2, 100.0, base, tenant="t1") + [
+        {**row, sc.REQUEST_ID.key: row[sc.REQUEST_ID.key].replace("-a-", "-z-"),
+         sc.REMOTE_REQUEST_ID.key: (row.get(sc.REMOTE_REQUEST_ID.key) or "").replace(
+             "-a-", "-z-") or None, sc.TENANT_DIGEST.key: "t2",
+         "trace_id": row["trace_id"] + "z", "span_id": row["span_id"] + "z",
+         "start_ns": row["start_ns"] + 3 * SECOND // 10, "end_ns": row["end_ns"] + 3 * SECOND // 10}
+        for row in router_turns("a", 2, 100.0, base, tenant="t1")]
+    _, links = lineage.link(frame(same_prompts))
+    assert links.loc["p-a-2", "extends_request_id"] == "d-a-1"
+    assert links.loc["p-z-2", "extends_request_id"] == "d-z-1"  # never t1's export
+    # An export that ends after the prompt arrived cannot be what it extends.
+    rows = router_turns("a", 2, 100.0, base)
+    late = [dict(r, start_ns=r["start_ns"] + 10 * SECOND, end_ns=r["end_ns"] + 10 * SECOND)
+            if r["name"] == sc.SPAN_EXPORT.name else r for r in rows]
+    _, links = lineage.link(frame(late))
+    assert links["extends_request_id"].isna().all()
+
+
+def test_client_ids_win_and_lineage_agrees_with_them():
+    rows = (router_turns("a", 3, 100.0, list(range(40)), client_id="conv-A")
+            + router_turns("b", 3, 100.3, list(range(500, 540)), client_id="conv-B"))
+    turns = turns_from_spans(frame(rows))
+    assert sorted(turns["conversation_id"].unique()) == ["conv-A", "conv-B"]
+    for cid, group in turns.groupby("conversation_id"):
+        assert group["lineage_conversation_id"].nunique() == 1
+        assert list(group["lineage_turn"]) == list(group["turn"])
+
+
+def test_a_fork_starts_its_own_conversation_numbered_on():
+    rows = router_turns("a", 2, 100.0, list(range(40)))
+    fork = [dict(r, **{sc.REQUEST_ID.key: "p-fork", "trace_id": "t-fork", "span_id": "s-fork",
+                       "start_ns": r["start_ns"] + SECOND // 2})
+            for r in rows if r[sc.REQUEST_ID.key] == "p-a-2"]
+    turns = turns_from_spans(frame(rows + fork)).set_index("prefill_request_id")
+    assert turns.loc["p-a-2", ["conversation_id", "turn"]].tolist() == ["lineage:p-a-1", 2]
+    assert turns.loc["p-fork", ["conversation_id", "turn"]].tolist() == ["lineage:p-fork", 2]
+    assert turns.loc["p-fork", "extends_request_id"] == "d-a-1"
+
+
+def test_a_restart_of_the_exporting_engine_is_named():
+    rows = router_turns("a", 2, 100.0, list(range(40)), engine="old", gap_s=5.0)
+    restarted = dict(rows[-1], **{sc.ENGINE_ID.key: "new", sc.ENGINE_STARTED_AT.key: 103.0,
+                                  sc.REQUEST_ID.key: "d-a-2"})
+    turns = turns_from_spans(frame(rows[:-1] + [restarted])).set_index("prefill_request_id")
+    assert turns.loc["p-a-2", "extends_engine_restarted_at"] == pytest.approx(103.0)
+    assert pd.isna(turns_from_spans(frame(rows)).set_index("prefill_request_id").loc[
+        "p-a-2", "extends_engine_restarted_at"])
+
+
+def test_spans_without_chains_or_with_bad_ones_link_nothing():
+    rows = router_turns("a", 2, 100.0, list(range(40)))
+    for r in rows:
+        r[sc.PREFIX_LINEAGE.key] = "kvobs4:16:abcd1234:garbage"
+    turns = turns_from_spans(frame(rows))
+    assert turns["extends_request_id"].isna().all()
+    assert sorted(turns["conversation_id"]) == ["lineage:p-a-1", "lineage:p-a-2"]
