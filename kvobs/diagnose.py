@@ -10,6 +10,7 @@ import pandas as pd
 
 from kvobs.causes import CauseFinding, causes, decode_context
 from kvobs.correlate import UNKNOWN_TENANT, turns_from_spans
+from kvobs import semconv as sc
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
 from kvobs.timeline import Timeline, add_timeline, timeline_of
@@ -109,7 +110,10 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
     """One conversation's turns, classified. ``tenant`` (a digest, as spans carry it)
     picks one when several tenants use the id; without it that case raises
     ``AmbiguousConversation``."""
-    spans = source.spans(conversation_id)
+    # Conversations kvobs named itself (an id-less turn, a chain rebuilt from engine
+    # spans) exist only once every span is correlated: no source can select them.
+    derived = conversation_id.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
+    spans = source.spans(None if derived else conversation_id)
     turns = turns_from_spans(spans)
     turns = turns[turns["conversation_id"] == conversation_id]
     tenants = sorted(turns["tenant"].unique())
