@@ -32,26 +32,30 @@ from kvobs import semconv as sc
 from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
 
 from connector_instrumented.proxy._clock import DecodeClock
-from connector_instrumented.proxy._digest import extends, history_digest
+from connector_instrumented.proxy._digest import Prefixes, extends, history_digest
 from connector_instrumented.proxy._identity import (
     Identity, InputError, conversation_of, tenant_of)
 from connector_instrumented.proxy._metrics import ProxyMetrics
 from connector_instrumented.proxy.config import Endpoint, ProxyConfig
 from connector_instrumented.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
-from connector_instrumented.proxy.store import MemoryStore, MetadataStore, RedisStore
+from connector_instrumented.proxy.store import (
+    Entry, MemoryStore, MetadataStore, RedisStore)
 
 _LOG = logging.getLogger("kvobs.proxy")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 _KTP = "kv_transfer_params"
 TRACE_ID_KEY = web.RequestKey("kvobs_trace_id", str)
+# The conversation id the proxy gave a request that came without one (inferred or new).
+ASSIGNED_ID_KEY = web.RequestKey("kvobs_assigned_conversation_id", str)
 TRACE_ID_HEADER = sc.TRACE_ID_HEADER
 _TURN_KEYS = frozenset((*sc.CORRELATION_KEYS, sc.KTP_REQUEST_ID))
 _DONE = b"data: [DONE]"
 PROXY_KEY = web.AppKey("kvobs_proxy", object)
 
 LO = sc.LookupOutcome
+MR = sc.MissReason
 PS = sc.ParamsSource
 PE = sc.ProxyError
 
@@ -92,6 +96,7 @@ class _TurnState:
     request_id: str
     start_wall: float
     start_perf: float
+    conversation_id: str | None = None  # the client's, or the one the proxy gave it
     turn: int | None = None
     outcome: sc.LookupOutcome = LO.NO_ID
     params_sent: bool = False
@@ -120,6 +125,9 @@ class _Proxy:
         self.store = store
         self.publisher = publisher
         self.clock = DecodeClock()
+        # This process, on every lookup span: a restart shows as a new id and a later start.
+        self.instance = secrets.token_hex(8)
+        self.started_at = time.time()
         self.session: aiohttp.ClientSession | None = None
         self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
@@ -215,7 +223,8 @@ class _Proxy:
         if body.pop(_KTP, None) is not None:
             self.metrics.stripped.inc()
         state = _TurnState(stream=bool(body.get("stream")), request_id=uuid.uuid4().hex,
-                           start_wall=start_ns / 1e9, start_perf=time.perf_counter())
+                           start_wall=start_ns / 1e9, start_perf=time.perf_counter(),
+                           conversation_id=identity.conversation_id)
 
         parent = _PROPAGATOR.extract(request.headers) if "traceparent" in request.headers \
             else None
@@ -229,14 +238,17 @@ class _Proxy:
         try:
             return await self._turn(request, path, body, identity, state, correlation)
         finally:
-            correlation = Correlation(identity.conversation_id, state.turn, identity.tenant,
+            correlation = Correlation(state.conversation_id, state.turn, identity.tenant,
                                       traceparent)
             self._end_turn(span, state, correlation)
 
     async def _turn(self, request: web.Request, path: str, body: dict[str, Any],
                     identity: Identity, state: _TurnState,
                     correlation: Correlation) -> web.StreamResponse:
-        previous = await self._lookup(identity, body, state, correlation)
+        assigned, previous = await self._lookup(identity, body, state, correlation)
+        if assigned is not identity:
+            request[ASSIGNED_ID_KEY] = assigned.conversation_id
+            identity = assigned
         correlation = Correlation(identity.conversation_id, state.turn, identity.tenant,
                                   correlation.traceparent)
         keys = {**correlation.to_params(), sc.KTP_REQUEST_ID: state.request_id}
@@ -269,22 +281,36 @@ class _Proxy:
     # ------------------------------------------------------------------ lookup
 
     async def _lookup(self, identity: Identity, body: dict[str, Any], state: _TurnState,
-                      correlation: Correlation):
+                      correlation: Correlation) -> tuple[Identity, Entry | None]:
+        """The turn's index, outcome and D's previous params. A request without an id
+        comes back with the conversation it continues (inferred) or a new id."""
         now = time.time()
         start_ns = time.time_ns()
-        key = identity.store_key
         previous = None
-        attributes: dict[str, Any] = {}
+        attributes: dict[str, Any] = {sc.PROXY_INSTANCE.key: self.instance,
+                                      sc.PROXY_STARTED_AT.key: self.started_at}
         from_history = history_turn(body)
-        if key is None:
+        miss_reason: sc.MissReason | None = MR.NEVER_SEEN
+        sent_id = identity.conversation_id is not None
+        inferred = False
+        if not sent_id and self.config.infer_conversations:
+            identity, inferred = await self._infer(identity, body, now,
+                                                   correlation.traceparent)
+            attributes[sc.LOOKUP_INFERRED.key] = inferred
+        state.conversation_id = identity.conversation_id
+        if not sent_id and not inferred:
+            # With inference on, the new id starts a conversation a later id-less turn
+            # may continue; the turn itself has nothing to look up.
             state.turn, state.outcome = from_history or 1, LO.NO_ID
         else:
+            begun = None
             try:
-                state.turn, previous = await self.store.begin_turn(key, now)
+                begun = await self.store.begin_turn(identity.store_key, now)
+                state.turn, previous = begun.turn, begun.previous
             except Exception:  # noqa: BLE001 - the store never breaks serving
                 _LOG.warning("metadata store failed at lookup", exc_info=True)
                 self.metrics.store_errors.labels(self.store.backend).inc()
-                previous = None
+                miss_reason = None  # the store could not say
             # A chat history says which turn this is even when the store forgot the
             # conversation (restart, eviction, another replica without shared state).
             state.turn = max(state.turn or 1, from_history or 1)
@@ -294,7 +320,12 @@ class _Proxy:
                 self.metrics.gap.observe(gap)
             if previous is None or previous.params is None:
                 state.outcome = LO.MISS
+                if previous is not None:
+                    miss_reason = MR.NOT_STORED
+                elif begun is not None and begun.evicted:
+                    miss_reason = MR.EVICTED
             else:
+                miss_reason = None
                 if previous.stored_at is not None:
                     age = max(0.0, now - previous.stored_at)
                     attributes[sc.ENTRY_AGE.key] = age
@@ -309,12 +340,29 @@ class _Proxy:
                     state.outcome = LO.HIT
         state.params_sent = state.outcome is LO.HIT
         self.metrics.lookups.labels(state.outcome.value).inc()
-        correlation = Correlation(correlation.conversation_id, state.turn, correlation.tenant,
+        correlation = Correlation(state.conversation_id, state.turn, correlation.tenant,
                                   correlation.traceparent)
         emit(self.tracer, sc.SPAN_PROXY_LOOKUP, correlation,
              {sc.LOOKUP_OUTCOME.key: state.outcome, sc.PARAMS_SENT.key: state.params_sent,
-              **attributes}, start_ns=start_ns)
-        return previous
+              sc.LOOKUP_MISS_REASON.key: miss_reason, **attributes}, start_ns=start_ns)
+        return identity, previous
+
+    async def _infer(self, identity: Identity, body: dict[str, Any], now: float,
+                     traceparent: str) -> tuple[Identity, bool]:
+        """The tenant's live conversation whose covered history this request extends
+        (longest match), else a new id: the ``anonymous:<trace id>`` kvobs names an
+        id-less turn by, so that a later turn can continue it."""
+        prefixes = Prefixes.of(body)
+        found = None
+        if prefixes is not None:
+            try:
+                found = await self.store.infer(identity.tenant, prefixes, now)
+            except Exception:  # noqa: BLE001 - the store never breaks serving
+                _LOG.warning("metadata store failed at inference", exc_info=True)
+                self.metrics.store_errors.labels(self.store.backend).inc()
+        if found is not None:
+            return Identity(identity.tenant, found.conversation_id), True
+        return Identity(identity.tenant, sc.ANONYMOUS_PREFIX + traceparent.split("-")[1]), False
 
     # ------------------------------------------------------------------ prefill
 
@@ -557,10 +605,13 @@ class _Proxy:
         else:
             action = "skipped"
         try:
+            indexed = self.config.infer_conversations
             await self.store.finish_turn(key, state.turn, time.time(),
                                          params if usable else None,
                                          expires_at if usable else None,
-                                         digest if usable else None)
+                                         digest if usable else None,
+                                         identity.tenant if indexed else None,
+                                         identity.conversation_id if indexed else None)
         except Exception:  # noqa: BLE001
             _LOG.warning("metadata store failed at store", exc_info=True)
             self.metrics.store_errors.labels(self.store.backend).inc()
@@ -674,11 +725,17 @@ def history_turn(body: dict[str, Any]) -> int | None:
     return 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
 
 
-async def _trace_id_header(request: web.Request, response: web.StreamResponse) -> None:
+async def _id_headers(request: web.Request, response: web.StreamResponse) -> None:
     # Lets a client (or an operator reading a client log) name the turn to kvobs.
     trace_id = request.get(TRACE_ID_KEY)
     if trace_id:
         response.headers[TRACE_ID_HEADER] = trace_id
+    # A request without a conversation id gets the one the proxy gave it (inferred, or
+    # new) in the header a client sends ids in, so the client can adopt it.
+    # (An inferred id is some client's: only one that is a valid header value.)
+    assigned = request.get(ASSIGNED_ID_KEY)
+    if assigned and assigned.isascii() and assigned.isprintable():
+        response.headers[request.app[PROXY_KEY].config.conversation_header] = assigned
 
 
 def _fallback_reason(body: bytes | None) -> sc.FallbackReason:
@@ -797,8 +854,9 @@ def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
     on_evict = metrics.evictions.inc
     if config.store_backend == "redis":
         return RedisStore(config.redis_url, config.max_entries, config.conversation_ttl_s,
-                          on_evict)
-    return MemoryStore(config.max_entries, config.conversation_ttl_s, on_evict)
+                          on_evict, infer_per_tenant=config.infer_per_tenant)
+    return MemoryStore(config.max_entries, config.conversation_ttl_s, on_evict,
+                       infer_per_tenant=config.infer_per_tenant)
 
 
 def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
@@ -820,7 +878,7 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
                    publisher or _make_publisher(config))
     app = web.Application(client_max_size=config.max_body_bytes + 1)
     app[PROXY_KEY] = proxy
-    app.on_response_prepare.append(_trace_id_header)
+    app.on_response_prepare.append(_id_headers)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app.router.add_post("/v1/chat/completions", proxy.chat)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from kvobs import semconv as sc
 
+from connector_instrumented.proxy.store import INFER_PER_TENANT
+
 # vLLM's own default for ``decoder_kv_blocks_ttl`` (kv_transfer_config extra config).
 VLLM_DEFAULT_DECODE_TTL_S = sc.VLLM_DEFAULT_DECODE_TTL_S
 # P declines a read whose blocks expire within this many seconds (fixed in vLLM).
@@ -65,6 +67,11 @@ class ProxyConfig:
     # Upstream rewrites remote_host in P's and D's params to the engine's HTTP host.
     rewrite_remote_host: bool = True
     store_dir: str | None = None  # kvobs span store (else KVOBS_STORE / OTEL_* env)
+    # A request without a conversation id continues the tenant's conversation whose
+    # covered history its own extends (docs/proxy.md, "Conversation inference").
+    infer_conversations: bool = True
+    # Conversations indexed for inference per tenant (the oldest are dropped first).
+    infer_per_tenant: int = INFER_PER_TENANT
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -83,8 +90,10 @@ class ProxyConfig:
             raise ValueError("params_publisher must be auto, redis or none")
         if self.params_publisher == "redis" and not self.redis_url:
             raise ValueError("the redis params publisher needs redis_url")
-        if self.max_entries < 1 or self.max_id_length < 1 or self.max_body_bytes < 1:
-            raise ValueError("max_entries, max_id_length and max_body_bytes must be positive")
+        if min(self.max_entries, self.max_id_length, self.max_body_bytes,
+               self.infer_per_tenant) < 1:
+            raise ValueError("max_entries, max_id_length, max_body_bytes and "
+                             "infer_per_tenant must be positive")
 
     @property
     def publisher_kind(self) -> str:

@@ -8,6 +8,15 @@ Two backends behind one small protocol, chosen once at start:
 
 Params are single-use: ``begin_turn`` takes them out (D's blocks are released once P has
 read them), bumps the turn counter and returns the previous state for the lookup.
+
+Conversation inference: when ``finish_turn`` stores params with a tenant and a
+conversation id, it also indexes the conversation under the fingerprint of the history
+D's KV covers (``_digest.fingerprint``: kind, count, SHA-256; never text), one fingerprint
+per conversation (its latest), at most ``infer_per_tenant`` per tenant (oldest dropped).
+``infer`` finds the live conversation whose covered history a request extends, longest
+first, within one tenant. An index entry goes with the entry it points to (evicted,
+expired or superseded). Recently evicted keys are remembered (``EVICTED_MEMORY`` of them),
+so a lookup can tell an evicted conversation from one never seen.
 """
 
 from __future__ import annotations
@@ -16,7 +25,14 @@ import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
+
+from connector_instrumented.proxy._digest import Prefixes, extended, fingerprint
+
+# Recently evicted keys each store remembers (a miss on one of them is "evicted").
+EVICTED_MEMORY = 4096
+# Fingerprints indexed per tenant for conversation inference (the oldest go first).
+INFER_PER_TENANT = 1024
 
 
 @dataclass
@@ -33,16 +49,36 @@ class Entry:
     touched: float = 0.0
 
 
+class Begun(NamedTuple):
+    """What ``begin_turn`` found: this turn's index, the previous state (None: no entry)
+    and, when there was no entry, whether the entry cap had pushed it out."""
+
+    turn: int
+    previous: Entry | None
+    evicted: bool = False
+
+
+class Inferred(NamedTuple):
+    key: str  # store key
+    conversation_id: str
+
+
 class MetadataStore(Protocol):
     backend: str
 
-    async def begin_turn(self, key: str, now: float) -> tuple[int, Entry | None]:
-        """Start a turn: returns (this turn's index, previous state or None); takes params."""
+    async def begin_turn(self, key: str, now: float) -> Begun:
+        """Start a turn: this turn's index and the previous state; takes the params."""
 
     async def finish_turn(self, key: str, turn: int, now: float,
                           params: dict[str, Any] | None, expires_at: float | None,
-                          digest: dict[str, Any] | None) -> None:
-        """End a turn; store D's params when there are any."""
+                          digest: dict[str, Any] | None, tenant: str | None = None,
+                          conversation_id: str | None = None) -> None:
+        """End a turn; store D's params when there are any (and index the conversation
+        by ``digest`` for ``infer`` when ``tenant`` and ``conversation_id`` are given)."""
+
+    async def infer(self, tenant: str, prefixes: Prefixes, now: float) -> Inferred | None:
+        """The live conversation of ``tenant`` whose covered history ``prefixes`` extends
+        (the longest such), or None."""
 
     async def size(self) -> int | None: ...
 
@@ -56,16 +92,23 @@ class MemoryStore:
     backend = "memory"
 
     def __init__(self, max_entries: int, conversation_ttl_s: float,
-                 on_evict: EvictCallback | None = None):
+                 on_evict: EvictCallback | None = None,
+                 infer_per_tenant: int = INFER_PER_TENANT):
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._max = max_entries
         self._idle = conversation_ttl_s
         self._on_evict = on_evict or (lambda n: None)
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        # tenant -> fingerprint -> (key, conversation id); key -> (tenant, fingerprint)
+        self._index: dict[str, OrderedDict[str, Inferred]] = {}
+        self._indexed: dict[str, tuple[str, str]] = {}
+        self._per_tenant = infer_per_tenant
 
     def _live(self, key: str, now: float) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None and now - entry.touched > self._idle:
             del self._entries[key]
+            self._unindex(key)
             return None
         return entry
 
@@ -74,33 +117,72 @@ class MemoryStore:
         self._entries.move_to_end(key)
         evicted = 0
         while len(self._entries) > self._max:
-            _, oldest = self._entries.popitem(last=False)
+            victim, oldest = self._entries.popitem(last=False)
+            self._unindex(victim)
             if now - oldest.touched <= self._idle:
                 evicted += 1
+                self._evicted[victim] = None
+                if len(self._evicted) > EVICTED_MEMORY:
+                    self._evicted.popitem(last=False)
         if evicted:
             self._on_evict(evicted)
 
-    async def begin_turn(self, key: str, now: float) -> tuple[int, Entry | None]:
+    def _unindex(self, key: str) -> None:
+        tenant, fp = self._indexed.pop(key, (None, None))
+        index = self._index.get(tenant)
+        if index is not None and fp in index and index[fp].key == key:
+            del index[fp]
+            if not index:
+                del self._index[tenant]
+
+    def _index_as(self, key: str, tenant: str, conversation_id: str, fp: str) -> None:
+        self._unindex(key)
+        index = self._index.setdefault(tenant, OrderedDict())
+        index[fp] = Inferred(key, conversation_id)  # same history: the latest wins
+        index.move_to_end(fp)
+        self._indexed[key] = (tenant, fp)
+        while len(index) > self._per_tenant:
+            index.popitem(last=False)
+
+    async def begin_turn(self, key: str, now: float) -> Begun:
         entry = self._live(key, now)
         previous = replace(entry) if entry is not None else None
+        evicted = False
         if entry is None:
             entry = Entry()
+            evicted = key in self._evicted
+            self._evicted.pop(key, None)
         entry.turn += 1
         entry.params = None
         entry.touched = now
         self._insert(key, entry, now)
-        return entry.turn, previous
+        return Begun(entry.turn, previous, evicted)
 
-    async def finish_turn(self, key, turn, now, params, expires_at, digest) -> None:
+    async def finish_turn(self, key, turn, now, params, expires_at, digest, tenant=None,
+                          conversation_id=None) -> None:
         entry = self._live(key, now)
         if entry is None:
             entry = Entry(turn=turn)
+            self._evicted.pop(key, None)
         entry.ended_at = now
         entry.touched = now
         if params is not None and turn >= entry.stored_turn:
             entry.params, entry.expires_at, entry.digest = params, expires_at, digest
             entry.stored_at, entry.stored_turn = now, turn
+            fp = fingerprint(digest)
+            if fp is not None and tenant is not None and conversation_id is not None:
+                self._index_as(key, tenant, conversation_id, fp)
         self._insert(key, entry, now)
+
+    async def infer(self, tenant: str, prefixes: Prefixes, now: float) -> Inferred | None:
+        index = self._index.get(tenant)
+        if not index:
+            return None
+        for fp in extended(prefixes, list(index)):
+            found = index.get(fp)
+            if found is not None and self._live(found.key, now) is not None:
+                return found
+        return None
 
     async def size(self) -> int:
         return len(self._entries)
@@ -109,38 +191,120 @@ class MemoryStore:
         return None
 
 
-_BEGIN = """
+# Redis layout under the prefix (``kvobs:``): ``conv:<key>`` one hash a conversation
+# (t turn, p params, x expiry, s stored at, e ended at, d digest, st stored turn, f its
+# indexed fingerprint, tn its tenant); ``conv-index`` a sorted set of the conversations by
+# last use (the entry cap); ``conv-evicted`` the keys the cap pushed out (by time, at most
+# EVICTED_MEMORY, none older than the idle TTL); per tenant ``infer:<tenant>`` fingerprint
+# -> "<key>\n<conversation id>" and ``infer-order:<tenant>`` its fingerprints by time.
+_LIB = r"""
+local function unindex(p, tn, fp, key)
+  local idx = p .. 'infer:' .. tn
+  local v = redis.call('HGET', idx, fp)
+  if v and string.sub(v, 1, #key + 1) == key .. '\n' then
+    redis.call('HDEL', idx, fp)
+    redis.call('ZREM', p .. 'infer-order:' .. tn, fp)
+  end
+end
+
+local function enforce_cap(p, now, idle, cap, keep)
+  local index = p .. 'conv-index'
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', now - idle)
+  local over = redis.call('ZCARD', index) - cap
+  if over <= 0 then return 0 end
+  local victims = redis.call('ZPOPMIN', index, over)
+  local evicted = p .. 'conv-evicted'
+  local skip = #p + 5
+  for i = 1, #victims, 2 do
+    local full = victims[i]
+    local key = string.sub(full, skip + 1)
+    local ref = redis.call('HMGET', full, 'f', 'tn')
+    if ref[1] and ref[2] then unindex(p, ref[2], ref[1], key) end
+    redis.call('DEL', full)
+    redis.call('ZADD', evicted, now, key)
+  end
+  redis.call('ZREMRANGEBYSCORE', evicted, '-inf', now - idle)
+  redis.call('ZREMRANGEBYRANK', evicted, 0, -(keep + 1))
+  return over
+end
+
+local function index_as(p, key, tn, conv, fp, now, idle, cap)
+  local full = p .. 'conv:' .. key
+  local idx, order = p .. 'infer:' .. tn, p .. 'infer-order:' .. tn
+  local old = redis.call('HGET', full, 'f')
+  if old and old ~= fp then unindex(p, tn, old, key) end
+  redis.call('HSET', idx, fp, key .. '\n' .. conv)
+  redis.call('ZADD', order, now, fp)
+  redis.call('HSET', full, 'f', fp, 'tn', tn)
+  local over = redis.call('ZCARD', order) - cap
+  if over > 0 then
+    local gone = redis.call('ZPOPMIN', order, over)
+    for i = 1, #gone, 2 do redis.call('HDEL', idx, gone[i]) end
+  end
+  redis.call('EXPIRE', idx, idle)
+  redis.call('EXPIRE', order, idle)
+end
+"""
+
+# KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key
+_BEGIN = _LIB + """
+local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('HINCRBY', KEYS[1], 't', 1)
 local v = redis.call('HMGET', KEYS[1], 'p', 'x', 's', 'e', 'd', 'st')
 redis.call('HDEL', KEYS[1], 'p')
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[2], ARGV[2], KEYS[1])
-local evicted = 0
+redis.call('EXPIRE', KEYS[1], idle)
+redis.call('ZADD', p .. 'conv-index', now, KEYS[1])
+local evicted, was_evicted = 0, 0
 if t == 1 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', tonumber(ARGV[2]) - tonumber(ARGV[1]))
-  local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[3])
-  if over > 0 then
-    local victims = redis.call('ZPOPMIN', KEYS[2], over)
-    for i = 1, #victims, 2 do redis.call('DEL', victims[i]) end
-    evicted = over
-  end
+  was_evicted = redis.call('ZREM', p .. 'conv-evicted', ARGV[6])
+  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]))
 end
-return {t, v[1], v[2], v[3], v[4], v[5], v[6], evicted}
+return {t, v[1], v[2], v[3], v[4], v[5], v[6], evicted, was_evicted}
 """
 
-_FINISH = """
-redis.call('HSETNX', KEYS[1], 't', ARGV[1])
-redis.call('HSET', KEYS[1], 'e', ARGV[2])
-if ARGV[3] ~= '' then
+# KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key, turn,
+# params, expires at, digest, fingerprint, tenant, conversation id, fingerprints a tenant
+_FINISH = _LIB + """
+local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local created = redis.call('HSETNX', KEYS[1], 't', ARGV[7])
+redis.call('HSET', KEYS[1], 'e', ARGV[3])
+if ARGV[8] ~= '' then
   local st = tonumber(redis.call('HGET', KEYS[1], 'st') or '0')
-  if tonumber(ARGV[1]) >= st then
-    redis.call('HSET', KEYS[1], 'p', ARGV[3], 'x', ARGV[4], 's', ARGV[2], 'd', ARGV[5],
-               'st', ARGV[1])
+  if tonumber(ARGV[7]) >= st then
+    redis.call('HSET', KEYS[1], 'p', ARGV[8], 'x', ARGV[9], 's', ARGV[3], 'd', ARGV[10],
+               'st', ARGV[7])
+    if ARGV[11] ~= '' then
+      index_as(p, ARGV[6], ARGV[12], ARGV[13], ARGV[11], now, idle, tonumber(ARGV[14]))
+    end
   end
 end
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('ZADD', KEYS[2], ARGV[2], KEYS[1])
-return 1
+redis.call('EXPIRE', KEYS[1], idle)
+redis.call('ZADD', p .. 'conv-index', now, KEYS[1])
+local evicted = 0
+if created == 1 then
+  redis.call('ZREM', p .. 'conv-evicted', ARGV[6])
+  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]))
+end
+return evicted
+"""
+
+# ARGV: prefix, tenant, candidate fingerprints longest first. The first whose conversation
+# still exists; index entries of conversations that are gone are dropped on the way.
+_RESOLVE = r"""
+local p = ARGV[1]
+local idx, order = p .. 'infer:' .. ARGV[2], p .. 'infer-order:' .. ARGV[2]
+for i = 3, #ARGV do
+  local v = redis.call('HGET', idx, ARGV[i])
+  if v then
+    local cut = string.find(v, '\n', 1, true)
+    if cut and redis.call('EXISTS', p .. 'conv:' .. string.sub(v, 1, cut - 1)) == 1 then
+      return v
+    end
+    redis.call('HDEL', idx, ARGV[i])
+    redis.call('ZREM', order, ARGV[i])
+  end
+end
+return false
 """
 
 
@@ -158,7 +322,8 @@ class RedisStore:
     backend = "redis"
 
     def __init__(self, url: str, max_entries: int, conversation_ttl_s: float,
-                 on_evict: EvictCallback | None = None, prefix: str = "kvobs:"):
+                 on_evict: EvictCallback | None = None, prefix: str = "kvobs:",
+                 infer_per_tenant: int = INFER_PER_TENANT):
         import redis.asyncio as aioredis
 
         self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0,
@@ -168,31 +333,54 @@ class RedisStore:
         self._on_evict = on_evict or (lambda n: None)
         self._prefix = prefix
         self._index = f"{prefix}conv-index"
+        self._per_tenant = infer_per_tenant
         self._begin = self._redis.register_script(_BEGIN)
         self._finish = self._redis.register_script(_FINISH)
+        self._resolve = self._redis.register_script(_RESOLVE)
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}conv:{key}"
 
-    async def begin_turn(self, key: str, now: float) -> tuple[int, Entry | None]:
-        t, p, x, s, e, d, st, evicted = await self._begin(
-            keys=[self._key(key), self._index], args=[self._idle, now, self._max])
+    def _common(self, key: str, now: float) -> list:
+        return [self._prefix, self._idle, now, self._max, EVICTED_MEMORY, key]
+
+    async def begin_turn(self, key: str, now: float) -> Begun:
+        t, p, x, s, e, d, st, evicted, was_evicted = await self._begin(
+            keys=[self._key(key)], args=self._common(key, now))
         if evicted:
             self._on_evict(int(evicted))
         turn = int(t)
         if turn == 1:
-            return 1, None
+            return Begun(1, None, bool(was_evicted))
         previous = Entry(turn=turn - 1, params=_json(p), expires_at=_float(x),
                          stored_at=_float(s), ended_at=_float(e), digest=_json(d),
                          stored_turn=int(st or 0), touched=now)
-        return turn, previous
+        return Begun(turn, previous)
 
-    async def finish_turn(self, key, turn, now, params, expires_at, digest) -> None:
-        await self._finish(
-            keys=[self._key(key), self._index],
-            args=[turn, now, json.dumps(params) if params is not None else "",
+    async def finish_turn(self, key, turn, now, params, expires_at, digest, tenant=None,
+                          conversation_id=None) -> None:
+        fp = fingerprint(digest) if tenant is not None and conversation_id is not None \
+            else None
+        evicted = await self._finish(
+            keys=[self._key(key)],
+            args=[*self._common(key, now), turn,
+                  json.dumps(params) if params is not None else "",
                   expires_at if expires_at is not None else "",
-                  json.dumps(digest) if digest is not None else "", self._idle])
+                  json.dumps(digest) if digest is not None else "",
+                  fp or "", tenant or "", conversation_id or "", self._per_tenant])
+        if evicted:
+            self._on_evict(int(evicted))
+
+    async def infer(self, tenant: str, prefixes: Prefixes, now: float) -> Inferred | None:
+        candidates = await self._redis.zrange(f"{self._prefix}infer-order:{tenant}", 0, -1)
+        found = extended(prefixes, [fp.decode() for fp in candidates])
+        if not found:
+            return None
+        value = await self._resolve(keys=[], args=[self._prefix, tenant, *found])
+        if not value:
+            return None
+        key, _, conversation_id = value.decode().partition("\n")
+        return Inferred(key, conversation_id)
 
     async def size(self) -> int:
         return int(await self._redis.zcard(self._index))

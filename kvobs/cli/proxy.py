@@ -92,13 +92,18 @@ class _UpstreamFlags(click.Command):
 @click.option("--max-body-bytes", type=int, default=8 * 1024 * 1024, show_default=True)
 @click.option("--max-id-length", type=int, default=256, show_default=True)
 @click.option("--store-dir", default=None, help="kvobs span store directory (or KVOBS_STORE).")
+@click.option("--infer-conversations/--no-infer-conversations", default=None,
+              help="A request without a conversation id continues the tenant's "
+                   "conversation whose history it extends (default: on).")
+@click.option("--infer-per-tenant", type=int, default=None,
+              help="Conversations indexed for inference per tenant (the oldest go first).")
 @click.option("--log-level", default="INFO", show_default=True)
 def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, decoder_ports,
                   decode_kv_ttl, expiry_margin, max_entry_lifetime, fixed_entry_lifetime,
                   max_entries,
                   conversation_ttl, redis_url, store_backend, params_publisher,
                   conversation_header, tenant_header, max_body_bytes, max_id_length,
-                  store_dir, log_level):
+                  store_dir, infer_conversations, infer_per_tenant, log_level):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
     from connector_instrumented.proxy import ProxyConfig, run_proxy
 
@@ -106,6 +111,10 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if store_backend == "auto":
         store_backend = "redis" if redis_url else "memory"
+    # Unset: ProxyConfig's own default (one default, in one place).
+    optional = {name: value for name, value in (
+        ("infer_conversations", infer_conversations),
+        ("infer_per_tenant", infer_per_tenant)) if value is not None}
     try:
         config = ProxyConfig(
             prefill=_endpoints(prefiller_hosts, prefiller_ports, "prefiller"),
@@ -116,7 +125,8 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
             conversation_ttl_s=conversation_ttl, store_backend=store_backend,
             redis_url=redis_url, params_publisher=params_publisher,
             conversation_header=conversation_header, tenant_header=tenant_header,
-            max_body_bytes=max_body_bytes, max_id_length=max_id_length, store_dir=store_dir)
+            max_body_bytes=max_body_bytes, max_id_length=max_id_length, store_dir=store_dir,
+            **optional)
     except ValueError as error:
         fail_input(str(error))
     run_proxy(config)

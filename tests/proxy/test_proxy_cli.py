@@ -46,3 +46,19 @@ def test_registered_in_kvobs_group():
     from kvobs.cli import main
 
     assert main.get_command(None, "proxy") is cli_proxy.proxy_command
+
+
+def test_conversation_inference_flag(monkeypatch):
+    from connector_instrumented.proxy import ProxyConfig
+
+    result, config = _invoke(monkeypatch, [])
+    assert result.exit_code == 0, result.output
+    defaults = ProxyConfig(prefill=config.prefill, decode=config.decode)
+    assert config.infer_conversations is defaults.infer_conversations is True
+    assert config.infer_per_tenant == defaults.infer_per_tenant
+    result, config = _invoke(monkeypatch, ["--no-infer-conversations",
+                                           "--infer-per-tenant", "5"])
+    assert result.exit_code == 0, result.output
+    assert config.infer_conversations is False and config.infer_per_tenant == 5
+    result, config = _invoke(monkeypatch, ["--infer-per-tenant", "0"])
+    assert result.exit_code == 2 and config is None

@@ -298,8 +298,10 @@ def test_session_header_default_and_no_id():
             await converse(h, None, 1)
             assert outcomes(h.proxy) == ["miss", "hit", "no-id"]
             ktp = h.prefill.requests[2]["kv_transfer_params"]
-            assert sc.KTP_CONVERSATION_ID not in ktp
-            assert ktp[sc.KTP_TURN_INDEX] == 1 and ktp[sc.KTP_TRACEPARENT]
+            # no id and none to infer: a new one, the name kvobs gives an id-less turn
+            trace_id = ktp[sc.KTP_TRACEPARENT].split("-")[1]
+            assert ktp[sc.KTP_CONVERSATION_ID] == sc.ANONYMOUS_PREFIX + trace_id
+            assert ktp[sc.KTP_TURN_INDEX] == 1
     run(scenario())
 
 
