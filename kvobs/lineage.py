@@ -19,7 +19,9 @@ From the links:
 
 Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
 before the prompt arrives) and longest-first (the export with the most matching
-blocks; among equals the latest).
+blocks; among equals the latest). A prompt that extends no export may still extend an
+earlier *prompt*: the history went on from that turn, but its output was rewritten or
+re-tokenized. It is linked to that turn's export with ``extends_fully`` false.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ LINK_COLUMNS = {
     "extends_span_id": "That export's span.",
     "extends_prefill_request_id": "The P request of the turn that export came from.",
     "extends_tokens": "Tokens the export retained.",
-    "extends_verified_tokens": "Tokens of it the prompt is verified to extend (grid).",
+    "extends_verified_tokens": "Tokens of it the prompt is verified to share (grid).",
+    "extends_fully": "The prompt extends all of it; false: only that turn's prompt "
+                     "(the output was rewritten or re-tokenized).",
     "extends_exported_at": "When D exported it (unix s).",
     "extends_expires_at": "When D's blocks were due to expire (unix s).",
     "extends_released_at": "When D released them, if it did before the diagnosis.",
@@ -75,24 +79,38 @@ def _exports(spans: pd.DataFrame) -> pd.DataFrame:
     return exports.join(released, how="left")
 
 
-def _index(exports: pd.DataFrame) -> dict[tuple, list]:
-    """(scope, grid point, hash) -> [(export end ns, D request id, point, tenant)]."""
+def _index(exports: pd.DataFrame, prompts: pd.DataFrame) -> dict[tuple, list]:
+    """(scope, grid point, hash) -> [(point, kind, time ns, D request id, tenant, blocks)].
+
+    Two kinds of entry: an export (kind 1: a prompt that carries its key extends the KV D
+    kept) and an earlier prompt (kind 0: a prompt that carries its key extends that
+    turn's prompt but not its output: a rewritten or re-tokenized history). Both name the
+    D export of their turn."""
     index: dict[tuple, list] = {}
-    for request_id, digest, end_ns, tenant in zip(
-            exports.index, exports[sc.PREFIX_LINEAGE.key], exports["end_ns"],
-            exports[_TENANT]):
+
+    def add(digest, kind, time_ns, d_request, tenant):
         chain = parse(digest)
         key = chain.key() if chain is not None else None
-        if key is None or pd.isna(end_ns):
-            continue
+        if key is None or pd.isna(time_ns) or d_request is None:
+            return
         index.setdefault((chain.scope, *key), []).append(
-            (int(end_ns), request_id, key[0] * chain.block_size,
-             None if pd.isna(tenant) else tenant))
+            (key[0], kind, int(time_ns), d_request, None if pd.isna(tenant) else tenant,
+             chain.blocks))
+
+    for d_request, digest, end_ns, tenant in zip(
+            exports.index, exports[sc.PREFIX_LINEAGE.key], exports["end_ns"],
+            exports[_TENANT]):
+        add(digest, 1, end_ns, d_request, tenant)
+    export_of = {p: d for d, p in exports[_REMOTE_RID].dropna().items()}
+    for rid, digest, start_ns, tenant in zip(prompts.index, prompts[sc.PREFIX_LINEAGE.key],
+                                             prompts["start_ns"], prompts[_TENANT]):
+        add(digest, 0, start_ns, export_of.get(rid), tenant)
     return index
 
 
 def _extended(digest, start_ns, tenant, index, points_with_keys) -> tuple | None:
-    """(D request id, verified tokens) of the longest, latest export the chain extends."""
+    """(D request id, fully) of the longest match: the export or earlier prompt with the
+    most matching blocks, an export before a prompt of equal length, then the latest."""
     chain = parse(digest)
     if chain is None or pd.isna(start_ns):
         return None
@@ -103,11 +121,14 @@ def _extended(digest, start_ns, tenant, index, points_with_keys) -> tuple | None
         if point not in points_with_keys:
             continue
         hexed = chain.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+        # An earlier prompt counts only when this one is longer: an equal prompt is a
+        # retry or a fork of that turn, not its next turn.
         candidates = [c for c in index.get((chain.scope, point, hexed), ())
-                      if c[0] < start_ns and (tenant is None or c[3] in (None, tenant))]
+                      if c[2] < start_ns and (tenant is None or c[4] in (None, tenant))
+                      and (c[1] == 1 or c[5] < chain.blocks)]
         if candidates:
-            end_ns, request_id, verified, _ = max(candidates)
-            return request_id, verified
+            _, kind, _, d_request, _, _ = max(candidates)
+            return d_request, kind == 1
     return None
 
 
@@ -163,7 +184,7 @@ def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     if prompts.empty:
         return spans, links
     exports = _exports(spans)
-    index = _index(exports)
+    index = _index(exports, prompts)
     points_with_keys = {point for _, point, _ in index}
     engines = _restarts(spans)
     rows = {}
@@ -172,15 +193,18 @@ def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         hit = _extended(digest, start_ns, tenant, index, points_with_keys)
         if hit is None:
             continue
-        d_request, verified = hit
+        d_request, fully = hit
         export = exports.loc[d_request]
+        mine, theirs = parse(digest), parse(export[sc.PREFIX_LINEAGE.key])
+        verified = mine.common_blocks(theirs) * mine.block_size if theirs else 0
         exported_s = export["end_ns"] / 1e9
         released = export["released_ns"]
         rows[rid] = {
             "extends_request_id": d_request, "extends_span_id": export["span_id"],
             "extends_prefill_request_id": export[_REMOTE_RID],
             "extends_tokens": export[sc.EXPORT_TOKENS.key],
-            "extends_verified_tokens": verified, "extends_exported_at": exported_s,
+            "extends_verified_tokens": verified, "extends_fully": fully,
+            "extends_exported_at": exported_s,
             "extends_expires_at": export[sc.EXPORT_EXPIRES_AT.key],
             "extends_released_at": None if pd.isna(released) else released / 1e9,
             "extends_release_reason": export[sc.RELEASE_REASON.key],

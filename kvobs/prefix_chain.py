@@ -79,6 +79,19 @@ class Chain:
         return {n: self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
                 for i, n in enumerate(points)}
 
+    def common_blocks(self, other: "Chain") -> int:
+        """Blocks both chains agree on, to the grid: the last shared checkpoint whose
+        hashes agree (hashes chain, so every earlier one agrees too)."""
+        if other.scope != self.scope:
+            return 0
+        mine, theirs = self.at(), other.at()
+        agreed = 0
+        for point in sorted(set(mine) & set(theirs)):
+            if mine[point] != theirs[point]:
+                break
+            agreed = point
+        return agreed
+
     def key(self) -> tuple[int, str] | None:
         """The (grid point, hash) every prompt extending this chain also carries."""
         point = grid_point(self.blocks)

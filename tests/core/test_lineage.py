@@ -115,12 +115,31 @@ def test_matching_is_tenant_scoped_and_time_ordered():
     _, links = lineage.link(frame(same_prompts))
     assert links.loc["p-a-2", "extends_request_id"] == "d-a-1"
     assert links.loc["p-z-2", "extends_request_id"] == "d-z-1"  # never t1's export
-    # An export that ends after the prompt arrived cannot be what it extends.
+    # An export that ends after the prompt arrived cannot be what it extends: the
+    # prompt still extends turn 1's prompt, so it is turn 2, linked not fully.
     rows = router_turns("a", 2, 100.0, base)
     late = [dict(r, start_ns=r["start_ns"] + 10 * SECOND, end_ns=r["end_ns"] + 10 * SECOND)
             if r["name"] == sc.SPAN_EXPORT.name else r for r in rows]
     _, links = lineage.link(frame(late))
-    assert links["extends_request_id"].isna().all()
+    assert links.loc["p-a-2", ["extends_request_id", "extends_fully"]].tolist() == [
+        "d-a-1", False]
+    assert links.loc["p-a-2", "lineage_turn"] == 2
+
+
+def test_a_rewritten_output_links_to_the_previous_prompt_not_fully():
+    rows = router_turns("a", 2, 100.0, list(range(40)), output_tokens=40)
+    # Turn 2's prompt keeps turn 1's prompt but not D's output (reasoning stripped).
+    p1 = next(r for r in rows if r[sc.REQUEST_ID.key] == "p-a-1")
+    p2 = next(r for r in rows if r[sc.REQUEST_ID.key] == "p-a-2")
+    prompt1 = list(range(40)) + [1000 + 97 + 7 + i % 5 for i in range(100)]
+    rewritten = prompt1 + [9] * 10 + [1000 + 97 + 14 + i % 5 for i in range(100)]
+    assert p1[sc.PREFIX_LINEAGE.key] == chain(prompt1)
+    p2[sc.PREFIX_LINEAGE.key] = chain(rewritten)
+    turns = turns_from_spans(frame(rows)).set_index("prefill_request_id")
+    assert turns.loc["p-a-2", ["conversation_id", "turn", "extends_request_id"]].tolist() == [
+        "lineage:p-a-1", 2, "d-a-1"]
+    assert not turns.loc["p-a-2", "extends_fully"]
+    assert turns.loc["p-a-2", "extends_verified_tokens"] == 128  # 8 full blocks of 140
 
 
 def test_client_ids_win_and_lineage_agrees_with_them():
