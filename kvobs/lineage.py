@@ -143,11 +143,12 @@ def _restarts(spans: pd.DataFrame) -> dict[str, list[tuple[float, str]]]:
     return by_endpoint
 
 
-def _restarted_at(engines, endpoint, engine_id, after_s, before_s) -> float | None:
+def _restarted_at(engines, endpoint, after_s, before_s) -> float | None:
     if endpoint is None or pd.isna(endpoint):
         return None
-    starts = [s for s, e in engines.get(endpoint, ()) if e != engine_id
-              and after_s < s <= before_s]
+    # An engine that started there after the export cannot hold it, whatever its id
+    # (a restart may reuse a configured engine_id).
+    starts = [s for s, _ in engines.get(endpoint, ()) if after_s < s <= before_s]
     return min(starts) if starts else None
 
 
@@ -210,9 +211,12 @@ def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             "extends_release_reason": export[sc.RELEASE_REASON.key],
             "extends_engine_id": export[sc.ENGINE_ID.key],
             "extends_endpoint": export[sc.ENGINE_ENDPOINT.key],
+            # A restart matters only while D still held the blocks: after they expired
+            # or were released, the restart took nothing.
             "extends_engine_restarted_at": _restarted_at(
-                engines, export[sc.ENGINE_ENDPOINT.key], export[sc.ENGINE_ID.key],
-                exported_s, start_ns / 1e9)}
+                engines, export[sc.ENGINE_ENDPOINT.key], exported_s, min(t for t in (start_ns / 1e9, export[sc.EXPORT_EXPIRES_AT.key],
+                                            None if pd.isna(released) else released / 1e9)
+                                if t is not None and not pd.isna(t)))}
         rows[rid].update(_liveness(rows[rid], start_ns / 1e9))
     links = pd.DataFrame.from_dict(rows, orient="index", columns=list(LINK_COLUMNS))
     links = links.reindex(prompts.index)

@@ -40,6 +40,7 @@ class EngineSettings:
     proxy_fixed_lifetime_s: float = 0.0  # >0: upstream-style fixed proxy entry life
     vllm_tracing: bool = False  # engines export vLLM's own request spans (OTLP) too
     router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
+    proxy_infer_conversations: bool = True  # false: kvobs proxy --no-infer-conversations
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,9 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         raise ScenarioError(f"engines.router: {engines.router!r} not one of {ROUTERS}")
     if engines.router != KVOBS_PROXY and engines.proxy_fixed_lifetime_s > 0:
         raise ScenarioError("engines.proxy_fixed_lifetime_s: a kvobs proxy setting, "
+                            f"unused with router = {engines.router!r}")
+    if engines.router != KVOBS_PROXY and not engines.proxy_infer_conversations:
+        raise ScenarioError("engines.proxy_infer_conversations: a kvobs proxy setting, "
                             f"unused with router = {engines.router!r}")
     conversations = []
     for n, conv in enumerate(raw.pop("conversations", []), 1):

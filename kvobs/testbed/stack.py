@@ -168,6 +168,8 @@ class Stack:
         args = ["--decode-kv-ttl", str(self.settings.ttl_s), "--store", "redis"]
         if self.settings.proxy_fixed_lifetime_s > 0:
             args += ["--fixed-entry-lifetime", str(self.settings.proxy_fixed_lifetime_s)]
+        if not self.settings.proxy_infer_conversations:
+            args.append("--no-infer-conversations")
         return args
 
     def snapshot_metrics(self) -> None:

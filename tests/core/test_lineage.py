@@ -171,6 +171,11 @@ def test_a_restart_of_the_exporting_engine_is_named():
     assert turns.loc["p-a-2", "extends_engine_restarted_at"] == pytest.approx(103.0)
     assert pd.isna(turns_from_spans(frame(rows)).set_index("prefill_request_id").loc[
         "p-a-2", "extends_engine_restarted_at"])
+    # A restart after D's blocks had expired took nothing: expiry stays the cause.
+    late = dict(restarted, **{sc.ENGINE_STARTED_AT.key: 100.5 + 30 + 1})
+    rows = router_turns("a", 2, 100.0, list(range(40)), engine="old", gap_s=40.0)
+    turns = turns_from_spans(frame(rows[:-1] + [late])).set_index("prefill_request_id")
+    assert pd.isna(turns.loc["p-a-2", "extends_engine_restarted_at"])
 
 
 def test_spans_without_chains_or_with_bad_ones_link_nothing():

@@ -449,3 +449,64 @@ def test_vllm_own_request_spans_agree_with_the_connector(latency):
     # made it), usually just after; a busy API server lags further (the d-busy turn).
     lag = vllm_first - turns["d_first_token_at"].astype(float)
     assert (lag > -0.002).all() and lag.median() < 0.05, list(lag)
+
+
+# --------------------------------------------------------------------------- lineage (#15)
+
+
+def test_lineage_agrees_with_conversation_ids_on_every_demo_turn(demo):
+    """The engines' prefix chains alone rebuild the same conversations, in the same turn
+    order, as the ids the client sent (or the proxy inferred)."""
+    from kvobs.correlate import turns_from_spans
+
+    turns = turns_from_spans(open_source(str(demo.out)).spans())
+    assert turns["lineage_conversation_id"].notna().all()
+    groups = turns.groupby(["tenant", "conversation_id"])
+    disagreeing = [(key, list(g["lineage_conversation_id"]), list(g["lineage_turn"]))
+                   for key, g in groups
+                   if g["lineage_conversation_id"].nunique() != 1
+                   or list(g["lineage_turn"]) != list(g["turn"])]
+    assert disagreeing == []
+    assert turns["lineage_conversation_id"].nunique() == groups.ngroups
+
+
+def test_a_d_restart_is_named_on_the_turn_it_cost(demo):
+    d = demo.diagnosed()[("agent-d-restart", 2)]
+    assert d.finding.verdict is sc.Verdict.TRANSFER_FAILED
+    evidence = d.finding.evidence
+    assert evidence["extends_engine_restarted_at"] > evidence.get(
+        "extends_exported_at", d.turn.get("extends_exported_at"))
+    assert "D restarted" in d.finding.remedy and "NIXL/UCX" not in d.finding.remedy
+
+
+def test_idless_turns_continue_their_conversation_through_the_proxy(demo):
+    """An id-less completions client reuses D's KV: the proxy inferred the conversation
+    from the prompt (recorded on the lookup) and sent D's params."""
+    diagnosed = demo.diagnosed()
+    first = diagnosed[("agent-idless", 1)]
+    assert first.conversation_id.startswith(sc.ANONYMOUS_PREFIX)
+    for turn in (2, 3):
+        d = diagnosed[("agent-idless", turn)]
+        assert (d.conversation_id, d.turn.index) == (first.conversation_id, turn)
+        assert d.turn.get("lookup_inferred") is True
+    assert diagnosed[("agent-anon", 2)].turn.get("lookup_inferred") is True
+    assert diagnosed[("agent-anon", 2)].conversation_id == "agent-anon"
+
+
+def test_idless_turns_without_inference_name_the_export_they_could_reuse(slow_link):
+    d = slow_link.diagnosed()[("agent-idless-off", 2)]
+    assert d.finding.verdict is sc.Verdict.MISSING_METADATA
+    assert d.turn.get("lookup") == sc.LookupOutcome.NO_ID.value
+    assert d.turn.index == 2  # the chain says which turn it is, not the proxy
+    evidence = d.finding.evidence
+    assert evidence["extends_request_id"] and evidence["extends_ttl_left_s"] > 0
+    assert "no conversation id" in d.finding.remedy
+    assert evidence["extends_engine_id"] in d.finding.remedy
+
+
+def test_streamed_params_that_never_reached_the_proxy_are_named(slow_link):
+    d = slow_link.diagnosed()[("agent-stream-lost", 2)]
+    assert d.finding.verdict is sc.Verdict.MISSING_METADATA
+    assert d.finding.evidence["lookup_miss_reason"] == sc.MissReason.NOT_STORED.value
+    assert "never reached the proxy" in d.finding.remedy
+    assert "use the Redis backend" not in d.finding.remedy
