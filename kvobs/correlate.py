@@ -10,8 +10,8 @@ line. Facts about the *previous* turn's KV (D's export and release) are shifted 
 turn that tried to reuse it.
 
 The first stage, ``kvobs.lineage``, gives id-less turns their conversation and turn from
-the engines' prefix chains, and every turn the facts of the D export its prompt extends
-(``lineage.LINK_COLUMNS``), joined on P's request id.
+the engines' prefix chains, and P's decision span the facts of the D export its prompt
+extends (``semconv.LINEAGE_FACTS``): columns like any other.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "release_reason": (sc.SPAN_RELEASE, sc.RELEASE_REASON.key),
     "release_end_ns": (sc.SPAN_RELEASE, "end_ns"),
     "release_read_count": (sc.SPAN_RELEASE, sc.RELEASE_READ_COUNT.key),
+    **{column: (sc.SPAN_PULL_DECISION, attribute.key)
+       for column, attribute in sc.LINEAGE_FACTS.items()},
 }
 
 # Facts of turn k's KV that belong to turn k+1's diagnosis.
@@ -159,8 +161,7 @@ def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
 def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per (tenant, conversation_id, turn), columns ``KEYS + TURN_FIELDS`` +
     derived."""
-    spans, links = lineage.link(vllm_roles(spans))
-    frame = _keyed(spans).sort_values("start_ns", kind="stable")
+    frame = _keyed(lineage.link(vllm_roles(spans))).sort_values("start_ns", kind="stable")
     turns = frame[KEYS].drop_duplicates().set_index(KEYS)
     for span_name in {span for span, _ in TURN_FIELDS.values()}:
         columns = {column: source for column, (span, source) in TURN_FIELDS.items()
@@ -179,8 +180,6 @@ def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
     turns = turns.reset_index()
     turns["turn"] = turns["turn"].astype("int64")
     turns = turns.sort_values(KEYS, kind="stable").reset_index(drop=True)
-    turns = turns.join(links, on="prefill_request_id") if "prefill_request_id" in turns \
-        else turns.assign(**{column: None for column in links.columns})
     return _derive(turns)
 
 

@@ -8,13 +8,15 @@ D request of that export names the P request of its own turn (``remote_request_i
 so prompt -> export -> previous prompt is a chain of turns, whatever routed them.
 
 From the links:
-- every P request gets the facts of the export it extends (``LINK_COLUMNS``): which D
-  engine and request, how many tokens, when it expired or was released, and whether
-  that engine restarted since; the verdict rules read them like any turn column;
+- every P request gets the facts of the export it extends (``semconv.LINEAGE_FACTS``):
+  which D engine and request, how many tokens, when it expired or was released, and
+  whether that engine restarted since. They are written onto P's decision span as
+  derived attributes, so the turn table reads them like any other column, in every
+  builder, and a store keeps them;
 - requests without a conversation id (behind another router, or id-less clients of the
   proxy, whose turns are named ``anonymous:<trace>``) get a conversation and turn index
   from the chain: the conversation of the turn they extend, one turn later; a chain's
-  first turn keeps its anonymous id, or gets ``lineage:<P request id>``. An id the
+  first turn keeps its anonymous id, or gets ``lineage:<hash of its P request id>``. An id the
   client sent always wins.
 
 Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
@@ -25,6 +27,8 @@ re-tokenized. It is linked to that turn's export with ``extends_fully`` false.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import pandas as pd
 
@@ -39,29 +43,7 @@ _P_ROLE_SPANS = {span.name for span in (
 _D_ROLE_SPANS = {span.name for span in (
     sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)}
 
-# Per P request: the export its prompt extends (all None when it extends none).
-LINK_COLUMNS = {
-    "extends_request_id": "D's request whose retained KV the prompt extends.",
-    "extends_span_id": "That export's span.",
-    "extends_prefill_request_id": "The P request of the turn that export came from.",
-    "extends_tokens": "Tokens the export retained.",
-    "extends_verified_tokens": "Tokens of it the prompt is verified to share (grid).",
-    "extends_fully": "The prompt extends all of it; false: only that turn's prompt "
-                     "(the output was rewritten or re-tokenized).",
-    "extends_exported_at": "When D exported it (unix s).",
-    "extends_expires_at": "When D's blocks were due to expire (unix s).",
-    "extends_released_at": "When D released them, if it did before the diagnosis.",
-    "extends_release_reason": "Why D released them (read or expired).",
-    "extends_engine_id": "The D engine that held them.",
-    "extends_endpoint": "That engine's side channel host:port.",
-    "extends_engine_restarted_at": "A new engine started at that endpoint after the "
-                                   "export and before this prompt (unix s).",
-    "extends_ttl_left_s": "Seconds D's blocks had left when the prompt reached P.",
-    "extends_live": "D still held the blocks when the prompt reached P (not expired, "
-                    "not released, its engine not restarted): reuse was possible.",
-    "lineage_conversation_id": "The conversation the chain of links puts the turn in.",
-    "lineage_turn": "Its turn index in that chain.",
-}
+_FACTS = {column: attribute.key for column, attribute in sc.LINEAGE_FACTS.items()}
 
 
 def _first(frame: pd.DataFrame, names: set[str], by: str, columns: list[str]) -> pd.DataFrame:
@@ -174,16 +156,30 @@ def _trace_ids(spans: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return per_trace(cid.notna() & ~anonymous), per_trace(anonymous)
 
 
-def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``spans`` with conversation and turn filled for id-less turns, and one row per P
-    request (index: its request id) with ``LINK_COLUMNS``."""
-    links = pd.DataFrame(columns=list(LINK_COLUMNS), index=pd.Index([], name=_RID))
+def needed(spans: pd.DataFrame) -> bool:
+    """Whether some P request carries a chain and no id a client sent: fleet builders
+    link only then (the facts for id'd turns are diagnose's, per conversation)."""
     if spans.empty or sc.PREFIX_LINEAGE.key not in spans:
-        return spans, links
+        return False
+    decisions = (spans["name"] == sc.SPAN_PULL_DECISION.name).to_numpy(bool) & \
+        spans[sc.PREFIX_LINEAGE.key].notna().to_numpy(bool)
+    if not decisions.any():
+        return False
+    cid = spans.loc[decisions, _CID].astype("string")
+    return bool((cid.isna() | cid.str.startswith(sc.ANONYMOUS_PREFIX)).any())
+
+
+def link(spans: pd.DataFrame) -> pd.DataFrame:
+    """``spans`` with conversation and turn filled for id-less turns and the lineage
+    facts (``semconv.LINEAGE_FACTS``) on every P decision span that carries a chain.
+    Facts already there (written when a store compacted the spans) are kept."""
+    if spans.empty or sc.PREFIX_LINEAGE.key not in spans \
+            or not spans[sc.PREFIX_LINEAGE.key].notna().any():
+        return spans
     prompts = _first(spans, {sc.SPAN_PULL_DECISION.name}, _RID,
                      ["start_ns", "trace_id", sc.PREFIX_LINEAGE.key, _TENANT, _TURN])
     if prompts.empty:
-        return spans, links
+        return spans
     exports = _exports(spans)
     index = _index(exports, prompts)
     points_with_keys = {point for _, point, _ in index}
@@ -218,9 +214,8 @@ def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
                                             None if pd.isna(released) else released / 1e9)
                                 if t is not None and not pd.isna(t)))}
         rows[rid].update(_liveness(rows[rid], start_ns / 1e9))
-    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(LINK_COLUMNS))
+    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(_FACTS))
     links = links.reindex(prompts.index)
-    links.index.name = _RID
 
     client_ids, anonymous_ids = _trace_ids(spans)
     parent = {rid: p for rid, p in links["extends_prefill_request_id"].items()
@@ -240,13 +235,34 @@ def link(spans: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             fixed[rid] = (cid, int(turn))
     keys = _walk(order, parent, fixed, named)
     idless = {rid: key for rid, key in keys.items() if rid not in fixed}
-    return _assign(spans, prompts, idless), links
+    return _assign(_write_facts(spans, links), prompts, idless)
+
+
+def _write_facts(spans: pd.DataFrame, links: pd.DataFrame) -> pd.DataFrame:
+    spans = spans.copy()
+    decisions = spans.index[(spans["name"] == sc.SPAN_PULL_DECISION.name).to_numpy(bool)
+                            & spans[_RID].notna().to_numpy(bool)]
+    request_ids = spans.loc[decisions, _RID]
+    for column, key in _FACTS.items():
+        values = request_ids.map(links[column]).astype(spans[key].dtype) \
+            if key in spans else request_ids.map(links[column])
+        if key in spans:
+            spans.loc[decisions, key] = spans.loc[decisions, key].fillna(values)
+        else:
+            spans[key] = pd.NA
+            spans.loc[decisions, key] = values
+    return spans
+
+
+def conversation_name(request_id: str) -> str:
+    """``lineage:<12 hex>``: short, stable, from the first turn's P request id."""
+    return sc.LINEAGE_PREFIX + hashlib.sha256(str(request_id).encode()).hexdigest()[:12]
 
 
 def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str, int]]:
     """(conversation, turn) of every P request in time order (a parent always starts
     before its children): a fixed one (a client's id) as is; else one turn after the
-    turn it extends; a first turn named as given (``named``) or ``lineage:<request id>``.
+    turn it extends; a first turn named as given (``named``) or ``conversation_name()``.
     A second request extending the same turn (a fork, a retry) starts its own
     conversation, numbered on from the turn it extends."""
     keys: dict[str, tuple[str, int]] = {}
@@ -258,7 +274,7 @@ def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str,
         elif p in keys and p not in continued:
             keys[rid] = (keys[p][0], keys[p][1] + 1)
         else:
-            keys[rid] = (named.get(rid) or sc.LINEAGE_PREFIX + str(rid),
+            keys[rid] = (named.get(rid) or conversation_name(rid),
                          keys[p][1] + 1 if p in keys else 1)
         if p is not None:
             continued.add(p)
@@ -284,7 +300,6 @@ def _assign(spans: pd.DataFrame, prompts: pd.DataFrame,
     chosen = unit.isin(list(keys)).fillna(False).to_numpy(bool)
     if not chosen.any():
         return spans
-    spans = spans.copy()
     mapped = unit[chosen]
     spans.loc[chosen, _CID] = mapped.map({r: k[0] for r, k in keys.items()}).astype("string")
     spans.loc[chosen, _TURN] = mapped.map({r: k[1] for r, k in keys.items()}).astype("Int64")

@@ -183,6 +183,37 @@ ENGINE_ENDPOINT = _attr(
     "kvobs.engine.endpoint", "str", "",
     "This engine's NIXL side channel host:port: the same engine across restarts.")
 
+# Derived by kvobs.lineage, never emitted: the facts of the D export a prompt extends,
+# written onto P's pull-decision span when spans are read or compacted, so that every
+# turn-table builder reads them like any other attribute. Turn column -> attribute.
+LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, type_, unit, doc)
+                                       for column, type_, unit, doc in (
+    ("extends_request_id", "str", "", "D's request whose retained KV the prompt extends."),
+    ("extends_span_id", "str", "", "That export's span."),
+    ("extends_prefill_request_id", "str", "", "The P request of the turn it came from."),
+    ("extends_tokens", "int", "tokens", "Tokens the export retained."),
+    ("extends_verified_tokens", "int", "tokens",
+     "Tokens of it the prompt is verified to share (to the chain's grid)."),
+    ("extends_fully", "bool", "",
+     "The prompt extends all of it; false: only that turn's prompt (its output was "
+     "rewritten or re-tokenized)."),
+    ("extends_exported_at", "float", "unix s", "When D exported it."),
+    ("extends_expires_at", "float", "unix s", "When D's blocks were due to expire."),
+    ("extends_released_at", "float", "unix s", "When D released them, if it had."),
+    ("extends_release_reason", "str", "", "Why D released them (ReleaseReason)."),
+    ("extends_engine_id", "str", "", "The D engine that held them."),
+    ("extends_endpoint", "str", "", "That engine's side channel host:port."),
+    ("extends_engine_restarted_at", "float", "unix s",
+     "A new engine started at that endpoint after the export, while D still held it."),
+    ("extends_ttl_left_s", "float", "s", "Seconds D's blocks had left when the prompt came."),
+    ("extends_live", "bool", "",
+     "D still held the blocks when the prompt came (not expired, not released, not "
+     "restarted): reuse was possible."),
+    ("lineage_conversation_id", "str", "",
+     "The conversation the chain of links alone puts the turn in."),
+    ("lineage_turn", "int", "", "Its turn index in that chain."),
+)}
+
 # Proxy lookups without (or with a forgotten) conversation id
 LOOKUP_INFERRED = _attr(
     "kvobs.proxy.lookup.inferred", "bool", "",

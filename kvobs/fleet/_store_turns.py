@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from kvobs import lineage
 from kvobs.fleet._merge import sort_turns
 from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
 
@@ -31,6 +32,8 @@ def _live_spans(source, columns: list[str]) -> pa.Table | None:
     frame = source._live.spans()
     if frame.empty:
         return None
+    if lineage.needed(frame):  # id-less turns: conversations from the prefix chains
+        frame = lineage.link(frame)
     schema = store_schema()
     return pa.Table.from_pandas(frame[columns], preserve_index=False).cast(
         pa.schema([schema.field(c) for c in columns]))

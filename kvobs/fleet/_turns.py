@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import semconv as sc
+from kvobs import lineage, semconv as sc
 from kvobs.correlate import KEYS, PREVIOUS_PREFIX, TURN_FIELDS, UNKNOWN_TENANT
 
 # Turn columns the fleet uses: name -> (span, source column), a subset of correlate's
@@ -38,13 +38,17 @@ FLEET_FIELDS["recomputed_tokens"] = TURN_FIELDS["recomputed_tokens"]  # summed p
 FLEET_FIELDS["export_end_ns"] = (sc.SPAN_EXPORT, "end_ns")
 FLEET_FIELDS["held_s"] = (sc.SPAN_RELEASE, sc.HELD_DURATION.key)
 FLEET_FIELDS["entry_age_s"] = TURN_FIELDS["entry_age_s"]
+# The export a prompt extends (kvobs.lineage): what the rules need behind another router.
+LINEAGE_FIELDS = ("extends_request_id", "extends_fully", "extends_live",
+                  "extends_ttl_left_s", "extends_engine_restarted_at")
+FLEET_FIELDS.update({column: TURN_FIELDS[column] for column in LINEAGE_FIELDS})
 # Facts of turn k's KV that turn k+1's verdict reads (correlate.PREVIOUS_TURN_FIELDS).
 FLEET_PREVIOUS = ("release_reason", "release_end_ns", "ttl_s", "export_tokens")
 SUMMED = {"recomputed_tokens"}
 # The span's presence is the fact: "yes" or null.
 PRESENCE = {"stuck_span_id", "read_span_id", "handoff_span_id", "d_request_span_id"}
 STRING_COLUMNS = {"lookup", "fallback_reason", "decision", "read_outcome", "release_reason",
-                  *PRESENCE}
+                  "extends_request_id", *PRESENCE}
 _TENANT, _CID, _TURN = sc.TENANT_DIGEST.key, sc.CONVERSATION_ID.key, sc.TURN_INDEX.key
 KEY_SOURCES = {"tenant": _TENANT, "conversation_id": _CID, "turn": _TURN}
 _SPAN_TYPES = {"start_ns": "int", "end_ns": "int", "error": "bool"}
@@ -326,5 +330,7 @@ def fleet_turns(source) -> pd.DataFrame:
 
         return derive(to_frame(store_turns(source)))
     frame = source.spans()
+    if lineage.needed(frame):  # id-less turns: conversations from the prefix chains
+        frame = lineage.link(frame)
     return turns_from_table(pa.Table.from_pandas(frame[span_columns() + ["trace_id"]],
                                                  preserve_index=False))

@@ -114,8 +114,8 @@ class ClickHouseSource:
         pairs = []
         for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
             value = f"`{key}`"
-            text = (f"if({value}, 'true', 'false')" if type_ == "bool"
-                    else f"toString({value})")
+            text = (f"if(isNull({value}), NULL, if({value}, 'true', 'false'))"
+                    if type_ == "bool" else f"toString({value})")
             pairs.append(f"{quote(key)}, ifNull({text}, '')")
         attributes = f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))"
         self.query(f"""

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs import semconv as sc
+from kvobs import lineage, semconv as sc
 from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversation
 from kvobs.sources.otlp_json import OtlpJsonSource
 
@@ -67,6 +67,8 @@ def store_schema() -> pa.Schema:
 
 def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
     """Append a span table to the compacted segments; returns rows written."""
+    if lineage.needed(frame):  # id-less turns (another router): name them before the
+        frame = lineage.link(frame)  # id-less spans would be dropped below
     frame = _inherit_conversation(frame).dropna(subset=[_CID])
     if frame.empty:
         return 0

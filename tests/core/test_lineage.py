@@ -78,14 +78,22 @@ def frame(rows):
     return frame_from_rows(rows)
 
 
+L = lineage.conversation_name
+
+
+def facts(spans):
+    """The lineage facts per P request, as the turn table has them."""
+    return turns_from_spans(spans).set_index("prefill_request_id")
+
+
 def test_conversations_and_turn_order_from_engine_spans_alone():
     base_a, base_b = list(range(50)), list(range(300, 350))
     spans = frame(router_turns("a", 3, 100.0, base_a) + router_turns("b", 4, 100.7, base_b))
     turns = turns_from_spans(spans)
     by = {cid: list(g.sort_values("turn")["prefill_request_id"])
           for cid, g in turns.groupby("conversation_id")}
-    assert by == {"lineage:p-a-1": ["p-a-1", "p-a-2", "p-a-3"],
-                  "lineage:p-b-1": ["p-b-1", "p-b-2", "p-b-3", "p-b-4"]}
+    assert by == {L("p-a-1"): ["p-a-1", "p-a-2", "p-a-3"],
+                  L("p-b-1"): ["p-b-1", "p-b-2", "p-b-3", "p-b-4"]}
     b3 = turns[turns["prefill_request_id"] == "p-b-3"].iloc[0]
     assert (b3["turn"], b3["extends_request_id"], b3["extends_prefill_request_id"]) == (
         3, "d-b-2", "p-b-2")
@@ -99,7 +107,7 @@ def test_a_shared_system_prompt_does_not_join_conversations():
     system = list(range(200))  # 12 full blocks shared by both conversations' first turns
     spans = frame(router_turns("a", 2, 100.0, system) + router_turns("b", 2, 100.2, system))
     turns = turns_from_spans(spans)
-    assert sorted(turns["conversation_id"].unique()) == ["lineage:p-a-1", "lineage:p-b-1"]
+    assert sorted(turns["conversation_id"].unique()) == sorted([L("p-a-1"), L("p-b-1")])
     assert turns.set_index("prefill_request_id").loc["p-b-2", "extends_request_id"] == "d-b-1"
 
 
@@ -112,7 +120,7 @@ def test_matching_is_tenant_scoped_and_time_ordered():
          "trace_id": row["trace_id"] + "z", "span_id": row["span_id"] + "z",
          "start_ns": row["start_ns"] + 3 * SECOND // 10, "end_ns": row["end_ns"] + 3 * SECOND // 10}
         for row in router_turns("a", 2, 100.0, base, tenant="t1")]
-    _, links = lineage.link(frame(same_prompts))
+    links = facts(frame(same_prompts))
     assert links.loc["p-a-2", "extends_request_id"] == "d-a-1"
     assert links.loc["p-z-2", "extends_request_id"] == "d-z-1"  # never t1's export
     # An export that ends after the prompt arrived cannot be what it extends: the
@@ -120,7 +128,7 @@ def test_matching_is_tenant_scoped_and_time_ordered():
     rows = router_turns("a", 2, 100.0, base)
     late = [dict(r, start_ns=r["start_ns"] + 10 * SECOND, end_ns=r["end_ns"] + 10 * SECOND)
             if r["name"] == sc.SPAN_EXPORT.name else r for r in rows]
-    _, links = lineage.link(frame(late))
+    links = facts(frame(late))
     assert links.loc["p-a-2", ["extends_request_id", "extends_fully"]].tolist() == [
         "d-a-1", False]
     assert links.loc["p-a-2", "lineage_turn"] == 2
@@ -137,7 +145,7 @@ def test_a_rewritten_output_links_to_the_previous_prompt_not_fully():
     p2[sc.PREFIX_LINEAGE.key] = chain(rewritten)
     turns = turns_from_spans(frame(rows)).set_index("prefill_request_id")
     assert turns.loc["p-a-2", ["conversation_id", "turn", "extends_request_id"]].tolist() == [
-        "lineage:p-a-1", 2, "d-a-1"]
+        L("p-a-1"), 2, "d-a-1"]
     assert not turns.loc["p-a-2", "extends_fully"]
     assert turns.loc["p-a-2", "extends_verified_tokens"] == 128  # 8 full blocks of 140
 
@@ -158,8 +166,8 @@ def test_a_fork_starts_its_own_conversation_numbered_on():
                        "start_ns": r["start_ns"] + SECOND // 2})
             for r in rows if r[sc.REQUEST_ID.key] == "p-a-2"]
     turns = turns_from_spans(frame(rows + fork)).set_index("prefill_request_id")
-    assert turns.loc["p-a-2", ["conversation_id", "turn"]].tolist() == ["lineage:p-a-1", 2]
-    assert turns.loc["p-fork", ["conversation_id", "turn"]].tolist() == ["lineage:p-fork", 2]
+    assert turns.loc["p-a-2", ["conversation_id", "turn"]].tolist() == [L("p-a-1"), 2]
+    assert turns.loc["p-fork", ["conversation_id", "turn"]].tolist() == [L("p-fork"), 2]
     assert turns.loc["p-fork", "extends_request_id"] == "d-a-1"
 
 
@@ -184,4 +192,4 @@ def test_spans_without_chains_or_with_bad_ones_link_nothing():
         r[sc.PREFIX_LINEAGE.key] = "kvobs4:16:abcd1234:garbage"
     turns = turns_from_spans(frame(rows))
     assert turns["extends_request_id"].isna().all()
-    assert sorted(turns["conversation_id"]) == ["lineage:p-a-1", "lineage:p-a-2"]
+    assert sorted(turns["conversation_id"]) == sorted([L("p-a-1"), L("p-a-2")])

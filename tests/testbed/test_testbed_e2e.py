@@ -461,6 +461,13 @@ def test_lineage_agrees_with_conversation_ids_on_every_demo_turn(demo):
 
     turns = turns_from_spans(open_source(str(demo.out)).spans())
     assert turns["lineage_conversation_id"].notna().all()
+    # The one conversation whose client switched ids (anonymous turn 1, agent-late-id
+    # from turn 2): one history to the chains, two conversations by id; the id wins.
+    late = turns["conversation_id"] == "agent-late-id"
+    switched = turns["lineage_conversation_id"].isin(
+        turns.loc[late, "lineage_conversation_id"]) & ~late
+    assert switched.sum() == 1 and list(turns.loc[late, "lineage_turn"]) == [2]
+    turns = turns[~late & ~switched]
     groups = turns.groupby(["tenant", "conversation_id"])
     disagreeing = [(key, list(g["lineage_conversation_id"]), list(g["lineage_turn"]))
                    for key, g in groups
@@ -468,6 +475,15 @@ def test_lineage_agrees_with_conversation_ids_on_every_demo_turn(demo):
                    or list(g["lineage_turn"]) != list(g["turn"])]
     assert disagreeing == []
     assert turns["lineage_conversation_id"].nunique() == groups.ngroups
+
+
+def test_a_proxy_that_never_saw_the_conversation_is_named(demo):
+    d = demo.diagnosed()[("agent-late-id", 2)]
+    assert d.finding.verdict is sc.Verdict.MISSING_METADATA
+    assert d.finding.evidence["lookup_miss_reason"] == sc.MissReason.NEVER_SEEN.value
+    assert "never saw" in d.finding.remedy
+    assert d.finding.evidence["extends_request_id"] == \
+        demo.diagnosed()[("agent-late-id", 1)].turn.get("decode_request_id")
 
 
 def test_a_d_restart_is_named_on_the_turn_it_cost(demo):
