@@ -17,11 +17,12 @@ From the links:
   proxy, whose turns are named ``anonymous:<trace>``) get a conversation and turn index
   from the chain: the conversation of the turn they extend, one turn later; a chain's
   first turn keeps its anonymous id, or gets ``lineage:<hash of its P request id>``. An id the
-  client sent always wins.
+  client sent always wins; a turn index that goes back in the chain (a proxy that forgot
+  the conversation numbers it 1 again) does not.
 
 Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
 before the prompt arrives) and longest-first (the export with the most matching
-blocks; among equals the latest). A prompt that extends no export may still extend an
+blocks; equal histories pair off in time order). A prompt that extends no export may still extend an
 earlier *prompt*: the history went on from that turn, but its output was rewritten or
 re-tokenized. It is linked to that turn's export with ``extends_fully`` false.
 """
@@ -90,9 +91,13 @@ def _index(exports: pd.DataFrame, prompts: pd.DataFrame) -> dict[tuple, list]:
     return index
 
 
-def _extended(digest, start_ns, tenant, index, points_with_keys) -> tuple | None:
+def _extended(digest, start_ns, tenant, index, points_with_keys,
+              continued: set) -> tuple | None:
     """(D request id, fully) of the longest match: the export or earlier prompt with the
-    most matching blocks, an export before a prompt of equal length, then the latest."""
+    most matching blocks, an export before a prompt of equal length. Equal candidates
+    are equal histories (a fork, a copied conversation): the earliest one no prompt has
+    continued yet, so that two such histories pair off in time order; when every one
+    has been continued, the latest (this prompt forks it)."""
     chain = parse(digest)
     if chain is None or pd.isna(start_ns):
         return None
@@ -109,7 +114,11 @@ def _extended(digest, start_ns, tenant, index, points_with_keys) -> tuple | None
                       if c[2] < start_ns and (tenant is None or c[4] in (None, tenant))
                       and (c[1] == 1 or c[5] < chain.blocks)]
         if candidates:
-            _, kind, _, d_request, _, _ = max(candidates)
+            kind = max(c[1] for c in candidates)
+            same = sorted((c[2], c[3]) for c in candidates if c[1] == kind)
+            fresh = [d_request for _, d_request in same if d_request not in continued]
+            d_request = fresh[0] if fresh else same[-1][1]
+            continued.add(d_request)
             return d_request, kind == 1
     return None
 
@@ -185,9 +194,11 @@ def link(spans: pd.DataFrame) -> pd.DataFrame:
     points_with_keys = {point for _, point, _ in index}
     engines = _restarts(spans)
     rows = {}
-    for rid, digest, start_ns, tenant in zip(prompts.index, prompts[sc.PREFIX_LINEAGE.key],
-                                             prompts["start_ns"], prompts[_TENANT]):
-        hit = _extended(digest, start_ns, tenant, index, points_with_keys)
+    continued: set[str] = set()
+    in_time = prompts.sort_values("start_ns", kind="stable")
+    for rid, digest, start_ns, tenant in zip(in_time.index, in_time[sc.PREFIX_LINEAGE.key],
+                                             in_time["start_ns"], in_time[_TENANT]):
+        hit = _extended(digest, start_ns, tenant, index, points_with_keys, continued)
         if hit is None:
             continue
         d_request, fully = hit
@@ -234,8 +245,8 @@ def link(spans: pd.DataFrame) -> pd.DataFrame:
         if isinstance(cid, str) and not pd.isna(turn):
             fixed[rid] = (cid, int(turn))
     keys = _walk(order, parent, fixed, named)
-    idless = {rid: key for rid, key in keys.items() if rid not in fixed}
-    return _assign(_write_facts(spans, links), prompts, idless)
+    rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
+    return _assign(_write_facts(spans, links), prompts, rekeyed)
 
 
 def _write_facts(spans: pd.DataFrame, links: pd.DataFrame) -> pd.DataFrame:
@@ -270,7 +281,13 @@ def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str,
     for rid in order:
         p = parent.get(rid)
         if rid in fixed:
-            keys[rid] = fixed[rid]
+            # A client's id wins, but not a turn index that goes back in the chain: a
+            # proxy that lost its state (a restart on the memory store) numbers the next
+            # turn 1 again; the chain says which turn it is.
+            cid, turn = fixed[rid]
+            if p in keys and keys[p][0] == cid and keys[p][1] >= turn:
+                turn = keys[p][1] + 1
+            keys[rid] = (cid, turn)
         elif p in keys and p not in continued:
             keys[rid] = (keys[p][0], keys[p][1] + 1)
         else:
@@ -283,8 +300,9 @@ def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str,
 
 def _assign(spans: pd.DataFrame, prompts: pd.DataFrame,
             keys: dict[str, tuple[str, int]]) -> pd.DataFrame:
-    """Write the lineage keys onto every span of the id-less requests' turns: P's spans
-    by request id, D's by the P request they pulled from, the rest by trace."""
+    """Write the lineage keys onto every span of the turns they change (id-less ones,
+    renumbered ones): P's spans by request id, D's by the P request they pulled from,
+    the rest by trace."""
     if not keys:
         return spans
     d_spans = spans[spans["name"].isin(_D_ROLE_SPANS) & spans[_REMOTE_RID].notna()]

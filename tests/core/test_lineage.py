@@ -193,3 +193,34 @@ def test_spans_without_chains_or_with_bad_ones_link_nothing():
     turns = turns_from_spans(frame(rows))
     assert turns["extends_request_id"].isna().all()
     assert sorted(turns["conversation_id"]) == sorted([L("p-a-1"), L("p-a-2")])
+
+
+def test_a_turn_index_that_goes_back_in_the_chain_is_renumbered():
+    """A proxy restarted on the memory store numbers the next turn 1 again: with the
+    client's id kept, the chain says it is turn 3, and it no longer merges into turn 1."""
+    rows = router_turns("a", 3, 100.0, list(range(40)), client_id="conv-A")
+    for row in rows:
+        if row[sc.REQUEST_ID.key] in ("p-a-3", "d-a-3"):
+            row[sc.TURN_INDEX.key] = 1
+    turns = turns_from_spans(frame(rows))
+    assert list(turns["turn"]) == [1, 2, 3]
+    assert list(turns["prefill_request_id"]) == ["p-a-1", "p-a-2", "p-a-3"]
+    assert set(turns["conversation_id"]) == {"conv-A"}
+
+
+def test_two_identical_histories_pair_off_in_time_order():
+    """A fork that starts as a copy of another conversation (same prompt, same greedy
+    output): content cannot tell the two exports apart, so each next turn takes the
+    earliest one not yet continued."""
+    base = list(range(40))
+    rows = router_turns("a", 2, 100.0, base, gap_s=3.0)
+    copy = [dict(r, **{sc.REQUEST_ID.key: r[sc.REQUEST_ID.key].replace("-a-", "-f-"),
+                       sc.REMOTE_REQUEST_ID.key: (r.get(sc.REMOTE_REQUEST_ID.key) or "").replace(
+                           "-a-", "-f-") or None,
+                       "trace_id": r["trace_id"] + "f", "span_id": r["span_id"] + "f",
+                       "start_ns": r["start_ns"] + SECOND, "end_ns": r["end_ns"] + SECOND})
+            for r in router_turns("a", 2, 100.0, base, gap_s=3.0)]
+    # a-1 at 100, f-1 at 101, a-2 at 103 (after both exports), f-2 at 104.
+    turns = facts(frame(rows + copy))
+    assert turns.loc["p-a-2", "extends_request_id"] == "d-a-1"
+    assert turns.loc["p-f-2", "extends_request_id"] == "d-f-1"

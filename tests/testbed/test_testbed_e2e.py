@@ -526,3 +526,22 @@ def test_streamed_params_that_never_reached_the_proxy_are_named(slow_link):
     assert d.finding.evidence["lookup_miss_reason"] == sc.MissReason.NOT_STORED.value
     assert "never reached the proxy" in d.finding.remedy
     assert "use the Redis backend" not in d.finding.remedy
+
+
+def test_a_stale_proxy_entry_names_the_proxy_margin_not_d_ttl(latency):
+    d = latency.diagnosed()[("lat-proxy-margin", 2)]
+    assert d.finding.verdict is sc.Verdict.EXPIRED
+    assert d.turn.get("lookup") == sc.LookupOutcome.STALE.value
+    assert d.turn.get("extends_live") is True and d.turn.get("extends_ttl_left_s") > 0
+    assert "proxy dropped its entry" in d.finding.remedy
+    assert "outlived D's TTL" not in d.finding.remedy
+
+
+def test_retokenization_is_told_from_a_rewritten_history(demo):
+    unstable = demo.diagnosed()[("agent-unstable", 2)]
+    assert unstable.finding.verdict is sc.Verdict.PREFIX_MISMATCH
+    assert "re-tokenize" in unstable.finding.remedy
+    assert "append-only" not in unstable.finding.remedy
+    rewrite = demo.diagnosed()[("agent-rewrite", 2)]
+    assert rewrite.finding.verdict is sc.Verdict.PREFIX_MISMATCH
+    assert "append-only" in rewrite.finding.remedy
