@@ -96,10 +96,19 @@ def store_turns(source) -> pa.Table:
         if live is not None:
             spans = pa.concat_tables([_plain(spans).cast(live.schema), live])
         kept.append(aggregate(spans))
+    empty = aggregate(_compacted_spans([], columns, None))
     if not kept:
-        return aggregate(_compacted_spans([], columns, None))
-    schema = kept[-1].schema
-    return sort_turns(pa.concat_tables([t.cast(schema) for t in kept]))
+        return empty
+    return sort_turns(pa.concat_tables([_conform(t, empty.schema) for t in kept]))
+
+
+def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A turn file in today's columns: one written by another kvobs version lacks newer
+    columns (null here) or has older ones (dropped)."""
+    for field in schema:
+        if field.name not in turns.column_names:
+            turns = turns.append_column(field.name, pa.nulls(turns.num_rows, field.type))
+    return turns.select(schema.names).cast(schema)
 
 
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:

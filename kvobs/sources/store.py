@@ -170,7 +170,10 @@ class StoreSource:
         path = os.path.join(self.store_dir, COMPACTED_DIR)
         if not os.path.isdir(path):
             return None
-        return ds.dataset(path, format="parquet", partitioning="hive")
+        # Today's schema, not the first file's: segments written by an older kvobs lack
+        # newer attributes, which then read as null instead of failing the query.
+        schema = store_schema().append(pa.field("bucket", pa.int32()))
+        return ds.dataset(path, format="parquet", partitioning="hive", schema=schema)
 
     def _compacted(self, conversation_id: str | None) -> pd.DataFrame:
         dataset = self._dataset()

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pandas as pd
 import pytest
 
 from kvobs.sources import SourceError, open_source
@@ -76,3 +77,34 @@ def test_store_reads_compacted_and_live_together(store_dir):
     source = open_source(str(store_dir))
     assert source.conversation_ids() == ["conv-a", "conv-b", "conv-c"]
     assert len(source.spans("conv-a")) > 0 and len(source.spans("conv-c")) > 0
+
+
+def test_segments_written_by_an_older_kvobs_still_read(store_dir):
+    """A store compacted before some attributes existed (an upgrade): its segments lack
+    those columns; they read as null, and diagnose and the fleet report still work."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from kvobs.diagnose import diagnose
+    from kvobs.fleet._turns import fleet_turns
+    from kvobs.semconv import LINEAGE_FACTS, PREFIX_LINEAGE
+
+    compact(str(store_dir))
+    newer = {PREFIX_LINEAGE.key, *(a.key for a in LINEAGE_FACTS.values())}
+    for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
+        table = pq.read_table(path)
+        pq.write_table(table.drop([c for c in table.column_names if c in newer]), path)
+    for path in glob.glob(str(store_dir / "turns" / "*" / "*.parquet")):
+        table = pq.read_table(path)
+        pq.write_table(table.drop([c for c in table.column_names
+                                   if c.startswith("extends_")]), path)
+    # ... next to segments and turn files of today's kvobs
+    write_conversation(Tracers(str(store_dir)), "conv-c", [TurnSpec(), TurnSpec()])
+    compact(str(store_dir))
+    source = open_source(str(store_dir))
+    assert [t.turn.index for t in diagnose(source, "conv-a").turns] == [1, 2]
+    assert [t.turn.index for t in diagnose(source, "conv-c").turns] == [1, 2]
+    turns = fleet_turns(source)
+    assert len(turns) == 5
+    assert turns.get("extends_request_id", pd.Series(dtype=object)).isna().all()
