@@ -11,11 +11,18 @@ where ``<hex>`` is 16 hex digits per checkpoint (``checkpoints(blocks)``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 VERSION = "kvobs4"
 DENSE_BLOCKS = 64  # every block count up to here is a checkpoint
 _PER_DOUBLING = 16  # beyond: this many per doubling of the block count
 HEX_PER_POINT = 16
+
+
+@lru_cache(maxsize=8192)
+def grid_points(num_blocks: int) -> tuple[int, ...]:
+    """``checkpoints()`` as a cached tuple: readers ask for the same lengths many times."""
+    return tuple(checkpoints(num_blocks))
 
 
 def checkpoints(num_blocks: int) -> list[int]:
@@ -43,6 +50,7 @@ def checkpoints(num_blocks: int) -> list[int]:
     return points
 
 
+@lru_cache(maxsize=8192)
 def grid_point(num_blocks: int) -> int:
     """The largest grid point at or below ``num_blocks``: the last checkpoint that every
     longer digest also carries.
@@ -73,31 +81,42 @@ class Chain:
     def tokens(self) -> int:
         return self.blocks * self.block_size + self.tail_tokens
 
-    def at(self, points: list[int] | None = None) -> dict[int, str]:
-        """Hash prefix (hex) per checkpoint block count."""
-        points = points if points is not None else checkpoints(self.blocks)
-        return {n: self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
-                for i, n in enumerate(points)}
+    def hash_at(self, i: int) -> str:
+        """The hash prefix (hex) of the i-th checkpoint."""
+        return self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
 
     def common_blocks(self, other: "Chain") -> int:
         """Blocks both chains agree on, to the grid: the last shared checkpoint whose
-        hashes agree (hashes chain, so every earlier one agrees too)."""
+        hashes agree. Both carry the same grid points up to the shorter one's, at the
+        same positions, and hashes chain (agreement at one implies it at every earlier
+        one), so a bisection over those positions finds it.
+
+        >>> a = parse("kvobs4:16:s:3:0::" + "aa" * 8 + "bb" * 8 + "cc" * 8)
+        >>> b = parse("kvobs4:16:s:2:0::" + "aa" * 8 + "bb" * 8)
+        >>> c = parse("kvobs4:16:s:3:0::" + "aa" * 8 + "dd" * 8 + "cc" * 8)
+        >>> a.common_blocks(b), b.common_blocks(a), a.common_blocks(c), a.common_blocks(a)
+        (2, 2, 1, 3)
+        """
         if other.scope != self.scope:
             return 0
-        mine, theirs = self.at(), other.at()
-        agreed = 0
-        for point in sorted(set(mine) & set(theirs)):
-            if mine[point] != theirs[point]:
-                break
-            agreed = point
-        return agreed
+        shorter = min(self.blocks, other.blocks)
+        shared = grid_points(grid_point(shorter))
+        if self.blocks == other.blocks:
+            shared = grid_points(shorter)  # the same last block too
+        lo, hi = 0, len(shared)
+        while lo < hi:  # first position that disagrees
+            mid = (lo + hi) // 2
+            if self.hash_at(mid) == other.hash_at(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return shared[lo - 1] if lo else 0
 
-    def key(self) -> tuple[int, str] | None:
+    def key(self) -> tuple[int, str]:
         """The (grid point, hash) every prompt extending this chain also carries."""
         point = grid_point(self.blocks)
-        points = checkpoints(self.blocks)
-        i = points.index(point)
-        return point, self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+        i = grid_points(self.blocks).index(point)
+        return point, self.hash_at(i)
 
 
 def parse(digest: object) -> Chain | None:
@@ -117,6 +136,6 @@ def parse(digest: object) -> Chain | None:
         chain = Chain(f"{block_size}:{seed}", int(block_size), int(blocks), int(tail), hexed)
     except ValueError:
         return None
-    if chain.blocks <= 0 or len(hexed) != len(checkpoints(chain.blocks)) * HEX_PER_POINT:
+    if chain.blocks <= 0 or len(hexed) != len(grid_points(chain.blocks)) * HEX_PER_POINT:
         return None
     return chain
