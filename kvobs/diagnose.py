@@ -114,8 +114,19 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
     # spans) exist only once every span is correlated: no source can select them.
     derived = conversation_id.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
     spans = source.spans(None if derived else conversation_id)
-    turns = turns_from_spans(spans)
-    turns = turns[turns["conversation_id"] == conversation_id]
+    every = turns_from_spans(spans)
+    turns = every[every["conversation_id"] == conversation_id]
+    problems = list(source.problems)
+    if turns.empty and conversation_id.startswith(sc.ANONYMOUS_PREFIX):
+        # The id the proxy gave an id-less turn, which the engines' prefix chains then
+        # put in an earlier turn's conversation: diagnose that one.
+        trace = conversation_id[len(sc.ANONYMOUS_PREFIX):]
+        found = every.loc[every["trace_id"] == trace, ["conversation_id", "turn"]]
+        if not found.empty:
+            conversation_id, turn = found.iloc[0]
+            problems.append(f"turn {turn} of {conversation_id}: its prompt extends that "
+                            f"conversation's history (prefix lineage)")
+            turns = every[every["conversation_id"] == conversation_id]
     tenants = sorted(turns["tenant"].unique())
     if tenant is not None:
         turns = turns[turns["tenant"] == tenant]
@@ -128,7 +139,7 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
     if len(tenants) > 1 and tenant is None:
         raise AmbiguousConversation(conversation_id, tenants)
     diagnoses, context = classify_turns(turns, read_slo_s, prefill_tokens_per_s)
-    return Diagnosis(conversation_id, diagnoses, context, list(source.problems),
+    return Diagnosis(conversation_id, diagnoses, context, problems,
                      str(turns["tenant"].iloc[0]))
 
 

@@ -224,3 +224,34 @@ def test_two_identical_histories_pair_off_in_time_order():
     turns = facts(frame(rows + copy))
     assert turns.loc["p-a-2", "extends_request_id"] == "d-a-1"
     assert turns.loc["p-f-2", "extends_request_id"] == "d-f-1"
+
+
+class _FrameSource:
+    problems: list = []
+
+    def __init__(self, spans):
+        self._spans = spans
+
+    def spans(self, conversation_id=None):
+        return self._spans
+
+    def conversation_ids(self):
+        return []
+
+
+def test_id_less_proxy_turns_join_the_first_turns_anonymous_conversation():
+    """Behind the proxy with inference off: each id-less turn is named anonymous:<its
+    trace>; the chain puts turn 2 into turn 1's conversation, and diagnosing turn 2's own
+    anonymous id leads there."""
+    from kvobs.diagnose import diagnose
+
+    rows = router_turns("a", 2, 100.0, list(range(40)))
+    for k in (1, 2):  # the proxy's turn span shares P's trace
+        rows.append(span(sc.SPAN_PROXY_TURN, 99.9 + 2 * (k - 1), f"t-a-{k}"))
+    spans = frame(rows)
+    turns = turns_from_spans(spans).set_index("prefill_request_id")
+    assert turns.loc["p-a-2", ["conversation_id", "turn"]].tolist() == ["anonymous:t-a-1", 2]
+    diagnosis = diagnose(_FrameSource(spans), "anonymous:t-a-2")
+    assert diagnosis.conversation_id == "anonymous:t-a-1"
+    assert [t.turn.index for t in diagnosis.turns] == [1, 2]
+    assert "prefix lineage" in diagnosis.problems[0]

@@ -545,3 +545,17 @@ def test_retokenization_is_told_from_a_rewritten_history(demo):
     rewrite = demo.diagnosed()[("agent-rewrite", 2)]
     assert rewrite.finding.verdict is sc.Verdict.PREFIX_MISMATCH
     assert "append-only" in rewrite.finding.remedy
+
+
+def test_an_absorbed_anonymous_id_diagnoses_its_conversation(slow_link):
+    """The id the proxy gave an id-less turn 2 (anonymous:<its trace>) leads to the
+    conversation the chain put it in, as turn 2."""
+    from kvobs.diagnose import diagnose
+
+    result = next(r for r in slow_link.results
+                  if r.conversation_id == "agent-idless-off" and r.turn == 2)
+    diagnosis = diagnose(open_source(str(slow_link.out)),
+                         sc.ANONYMOUS_PREFIX + result.trace_id)
+    assert [t.turn.index for t in diagnosis.turns] == [1, 2]
+    assert diagnosis.turns[1].finding.verdict is sc.Verdict.MISSING_METADATA
+    assert any("prefix lineage" in p for p in diagnosis.problems)
