@@ -224,6 +224,10 @@ LOOKUP_MISS_REASON = _attr(
 PROXY_INSTANCE = _attr(
     "kvobs.proxy.instance", "str", "", "Random id of this proxy process (new at every start).")
 PROXY_STARTED_AT = _attr("kvobs.proxy.started_at", "float", "unix s", "When this proxy started.")
+STORE_FAILURE = _attr(
+    "kvobs.proxy.store_failure", "str", "",
+    "StoreFailure value: the metadata store gave this lookup or store no answer (timeout, "
+    "error, circuit-open, budget-spent); the turn went on without reuse.")
 
 # Stuck waits (P scheduler side)
 STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
@@ -298,7 +302,20 @@ class MissReason(str, enum.Enum):
 
     NEVER_SEEN = "never-seen"  # no entry at all: new to this proxy (restart, replica, no id)
     NOT_STORED = "not-stored"  # the previous turn ended without storing D's params
-    EVICTED = "evicted"  # the entry cap pushed it out
+    EVICTED = "evicted"  # the entry cap (global, or the tenant's quota) pushed it out
+    # No tenant credential: anonymous clients never share reuse (--anonymous-tenant isolated)
+    ANONYMOUS = "anonymous"
+    # The store gave no answer within the turn's budget, failed, or its circuit was open
+    STORE_UNAVAILABLE = "store-unavailable"
+
+
+class StoreFailure(str, enum.Enum):
+    """Why a metadata store call gave the turn no answer (the turn went on without it)."""
+
+    TIMEOUT = "timeout"  # the call ran past what was left of the turn's store budget
+    ERROR = "error"  # the backend raised (connection refused, script error, ...)
+    CIRCUIT_OPEN = "circuit-open"  # skipped: recent calls failed, cooling down
+    BUDGET_SPENT = "budget-spent"  # skipped: earlier calls of the turn used the budget
 
 
 class PullDecision(str, enum.Enum):
@@ -371,6 +388,7 @@ class ProxyError(str, enum.Enum):
     DECODE_ERROR = "decode-error"
     DECODE_DISCONNECTED = "decode-disconnected"
     CLIENT_DISCONNECTED = "client-disconnected"
+    INTERNAL = "internal-error"  # the proxy's own fault (a bug): answered 500 or SSE error
 
 
 class ParamsSource(str, enum.Enum):
@@ -599,11 +617,29 @@ M_PROXY_UPSTREAM_ERRORS = _metric("kvobs_proxy_upstream_errors_total", "counter"
                                   "Failed engine legs.", ("role", "kind"))
 M_PROXY_REJECTED = _metric("kvobs_proxy_rejected_requests_total", "counter", "",
                            "Client requests refused with a 4xx, by reason.", ("reason",))
+M_PROXY_INTERNAL_ERRORS = _metric(
+    "kvobs_proxy_internal_errors_total", "counter", "",
+    "Turns the proxy itself failed (a bug, not the client's input nor an engine): "
+    "answered 500, or an SSE error event once the stream had started.")
 M_PROXY_CLIENT_PARAMS_STRIPPED = _metric(
     "kvobs_proxy_client_params_stripped_total", "counter", "",
     "Client requests whose own kv_transfer_params were removed before forwarding.")
+# ``reason`` label values of M_TELEMETRY_DROPPED.
+TELEMETRY_DROP_REASONS = ("queue-full", "export-failed")
 M_TELEMETRY_DROPPED = _metric("kvobs_telemetry_dropped_spans_total", "counter", "",
-                              "Spans dropped by a full export queue.")
+                              "Spans lost on the proxy: dropped by a full export queue, or "
+                              "failed to export (collector down, span store not writable).",
+                              ("reason",))
+M_PROXY_STORE_DEGRADED = _metric(
+    "kvobs_proxy_store_degraded_total", "counter", "",
+    "Metadata store calls that gave a turn no answer, by StoreFailure reason (timeout, "
+    "error, circuit-open, budget-spent); those turns went on without reuse.", ("reason",))
+M_PROXY_STORE_CIRCUIT_OPEN = _metric(
+    "kvobs_proxy_store_circuit_open", "gauge", "",
+    "1 while the metadata store's circuit breaker is open (calls skipped), else 0.")
+M_PROXY_STORE_CIRCUIT_OPENED = _metric(
+    "kvobs_proxy_store_circuit_opened_total", "counter", "",
+    "Times the metadata store's circuit breaker opened after consecutive failures.")
 
 # Upstream vLLM metrics kvobs reads (dashboards, alerts, testbed cross-checks); vLLM emits
 # them, not kvobs, so they stay out of METRICS (kvobs' own catalogue). Exposed names.

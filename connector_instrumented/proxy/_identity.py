@@ -49,12 +49,21 @@ def tenant_digest(secret: str) -> str:
 
 def tenant_of(headers: Mapping[str, str], tenant_header: str | None,
               max_len: int = 4096) -> str:
+    """The tenant digest, or ``ANONYMOUS`` for no credential: no header, an empty one, or
+    a bare ``Bearer`` scheme (HTTP strips the trailing space of ``Bearer ``).
+
+    >>> [tenant_of({"Authorization": v}, None) for v in ("", "Bearer", "bearer  ", " ")]
+    ['anonymous', 'anonymous', 'anonymous', 'anonymous']
+    >>> tenant_of({"Authorization": "Bearer sk-a"}, None) == tenant_digest("sk-a")
+    True
+    """
     if tenant_header:
         raw = headers.get(tenant_header)
     else:
-        raw = headers.get("Authorization")
-        if raw and raw[:7].lower() == "bearer ":
-            raw = raw[7:]
+        raw = (headers.get("Authorization") or "").strip()
+        scheme, _, rest = raw.partition(" ")
+        if scheme.lower() == "bearer":
+            raw = rest
     raw = (raw or "").strip()
     if len(raw) > max_len:
         raise InputError(400, "tenant-too-long", "tenant credential too long")

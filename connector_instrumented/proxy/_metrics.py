@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from kvobs import semconv as sc
 
 _ROLES = ("prefill", "decode")
 _ERROR_KINDS = ("unreachable", "http-error", "disconnected", "timeout")
 _REJECT_REASONS = ("body-too-large", "bad-json", "not-an-object", "bad-conversation-id",
-                   "conversation-id-too-long", "tenant-too-long", "bad-field")
+                   "conversation-id-too-long", "tenant-too-long", "bad-field",
+                   "too-deep", "bad-unicode", "bad-header", "bad-body", "body-timeout")
 _STORE_ACTIONS = ("stored", "refreshed", "skipped")
 
 
@@ -29,6 +34,28 @@ def _gauge(metric: sc.Metric, registry: CollectorRegistry) -> Gauge:
 def _histogram(metric: sc.Metric, registry: CollectorRegistry) -> Histogram:
     return Histogram(_name(metric), metric.doc, metric.labels, buckets=metric.buckets,
                      registry=registry)
+
+
+class _SpanLoss(Collector):
+    """``kvobs_telemetry_dropped_spans_total{reason}``, read at scrape time from the
+    span processors' own counters (nothing on the turn's path)."""
+
+    def __init__(self):
+        self.sources: list[Callable[[], Mapping[str, int]]] = []
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        metric = sc.M_TELEMETRY_DROPPED
+        family = CounterMetricFamily(_name(metric), metric.doc, labels=metric.labels)
+        totals = dict.fromkeys(sc.TELEMETRY_DROP_REASONS, 0)
+        for source in self.sources:
+            try:
+                for reason, count in source().items():
+                    totals[reason] = totals.get(reason, 0) + count
+            except Exception:  # noqa: BLE001 - a scrape never fails on telemetry
+                continue
+        for reason, count in totals.items():
+            family.add_metric([reason], count)
+        yield family
 
 
 class ProxyMetrics:
@@ -52,7 +79,19 @@ class ProxyMetrics:
         self.upstream_errors = _counter(sc.M_PROXY_UPSTREAM_ERRORS, r)
         self.rejected = _counter(sc.M_PROXY_REJECTED, r)
         self.stripped = _counter(sc.M_PROXY_CLIENT_PARAMS_STRIPPED, r)
+        self.internal_errors = _counter(sc.M_PROXY_INTERNAL_ERRORS, r)
+        self.store_degraded = _counter(sc.M_PROXY_STORE_DEGRADED, r)
+        self.store_circuit_open = _gauge(sc.M_PROXY_STORE_CIRCUIT_OPEN, r)
+        self.store_circuit_opened = _counter(sc.M_PROXY_STORE_CIRCUIT_OPENED, r)
+        self.span_loss = _SpanLoss()
+        r.register(self.span_loss)
         self._zero()
+
+    def watch_spans(self, tracer) -> None:
+        """Count ``tracer``'s lost spans in ``kvobs_telemetry_dropped_spans_total``."""
+        from kvobs.emit.setup import span_losses
+
+        self.span_loss.sources.append(lambda: span_losses(tracer))
 
     def _zero(self) -> None:
         outcomes = [o.value for o in sc.LookupOutcome]
@@ -78,3 +117,5 @@ class ProxyMetrics:
                 self.upstream_errors.labels(role, kind)
         for reason in _REJECT_REASONS:
             self.rejected.labels(reason)
+        for failure in sc.StoreFailure:
+            self.store_degraded.labels(failure.value)

@@ -45,11 +45,10 @@ class NoPublisher:
 class RedisParamsPublisher:
     name = "redis"
 
-    def __init__(self, url: str, poll_s: float = 0.01):
-        import redis.asyncio as aioredis
+    def __init__(self, url: str, poll_s: float = 0.01, pool_size: int = 512):
+        from connector_instrumented.proxy.store import redis_client
 
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0,
-                                              socket_connect_timeout=2.0)
+        self._redis = redis_client(url, pool_size)
         self._poll_s = poll_s
 
     async def fetch(self, request_id: str, wait_s: float) -> dict[str, Any] | None:

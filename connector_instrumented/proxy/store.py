@@ -15,7 +15,13 @@ D's KV covers (``_digest.fingerprint``: kind, count, SHA-256; never text), one f
 per conversation (its latest), at most ``infer_per_tenant`` per tenant (oldest dropped).
 ``infer`` finds the live conversation whose covered history a request extends, longest
 first, within one tenant. An index entry goes with the entry it points to (evicted,
-expired or superseded). Recently evicted keys are remembered (``EVICTED_MEMORY`` of them),
+expired or superseded).
+
+Entry caps: a global one (``max_entries``) and a per-tenant quota (``max_per_tenant``). A
+new conversation of a tenant at its quota evicts that tenant's least recently used entry
+first, so one tenant sending new conversation ids never evicts another tenant's entries
+(only the global cap, once the tenants together reach it, evicts across tenants). The
+tenant is the store key's part before the first ``:`` (``Identity.store_key``). Recently evicted keys are remembered (``EVICTED_MEMORY`` of them),
 so a lookup can tell an evicted conversation from one never seen.
 """
 
@@ -88,14 +94,28 @@ class MetadataStore(Protocol):
 EvictCallback = Callable[[int], None]
 
 
+def tenant_of_key(key: str) -> str:
+    """The tenant part of a store key (``Identity.store_key``: ``<tenant>:<digest>``).
+
+    >>> tenant_of_key("0123abcd:ffee"), tenant_of_key("plain")
+    ('0123abcd', '')
+    """
+    tenant, sep, _ = key.partition(":")
+    return tenant if sep else ""
+
+
 class MemoryStore:
     backend = "memory"
 
     def __init__(self, max_entries: int, conversation_ttl_s: float,
                  on_evict: EvictCallback | None = None,
-                 infer_per_tenant: int = INFER_PER_TENANT):
+                 infer_per_tenant: int = INFER_PER_TENANT,
+                 max_per_tenant: int | None = None):
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._max = max_entries
+        self._quota = max_per_tenant or max_entries
+        # tenant -> its keys, least recently used first (the quota's eviction order)
+        self._tenants: dict[str, OrderedDict[str, None]] = {}
         self._idle = conversation_ttl_s
         self._on_evict = on_evict or (lambda n: None)
         self._evicted: OrderedDict[str, None] = OrderedDict()
@@ -107,25 +127,42 @@ class MemoryStore:
     def _live(self, key: str, now: float) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None and now - entry.touched > self._idle:
-            del self._entries[key]
-            self._unindex(key)
+            self._drop(key)
             return None
+        return entry
+
+    def _drop(self, key: str) -> Entry:
+        entry = self._entries.pop(key)
+        tenant = tenant_of_key(key)
+        keys = self._tenants[tenant]
+        del keys[key]
+        if not keys:
+            del self._tenants[tenant]
+        self._unindex(key)
         return entry
 
     def _insert(self, key: str, entry: Entry, now: float) -> None:
         self._entries[key] = entry
         self._entries.move_to_end(key)
+        keys = self._tenants.setdefault(tenant_of_key(key), OrderedDict())
+        keys[key] = None
+        keys.move_to_end(key)
         evicted = 0
+        while len(keys) > self._quota:  # the tenant's own oldest first
+            evicted += self._evict(next(iter(keys)), now)
         while len(self._entries) > self._max:
-            victim, oldest = self._entries.popitem(last=False)
-            self._unindex(victim)
-            if now - oldest.touched <= self._idle:
-                evicted += 1
-                self._evicted[victim] = None
-                if len(self._evicted) > EVICTED_MEMORY:
-                    self._evicted.popitem(last=False)
+            evicted += self._evict(next(iter(self._entries)), now)
         if evicted:
             self._on_evict(evicted)
+
+    def _evict(self, victim: str, now: float) -> int:
+        """Drop ``victim`` for a cap; 1 when it was live (an eviction), 0 when idle."""
+        if now - self._drop(victim).touched > self._idle:
+            return 0
+        self._evicted[victim] = None
+        if len(self._evicted) > EVICTED_MEMORY:
+            self._evicted.popitem(last=False)
+        return 1
 
     def _unindex(self, key: str) -> None:
         tenant, fp = self._indexed.pop(key, (None, None))
@@ -194,7 +231,8 @@ class MemoryStore:
 # Redis layout under the prefix (``kvobs:``): ``conv:<key>`` one hash a conversation
 # (t turn, p params, x expiry, s stored at, e ended at, d digest, st stored turn, f its
 # indexed fingerprint, tn its tenant); ``conv-index`` a sorted set of the conversations by
-# last use (the entry cap); ``conv-evicted`` the keys the cap pushed out (by time, at most
+# last use (the entry cap); ``conv-tenant:<tenant>`` the tenant's keys by last use (its
+# quota); ``conv-evicted`` the keys the cap pushed out (by time, at most
 # EVICTED_MEMORY, none older than the idle TTL); per tenant ``infer:<tenant>`` fingerprint
 # -> "<key>\n<conversation id>" and ``infer-order:<tenant>`` its fingerprints by time.
 _LIB = r"""
@@ -207,24 +245,53 @@ local function unindex(p, tn, fp, key)
   end
 end
 
-local function enforce_cap(p, now, idle, cap, keep)
+local function tenant_index(p, key)
+  return p .. 'conv-tenant:' .. (string.match(key, '^([^:]*):') or '')
+end
+
+-- Records a use of the conversation in both caps' orders (global and its tenant's).
+local function touch(p, full, key, now, idle)
+  redis.call('ZADD', p .. 'conv-index', now, full)
+  local tidx = tenant_index(p, key)
+  redis.call('ZADD', tidx, now, key)
+  redis.call('EXPIRE', tidx, idle)
+end
+
+local function evict(p, key, now)
+  local full = p .. 'conv:' .. key
+  local ref = redis.call('HMGET', full, 'f', 'tn')
+  if ref[1] and ref[2] then unindex(p, ref[2], ref[1], key) end
+  redis.call('DEL', full)
+  redis.call('ZREM', p .. 'conv-index', full)
+  redis.call('ZREM', tenant_index(p, key), key)
+  redis.call('ZADD', p .. 'conv-evicted', now, key)
+end
+
+-- The tenant's quota first (its own oldest go), then the global cap.
+local function enforce_cap(p, now, idle, cap, keep, key, quota)
+  local tidx = tenant_index(p, key)
+  redis.call('ZREMRANGEBYSCORE', tidx, '-inf', now - idle)
+  local over = redis.call('ZCARD', tidx) - quota
+  if over > 0 then
+    local victims = redis.call('ZPOPMIN', tidx, over)
+    for i = 1, #victims, 2 do evict(p, victims[i], now) end
+  else
+    over = 0
+  end
   local index = p .. 'conv-index'
   redis.call('ZREMRANGEBYSCORE', index, '-inf', now - idle)
-  local over = redis.call('ZCARD', index) - cap
-  if over <= 0 then return 0 end
-  local victims = redis.call('ZPOPMIN', index, over)
-  local evicted = p .. 'conv-evicted'
-  local skip = #p + 5
-  for i = 1, #victims, 2 do
-    local full = victims[i]
-    local key = string.sub(full, skip + 1)
-    local ref = redis.call('HMGET', full, 'f', 'tn')
-    if ref[1] and ref[2] then unindex(p, ref[2], ref[1], key) end
-    redis.call('DEL', full)
-    redis.call('ZADD', evicted, now, key)
+  local gover = redis.call('ZCARD', index) - cap
+  if gover > 0 then
+    local victims = redis.call('ZPOPMIN', index, gover)
+    local skip = #p + 5
+    for i = 1, #victims, 2 do evict(p, string.sub(victims[i], skip + 1), now) end
+    over = over + gover
   end
-  redis.call('ZREMRANGEBYSCORE', evicted, '-inf', now - idle)
-  redis.call('ZREMRANGEBYRANK', evicted, 0, -(keep + 1))
+  if over > 0 then
+    local evicted = p .. 'conv-evicted'
+    redis.call('ZREMRANGEBYSCORE', evicted, '-inf', now - idle)
+    redis.call('ZREMRANGEBYRANK', evicted, 0, -(keep + 1))
+  end
   return over
 end
 
@@ -246,24 +313,27 @@ local function index_as(p, key, tn, conv, fp, now, idle, cap)
 end
 """
 
-# KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key
+# KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key,
+# tenant quota
 _BEGIN = _LIB + """
 local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('HINCRBY', KEYS[1], 't', 1)
 local v = redis.call('HMGET', KEYS[1], 'p', 'x', 's', 'e', 'd', 'st')
 redis.call('HDEL', KEYS[1], 'p')
 redis.call('EXPIRE', KEYS[1], idle)
-redis.call('ZADD', p .. 'conv-index', now, KEYS[1])
+touch(p, KEYS[1], ARGV[6], now, idle)
 local evicted, was_evicted = 0, 0
 if t == 1 then
   was_evicted = redis.call('ZREM', p .. 'conv-evicted', ARGV[6])
-  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]))
+  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6],
+                        tonumber(ARGV[7]))
 end
 return {t, v[1], v[2], v[3], v[4], v[5], v[6], evicted, was_evicted}
 """
 
 # KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key, turn,
-# params, expires at, digest, fingerprint, tenant, conversation id, fingerprints a tenant
+# params, expires at, digest, fingerprint, tenant, conversation id, fingerprints a tenant,
+# tenant quota
 _FINISH = _LIB + """
 local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local created = redis.call('HSETNX', KEYS[1], 't', ARGV[7])
@@ -279,11 +349,12 @@ if ARGV[8] ~= '' then
   end
 end
 redis.call('EXPIRE', KEYS[1], idle)
-redis.call('ZADD', p .. 'conv-index', now, KEYS[1])
+touch(p, KEYS[1], ARGV[6], now, idle)
 local evicted = 0
 if created == 1 then
   redis.call('ZREM', p .. 'conv-evicted', ARGV[6])
-  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]))
+  evicted = enforce_cap(p, now, idle, tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6],
+                        tonumber(ARGV[15]))
 end
 return evicted
 """
@@ -323,12 +394,11 @@ class RedisStore:
 
     def __init__(self, url: str, max_entries: int, conversation_ttl_s: float,
                  on_evict: EvictCallback | None = None, prefix: str = "kvobs:",
-                 infer_per_tenant: int = INFER_PER_TENANT):
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=2.0,
-                                              socket_connect_timeout=2.0)
+                 infer_per_tenant: int = INFER_PER_TENANT,
+                 max_per_tenant: int | None = None, pool_size: int = 512):
+        self._redis = redis_client(url, pool_size)
         self._max = max_entries
+        self._quota = max_per_tenant or max_entries
         self._idle = max(1, int(conversation_ttl_s))
         self._on_evict = on_evict or (lambda n: None)
         self._prefix = prefix
@@ -346,7 +416,7 @@ class RedisStore:
 
     async def begin_turn(self, key: str, now: float) -> Begun:
         t, p, x, s, e, d, st, evicted, was_evicted = await self._begin(
-            keys=[self._key(key)], args=self._common(key, now))
+            keys=[self._key(key)], args=[*self._common(key, now), self._quota])
         if evicted:
             self._on_evict(int(evicted))
         turn = int(t)
@@ -367,7 +437,8 @@ class RedisStore:
                   json.dumps(params) if params is not None else "",
                   expires_at if expires_at is not None else "",
                   json.dumps(digest) if digest is not None else "",
-                  fp or "", tenant or "", conversation_id or "", self._per_tenant])
+                  fp or "", tenant or "", conversation_id or "", self._per_tenant,
+                  self._quota])
         if evicted:
             self._on_evict(int(evicted))
 
@@ -387,6 +458,18 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def redis_client(url: str, pool_size: int, socket_timeout_s: float = 2.0):
+    """An asyncio Redis client whose pool holds ``pool_size`` connections and makes
+    callers wait for a free one (redis-py's default pool raises MaxConnectionsError past
+    100); callers bound the wait with their own deadline (``StoreGuard``)."""
+    import redis.asyncio as aioredis
+
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=pool_size, timeout=None, socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s)
+    return aioredis.Redis.from_pool(pool)  # closes the pool with the client
 
 
 def now_wall() -> float:

@@ -7,6 +7,7 @@ requires (protobuf's own JSON mapping would write base64).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from typing import Sequence
@@ -17,6 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+_LOG = logging.getLogger("kvobs.emit")
 
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> str:
@@ -50,23 +52,46 @@ class OtlpJsonFileExporter(SpanExporter):
     """Appends each export batch as one OTLP-JSON line to ``path``.
 
     A failed write (full disk, vanished directory) is reported as FAILURE to the span
-    processor, which drops the batch: telemetry never raises into the host.
+    processor, which drops the batch and counts it: telemetry never raises into the host.
+    A directory that cannot be created does not stop the host either: it is logged once
+    (here, at start) and tried again at each export, so the store recovers when fixed.
     """
 
     def __init__(self, path: str):
         self._path = path
+        self._dir = os.path.dirname(os.path.abspath(path))
         self._lock = threading.Lock()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._failing = not self._makedirs()
+        if self._failing:
+            _LOG.warning("span store %s not writable: serving without it (lost spans are "
+                         "counted)", self._dir)
+
+    def _makedirs(self) -> bool:
+        try:
+            os.makedirs(self._dir, exist_ok=True)
+            return True
+        except OSError:
+            return False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
         try:
             line = spans_to_otlp_json(spans) + "\n"
-            with self._lock, open(self._path, "a", encoding="utf-8") as handle:
-                handle.write(line)
+            with self._lock:
+                if self._failing:
+                    self._makedirs()
+                with open(self._path, "a", encoding="utf-8") as handle:
+                    handle.write(line)
         except Exception:  # noqa: BLE001 - the host must never see a telemetry error
+            if not self._failing:
+                self._failing = True
+                _LOG.warning("span store %s not writable: spans are dropped (counted)",
+                             self._dir)
             return SpanExportResult.FAILURE
+        if self._failing:
+            self._failing = False
+            _LOG.warning("span store %s writable again", self._dir)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

@@ -124,6 +124,18 @@ def configure_tracing(service: Service, store_dir: str | None = None) -> trace.T
     return provider.get_tracer("kvobs", schema_url=None)
 
 
+def span_losses(tracer: trace.Tracer) -> dict[str, int]:
+    """Spans a tracer made by ``configure_tracing`` lost so far, by reason (``queue-full``,
+    ``export-failed``: ``semconv.TELEMETRY_DROP_REASONS``); zeros for any other tracer."""
+    dropped = failed = 0
+    multi = getattr(tracer, "span_processor", None)
+    for processor in getattr(multi, "_span_processors", ()) or ():
+        if isinstance(processor, DroppingBatchProcessor):
+            dropped += processor.dropped
+            failed += processor.export_failures
+    return {"queue-full": dropped, "export-failed": failed}
+
+
 def flush(tracer: trace.Tracer) -> None:
     """Export everything a tracer made by configure_tracing has queued (tests, shutdown)."""
     processor = getattr(tracer, "span_processor", None)  # SDK tracers only

@@ -292,10 +292,12 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "ops"),
             PanelSpec(
                 "Dropped telemetry",
-                "Spans dropped by a full export queue, and telemetry failures caught inside "
-                "the connector (telemetry never blocks serving; gaps make kvobs diagnose "
-                "report insufficient-evidence).",
-                (T(q.dropped_spans_rate(s.keeping("instance")), "dropped spans {{instance}}"),
+                "Spans the proxy lost (a full export queue, or failed exports: collector "
+                "down, span store not writable), and telemetry failures caught inside the "
+                "connector (telemetry never blocks serving; gaps make kvobs diagnose report "
+                "insufficient-evidence).",
+                (T(q.dropped_spans_rate(s.keeping("instance", "reason")),
+                   "dropped spans {{instance}} ({{reason}})"),
                  T(q.connector_telemetry_errors_rate(s.keeping("instance")),
                    "connector telemetry errors {{instance}}")),
                 "ops"),

@@ -346,11 +346,18 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
             f"({q.dropped_spans_rate(s)}) > {th.dropped_spans_rate:g}",
             w.for_absent, "info",
             "kvobs is dropping spans on {{ $labels.job }}.",
-            "The span export queue on {{ $labels.job }} is full and spans are dropped; "
-            "kvobs diagnose will report insufficient-evidence for the affected turns.",
+            "{{ $labels.job }} loses spans: its export queue is full, or exports fail "
+            "(collector down, span store not writable); kvobs diagnose will report "
+            "insufficient-evidence for the affected turns.",
             (Case("spans dropped",
-                  {sel(M_TELEMETRY_DROPPED, PROXY): per_minute(10)}, True, labels=pjob),
-             Case("nothing dropped", {sel(M_TELEMETRY_DROPPED, PROXY): per_minute(0)}, False))),
+                  {sel(M_TELEMETRY_DROPPED, {**PROXY, "reason": "queue-full"}):
+                   per_minute(10)}, True, labels=pjob),
+             Case("span store not writable",
+                  {sel(M_TELEMETRY_DROPPED, {**PROXY, "reason": "export-failed"}):
+                   per_minute(30)}, True, labels=pjob),
+             Case("nothing dropped",
+                  {sel(M_TELEMETRY_DROPPED, {**PROXY, "reason": "export-failed"}):
+                   per_minute(0)}, False))),
     ]
     out += [
         absent_alert("KvobsEngineTelemetryAbsent", M_PULL_DECISIONS, config.selectors.engine,

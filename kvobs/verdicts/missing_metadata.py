@@ -65,7 +65,15 @@ def _not_stored(turn: Turn) -> str:
 _MISS = {MissReason.NEVER_SEEN.value: _never_seen, MissReason.NOT_STORED.value: _not_stored,
          MissReason.EVICTED.value: lambda turn: (
              "The proxy's entry cap evicted this conversation before its next turn: raise "
-             "--max-entries (or the tenant's quota).")}
+             "--max-entries (or the tenant's quota, --max-entries-per-tenant)."),
+         MissReason.ANONYMOUS.value: lambda turn: (
+             "The request carried no API key: anonymous clients never share reuse (any "
+             "of them could send this id). Send an API key, or run the proxy with "
+             "--anonymous-tenant shared on a trusted network."),
+         MissReason.STORE_UNAVAILABLE.value: lambda turn: (
+             "The proxy's metadata store gave no answer within the turn's budget (or its "
+             "circuit breaker was open): see kvobs_proxy_store_degraded_total and the "
+             "store's health.")}
 
 
 def _remedy(turn: Turn) -> str:

@@ -1,0 +1,121 @@
+"""Bounded metadata-store calls: a per-turn time budget and a circuit breaker.
+
+A slow or hung Redis (SIGSTOP, a full network queue) must cost a turn at most
+``budget_s`` in all, after which the turn goes on without reuse and says so
+(``kvobs.proxy.store_failure`` on its lookup/store span,
+``kvobs_proxy_store_degraded_total{reason}``). After ``failures`` failed calls in a row
+the breaker opens: calls are skipped (``circuit-open``, no cost) for ``cooldown_s``, then
+one call probes; its success closes the breaker, its failure opens it again.
+
+The in-process memory store is not bounded: its calls cannot hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from kvobs import semconv as sc
+
+from connector_instrumented.proxy._metrics import ProxyMetrics
+
+_LOG = logging.getLogger("kvobs.proxy")
+SF = sc.StoreFailure
+
+
+class Budget:
+    """Seconds a turn may still spend waiting on the store."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, seconds: float):
+        self.left = seconds
+
+
+class StoreGuard:
+    def __init__(self, metrics: ProxyMetrics, backend: str, bounded: bool,
+                 budget_s: float, failures: int, cooldown_s: float):
+        self._metrics = metrics
+        self._backend = backend
+        self.bounded = bounded
+        self.budget_s = budget_s
+        self._max_failures = failures
+        self._cooldown_s = cooldown_s
+        self._failures = 0  # in a row
+        self._open_until: float | None = None  # monotonic; None: closed
+        self._probing = False
+
+    def budget(self) -> Budget:
+        return Budget(self.budget_s)
+
+    @property
+    def open(self) -> bool:
+        return self._open_until is not None
+
+    async def call(self, budget: Budget, fn: Callable[..., Awaitable[Any]], *args: Any,
+                   extra_s: float = 0.0) -> tuple[Any, sc.StoreFailure | None]:
+        """``(fn(*args), None)``, or ``(None, why)`` when the store gave no answer.
+
+        ``extra_s``: time the call waits by design (the params publisher's poll), allowed
+        on top of the budget and not charged to it. Never raises (but cancellation)."""
+        probe = False
+        if self.bounded:
+            if self._open_until is not None:
+                if self._probing or time.monotonic() < self._open_until:
+                    return self._skip(SF.CIRCUIT_OPEN)
+                probe = self._probing = True
+            if budget.left <= 0:
+                if probe:
+                    self._probing = False
+                return self._skip(SF.BUDGET_SPENT)
+        started = time.perf_counter()
+        failure = None
+        value = None
+        try:
+            if self.bounded:
+                async with asyncio.timeout(budget.left + extra_s):
+                    value = await fn(*args)
+            else:
+                value = await fn(*args)
+        except TimeoutError:
+            failure = SF.TIMEOUT
+        except Exception:  # noqa: BLE001 - the store never breaks serving
+            _LOG.debug("metadata store call failed", exc_info=True)
+            failure = SF.ERROR
+        finally:
+            if self.bounded:
+                budget.left -= max(0.0, time.perf_counter() - started - extra_s)
+                if probe:
+                    self._probing = False
+        if failure is None:
+            if self._failures or self._open_until is not None:
+                self._close()
+            return value, None
+        self._metrics.store_errors.labels(self._backend).inc()
+        self._metrics.store_degraded.labels(failure.value).inc()
+        if self.bounded:
+            self._failed(probe)
+        return None, failure
+
+    def _skip(self, why: sc.StoreFailure) -> tuple[None, sc.StoreFailure]:
+        self._metrics.store_degraded.labels(why.value).inc()
+        return None, why
+
+    def _failed(self, probe: bool) -> None:
+        self._failures += 1
+        if probe or (self._open_until is None and self._failures >= self._max_failures):
+            if self._open_until is None:
+                self._metrics.store_circuit_opened.inc()
+                self._metrics.store_circuit_open.set(1)
+                _LOG.warning("metadata store (%s): %d failures in a row, skipping it for "
+                             "%.1f s", self._backend, self._failures, self._cooldown_s)
+            self._open_until = time.monotonic() + self._cooldown_s
+
+    def _close(self) -> None:
+        if self._open_until is not None:
+            _LOG.warning("metadata store (%s) answers again", self._backend)
+            self._metrics.store_circuit_open.set(0)
+        self._failures = 0
+        self._open_until = None
