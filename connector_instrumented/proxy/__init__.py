@@ -6,18 +6,19 @@ Public API::
 
     config = ProxyConfig(prefill=(Endpoint("localhost", 8100),),
                          decode=(Endpoint("localhost", 8200),))
-    app = build_app(config)      # aiohttp.web.Application
+    app = build_app(config)      # aiohttp.web.Application; serve it with
+                                 # web.AppRunner(app, **RUNNER_OPTIONS)
     run_proxy(config)            # serve until interrupted
 
 See ``docs/proxy.md``.
 """
 
-from connector_instrumented.proxy.app import build_app, run_proxy
+from connector_instrumented.proxy.app import RUNNER_OPTIONS, build_app, run_proxy
 from connector_instrumented.proxy.config import Endpoint, ProxyConfig
 from connector_instrumented.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
 from connector_instrumented.proxy.store import Entry, MemoryStore, MetadataStore, RedisStore
 
-__all__ = ["Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
+__all__ = ["RUNNER_OPTIONS", "Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
            "ParamsPublisher", "ProxyConfig", "RedisParamsPublisher", "RedisStore",
            "build_app", "run_proxy"]

@@ -41,7 +41,9 @@ def _tool_calls(calls: Any) -> list:
         return []
     out = []
     for call in calls:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            function = {}
         out.append([function.get("name"), function.get("arguments")])
     return out
 

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -33,9 +34,13 @@ from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
 
 from connector_instrumented.proxy._clock import DecodeClock
 from connector_instrumented.proxy._digest import Prefixes, extends, history_digest
+from connector_instrumented.proxy._guard import Budget, StoreGuard
 from connector_instrumented.proxy._identity import (
-    Identity, InputError, conversation_of, tenant_of)
+    ANONYMOUS, Identity, InputError, conversation_of, tenant_of)
+from connector_instrumented.proxy._input import (
+    UNREAD_BODY_REASONS, check_headers, parse_body, read_body)
 from connector_instrumented.proxy._metrics import ProxyMetrics
+from connector_instrumented.proxy._ready import Readiness
 from connector_instrumented.proxy.config import Endpoint, ProxyConfig
 from connector_instrumented.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
@@ -53,6 +58,15 @@ TRACE_ID_HEADER = sc.TRACE_ID_HEADER
 _TURN_KEYS = frozenset((*sc.CORRELATION_KEYS, sc.KTP_REQUEST_ID))
 _DONE = b"data: [DONE]"
 PROXY_KEY = web.AppKey("kvobs_proxy", object)
+# How the proxy must be served (run_proxy does; embedders pass these to web.AppRunner or
+# web.run_app): a client that disconnects cancels its turn, so no engine keeps working for
+# a client that left (no decode request after a client gave up during the prefill).
+# A body refused unread (too large, too slow) is drained for at most lingering_time, then
+# the connection closes (aiohttp's default waits 10 s on a client that stalls).
+RUNNER_OPTIONS = {"handler_cancellation": True, "lingering_time": 1.0}
+# The turn span starts its own trace (a client's traceparent becomes a link): kvobs keys
+# an id-less turn by its trace, so turns that share a client's trace must not share one.
+_NEW_TRACE = Context()
 
 LO = sc.LookupOutcome
 MR = sc.MissReason
@@ -72,8 +86,8 @@ def _json_error(status: int, message: str, type_: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def _sse_error(message: str) -> bytes:
-    event = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+def _sse_error(message: str, type_: str = "upstream_error", code: int = 502) -> bytes:
+    event = {"error": {"message": message, "type": type_, "code": code}}
     return b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -114,6 +128,7 @@ class _TurnState:
     source: sc.ParamsSource = PS.NONE
     error: sc.ProxyError | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    store_budget: Budget | None = None  # what the turn may still wait on the store
 
 
 class _Proxy:
@@ -124,7 +139,13 @@ class _Proxy:
         self.metrics = metrics
         self.store = store
         self.publisher = publisher
+        # Redis (store and publisher) is bounded per turn and behind one breaker.
+        self.guard = StoreGuard(metrics, store.backend, store.backend == "redis"
+                                or publisher.name == "redis", config.redis_budget_s,
+                                config.redis_breaker_failures,
+                                config.redis_breaker_cooldown_s)
         self.clock = DecodeClock()
+        self.readiness = Readiness(config, store)
         # This process, on every lookup span: a restart shows as a new id and a later start.
         self.instance = secrets.token_hex(8)
         self.started_at = time.time()
@@ -157,13 +178,15 @@ class _Proxy:
         return web.json_response({"status": "ok", "store": self.store.backend,
                                   "publisher": self.publisher.name})
 
+    async def ready(self, _request: web.Request) -> web.Response:
+        ok, checks = await self.readiness.check(self.session)
+        return web.json_response({"status": "ready" if ok else "not-ready",
+                                  "checks": checks}, status=200 if ok else 503)
+
     async def metrics_view(self, _request: web.Request) -> web.Response:
-        try:
-            size = await self.store.size()
-            if size is not None:
-                self.metrics.entries.set(size)
-        except Exception:  # noqa: BLE001
-            self.metrics.store_errors.labels(self.store.backend).inc()
+        size, _failure = await self.guard.call(self.guard.budget(), self.store.size)
+        if size is not None:
+            self.metrics.entries.set(size)
         # Rendering every series takes milliseconds (tens on a busy box): off the event
         # loop, so a scrape never holds back the turns being relayed.
         body = await asyncio.get_running_loop().run_in_executor(
@@ -179,21 +202,11 @@ class _Proxy:
     # ------------------------------------------------------------------ input
 
     async def _read_body(self, request: web.Request) -> dict[str, Any]:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise InputError(413, "body-too-large", f"request body larger than {limit} bytes")
-        raw = await request.content.read(limit + 1)
-        if len(raw) > limit:
-            raise InputError(413, "body-too-large", f"request body larger than {limit} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise InputError(400, "bad-json", "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise InputError(400, "not-an-object", "request body must be a JSON object")
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise InputError(400, "bad-field", "'stream' must be a boolean")
-        return body
+        config = self.config
+        check_headers(request.headers, (config.conversation_header,
+                                        config.tenant_header or "Authorization"))
+        return parse_body(await read_body(request, config.max_body_bytes,
+                                          config.body_timeout_s))
 
     def _identity(self, request: web.Request, body: dict[str, Any]) -> Identity:
         config = self.config
@@ -201,6 +214,11 @@ class _Proxy:
         conversation = conversation_of(body, request.headers, config.conversation_header,
                                        config.max_id_length)
         return Identity(tenant, conversation)
+
+    def _timeout(self, read_s: float) -> aiohttp.ClientTimeout:
+        connect = self.config.connect_timeout_s
+        return aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect,
+                                     sock_read=read_s)
 
     def _headers(self, request_id: str, traceparent: str | None) -> dict[str, str]:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
@@ -219,16 +237,19 @@ class _Proxy:
             identity = self._identity(request, body)
         except InputError as error:
             self.metrics.rejected.labels(error.reason).inc()
-            return _json_error(error.status, error.message, "invalid_request_error")
+            response = _json_error(error.status, error.message, "invalid_request_error")
+            if error.reason in UNREAD_BODY_REASONS:
+                response.force_close()  # the rest of the body is not waited for
+            return response
         if body.pop(_KTP, None) is not None:
             self.metrics.stripped.inc()
         state = _TurnState(stream=bool(body.get("stream")), request_id=uuid.uuid4().hex,
                            start_wall=start_ns / 1e9, start_perf=time.perf_counter(),
-                           conversation_id=identity.conversation_id)
+                           conversation_id=identity.conversation_id,
+                           store_budget=self.guard.budget())
 
-        parent = _PROPAGATOR.extract(request.headers) if "traceparent" in request.headers \
-            else None
-        span = self.tracer.start_span(sc.SPAN_PROXY_TURN.name, context=parent,
+        span = self.tracer.start_span(sc.SPAN_PROXY_TURN.name, context=_NEW_TRACE,
+                                      links=_client_link(request.headers),
                                       start_time=start_ns)
         with trace.use_span(span, end_on_exit=False):
             traceparent = current_traceparent() or \
@@ -237,6 +258,13 @@ class _Proxy:
         correlation = Correlation(identity.conversation_id, None, identity.tenant, traceparent)
         try:
             return await self._turn(request, path, body, identity, state, correlation)
+        except asyncio.CancelledError:  # the client left (RUNNER_OPTIONS): legs cancelled
+            state.error = state.error or PE.CLIENT_DISCONNECTED
+            raise
+        except Exception:  # noqa: BLE001 - a proxy fault: a clean error, never a cut stream
+            _LOG.exception("turn failed")
+            state.error = PE.INTERNAL
+            return await self._internal_error(request, state)
         finally:
             correlation = Correlation(state.conversation_id, state.turn, identity.tenant,
                                       traceparent)
@@ -293,24 +321,29 @@ class _Proxy:
         miss_reason: sc.MissReason | None = MR.NEVER_SEEN
         sent_id = identity.conversation_id is not None
         inferred = False
-        if not sent_id and self.config.infer_conversations:
+        isolated = self._isolated(identity)
+        if not sent_id and self.config.infer_conversations and not isolated:
             identity, inferred = await self._infer(identity, body, now,
-                                                   correlation.traceparent)
+                                                   correlation.traceparent, state,
+                                                   attributes)
             attributes[sc.LOOKUP_INFERRED.key] = inferred
         state.conversation_id = identity.conversation_id
-        if not sent_id and not inferred:
+        if isolated and sent_id:
+            # No credential: this id may be another anonymous client's. Never looked up.
+            state.turn, state.outcome = from_history or 1, LO.MISS
+            miss_reason = MR.ANONYMOUS
+        elif not sent_id and not inferred:
             # With inference on, the new id starts a conversation a later id-less turn
             # may continue; the turn itself has nothing to look up.
             state.turn, state.outcome = from_history or 1, LO.NO_ID
         else:
-            begun = None
-            try:
-                begun = await self.store.begin_turn(identity.store_key, now)
+            begun, failure = await self.guard.call(state.store_budget, self.store.begin_turn,
+                                                   identity.store_key, now)
+            if begun is not None:
                 state.turn, previous = begun.turn, begun.previous
-            except Exception:  # noqa: BLE001 - the store never breaks serving
-                _LOG.warning("metadata store failed at lookup", exc_info=True)
-                self.metrics.store_errors.labels(self.store.backend).inc()
-                miss_reason = None  # the store could not say
+            else:  # the store could not say: the turn goes on without reuse
+                attributes[sc.STORE_FAILURE.key] = failure
+                miss_reason = MR.STORE_UNAVAILABLE
             # A chat history says which turn this is even when the store forgot the
             # conversation (restart, eviction, another replica without shared state).
             state.turn = max(state.turn or 1, from_history or 1)
@@ -347,19 +380,23 @@ class _Proxy:
               sc.LOOKUP_MISS_REASON.key: miss_reason, **attributes}, start_ns=start_ns)
         return identity, previous
 
+    def _isolated(self, identity: Identity) -> bool:
+        """A client without a credential, and anonymous clients share nothing."""
+        return identity.tenant == ANONYMOUS and self.config.anonymous_tenant == "isolated"
+
     async def _infer(self, identity: Identity, body: dict[str, Any], now: float,
-                     traceparent: str) -> tuple[Identity, bool]:
+                     traceparent: str, state: _TurnState,
+                     attributes: dict[str, Any]) -> tuple[Identity, bool]:
         """The tenant's live conversation whose covered history this request extends
         (longest match), else a new id: the ``anonymous:<trace id>`` kvobs names an
         id-less turn by, so that a later turn can continue it."""
         prefixes = Prefixes.of(body)
         found = None
         if prefixes is not None:
-            try:
-                found = await self.store.infer(identity.tenant, prefixes, now)
-            except Exception:  # noqa: BLE001 - the store never breaks serving
-                _LOG.warning("metadata store failed at inference", exc_info=True)
-                self.metrics.store_errors.labels(self.store.backend).inc()
+            found, failure = await self.guard.call(state.store_budget, self.store.infer,
+                                                   identity.tenant, prefixes, now)
+            if failure is not None:
+                attributes[sc.STORE_FAILURE.key] = failure
         if found is not None:
             return Identity(identity.tenant, found.conversation_id), True
         return Identity(identity.tenant, sc.ANONYMOUS_PREFIX + traceparent.split("-")[1]), False
@@ -385,7 +422,7 @@ class _Proxy:
 
     async def _post_prefill(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
                             headers: dict[str, str]) -> dict[str, Any]:
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
+        timeout = self._timeout(self.config.prefill_read_timeout_s)
         try:
             async with self.session.post(endpoint.base_url + path, data=json.dumps(payload),
                                          headers=headers, timeout=timeout) as response:
@@ -438,7 +475,7 @@ class _Proxy:
     # ------------------------------------------------------------------ decode
 
     async def _open_decode(self, endpoint, path, d_body, headers):
-        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout_s)
+        timeout = self._timeout(self.config.decode_read_timeout_s)
         try:
             response = await self.session.post(endpoint.base_url + path,
                                                data=json.dumps(d_body), headers=headers,
@@ -502,6 +539,7 @@ class _Proxy:
         client = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         collector = _StreamCollector()
+        state.extra["client"] = client
         done = False
         try:
             await _to_client(client.prepare(request))
@@ -545,12 +583,11 @@ class _Proxy:
         if params is not None:
             state.source = PS.STREAM
         else:
-            try:
-                params = await self.publisher.fetch(state.request_id,
-                                                    self.config.publisher_wait_s)
-            except Exception:  # noqa: BLE001
-                self.metrics.store_errors.labels("publisher").inc()
-                params = None
+            wait = self.config.publisher_wait_s
+            params, failure = await self.guard.call(state.store_budget, self.publisher.fetch,
+                                                    state.request_id, wait, extra_s=wait)
+            if failure is not None:
+                state.extra["store_failure"] = failure
             if params is not None:
                 state.source = PS.PUBLISHED
         digest = history_digest(d_body, collector.message(), collector.text()) \
@@ -587,7 +624,7 @@ class _Proxy:
     async def _store(self, identity, state, correlation, previous, params, digest,
                      sent_wall, answered_wall) -> None:
         key = identity.store_key
-        if key is None or state.turn is None:
+        if key is None or state.turn is None or self._isolated(identity):
             return
         start_ns = time.time_ns()
         expires_at = None
@@ -604,28 +641,42 @@ class _Proxy:
             action = "refreshed" if had else "stored"
         else:
             action = "skipped"
-        try:
-            indexed = self.config.infer_conversations
-            await self.store.finish_turn(key, state.turn, time.time(),
-                                         params if usable else None,
-                                         expires_at if usable else None,
-                                         digest if usable else None,
-                                         identity.tenant if indexed else None,
-                                         identity.conversation_id if indexed else None)
-        except Exception:  # noqa: BLE001
-            _LOG.warning("metadata store failed at store", exc_info=True)
-            self.metrics.store_errors.labels(self.store.backend).inc()
+        indexed = self.config.infer_conversations
+        _, failure = await self.guard.call(
+            state.store_budget, self.store.finish_turn, key, state.turn, time.time(),
+            params if usable else None, expires_at if usable else None,
+            digest if usable else None, identity.tenant if indexed else None,
+            identity.conversation_id if indexed else None)
+        if failure is not None:
             action = "skipped"
+        failure = failure or state.extra.get("store_failure")  # or the publisher's
         self.metrics.stores.labels(action, state.source.value).inc()
         emit(self.tracer, sc.SPAN_PROXY_STORE, correlation_with(correlation, state),
              {sc.STORE_ACTION.key: action, sc.PARAMS_SOURCE.key: state.source,
-              sc.STORE_EXPIRES_AT.key: expires_at if usable else None},
+              sc.STORE_EXPIRES_AT.key: expires_at if usable else None,
+              sc.STORE_FAILURE.key: failure},
              start_ns=start_ns)
 
     def _decode_host(self, params: dict[str, Any], state: _TurnState) -> Any:
         return state.extra.get("decode_host", params.get("remote_host"))
 
     # ------------------------------------------------------------------ endings
+
+    async def _internal_error(self, request: web.Request,
+                              state: _TurnState) -> web.StreamResponse:
+        """A 500 in OpenAI's error form; once a stream has started, an SSE error event
+        and ``[DONE]`` end it instead."""
+        self.metrics.internal_errors.inc()
+        message = "the proxy failed to complete the request"
+        client = state.extra.get("client")
+        if client is None or not client.prepared:
+            return _json_error(500, message, "internal_error")
+        try:
+            await _to_client(client.write(_sse_error(message, "internal_error", 500)))
+            await _to_client(client.write_eof())
+        except _ClientGone:
+            state.error = PE.CLIENT_DISCONNECTED
+        return client
 
     def _upstream_failure(self, error: _UpstreamError, state: _TurnState) -> web.Response:
         state.error = error.error
@@ -685,6 +736,14 @@ class _Proxy:
         phase.labels("proxy-hop").observe(max(0.0, state.d_sent - state.p_answered))
         phase.labels("decode-leg").observe(max(0.0, state.d_answered - state.d_sent))
         phase.labels("proxy-out").observe(max(0.0, end - state.d_answered))
+
+
+def _client_link(headers) -> list[trace.Link] | None:
+    """The client's own trace context (its ``traceparent``), as a link."""
+    if "traceparent" not in headers:
+        return None
+    context = trace.get_current_span(_PROPAGATOR.extract(headers)).get_span_context()
+    return [trace.Link(context)] if context.is_valid else None
 
 
 def _first_output(state: _TurnState, collector: "_StreamCollector") -> None:
@@ -854,14 +913,17 @@ def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
     on_evict = metrics.evictions.inc
     if config.store_backend == "redis":
         return RedisStore(config.redis_url, config.max_entries, config.conversation_ttl_s,
-                          on_evict, infer_per_tenant=config.infer_per_tenant)
+                          on_evict, infer_per_tenant=config.infer_per_tenant,
+                          max_per_tenant=config.max_entries_per_tenant,
+                          pool_size=config.redis_pool_size)
     return MemoryStore(config.max_entries, config.conversation_ttl_s, on_evict,
-                       infer_per_tenant=config.infer_per_tenant)
+                       infer_per_tenant=config.infer_per_tenant,
+                       max_per_tenant=config.max_entries_per_tenant)
 
 
 def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
     if config.publisher_kind == "redis":
-        return RedisParamsPublisher(config.redis_url)
+        return RedisParamsPublisher(config.redis_url, pool_size=config.redis_pool_size)
     return NoPublisher()
 
 
@@ -874,6 +936,7 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
 
         tracer = configure_tracing(sc.Service.PROXY, store_dir=config.store_dir)
     metrics = ProxyMetrics(registry)
+    metrics.watch_spans(tracer)
     proxy = _Proxy(config, tracer, metrics, store or _make_store(config, metrics),
                    publisher or _make_publisher(config))
     app = web.Application(client_max_size=config.max_body_bytes + 1)
@@ -884,6 +947,7 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
     app.router.add_post("/v1/chat/completions", proxy.chat)
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_get("/health", proxy.health)
+    app.router.add_get("/ready", proxy.ready)
     app.router.add_get("/metrics", proxy.metrics_view)
     return app
 
@@ -891,4 +955,5 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
 def run_proxy(config: ProxyConfig) -> None:
     """Serve until interrupted."""
     web.run_app(build_app(config), host=config.host, port=config.port, access_log=None,
+                **RUNNER_OPTIONS,
                 print=lambda *_: None)

@@ -50,6 +50,14 @@ class ProxyConfig:
     # How long a conversation's turn counter and digest survive without a turn.
     conversation_ttl_s: float = 24 * 3600.0
     max_entries: int = 100_000
+    # Per-tenant quota next to the global cap: a tenant over it loses its own least
+    # recently used entry first, so one tenant's new conversations never evict another's
+    # (until the tenants together reach max_entries). Single-tenant deployments: raise it.
+    max_entries_per_tenant: int = 10_000
+    # Clients without a credential (no API key, an empty one): "isolated" (no lookup,
+    # no store, no inference: one anonymous client never reads another's KV) or
+    # "shared" (all anonymous clients are one tenant; only for trusted networks).
+    anonymous_tenant: str = "isolated"
     store_backend: str = "memory"  # memory | redis
     redis_url: str | None = None
     # Where streaming turns get D's params when the stream does not carry them.
@@ -59,8 +67,17 @@ class ProxyConfig:
     tenant_header: str | None = None  # default: the Authorization header's API key
     max_body_bytes: int = 8 * 1024 * 1024
     max_id_length: int = 256
-    prefill_timeout_s: float = 600.0
-    decode_timeout_s: float = 3600.0
+    # Upstream legs: time to open a connection to an engine, and the longest wait for
+    # the engine's next bytes (P answers once, after the prefill; D streams, or answers
+    # once after the whole decode when the client does not stream).
+    connect_timeout_s: float = 5.0
+    prefill_read_timeout_s: float = 300.0
+    decode_read_timeout_s: float = 1800.0
+    # A client must have sent its whole body within this time (slow clients: 408).
+    body_timeout_s: float = 60.0
+    # /ready: how long each probe may take, and how long its answer is reused.
+    ready_timeout_s: float = 1.0
+    ready_cache_s: float = 1.0
     # Engines' own API key (upstream's proxy reads OPENAI_API_KEY the same way).
     engine_api_key: str | None = field(
         default_factory=lambda: os.environ.get("OPENAI_API_KEY"), repr=False)
@@ -72,6 +89,14 @@ class ProxyConfig:
     infer_conversations: bool = True
     # Conversations indexed for inference per tenant (the oldest are dropped first).
     infer_per_tenant: int = INFER_PER_TENANT
+    # Redis: time a turn may spend on store calls in all (a slow or hung Redis costs at
+    # most this, then the turn goes on without reuse), connections in the pool (callers
+    # wait for one, within the budget), and the circuit breaker (after this many failures
+    # in a row Redis is skipped for the cool-down, then one call probes it).
+    redis_budget_s: float = 0.5
+    redis_pool_size: int = 512
+    redis_breaker_failures: int = 5
+    redis_breaker_cooldown_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -94,6 +119,18 @@ class ProxyConfig:
                self.infer_per_tenant) < 1:
             raise ValueError("max_entries, max_id_length, max_body_bytes and "
                              "infer_per_tenant must be positive")
+        if min(self.max_entries_per_tenant, self.redis_pool_size,
+               self.redis_breaker_failures) < 1 or min(self.redis_budget_s,
+                                                       self.redis_breaker_cooldown_s) <= 0:
+            raise ValueError("max_entries_per_tenant, redis_pool_size, "
+                             "redis_breaker_failures, redis_budget_s and "
+                             "redis_breaker_cooldown_s must be positive")
+        if min(self.connect_timeout_s, self.prefill_read_timeout_s,
+               self.decode_read_timeout_s, self.body_timeout_s, self.ready_timeout_s) <= 0 \
+                or self.ready_cache_s < 0:
+            raise ValueError("timeouts must be positive")
+        if self.anonymous_tenant not in ("isolated", "shared"):
+            raise ValueError("anonymous_tenant must be 'isolated' or 'shared'")
 
     @property
     def publisher_kind(self) -> str:

@@ -97,13 +97,41 @@ class _UpstreamFlags(click.Command):
                    "conversation whose history it extends (default: on).")
 @click.option("--infer-per-tenant", type=int, default=None,
               help="Conversations indexed for inference per tenant (the oldest go first).")
+@click.option("--connect-timeout", type=float, default=None,
+              help="Seconds to open a connection to an engine (default 5).")
+@click.option("--prefill-read-timeout", type=float, default=None,
+              help="Longest wait (s) for P's answer (default 300).")
+@click.option("--decode-read-timeout", type=float, default=None,
+              help="Longest wait (s) for D's next bytes: its next stream chunk, or its "
+                   "whole answer when not streaming (default 1800).")
+@click.option("--body-timeout", type=float, default=None,
+              help="Seconds a client has to send its whole request body (default 60).")
+@click.option("--max-entries-per-tenant", type=int, default=None,
+              help="Entry quota per tenant next to --max-entries: a tenant over it loses "
+                   "its own oldest entry first (default 10000).")
+@click.option("--anonymous-tenant", type=click.Choice(["isolated", "shared"]), default=None,
+              help="Clients without an API key: isolated (default: no reuse, one anonymous "
+                   "client never reads another's KV) or shared (one tenant; trusted "
+                   "networks only).")
+@click.option("--redis-budget", type=float, default=None,
+              help="Seconds a turn may wait on Redis in all; then it goes on without reuse "
+                   "(default 0.5).")
+@click.option("--redis-pool-size", type=int, default=None,
+              help="Redis connections (callers wait for a free one; default 512).")
+@click.option("--redis-breaker-failures", type=int, default=None,
+              help="Redis failures in a row that open the circuit breaker (default 5).")
+@click.option("--redis-breaker-cooldown", type=float, default=None,
+              help="Seconds Redis is skipped once the breaker opens (default 5).")
 @click.option("--log-level", default="INFO", show_default=True)
 def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, decoder_ports,
                   decode_kv_ttl, expiry_margin, max_entry_lifetime, fixed_entry_lifetime,
                   max_entries,
                   conversation_ttl, redis_url, store_backend, params_publisher,
                   conversation_header, tenant_header, max_body_bytes, max_id_length,
-                  store_dir, infer_conversations, infer_per_tenant, log_level):
+                  store_dir, infer_conversations, infer_per_tenant, connect_timeout,
+                  prefill_read_timeout, decode_read_timeout, body_timeout,
+                  max_entries_per_tenant, anonymous_tenant, redis_budget, redis_pool_size,
+                  redis_breaker_failures, redis_breaker_cooldown, log_level):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
     from connector_instrumented.proxy import ProxyConfig, run_proxy
 
@@ -114,7 +142,17 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
     # Unset: ProxyConfig's own default (one default, in one place).
     optional = {name: value for name, value in (
         ("infer_conversations", infer_conversations),
-        ("infer_per_tenant", infer_per_tenant)) if value is not None}
+        ("infer_per_tenant", infer_per_tenant),
+        ("connect_timeout_s", connect_timeout),
+        ("prefill_read_timeout_s", prefill_read_timeout),
+        ("decode_read_timeout_s", decode_read_timeout),
+        ("body_timeout_s", body_timeout),
+        ("max_entries_per_tenant", max_entries_per_tenant),
+        ("anonymous_tenant", anonymous_tenant),
+        ("redis_budget_s", redis_budget),
+        ("redis_pool_size", redis_pool_size),
+        ("redis_breaker_failures", redis_breaker_failures),
+        ("redis_breaker_cooldown_s", redis_breaker_cooldown)) if value is not None}
     try:
         config = ProxyConfig(
             prefill=_endpoints(prefiller_hosts, prefiller_ports, "prefiller"),

@@ -13,12 +13,14 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
+from connector_instrumented.proxy import RUNNER_OPTIONS, Endpoint, ProxyConfig, build_app
 from proxy_standins import (DecodeState, LocalServer, StandInDecode, StandInPrefill,
                             free_port)
 
 
 class ProxyUnderTest(LocalServer):
+    runner_options = RUNNER_OPTIONS  # served as run_proxy serves it
+
     def __init__(self, config: ProxyConfig, tracer=None):
         super().__init__(config.port)
         self.config = config
@@ -39,6 +41,11 @@ class ProxyUnderTest(LocalServer):
     def spans(self, name: str | None = None):
         spans = self.exporter.get_finished_spans()
         return [s for s in spans if name is None or s.name == name]
+
+
+# Every request the harness sends carries this API key unless the test passes its own
+# Authorization: anonymous clients (no key) never share reuse by default.
+CLIENT_KEY = {"Authorization": "Bearer sk-harness"}
 
 
 class Harness:
@@ -88,7 +95,7 @@ class Harness:
         proxy = proxy or self.proxy
         data = raw if raw is not None else json.dumps(body).encode()
         async with self.session.post(proxy.url + path, data=data,
-                                     headers=headers or {}) as response:
+                                     headers={**CLIENT_KEY, **(headers or {})}) as response:
             text = await response.read()
             if response.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return response.status, parse_sse(text)

@@ -61,6 +61,8 @@ class DecodeState:
 class LocalServer:
     """An aiohttp app on a loopback port, started and stopped inside a test."""
 
+    runner_options: dict = {}
+
     def __init__(self, port: int | None = None):
         self.port = port or free_port()
         self._runner: web.AppRunner | None = None
@@ -73,7 +75,7 @@ class LocalServer:
         raise NotImplementedError
 
     async def start(self):
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = web.AppRunner(self.app(), access_log=None, **self.runner_options)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         return self
@@ -94,7 +96,11 @@ class _Engine(LocalServer):
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
+        app.router.add_get("/health", lambda request: self.health(request))
         return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response()  # vLLM answers GET /health with an empty 200
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

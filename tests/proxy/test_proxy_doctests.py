@@ -4,10 +4,10 @@ import doctest
 
 import pytest
 
-from connector_instrumented.proxy import _clock, _digest, _identity
+from connector_instrumented.proxy import _clock, _digest, _identity, _input
 
 
-@pytest.mark.parametrize("module", [_clock, _digest, _identity])
+@pytest.mark.parametrize("module", [_clock, _digest, _identity, _input])
 def test_doctests(module):
     failures, tried = doctest.testmod(module)
     assert tried > 0 and failures == 0
