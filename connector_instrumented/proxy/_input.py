@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any, Mapping
 
 import aiohttp
@@ -25,8 +24,6 @@ MAX_DEPTH = 100
 _READ_CHUNK = 1 << 16
 # Refusals that leave the body unread: the connection is closed after the answer.
 UNREAD_BODY_REASONS = frozenset(("body-too-large", "body-timeout", "bad-body"))
-# A JSON string escape that may decode to a surrogate code point (\ud800-\udfff).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _too_large(limit: int) -> InputError:
@@ -76,9 +73,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InputError(400, "bad-json", "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InputError(400, "not-an-object", "request body must be a JSON object")
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
-        _check_depth(body)
-    if _SURROGATE_ESCAPE.search(raw):
+    _check_depth(body)  # O(objects and arrays): a few for a chat body, not its text
+    if b"\\ud" in raw or b"\\uD" in raw:  # a surrogate escape: strings checked only then
         _check_unicode(body)
     _check_fields(body)
     return body
@@ -98,14 +94,17 @@ def _too_deep() -> InputError:
 
 
 def _check_depth(body: Any) -> None:
-    stack = [(body, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise _too_deep()
-        children = value.values() if isinstance(value, dict) else value
-        stack.extend((child, depth + 1) for child in children
-                     if isinstance(child, (dict, list)))
+    level = [body]
+    for _ in range(MAX_DEPTH):
+        below = []
+        for value in level:
+            for child in (value.values() if type(value) is dict else value):
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        if not below:
+            return
+        level = below
+    raise _too_deep()
 
 
 def _encodable(text: str) -> bool:
