@@ -62,3 +62,25 @@ def test_conversation_inference_flag(monkeypatch):
     assert config.infer_conversations is False and config.infer_per_tenant == 5
     result, config = _invoke(monkeypatch, ["--infer-per-tenant", "0"])
     assert result.exit_code == 2 and config is None
+
+
+def test_tenancy_and_redis_flags(monkeypatch):
+    from connector_instrumented.proxy import ProxyConfig
+
+    result, config = _invoke(monkeypatch, [])
+    assert result.exit_code == 0, result.output
+    defaults = ProxyConfig(prefill=config.prefill, decode=config.decode)
+    for name in ("max_entries_per_tenant", "anonymous_tenant", "redis_budget_s",
+                 "redis_pool_size", "redis_breaker_failures", "redis_breaker_cooldown_s"):
+        assert getattr(config, name) == getattr(defaults, name)
+    assert config.anonymous_tenant == "isolated"
+    result, config = _invoke(monkeypatch, [
+        "--max-entries-per-tenant", "7", "--anonymous-tenant", "shared", "--redis-budget",
+        "0.1", "--redis-pool-size", "64", "--redis-breaker-failures", "2",
+        "--redis-breaker-cooldown", "3"])
+    assert result.exit_code == 0, result.output
+    assert (config.max_entries_per_tenant, config.anonymous_tenant, config.redis_budget_s,
+            config.redis_pool_size, config.redis_breaker_failures,
+            config.redis_breaker_cooldown_s) == (7, "shared", 0.1, 64, 2, 3.0)
+    result, config = _invoke(monkeypatch, ["--redis-budget", "0"])
+    assert result.exit_code == 2 and config is None

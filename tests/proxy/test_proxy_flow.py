@@ -6,7 +6,8 @@ import asyncio
 import json
 
 import pytest
-from harness import Harness, stream_text
+from harness import CLIENT_KEY, Harness, stream_text
+from connector_instrumented.proxy._identity import tenant_digest
 from kvobs import semconv as sc
 
 LOOKUP = sc.SPAN_PROXY_LOOKUP.name
@@ -71,7 +72,7 @@ def test_nonstreaming_reuse_carries_params_and_correlation():
                     ktp = role_body["kv_transfer_params"]
                     assert ktp[sc.KTP_CONVERSATION_ID] == "conv-1"
                     assert ktp[sc.KTP_TURN_INDEX] == index
-                    assert ktp[sc.KTP_TENANT] == "anonymous"
+                    assert ktp[sc.KTP_TENANT] == tenant_digest("sk-harness")
                     assert ktp[sc.KTP_TRACEPARENT] == headers["traceparent"]
                     trace_id = format(turn_spans[index - 1].context.trace_id, "032x")
                     assert headers["traceparent"].split("-")[1] == trace_id
@@ -387,7 +388,7 @@ def test_every_answer_names_its_trace():
         async with Harness() as h:
             for stream in (False, True):
                 async with h.session.post(
-                        h.proxy.url + "/v1/chat/completions",
+                        h.proxy.url + "/v1/chat/completions", headers=CLIENT_KEY,
                         json={"messages": [{"role": "user", "content": "hi"}],
                               "conversation_id": "t", "stream": stream}) as response:
                     await response.read()

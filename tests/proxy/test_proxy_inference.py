@@ -8,7 +8,7 @@ import asyncio
 import time
 
 import pytest
-from harness import Harness
+from harness import CLIENT_KEY, Harness
 from test_proxy_flow import LOOKUP, TURN, converse, outcomes, run
 
 from connector_instrumented.proxy._digest import Prefixes, history_digest
@@ -26,7 +26,8 @@ async def post(h: Harness, body: dict, path: str = COMPLETIONS, headers: dict | 
                proxy=None) -> tuple[dict, dict]:
     """One non-streamed turn: its answer and the response headers."""
     proxy = proxy or h.proxy
-    async with h.session.post(proxy.url + path, json=body, headers=headers or {}) as response:
+    async with h.session.post(proxy.url + path, json=body,
+                              headers={**CLIENT_KEY, **(headers or {})}) as response:
         assert response.status == 200, await response.text()
         return await response.json(), dict(response.headers)
 

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from prometheus_client import CollectorRegistry
 
 from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
+from harness import CLIENT_KEY
 from proxy_standins import InstantEngine, free_port
 
 REQUESTS = 10_000
@@ -56,7 +57,8 @@ async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
             async def one(i: int) -> None:
                 body = {"messages": messages, "conversation_id": f"c{i % CONVERSATIONS}",
                         "stream": i % 2 == 0}
-                async with session.post(url, data=json.dumps(body)) as response:
+                async with session.post(url, data=json.dumps(body),
+                                        headers=CLIENT_KEY) as response:
                     assert response.status == 200
                     await response.read()
 
