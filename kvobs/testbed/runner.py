@@ -35,6 +35,11 @@ INJECTED_PARAMS = {"do_remote_decode": True, "remote_engine_id": "not-yours",
 MODEL_NAME = "tiny"
 
 
+# The API key of a conversation without a tenant: clients in production have one, and the
+# kvobs proxy gives anonymous clients no reuse at all (--anonymous-tenant isolated).
+DEFAULT_API_KEY = "sk-testbed"
+
+
 class Testbed(Protocol):
     proxy_url: str
     safe_token_ids: list[int]
@@ -323,7 +328,7 @@ class ScenarioClient:
                 timer.start()
             status, text, ttft, error, trace_id = _send(
                 self.testbed.proxy_url + path, body, stream, self.timeout_s,
-                conversation.spec.tenant)
+                conversation.spec.tenant or DEFAULT_API_KEY)
             latency = time.monotonic() - begin
         finally:
             gc.enable()
