@@ -16,15 +16,16 @@ From the links:
 - requests without a conversation id (behind another router, or id-less clients of the
   proxy, whose turns are named ``anonymous:<trace>``) get a conversation and turn index
   from the chain: the conversation of the turn they extend, one turn later; a chain's
-  first turn keeps its anonymous id, or gets ``lineage:<hash of its P request id>``. An id the
-  client sent always wins; a turn index that goes back in the chain (a proxy that forgot
-  the conversation numbers it 1 again) does not.
+  first turn keeps its anonymous id, or gets ``lineage:<hash of its P request id>``. An
+  id the client sent always wins; a turn index that goes back in the chain (a proxy
+  that forgot the conversation numbers it 1 again) does not.
 
 Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
-before the prompt arrives) and longest-first (the export with the most matching
-blocks; equal histories pair off in time order). A prompt that extends no export may still extend an
-earlier *prompt*: the history went on from that turn, but its output was rewritten or
-re-tokenized. It is linked to that turn's export with ``extends_fully`` false.
+before the prompt arrives) and longest-first (the export with the most matching blocks;
+equal histories pair off in time order). A prompt that extends no export may still
+extend an earlier *prompt*: the history went on from that turn, but its output was
+rewritten or re-tokenized. It is linked to that turn's export with ``extends_fully``
+false.
 """
 
 from __future__ import annotations
@@ -219,25 +220,7 @@ def link(spans: pd.DataFrame) -> pd.DataFrame:
                      ["start_ns", "trace_id", sc.PREFIX_LINEAGE.key, _TENANT, _TURN])
     if prompts.empty:
         return spans
-    exports = _records(_exports(spans))
-    export_chains = {d: parse(e[sc.PREFIX_LINEAGE.key]) for d, e in exports.items()}
-    prompt_chains = {rid: parse(digest) for rid, digest in prompts[sc.PREFIX_LINEAGE.key].items()}
-    index = _index(exports, export_chains, prompts, prompt_chains)
-    points_with_keys = {point for _, point, _ in index}
-    engines = _restarts(spans)
-    rows = {}
-    continued: set[str] = set()
-    in_time = prompts.sort_values("start_ns", kind="stable")
-    for rid, start_ns, tenant in zip(in_time.index, in_time["start_ns"], in_time[_TENANT]):
-        chain = prompt_chains[rid]
-        hit = _extended(chain, start_ns, tenant, index, points_with_keys, continued)
-        if hit is not None:
-            d_request, fully = hit
-            rows[rid] = _facts(chain, start_ns / 1e9, d_request, fully, exports[d_request],
-                               export_chains[d_request], engines)
-    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(_FACTS))
-    links = links.reindex(prompts.index)
-
+    links = _links(spans, prompts)
     client_ids, anonymous_ids = (series.to_dict() for series in _trace_ids(spans))
     parent = {rid: p for rid, p in links["extends_prefill_request_id"].items()
               if isinstance(p, str) and p in links.index and p != rid}
@@ -257,6 +240,30 @@ def link(spans: pd.DataFrame) -> pd.DataFrame:
     keys = _walk(order, parent, fixed, named)
     rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
     return _assign(_write_facts(spans, links), prompts, rekeyed)
+
+
+def _links(spans: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
+    """Per P request (``prompts``' index), the facts of the export its prompt extends;
+    prompts are matched in time order (``_extended`` pairs equal histories off)."""
+    exports = _records(_exports(spans))
+    export_chains = {d: parse(e[sc.PREFIX_LINEAGE.key]) for d, e in exports.items()}
+    prompt_chains = {rid: parse(digest)
+                     for rid, digest in prompts[sc.PREFIX_LINEAGE.key].items()}
+    index = _index(exports, export_chains, prompts, prompt_chains)
+    points_with_keys = {point for _, point, _ in index}
+    engines = _restarts(spans)
+    rows = {}
+    continued: set[str] = set()
+    in_time = prompts.sort_values("start_ns", kind="stable")
+    for rid, start_ns, tenant in zip(in_time.index, in_time["start_ns"], in_time[_TENANT]):
+        chain = prompt_chains[rid]
+        hit = _extended(chain, start_ns, tenant, index, points_with_keys, continued)
+        if hit is not None:
+            d_request, fully = hit
+            rows[rid] = _facts(chain, start_ns / 1e9, d_request, fully, exports[d_request],
+                               export_chains[d_request], engines)
+    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(_FACTS))
+    return links.reindex(prompts.index)
 
 
 def _write_facts(spans: pd.DataFrame, links: pd.DataFrame) -> pd.DataFrame:
