@@ -1,10 +1,12 @@
 """The ``kvobs`` command: one click group, one module per command, imported on use.
 
 Exit status (all commands):
-  0  healthy: every turn's verdict is healthy
+  0  healthy: every turn's verdict is healthy (``turns`` and ``report``: always, unless
+     ``--fail-on fault`` or ``--fail-on insufficient`` asks for 1 or 3)
   1  at least one turn has a fault verdict
   2  usage or input error (bad option, unreadable source, unknown conversation id)
   3  no fault, but some turn is insufficient-evidence
+  4  kvobs itself failed (a bug): one line on stderr asks for a report; never 1
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ COMMANDS = {
 }
 
 
+ENV_DEBUG = "KVOBS_DEBUG"
+EXIT_INTERNAL = 4
+
+
+def _internal_error(error: Exception) -> "NoReturn":  # noqa: F821
+    """A bug in kvobs: exit 4 with one line (a traceback with KVOBS_DEBUG=1), never the
+    1 that means "a turn has a fault verdict"."""
+    import os
+    import traceback
+
+    if os.environ.get(ENV_DEBUG):
+        traceback.print_exc()
+    click.echo(f"kvobs: internal error ({type(error).__name__}: {error}); please report it "
+               f"with the command line (set {ENV_DEBUG}=1 for the traceback)", err=True)
+    sys.exit(EXIT_INTERNAL)
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -48,7 +67,13 @@ class _LazyGroup(click.Group):
                 from kvobs.cli._common import fail_input
 
                 fail_input(str(error))
-            raise
+            if isinstance(error, (click.ClickException, click.exceptions.Exit)):
+                raise
+            if isinstance(error, OSError):  # a port in use, a file it cannot write
+                from kvobs.cli._common import fail_input
+
+                fail_input(str(error))
+            _internal_error(error)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = COMMANDS.get(name)

@@ -10,7 +10,11 @@ from rich.console import Console
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
+from kvobs.cli import EXIT_INTERNAL  # noqa: F401  (a kvobs bug; the group handles it)
+
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
+# --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
+FAIL_ON = ("never", "fault", "insufficient")
 ENV_SOURCE = "KVOBS_SOURCE"
 
 
@@ -38,6 +42,22 @@ def load_source(location: str) -> SpanSource:
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
     Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
     sys.exit(EXIT_INPUT)
+
+
+def fail_on_option(function):
+    return click.option(
+        "--fail-on", type=click.Choice(FAIL_ON), default="never", show_default=True,
+        help="Exit 1 when a turn has a fault verdict (fault), also 3 when one is "
+             "insufficient-evidence (insufficient); never: exit 0 whatever the verdicts, "
+             "so that the command runs under `set -e`.")(function)
+
+
+def fleet_exit_status(verdicts: list[Verdict], fail_on: str) -> int:
+    """``exit_status`` as far as ``--fail-on`` asks."""
+    status = exit_status(verdicts)
+    if fail_on == "never" or (fail_on == "fault" and status == EXIT_INSUFFICIENT):
+        return EXIT_OK
+    return status
 
 
 def exit_status(verdicts: list[Verdict]) -> int:

@@ -10,8 +10,8 @@ import sys
 
 import click
 
-from kvobs.cli._common import (EXIT_OK, console, exit_status, fail_input, load_source,
-                               slo_option, source_option)
+from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
+                               fleet_exit_status, load_source, slo_option, source_option)
 from kvobs.render import duration, to_json
 
 
@@ -41,7 +41,9 @@ def _labelled(source: str, read_slo, prefill_rate):
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None,
               help="Also write an HTML report with plots to this file (needs matplotlib).")
 @click.option("--conversation", default=None, help="Conversation for the HTML waterfall.")
-def report_command(source, read_slo, prefill_rate, since, as_json, html_file, conversation):
+@fail_on_option
+def report_command(source, read_slo, prefill_rate, since, as_json, html_file, conversation,
+                   fail_on):
     """Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D memory, by
     turn index and prompt length, and the phases that cost the fleet most (turn 1
     apart)."""
@@ -58,7 +60,7 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
         click.echo(to_json(report.to_dict()))
     else:
         _print_report(report, html_file)
-    sys.exit(exit_status(report.verdicts))
+    sys.exit(fleet_exit_status(report.verdicts, fail_on))
 
 
 def _print_report(report, html_file) -> None:

@@ -7,7 +7,8 @@ import sys
 import click
 import pandas as pd
 
-from kvobs.cli._common import console, exit_status, load_source, slo_option, source_option
+from kvobs.cli._common import (console, fail_on_option, fleet_exit_status, load_source,
+                               slo_option, source_option)
 from kvobs.diagnose import all_turns
 from kvobs.render import duration, print_problems, to_json
 from kvobs.semconv import Verdict
@@ -24,7 +25,9 @@ from kvobs.semconv import Verdict
 @click.option("--min-turn", type=int, default=None, help="Only turns with index >= this.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json):
+@fail_on_option
+def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json,
+            fail_on):
     """All turns with their verdicts (load the CSV or JSON into pandas)."""
     span_source = load_source(source)
     items = all_turns(span_source, read_slo)
@@ -59,7 +62,7 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
                           duration(row["latency_s"]), str(row["slowest_phase"]), str(cause))
         out.print(table)
     print_problems(console() if fmt == "table" else _stderr(), span_source.problems)
-    sys.exit(exit_status([t.finding.verdict for t in items]))
+    sys.exit(fleet_exit_status([t.finding.verdict for t in items], fail_on))
 
 
 def _stderr():

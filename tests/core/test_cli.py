@@ -148,3 +148,23 @@ def test_source_failing_after_open_is_an_input_error(monkeypatch, source):
     result = CliRunner().invoke(main, ["diagnose", "x", "--source", "clickhouse://db"])
     assert result.exit_code == 2
     assert "Unknown table" in result.output and "Traceback" not in result.output
+
+
+def test_turns_exit_0_unless_asked_to_fail(source):
+    """turns lists faulty turns and still exits 0 (it runs under set -e); --fail-on
+    fault gives diagnose's status."""
+    assert run("turns", "--source", source, "--json").exit_code == 0
+    assert run("turns", "--source", source, "--json", "--fail-on", "fault").exit_code == 1
+
+
+def test_a_bug_in_kvobs_exits_4_with_one_line_never_1(monkeypatch, source):
+    import kvobs.diagnose
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(kvobs.diagnose, "turns_from_spans", broken)
+    result = run("diagnose", "faulty-1", "--source", source)
+    assert result.exit_code == 4
+    assert "internal error (ZeroDivisionError: boom)" in result.output
+    assert "Traceback" not in result.output

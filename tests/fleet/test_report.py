@@ -42,7 +42,7 @@ def test_report_cli_json_and_html(synthetic_store, tmp_path):
     html = tmp_path / "report.html"
     result = CliRunner().invoke(main, ["report", "--source", synthetic_store[0], "--json",
                                        "--html", str(html)])
-    assert result.exit_code == 1  # the synthetic fleet has faults
+    assert result.exit_code == 0  # faults in the fleet, but no --fail-on: runs under set -e
     data = json.loads(result.output)
     assert data["later_turns"]["turns"] > 0 and data["synthetic"] is True
     text = html.read_text()
@@ -98,3 +98,11 @@ def test_tenants_sharing_an_id_are_separate_conversations(factory_store):
     turns = pd.DataFrame({"tenant": ["a", "a", "b"], "conversation_id": ["x", "x", "x"],
                           "turn": [1, 2, 3]})
     assert next_turn(turns)[0].tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("fail_on, expected", [("never", 0), ("fault", 1),
+                                               ("insufficient", 1)])
+def test_report_fails_only_when_asked(synthetic_store, fail_on, expected):
+    result = CliRunner().invoke(main, ["report", "--source", synthetic_store[0], "--json",
+                                       "--fail-on", fail_on])
+    assert result.exit_code == expected, result.output
