@@ -94,6 +94,24 @@ PARAMS_SOURCE = _attr(
     "kvobs.proxy.params_source", "str", "", "Where D's params came from: body | stream | published.")
 PROXY_ERROR = _attr(
     "kvobs.proxy.error", "str", "", "ProxyError value: why a turn failed or was cut short.")
+# OpenTelemetry's HTTP semantic conventions (stable) on the proxy's standard HTTP spans
+# (SPAN_PROXY_HTTP_SERVER, SPAN_PROXY_HTTP_CLIENT). Plain keys, not kvobs attributes: kvobs
+# reads none of them (they are no columns of its span frames). No query strings, headers
+# or bodies: never prompt or completion text.
+HTTP_REQUEST_METHOD = "http.request.method"
+HTTP_ROUTE = "http.route"
+HTTP_STATUS = "http.response.status_code"
+URL_PATH = "url.path"
+URL_SCHEME = "url.scheme"
+URL_FULL = "url.full"  # an engine's URL, without query (CLIENT spans)
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+CLIENT_ADDRESS = "client.address"
+NETWORK_PROTOCOL_VERSION = "network.protocol.version"
+USER_AGENT = "user_agent.original"
+# The status code (SERVER >= 500, CLIENT >= 400), else "timeout" or the exception's class.
+ERROR_TYPE = "error.type"
+PROXY_LEG = "kvobs.proxy.leg"  # CLIENT spans: prefill | decode
 
 # Prefill pull decision (scheduler side of P)
 PROMPT_TOKENS = _attr("kvobs.prompt.tokens", "int", "tokens", "N: prompt length.")
@@ -262,6 +280,14 @@ SPAN_PROXY_LOOKUP = _span("kvobs.proxy.lookup", Service.PROXY, "Metadata lookup 
 SPAN_PROXY_STORE = _span("kvobs.proxy.store", Service.PROXY, "D's params stored or refreshed.")
 SPAN_PROXY_FALLBACK = _span(
     "kvobs.proxy.fallback", Service.PROXY, "P request retried without params.")
+# Standard OpenTelemetry HTTP spans, named by its conventions and not kvobs's, so not in
+# SPANS (kvobs reads none of them): the client's request (kind SERVER, `{method} {route}`,
+# child of the turn span; a request refused before its turn has it alone, as the root of
+# its trace) and each leg to an engine (kind CLIENT, `{method}`, child of the SERVER span).
+SPAN_PROXY_HTTP_SERVER = SpanName("POST /v1/chat/completions", Service.PROXY,
+                                  "HTTP SERVER span of a turn's request (or POST /v1/completions).")
+SPAN_PROXY_HTTP_CLIENT = SpanName("POST", Service.PROXY,
+                                  "HTTP CLIENT span of one leg to P or D (kvobs.proxy.leg).")
 SPAN_PULL_DECISION = _span(
     "kvobs.prefill.pull_decision", Service.PREFILL, "P's choice to read, recompute or skip.")
 SPAN_READ = _span("kvobs.prefill.read", Service.PREFILL, "A D->P read: done, declined or failed.")

@@ -35,6 +35,7 @@ from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
 from connector_instrumented.proxy._clock import DecodeClock
 from connector_instrumented.proxy._digest import Prefixes, extends, history_digest
 from connector_instrumented.proxy._guard import Budget, StoreGuard
+from connector_instrumented.proxy._http_spans import ClientLeg, end_server, start_server
 from connector_instrumented.proxy._identity import (
     ANONYMOUS, Identity, InputError, conversation_of, tenant_of)
 from connector_instrumented.proxy._input import (
@@ -129,6 +130,7 @@ class _TurnState:
     error: sc.ProxyError | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     store_budget: Budget | None = None  # what the turn may still wait on the store
+    http_context: Context | None = None  # the SERVER span's: its legs' CLIENT spans' parent
 
 
 class _Proxy:
@@ -232,6 +234,7 @@ class _Proxy:
 
     async def _handle(self, request: web.Request, path: str) -> web.StreamResponse:
         start_ns = time.time_ns()
+        links = _client_link(request.headers)
         try:
             body = await self._read_body(request)
             identity = self._identity(request, body)
@@ -240,6 +243,9 @@ class _Proxy:
             response = _json_error(error.status, error.message, "invalid_request_error")
             if error.reason in UNREAD_BODY_REASONS:
                 response.force_close()  # the rest of the body is not waited for
+            # Refused before its turn: the SERVER span alone, root of its own trace.
+            end_server(start_server(self.tracer, request, path, start_ns, _NEW_TRACE, links),
+                       response.status)
             return response
         if body.pop(_KTP, None) is not None:
             self.metrics.stripped.inc()
@@ -249,23 +255,30 @@ class _Proxy:
                            store_budget=self.guard.budget())
 
         span = self.tracer.start_span(sc.SPAN_PROXY_TURN.name, context=_NEW_TRACE,
-                                      links=_client_link(request.headers),
-                                      start_time=start_ns)
+                                      links=links, start_time=start_ns)
+        server = start_server(self.tracer, request, path, start_ns,
+                              trace.set_span_in_context(span), links)
+        state.http_context = trace.set_span_in_context(server)
         with trace.use_span(span, end_on_exit=False):
             traceparent = current_traceparent() or \
                 f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
         request[TRACE_ID_KEY] = traceparent.split("-")[1]
         correlation = Correlation(identity.conversation_id, None, identity.tenant, traceparent)
+        response = None
         try:
-            return await self._turn(request, path, body, identity, state, correlation)
+            response = await self._turn(request, path, body, identity, state, correlation)
+            return response
         except asyncio.CancelledError:  # the client left (RUNNER_OPTIONS): legs cancelled
             state.error = state.error or PE.CLIENT_DISCONNECTED
             raise
         except Exception:  # noqa: BLE001 - a proxy fault: a clean error, never a cut stream
             _LOG.exception("turn failed")
             state.error = PE.INTERNAL
-            return await self._internal_error(request, state)
+            response = await self._internal_error(request, state)
+            return response
         finally:
+            end_server(server, response.status if response is not None else None,
+                       state.error.value if state.error is not None else None)
             correlation = Correlation(state.conversation_id, state.turn, identity.tenant,
                                       traceparent)
             self._end_turn(span, state, correlation)
@@ -300,11 +313,19 @@ class _Proxy:
         d_body[_KTP] = d_params
         d_endpoint = next(self._decode)
         state.extra["decode_host"] = d_endpoint.host
-        if state.stream:
-            return await self._decode_stream(request, path, d_body, d_endpoint, headers,
-                                             identity, state, correlation, previous)
-        return await self._decode_whole(path, d_body, d_endpoint, headers, identity, state,
-                                        correlation, previous)
+        leg = self._leg("decode", d_endpoint, path, state)
+        try:
+            if state.stream:
+                return await self._decode_stream(request, path, d_body, d_endpoint, headers,
+                                                 identity, state, correlation, previous, leg)
+            return await self._decode_whole(path, d_body, d_endpoint, headers, identity,
+                                            state, correlation, previous, leg)
+        finally:
+            leg.end(error="cancelled")  # ended already, unless the turn was cut short
+
+    def _leg(self, role: str, endpoint: Endpoint, path: str, state: _TurnState) -> ClientLeg:
+        return ClientLeg(self.tracer, state.http_context, role, endpoint.host, endpoint.port,
+                         endpoint.base_url + path)
 
     # ------------------------------------------------------------------ lookup
 
@@ -421,19 +442,28 @@ class _Proxy:
         return p_body
 
     async def _post_prefill(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
-                            headers: dict[str, str]) -> dict[str, Any]:
+                            headers: dict[str, str], state: _TurnState) -> dict[str, Any]:
         timeout = self._timeout(self.config.prefill_read_timeout_s)
+        leg = self._leg("prefill", endpoint, path, state)
+        status = error = None
         try:
             async with self.session.post(endpoint.base_url + path, data=json.dumps(payload),
                                          headers=headers, timeout=timeout) as response:
+                status = response.status
                 raw = await response.read()
-                if response.status != 200:
-                    raise _UpstreamError("prefill", "http-error", PE.PREFILL_ERROR,
-                                         response.status, raw)
         except asyncio.TimeoutError:
+            error = "timeout"
             raise _UpstreamError("prefill", "timeout", PE.PREFILL_ERROR, 504) from None
         except aiohttp.ClientError:
+            error = "unreachable" if status is None else "disconnected"
             raise _UpstreamError("prefill", "unreachable", PE.PREFILL_UNREACHABLE) from None
+        except BaseException:
+            error = "cancelled"
+            raise
+        finally:
+            leg.end(status, error)
+        if status != 200:
+            raise _UpstreamError("prefill", "http-error", PE.PREFILL_ERROR, status, raw)
         try:
             return json.loads(raw)
         except ValueError:
@@ -447,7 +477,7 @@ class _Proxy:
         try:
             try:
                 response = await self._post_prefill(
-                    endpoint, path, self._prefill_body(body, params, keys), headers)
+                    endpoint, path, self._prefill_body(body, params, keys), headers, state)
             except _UpstreamError as error:
                 if not (params and error.kind == "http-error" and error.status >= 500):
                     raise
@@ -460,12 +490,12 @@ class _Proxy:
                 state.params_sent = False
                 try:
                     response = await self._post_prefill(
-                        endpoint, path, self._prefill_body(body, None, keys), headers)
+                        endpoint, path, self._prefill_body(body, None, keys), headers, state)
                 finally:
                     emit(self.tracer, sc.SPAN_PROXY_FALLBACK, correlation_with(correlation,
                                                                                state),
                          {sc.FALLBACK_REASON.key: reason,
-                          "http.response.status_code": error.status},
+                          sc.HTTP_STATUS: error.status},
                          start_ns=fallback_start)
             return response, endpoint
         finally:
@@ -474,15 +504,18 @@ class _Proxy:
 
     # ------------------------------------------------------------------ decode
 
-    async def _open_decode(self, endpoint, path, d_body, headers):
+    async def _open_decode(self, endpoint, path, d_body, headers, leg: ClientLeg):
+        """D's response, its status 200; a failure ends ``leg`` (the CLIENT span)."""
         timeout = self._timeout(self.config.decode_read_timeout_s)
         try:
             response = await self.session.post(endpoint.base_url + path,
                                                data=json.dumps(d_body), headers=headers,
                                                timeout=timeout)
         except asyncio.TimeoutError:
+            leg.end(error="timeout")
             raise _UpstreamError("decode", "timeout", PE.DECODE_ERROR, 504) from None
         except aiohttp.ClientError:
+            leg.end(error="unreachable")
             raise _UpstreamError("decode", "unreachable", PE.DECODE_UNREACHABLE) from None
         if response.status != 200:
             try:
@@ -491,21 +524,24 @@ class _Proxy:
                 raw = b""
             finally:
                 response.release()
+            leg.end(response.status)
             raise _UpstreamError("decode", "http-error", PE.DECODE_ERROR, response.status, raw)
         return response
 
     async def _decode_whole(self, path, d_body, endpoint, headers, identity, state,
-                            correlation, previous) -> web.StreamResponse:
+                            correlation, previous, leg: ClientLeg) -> web.StreamResponse:
         started = time.perf_counter()
         sent_wall = state.d_sent = time.time()
         try:
-            response = await self._open_decode(endpoint, path, d_body, headers)
+            response = await self._open_decode(endpoint, path, d_body, headers, leg)
             try:
                 raw = await response.read()
             except (aiohttp.ClientError, asyncio.TimeoutError):
+                leg.end(200, "disconnected")
                 raise _UpstreamError("decode", "disconnected", PE.DECODE_DISCONNECTED) from None
             finally:
                 response.release()
+            leg.end(200)
         except _UpstreamError as error:
             state.decode_s = time.perf_counter() - started
             return self._upstream_failure(error, state)
@@ -528,11 +564,12 @@ class _Proxy:
                             content_type="application/json")
 
     async def _decode_stream(self, request, path, d_body, endpoint, headers, identity,
-                             state, correlation, previous) -> web.StreamResponse:
+                             state, correlation, previous,
+                             leg: ClientLeg) -> web.StreamResponse:
         started = time.perf_counter()
         sent_wall = state.d_sent = time.time()
         try:
-            response = await self._open_decode(endpoint, path, d_body, headers)
+            response = await self._open_decode(endpoint, path, d_body, headers, leg)
         except _UpstreamError as error:
             state.decode_s = time.perf_counter() - started
             return self._upstream_failure(error, state)
@@ -562,12 +599,14 @@ class _Proxy:
         except _ClientGone:
             state.error = PE.CLIENT_DISCONNECTED
             response.close()
+            leg.end(200, "cancelled")
             state.decode_s = time.perf_counter() - started
             return client
         except (aiohttp.ClientError, asyncio.TimeoutError):
             state.error = PE.DECODE_DISCONNECTED
             self.metrics.upstream_errors.labels("decode", "disconnected").inc()
             response.close()
+            leg.end(200, "disconnected")
             state.decode_s = time.perf_counter() - started
             try:
                 await _to_client(client.write(_sse_error("decode engine failed mid-stream")))
@@ -577,6 +616,7 @@ class _Proxy:
             return client
         finally:
             response.release()
+        leg.end(200)
         answered_wall = state.d_answered = time.time()
         state.decode_s = time.perf_counter() - started
         params = collector.params

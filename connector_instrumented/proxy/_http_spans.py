@@ -1,0 +1,140 @@
+"""Standard OpenTelemetry HTTP spans beside the kvobs spans: kind SERVER for the client's
+request, kind CLIENT for each leg to P or D, with the stable HTTP semantic-convention
+attributes (``semconv.HTTP_*``, ``URL_*``, ``SERVER_*``...), so any tracing backend's
+HTTP views (service maps, RED metrics from spans) see the proxy like any HTTP service.
+
+Made with the proxy's own tracer (``kvobs.emit.setup.configure_tracing`` or the one a test
+or embedder injects) rather than opentelemetry-instrumentation-aiohttp-*: those use the
+global tracer provider, parent the SERVER span on the client's ``traceparent`` (kvobs
+starts each turn's trace anew, the client's context a link) and inject their own
+``traceparent`` into the legs (the engines must get the turn's, the one inside
+``kv_transfer_params``). Nothing here reads a header value but ``User-Agent`` and ``Host``,
+and no body: never prompt or completion text.
+
+Shape of a turn's trace::
+
+    kvobs.proxy.turn                      (root; the client's traceparent a link)
+    ├── POST /v1/chat/completions  SERVER (the client's request, from arrival to answer)
+    │   ├── POST                   CLIENT (kvobs.proxy.leg = prefill; again on a fallback)
+    │   └── POST                   CLIENT (kvobs.proxy.leg = decode, to the stream's end)
+    ├── kvobs.proxy.lookup
+    └── kvobs.proxy.store
+
+A request refused before its turn (bad input) gets its SERVER span alone, as a root.
+Telemetry never breaks serving: every function here swallows its own failures.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kvobs import semconv as sc
+
+_LOG = logging.getLogger("kvobs.proxy")
+_ERROR = Status(StatusCode.ERROR)
+
+
+def _host_port(host: str | None) -> tuple[str | None, int | None]:
+    """``Host`` header to (address, port).
+
+    >>> _host_port("proxy:8000"), _host_port("[::1]:80"), _host_port("proxy")
+    (('proxy', 8000), ('::1', 80), ('proxy', None))
+    """
+    if not host:
+        return None, None
+    name, sep, port = host.rpartition(":")
+    if sep and port.isdigit():
+        return name.strip("[]"), int(port)
+    return host.strip("[]"), None
+
+
+def start_server(tracer: trace.Tracer, request: Any, route: str, start_ns: int,
+                 context: Context, links: Sequence[trace.Link] | None = None) -> trace.Span:
+    """The SERVER span of ``request`` (an aiohttp request), started at ``start_ns``."""
+    try:
+        span = tracer.start_span(f"{request.method} {route}", context=context,
+                                 kind=SpanKind.SERVER, links=links, start_time=start_ns)
+        if span.is_recording():
+            address, port = _host_port(request.host)
+            version = request.version
+            attributes = {sc.HTTP_REQUEST_METHOD: request.method, sc.HTTP_ROUTE: route,
+                          sc.URL_PATH: request.path, sc.URL_SCHEME: request.scheme,
+                          sc.NETWORK_PROTOCOL_VERSION: f"{version.major}.{version.minor}"}
+            if address:
+                attributes[sc.SERVER_ADDRESS] = address
+            if port is not None:
+                attributes[sc.SERVER_PORT] = port
+            if request.remote:
+                attributes[sc.CLIENT_ADDRESS] = request.remote
+            agent = request.headers.get("User-Agent")
+            if agent:
+                attributes[sc.USER_AGENT] = agent[:256]
+            span.set_attributes(attributes)
+        return span
+    except Exception:  # noqa: BLE001 - telemetry never breaks serving
+        _LOG.debug("server span failed", exc_info=True)
+        return trace.INVALID_SPAN
+
+
+def end_server(span: trace.Span, status: int | None, error: str | None = None) -> None:
+    """``status``: the answer's HTTP status (None: no answer, the client left);
+    ``error``: why the turn failed when the status does not say (a stream cut short)."""
+    try:
+        if span.is_recording():
+            if status is not None:
+                span.set_attribute(sc.HTTP_STATUS, status)
+            if status is not None and status >= 500:
+                error = str(status)
+            elif status is not None and status >= 400:
+                error = None  # the client's error: not the server span's (semconv)
+            if status is None and error is None:
+                error = "CancelledError"
+            if error is not None:
+                span.set_attribute(sc.ERROR_TYPE, error)
+                span.set_status(_ERROR)
+        span.end()
+    except Exception:  # noqa: BLE001
+        _LOG.debug("server span failed", exc_info=True)
+
+
+class ClientLeg:
+    """The CLIENT span of one request to an engine; ``end`` once (later calls do nothing)."""
+
+    __slots__ = ("span",)
+
+    def __init__(self, tracer: trace.Tracer, context: Context | None, leg: str, host: str,
+                 port: int, url: str):
+        try:
+            span = tracer.start_span("POST", context=context, kind=SpanKind.CLIENT)
+            if span.is_recording():
+                span.set_attributes({sc.HTTP_REQUEST_METHOD: "POST", sc.SERVER_ADDRESS: host,
+                                     sc.SERVER_PORT: port, sc.URL_FULL: url,
+                                     sc.NETWORK_PROTOCOL_VERSION: "1.1", sc.PROXY_LEG: leg})
+            self.span: trace.Span | None = span
+        except Exception:  # noqa: BLE001
+            _LOG.debug("client span failed", exc_info=True)
+            self.span = None
+
+    def end(self, status: int | None = None, error: str | None = None) -> None:
+        """``status``: the engine's HTTP status, when it answered; ``error``: why the leg
+        failed (``timeout``, ``unreachable``, ``disconnected``, ``cancelled``...)."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        try:
+            if span.is_recording():
+                if status is not None:
+                    span.set_attribute(sc.HTTP_STATUS, status)
+                    if status >= 400 and error is None:
+                        error = str(status)
+                if error is not None:
+                    span.set_attribute(sc.ERROR_TYPE, error)
+                    span.set_status(_ERROR)
+            span.end()
+        except Exception:  # noqa: BLE001
+            _LOG.debug("client span failed", exc_info=True)
