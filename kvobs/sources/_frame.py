@@ -32,6 +32,19 @@ def frame_from_rows(rows: list[dict]) -> pd.DataFrame:
     return _name_anonymous(frame)
 
 
+def drop_duplicate_spans(frame: pd.DataFrame, problems: list[str]) -> pd.DataFrame:
+    """One row per (trace id, span id): a span delivered twice (an exporter's retry, a
+    copied file) would otherwise count twice (recomputed tokens summed per turn).
+    Reported, never silent."""
+    keys = ["trace_id", "span_id"]
+    duplicated = frame.duplicated(keys) & frame["span_id"].notna()
+    count = int(duplicated.sum())
+    if not count:
+        return frame
+    problems.append(f"{count} duplicate span(s) (same trace and span id) read once")
+    return frame[~duplicated.to_numpy(bool)].reset_index(drop=True)
+
+
 def _name_anonymous(frame: pd.DataFrame) -> pd.DataFrame:
     """A turn sent without a conversation id is still a turn: its proxy turn span gets
     the conversation id ``anonymous:<trace id>`` (the id the proxy's answer header gave)."""

@@ -9,7 +9,7 @@ from typing import Iterator
 import pandas as pd
 
 from kvobs import semconv as sc
-from kvobs.sources._frame import frame_from_rows, select_conversation
+from kvobs.sources._frame import drop_duplicate_spans, frame_from_rows, select_conversation
 
 _VALUE_KEYS = ("stringValue", "intValue", "doubleValue", "boolValue")
 _ERROR_STATUS = 2  # STATUS_CODE_ERROR
@@ -91,7 +91,7 @@ class OtlpJsonSource:
         if self._frame is None:
             rows = [row for path in otlp_files(self.location)
                     for row in read_rows(path, self.problems)]
-            self._frame = frame_from_rows(rows)
+            self._frame = drop_duplicate_spans(frame_from_rows(rows), self.problems)
         return self._frame
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:

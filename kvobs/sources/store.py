@@ -28,7 +28,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
-from kvobs.sources._frame import ALL_DTYPES, frame_from_rows, select_conversation
+from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
+                                  select_conversation)
 from kvobs.sources.otlp_json import OtlpJsonSource
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
@@ -192,8 +193,9 @@ class StoreSource:
         live = self._live.spans(conversation_id) if os.path.isdir(self._live.location) else None
         compacted = self._compacted(conversation_id)
         if live is None or live.empty:
-            return compacted
-        frame = pd.concat([compacted, live], ignore_index=True)
+            return drop_duplicate_spans(compacted, self.problems)
+        frame = drop_duplicate_spans(pd.concat([compacted, live], ignore_index=True),
+                                     self.problems)
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
 
     def conversation_ids(self) -> list[str]:

@@ -108,3 +108,28 @@ def test_segments_written_by_an_older_kvobs_still_read(store_dir):
     turns = fleet_turns(source)
     assert len(turns) == 5
     assert turns.get("extends_request_id", pd.Series(dtype=object)).isna().all()
+
+
+def test_spans_delivered_twice_count_once_and_are_reported(store_dir):
+    """An exporter's retry or a copied file: the same spans twice must not double a
+    turn's recomputed tokens; the reader says what it dropped."""
+    import shutil
+
+    from kvobs.correlate import turns_from_spans
+
+    before = turns_from_spans(open_source(str(store_dir)).spans())
+    for path in _live_files(store_dir):
+        shutil.copy(path, str(path) + ".copy.jsonl")
+    source = open_source(str(store_dir))
+    after = turns_from_spans(source.spans())
+    assert list(after["recomputed_tokens"]) == list(before["recomputed_tokens"])
+    assert any("duplicate span" in p for p in source.problems)
+    # ... and once compacted, a copied segment likewise
+    compact(str(store_dir))
+    import glob
+    for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
+        shutil.copy(path, path.replace(".parquet", "-copy.parquet"))
+    source = open_source(str(store_dir))
+    assert list(turns_from_spans(source.spans())["recomputed_tokens"]) == list(
+        before["recomputed_tokens"])
+    assert any("duplicate span" in p for p in source.problems)
