@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import urllib.parse
 import urllib.request
 from typing import Callable
@@ -55,11 +56,20 @@ from kvobs.sources._frame import ALL_DTYPES
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
 
+# Table names go into SQL text: only plain identifiers, never quoted input.
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
+
+
 class ClickHouseSource:
     """A ``SpanSource`` over an ``otel_traces`` table, plus ``fleet_turns()`` in SQL."""
 
     def __init__(self, query: Callable[[str], pa.Table], table: str = DEFAULT_TABLE,
                  location: str = "clickhouse"):
+        if not _TABLE_NAME.fullmatch(table or ""):
+            from kvobs.sources import SourceError
+
+            raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
+                              "digits, underscores)")
         self.query = query
         self.table = table
         self.location = location
@@ -75,7 +85,14 @@ class ClickHouseSource:
         parsed = urllib.parse.urlparse(url)
         table = urllib.parse.parse_qs(parsed.query).get("table", [DEFAULT_TABLE])[0]
         if parsed.scheme == "chdb":
-            return cls.chdb(parsed.path or url[len("chdb:"):].split("?")[0], table)
+            path = parsed.path or url[len("chdb:"):].split("?")[0]
+            if not os.path.isdir(path):  # reading must not create a database
+                from kvobs.sources import SourceError
+
+                what = "is not a directory" if os.path.exists(path) else "does not exist"
+                raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
+                                  "directory)")
+            return cls.chdb(path, table)
         scheme = "https" if parsed.scheme == "clickhouses" else "http"
         port = parsed.port or (8443 if scheme == "https" else 8123)
         database = parsed.path.strip("/") or "default"

@@ -45,13 +45,20 @@ def spans_from_request(request: dict) -> Iterator[dict]:
                 yield row
 
 
-def otlp_files(location: str) -> list[str]:
+def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
+    """Regular files only: a FIFO or socket named *.jsonl would block every read."""
     if os.path.isfile(location):
         return [location]
     found = []
     for root, _dirs, files in os.walk(location):
-        found.extend(os.path.join(root, name) for name in files
-                     if name.endswith((".json", ".jsonl")))
+        for name in files:
+            path = os.path.join(root, name)
+            if not name.endswith((".json", ".jsonl")):
+                continue
+            if os.path.isfile(path):
+                found.append(path)
+            elif problems is not None:
+                problems.append(f"{path}: skipped (not a regular file)")
     return sorted(found)
 
 
@@ -89,7 +96,7 @@ class OtlpJsonSource:
 
     def _all(self) -> pd.DataFrame:
         if self._frame is None:
-            rows = [row for path in otlp_files(self.location)
+            rows = [row for path in otlp_files(self.location, self.problems)
                     for row in read_rows(path, self.problems)]
             self._frame = drop_duplicate_spans(frame_from_rows(rows), self.problems)
         return self._frame

@@ -133,3 +133,25 @@ def test_spans_delivered_twice_count_once_and_are_reported(store_dir):
     assert list(turns_from_spans(source.spans())["recomputed_tokens"]) == list(
         before["recomputed_tokens"])
     assert any("duplicate span" in p for p in source.problems)
+
+
+def test_a_fifo_named_jsonl_is_skipped_not_waited_on(store_dir):
+    fifo = store_dir / "spans" / "stuck.otlp.jsonl"
+    os.mkfifo(fifo)
+    source = open_source(str(store_dir))
+    assert len(source.spans()) > 0  # returns at all: a FIFO would block open() forever
+    assert any("not a regular file" in p for p in source.problems)
+
+
+@pytest.mark.parametrize("location, words", [
+    ("chdb:{tmp}/missing", "does not exist"), ("chdb:{file}", "is not a directory"),
+    ("chdb:{tmp}?table=x;DROP TABLE y", "not a table name")])
+def test_clickhouse_locations_are_checked_before_use(tmp_path, location, words):
+    from kvobs.sources import SourceError
+
+    pytest.importorskip("chdb")
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    with pytest.raises(SourceError, match=words):
+        open_source(location.format(tmp=tmp_path, file=regular))
+    assert not (tmp_path / "missing").exists()
