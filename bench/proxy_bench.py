@@ -1,12 +1,31 @@
-"""Proxy overhead benchmark: latency added vs calling a stand-in directly, throughput, CPU.
+"""Proxy overhead: kvobs proxy against vLLM's Rust router (vllm-router), in one run.
 
-Runs instant stand-in engines (P and D, one process), the proxy (its own process, pinned
-to one core), and a load generator (this process). For 1, 64 and 256 concurrent clients,
-streaming and not, it measures p50/p99 latency direct to the D stand-in and through the
-proxy (which makes two upstream calls: P then D), proxied req/s, and the proxy's CPU
-seconds per request (from /proc, via psutil). All figures come from one run.
+Front doors, each its own process, started pinned (``taskset``) to the same core, one
+after the other in front of the same instant stand-in engines:
 
-    /work/venv/bin/python bench/proxy_bench.py [--requests-scale 1.0] [--core 0]
+- ``router-rr``: vllm-router (PyPI, P/D mode) ``--policy round_robin``: the anchor;
+- ``router-default``: vllm-router with its default policy (``cache_aware``);
+- ``kvobs-default``: ``kvobs proxy`` with no flags (in-process store, no spans);
+- ``kvobs-prod``: ``kvobs proxy --store redis --redis-url URL --store-dir DIR``: state in a
+  real redis-server the bench starts, spans to a span store.
+
+The stand-in P and D (one process), the load generator (this process) and redis-server
+share the other core(s). Workload: chat conversations of 8 turns, each turn adding a user
+message of ~800 characters and D's answer of ~200 (turn 8 sends ~7,800 characters of
+history), ``conversation_id`` in the body, an API key per client (8 tenants: keyless
+clients get no reuse), each client running its conversations back to back (closed loop).
+Per front door: 1 client (latency; the added p50/p99 is over the client calling P then D
+itself, measured just before), then 64 and 256 clients (req/s, errors). CPU per request is
+the front door's process (and its children) from /proc via psutil, over each phase.
+Reuse is counted at the P stand-in: turns 2-8 whose P request carried D's params.
+
+    .venv/bin/python bench/proxy_bench.py [--scale 1.0] [--stream] [--only kvobs-prod,...]
+        [--also-rev REV] [--profile DIR]
+
+``--also-rev REV`` adds ``kvobs-prod@REV``: the production configuration run from a
+``git archive`` of REV (a change's before and after in one run); ``--profile DIR`` records
+py-spy (``py-spy record --format raw``, 250 Hz, non-blocking) of each kvobs front door
+over its 64-client phase into DIR.
 """
 
 from __future__ import annotations
@@ -15,13 +34,23 @@ import argparse
 import asyncio
 import json
 import os
+import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"tok "}}]}\n\n'
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TURNS = 8
+USER_CHARS = 800
+ANSWER = ("The answer, in short: " + "tok " * 50)[:200]
+TENANTS = 8
+FRONT_DOORS = ("router-rr", "router-default", "kvobs-default", "kvobs-prod")
+ANCHOR = "router-rr"
 
 
 def _free_port() -> int:
@@ -30,35 +59,86 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _json():
+    try:
+        import orjson
+
+        return orjson.dumps, orjson.loads
+    except ImportError:  # pragma: no cover
+        return (lambda value: json.dumps(value).encode()), json.loads
+
+
+def _fast_loop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover
+        pass
+
+
+# ---------------------------------------------------------------------- stand-in engines
+
+
 def serve_engines(p_port: int, d_port: int) -> None:
-    """Instant stand-ins: answer at once with P- or D-style kv_transfer_params."""
+    """Instant stand-ins: answer at once with P- or D-style kv_transfer_params; count P's
+    turns 2+ and those that carried D's params, and every request by path."""
     from aiohttp import web
 
-    def make(role: str) -> web.Application:
-        body = json.dumps({
-            "id": "x", "choices": [{"index": 0, "message": {"role": "assistant",
-                                                            "content": "tok " * 8}}],
-            "usage": {"prompt_tokens": 10},
-            "kv_transfer_params": {
-                "do_remote_prefill": role == "prefill", "do_remote_decode": role == "decode",
+    dumps, _ = _json()
+    stats: dict[str, int] = {"p_later_turns": 0, "p_with_params": 0}
+
+    def params(role: str) -> dict:
+        return {"do_remote_prefill": role == "prefill", "do_remote_decode": role == "decode",
                 "remote_block_ids": [[1, 2]], "remote_engine_id": role,
                 "remote_request_id": "r", "remote_host": "h", "remote_port": 1,
                 "remote_num_tokens": 10,
                 "remote_blocks_expiry_time": time.monotonic() + 1e6 if role == "decode"
-                else None}}).encode()
+                else None}
+
+    def make(role: str) -> web.Application:
+        answer = ANSWER if role == "decode" else "x"
+        body = dumps({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": answer}}],
+            "usage": {"prompt_tokens": 10}, "kv_transfer_params": params(role)})
+        pieces = [ANSWER[i:i + 25] for i in range(0, len(ANSWER), 25)]
+        stream = b"".join(
+            b"data: " + dumps({"choices": [{"index": 0, "delta": {"content": piece}}]})
+            + b"\n\n" for piece in pieces) + b"data: " + dumps(
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+             "kv_transfer_params": params(role)}) + b"\n\ndata: [DONE]\n\n"
 
         async def handle(request: web.Request) -> web.StreamResponse:
             raw = await request.read()
-            if b'"stream": true' not in raw:
+            stats[f"{role} {request.method} {request.path}"] = \
+                stats.get(f"{role} {request.method} {request.path}", 0) + 1
+            if role == "prefill" and b'assistant"' in raw:
+                stats["p_later_turns"] += 1
+                at = raw.find(b'"remote_block_ids"')
+                if at >= 0 and not raw[at + 18:at + 26].lstrip(b": ").startswith(b"null"):
+                    stats["p_with_params"] += 1
+            if not raw.startswith(b"{") or not (b'"stream":true' in raw
+                                                 or b'"stream": true' in raw):
+                return web.Response(body=body, content_type="application/json")
+            if role == "prefill":
                 return web.Response(body=body, content_type="application/json")
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            await response.write(CHUNK * 8 + b"data: [DONE]\n\n")
+            await response.write(stream)
             await response.write_eof()
             return response
 
-        app = web.Application()
+        async def other(request: web.Request) -> web.Response:
+            stats[f"{role} {request.method} {request.path}"] = \
+                stats.get(f"{role} {request.method} {request.path}", 0) + 1
+            if request.path == "/bench/stats":
+                return web.Response(body=dumps(stats), content_type="application/json")
+            return web.json_response({})  # /health, and whatever a router polls
+
+        app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/chat/completions", handle)
+        app.router.add_route("*", "/{tail:.*}", other)
         return app
 
     async def main() -> None:
@@ -68,127 +148,437 @@ def serve_engines(p_port: int, d_port: int) -> None:
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
+    _fast_loop()
     asyncio.run(main())
 
 
-def serve_proxy(port: int, p_port: int, d_port: int) -> None:
-    os.environ.setdefault("OTEL_SDK_DISABLED", "true")
-    from connector_instrumented.proxy import Endpoint, ProxyConfig, run_proxy
-
-    run_proxy(ProxyConfig(prefill=(Endpoint("127.0.0.1", p_port),),
-                          decode=(Endpoint("127.0.0.1", d_port),),
-                          host="127.0.0.1", port=port))
+# ---------------------------------------------------------------------- load
 
 
-async def _wait_up(url: str, timeout_s: float = 60.0) -> None:
+class Workload:
+    """Chat conversations of TURNS turns with growing histories (seeded text)."""
+
+    def __init__(self, seed: int = 7):
+        rng = random.Random(seed)
+        words = ["kv", "cache", "decode", "prefill", "tensor", "block", "agent", "tool",
+                 "history", "turn", "token", "router", "engine", "latency", "transfer",
+                 "memory", "expiry", "replica", "tenant", "conversation"]
+        self.pool = []
+        for _ in range(64):
+            text = ""
+            while len(text) < USER_CHARS:
+                text += rng.choice(words) + " "
+            self.pool.append(text[:USER_CHARS])
+
+    def user(self, conversation: str, turn: int) -> str:
+        head = f"[{conversation} turn {turn}] "
+        return head + self.pool[hash((conversation, turn)) % len(self.pool)][len(head):]
+
+
+class Phase:
+    def __init__(self):
+        self.latencies: list[float] = []
+        self.errors = 0
+        self.error_kinds: dict[str, int] = {}
+        self.elapsed = 0.0
+
+
+async def run_load(url: str, workload: Workload, clients: int, conversations: int,
+                   stream: bool, tag: str, direct: tuple[str, str] | None = None) -> Phase:
+    """``clients`` workers, each running ``conversations`` conversations of TURNS turns.
+    ``direct``: no front door, the client posts to P then to D itself (the baseline)."""
     import aiohttp
 
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.post(url, data=b'{"messages": []}') as response:
-                    await response.read()
-                    return
-            except aiohttp.ClientError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+    dumps, loads = _json()
+    phase = Phase()
 
+    async def post(session, target: str, data: bytes, headers: dict) -> bytes:
+        async with session.post(target, data=data, headers=headers) as response:
+            raw = await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}")
+            return raw
 
-async def _load(url: str, concurrency: int, total: int, stream: bool,
-                conversation: bool) -> tuple[list[float], float]:
-    import aiohttp
+    def reply_of(raw: bytes) -> str:
+        if not stream:
+            return loads(raw)["choices"][0]["message"]["content"]
+        out = []
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data: {"):
+                for choice in loads(line[6:]).get("choices", ()):
+                    out.append((choice.get("delta") or {}).get("content") or "")
+        return "".join(out)
 
-    latencies: list[float] = []
-    messages = [{"role": "user", "content": "hello " * 50}]
-    counter = iter(range(total))
-
-    async def worker(session: aiohttp.ClientSession, wid: int) -> None:
-        for i in counter:
-            body = {"model": "m", "messages": messages, "stream": stream}
-            if conversation:
-                body["conversation_id"] = f"c{wid}-{i % 4}"
-            data = json.dumps(body).encode()
-            start = time.perf_counter()
-            async with session.post(url, data=data) as response:
-                await response.read()
-                assert response.status == 200, response.status
-            latencies.append(time.perf_counter() - start)
+    async def worker(session, wid: int) -> None:
+        headers = {"Authorization": f"Bearer sk-bench-{wid % TENANTS}",
+                   "Content-Type": "application/json"}
+        for c in range(conversations):
+            conversation = f"{tag}-{wid}-{c}"
+            messages: list[dict] = []
+            for turn in range(1, TURNS + 1):
+                messages.append({"role": "user", "content": workload.user(conversation, turn)})
+                data = dumps({"model": "m", "messages": messages, "stream": stream,
+                              "max_tokens": 64, "conversation_id": conversation})
+                start = time.perf_counter()
+                try:
+                    if direct is None:
+                        raw = await post(session, url, data, headers)
+                    else:
+                        await post(session, direct[0], data, headers)
+                        raw = await post(session, direct[1], data, headers)
+                    reply = reply_of(raw)
+                except Exception as error:  # noqa: BLE001 - counted, the client goes on
+                    phase.errors += 1
+                    kind = type(error).__name__ + (f" {error}" if isinstance(error, RuntimeError)
+                                                   else "")
+                    phase.error_kinds[kind] = phase.error_kinds.get(kind, 0) + 1
+                    reply = ANSWER
+                else:
+                    phase.latencies.append(time.perf_counter() - start)
+                messages.append({"role": "assistant", "content": reply})
 
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(worker(session, w) for w in range(concurrency)))
-        elapsed = time.perf_counter() - start
-    return latencies, elapsed
+        await asyncio.gather(*(worker(session, w) for w in range(clients)))
+        phase.elapsed = time.perf_counter() - start
+    return phase
+
+
+async def _get_json(url: str):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url) as response:
+            return await response.json(content_type=None)
 
 
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ---------------------------------------------------------------------- front doors
+
+
+def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout_s} s")
+
+
+def front_door_cmd(name: str, port: int, p_url: str, d_url: str, redis_url: str,
+                   store_dir: str) -> list[str]:
+    name = name.partition("@")[0]
+    if name.startswith("router"):
+        policy = ["--policy", "round_robin"] if name == "router-rr" else []
+        return [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+                "--prefill", p_url, "--decode", d_url, *policy,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                "--worker-startup-check-interval", "1", "--disable-retries",
+                "--disable-circuit-breaker", "--log-level", "warning"]
+    p_host, p_port = p_url.removeprefix("http://").split(":")
+    d_host, d_port = d_url.removeprefix("http://").split(":")
+    cmd = [sys.executable, "-m", "kvobs", "proxy", "--host", "127.0.0.1", "--port", str(port),
+           "--prefiller-host", p_host, "--prefiller-port", p_port,
+           "--decoder-host", d_host, "--decoder-port", d_port]
+    if name == "kvobs-prod":
+        cmd += ["--store", "redis", "--redis-url", redis_url, "--store-dir", store_dir]
+    return cmd
+
+
+def _cpu(proc) -> float:
+    import psutil
+
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _source_of(rev: str, work: Path) -> Path:
+    """The repository at ``rev`` (``git archive``), to run a front door from."""
+    target = work / f"rev-{rev.replace('/', '_')}"
+    if not target.exists():
+        target.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target
+
+
+def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
+                     redis_proc, redis_url: str, store_dir: str, env: dict) -> dict:
+    import psutil
+
+    port = _free_port()
+    work = Path(store_dir).parent
+    log = open(work / f"{name}.log", "wb")
+    source = ROOT
+    if "@" in name:  # the same configuration from another revision of the repository
+        source = _source_of(name.partition("@")[2], work)
+        env = {**env, "PYTHONPATH": str(source) + os.pathsep + env.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(["taskset", "-c", str(core),
+                             *front_door_cmd(name, port, urls["p"], urls["d"], redis_url,
+                                             store_dir)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(source),
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    result: dict = {"name": name}
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", 90, proc)
+        ps = psutil.Process(proc.pid)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        redis_ps = psutil.Process(redis_proc.pid) if redis_proc is not None else None
+        stream = args.stream
+        asyncio.run(run_load(url, workload, 16, 1, stream, f"{name}-warm"))
+        scale = args.scale
+        for clients, conversations in ((1, 100), (64, 8), (256, 3)):
+            conversations = max(1, int(round(conversations * scale)))
+            tag = f"{name}-{clients}"
+            if clients == 1:
+                base = asyncio.run(run_load(None, workload, 1, conversations, stream,
+                                            tag + "-direct", direct=(urls["p_chat"],
+                                                                     urls["d_chat"])))
+                result["direct_p50"] = _pct(base.latencies, 0.5)
+                result["direct_p99"] = _pct(base.latencies, 0.99)
+            before = asyncio.run(_get_json(urls["stats"]))
+            cpu0 = _cpu(ps)
+            redis0 = _cpu(redis_ps) if redis_ps else 0.0
+            spy = None
+            if args.profile and clients == 64 and name.startswith("kvobs"):
+                os.makedirs(args.profile, exist_ok=True)
+                spy = subprocess.Popen(
+                    [shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable),
+                                                            "py-spy"), "record", "--pid", str(proc.pid), "--rate", "250",
+                     "--nonblocking", "--format", "raw", "--output",
+                     os.path.join(args.profile, f"{name}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+            phase = asyncio.run(run_load(url, workload, clients, conversations, stream, tag))
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(timeout=30)
+            cpu = _cpu(ps) - cpu0
+            redis_cpu = (_cpu(redis_ps) - redis0) if redis_ps else 0.0
+            after = asyncio.run(_get_json(urls["stats"]))
+            requests = clients * conversations * TURNS
+            later = after["p_later_turns"] - before["p_later_turns"]
+            hits = after["p_with_params"] - before["p_with_params"]
+            engine_calls = sum(v - before.get(k, 0) for k, v in after.items()
+                               if " " in k and "/bench/" not in k)
+            result[clients] = {
+                "requests": requests, "errors": phase.errors, "error_kinds": phase.error_kinds,
+                "rps": requests / phase.elapsed, "cpu_ms": cpu / requests * 1e3,
+                "redis_cpu_ms": redis_cpu / requests * 1e3,
+                "p50": _pct(phase.latencies, 0.5), "p99": _pct(phase.latencies, 0.99),
+                "hit_rate": hits / later if later else float("nan"),
+                "engine_calls": engine_calls / requests}
+            print(f"  {name:<15}{clients:>4} clients: {requests:>5} req  "
+                  f"{result[clients]['rps']:>7.0f} req/s  cpu {result[clients]['cpu_ms']:.3f} "
+                  f"ms/req  p50 {result[clients]['p50'] * 1e3:.2f} ms  p99 "
+                  f"{result[clients]['p99'] * 1e3:.2f} ms  hits "
+                  f"{result[clients]['hit_rate']:.1%}  errors {phase.errors}"
+                  + (f" {phase.error_kinds}" if phase.errors else "")
+                  + (f"  redis cpu {result[clients]['redis_cpu_ms']:.3f} ms/req"
+                     if name.startswith("kvobs-prod") else "")
+                  + f"  engine calls/req {result[clients]['engine_calls']:.2f}", flush=True)
+        if name.startswith("kvobs"):
+            try:
+                import urllib.request
+
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                            timeout=5) as response:
+                    text = response.read().decode()
+                lost = sum(float(line.split()[-1]) for line in text.splitlines()
+                           if line.startswith("kvobs_telemetry_dropped_spans_total{"))
+                result["spans_lost"] = lost
+            except OSError:
+                pass
+    finally:
+        try:
+            os.killpg(proc.pid, 15)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+    return result
+
+
+# ---------------------------------------------------------------------- report
+
+
+def profile_top(path: str, top: int = 25) -> str:
+    """py-spy raw stacks (``frame;frame;... count``) as the top functions by self and by
+    inclusive samples (frames named ``function (file)``, line numbers dropped)."""
+    import re
+    from collections import Counter
+
+    own, inclusive, total = Counter(), Counter(), 0
+    with open(path) as handle:
+        for line in handle:
+            stack, _, count = line.rstrip().rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+            frames = [re.sub(r"\(/[^)]*/(site-packages|work/main)/", "(", f) for f in frames]
+            n = int(count)
+            total += n
+            own[frames[-1]] += n
+            for frame in set(frames):
+                inclusive[frame] += n
+    lines = [f"{total} samples; self:"]
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in own.most_common(top)]
+    lines.append("inclusive:")
+    lines += [f"  {n / total:6.1%}  {frame}" for frame, n in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+
+def report(results: list[dict], args) -> None:
+    anchor = next((r for r in results if r["name"] == ANCHOR), None)
+
+    def cpu_all(r: dict) -> float:
+        total = sum(r[c]["cpu_ms"] * r[c]["requests"] for c in (1, 64, 256))
+        return total / sum(r[c]["requests"] for c in (1, 64, 256))
+
+    rows = []
+    for r in results:
+        rows.append({
+            "name": r["name"], "cpu": cpu_all(r), "cpu64": r[64]["cpu_ms"],
+            "add50": r[1]["p50"] - r["direct_p50"], "add99": r[1]["p99"] - r["direct_p99"],
+            "rps64": r[64]["rps"], "rps256": r[256]["rps"], "hits": r[256]["hit_rate"],
+            "errors256": r[256]["errors"], "lost": r.get("spans_lost")})
+    base = next((row for row in rows if anchor and row["name"] == ANCHOR), None)
+    mode = "streamed" if args.stream else "non-streamed"
+    print(f"\nsummary ({mode}; cpu = front door process ms/request over all phases; added = "
+          "1-client latency over the client calling P then D itself)")
+    print(f"{'front door':<15}{'cpu/req':>9}{'added p50':>11}{'added p99':>11}"
+          f"{'req/s @64':>11}{'req/s @256':>12}{'hits @256':>11}{'errors @256':>13}")
+    for row in rows:
+        print(f"{row['name']:<15}{row['cpu']:>7.3f}ms{row['add50'] * 1e3:>9.2f}ms"
+              f"{row['add99'] * 1e3:>9.2f}ms{row['rps64']:>11.0f}{row['rps256']:>12.0f}"
+              f"{row['hits']:>11.1%}{row['errors256']:>13}"
+              + (f"   spans lost {row['lost']:.0f}" if row["lost"] is not None else ""))
+    if base is None:
+        return
+    print(f"\nratios to {ANCHOR} (same run; cpu, added latency: lower is better; req/s: "
+          "higher is better); added p99 difference in ms")
+    print(f"{'front door':<15}{'cpu/req':>9}{'added p50':>11}{'added p99':>11}"
+          f"{'p99 diff':>10}{'req/s @64':>11}{'req/s @256':>12}")
+    for row in rows:
+        def ratio(key):
+            return row[key] / base[key] if base[key] > 0 else float("nan")
+        print(f"{row['name']:<15}{ratio('cpu'):>8.2f}x{ratio('add50'):>10.2f}x"
+              f"{ratio('add99'):>10.2f}x{(row['add99'] - base['add99']) * 1e3:>8.2f}ms"
+              f"{ratio('rps64'):>10.2f}x{ratio('rps256'):>11.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests-scale", type=float, default=1.0)
-    parser.add_argument("--core", type=int, default=0, help="core the proxy is pinned to")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="conversations per client, times (1: 100 / 8 / 3)")
+    parser.add_argument("--stream", action="store_true", help="streamed turns")
+    parser.add_argument("--only", default=",".join(FRONT_DOORS),
+                        help="front doors to run, in order (comma-separated)")
+    parser.add_argument("--core", type=int, default=-1,
+                        help="core the front door is pinned to (default: the last)")
+    parser.add_argument("--keep", help="keep the work directory here (logs, span store)")
+    parser.add_argument("--also-rev", help="add kvobs-prod@REV: the production "
+                        "configuration from a git revision (a change's before, in the run)")
+    parser.add_argument("--profile", help="py-spy of each kvobs front door's 64-client "
+                        "phase into this directory")
     parser.add_argument("--serve-engines", nargs=2, type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--serve-proxy", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_engines:
         return serve_engines(*args.serve_engines)
-    if args.serve_proxy:
-        return serve_proxy(*args.serve_proxy)
+    if shutil.which("taskset") is None:
+        sys.exit("taskset (util-linux) is needed to pin the front doors")
 
-    import psutil
+    from kvobs.testbed.services import RedisServer
 
-    p_port, d_port, proxy_port = _free_port(), _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    _fast_loop()
+    names = [n for n in args.only.split(",") if n]
+    if args.also_rev:
+        names.insert(names.index("kvobs-prod") if "kvobs-prod" in names else len(names),
+                     f"kvobs-prod@{args.also_rev}")
     cores = sorted(os.sched_getaffinity(0))
-    proxy_core = cores[args.core % len(cores)]
-    others = [c for c in cores if c != proxy_core] or cores
+    core = cores[args.core % len(cores)]
+    others = [c for c in cores if c != core] or cores
+    work = Path(args.keep or tempfile.mkdtemp(prefix="proxy-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    store_dir = work / "store"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("OTEL_SDK_DISABLED", None)
+    env.pop("KVOBS_STORE", None)
+    p_port, d_port = _free_port(), _free_port()
     engines = subprocess.Popen([sys.executable, __file__, "--serve-engines", str(p_port),
-                                str(d_port)], env=env)
-    proxy = subprocess.Popen([sys.executable, __file__, "--serve-proxy", str(proxy_port),
-                              str(p_port), str(d_port)], env=env)
+                                str(d_port)], env=env, start_new_session=True)
+    redis = RedisServer(work / "redis") if any(n.startswith("kvobs-prod") for n in names) \
+        else None
+    results = []
     try:
-        os.sched_setaffinity(proxy.pid, {proxy_core})
         os.sched_setaffinity(engines.pid, set(others))
+        if redis is not None:
+            os.sched_setaffinity(redis.pid, set(others))
         os.sched_setaffinity(0, set(others))
-        direct_url = f"http://127.0.0.1:{d_port}/v1/chat/completions"
-        proxy_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-        asyncio.run(_wait_up(direct_url))
-        asyncio.run(_wait_up(proxy_url))
-        proc = psutil.Process(proxy.pid)
-        print(f"proxy pinned to core {proxy_core}; engines and load on {others}")
-        print(f"{'mode':<7}{'conc':>5} | {'direct p50':>10} {'p99':>8} | {'proxy p50':>10} "
-              f"{'p99':>8} | {'added p50':>9} {'p99':>8} | {'ratio p50':>9} | "
-              f"{'req/s':>7} | {'cpu/req':>8} | {'req/s/core':>10}")
-        for stream in (False, True):
-            for concurrency, total in ((1, 1000), (64, 6000), (256, 8000)):
-                total = max(concurrency, int(total * args.requests_scale))
-                asyncio.run(_load(proxy_url, concurrency, min(total, 500), stream, True))
-                direct, _ = asyncio.run(_load(direct_url, concurrency, total, stream, False))
-                cpu_before = sum(proc.cpu_times()[:2])
-                proxied, elapsed = asyncio.run(_load(proxy_url, concurrency, total, stream,
-                                                     True))
-                cpu = sum(proc.cpu_times()[:2]) - cpu_before
-                d50, d99 = _pct(direct, 0.5), _pct(direct, 0.99)
-                p50, p99 = _pct(proxied, 0.5), _pct(proxied, 0.99)
-                print(f"{'stream' if stream else 'json':<7}{concurrency:>5} | "
-                      f"{d50 * 1e3:>8.2f}ms {d99 * 1e3:>6.2f}ms | {p50 * 1e3:>8.2f}ms "
-                      f"{p99 * 1e3:>6.2f}ms | {(p50 - d50) * 1e3:>7.2f}ms "
-                      f"{(p99 - d99) * 1e3:>6.2f}ms | {p50 / d50:>8.2f}x | "
-                      f"{total / elapsed:>7.0f} | {cpu / total * 1e3:>6.3f}ms | "
-                      f"{total / cpu if cpu else float('inf'):>10.0f}")
+        urls = {"p": f"http://127.0.0.1:{p_port}", "d": f"http://127.0.0.1:{d_port}",
+                "p_chat": f"http://127.0.0.1:{p_port}/v1/chat/completions",
+                "d_chat": f"http://127.0.0.1:{d_port}/v1/chat/completions",
+                "stats": f"http://127.0.0.1:{p_port}/bench/stats"}
+        _wait_http(urls["stats"], 30, engines)
+        workload = Workload()
+        print(f"front doors pinned to core {core}; engines, redis and load on {others}; "
+              f"{'streamed' if args.stream else 'non-streamed'} chat, {TURNS} turns of "
+              f"~{USER_CHARS + len(ANSWER)} chars, {TENANTS} API keys; work dir {work}",
+              flush=True)
+        for name in names:
+            if redis is not None:
+                import redis as redis_py
+
+                client = redis_py.Redis.from_url(redis.url)
+                client.flushall()
+                client.close()
+            results.append(bench_front_door(name, args, workload, urls, core,
+                                            redis.proc if redis else None,
+                                            redis.url if redis else "", str(store_dir), env))
+        report(results, args)
+        if args.profile:
+            for name in names:
+                path = os.path.join(args.profile, f"{name}.txt")
+                if os.path.exists(path):
+                    print(f"\nprofile of {name} (64 clients): {path}")
+                    print(profile_top(path))
     finally:
-        for child in (proxy, engines):
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        if redis is not None:
+            redis.stop()
+        try:
+            os.killpg(engines.pid, 15)
+        except ProcessLookupError:
+            pass
+        engines.wait(timeout=10)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
