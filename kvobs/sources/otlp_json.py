@@ -45,6 +45,57 @@ def spans_from_request(request: dict) -> Iterator[dict]:
                 yield row
 
 
+_INT64 = 2**63 - 1
+_TYPES = {key: attribute.type for key, attribute in sc.ATTRIBUTES.items()}
+_TYPES.update(start_ns="int", end_ns="int", trace_id="str", span_id="str",
+              parent_span_id="str", name="str", service="str")
+
+
+def _coerced(value, type_: str):
+    """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""
+    if value is None:
+        return None
+    if type_ == "str":
+        if not isinstance(value, str):
+            raise ValueError
+        value.encode("utf-8")  # a lone surrogate cannot be stored or compared
+        return value
+    if type_ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError
+    if isinstance(value, bool):
+        raise ValueError
+    number = float(value) if type_ == "float" else value
+    if type_ == "int":
+        number = int(value) if isinstance(value, str) else value
+        if isinstance(number, float):
+            if not number.is_integer():
+                raise ValueError
+            number = int(number)
+        if not isinstance(number, int) or abs(number) > _INT64:
+            raise ValueError
+        return number
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError
+    return number
+
+
+def _coerce(row: dict) -> list[str]:
+    """Coerce ``row`` in place to the semconv types; the keys whose value was unusable
+    (now null)."""
+    bad = []
+    for key, value in row.items():
+        try:
+            row[key] = _coerced(value, _TYPES.get(key, "str") if key != "error" else "bool")
+        except (ValueError, TypeError, OverflowError, UnicodeEncodeError):
+            row[key] = None
+            bad.append(key)
+    return bad
+
+
 def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
     """Regular files only: a FIFO or socket named *.jsonl would block every read."""
     if os.path.isfile(location):
@@ -77,9 +128,16 @@ def read_rows(path: str, problems: list[str]) -> Iterator[dict]:
                 request = json.loads(line)
                 if not isinstance(request, dict) or "resourceSpans" not in request:
                     raise ValueError("not an OTLP-JSON traces object")
-                yield from spans_from_request(request)
-            except (ValueError, TypeError, AttributeError, KeyError) as error:
+                rows = list(spans_from_request(request))
+            except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
                 problems.append(f"{path}:{number}: skipped corrupt line ({_short(error)})")
+                continue
+            for row in rows:
+                bad = _coerce(row)
+                if bad:
+                    problems.append(f"{path}:{number}: span {row.get('span_id')}: "
+                                    f"{', '.join(bad)} out of range or ill-typed, read as null")
+                yield row
 
 
 def _short(error: Exception) -> str:

@@ -155,3 +155,49 @@ def test_clickhouse_locations_are_checked_before_use(tmp_path, location, words):
     with pytest.raises(SourceError, match=words):
         open_source(location.format(tmp=tmp_path, file=regular))
     assert not (tmp_path / "missing").exists()
+
+
+def _mutated(line: str, change) -> str:
+    request = json.loads(line)
+    span = request["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["spanId"] = "ffff" + span["spanId"][4:]
+    change(span)
+    return json.dumps(request)
+
+
+def _set_attribute(key, value):
+    def change(span):
+        span["attributes"] = [a for a in span["attributes"] if a["key"] != key] + [
+            {"key": key, "value": value}]
+    return change
+
+
+@pytest.mark.parametrize("name, change", [
+    ("start inf", lambda span: span.update(startTimeUnixNano="inf")),
+    ("start 1e30", lambda span: span.update(startTimeUnixNano="1e30")),
+    ("turn above int64", _set_attribute("kvobs.turn.index", {"intValue": str(2**70)})),
+    ("bool as yes", _set_attribute("kvobs.proxy.params_sent", {"stringValue": "yes"})),
+    ("lone surrogate", _set_attribute("kvobs.request.id", {"stringValue": "\ud800"})),
+])
+def test_one_bad_value_nulls_that_value_and_nothing_else(store_dir, name, change):
+    """A well-formed line with one out-of-range or ill-typed value: that value reads as
+    null, reported with file:line; every other span still reads, diagnose still works."""
+    from kvobs.diagnose import diagnose
+
+    live = _live_files(store_dir)[0]
+    first = live.read_text().splitlines()[0]
+    with open(live, "a") as handle:
+        handle.write(_mutated(first, change) + "\n")
+    source = open_source(str(store_dir))
+    assert diagnose(source, "conv-a").turns
+    assert any(f"{live}:" in p and "read as null" in p for p in source.problems), \
+        source.problems
+
+
+def test_json_nested_too_deep_is_a_skipped_line(store_dir):
+    live = _live_files(store_dir)[0]
+    with open(live, "a") as handle:
+        handle.write("[" * 5000 + "]" * 5000 + "\n")
+    source = open_source(str(store_dir))
+    assert len(source.spans()) > 0
+    assert any("skipped corrupt line" in p for p in source.problems)
