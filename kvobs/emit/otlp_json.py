@@ -23,9 +23,18 @@ _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 _LOG = logging.getLogger("kvobs.emit")
 
 
+try:  # 5-10x faster than json for these dicts; the same JSON values (UTF-8 unescaped)
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover - orjson comes with the proxy extra
+    _orjson_dumps = None
+
+
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> str:
     """Encode finished SDK spans as one OTLP-JSON line (no trailing newline)."""
-    return json.dumps(spans_to_otlp_dict(spans), separators=(",", ":"))
+    request = spans_to_otlp_dict(spans)
+    if _orjson_dumps is not None:
+        return _orjson_dumps(request).decode()
+    return json.dumps(request, separators=(",", ":"))
 
 
 def _protobuf_otlp_json(spans: Sequence[ReadableSpan]) -> str:
@@ -113,6 +122,9 @@ def _any_value(value) -> dict:
 def _attributes(attributes) -> list[dict]:
     out = []
     for key, value in (attributes or {}).items():
+        if type(value) is str:  # most attributes: no further checks
+            out.append({"key": key, "value": {"stringValue": value}})
+            continue
         try:
             out.append({"key": key, "value": _any_value(value)})
         except Exception:  # noqa: BLE001 - as the SDK's encoder: the attribute is left out
@@ -200,10 +212,16 @@ def _scope_json(scope) -> dict:
 def spans_to_otlp_dict(spans: Sequence[ReadableSpan]) -> dict:
     """``{"resourceSpans": [...]}`` of finished SDK spans, grouped by resource and
     scope as the SDK's OTLP encoder groups them."""
-    grouped: dict = {}
+    by_id: dict = {}  # by identity first: Resource's own hash serializes it each time
     for span in spans:
         scope = span.instrumentation_scope or None
-        grouped.setdefault(span.resource, {}).setdefault(scope, []).append(_span_json(span))
+        _, scopes = by_id.setdefault(id(span.resource), (span.resource, {}))
+        scopes.setdefault(scope, []).append(_span_json(span))
+    grouped: dict = {}  # then equal resources together, as the SDK's encoder groups them
+    for resource, scopes in by_id.values():
+        into = grouped.setdefault(resource, {})
+        for scope, encoded in scopes.items():
+            into.setdefault(scope, []).extend(encoded)
     resource_spans = []
     for resource, scopes in grouped.items():
         scope_spans = []
