@@ -5,6 +5,9 @@ after the other in front of the same instant stand-in engines:
 
 - ``router-rr``: vllm-router (PyPI, P/D mode) ``--policy round_robin``: the anchor;
 - ``router-default``: vllm-router with its default policy (``cache_aware``);
+- ``python-floor``: the least a P/D relay in Python does (aiohttp on uvloop, orjson;
+  parse, post P, parse P's answer, post D, return D's bytes, a stream buffered whole; no
+  state, spans or checks), the floor any Python proxy stands on;
 - ``kvobs-default``: ``kvobs proxy`` with no flags (in-process store, no spans);
 - ``kvobs-prod``: ``kvobs proxy --store redis --redis-url URL --store-dir DIR``: state in a
   real redis-server the bench starts, spans to a span store.
@@ -24,8 +27,8 @@ Reuse is counted at the P stand-in: turns 2-8 whose P request carried D's params
 
 ``--also-rev REV`` adds ``kvobs-prod@REV``: the production configuration run from a
 ``git archive`` of REV (a change's before and after in one run); ``--profile DIR`` records
-py-spy (``py-spy record --format raw``, 250 Hz, non-blocking) of each kvobs front door
-over its 64-client phase into DIR.
+py-spy (``py-spy record --format raw --gil``: the thread holding the GIL, 250 Hz,
+non-blocking) of each kvobs front door over its 64-client phase into DIR.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ TURNS = 8
 USER_CHARS = 800
 ANSWER = ("The answer, in short: " + "tok " * 50)[:200]
 TENANTS = 8
-FRONT_DOORS = ("router-rr", "router-default", "kvobs-default", "kvobs-prod")
+FRONT_DOORS = ("router-rr", "router-default", "python-floor", "kvobs-default", "kvobs-prod")
 ANCHOR = "router-rr"
 
 
@@ -150,6 +153,44 @@ def serve_engines(p_port: int, d_port: int) -> None:
 
     _fast_loop()
     asyncio.run(main())
+
+
+def serve_floor(port: int, p_url: str, d_url: str) -> None:
+    """The least a P/D relay in Python does, as a floor for kvobs proxy: aiohttp on
+    uvloop, orjson; parse the client's body, post P its prefill body (max_tokens 1,
+    kv_transfer_params), parse P's answer, post D its body with P's params, return D's
+    bytes. No state, no spans, no checks, no metrics."""
+    import aiohttp
+    from aiohttp import web
+
+    dumps, loads = _json()
+    headers = {"Content-Type": "application/json"}
+
+    async def relay(request: web.Request) -> web.Response:
+        body = loads(await request.read())
+        session = request.app["session"]
+        p_body = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False}}
+        async with session.post(p_url + request.path, data=dumps(p_body),
+                                headers=headers) as response:
+            p_params = loads(await response.read()).get("kv_transfer_params")
+        async with session.post(d_url + request.path, data=dumps(
+                {**body, "kv_transfer_params": p_params}), headers=headers) as response:
+            return web.Response(body=await response.read(), status=response.status,
+                                content_type=response.content_type)
+
+    async def start(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.on_startup.append(start)
+    app.router.add_post("/v1/chat/completions", relay)
+    app.router.add_get("/health", health)
+    _fast_loop()
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=lambda *_: None)
 
 
 # ---------------------------------------------------------------------- load
@@ -282,6 +323,9 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 def front_door_cmd(name: str, port: int, p_url: str, d_url: str, redis_url: str,
                    store_dir: str) -> list[str]:
     name = name.partition("@")[0]
+    if name == "python-floor":
+        return [sys.executable, str(Path(__file__).resolve()), "--serve-floor", str(port),
+                p_url, d_url]
     if name.startswith("router"):
         policy = ["--policy", "round_robin"] if name == "router-rr" else []
         return [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
@@ -367,7 +411,7 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                 spy = subprocess.Popen(
                     [shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable),
                                                             "py-spy"), "record", "--pid", str(proc.pid), "--rate", "250",
-                     "--nonblocking", "--format", "raw", "--output",
+                     "--nonblocking", "--gil", "--format", "raw", "--output",
                      os.path.join(args.profile, f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
@@ -509,9 +553,12 @@ def main() -> None:
     parser.add_argument("--profile", help="py-spy of each kvobs front door's 64-client "
                         "phase into this directory")
     parser.add_argument("--serve-engines", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_engines:
         return serve_engines(*args.serve_engines)
+    if args.serve_floor:
+        return serve_floor(int(args.serve_floor[0]), *args.serve_floor[1:])
     if shutil.which("taskset") is None:
         sys.exit("taskset (util-linux) is needed to pin the front doors")
 
