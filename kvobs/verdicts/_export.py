@@ -30,6 +30,8 @@ def named(turn: Turn) -> str:
     left = turn.get("extends_ttl_left_s")
     ttl = f", {left:.1f}s of TTL left" if left is not None and left > 0 else (
         f", expired {-left:.1f}s earlier" if left is not None else "")
+    tokens = turn.get("extends_tokens")
+    held = f"{int(tokens):,}" if tokens is not None else "some"
     return (f"D engine {turn.get('extends_engine_id')} ({turn.get('extends_endpoint')}) "
-            f"request {turn.get('extends_request_id')} held {turn.get('extends_tokens')} "
-            f"tokens of this history{ttl}")
+            f"request {turn.get('extends_request_id')} held {held} tokens of this "
+            f"history{ttl}")
