@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 from kvobs.testbed.engines import PDPair, free_ports
@@ -28,6 +29,7 @@ CONNECTOR_MODULE = "connector_instrumented"
 MODEL_SIZE = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2}
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama-h512-l4"))
 LOGS, METRICS = "logs", "metrics"
+TELEMETRY_DRAIN_S = 1.5  # > the span export interval (0.5 s) plus the builder's (0.05 s)
 
 
 def _set_sigterm(handler):
@@ -225,6 +227,10 @@ class Stack:
         elif action == "kill-decode":
             self.pair.kill("decode")
         elif action == "restart-decode":
+            # A planned restart, as an operator's rollout does it: first let D's last
+            # spans leave (span builder every 50 ms, export every 0.5 s). SIGTERM right
+            # after a turn lost that turn's request and export spans (seen in CI).
+            time.sleep(TELEMETRY_DRAIN_S)
             self._decode_starts += 1
             self.pair.restart("decode", engine_id=f"kvobs-decode-{self._decode_starts}")
         else:
