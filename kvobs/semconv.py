@@ -204,7 +204,8 @@ ENGINE_ENDPOINT = _attr(
 # Derived by kvobs.lineage, never emitted: the facts of the D export a prompt extends,
 # written onto P's pull-decision span when spans are read or compacted, so that every
 # turn-table builder reads them like any other attribute. Turn column -> attribute.
-LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, type_, unit, doc)
+LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, type_, unit,
+                                                     "Derived by kvobs.lineage: " + doc)
                                        for column, type_, unit, doc in (
     ("extends_request_id", "str", "", "D's request whose retained KV the prompt extends."),
     ("extends_span_id", "str", "", "That export's span."),
