@@ -495,18 +495,19 @@ def test_a_d_restart_is_named_on_the_turn_it_cost(demo):
     assert "D restarted" in d.finding.remedy and "NIXL/UCX" not in d.finding.remedy
 
 
-def test_idless_turns_continue_their_conversation_through_the_proxy(demo):
+def test_idless_turns_continue_their_conversation_through_the_proxy(latency, demo):
     """An id-less completions client reuses D's KV: the proxy inferred the conversation
     from the prompt (recorded on the lookup) and sent D's params."""
-    diagnosed = demo.diagnosed()
+    diagnosed = latency.diagnosed()
     first = diagnosed[("agent-idless", 1)]
     assert first.conversation_id.startswith(sc.ANONYMOUS_PREFIX)
     for turn in (2, 3):
         d = diagnosed[("agent-idless", turn)]
         assert (d.conversation_id, d.turn.index) == (first.conversation_id, turn)
         assert d.turn.get("lookup_inferred") is True
-    assert diagnosed[("agent-anon", 2)].turn.get("lookup_inferred") is True
-    assert diagnosed[("agent-anon", 2)].conversation_id == "agent-anon"
+    anon = demo.diagnosed()[("agent-anon", 2)]
+    assert anon.turn.get("lookup_inferred") is True
+    assert anon.conversation_id == "agent-anon"
 
 
 def test_idless_turns_without_inference_name_the_export_they_could_reuse(slow_link):
