@@ -49,7 +49,7 @@ from bisect import bisect_left
 from functools import lru_cache
 from typing import Sequence
 
-from kvobs.prefix_chain import DENSE_BLOCKS, VERSION, checkpoints
+from kvobs.prefix_chain import DENSE_BLOCKS, VERSION, grid_points
 from kvobs.semconv import PrefixEvidence
 
 _HEX = 2 * 8  # hex digits of one hash prefix
@@ -68,11 +68,6 @@ def seed_fingerprint() -> str | None:
     except Exception:  # noqa: BLE001  (not initialised in this process)
         return None
     return hashlib.sha256(bytes(none_hash)).hexdigest()[:8]
-
-
-@lru_cache(maxsize=4096)
-def _checkpoints(num_blocks: int) -> tuple[int, ...]:
-    return tuple(checkpoints(num_blocks))
 
 
 def tail_fingerprint(token_ids: Sequence[int]) -> str:
@@ -108,13 +103,13 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
         if num_blocks <= DENSE_BLOCKS:  # every block is a checkpoint
             picked = block_hashes[:num_blocks]
         else:
-            picked = [block_hashes[n - 1] for n in _checkpoints(num_blocks)]
+            picked = [block_hashes[n - 1] for n in grid_points(num_blocks)]
         joined = b"".join(picked)
         if len(joined) == width * len(picked):
             hexed = memoryview(joined).cast("Q")[::width // _PREFIX_BYTES].tobytes().hex()
             return f"{head}:{hexed}"
     hexed = b"".join([block_hashes[n - 1][:_PREFIX_BYTES]
-                      for n in _checkpoints(num_blocks)]).hex()
+                      for n in grid_points(num_blocks)]).hex()
     return f"{head}:{hexed}"
 
 
@@ -166,7 +161,7 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
         last = n
         counts = None
     else:
-        counts = _checkpoints(d_count)
+        counts = grid_points(d_count)
         if len(hexed) - base != len(counts) * _HEX:
             raise ValueError("digest checkpoints do not match its block count")
         n = bisect_left(counts, usable + 1)
@@ -187,7 +182,7 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
             return _MATCH, end
         return _MATCH, verified
     if counts is None:
-        counts = _checkpoints(d_count)
+        counts = grid_points(d_count)
     lo, hi = 0, n
     while lo < hi:
         mid = (lo + hi) // 2

@@ -77,10 +77,6 @@ class Chain:
     tail_tokens: int
     hexed: str
 
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size + self.tail_tokens
-
     def hash_at(self, i: int) -> str:
         """The hash prefix (hex) of the i-th checkpoint."""
         return self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
@@ -124,8 +120,8 @@ def parse(digest: object) -> Chain | None:
     malformed): a reader never fails on one span's value.
 
     >>> c = parse("kvobs4:16:abcd:2:3:ffff:" + "aa" * 8 + "bb" * 8)
-    >>> c.tokens, c.key()
-    (35, (2, 'bbbbbbbbbbbbbbbb'))
+    >>> c.blocks, c.tail_tokens, c.key()
+    (2, 3, (2, 'bbbbbbbbbbbbbbbb'))
     >>> parse("kvobs3:16:abcd:2:0::00"), parse(None), parse("kvobs4:x")
     (None, None, None)
     """

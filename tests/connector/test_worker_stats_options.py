@@ -309,20 +309,22 @@ def test_digest_matches_its_checkpoint_definition(blocks, width):
     """The gathered prefixes are exactly the 8-byte prefixes at ``checkpoints()``."""
     import hashlib
 
+    from kvobs.prefix_chain import checkpoints
+
     hashes, prev = [], b"seed"
     for i in range(blocks):
         prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()[:width]
         hashes.append(prev)
     digest = _digest.encode(hashes, blocks * 16 + 3, 16, "abcd")
-    expected = "".join(hashes[n - 1][:8].hex() for n in _digest.checkpoints(blocks))
+    expected = "".join(hashes[n - 1][:8].hex() for n in checkpoints(blocks))
     assert digest == f"kvobs4:16:abcd:{blocks}:0::{expected}"  # no token ids: no tail
     assert _digest.compare(digest, hashes, 16, "abcd", blocks * 16 + 3) == (
-        sc.PrefixEvidence.MATCH, _digest.checkpoints(blocks)[-1] * 16)
+        sc.PrefixEvidence.MATCH, checkpoints(blocks)[-1] * 16)
     # P's history diverges at block k: the longest verified prefix is the last
     # checkpoint before k, found by bisection.
     k = blocks // 2
     other = hashes[:k] + [bytes(width)] * (blocks - k)
-    points = _digest.checkpoints(blocks)
+    points = checkpoints(blocks)
     verified = max([c for c in points if c <= k], default=0)
     evidence, matched = _digest.compare(digest, other, 16, "abcd", blocks * 16)
     assert (evidence, matched) == (sc.PrefixEvidence.MISMATCH, verified * 16)
