@@ -129,5 +129,6 @@ def print_problems(console: Console, problems: Iterable[str]) -> None:
         console.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
 
 
-def to_json(payload: Any) -> str:
-    return json.dumps(payload, indent=2, default=str)
+def to_json(payload: Any, indent: int | None = 2) -> str:
+    """JSON for people (indented) or, with ``indent=None``, one line (a CSV cell)."""
+    return json.dumps(payload, indent=indent, default=str)

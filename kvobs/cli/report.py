@@ -29,14 +29,28 @@ def _labelled(source: str, read_slo, prefill_rate):
     return span_source, turns
 
 
+def _check_since(ctx, param, value: str | None) -> str | None:
+    """Bad input exits 2 naming what is accepted, before any span is read."""
+    if value is None:
+        return None
+    from kvobs.fleet.since import parse_since
+
+    try:
+        parse_since(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    return value
+
+
 @click.command("report")
 @source_option
 @slo_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
-@click.option("--since", default=None,
-              help="Only turns since: a duration back from the newest turn (90s, 30m, 24h, "
-                   "7d) or an ISO-8601 instant.")
+@click.option("--since", default=None, callback=_check_since,
+              help="Only turns since: a duration back from the newest turn (90s, 30min, "
+                   "1h30m, 7d: pandas Timedelta syntax) or an ISO-8601 instant (UTC unless "
+                   "it names a zone).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None,
               help="Also write an HTML report with plots to this file (needs matplotlib).")
