@@ -12,7 +12,7 @@ import click
 
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, slo_option, source_option)
-from kvobs.render import duration, to_json
+from kvobs.render import byte_size, duration, to_json
 
 
 def _labelled(source: str, read_slo, prefill_rate):
@@ -94,7 +94,7 @@ def _print_report(report, html_file) -> None:
     def add(scope, prompt, row):
         verdicts = ", ".join(f"{k} {v}" for k, v in row["verdicts"].items())
         table.add_row(scope, prompt, f"{row['turns']:,}", _pct(row["remote_hit_ratio"]),
-                      _bytes(row["bytes_read"]), f"{row['reused_tokens']:,}",
+                      byte_size(row["bytes_read"]), f"{row['reused_tokens']:,}",
                       f"{row['recomputed_tokens']:,}", _ms(row["ttft_p50_s"]),
                       _ms(row["ttft_p95_s"]), f"{row['ttft_unmeasured_turns']:,}",
                       _ms(row["latency_p50_s"]), _ms(row["latency_p95_s"]), verdicts)
@@ -239,13 +239,3 @@ def _seconds(value) -> str:
 
 def _num(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
-
-
-def _bytes(value) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return str(value)
-
-
