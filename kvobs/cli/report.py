@@ -154,17 +154,28 @@ def tune_command(source, prefill_rate, target, as_json):
     lifetime from measured reads, prefill rate and gaps; shows the arithmetic."""
     from kvobs.fleet import label_turns, tune
 
+    from kvobs.fleet.confidence import confidence, interval_text
+
     _, turns = _labelled(source, None, prefill_rate)
     labelled, _ = label_turns(turns, prefill_rate)
     result = tune(labelled, target, prefill_rate)
+    trust = confidence(labelled, result)
     if as_json:
-        click.echo(to_json(result.to_dict()))
+        click.echo(to_json({**result.to_dict(), "confidence": trust.to_dict()}))
         sys.exit(EXIT_OK)
     from rich.table import Table
 
     out = console()
     for line in result.arithmetic:
         out.print(line, highlight=False)
+    interval = trust.break_even_interval
+    out.print(f"sample: {trust.reads:,} reads (read-cost fit), {trust.later_turns:,} later "
+              f"turns (TTL replay)"
+              + (f"; break-even {interval_text(interval)} (bootstrap over reads)"
+                 if interval else "")
+              + f"; confidence [bold]{trust.level}[/]", highlight=False)
+    for warning in trust.warnings:
+        out.print(f"[yellow]warning:[/] {warning}", highlight=False)
     table = Table(title="TTL candidates (replayed over recorded gaps)")
     for header in ("TTL s", "reuse window s", "hits", "hit ratio", "block-s held"):
         table.add_column(header, justify="right")
