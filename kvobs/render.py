@@ -47,6 +47,14 @@ def _gap(value: float | None) -> str:
     return f"{value:.1f}s" if value < 600 else f"{value / 60:.0f}min"
 
 
+def total_seconds(value: float | None) -> str:
+    """Totals: hours of fleet time as seconds with thousands separators, or a small
+    source's milliseconds."""
+    if value is None:
+        return "-"
+    return f"{value:,.1f}s" if abs(value) >= 10 else duration(value)
+
+
 def byte_size(value: Any) -> str:
     """Bytes in binary units: 1.9MiB."""
     if value is None:

@@ -12,7 +12,7 @@ import click
 
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, slo_option, source_option)
-from kvobs.render import byte_size, duration, to_json
+from kvobs.render import byte_size, duration, to_json, total_seconds
 
 
 def _labelled(source: str, read_slo, prefill_rate):
@@ -126,19 +126,19 @@ def _phase_table(section, title):
     from rich.table import Table
 
     table = Table(title=f"where the time went, {title}: {section['timed_turns']:,} turns "
-                        f"with a latency, {_seconds(section['latency_s'])} in all "
+                        f"with a latency, {total_seconds(section['latency_s'])} in all "
                         "(phases ranked by total)")
     for header in ("#", "phase", "total", "share", "p50", "p95", "slowest in"):
         table.add_column(header, justify="left" if header == "phase" else "right")
     spent = [row for row in section["phases"] if row["total_s"] or row["slowest_turns"]]
     for rank, row in enumerate(spent, 1):
-        table.add_row(str(rank), row["phase"], _seconds(row["total_s"]), _pct(row["share"]),
-                      duration(row["p50_s"]), duration(row["p95_s"]),
+        table.add_row(str(rank), row["phase"], total_seconds(row["total_s"]),
+                      _pct(row["share"]), duration(row["p50_s"]), duration(row["p95_s"]),
                       f"{row['slowest_turns']:,}")
     if section["unmeasured_turns"]:
         table.add_row("", f"unmeasured ({section['unmeasured_turns']:,} turns)",
-                      _seconds(section["unmeasured_s"]), _pct(section["unmeasured_share"]),
-                      "", "", "")
+                      total_seconds(section["unmeasured_s"]),
+                      _pct(section["unmeasured_share"]), "", "", "")
     return table
 
 
@@ -239,13 +239,6 @@ def _pct(value) -> str:
 
 def _ms(value) -> str:
     return "-" if value is None else f"{value * 1000:.0f}ms"
-
-
-def _seconds(value) -> str:
-    """Totals: hours of fleet time, or milliseconds of a small source's."""
-    if value is None:
-        return "-"
-    return f"{value:,.1f}s" if abs(value) >= 10 else duration(value)
 
 
 def _num(value) -> str:
