@@ -92,21 +92,34 @@ _RIGHT = {"turn", "gap", "N", "M", "L", "C", "bytes", "read time", "TTFT", "late
 
 def diagnosis_table(diagnosis: Diagnosis, console: Console) -> Table:
     """The turns' table with the wide columns when it fits ``console``, else without."""
-    wide = _table(diagnosis, _COLUMNS + _WIDE)
+    return widest_fitting(console, [_table(diagnosis, _COLUMNS + _WIDE),
+                                    _table(diagnosis, _COLUMNS)])
+
+
+def widest_fitting(console: Console, tables: list[Table]) -> Table:
+    """The first of ``tables`` (widest first) that fits the console unshrunk, else the
+    last: a table rich must shrink folds its cells."""
     unbounded = console.options.update_width(10_000)
-    if Measurement.get(console, unbounded, wide).maximum <= console.width:
-        return wide
-    return _table(diagnosis, _COLUMNS)
+    for table in tables[:-1]:
+        if Measurement.get(console, unbounded, table).maximum <= console.width:
+            return table
+    return tables[-1]
+
+
+def compact_table(title: str, headers, right=frozenset()) -> Table:
+    """A table of short cells that never wrap (what the CLI prints)."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for header in headers:
+        table.add_column(header, no_wrap=True,
+                         justify="right" if header in right else "left")
+    return table
 
 
 def _table(diagnosis: Diagnosis, columns) -> Table:
     title = f"conversation {diagnosis.conversation_id}"
     if diagnosis.tenant:
         title += f" (tenant {diagnosis.tenant})"
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
-    for header, _ in columns:
-        table.add_column(header, no_wrap=True,
-                         justify="right" if header in _RIGHT else "left")
+    table = compact_table(title, [header for header, _ in columns], _RIGHT)
     for item in diagnosis.turns:
         table.add_row(*(cell(item) for _, cell in columns))
     return table

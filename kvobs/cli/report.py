@@ -77,36 +77,64 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
     sys.exit(fleet_exit_status(report.verdicts, fail_on))
 
 
+# The report's table columns: (header, cell of a metrics row): all of them when the
+# terminal has room, else without _REPORT_WIDE, else without the p95s too (verdict
+# mixes print under the table).
+_REPORT_COLUMNS = (
+    ("n", lambda row: f"{row['turns']:,}"),
+    ("remote-hit", lambda row: _pct(row["remote_hit_ratio"])),
+    ("faults", lambda row: f"{_faults(row):,}"),
+    ("TTFT p50", lambda row: duration(row["ttft_p50_s"])),
+    ("TTFT p95", lambda row: duration(row["ttft_p95_s"])),
+    ("latency p50", lambda row: duration(row["latency_p50_s"])),
+    ("latency p95", lambda row: duration(row["latency_p95_s"])),
+)
+_REPORT_WIDE = (
+    ("bytes read", lambda row: byte_size(row["bytes_read"])),
+    ("reused tok", lambda row: f"{row['reused_tokens']:,}"),
+    ("recomputed tok", lambda row: f"{row['recomputed_tokens']:,}"),
+    ("no TTFT", lambda row: f"{row['ttft_unmeasured_turns']:,}"),
+)
+
+
+def _faults(row) -> int:
+    from kvobs.semconv import HEALTHY_VERDICTS, Verdict
+
+    ok = {v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value}
+    return sum(n for verdict, n in row["verdicts"].items() if verdict not in ok)
+
+
 def _print_report(report, html_file) -> None:
-    from rich.table import Table
+    from kvobs import semconv as sc
+    from kvobs.render import compact_table, widest_fitting
 
     out = console()
     tag = " [bold yellow](SYNTHETIC data)[/]" if report.synthetic else ""
     out.print(f"source {report.source}: {report.conversations:,} conversations, "
               f"{report.turns:,} turns{tag}; prefill rate "
               f"{_num(report.prefill_tokens_per_s)} tokens/s")
-    table = Table(title="by turn index and prompt length")
-    for header in ("turns", "prompt", "n", "remote-hit", "bytes read", "reused tok",
-                   "recomputed tok", "TTFT p50", "TTFT p95", "no TTFT", "latency p50",
-                   "latency p95", "verdicts"):
-        table.add_column(header, overflow="fold")
+    rows = [("1", "all", report.first_turn), ("2+", "all", report.later_turns)]
+    rows += [(row["turn_bucket"], "all", row) for row in report.by_turn
+             if row["turn_bucket"] != "1"]
+    order = {bucket: i for i, bucket in enumerate(sc.PROMPT_BUCKET_VALUES)}
+    rows += [("2+", row["prompt_bucket"], row) for row in
+             sorted(report.by_prompt, key=lambda row: order.get(row["prompt_bucket"], 99))]
 
-    def add(scope, prompt, row):
-        verdicts = ", ".join(f"{k} {v}" for k, v in row["verdicts"].items())
-        table.add_row(scope, prompt, f"{row['turns']:,}", _pct(row["remote_hit_ratio"]),
-                      byte_size(row["bytes_read"]), f"{row['reused_tokens']:,}",
-                      f"{row['recomputed_tokens']:,}", _ms(row["ttft_p50_s"]),
-                      _ms(row["ttft_p95_s"]), f"{row['ttft_unmeasured_turns']:,}",
-                      _ms(row["latency_p50_s"]), _ms(row["latency_p95_s"]), verdicts)
+    def table(columns):
+        headers = ["turns", "prompt", *(header for header, _ in columns)]
+        built = compact_table("by turn index and prompt length", headers,
+                              frozenset(headers[2:]))
+        for scope, prompt, row in rows:
+            built.add_row(scope, prompt, *(cell(row) for _, cell in columns))
+        return built
 
-    add("1", "all", report.first_turn)
-    add("2+", "all", report.later_turns)
-    for row in report.by_turn:
-        if row["turn_bucket"] != "1":
-            add(row["turn_bucket"], "all", row)
-    for row in report.by_prompt:
-        add("2+", row["prompt_bucket"], row)
-    out.print(table)
+    narrow = tuple(c for c in _REPORT_COLUMNS if not c[0].endswith("p95"))
+    out.print(widest_fitting(out, [table(_REPORT_COLUMNS + _REPORT_WIDE),
+                                   table(_REPORT_COLUMNS), table(narrow)]))
+    for scope, prompt, row in rows:
+        mix = ", ".join(f"{verdict} {n:,} ({n / row['turns']:.0%})"
+                        for verdict, n in row["verdicts"].items())
+        out.print(f"verdicts, turns {scope}, prompt {prompt}: {mix}", highlight=False)
     for scope, title in (("first_turn", "turn 1"), ("later_turns", "later turns")):
         out.print(_phase_table(report.phases[scope], title))
     memory = report.memory
@@ -235,10 +263,6 @@ def whatif_command(source, ttl, threshold, proxy_lifetime, prefill_rate, as_json
 
 def _pct(value) -> str:
     return "-" if value is None else f"{value:.1%}"
-
-
-def _ms(value) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}ms"
 
 
 def _num(value) -> str:
