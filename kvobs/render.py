@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvobs.diagnose import Diagnosis, TurnDiagnosis
-from kvobs.semconv import HEALTHY_VERDICTS, Phase
+from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
 from kvobs.timeline import Timeline
 
 _STYLE_OK, _STYLE_FAULT, _STYLE_UNKNOWN = "green", "bold red", "yellow"
@@ -28,6 +28,13 @@ def duration(value: float | None) -> str:
     if abs(value) >= 1:
         return f"{value:.2f}s"
     return f"{value * 1000:.0f}ms" if abs(value) >= 0.01 else f"{value * 1000:.2f}ms"
+
+
+def fault_count(mix: dict[str, int]) -> int:
+    """Turns of a verdict mix with a fault verdict (neither healthy nor
+    insufficient-evidence)."""
+    ok = {v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value}
+    return sum(n for verdict, n in mix.items() if verdict not in ok)
 
 
 def _style(diagnosis: TurnDiagnosis) -> str:

@@ -12,7 +12,7 @@ import click
 
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, slo_option, source_option)
-from kvobs.render import byte_size, duration, to_json, total_seconds
+from kvobs.render import byte_size, duration, fault_count, to_json, total_seconds
 
 
 def _labelled(source: str, read_slo, prefill_rate):
@@ -83,7 +83,7 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
 _REPORT_COLUMNS = (
     ("n", lambda row: f"{row['turns']:,}"),
     ("remote-hit", lambda row: _pct(row["remote_hit_ratio"])),
-    ("faults", lambda row: f"{_faults(row):,}"),
+    ("faults", lambda row: f"{fault_count(row['verdicts']):,}"),
     ("TTFT p50", lambda row: duration(row["ttft_p50_s"])),
     ("TTFT p95", lambda row: duration(row["ttft_p95_s"])),
     ("latency p50", lambda row: duration(row["latency_p50_s"])),
@@ -95,13 +95,6 @@ _REPORT_WIDE = (
     ("recomputed tok", lambda row: f"{row['recomputed_tokens']:,}"),
     ("no TTFT", lambda row: f"{row['ttft_unmeasured_turns']:,}"),
 )
-
-
-def _faults(row) -> int:
-    from kvobs.semconv import HEALTHY_VERDICTS, Verdict
-
-    ok = {v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value}
-    return sum(n for verdict, n in row["verdicts"].items() if verdict not in ok)
 
 
 def _print_report(report, html_file) -> None:

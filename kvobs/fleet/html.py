@@ -14,12 +14,12 @@ import pandas as pd
 
 from kvobs import __version__
 from kvobs import semconv as sc
-from kvobs.fleet._plots import (PHASE_COLOURS, SCOPES, UNMEASURED, phase_colour,  # noqa: F401
-                                phase_shares, pick_conversation, png, read_time_vs_tokens,
-                                taken, waterfall)
+from kvobs.fleet._plots import (PHASE_COLOURS, SCOPES, UNMEASURED, phase_shares,
+                                pick_conversation, png, read_time_vs_tokens, taken,
+                                waterfall)
 from kvobs.fleet._svg import legend, stacked_bars
 from kvobs.fleet.report import VERDICTS, FleetReport
-from kvobs.render import byte_size, duration, total_seconds
+from kvobs.render import byte_size, duration, fault_count, total_seconds
 from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
 from kvobs.timeline import MARKS, PHASES
 
@@ -35,8 +35,6 @@ VERDICT_COLOURS = {
 _DARK_TEXT = frozenset({Verdict.LOCAL_HIT.value, Verdict.BELOW_THRESHOLD.value,
                         Verdict.EXPIRED.value, Verdict.SLOW_TRANSFER.value,
                         Verdict.INSUFFICIENT_EVIDENCE.value})
-_FAULTS = [v.value for v in Verdict
-           if v not in HEALTHY_VERDICTS and v is not Verdict.INSUFFICIENT_EVIDENCE]
 # Inter-turn gap bins (s); D's TTL joins them so that "past the TTL" is a bin edge.
 GAP_EDGES_S = (10, 30, 60, 120, 300, 600, 1800, 3600)
 # Phase -> "from mark -> to mark" (docs/timeline.md says where each mark comes from).
@@ -102,7 +100,7 @@ MEMORY: list[Column] = [
 
 
 def _faults(row: dict) -> str:
-    n = sum(row["verdicts"].get(v, 0) for v in _FAULTS)
+    n = fault_count(row["verdicts"])
     return f"{n:,} ({percent(n / row['turns'])})" if row["turns"] else "0"
 
 

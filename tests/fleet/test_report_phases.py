@@ -11,7 +11,8 @@ from spanfactory import Tracers, TurnSpec, write_conversation
 from kvobs import semconv as sc
 from kvobs.cli import main
 from kvobs.fleet import build_report, fleet_turns
-from kvobs.fleet.html import UNMEASURED, phase_colour, render_html, waterfall
+from kvobs.fleet._plots import UNMEASURED, phase_colour, waterfall
+from kvobs.fleet.html import render_html
 from kvobs.sources import open_source
 
 NO_P_D = (sc.SPAN_PREFILL_REQUEST.name, sc.SPAN_DECODE_REQUEST.name)
