@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# chromium: the HTML report's browser test (tests/fleet/test_html_browser.py).
-APT_PACKAGES="prometheus redis-server iproute2 chromium"
+# chromium (+ a font for its screenshot): the HTML report's browser test
+# (tests/fleet/test_html_browser.py).
+APT_PACKAGES="prometheus redis-server iproute2 chromium fonts-dejavu-core"
 missing=""
 for cmd in prometheus promtool redis-server ip chromium; do
   command -v "$cmd" >/dev/null 2>&1 || missing=1
