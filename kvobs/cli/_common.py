@@ -6,6 +6,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
@@ -40,7 +41,8 @@ def load_source(location: str) -> SpanSource:
 
 
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
+    # Escaped: messages carry brackets (pip install 'kvobs[fleet]', ids, paths).
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False)
     sys.exit(EXIT_INPUT)
 
 

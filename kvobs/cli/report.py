@@ -63,6 +63,11 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
     apart)."""
     from kvobs.fleet import build_report
 
+    if html_file:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail_input("--html draws its plots with matplotlib: pip install 'kvobs[fleet]'")
     _, turns = _labelled(source, read_slo, prefill_rate)
     report, labelled = build_report(turns, source, since, prefill_rate, read_slo)
     if html_file:

@@ -72,3 +72,18 @@ def test_gaps_are_binned_around_the_ttl(built):
     assert max(counts["8 min – 10 min (past TTL)"],
                key=counts["8 min – 10 min (past TTL)"].get) == "expired"
     assert max(counts["under 10 s"], key=counts["under 10 s"].get) == "remote-hit"
+
+
+def test_html_without_matplotlib_names_the_extra(synthetic_store, tmp_path, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    page = tmp_path / "report.html"
+    result = CliRunner().invoke(main, ["report", "--source", synthetic_store[0],
+                                       "--html", str(page)])
+    assert result.exit_code == 2
+    assert "pip install 'kvobs[fleet]'" in result.output and not page.exists()
