@@ -19,6 +19,7 @@ from kvobs.monitoring import rules
 from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
 from kvobs.semconv import (
     METRICS,
+    M_PROXY_GAP,
     M_PROXY_TURNS,
     M_PULL_DECISIONS,
     M_READ_DURATION,
@@ -235,8 +236,11 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "Gaps longer than D's TTL",
                 f"Share of inter-turn gaps above {config.decode_ttl_seconds:g} s (the "
                 "configured decoder_kv_blocks_ttl): those turns cannot reuse D's KV "
-                "whatever the proxy does.",
-                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds), "gap > TTL"),),
+                "whatever the proxy does. Read from the gap histogram's buckets ("
+                f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)}).",
+                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds),
+                   f"gap > {config.decode_ttl_seconds:g} s ("
+                   f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)})"),),
                 "percentunit"),
         )),
         RowSpec("Proxy", (
