@@ -58,6 +58,21 @@ def provisioning_provider(directory: str | Path, folder: str = "kvobs") -> str:
     )
 
 
+def datasource_provisioning(prometheus_url: str, config: MonitoringConfig = DEFAULT,
+                            name: str = "Prometheus (kvobs)") -> str:
+    """A Grafana datasource provisioning file for the Prometheus the dashboards query,
+    with exemplar trace links: an exemplar's ``trace_id`` label (the proxy sets it on its
+    TTFT and latency histograms) opens ``config.trace_url``."""
+    import yaml
+
+    source: dict = {"name": name, "type": "prometheus", "access": "proxy",
+                    "url": prometheus_url, "jsonData": {}}
+    if config.trace_url:
+        source["jsonData"]["exemplarTraceIdDestinations"] = [
+            {"name": "trace_id", "url": config.trace_url, "urlDisplayLabel": "Trace"}]
+    return yaml.safe_dump({"apiVersion": 1, "datasources": [source]}, sort_keys=False)
+
+
 @dataclass(frozen=True)
 class Imported:
     uid: str

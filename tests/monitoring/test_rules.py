@@ -44,9 +44,14 @@ def test_promtool_check_rules(promtool, name):
 
 
 def test_promtool_check_rules_on_the_prometheusrule_manifest(promtool, tmp_path):
-    manifest = yaml.safe_load((ALERTS_DIR / rules.MANIFEST_FILE).read_text())
+    from kvobs.monitoring.generate import DEPLOY_MONITORING
+
+    manifest = yaml.safe_load(
+        (ALERTS_DIR.parent / DEPLOY_MONITORING / rules.MANIFEST_FILE).read_text())
     assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
     assert manifest["kind"] == "PrometheusRule"
+    # kube-prometheus-stack's default ruleSelector matches its Helm release label
+    assert manifest["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     groups = [g for n in RULE_FILES
               for g in yaml.safe_load((ALERTS_DIR / n).read_text())["groups"]]
     by_name = lambda gs: {g["name"]: g for g in gs}  # noqa: E731
