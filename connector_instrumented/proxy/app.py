@@ -739,7 +739,7 @@ class _Proxy:
         if state.error is None and state.d_answered is not None:
             # The turn's trace id as exemplar: a dashboard point opens the turn's trace.
             context = span.get_span_context()
-            exemplar = ({"trace_id": trace.format_trace_id(context.trace_id)}
+            exemplar = ({sc.EXEMPLAR_TRACE_ID: trace.format_trace_id(context.trace_id)}
                         if context.is_valid else None)
             if state.ttft_s is not None:
                 self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(

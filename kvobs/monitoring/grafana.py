@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvobs.monitoring.dashboards import DATASOURCE_VAR, build_dashboards, render
 from kvobs.monitoring.config import DEFAULT, MonitoringConfig
+from kvobs.semconv import EXEMPLAR_TRACE_ID
 
 
 def map_datasource(dashboard: dict, datasource_uid: str | None) -> dict:
@@ -69,7 +70,7 @@ def datasource_provisioning(prometheus_url: str, config: MonitoringConfig = DEFA
                     "url": prometheus_url, "jsonData": {}}
     if config.trace_url:
         source["jsonData"]["exemplarTraceIdDestinations"] = [
-            {"name": "trace_id", "url": config.trace_url, "urlDisplayLabel": "Trace"}]
+            {"name": EXEMPLAR_TRACE_ID, "url": config.trace_url, "urlDisplayLabel": "Trace"}]
     return yaml.safe_dump({"apiVersion": 1, "datasources": [source]}, sort_keys=False)
 
 

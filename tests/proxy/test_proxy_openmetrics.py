@@ -36,7 +36,8 @@ def test_openmetrics_exemplars_name_the_turns_trace():
     assert open_text.rstrip().endswith("# EOF")
     for metric in (sc.M_PROXY_TTFT, sc.M_PROXY_LATENCY):
         exemplars = re.findall(
-            re.escape(metric.name) + r'_bucket\{[^}]*\} \S+ # \{trace_id="([0-9a-f]{32})"\}',
+            re.escape(metric.name) + r'_bucket\{[^}]*\} \S+ # \{'
+            + sc.EXEMPLAR_TRACE_ID + r'="([0-9a-f]{32})"\}',
             open_text)
         assert exemplars and set(exemplars) == {trace_id}, metric.name
     assert "# {" not in plain  # the text format cannot carry exemplars
