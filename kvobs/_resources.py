@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Repository-relative folders the wheel carries.
-SHIPPED = ("scenarios", "docs/runbooks", "dashboards", "alerts")
+# Repository-relative folders the wheel carries (the last: the generated PrometheusRule
+# and dashboards ConfigMap).
+SHIPPED = ("scenarios", "docs/runbooks", "dashboards", "alerts",
+           "deploy/kubernetes/base/monitoring")
 
 PACKAGED = Path(__file__).resolve().with_name("_data")
 REPO_ROOT = Path(__file__).resolve().parents[1]
