@@ -28,9 +28,7 @@ from ._worker_observer import WorkerObserver
 _compat.check_connector_class()
 
 
-def _options_of(vllm_config: Any) -> Options:
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    return Options.from_extra_config(getattr(ktc, "kv_connector_extra_config", None))
+_options_of = Options.from_vllm_config
 
 
 class KvobsNixlConnector(UpstreamNixlConnector):
