@@ -242,7 +242,13 @@ class OffloadObserver:
     def on_job_results(self, results: list) -> None:
         """Per-job copy results from the worker, before upstream retires the jobs."""
         jobs = self._sched._jobs
+        merged: dict[int, list] = {}  # job id -> [bytes, seconds, end]: ranks summed
         for job_id, num_bytes, seconds, end_at in results:
+            entry = merged.setdefault(job_id, [0, 0.0, 0.0])
+            entry[0] += num_bytes
+            entry[1] = max(entry[1], seconds)
+            entry[2] = max(entry[2], end_at)
+        for job_id, (num_bytes, seconds, end_at) in merged.items():
             status = jobs.get(job_id)
             if status is None:
                 continue

@@ -20,6 +20,7 @@ from typing import Any
 from . import _compat
 from ._compat import UpstreamNixlConnector
 from ._options import Options
+from ._registry import register
 from ._scheduler_observer import SchedulerObserver
 from ._stats import KvobsConnectorStats, KvobsPromMetrics
 from ._telemetry import SpanSink
@@ -185,6 +186,9 @@ class KvobsNixlConnector(UpstreamNixlConnector):
         finally:
             if self._kvobs_sink is not None:
                 self._kvobs_sink.flush()
+
+
+register(KvobsNixlConnector)  # MultiConnector rebuilds sub-connector stats by class name
 
 
 def _as_kvobs(stats) -> KvobsConnectorStats:

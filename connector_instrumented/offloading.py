@@ -33,6 +33,7 @@ from kvobs import semconv as sc
 from ._offload_observer import OffloadObserver
 from ._offload_stats import KvobsOffloadPromMetrics
 from ._options import Options
+from ._registry import register
 from ._telemetry import SpanSink
 
 __all__ = ["KvobsOffloadingConnector", "KvobsOffloadingWorkerMetadata"]
@@ -183,6 +184,9 @@ class KvobsOffloadingConnector(OffloadingConnector):
         finally:
             if self._kvobs_sink is not None:
                 self._kvobs_sink.flush()
+
+
+register(KvobsOffloadingConnector)
 
 
 def _copy_engine(vllm_config: Any) -> str:

@@ -178,3 +178,50 @@ def _bind(cls, registry):
             kwargs.pop("multiprocess_mode", None)
             super().__init__(*args, registry=registry, **kwargs)
     return Bound
+
+
+def test_multiconnector_rebuilds_kvobs_stats_by_class_name():
+    """The API server rebuilds MultiConnector sub-stats by class name: ours must resolve."""
+    import connector_instrumented.connector  # noqa: F401  (registers KvobsNixlConnector)
+    from connector_instrumented._offload_stats import HostStats
+    from connector_instrumented._stats import KvobsConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    host = HostStats()
+    host.saved(covers_response=True, incomplete=False)
+    rebuilt = MultiConnector.build_kv_connector_stats({
+        "KvobsOffloadingConnector": host.take().data,
+        "KvobsNixlConnector": KvobsConnectorStats().data})
+    assert isinstance(rebuilt["KvobsOffloadingConnector"], OffloadingConnectorStats)
+    assert rebuilt["KvobsOffloadingConnector"].reduce() == {
+        "vllm:kvobs_host_saves_total:('true',)": 1}
+    assert isinstance(rebuilt["KvobsNixlConnector"], KvobsConnectorStats)
+
+
+def test_telemetry_off_is_upstream(make, spans):
+    scheduler = make(kvobs_telemetry=False)
+    connector = scheduler.connector
+    manager = connector.scheduler.manager
+    assert connector._kvobs_obs is None
+    assert "prepare_store" not in vars(manager)  # the manager is not wrapped
+    run(scheduler, [h.make_request(list(range(100, 160)), params("off", 1), max_tokens=20)])
+    assert spans.spans() == []
+
+
+def test_observer_failure_never_reaches_vllm(make, spans, monkeypatch):
+    from connector_instrumented._offload_observer import OffloadObserver
+
+    def broken(self, *args):
+        raise RuntimeError("telemetry bug")
+
+    monkeypatch.setattr(OffloadObserver, "on_meta", broken)
+    monkeypatch.setattr(OffloadObserver, "on_prepare_store", broken)
+    scheduler = make()
+    request = h.make_request(list(range(100, 160)), params("bug", 1), max_tokens=20)
+    copied = run(scheduler, [request])
+    assert request.is_finished()
+    assert scheduler.connector._kvobs_obs.guard.errors > 0
+    assert sum(copied.values()) == 4 * BLOCK_BYTES  # the copy was made all the same

