@@ -58,6 +58,7 @@ class _Lookup:
     hit: int
     accepted: int = 0
     at: float = 0.0
+    admitted: bool = False  # blocks allocated: the lookup that counted
 
 
 class OffloadObserver:
@@ -205,13 +206,17 @@ class OffloadObserver:
         lookup = self._lookups.get(request.request_id)
         if lookup is not None:
             lookup.accepted = int(num_external_tokens)
+            lookup.admitted = True
 
     def on_meta(self, hit_sources: Any) -> None:
         """Emit the step's lookups; ``hit_sources(request, tokens)`` is upstream's split."""
         if not self._lookups:
             return
-        lookups, self._lookups = self._lookups, {}
-        for req_id, lookup in lookups.items():
+        # A request not admitted this step (no room) is looked up again: only the lookup
+        # of its admission is its turn's.
+        admitted = [(r, lookup) for r, lookup in self._lookups.items() if lookup.admitted]
+        for req_id, lookup in admitted:
+            del self._lookups[req_id]
             tiers: Counter = Counter()
             if lookup.accepted:
                 for source, tokens in hit_sources(lookup.request, lookup.accepted).items():
@@ -235,6 +240,7 @@ class OffloadObserver:
                                    lookup.at, lookup.at)
 
     def on_finished(self, request: Any) -> None:
+        self._lookups.pop(request.request_id, None)  # finished without admission
         copy = self._copy(request.request_id, request.kv_transfer_params)
         copy.prompt_tokens = int(request.num_prompt_tokens)
         copy.output_tokens = int(request.num_output_tokens)

@@ -225,3 +225,13 @@ def test_observer_failure_never_reaches_vllm(make, spans, monkeypatch):
     assert request.is_finished()
     assert scheduler.connector._kvobs_obs.guard.errors > 0
     assert sum(copied.values()) == 4 * BLOCK_BYTES  # the copy was made all the same
+
+
+def test_one_lookup_span_per_admission(make, spans):
+    """A request that waits for room is looked up at every try; only its admission counts."""
+    scheduler = make(num_blocks=12)  # 11 usable blocks: one 100-token request at a time
+    a = h.make_request(list(range(100, 200)), params("a", 1), max_tokens=20)
+    b = h.make_request(list(range(300, 400)), params("b", 1), max_tokens=20)
+    run(scheduler, [a, b])
+    lookups = [attrs(s) for s in spans.spans(sc.SPAN_HOST_LOOKUP)]
+    assert sorted(x[sc.CONVERSATION_ID.key] for x in lookups) == ["a", "b"]
