@@ -9,12 +9,41 @@ import base64
 import copy
 import gzip
 import json
+import os
 
 import zstandard
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.trace.v1.trace_pb2 import TracesData
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def sample_lines(store_dir) -> str:
+    """Two conversations' spans through the real emit path, as OTLP-JSON lines."""
+    from spanfactory import Tracers, TurnSpec, write_conversation
+
+    tracers = Tracers(str(store_dir))
+    write_conversation(tracers, "conv-a", [TurnSpec(), TurnSpec(read="done"),
+                                           TurnSpec(read="failed")])
+    write_conversation(tracers, "conv-b", [TurnSpec(), TurnSpec(lookup="miss")])
+    tracers.flush()
+    live = os.path.join(store_dir, "spans")
+    return "".join(open(os.path.join(live, name)).read() for name in sorted(os.listdir(live)))
+
+
+def by_trace(requests: list[dict]) -> dict[str, dict]:
+    """Trace id -> one OTLP request holding that trace's spans."""
+    traces: dict[str, dict] = {}
+    for request in requests:
+        for resource_spans in request["resourceSpans"]:
+            for scope_spans in resource_spans.get("scopeSpans", ()):
+                for span in scope_spans.get("spans", ()):
+                    trace = traces.setdefault(span["traceId"], {"resourceSpans": []})
+                    trace["resourceSpans"].append({
+                        "resource": resource_spans["resource"],
+                        "scopeSpans": [{"scope": scope_spans.get("scope", {}),
+                                        "spans": [span]}]})
+    return traces
 
 
 def requests_of(lines_text: str) -> list[dict]:

@@ -1,28 +1,18 @@
 """Every shape real producers write is read by content, and reads as the same spans."""
 
-import os
-
 import pandas as pd
 import pytest
 
 from kvobs.diagnose import diagnose
 from kvobs.sources import open_source
-from spanfactory import Tracers, TurnSpec, write_conversation
-from trace_formats import file_formats
+from trace_formats import file_formats, sample_lines
 
 MICROSECOND_ROUNDED = {"jaeger-traces"}  # Jaeger keeps microseconds
 
 
 @pytest.fixture(scope="module")
 def lines_text(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store")
-    tracers = Tracers(str(store))
-    write_conversation(tracers, "conv-a", [TurnSpec(), TurnSpec(read="done"),
-                                           TurnSpec(read="failed")])
-    write_conversation(tracers, "conv-b", [TurnSpec(), TurnSpec(lookup="miss")])
-    tracers.flush()
-    live = store / "spans"
-    return "".join((live / name).read_text() for name in sorted(os.listdir(live)))
+    return sample_lines(tmp_path_factory.mktemp("store"))
 
 
 def _sorted(frame: pd.DataFrame) -> pd.DataFrame:
