@@ -261,8 +261,9 @@ def duplicates_reported(problems: list[str]) -> int:
     return sum(int(m.group(1)) for p in problems if (m := _DUPLICATE.match(p)))
 
 
-def check_batch(directory: str, cases: list[Case], raw_rows: int) -> list[str]:
-    """The span table and both turn paths over every case of a directory at once."""
+def check_batch(directory: str, cases: list[Case], raw_rows: int) -> tuple[list[str], int]:
+    """The span table and both turn paths over every case of a directory at once:
+    (oracle failures, duplicate spans dropped)."""
     from kvobs.correlate import turns_from_spans
     from kvobs.fleet import fleet_turns
     from kvobs.sources.store import StoreSource, compact
@@ -298,7 +299,7 @@ def check_batch(directory: str, cases: list[Case], raw_rows: int) -> list[str]:
     failures += _compare(store, "store fleet", fleet_turns(store_source), store_expected)
     if compacted and not duplicates_reported(store_source.problems):
         failures.append(f"{store}: a copied segment's spans dropped without a report")
-    return failures
+    return failures, dropped
 
 
 def _expected_recomputed(cases: list[Case], frame) -> dict[tuple[str, int], int]:

@@ -109,17 +109,26 @@ def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, ob
         try:
             yield f"{path}:1", json.loads(text)
             return
-        except (ValueError, RecursionError):
-            pass  # JSON lines whose first line is corrupt: read line by line
+        except (ValueError, RecursionError) as error:
+            whole = error  # or JSON lines whose first line is corrupt: read line by line
+    found = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            document = json.loads(line)
+            found.append((f"{path}:{number}", json.loads(line)))
         except (ValueError, RecursionError) as error:
-            problems.append(f"{path}:{number}: skipped corrupt line ({short(error)})")
-            continue
-        yield f"{path}:{number}", document
+            found.append((f"{path}:{number}", error))
+    if not as_lines and len(found) > 1 and not any(isinstance(d, (dict, list))
+                                                   for _, d in found):
+        # not one line is a document: a damaged document, said once, not line by line
+        problems.append(f"{path}: skipped corrupt JSON document ({short(whole)})")
+        return
+    for where, document in found:
+        if isinstance(document, Exception):
+            problems.append(f"{where}: skipped corrupt line ({short(document)})")
+        else:
+            yield where, document
 
 
 def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:

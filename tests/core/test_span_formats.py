@@ -71,6 +71,8 @@ def test_unreadable_files_are_reported_not_fatal(tmp_path, lines_text):
     (directory / "truncated-proto").write_bytes(good[:len(good) // 2])
     (directory / "truncated.gz").write_bytes(file_formats(lines_text)["copied-lines-gz"][:200])
     (directory / "empty").write_bytes(b"")
+    pretty = file_formats(lines_text)["pretty-document"]
+    (directory / "damaged-document").write_bytes(pretty[:100] + b"#" + pretty[101:])
     source = open_source(str(directory))
     assert len(source.spans()) >= 20
     problems = "\n".join(source.problems)
@@ -79,6 +81,9 @@ def test_unreadable_files_are_reported_not_fatal(tmp_path, lines_text):
     assert f"{directory / 'truncated-proto'}:#" in problems and "truncated message" in problems
     assert f"{directory / 'truncated.gz'}: truncated gzip data" in problems
     assert "empty" not in problems
+    damaged = [p for p in source.problems if "damaged-document" in p]
+    assert damaged == [f"{directory / 'damaged-document'}: skipped corrupt JSON document "
+                       f"({damaged[0].split('(', 1)[1]}"]  # once, not one line each
 
 
 def test_one_unreadable_span_is_skipped_alone(tmp_path, lines_text):
