@@ -78,7 +78,10 @@ def _value(any_value: dict):
 
 
 def _attributes(items) -> dict:
-    return {item["key"]: _value(item.get("value") or {}) for item in items or ()}
+    """Key -> value; an item without a string key is no known attribute: dropped, as
+    unknown attributes are."""
+    return {item["key"]: _value(item.get("value") or {}) for item in items or ()
+            if isinstance(item, dict) and isinstance(item.get("key"), str)}
 
 
 def spans_from_request(request: dict) -> Iterator[dict]:
