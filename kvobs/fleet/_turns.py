@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import lineage, semconv as sc
-from kvobs.correlate import KEYS, PREVIOUS_PREFIX, TURN_FIELDS, UNKNOWN_TENANT
+from kvobs._correlate_pandas import KEYS, PREVIOUS_PREFIX, TURN_FIELDS, UNKNOWN_TENANT
 
 # Turn columns the fleet uses: name -> (span, source column), a subset of correlate's
 # TURN_FIELDS plus two of its own (when D's export ended, how long D held the blocks).
