@@ -35,7 +35,7 @@ __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate", "to_frame
            "span_columns", "vllm_roles", "KEYS", "UNKNOWN_TENANT"]
 
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
-_ARROW = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
 _PANDAS = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 
@@ -233,7 +233,7 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
             pa.array(cids, pa.string())),
         "turn": pa.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
     for name, column in columns.items():
-        arrow_type = _ARROW[column.type]
+        arrow_type = ARROW_TYPES[column.type]
         if column.span.name not in by_name:
             out[name] = pa.nulls(n, arrow_type)
             continue
@@ -283,7 +283,7 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
             if not pa.types.is_dictionary(values.type):
                 values = values.dictionary_encode()
         else:
-            values = pc.cast(values, _ARROW[kind])
+            values = pc.cast(values, ARROW_TYPES[kind])
         columns.append(values)
     frame = pa.table(columns, names=table.column_names).to_pandas(
         types_mapper=_PANDAS.get, split_blocks=True)

@@ -9,12 +9,12 @@ from typing import Any
 import pandas as pd
 
 from kvobs.causes import CauseFinding, causes, decode_context
-from kvobs.correlate import UNKNOWN_TENANT, turns_from_spans
+from kvobs.correlate import turns_from_spans
 from kvobs import semconv as sc
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
 from kvobs.timeline import Timeline, add_timeline, timeline_of
-from kvobs.turn_columns import KEYS, PUBLIC
+from kvobs.turn_columns import KEYS, PUBLIC, UNKNOWN_TENANT
 from kvobs.verdicts import Context, Finding, Turn, findings
 
 # Shown with every turn in JSON and tables (numbers and ids only): the turn table's public

@@ -47,7 +47,7 @@ class TurnColumn:
 # Span fields a column may read instead of an attribute, with their types.
 SPAN_FIELDS = {"trace_id": "str", "span_id": "str", "start_ns": "int", "end_ns": "int",
                "error": "bool"}
-KEYS = ("tenant", "conversation_id", "turn")
+KEYS = ["tenant", "conversation_id", "turn"]
 CONVERSATION_KEYS = KEYS[:2]
 # Spans recorded without a tenant (no kvobs proxy in front).
 UNKNOWN_TENANT = ""

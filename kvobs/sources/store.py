@@ -28,12 +28,18 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
+from kvobs.correlate import aggregate
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
                                   select_conversation)
+from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, span_files, store_schema,
+                                         turns_path)
+from kvobs.sources._store_turns import store_turns
 from kvobs.sources.otlp_json import OtlpJsonSource
 
-COMPACTED_DIR = sc.STORE_COMPACTED_DIR
-TURNS_DIR = sc.STORE_TURNS_DIR
+__all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
+           "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
+           "TURNS_DIR", "BUCKETS"]
+
 BUCKETS = 64
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
@@ -59,11 +65,6 @@ def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
         turn = sc.TURN_INDEX.key
         frame.loc[missing, turn] = traces.map(by_trace[turn]).astype("Int64").to_numpy()
     return frame
-
-
-def store_schema() -> pa.Schema:
-    """The Arrow schema of compacted segments (the span table's columns and types)."""
-    return pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
 
 
 def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
@@ -108,33 +109,15 @@ def write_table(store_dir: str, table: pa.Table) -> int:
     return table.num_rows
 
 
-def turns_path(store_dir: str, span_file: str) -> str:
-    """The turn file of a compacted span file (it may not exist: older stores)."""
-    bucket = os.path.basename(os.path.dirname(span_file))
-    return os.path.join(store_dir, TURNS_DIR, bucket, os.path.basename(span_file))
-
-
 def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -> None:
     """Write the turn rows of one span file, after the span file itself: a span file
     without turns is read from its spans, never the reverse."""
-    from kvobs.fleet._turns import aggregate
-
     if spans is None:
         spans = pq.read_table(span_file)
     path = turns_path(store_dir, span_file)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(aggregate(spans), path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)
-
-
-def span_files(store_dir: str) -> list[str]:
-    compacted = os.path.join(store_dir, COMPACTED_DIR)
-    if not os.path.isdir(compacted):
-        return []
-    return sorted(os.path.join(compacted, bucket, name)
-                  for bucket in os.listdir(compacted) if bucket.startswith("bucket=")
-                  for name in os.listdir(os.path.join(compacted, bucket))
-                  if name.endswith(".parquet"))
 
 
 def compact(store_dir: str) -> tuple[int, list[str]]:
@@ -197,6 +180,10 @@ class StoreSource:
         frame = drop_duplicate_spans(pd.concat([compacted, live], ignore_index=True),
                                      self.problems)
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
+
+    def turn_rows(self) -> pa.Table:
+        """Mostly from the turn files written at compaction (``_store_turns``)."""
+        return store_turns(self.store_dir, self._live)
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()

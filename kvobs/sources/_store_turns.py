@@ -18,18 +18,20 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage
-from kvobs.fleet._merge import sort_turns
-from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
+from kvobs.correlate import aggregate, plain, ranked, span_columns
+from kvobs.sources._merge import sort_turns
+from kvobs.sources._store_layout import span_files, store_schema, turns_path
+from kvobs.turn_columns import KEY_SOURCES
+
+_TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
 
 _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
 
 
-def _live_spans(source, columns: list[str]) -> pa.Table | None:
-    from kvobs.sources.store import store_schema
-
-    if not os.path.isdir(source._live.location):
+def _live_spans(live, columns: list[str]) -> pa.Table | None:
+    if not os.path.isdir(live.location):
         return None
-    frame = source._live.spans()
+    frame = live.spans()
     if frame.empty:
         return None
     if lineage.needed(frame):  # id-less turns: conversations from the prefix chains
@@ -41,8 +43,6 @@ def _live_spans(source, columns: list[str]) -> pa.Table | None:
 
 def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
                      ) -> pa.Table:
-    from kvobs.sources.store import store_schema
-
     schema = pa.schema([store_schema().field(c) for c in columns])
     if not files:
         return schema.empty_table()
@@ -60,20 +60,18 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
     return table.select(columns).unify_dictionaries()
 
 
-def store_turns(source) -> pa.Table:
-    """Turn rows (before ``derive``) of a ``StoreSource``, sorted by the turn keys."""
-    from kvobs.sources.store import span_files, turns_path
-
-    store_dir = source.store_dir
+def store_turns(store_dir: str, live) -> pa.Table:
+    """Turn rows (before ``derive``) of a store directory and its live segments (a
+    ``SpanSource``), sorted by the turn keys."""
     columns = span_columns() + ["trace_id"]
-    live = _live_spans(source, columns)
+    live = _live_spans(live, columns)
     files = span_files(store_dir)
     has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
     indexed = [f for f in files if has_turns[f]]
     unindexed = [f for f in files if not has_turns[f]]
     if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
         # A live span without conversation may belong to any compacted trace.
-        spans = _plain(_compacted_spans(files, columns, None)).cast(live.schema)
+        spans = plain(_compacted_spans(files, columns, None)).cast(live.schema)
         return aggregate(pa.concat_tables([spans, live]))
     turns = [pq.read_table(turns_path(store_dir, f), read_dictionary=_READ_AS_DICTIONARY)
              for f in indexed]
@@ -94,7 +92,7 @@ def store_turns(source) -> pa.Table:
     if len(cids):
         spans = _compacted_spans(files, columns, cids)
         if live is not None:
-            spans = pa.concat_tables([_plain(spans).cast(live.schema), live])
+            spans = pa.concat_tables([plain(spans).cast(live.schema), live])
         kept.append(aggregate(spans))
     empty = aggregate(_compacted_spans([], columns, None))
     if not kept:
@@ -114,7 +112,7 @@ def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:
     """Conversation ids found in more than one turn file."""
     ids = pa.chunked_array([t.column("conversation_id").cast(pa.string()) for t in turns])
-    codes, names = _ranked(ids)
+    codes, names = ranked(ids)
     lengths = np.array([t.num_rows for t in turns])
     pairs = np.unique(codes * len(turns) + np.repeat(np.arange(len(turns)), lengths))
     files_per_id = np.bincount(pairs // len(turns), minlength=len(names))
