@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import lineage, semconv as sc
-from kvobs.turn_columns import (COLUMNS, DERIVED, FLEET_COLUMNS, GAP, KEY_SOURCES,
-                                KEYS, PREVIOUS_PREFIX, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
-                                TurnColumn)
+from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DERIVED, FLEET_COLUMNS, GAP,
+                                KEY_SOURCES, KEYS, PREVIOUS_PREFIX, SPAN_COLUMNS,
+                                UNKNOWN_TENANT, Agg, TurnColumn)
 
 __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate", "to_frame", "derive",
            "span_columns", "vllm_roles", "KEYS", "UNKNOWN_TENANT"]
@@ -88,7 +88,7 @@ def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
 
 def turn_table(rows: pa.Table) -> pd.DataFrame:
     """Turn rows (``aggregate``, a source's ``turn_rows()``) to the table the rules read."""
-    return derive(to_frame(rows))
+    return to_frame(derive(rows))
 
 
 def needs_traces(table: pa.Table) -> bool:
@@ -270,15 +270,15 @@ def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
 
 
 def to_frame(table: pa.Table) -> pd.DataFrame:
-    """Arrow turn rows (``aggregate``, ClickHouse, the store's turn files) to the pandas
-    turn table, typed by the schema: strings categorical, integers nullable ``Int64``.
-    Columns this version does not know (turn files written by another kvobs version) are
-    left out; columns they lack read as missing downstream."""
-    table = table.select([name for name in table.column_names if name in COLUMNS])
+    """Arrow turn rows (``derive``d) to the pandas turn table, typed by the schema: strings
+    categorical, integers nullable ``Int64``, the gap ``Float64``. Columns this version
+    does not know (turn files written by another kvobs version) are left out; columns they
+    lack read as missing downstream."""
+    table = table.select([name for name in table.column_names if name in ALL_COLUMNS])
     columns = []
     for name in table.column_names:
         values = table.column(name)
-        kind = COLUMNS[name].type
+        kind = ALL_COLUMNS[name].type
         if kind == "str":
             if not pa.types.is_dictionary(values.type):
                 values = values.dictionary_encode()
@@ -288,45 +288,45 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
     frame = pa.table(columns, names=table.column_names).to_pandas(
         types_mapper=_PANDAS.get, split_blocks=True)
     frame["turn"] = frame["turn"].astype(np.int64)
+    if GAP.name in frame:
+        frame[GAP.name] = frame[GAP.name].astype("Float64")
     return frame
 
 
-def _codes(values: pd.Series) -> np.ndarray:
-    if isinstance(values.dtype, pd.CategoricalDtype):
-        return values.cat.codes.to_numpy(np.int64)
-    return pd.factorize(values)[0]
-
-
-def follows(turns: pd.DataFrame) -> np.ndarray:
-    """Per row: whether it is the next turn of the row before, in the same (tenant,
-    conversation). Rows must be grouped by those keys and sorted by turn."""
-    consecutive = np.zeros(len(turns), bool)
-    if len(turns) > 1:
-        same = np.ones(len(turns) - 1, bool)
-        for key in KEYS[:-1]:
-            codes = _codes(turns[key])
+def _consecutive(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.ndarray:
+    """Per row: whether it is turn + 1 of the row before, in the same conversation."""
+    consecutive = np.zeros(len(turn), bool)
+    if len(turn) > 1:
+        same = np.ones(len(turn) - 1, bool)
+        for codes in conversation_codes:
             same &= codes[1:] == codes[:-1]
-        turn = turns["turn"].to_numpy(np.int64)
         consecutive[1:] = same & (turn[1:] == turn[:-1] + 1)
     return consecutive
 
 
-def derive(turns: pd.DataFrame) -> pd.DataFrame:
-    """Gap and previous-turn facts (``turn_columns.DERIVED``) of the columns ``turns``
-    has. Rows must be grouped by (tenant, conversation), by turn; a shift never crosses a
-    conversation, so never a tenant."""
-    consecutive = follows(turns)
-    previous = np.concatenate([[0], np.arange(len(turns) - 1)])[:len(turns)]
+def follows(turns: pd.DataFrame) -> np.ndarray:
+    """Per row of a turn table grouped by (tenant, conversation) and sorted by turn:
+    whether it is the next turn of the row before."""
+    codes = [turns[key].cat.codes.to_numpy(np.int64)
+             if isinstance(turns[key].dtype, pd.CategoricalDtype)
+             else pd.factorize(turns[key])[0] for key in CONVERSATION_KEYS]
+    return _consecutive(codes, turns["turn"].to_numpy(np.int64))
 
-    def shifted(column):
-        out = turns[column].iloc[previous].reset_index(drop=True)
-        return out.where(consecutive)
 
-    turns[GAP.name] = ((turns["turn_start_ns"] - shifted("turn_end_ns")) / 1e9).where(
-        consecutive)
+def derive(rows: pa.Table) -> pa.Table:
+    """``rows`` with the gap and previous-turn facts (``turn_columns.DERIVED``) of the
+    columns they have. Rows must be grouped by (tenant, conversation), by turn; a shift
+    never crosses a conversation, so never a tenant."""
+    turn = pc.cast(rows.column("turn"), pa.int64()).to_numpy(zero_copy_only=False)
+    codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
+    consecutive = _consecutive(codes, turn)
+    previous = pa.array(np.maximum(np.arange(len(turn)) - 1, 0), mask=~consecutive)
+    start = pc.cast(rows.column("turn_start_ns"), pa.int64())
+    end = pc.cast(rows.column("turn_end_ns"), pa.int64()).take(previous)
+    gap = pc.divide(pc.cast(pc.subtract(start, end), pa.float64()), 1e9)
+    rows = rows.append_column(GAP.name, gap)
     for name in DERIVED:
         carried = name[len(PREVIOUS_PREFIX):]
-        if name != GAP.name and carried in turns:
-            turns[name] = shifted(carried)
-    return turns
-
+        if name != GAP.name and carried in rows.column_names:
+            rows = rows.append_column(name, rows.column(carried).take(previous))
+    return rows

@@ -18,14 +18,11 @@ import pandas as pd
 if TYPE_CHECKING:
     import pyarrow as pa
 
+from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import SPAN_COLUMNS, empty_spans
 
 __all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS",
            "empty_spans"]
-
-
-class SourceError(Exception):
-    """The source cannot be read at all (missing path, unknown format)."""
 
 
 class SpanSource(Protocol):

@@ -52,8 +52,10 @@ from kvobs.sources._clickhouse_view import (
     view_mark,
 )
 from kvobs.correlate import ARROW_TYPES
+from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import ALL_DTYPES
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
+from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turn_columns import FLEET_COLUMNS, Agg
 
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
@@ -69,8 +71,6 @@ class ClickHouseSource:
     def __init__(self, query: Callable[[str], pa.Table], table: str = DEFAULT_TABLE,
                  location: str = "clickhouse"):
         if not _TABLE_NAME.fullmatch(table or ""):
-            from kvobs.sources import SourceError
-
             raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
                               "digits, underscores)")
         self.query = query
@@ -90,8 +90,6 @@ class ClickHouseSource:
         if parsed.scheme == "chdb":
             path = parsed.path or url[len("chdb:"):].split("?")[0]
             if not os.path.isdir(path):  # reading must not create a database
-                from kvobs.sources import SourceError
-
                 what = "is not a directory" if os.path.exists(path) else "does not exist"
                 raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
                                   "directory)")
@@ -128,8 +126,6 @@ class ClickHouseSource:
     def load_store(self, store_dir: str) -> int:
         """Copy an embedded store's parquet segments into ``otel_traces`` the way the
         exporter would have written them (tests, demos, benchmarks). Returns spans."""
-        from kvobs.sources.store import COMPACTED_DIR
-
         pattern = os.path.join(os.path.abspath(store_dir), COMPACTED_DIR, "*", "*.parquet")
         pairs = []
         for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
@@ -154,8 +150,6 @@ class ClickHouseSource:
     def check(self) -> None:
         """Raise ``SourceError`` unless the table can be read (unreachable server, no
         such table): commands then fail with a message, not a traceback."""
-        from kvobs.sources import SourceError
-
         try:
             exists = self.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py()
         except Exception as error:  # noqa: BLE001 - HTTP, chdb and SQL errors alike
