@@ -3,9 +3,10 @@
 Every source returns spans as a pandas DataFrame with the columns ``SPAN_COLUMNS`` plus
 one column per known attribute key (``semconv.ATTRIBUTES``); unknown attributes are
 dropped, absent ones are null. ``turn_rows()`` gives the fleet's turn rows
-(``kvobs.correlate.aggregate`` over every span, before ``derive``): each backend the way
-it does best (the store from its turn files, ClickHouse in SQL). Problems met while reading (corrupt lines, unreadable
-files) are collected in ``problems`` as ``file:line: reason`` and never stop the read.
+(``kvobs.correlate.aggregate`` over every span, before ``derive``), each backend the way
+it does best: the store from its turn files, ClickHouse in SQL. Problems met while
+reading (corrupt lines, unreadable files) are collected in ``problems`` as
+``file:line: reason`` and never stop the read.
 """
 
 from __future__ import annotations

@@ -60,11 +60,11 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
     return table.select(columns).unify_dictionaries()
 
 
-def store_turns(store_dir: str, live) -> pa.Table:
+def store_turns(store_dir: str, live_source) -> pa.Table:
     """Turn rows (before ``derive``) of a store directory and its live segments (a
     ``SpanSource``), sorted by the turn keys."""
     columns = span_columns() + ["trace_id"]
-    live = _live_spans(live, columns)
+    live = _live_spans(live_source, columns)
     files = span_files(store_dir)
     has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
     indexed = [f for f in files if has_turns[f]]
