@@ -11,7 +11,7 @@ from rich.markup import escape
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
-from kvobs.cli import EXIT_INTERNAL  # noqa: F401  (a kvobs bug; the group handles it)
+# EXIT_INTERNAL (4, a bug in kvobs) is kvobs.cli's: the group handles it.
 
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.

@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from kvobs import semconv as sc
-from kvobs.correlate import CONVERSATION_KEYS
 from kvobs.fleet.since import since_cutoff_ns
+from kvobs.turn_columns import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
 from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
