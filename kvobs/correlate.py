@@ -321,9 +321,11 @@ def derive(rows: pa.Table) -> pa.Table:
     codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
     consecutive = _consecutive(codes, turn)
     previous = pa.array(np.maximum(np.arange(len(turn)) - 1, 0), mask=~consecutive)
-    start = pc.cast(rows.column("turn_start_ns"), pa.int64())
-    end = pc.cast(rows.column("turn_end_ns"), pa.int64()).take(previous)
-    gap = pc.divide(pc.cast(pc.subtract(start, end), pa.float64()), 1e9)
+    # In float: nanosecond stamps past 2**53 (a clock gone wrong, a fuzzed file) lose
+    # precision instead of failing the table.
+    start = pc.cast(rows.column("turn_start_ns"), pa.float64(), safe=False)
+    end = pc.cast(rows.column("turn_end_ns"), pa.float64(), safe=False).take(previous)
+    gap = pc.divide(pc.subtract(start, end), 1e9)
     rows = rows.append_column(GAP.name, gap)
     for name in DERIVED:
         carried = name[len(PREVIOUS_PREFIX):]
