@@ -463,12 +463,17 @@ class RedisStore:
 def redis_client(url: str, pool_size: int, socket_timeout_s: float = 2.0):
     """An asyncio Redis client whose pool holds ``pool_size`` connections and makes
     callers wait for a free one (redis-py's default pool raises MaxConnectionsError past
-    100); callers bound the wait with their own deadline (``StoreGuard``)."""
+    100); callers bound the wait with their own deadline (``StoreGuard``), which its
+    connections feed with the Redis time of each command (``_store_clock``)."""
     import redis.asyncio as aioredis
+
+    from connector_instrumented.proxy._store_clock import timed_connection_class
 
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=pool_size, timeout=None, socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s)
+    # The URL chose the class (TCP, TLS, Unix socket); its Redis time goes to the guard.
+    pool.connection_class = timed_connection_class(pool.connection_class)
     return aioredis.Redis.from_pool(pool)  # closes the pool with the client
 
 
