@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.setup import ENV_QUEUE_SIZE, configure_tracing, flush
+from kvobs.emit.setup import batch_settings, configure_tracing, flush
 from kvobs.emit.spans import Correlation, emit
 
 _LOG = logging.getLogger("connector_instrumented")
@@ -102,7 +102,7 @@ class SpanSink:
         self._tracers: dict[sc.Service, trace.Tracer] = {}
         self._enabled: dict[str, bool] = {}  # by span name: asked on every hook call
         self._max_queue = max(1, int(max_queue if max_queue is not None
-                                     else os.environ.get(ENV_QUEUE_SIZE, "8192")))
+                                     else batch_settings().max_queue))
         self._wake_at = max(1, self._max_queue // 2)
         # deque append/popleft are atomic under the GIL: one producer (the hook's
         # thread) and the builder thread need no lock to hand items over; the bound is

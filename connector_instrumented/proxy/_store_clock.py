@@ -14,6 +14,8 @@ loop iteration per reply (the bytes may sit in the socket while the loop ends th
 iteration in which it sent), against several before. A hung Redis still costs wall time: no reply arrives, so an outstanding command
 is charged until now.
 
+Connecting counts the same way (from the connect call to the poll that saw it open).
+
 ``timed_connection_class`` makes any redis-py asyncio connection class (TCP, TLS, Unix)
 report to the meter of the guarded call that sent the command (a context variable set by
 ``StoreGuard.call`` for the duration of its call).
@@ -96,12 +98,21 @@ class _TimedMixin:
     _kvobs_meter: CallMeter | None = None
 
     async def _connect(self) -> None:
-        await super()._connect()  # type: ignore[misc]
-        reader = self._reader  # type: ignore[attr-defined]
-        feed = reader.feed_data
         loop = asyncio.get_running_loop()
         _stamp_polls(loop)
         arrival = _arrival_clock(loop)
+        meter = METER.get()
+        if meter is not None:  # a connection that does not open is Redis's time too
+            meter.sent(time.perf_counter())
+        try:
+            await super()._connect()  # type: ignore[misc]
+            if meter is not None:
+                meter.arrived(arrival())
+        finally:
+            if meter is not None:
+                meter.done(time.perf_counter())
+        reader = self._reader  # type: ignore[attr-defined]
+        feed = reader.feed_data
 
         def feed_data(data: Any, _feed=feed) -> None:
             meter = self._kvobs_meter
