@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.setup import batch_settings, configure_tracing, flush
+from kvobs.emit.setup import batch_settings, configure_tracing, flush, span_losses
 from kvobs.emit.spans import Correlation, emit
 
 _LOG = logging.getLogger("connector_instrumented")
@@ -121,6 +121,15 @@ class SpanSink:
     def errors(self) -> int:
         """Telemetry failures caught (hooks and spans) plus spans dropped."""
         return self._hook_errors + self._build_errors + self.dropped
+
+    def losses(self) -> dict[str, int]:
+        """Spans lost so far by ``semconv.TELEMETRY_DROP_REASONS``: this sink's full queue
+        and its tracers' export processors (full queue, failed exports)."""
+        totals = {"queue-full": self.dropped, "export-failed": 0}
+        for tracer in list(self._tracers.values()):
+            for reason, count in span_losses(tracer).items():
+                totals[reason] = totals.get(reason, 0) + count
+        return totals
 
     def _configure(self, service: sc.Service) -> trace.Tracer:
         return configure_tracing(service, self._store_dir)

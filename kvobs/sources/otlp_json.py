@@ -31,10 +31,13 @@ def spans_from_request(request: dict) -> Iterator[dict]:
     for resource_spans in request.get("resourceSpans") or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
         service = resource.get("service.name")
+        role = resource.get(sc.ROLE.key)  # the process's role, whatever its service name
         for scope_spans in resource_spans.get("scopeSpans") or ():
             for span in scope_spans.get("spans") or ():
                 row = {key: value for key, value in _attributes(span.get("attributes")).items()
                        if key in sc.ATTRIBUTES}
+                if role is not None:
+                    row.setdefault(sc.ROLE.key, role)
                 row.update(
                     trace_id=span.get("traceId"), span_id=span.get("spanId"),
                     parent_span_id=span.get("parentSpanId") or None, name=span.get("name"),
