@@ -21,7 +21,8 @@ Configured the OpenTelemetry way, through the SDK's own machinery:
 - ``OTEL_PROPAGATORS``: the API's global propagator (``opentelemetry.propagate``), used
   for the proxy's HTTP headers in and out.
 - ``KVOBS_STORE``: spans also go to the embedded store, a directory ``kvobs`` reads with
-  ``--source DIR`` (no infrastructure needed).
+  ``--source DIR`` (no infrastructure needed); its live segments are rotated, capped
+  and expired (``kvobs.emit.segments``, ``KVOBS_STORE_*``).
 - ``OTEL_SDK_DISABLED=true`` or no exporter at all: a no-op tracer; emitters cost a few ns.
 """
 
@@ -44,7 +45,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Reso
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-from kvobs.semconv import ROLE, STORE_LIVE_DIR, Service
+from kvobs.semconv import ROLE, Service
 
 ENV_STORE = "KVOBS_STORE"
 ENV_QUEUE_SIZE = "KVOBS_SPAN_QUEUE_SIZE"  # the old name of OTEL_BSP_MAX_QUEUE_SIZE
@@ -193,10 +194,6 @@ def resource(service: Service) -> Resource:
     return Resource.create(attributes)
 
 
-def store_span_file(store_dir: str, service: Service) -> str:
-    return os.path.join(store_dir, STORE_LIVE_DIR, f"{service.value}-{os.getpid()}.otlp.jsonl")
-
-
 def configure_tracing(service: Service, store_dir: str | None = None) -> trace.Tracer:
     """Return a tracer for ``service`` wired to the exporters the environment asks for."""
     if os.environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
@@ -205,8 +202,9 @@ def configure_tracing(service: Service, store_dir: str | None = None) -> trace.T
     exporters = _exporters()
     if store_dir:
         from kvobs.emit.otlp_json import OtlpJsonFileExporter
+        from kvobs.emit.segments import LiveSegmentWriter
 
-        exporters.append(OtlpJsonFileExporter(store_span_file(store_dir, service)))
+        exporters.append(OtlpJsonFileExporter(LiveSegmentWriter(store_dir, service.value)))
     if not exporters:
         return trace.NoOpTracer()
     provider = TracerProvider(resource=resource(service))
