@@ -6,7 +6,6 @@ span store."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -16,12 +15,11 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from test_proxy_flow import converse, run
-from test_proxy_span_loss import _ConfiguredTracing
+from test_proxy_http_spans import converse_into_store
 
-from connector_instrumented.proxy.app import PROXY_KEY
 from kvobs import semconv as sc
 from kvobs.emit.otlp_json import OtlpJsonFileExporter
-from kvobs.emit.setup import DroppingBatchProcessor, configure_tracing, flush, span_losses
+from kvobs.emit.setup import DroppingBatchProcessor, configure_tracing, span_losses
 from kvobs.sources import open_source
 
 _ENV = ("OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -43,14 +41,7 @@ def _processors(tracer) -> list:
 
 
 def _stored_turns(store):
-    async def scenario():
-        async with Harness() as h:
-            proxy = await _ConfiguredTracing(h.make_config(store_dir=str(store))).start()
-            h.proxies.append(proxy)
-            await converse(h, "named", 2, proxy=proxy)
-            await asyncio.get_running_loop().run_in_executor(
-                None, flush, proxy._runner.app[PROXY_KEY].tracer)
-    run(scenario())
+    converse_into_store(store, "named", 2)
     return open_source(str(store)).spans()
 
 
