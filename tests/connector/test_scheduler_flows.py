@@ -417,3 +417,23 @@ def test_lost_spans_reach_the_engines_metrics_by_reason(model_dir, tmp_path):
                  {**labels, "reason": "export-failed"}) == lost["export-failed"]
     assert value("vllm:kvobs_telemetry_dropped_spans_total",
                  {**labels, "reason": "queue-full"}) == 0
+
+
+def test_shutdown_exports_queued_spans_before_upstreams_shutdown(model_dir, spans,
+                                                                  monkeypatch):
+    """SIGTERM reaches the connector as shutdown() (EngineCore.shutdown -> Scheduler);
+    upstream's part may block (it joins its handshake listener without a timeout) until
+    the process manager's SIGKILL: the turn's spans are exported before it starts."""
+    from connector_instrumented import _telemetry
+
+    monkeypatch.setattr(_telemetry, "_BUILD_INTERVAL_S", 3600.0)  # the builder sleeps
+    scheduler = h.make_scheduler(h.make_config(model_dir, {"decoder_kv_blocks_ttl": 30}))
+    connector = scheduler.connector
+    _d_turn(scheduler, tokens(50))
+    exported_before = []
+    monkeypatch.setattr(type(connector.connector_scheduler), "shutdown",
+                        lambda self: exported_before.append(  # no flush here
+                            [s.name for s in spans.exporter.get_finished_spans()]))
+    connector.shutdown()
+    (names,) = exported_before
+    assert sc.SPAN_EXPORT.name in names and sc.SPAN_DECODE_REQUEST.name in names
