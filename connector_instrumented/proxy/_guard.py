@@ -7,13 +7,14 @@ A slow or hung Redis (SIGSTOP, a full network queue) must cost a turn at most
 the breaker opens: calls are skipped (``circuit-open``, no cost) for ``cooldown_s``, then
 one call probes; its success closes the breaker, its failure opens it again.
 
-The budget is charged with Redis time (``_store_clock``: from each command's send, or a
-connection's opening, to the poll that saw the answer), not with the wall time of the
-call, which under load is mostly the proxy's own event loop. What Redis time does not
-see is a wait for a pooled connection, bounded by the calls holding them (each bounded
-by its budget), and the loop itself; as a safety net a call also ends after
-``WALL_FACTOR`` times the budget of wall time (10 s at the default 0.5 s: past what an
-overloaded loop takes, so it does not turn the loop's lag into lost reuse).
+The budget is charged with Redis time (``_store_clock``: from each command's write, or a
+connection's opening, to the moment the reply reached the kernel), not with the wall
+time of the call, which under load is mostly the proxy's own event loop (and, on a busy
+host, the proxy process waiting for a CPU). What Redis time does not see is a wait for a
+pooled connection, bounded by the calls holding them (each bounded by its budget); as a
+safety net a call also ends after ``WALL_FACTOR`` times the budget of wall time (10 s at
+the default 0.5 s: past what an overloaded loop takes, so it does not turn the loop's
+lag into lost reuse).
 
 The in-process memory store is not bounded: its calls cannot hang.
 """

@@ -7,14 +7,15 @@ task to be resumed behind every other ready callback, once per ``await`` inside 
 client. Charged to Redis, that lag made turns give up on a healthy Redis (#10).
 
 ``CallMeter`` counts only the time during which a command is outstanding: from the
-moment its bytes are written to the socket to the loop's poll (``select``) that saw the
-reply (stamped by ``_stamp_polls`` on selector loops; elsewhere, when the loop hands the
-bytes to the connection's stream reader). What is left of the loop's lag is at most one
-loop iteration per reply (the bytes may sit in the socket while the loop ends the
-iteration in which it sent), against several before. A hung Redis still costs wall time: no reply arrives, so an outstanding command
-is charged until now.
+moment its bytes are written to the socket to the moment its reply reached the kernel
+(TCP on Linux: ``tcpi_last_data_recv`` of ``TCP_INFO``, read when the loop hands the
+bytes to the connection's stream reader, ``feed_data``). Neither the loop's lag nor the
+proxy process being descheduled on a busy host is counted. Elsewhere (a Unix socket) the
+reply's time is when the loop hands it over: at most two loop iterations of lag remain.
+A hung Redis still costs wall time: no reply arrives, so an outstanding command is
+charged until now.
 
-Connecting counts the same way (from the connect call to the poll that saw it open).
+Connecting counts too: from the connect call to the handshake's SYN-ACK (``tcpi_last_ack_recv``).
 
 ``timed_connection_class`` makes any redis-py asyncio connection class (TCP, TLS, Unix)
 report to the meter of the guarded call that sent the command (a context variable set by
@@ -23,11 +24,12 @@ report to the meter of the guarded call that sent the command (a context variabl
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import functools
+import socket
+import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
 METER: contextvars.ContextVar["CallMeter | None"] = contextvars.ContextVar(
     "kvobs_store_meter", default=None)
@@ -68,28 +70,34 @@ class CallMeter:
         return self.charged + now - self._since
 
 
-def _stamp_polls(loop: Any) -> None:
-    """Note on ``loop`` when its selector last returned: the reads a poll reports run
-    later in the same iteration, behind every callback already queued."""
-    selector = getattr(loop, "_selector", None)  # selector event loops (not uvloop)
-    if selector is None or hasattr(selector, "kvobs_polled_at"):
-        return
-    select = selector.select
-
-    def stamped(timeout: float | None = None) -> Any:
-        events = select(timeout)
-        selector.kvobs_polled_at = time.perf_counter()
-        return events
-
-    selector.kvobs_polled_at = time.perf_counter()
-    selector.select = stamped
+_TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux
+_U32 = struct.Struct("=I")
+# struct tcp_info (linux/tcp.h): 8 one-byte fields, then u32s; ms since the last...
+_LAST_DATA_RECV_AT = 52  # ...data segment received (tcpi_last_data_recv)
+_LAST_ACK_RECV_AT = 56  # ...ACK received (tcpi_last_ack_recv): a new connection's SYN-ACK
 
 
-def _arrival_clock(loop: Any):
-    selector = getattr(loop, "_selector", None)
-    if selector is None or not hasattr(selector, "kvobs_polled_at"):
+def _kernel_clock(sock: Any, offset: int) -> Callable[[], float]:
+    """When the kernel last received data (or an ACK) on ``sock``, on this process's
+    perf_counter.
+
+    For TCP on Linux, from ``TCP_INFO``'s ms-since fields: neither the loop's queue nor
+    the proxy process being descheduled (a busy host) is counted. Elsewhere (a Unix
+    socket), the time of the call, which includes whatever lag the caller had."""
+    if (_TCP_INFO is None or sock is None
+            or sock.family not in (socket.AF_INET, socket.AF_INET6)):
         return time.perf_counter
-    return lambda: selector.kvobs_polled_at
+
+    def received_at() -> float:
+        now = time.perf_counter()
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, offset + 4)
+            (ago_ms,) = _U32.unpack_from(info, offset)
+        except (OSError, struct.error):
+            return now
+        return now - ago_ms / 1000.0
+
+    return received_at
 
 
 class _TimedMixin:
@@ -98,21 +106,20 @@ class _TimedMixin:
     _kvobs_meter: CallMeter | None = None
 
     async def _connect(self) -> None:
-        loop = asyncio.get_running_loop()
-        _stamp_polls(loop)
-        arrival = _arrival_clock(loop)
         meter = METER.get()
         if meter is not None:  # a connection that does not open is Redis's time too
             meter.sent(time.perf_counter())
         try:
             await super()._connect()  # type: ignore[misc]
-            if meter is not None:
-                meter.arrived(arrival())
+            sock = self._writer.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            if meter is not None:  # open when the SYN-ACK came
+                meter.arrived(_kernel_clock(sock, _LAST_ACK_RECV_AT)())
         finally:
             if meter is not None:
                 meter.done(time.perf_counter())
         reader = self._reader  # type: ignore[attr-defined]
         feed = reader.feed_data
+        arrival = _kernel_clock(sock, _LAST_DATA_RECV_AT)
 
         def feed_data(data: Any, _feed=feed) -> None:
             meter = self._kvobs_meter

@@ -171,8 +171,8 @@ def test_the_loops_lag_is_not_charged_to_redis(redis_url):
                 task.cancel()
             await client.aclose()
         # The calls took 4+ loop iterations of wall time each, twice the budget: charged
-        # by wall time they would all have timed out; Redis time is at most one (the
-        # reply waits in the socket while the loop ends the iteration that sent it).
+        # by wall time they would all have timed out. Redis time ends when the reply
+        # reached the kernel (TCP_INFO), not when the loop got to it: milliseconds.
         assert sorted(walls)[len(walls) // 2] > budget_s, walls
-        assert max(spent) < budget_s, spent
+        assert max(spent) < budget_s / 2, spent
     run(scenario())

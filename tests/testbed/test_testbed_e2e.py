@@ -459,7 +459,7 @@ def test_otel_service_name_names_every_process_and_roles_stay_known(latency):
     spans = open_source(str(latency.out)).spans()
     assert latency.scenario.engines.service_name == "pd-fleet"
     assert set(spans["service"]) == {"pd-fleet"}
-    roles = spans.groupby("name")[sc.ROLE.key].agg(lambda values: set(values.dropna()))
+    roles = {name: set(values.dropna()) for name, values in spans.groupby("name")[sc.ROLE.key]}
     assert roles[sc.SPAN_PROXY_TURN.name] == {"proxy"}
     assert roles[sc.SPAN_PULL_DECISION.name] == {"prefill"}
     assert roles[sc.SPAN_EXPORT.name] == {"decode"}
