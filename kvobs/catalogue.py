@@ -2,6 +2,7 @@
 
 - ``telemetry.md``: the span and metric catalogue, from ``kvobs.semconv``;
 - ``verdicts.md``: the verdict guide, from the rule modules' docstrings in decision order;
+- ``turns.md``: the turn table's columns, from ``kvobs.turn_columns``;
 - ``timeline.md``: the turn's phases, where each boundary comes from, and the latency
   causes, from ``kvobs.timeline`` and ``kvobs.causes``.
 ``tests/core/test_docs.py`` fails when the checked-in files differ.
@@ -77,6 +78,39 @@ def _store_section() -> str:
         f"{limits.max_bytes}; 0: no cap); active segments never are. Deletions are logged.")
 
 
+def turns_md() -> str:
+    from kvobs import turn_columns as tc
+
+    lines = [_GENERATED, "# Turn table columns\n", inspect.getdoc(tc) + "\n",
+             "## Public columns\n",
+             "In `kvobs diagnose --json` and `kvobs turns` (JSON, CSV), with the verdict and "
+             "the timeline: a contract; renaming one is a breaking change.\n",
+             "| column | type | from span | aggregation | meaning |", "|---|---|---|---|---|"]
+
+    def row(column: tc.TurnColumn) -> str:
+        span = f"`{column.span.name}`" if column.span else "-"
+        how = column.agg.value if column.span else ("key" if column.name in tc.KEYS
+                                                     else "derived")
+        return f"| `{column.name}` | {column.type} | {span} | {how} | {column.doc} |"
+
+    lines += [row(tc.ALL_COLUMNS[name]) for name in tc.PUBLIC]
+    lines += ["", "## Internal columns\n",
+              "Read by the verdict rules, timelines and causes; `fleet` marks the columns of "
+              "the fleet's compact table (report, tune, whatif, the store's turn files, "
+              "ClickHouse).\n",
+              "| column | type | from span | aggregation | fleet | carries to next turn |",
+              "|---|---|---|---|---|---|"]
+    for column in tc.ALL_COLUMNS.values():
+        if column.public:
+            continue
+        span = f"`{column.span.name}`" if column.span else "-"
+        how = column.agg.value if column.span else "derived"
+        fleet = column.fleet.value if column.fleet else "-"
+        lines.append(f"| `{column.name}` | {column.type} | {span} | {how} | {fleet} | "
+                     f"{'yes' if column.carries else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
 def verdicts_md() -> str:
     import kvobs.verdicts as verdicts
 
@@ -126,7 +160,7 @@ def timeline_md() -> str:
 
 
 GENERATED = {"telemetry.md": telemetry_md, "verdicts.md": verdicts_md,
-             "timeline.md": timeline_md}
+             "timeline.md": timeline_md, "turns.md": turns_md}
 
 
 def main(directory: str) -> None:

@@ -1,157 +1,42 @@
-"""Join proxy, P and D spans into one row per turn.
+"""Join proxy, P and D spans into one row per turn: the one in-process turn-table builder.
 
 Every kvobs span carries the correlation keys (tenant digest, conversation id, turn
 index); spans that lack them inherit them from their trace. The tenant is part of the
 key because the proxy scopes conversations by tenant: two tenants using one conversation
 id are two conversations. Spans recorded without a tenant (no kvobs proxy in front) get
-``UNKNOWN_TENANT``. Each turn column comes from one span name and
-one attribute (``TURN_FIELDS``): the table is the whole mapping, so a new column is one
-line. Facts about the *previous* turn's KV (D's export and release) are shifted onto the
-turn that tried to reuse it.
+``UNKNOWN_TENANT``. Each column is declared once in ``kvobs.turn_columns`` (span,
+attribute, aggregation); facts about the *previous* turn's KV (D's export and release)
+are shifted onto the turn that tried to reuse it.
 
 The first stage, ``kvobs.lineage``, gives id-less turns their conversation and turn from
 the engines' prefix chains, and P's decision span the facts of the D export its prompt
 extends (``semconv.LINEAGE_FACTS``): columns like any other.
+
+Built column-wise (Arrow + numpy), so millions of spans fit in seconds, in three steps
+shared by every source: ``aggregate`` (spans -> one Arrow row per turn, before the
+previous-turn shifts; what the store's turn files hold and ClickHouse's SQL returns),
+``to_frame`` (Arrow turn rows -> the pandas table the rules read, typed by the schema)
+and ``derive`` (gap and previous-turn facts, never across conversations).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvobs import lineage, semconv as sc
+from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DERIVED, FLEET_COLUMNS, GAP,
+                                KEY_SOURCES, KEYS, PREVIOUS_PREFIX, SPAN_COLUMNS,
+                                UNKNOWN_TENANT, Agg, TurnColumn)
 
-KEYS = ["tenant", "conversation_id", "turn"]
-CONVERSATION_KEYS = ["tenant", "conversation_id"]
-UNKNOWN_TENANT = ""
+__all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate", "to_frame", "derive",
+           "span_columns", "vllm_roles", "KEYS", "UNKNOWN_TENANT"]
 
-# column -> (span, attribute key or a span column such as "span_id")
-TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
-    "trace_id": (sc.SPAN_PROXY_TURN, "trace_id"),
-    "turn_span_id": (sc.SPAN_PROXY_TURN, "span_id"),
-    "turn_start_ns": (sc.SPAN_PROXY_TURN, "start_ns"),
-    "turn_end_ns": (sc.SPAN_PROXY_TURN, "end_ns"),
-    "turn_error": (sc.SPAN_PROXY_TURN, "error"),
-    "stream": (sc.SPAN_PROXY_TURN, sc.STREAM.key),
-    "proxy_ttft_s": (sc.SPAN_PROXY_TURN, sc.TTFT.key),
-    "prefill_leg_s": (sc.SPAN_PROXY_TURN, sc.PREFILL_TIME.key),
-    "decode_leg_s": (sc.SPAN_PROXY_TURN, sc.DECODE_TIME.key),
-    "p_sent_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_SENT_AT.key),
-    "p_retry_sent_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_RETRY_SENT_AT.key),
-    "p_answered_at": (sc.SPAN_PROXY_TURN, sc.PREFILL_ANSWERED_AT.key),
-    "d_sent_at": (sc.SPAN_PROXY_TURN, sc.DECODE_SENT_AT.key),
-    "d_first_output_at": (sc.SPAN_PROXY_TURN, sc.DECODE_FIRST_OUTPUT_AT.key),
-    "d_answered_at": (sc.SPAN_PROXY_TURN, sc.DECODE_ANSWERED_AT.key),
-    "lookup_span_id": (sc.SPAN_PROXY_LOOKUP, "span_id"),
-    "lookup": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_OUTCOME.key),
-    "entry_age_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_AGE.key),
-    "entry_remaining_ttl_s": (sc.SPAN_PROXY_LOOKUP, sc.ENTRY_REMAINING_TTL.key),
-    "params_sent": (sc.SPAN_PROXY_LOOKUP, sc.PARAMS_SENT.key),
-    "lookup_inferred": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_INFERRED.key),
-    "lookup_miss_reason": (sc.SPAN_PROXY_LOOKUP, sc.LOOKUP_MISS_REASON.key),
-    "proxy_instance": (sc.SPAN_PROXY_LOOKUP, sc.PROXY_INSTANCE.key),
-    "proxy_started_at": (sc.SPAN_PROXY_LOOKUP, sc.PROXY_STARTED_AT.key),
-    "store_span_id": (sc.SPAN_PROXY_STORE, "span_id"),
-    "store_action": (sc.SPAN_PROXY_STORE, sc.STORE_ACTION.key),
-    "fallback_span_id": (sc.SPAN_PROXY_FALLBACK, "span_id"),
-    "fallback_reason": (sc.SPAN_PROXY_FALLBACK, sc.FALLBACK_REASON.key),
-    "decision_span_id": (sc.SPAN_PULL_DECISION, "span_id"),
-    "prefill_request_id": (sc.SPAN_PULL_DECISION, sc.REQUEST_ID.key),
-    "prompt_tokens": (sc.SPAN_PULL_DECISION, sc.PROMPT_TOKENS.key),
-    "local_hit_tokens": (sc.SPAN_PULL_DECISION, sc.LOCAL_HIT_TOKENS.key),
-    "remote_tokens": (sc.SPAN_PULL_DECISION, sc.REMOTE_TOKENS.key),
-    "candidate_tokens": (sc.SPAN_PULL_DECISION, sc.CANDIDATE_TOKENS.key),
-    "threshold": (sc.SPAN_PULL_DECISION, sc.THRESHOLD.key),
-    "decision": (sc.SPAN_PULL_DECISION, sc.PULL_DECISION.key),
-    "prefix_matched_tokens": (sc.SPAN_PULL_DECISION, sc.PREFIX_MATCHED_TOKENS.key),
-    "read_span_id": (sc.SPAN_READ, "span_id"),
-    "read_start_ns": (sc.SPAN_READ, "start_ns"),
-    "read_setup_s": (sc.SPAN_READ, sc.READ_SETUP.key),
-    "read_outcome": (sc.SPAN_READ, sc.READ_OUTCOME.key),
-    "read_bytes": (sc.SPAN_READ, sc.READ_BYTES.key),
-    "read_blocks": (sc.SPAN_READ, sc.READ_BLOCKS.key),
-    "read_duration_s": (sc.SPAN_READ, sc.READ_DURATION.key),
-    "read_error": (sc.SPAN_READ, sc.READ_ERROR.key),
-    "remaining_ttl_s": (sc.SPAN_READ, sc.REMAINING_TTL_AT_READ.key),
-    "recompute_span_id": (sc.SPAN_RECOMPUTE, "span_id"),
-    "recomputed_tokens": (sc.SPAN_RECOMPUTE, sc.RECOMPUTED_TOKENS.key),
-    "recompute_reason": (sc.SPAN_RECOMPUTE, sc.RECOMPUTE_REASON.key),
-    "stuck_span_id": (sc.SPAN_STUCK, "span_id"),
-    "p_request_span_id": (sc.SPAN_PREFILL_REQUEST, "span_id"),
-    "p_arrived_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_ARRIVED_AT.key),
-    "p_scheduled_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_SCHEDULED_AT.key),
-    "p_allocated_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_ALLOCATED_AT.key),
-    "p_kv_ready_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_KV_READY_AT.key),
-    "p_first_token_at": (sc.SPAN_PREFILL_REQUEST, sc.REQUEST_FIRST_TOKEN_AT.key),
-    "d_request_span_id": (sc.SPAN_DECODE_REQUEST, "span_id"),
-    "d_arrived_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_ARRIVED_AT.key),
-    "d_scheduled_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_SCHEDULED_AT.key),
-    "d_kv_ready_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_KV_READY_AT.key),
-    "d_first_token_at": (sc.SPAN_DECODE_REQUEST, sc.REQUEST_FIRST_TOKEN_AT.key),
-    "output_tokens": (sc.SPAN_DECODE_REQUEST, sc.OUTPUT_TOKENS.key),
-    "handoff_span_id": (sc.SPAN_HANDOFF, "span_id"),
-    "handoff_start_ns": (sc.SPAN_HANDOFF, "start_ns"),
-    "handoff_outcome": (sc.SPAN_HANDOFF, sc.READ_OUTCOME.key),
-    "handoff_bytes": (sc.SPAN_HANDOFF, sc.READ_BYTES.key),
-    "handoff_duration_s": (sc.SPAN_HANDOFF, sc.READ_DURATION.key),
-    "handoff_setup_s": (sc.SPAN_HANDOFF, sc.READ_SETUP.key),
-    "vllm_p_start_ns": (sc.SPAN_VLLM_PREFILL, "start_ns"),
-    "vllm_p_ttft_s": (sc.SPAN_VLLM_PREFILL, sc.VLLM_TTFT.key),
-    "vllm_d_start_ns": (sc.SPAN_VLLM_DECODE, "start_ns"),
-    "vllm_d_ttft_s": (sc.SPAN_VLLM_DECODE, sc.VLLM_TTFT.key),
-    "vllm_d_e2e_s": (sc.SPAN_VLLM_DECODE, sc.VLLM_E2E.key),
-    "export_span_id": (sc.SPAN_EXPORT, "span_id"),
-    "decode_request_id": (sc.SPAN_EXPORT, sc.REQUEST_ID.key),
-    "export_tokens": (sc.SPAN_EXPORT, sc.EXPORT_TOKENS.key),
-    "export_blocks": (sc.SPAN_EXPORT, sc.EXPORT_BLOCKS.key),
-    "export_expires_at": (sc.SPAN_EXPORT, sc.EXPORT_EXPIRES_AT.key),
-    "ttl_s": (sc.SPAN_EXPORT, sc.TTL.key),
-    "release_span_id": (sc.SPAN_RELEASE, "span_id"),
-    "release_reason": (sc.SPAN_RELEASE, sc.RELEASE_REASON.key),
-    "release_end_ns": (sc.SPAN_RELEASE, "end_ns"),
-    "release_read_count": (sc.SPAN_RELEASE, sc.RELEASE_READ_COUNT.key),
-    # Host copy (offloading connector): this turn's lookup and load, its own copy (saved
-    # when it ended) and that copy's eviction (the evict span carries the owner's keys).
-    "host_lookup_span_id": (sc.SPAN_HOST_LOOKUP, "span_id"),
-    "host_lookup_start_ns": (sc.SPAN_HOST_LOOKUP, "start_ns"),
-    "host_local_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_LOCAL_TOKENS.key),
-    "host_hit_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_TOKENS.key),
-    "host_accepted_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_ACCEPTED_TOKENS.key),
-    "host_hit_host_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_HOST.key),
-    "host_hit_p2p_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_P2P.key),
-    "host_lookup_prompt_tokens": (sc.SPAN_HOST_LOOKUP, sc.PROMPT_TOKENS.key),
-    "host_load_span_id": (sc.SPAN_HOST_LOAD, "span_id"),
-    "host_load_bytes": (sc.SPAN_HOST_LOAD, sc.HOST_BYTES.key),
-    "host_load_blocks": (sc.SPAN_HOST_LOAD, sc.HOST_BLOCKS.key),
-    "host_load_duration_s": (sc.SPAN_HOST_LOAD, sc.HOST_DURATION.key),
-    "host_load_tier": (sc.SPAN_HOST_LOAD, sc.HOST_TIER.key),
-    "host_copy_engine": (sc.SPAN_HOST_LOAD, sc.HOST_COPY_ENGINE.key),
-    "host_save_span_id": (sc.SPAN_HOST_SAVE, "span_id"),
-    "host_saved_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_SAVED_TOKENS.key),
-    "host_saved_blocks": (sc.SPAN_HOST_SAVE, sc.HOST_BLOCKS.key),
-    "host_covers_response": (sc.SPAN_HOST_SAVE, sc.HOST_COVERS_RESPONSE.key),
-    "host_save_incomplete": (sc.SPAN_HOST_SAVE, sc.HOST_SAVE_INCOMPLETE.key),
-    "host_refused_blocks": (sc.SPAN_HOST_SAVE, sc.HOST_REFUSED_BLOCKS.key),
-    "host_save_prompt_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_PROMPT_TOKENS.key),
-    "host_save_output_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_OUTPUT_TOKENS.key),
-    "host_save_end_ns": (sc.SPAN_HOST_SAVE, "end_ns"),
-    "host_evict_span_id": (sc.SPAN_HOST_EVICT, "span_id"),
-    "host_evicted_blocks": (sc.SPAN_HOST_EVICT, sc.HOST_BLOCKS.key),
-    "host_evicted_age_s": (sc.SPAN_HOST_EVICT, sc.HOST_EVICTED_AGE_MAX.key),
-    "host_evict_end_ns": (sc.SPAN_HOST_EVICT, "end_ns"),
-    **{column: (sc.SPAN_PULL_DECISION, attribute.key)
-       for column, attribute in sc.LINEAGE_FACTS.items()},
-}
-
-# Facts of turn k's KV that belong to turn k+1's diagnosis.
-PREVIOUS_TURN_FIELDS = ("export_span_id", "export_tokens", "export_expires_at", "ttl_s",
-                        "release_span_id", "release_reason", "release_end_ns",
-                        "decode_request_id", "store_span_id", "store_action", "stream",
-                        "proxy_instance", "turn_end_ns", "host_save_span_id",
-                        "host_saved_tokens", "host_covers_response", "host_save_incomplete",
-                        "host_refused_blocks", "host_save_prompt_tokens",
-                        "host_save_output_tokens", "host_save_end_ns", "host_evict_span_id",
-                        "host_evicted_blocks", "host_evicted_age_s", "host_evict_end_ns")
-PREVIOUS_PREFIX = "prev_"
+_TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
+ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+_PANDAS = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 
 def vllm_roles(spans: pd.DataFrame) -> pd.DataFrame:
@@ -176,56 +61,275 @@ def vllm_roles(spans: pd.DataFrame) -> pd.DataFrame:
     return spans
 
 
-def _keyed(spans: pd.DataFrame) -> pd.DataFrame:
-    """Spans with tenant/conversation/turn filled from their trace where the span lacks
-    them."""
-    frame = spans.rename(columns={sc.CONVERSATION_ID.key: "conversation_id",
-                                  sc.TURN_INDEX.key: "turn",
-                                  sc.TENANT_DIGEST.key: "tenant"})
-    for key in KEYS:
-        missing = frame[key].isna()
-        if missing.any():
-            tagged = frame.dropna(subset=[key]).drop_duplicates("trace_id")
-            if tagged.empty:
-                continue
-            by_trace = tagged.set_index("trace_id")[key]
-            frame.loc[missing, key] = frame.loc[missing, "trace_id"].map(by_trace)
-    frame["tenant"] = frame["tenant"].fillna(UNKNOWN_TENANT)
-    return frame.dropna(subset=KEYS)
+def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
+    """Span-table columns ``aggregate`` reads for ``columns`` (``trace_id`` is needed
+    too when ``needs_traces``)."""
+    needed = {"name", "start_ns", *KEY_SOURCES.values()}
+    needed.update(c.source for c in columns.values()
+                  if c.agg not in (Agg.PRESENCE, Agg.COUNT))
+    return sorted(needed)
+
+
+def turn_rows(spans: pd.DataFrame, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
+              lineage_facts: bool = False) -> pa.Table:
+    """A span table (any source's ``spans()``) to ``aggregate``'s turn rows. Lineage links
+    id-less turns always; ``lineage_facts`` also gives id'd turns the facts of the export
+    they extend (diagnose: one conversation; the fleet skips that cost)."""
+    spans = vllm_roles(spans)
+    if lineage_facts or lineage.needed(spans):
+        spans = lineage.link(spans)
+    needed = sorted({*span_columns(columns), "trace_id"})
+    table = pa.Table.from_pandas(spans[needed], preserve_index=False)
+    return aggregate(table, columns)
 
 
 def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per (tenant, conversation_id, turn), columns ``KEYS + TURN_FIELDS`` +
-    derived."""
-    frame = _keyed(lineage.link(vllm_roles(spans))).sort_values("start_ns", kind="stable")
-    turns = frame[KEYS].drop_duplicates().set_index(KEYS)
-    for span_name in {span for span, _ in TURN_FIELDS.values()}:
-        columns = {column: source for column, (span, source) in TURN_FIELDS.items()
-                   if span is span_name}
-        rows = frame[frame["name"] == span_name.name]
-        # The first span of a name in a turn is the one with the proxy's params; a
-        # fallback retry's second decision must not overwrite it.
-        first = rows.groupby(KEYS, sort=False)[list(columns.values())].first()
-        first.columns = list(columns)
-        turns = turns.join(first, how="left")
-        if span_name is sc.SPAN_PULL_DECISION:
-            turns = turns.join(rows.groupby(KEYS).size().rename("decision_count"), how="left")
-        if span_name is sc.SPAN_RECOMPUTE:
-            total = rows.groupby(KEYS)[sc.RECOMPUTED_TOKENS.key].sum(min_count=1)
-            turns["recomputed_tokens"] = total.reindex(turns.index)
-    turns = turns.reset_index()
-    turns["turn"] = turns["turn"].astype("int64")
-    turns = turns.sort_values(KEYS, kind="stable").reset_index(drop=True)
-    return _derive(turns)
+    """One row per (tenant, conversation_id, turn): every column of
+    ``kvobs.turn_columns`` (diagnose, turns)."""
+    return turn_table(turn_rows(spans, SPAN_COLUMNS, lineage_facts=True))
 
 
-def _derive(turns: pd.DataFrame) -> pd.DataFrame:
-    by_conversation = turns.groupby(CONVERSATION_KEYS, sort=False)
-    previous_end = by_conversation["turn_end_ns"].shift(1)
-    previous_turn = by_conversation["turn"].shift(1)
-    consecutive = previous_turn == turns["turn"] - 1
-    turns["gap_s"] = ((turns["turn_start_ns"] - previous_end) / 1e9).where(consecutive)
-    for column in PREVIOUS_TURN_FIELDS:
-        shifted = by_conversation[column].shift(1)
-        turns[PREVIOUS_PREFIX + column] = shifted.where(consecutive)
-    return turns
+def turn_table(rows: pa.Table) -> pd.DataFrame:
+    """Turn rows (``aggregate``, a source's ``turn_rows()``) to the table the rules read."""
+    return to_frame(derive(rows))
+
+
+def needs_traces(table: pa.Table) -> bool:
+    """Whether some span must take a key from its trace: it lacks conversation or turn,
+    or lacks a tenant that other spans carry."""
+    tenant = table.column(_TENANT).null_count
+    return bool(table.column(_CID).null_count or table.column(_TURN).null_count
+                or 0 < tenant < table.num_rows)
+
+
+def plain(table: pa.Table) -> pa.Table:
+    """``table`` with dictionary columns decoded."""
+    return table.cast(pa.schema([pa.field(f.name, f.type.value_type)
+                                 if pa.types.is_dictionary(f.type) else f
+                                 for f in table.schema]))
+
+
+def _inherit_keys(table: pa.Table) -> pa.Table:
+    """Each key a span lacks comes from the first span of its trace that has it."""
+    if "trace_id" not in table.column_names or not needs_traces(table):
+        return table
+    table = plain(table)
+    for key in KEY_SOURCES.values():
+        column = table.column(key)
+        if column.null_count in (0, table.num_rows):
+            continue
+        by_trace = table.filter(pc.is_valid(column)).select(["trace_id", key]).group_by(
+            "trace_id", use_threads=False).aggregate([(key, "first")])
+        index = pc.index_in(table.column("trace_id"), value_set=by_trace.column("trace_id"))
+        inherited = by_trace.column(f"{key}_first").take(index)
+        table = table.set_column(table.column_names.index(key), key,
+                                 pc.coalesce(column, inherited))
+    return table
+
+
+def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
+    """One dictionary array; no re-hashing when every chunk already shares a dictionary
+    (``unify_dictionaries`` after a parquet read)."""
+    if pa.types.is_dictionary(column.type) and column.num_chunks:
+        first = column.chunk(0).dictionary
+        if all(_same_buffer(chunk.dictionary, first) for chunk in column.chunks):
+            indices = pa.concat_arrays([chunk.indices for chunk in column.chunks])
+            return pa.DictionaryArray.from_arrays(indices, first)
+        column = column.cast(column.type.value_type)
+    if not len(column):
+        return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
+    return column.combine_chunks().dictionary_encode()
+
+
+def _same_buffer(a: pa.Array, b: pa.Array) -> bool:
+    if a is b:
+        return True
+    x, y = a.buffers()[-1], b.buffers()[-1]
+    return x is not None and y is not None and x.address == y.address and len(a) == len(b)
+
+
+def ranked(column: pa.ChunkedArray, null_as: str | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row codes in sorted string order, and the sorted distinct strings. Works on
+    dictionary codes: the common one-tenant column never becomes 10M strings."""
+    encoded = _dictionary(column)
+    dictionary = encoded.dictionary.cast(pa.string())
+    indices = encoded.indices
+    if null_as is not None and indices.null_count:
+        indices = pc.fill_null(indices, len(dictionary))
+        dictionary = pa.concat_arrays([dictionary, pa.array([null_as], pa.string())])
+    # Dense ranks: equal strings (an unmerged dictionary) share one code.
+    rank = pc.rank(dictionary, sort_keys="ascending", tiebreaker="dense").to_numpy() - 1
+    categories = np.empty(int(rank.max()) + 1 if len(rank) else 0, dtype=object)
+    categories[rank] = dictionary.to_numpy(zero_copy_only=False)
+    return rank.astype(np.int64)[indices.to_numpy(zero_copy_only=False)], categories
+
+
+def _firsts(sorted_keys: np.ndarray) -> np.ndarray:
+    return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:len(sorted_keys)]
+
+
+def _turn_order(keys: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """Rows sorted by (turn key, start): a stable sort by key is enough unless spans of
+    one turn were stored out of start order (then the two-key sort)."""
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    same = sorted_keys[1:] == sorted_keys[:-1]
+    if same.any():
+        starts = start[order]
+        if (starts[1:][same] < starts[:-1][same]).any():
+            order = np.lexsort((start, keys))
+    return order
+
+
+def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> pa.Table:
+    """Spans (Arrow, ``span_columns(columns)`` at least; ``trace_id`` when
+    ``needs_traces``) to one row per (tenant, conversation_id, turn), sorted by those
+    keys, before ``derive``. Each column aggregates its span's rows of the turn by start
+    time as ``TurnColumn.agg`` says (``FIRST``: the first non-null value)."""
+    table = _inherit_keys(table)
+    if table.column(_CID).null_count or table.column(_TURN).null_count:
+        table = table.filter(pc.and_(pc.is_valid(table.column(_CID)),
+                                     pc.is_valid(table.column(_TURN))))
+    tenant_codes, tenants = ranked(table.column(_TENANT), UNKNOWN_TENANT)
+    cid_codes, cids = ranked(table.column(_CID))
+    conversation = tenant_codes * max(len(cids), 1) + cid_codes
+    turn = pc.cast(table.column(_TURN), pa.int64()).to_numpy(zero_copy_only=False)
+    # key = conversation << bits | (turn - lowest): as many bits as the turns need, so a
+    # stray turn index can never spill into the next conversation's keys.
+    lowest = int(turn.min()) if len(turn) else 0
+    bits = max(int(turn.max() - lowest).bit_length(), 1) if len(turn) else 1
+    key = (conversation << bits) | (turn - lowest)
+    start = pc.fill_null(table.column("start_ns"), 0).to_numpy(zero_copy_only=False)
+    names = _dictionary(table.column("name"))
+    name_codes = names.indices.to_numpy(zero_copy_only=False)
+    name_index = {name: i for i, name in enumerate(names.dictionary.to_pylist())}
+
+    # Per span name: its rows in turn order, each row's turn (group) and the turn keys.
+    by_name: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for span_name in {c.span.name for c in columns.values()}:
+        if span_name not in name_index:
+            continue
+        rows = np.flatnonzero(name_codes == name_index[span_name])
+        rows = rows[_turn_order(key[rows], start[rows])]
+        firsts = _firsts(key[rows])
+        by_name[span_name] = rows, np.cumsum(firsts) - 1, key[rows][firsts]
+    every = np.concatenate([keys for _, _, keys in by_name.values()] or [np.zeros(0, np.int64)])
+    turn_keys = np.sort(every, kind="stable")  # sorted runs: a merge
+    turn_keys = turn_keys[_firsts(turn_keys)]
+    n = len(turn_keys)
+    combined: dict[str, pa.Array] = {}
+
+    def source_column(source: str) -> pa.Array:
+        # One chunk per column makes the takes fast; only the columns used are copied.
+        if source not in combined:
+            combined[source] = table.column(source).combine_chunks()
+        return combined[source]
+
+    conversation_of = turn_keys >> bits
+    out: dict[str, pa.Array] = {
+        "tenant": pa.DictionaryArray.from_arrays(
+            pa.array(conversation_of // max(len(cids), 1), pa.int32()),
+            pa.array(tenants, pa.string())),
+        "conversation_id": pa.DictionaryArray.from_arrays(
+            pa.array(conversation_of % max(len(cids), 1), pa.int32()),
+            pa.array(cids, pa.string())),
+        "turn": pa.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
+    for name, column in columns.items():
+        arrow_type = ARROW_TYPES[column.type]
+        if column.span.name not in by_name:
+            out[name] = pa.nulls(n, arrow_type)
+            continue
+        rows, group, keys = by_name[column.span.name]
+        position = np.searchsorted(turn_keys, keys)
+        if column.agg in (Agg.PRESENCE, Agg.COUNT):
+            count = np.zeros(n, np.int64)
+            count[position] = np.bincount(group, minlength=len(keys))
+            out[name] = (pa.array(np.where(count > 0, "yes", None), pa.string())
+                         if column.agg is Agg.PRESENCE else pa.array(count, mask=count == 0))
+            continue
+        values = source_column(column.source).take(pa.array(rows))
+        if column.agg is Agg.SUM:
+            out[name] = _summed(values, group, position, n)
+            continue
+        valid = np.flatnonzero(values.is_valid().to_numpy(zero_copy_only=False))
+        first = valid[_firsts(group[valid])]
+        take = np.full(n, -1, np.int64)
+        take[position[group[first]]] = first
+        out[name] = values.take(pa.array(take, mask=take < 0)).cast(arrow_type)
+    return pa.table(out)
+
+
+def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
+            n: int) -> pa.Array:
+    """Sum per turn, null when no span of the turn has a value (``min_count=1``)."""
+    numbers = pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
+    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    total = np.zeros(n, np.int64)
+    counted = np.zeros(n, np.int64)
+    np.add.at(total, position[group], numbers)
+    np.add.at(counted, position[group], valid)
+    return pa.array(total, mask=counted == 0)
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """Arrow turn rows (``derive``d) to the pandas turn table, typed by the schema: strings
+    categorical, integers nullable ``Int64``, the gap ``Float64``. Columns this version
+    does not know (turn files written by another kvobs version) are left out; columns they
+    lack read as missing downstream."""
+    table = table.select([name for name in table.column_names if name in ALL_COLUMNS])
+    columns = []
+    for name in table.column_names:
+        values = table.column(name)
+        kind = ALL_COLUMNS[name].type
+        if kind == "str":
+            if not pa.types.is_dictionary(values.type):
+                values = values.dictionary_encode()
+        else:
+            values = pc.cast(values, ARROW_TYPES[kind])
+        columns.append(values)
+    frame = pa.table(columns, names=table.column_names).to_pandas(
+        types_mapper=_PANDAS.get, split_blocks=True)
+    frame["turn"] = frame["turn"].astype(np.int64)
+    if GAP.name in frame:
+        frame[GAP.name] = frame[GAP.name].astype("Float64")
+    return frame
+
+
+def _consecutive(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.ndarray:
+    """Per row: whether it is turn + 1 of the row before, in the same conversation."""
+    consecutive = np.zeros(len(turn), bool)
+    if len(turn) > 1:
+        same = np.ones(len(turn) - 1, bool)
+        for codes in conversation_codes:
+            same &= codes[1:] == codes[:-1]
+        consecutive[1:] = same & (turn[1:] == turn[:-1] + 1)
+    return consecutive
+
+
+def follows(turns: pd.DataFrame) -> np.ndarray:
+    """Per row of a turn table grouped by (tenant, conversation) and sorted by turn:
+    whether it is the next turn of the row before."""
+    codes = [turns[key].cat.codes.to_numpy(np.int64)
+             if isinstance(turns[key].dtype, pd.CategoricalDtype)
+             else pd.factorize(turns[key])[0] for key in CONVERSATION_KEYS]
+    return _consecutive(codes, turns["turn"].to_numpy(np.int64))
+
+
+def derive(rows: pa.Table) -> pa.Table:
+    """``rows`` with the gap and previous-turn facts (``turn_columns.DERIVED``) of the
+    columns they have. Rows must be grouped by (tenant, conversation), by turn; a shift
+    never crosses a conversation, so never a tenant."""
+    turn = pc.cast(rows.column("turn"), pa.int64()).to_numpy(zero_copy_only=False)
+    codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
+    consecutive = _consecutive(codes, turn)
+    previous = pa.array(np.maximum(np.arange(len(turn)) - 1, 0), mask=~consecutive)
+    start = pc.cast(rows.column("turn_start_ns"), pa.int64())
+    end = pc.cast(rows.column("turn_end_ns"), pa.int64()).take(previous)
+    gap = pc.divide(pc.cast(pc.subtract(start, end), pa.float64()), 1e9)
+    rows = rows.append_column(GAP.name, gap)
+    for name in DERIVED:
+        carried = name[len(PREVIOUS_PREFIX):]
+        if name != GAP.name and carried in rows.column_names:
+            rows = rows.append_column(name, rows.column(carried).take(previous))
+    return rows

@@ -9,20 +9,18 @@ from typing import Any
 import pandas as pd
 
 from kvobs.causes import CauseFinding, causes, decode_context
-from kvobs.correlate import UNKNOWN_TENANT, turns_from_spans
+from kvobs.correlate import turns_from_spans
 from kvobs import semconv as sc
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
 from kvobs.timeline import Timeline, add_timeline, timeline_of
+from kvobs.turn_columns import KEYS, PUBLIC, UNKNOWN_TENANT
 from kvobs.verdicts import Context, Finding, Turn, findings
 
-# Turn columns shown with every turn in JSON and tables (numbers and ids only).
-SUMMARY_COLUMNS = ("gap_s", "prompt_tokens", "local_hit_tokens", "remote_tokens",
-                   "candidate_tokens", "threshold", "decision", "read_outcome", "read_bytes",
-                   "read_blocks", "read_duration_s", "read_setup_s", "remaining_ttl_s",
-                   "recomputed_tokens", "output_tokens", "stream", "lookup", "fallback_reason",
-                   "compute_saved_tokens", "compute_saved_s", "ttft_gained_s",
-                   "prefill_request_id", "decode_request_id", "trace_id")
+# Shown with every turn in JSON and tables (numbers and ids only): the turn table's public
+# columns (kvobs.turn_columns, docs/turns.md) and what the timeline adds.
+SUMMARY_COLUMNS = (*[c for c in PUBLIC if c not in KEYS],
+                   "compute_saved_tokens", "compute_saved_s", "ttft_gained_s")
 
 
 class UnknownConversation(LookupError):

@@ -592,6 +592,7 @@ HEALTHY_VERDICTS = frozenset(
 
 # Facts of the vLLM release kvobs observes that several kvobs parts reason with.
 VLLM_DEFAULT_DECODE_TTL_S = 480.0  # default decoder_kv_blocks_ttl
+VLLM_DEFAULT_RECOMPUTE_THRESHOLD = 64  # default kv_recompute_threshold (tokens)
 VLLM_DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (fixed)
 
 # --------------------------------------------------------------------------- embedded store

@@ -100,7 +100,7 @@ class SyntheticConfig:
     ttl_s: float = sc.VLLM_DEFAULT_DECODE_TTL_S  # decoder_kv_blocks_ttl
     proxy_lifetime_s: float = 450.0  # proxy entry lifetime (capped proxies)
     uncapped_proxy_share: float = 0.3  # conversations behind a proxy with no lifetime cap
-    threshold: int = 64
+    threshold: int = sc.VLLM_DEFAULT_RECOMPUTE_THRESHOLD
     bytes_per_token: int = 131_072  # KV bytes per token (e.g. an 8B model in bf16)
     read_gbps: float = 10.0  # D->P read throughput, GB/s
     read_overhead_s: float = 0.002  # fixed cost per read (handshake, descriptors)

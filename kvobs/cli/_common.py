@@ -6,11 +6,12 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
-from kvobs.cli import EXIT_INTERNAL  # noqa: F401  (a kvobs bug; the group handles it)
+# EXIT_INTERNAL (4, a bug in kvobs) is kvobs.cli's: the group handles it.
 
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
@@ -40,7 +41,9 @@ def load_source(location: str) -> SpanSource:
 
 
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: messages carry brackets (pip install 'kvobs[fleet]', ids, paths).
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False,
+                               soft_wrap=True)
     sys.exit(EXIT_INPUT)
 
 

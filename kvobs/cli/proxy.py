@@ -7,6 +7,7 @@ import logging
 import click
 
 from kvobs.cli._common import fail_input
+from kvobs.semconv import VLLM_DEFAULT_DECODE_TTL_S
 
 ENV_REDIS_URL = "KVOBS_PROXY_REDIS_URL"
 
@@ -67,7 +68,8 @@ class _UpstreamFlags(click.Command):
               default=("localhost",), show_default=True)
 @click.option("--decoder-port", "--decoder-ports", "decoder_ports", multiple=True,
               default=("8200",), show_default=True)
-@click.option("--decode-kv-ttl", type=float, default=480.0, show_default=True,
+@click.option("--decode-kv-ttl", type=float, default=VLLM_DEFAULT_DECODE_TTL_S,
+              show_default=True,
               help="decoder_kv_blocks_ttl (s) of the decode engines, when D's params lack it.")
 @click.option("--expiry-margin", type=float, default=10.0, show_default=True,
               help="End entries this long before D's blocks expire (>= 5 s).")

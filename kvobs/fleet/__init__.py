@@ -1,12 +1,15 @@
 """Fleet analysis: every turn of a source at once (report, tune, what-if).
 
-``fleet_turns(source)`` builds the turn table column-wise (Arrow/numpy for the embedded
-store, SQL for ClickHouse); ``kvobs.verdicts.classify_frame`` (the rules themselves,
+``fleet_turns(source)`` is the fleet's turn table: the source's turn rows (its
+``turn_rows()``: Arrow/numpy for the embedded store, SQL for ClickHouse) with the derived
+columns (``kvobs.correlate.turn_table``); ``kvobs.verdicts.classify_frame`` (the rules themselves,
 which decide over whole tables) labels it; ``build_report``, ``tune`` and ``whatif`` work
 on the labelled table.
 """
 
-from kvobs.fleet._turns import fleet_turns
+import pandas as pd
+
+from kvobs.correlate import turn_table
 from kvobs.fleet.report import FleetReport, build_report, label_turns
 from kvobs.fleet.tune import Tuning, tune
 from kvobs.verdicts import classify_frame
@@ -14,4 +17,9 @@ from kvobs.fleet.whatif import WhatIf, whatif
 
 __all__ = ["fleet_turns", "classify_frame", "FleetReport", "build_report", "label_turns",
            "Tuning", "tune", "WhatIf", "whatif"]
+
+
+def fleet_turns(source) -> pd.DataFrame:
+    """Every turn of ``source`` (a ``kvobs.sources.SpanSource``), fleet columns."""
+    return turn_table(source.turn_rows())
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvobs.correlate import follows
 from kvobs.timeline import prefill_rate
 from kvobs import semconv as sc
 from kvobs.semconv import ReadOutcome, Verdict
@@ -87,8 +88,6 @@ def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """For each row: whether the conversation's next turn follows it, and that turn's row."""
-    from kvobs.fleet._turns import follows
-
     n = len(turns)
     has_next = np.zeros(n, bool)
     has_next[:-1] = follows(turns)[1:]

@@ -2,25 +2,28 @@
 
 Every source returns spans as a pandas DataFrame with the columns ``SPAN_COLUMNS`` plus
 one column per known attribute key (``semconv.ATTRIBUTES``); unknown attributes are
-dropped, absent ones are null. Problems met while reading (corrupt lines, unreadable
-files) are collected in ``problems`` as ``file:line: reason`` and never stop the read.
+dropped, absent ones are null. ``turn_rows()`` gives the fleet's turn rows
+(``kvobs.correlate.aggregate`` over every span, before ``derive``), each backend the way
+it does best: the store from its turn files, ClickHouse in SQL. Problems met while
+reading (corrupt lines, unreadable files) are collected in ``problems`` as
+``file:line: reason`` and never stop the read.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import pandas as pd
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import SPAN_COLUMNS, empty_spans
 
 __all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS",
            "empty_spans"]
-
-
-class SourceError(Exception):
-    """The source cannot be read at all (missing path, unknown format)."""
 
 
 class SpanSource(Protocol):
@@ -28,6 +31,10 @@ class SpanSource(Protocol):
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         """All spans, or those of one conversation (including their traces' spans)."""
+
+    def turn_rows(self) -> pa.Table:
+        """One Arrow row per (tenant, conversation_id, turn), sorted by those keys, with
+        the columns of ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``)."""
 
     def conversation_ids(self) -> list[str]:
         """Every conversation id the source knows."""

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import pyarrow as pa
 
-from kvobs.sources import SourceError
+from kvobs.sources._errors import SourceError
 
 Query = Callable[..., pa.Table]
 # Statements that answer no rows: sent as commands, not queries.

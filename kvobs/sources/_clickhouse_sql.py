@@ -4,6 +4,7 @@ attribute access, span columns, value types."""
 from __future__ import annotations
 
 from kvobs import semconv as sc
+from kvobs.turn_columns import FLEET_COLUMNS, span_names
 
 ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
@@ -85,6 +86,4 @@ NULLABLE = {"int": "Nullable(Int64)", "float": "Nullable(Float64)",
 
 
 def fleet_span_names() -> list[str]:
-    from kvobs.fleet._turns import FLEET_FIELDS
-
-    return sorted({span.name for span, _ in FLEET_FIELDS.values()})
+    return span_names(FLEET_COLUMNS)

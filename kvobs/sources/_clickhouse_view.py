@@ -1,9 +1,9 @@
 """The ClickHouse turn view: what the store's turn files are to its spans.
 
 A materialized view writes one partial row per (tenant, conversation, turn) and insert as
-the exporter inserts spans; ``ClickHouseSource.fleet_turns`` reads it when it holds every
-span (``view_state``). DDL and backfill are generated from ``kvobs.fleet``'s
-``FLEET_FIELDS``, the same columns the span SQL pivots.
+the exporter inserts spans; ``ClickHouseSource.turn_rows`` reads it when it holds every
+span (``view_state``). DDL and backfill are generated from
+``kvobs.turn_columns.FLEET_COLUMNS``, the same columns the span SQL pivots.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import hashlib
 from typing import NamedTuple
 
 from kvobs.sources import _clickhouse_sql as sql
+from kvobs.turn_columns import FLEET_COLUMNS, Agg
 
 
 class _ViewColumn(NamedTuple):
@@ -27,22 +28,23 @@ class _ViewColumn(NamedTuple):
 
 def view_columns() -> list[_ViewColumn]:
     """The view's fleet columns, with the span path's semantics: the first non-null
-    value of the column's span by start time, the sum for SUMMED, presence for PRESENCE.
+    value of the column's span by start time, or its ``Agg`` (sum, count, presence).
 
     Plain columns, no aggregate states (deserializing 29 argMin states per turn cost as
     much as reading the spans): the first non-null value is the least (rank, start,
     value), rank 0 for a value, 1 for a null, 2 for a row of another span."""
-    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
-
     columns = []
-    for column, (span, source) in FLEET_FIELDS.items():
-        on_span = f"SpanName = {sql.quote(span.name)}"
+    for column, turn_column in FLEET_COLUMNS.items():
+        on_span = f"SpanName = {sql.quote(turn_column.span.name)}"
         value = f"v_{column}"
-        kind = sql.NULLABLE[column_type(column)]
-        if column in PRESENCE:
+        kind = sql.NULLABLE[turn_column.type]
+        if turn_column.agg is Agg.PRESENCE:
             columns.append(_ViewColumn(column, "max", "UInt8", f"max({on_span})",
                                        "if({} = 1, 'yes', NULL)"))
-        elif column in SUMMED:
+        elif turn_column.agg is Agg.COUNT:
+            columns.append(_ViewColumn(column, "sum", "UInt64", f"countIf({on_span})",
+                                       "nullIf({}, 0)"))
+        elif turn_column.agg is Agg.SUM:
             columns.append(_ViewColumn(column, "sum", kind, f"sumIf({value}, {on_span})",
                                        "{}"))
         else:
@@ -61,12 +63,9 @@ def _view_select(table: str) -> str:
     """Fleet spans of ``table`` as partial turn rows. A span lacking conversation or turn
     cannot be placed (its trace may supply them, at read time): it marks its row
     ``keyless`` so that readers take the span path."""
-    from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, column_type
-
     values = "".join(
-        f",\n        CAST({sql.span_column(source)}, '{sql.NULLABLE[column_type(column)]}') "
-        f"AS v_{column}"
-        for column, (_, source) in FLEET_FIELDS.items() if column not in PRESENCE)
+        f",\n        CAST({sql.span_column(c.source)}, '{sql.NULLABLE[c.type]}') AS v_{name}"
+        for name, c in FLEET_COLUMNS.items() if c.agg not in (Agg.PRESENCE, Agg.COUNT))
     states = "".join(f",\n    {c.insert} AS {c.name}" for c in view_columns())
     names = ", ".join(map(sql.quote, sql.fleet_span_names()))
     return (f"SELECT tenant, conversation_id, ifNull(turn_index, 0) AS turn,\n"

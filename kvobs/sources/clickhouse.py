@@ -6,8 +6,8 @@ DateTime64(9)), ``TraceId``, ``SpanId``, ``ParentSpanId``, ``SpanName``, ``Servi
 String)`` (every attribute value as a string). See docs/clickhouse.md for the collector
 configuration.
 
-Heavy work stays in SQL: ``fleet_turns()`` pivots spans into one row per (tenant,
-conversation, turn) (the same columns as ``kvobs.fleet``'s store path), from the turn
+Heavy work stays in SQL: ``turn_rows()`` pivots spans into one row per (tenant,
+conversation, turn) (``kvobs.turn_columns.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
 view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
 store's turn files are to its spans) when it holds every span, else from the spans with
 one ``GROUP BY`` per span name; ``spans(cid)`` reads one conversation's traces only.
@@ -54,7 +54,12 @@ from kvobs.sources._clickhouse_view import (
     view_columns,
     view_mark,
 )
+from kvobs.correlate import ARROW_TYPES
+from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import ALL_DTYPES, drop_duplicate_spans
+from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
+from kvobs.sources._store_layout import COMPACTED_DIR
+from kvobs.turn_columns import FLEET_COLUMNS, Agg
 
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
@@ -67,14 +72,12 @@ def check_table_name(table: str) -> None:
     """Raise ``SourceError`` unless ``table`` is a plain ``[db.]name`` (it goes into SQL
     text: a table name cannot be a bound parameter)."""
     if not _TABLE_NAME.fullmatch(table or ""):
-        from kvobs.sources import SourceError
-
         raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
                           "digits, underscores)")
 
 
 class ClickHouseSource:
-    """A ``SpanSource`` over an ``otel_traces`` table, plus ``fleet_turns()`` in SQL."""
+    """A ``SpanSource`` over an ``otel_traces`` table, its ``turn_rows()`` in SQL."""
 
     def __init__(self, query: Query, table: str = DEFAULT_TABLE,
                  location: str = "clickhouse"):
@@ -93,8 +96,6 @@ class ClickHouseSource:
         ``KVOBS_CLICKHOUSE_PASSWORD``), or ``chdb:PATH[?table=T]`` (embedded). Connects
         on first use: ``check()`` raises ``SourceError`` with the server's own words when
         it refuses or is not there."""
-        from kvobs.sources import SourceError
-
         parsed = urllib.parse.urlparse(url)
         table = urllib.parse.parse_qs(parsed.query).get("table", [DEFAULT_TABLE])[0]
         check_table_name(table)  # before any connection or embedded database
@@ -140,8 +141,6 @@ class ClickHouseSource:
     def load_store(self, store_dir: str) -> int:
         """Copy an embedded store's parquet segments into ``otel_traces`` the way the
         exporter would have written them (tests, demos, benchmarks). Returns spans."""
-        from kvobs.sources.store import COMPACTED_DIR
-
         pattern = os.path.join(os.path.abspath(store_dir), COMPACTED_DIR, "*", "*.parquet")
         pairs = []
         for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
@@ -166,8 +165,6 @@ class ClickHouseSource:
     def check(self) -> None:
         """Raise ``SourceError`` unless the table can be read (unreachable server, no
         such table): commands then fail with a message, not a traceback."""
-        from kvobs.sources import SourceError
-
         try:
             exists = self.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py()
         except ClickHouseError as error:
@@ -209,24 +206,23 @@ class ClickHouseSource:
 
     def turns_sql(self) -> str:
         """One row per (tenant, conversation, turn) in one query, spans lacking a key
-        taking it from their trace (a join): what ``fleet_turns`` falls back to when its
+        taking it from their trace (a join): what ``turn_rows`` falls back to when its
         per-span-name parts show such spans, or on a hash collision."""
-        from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
-
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up in the map only on rows of its own span.
         branches = []
         for name in fleet_span_names():
             values = []
-            for column, (span, source) in FLEET_FIELDS.items():
-                kind = "bool" if column in PRESENCE else column_type(column)
-                if span.name != name:
+            for column, turn_column in FLEET_COLUMNS.items():
+                marker = turn_column.agg in (Agg.PRESENCE, Agg.COUNT)
+                kind = "bool" if marker else turn_column.type
+                if turn_column.span.name != name:
                     values.append(f"CAST(NULL, '{NULLABLE[kind]}') AS v_{column}")
-                elif column in PRESENCE:
+                elif marker:
                     values.append(f"CAST(1, '{NULLABLE[kind]}') AS v_{column}")
                 else:
-                    values.append(f"CAST({span_column(source)}, '{NULLABLE[kind]}') "
-                                  f"AS v_{column}")
+                    values.append(f"CAST({span_column(turn_column.source)}, "
+                                  f"'{NULLABLE[kind]}') AS v_{column}")
             branches.append(
                 f"SELECT TraceId, Timestamp, {attr(TENANT_KEY)} AS tenant, "
                 f"{attr(CID_KEY)} AS cid, toInt64OrNull({attr(TURN_KEY)}) AS turn_index, "
@@ -244,11 +240,13 @@ class ClickHouseSource:
                              FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = []
-        for column in FLEET_FIELDS:
-            if column in PRESENCE:
+        for column, turn_column in FLEET_COLUMNS.items():
+            if turn_column.agg is Agg.PRESENCE:
                 select.append(f"if(countIf(v_{column} IS NOT NULL) > 0, 'yes', NULL) "
                               f"AS {column}")
-            elif column in SUMMED:
+            elif turn_column.agg is Agg.COUNT:
+                select.append(f"nullIf(countIf(v_{column} IS NOT NULL), 0) AS {column}")
+            elif turn_column.agg is Agg.SUM:
                 select.append(f"sum(v_{column}) AS {column}")
             else:
                 # pandas groupby.first(): the first non-null value by start time.
@@ -261,19 +259,20 @@ class ClickHouseSource:
     def branch_sql(self, span: str, keys: bool = True) -> str:
         """One span name's turn rows: its columns, two hashes of the turn key and (with
         ``keys``) the key itself."""
-        from kvobs.fleet._merge import CHECK, HASH
-        from kvobs.fleet._turns import FLEET_FIELDS, PRESENCE, SUMMED, column_type
-
         values, select = [], []
-        for column, (name, source) in FLEET_FIELDS.items():
-            if name.name != span:
+        for column, turn_column in FLEET_COLUMNS.items():
+            if turn_column.span.name != span:
                 continue
-            if column in PRESENCE:
+            if turn_column.agg is Agg.PRESENCE:
                 select.append(f"'yes' AS {column}")
                 continue
-            kind = column_type(column)
-            values.append(f"CAST({span_column(source)}, '{NULLABLE[kind]}') AS v_{column}")
-            select.append(f"sum(v_{column}) AS {column}" if column in SUMMED else
+            if turn_column.agg is Agg.COUNT:
+                select.append(f"toInt64(count()) AS {column}")
+                continue
+            kind = turn_column.type
+            values.append(f"CAST({span_column(turn_column.source)}, '{NULLABLE[kind]}') "
+                          f"AS v_{column}")
+            select.append(f"sum(v_{column}) AS {column}" if turn_column.agg is Agg.SUM else
                           f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
                           f"AS {column}")
         group = "tenant, cid, turn_index"
@@ -331,9 +330,7 @@ class ClickHouseSource:
             return "incomplete"
         return "traces" if row["keyless"] or row["partial_tenant"] else "turns"
 
-    def fleet_turns(self) -> pd.DataFrame:
-        from kvobs.fleet._turns import derive, to_frame
-
+    def turn_rows(self) -> pa.Table:
         state = self.view_state()
         table = self.query(self.view_sql()) if state == "turns" else None
         if table is None or _repeats_a_turn(table):  # repeated: rows inserted meanwhile
@@ -341,12 +338,9 @@ class ClickHouseSource:
                      else self._turns_from_parts())
         keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
                         pc.is_valid(table.column("turn")))
-        return derive(to_frame(table.filter(keyed)))
+        return table.filter(keyed)
 
     def _turns_from_parts(self) -> pa.Table:
-        from kvobs.fleet._merge import align_parts, merge_parts
-        from kvobs.fleet._turns import _ARROW, FLEET_FIELDS, column_type
-
         # The proxy's turn span is in (almost) every turn: its part brings the key strings,
         # the others only hashes (align_parts); if some turn lacks it, every part is
         # asked with keys (merge_parts).
@@ -354,7 +348,7 @@ class ClickHouseSource:
         others = [name for name in fleet_span_names() if name != proxy]
         keyed = self.query(self.branch_sql(proxy))
         parts = [self.query(self.branch_sql(name, keys=False)) for name in others]
-        types = {column: _ARROW[column_type(column)] for column in FLEET_FIELDS}
+        types = {name: ARROW_TYPES[column.type] for name, column in FLEET_COLUMNS.items()}
         if _need_traces([keyed, *parts]):
             return self.query(self.turns_sql())
         table = align_parts(keyed, parts, types) if keyed.num_rows else None

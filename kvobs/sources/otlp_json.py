@@ -10,8 +10,10 @@ import os
 from typing import Iterator
 
 import pandas as pd
+import pyarrow as pa
 
 from kvobs import semconv as sc
+from kvobs.correlate import turn_rows
 from kvobs.sources._decode import documents
 from kvobs.sources._frame import drop_duplicate_spans, frame_from_rows, select_conversation
 from kvobs.sources._rows import rows, spans_from_request
@@ -68,6 +70,9 @@ class DocumentSource:
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         frame = self._all()
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
+
+    def turn_rows(self) -> pa.Table:
+        return turn_rows(self._all())
 
     def conversation_ids(self) -> list[str]:
         return sorted(self._all()[sc.CONVERSATION_ID.key].dropna().unique())

@@ -29,13 +29,18 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
-from kvobs.sources._decode import short
+from kvobs.correlate import aggregate
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
                                   select_conversation)
+from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note, read_spans,
+                                         readable, span_files, store_schema, turns_path)
+from kvobs.sources._store_turns import store_turns
 from kvobs.sources.otlp_json import OtlpJsonSource
 
-COMPACTED_DIR = sc.STORE_COMPACTED_DIR
-TURNS_DIR = sc.STORE_TURNS_DIR
+__all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
+           "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
+           "TURNS_DIR", "BUCKETS"]
+
 BUCKETS = 64
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
@@ -61,14 +66,6 @@ def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
         turn = sc.TURN_INDEX.key
         frame.loc[missing, turn] = traces.map(by_trace[turn]).astype("Int64").to_numpy()
     return frame
-
-
-@functools.lru_cache(maxsize=1)
-def store_schema() -> pa.Schema:
-    """The Arrow schema of compacted segments (the span table's columns and types).
-    Cached: building it takes an empty span table (~0.1-0.3 s), and readers ask per
-    column."""
-    return pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
 
 
 def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
@@ -113,97 +110,15 @@ def write_table(store_dir: str, table: pa.Table) -> int:
     return table.num_rows
 
 
-def turns_path(store_dir: str, span_file: str) -> str:
-    """The turn file of a compacted span file (it may not exist: older stores)."""
-    bucket = os.path.basename(os.path.dirname(span_file))
-    return os.path.join(store_dir, TURNS_DIR, bucket, os.path.basename(span_file))
-
-
 def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -> None:
     """Write the turn rows of one span file, after the span file itself: a span file
     without turns is read from its spans, never the reverse."""
-    from kvobs.fleet._turns import aggregate
-
     if spans is None:
         spans = pq.read_table(span_file)
     path = turns_path(store_dir, span_file)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(aggregate(spans), path + ".tmp", compression="zstd")
     os.replace(path + ".tmp", path)
-
-
-def span_files(store_dir: str, bucket: int | None = None) -> list[str]:
-    """The compacted span files (of one bucket)."""
-    compacted = os.path.join(store_dir, COMPACTED_DIR)
-    if not os.path.isdir(compacted):
-        return []
-    buckets = (os.listdir(compacted) if bucket is None else [f"bucket={bucket:02d}"])
-    return sorted(os.path.join(compacted, directory, name)
-                  for directory in buckets if directory.startswith("bucket=")
-                  and os.path.isdir(os.path.join(compacted, directory))
-                  for name in os.listdir(os.path.join(compacted, directory))
-                  if name.endswith(".parquet"))
-
-
-_PARQUET_MAGIC = b"PAR1"
-
-
-def readable(files: list[str], problems: list[str], what: str = "span file"
-             ) -> list[str]:
-    """The files that look like whole parquet files (magic number at both ends: an empty,
-    truncated or foreign file fails it; a read costs ~7 ms of footer per file, this
-    microseconds). Each other one is reported and left out: every command reads the
-    rest of the store the same way."""
-    good = []
-    for path in files:
-        try:
-            with open(path, "rb") as handle:
-                head = handle.read(len(_PARQUET_MAGIC))
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                handle.seek(max(size - len(_PARQUET_MAGIC), 0))
-                tail = handle.read()
-        except OSError as error:
-            note(problems, f"{path}: skipped unreadable {what} ({error.strerror})")
-            continue
-        if size < 3 * len(_PARQUET_MAGIC) or head != _PARQUET_MAGIC or tail != _PARQUET_MAGIC:
-            why = "empty" if size == 0 else "not a whole parquet file"
-            note(problems, f"{path}: skipped unreadable {what} ({why})")
-            continue
-        good.append(path)
-    return good
-
-
-def note(problems: list[str], problem: str) -> None:
-    """Report a problem once, however often the store is read."""
-    if problem not in problems:
-        problems.append(problem)
-
-
-def read_spans(files: list[str], problems: list[str], columns: list[str],
-               expression=None, file_format="parquet") -> pa.Table:
-    """Columns of compacted span files (today's schema: segments written by an older
-    kvobs lack newer attributes, read as null). One dataset when every file reads; else
-    file by file, an unreadable one (corrupt, empty, truncated) reported and left out."""
-    schema = store_schema()
-    schema = pa.schema([schema.field(c) for c in columns])
-
-    def scan(paths):
-        if not paths:
-            return schema.empty_table()
-        dataset = ds.dataset(paths, format=file_format, schema=schema)
-        return dataset.to_table(columns=columns, filter=expression)
-    try:
-        return scan(files)
-    except (pa.ArrowException, OSError):
-        pass
-    tables = []
-    for path in readable(files, problems):
-        try:
-            tables.append(scan([path]))
-        except (pa.ArrowException, OSError) as error:
-            note(problems, f"{path}: skipped unreadable span file ({short(error)})")
-    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 def compact(store_dir: str) -> tuple[int, list[str]]:
@@ -255,6 +170,10 @@ class StoreSource:
         frame = drop_duplicate_spans(pd.concat([compacted, live], ignore_index=True),
                                      self.problems)
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
+
+    def turn_rows(self) -> pa.Table:
+        """Mostly from the turn files written at compaction (``_store_turns``)."""
+        return store_turns(self.store_dir, self._live, self.problems)
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()

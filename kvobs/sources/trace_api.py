@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 from typing import Iterator
 
-from kvobs.sources import SourceError
+from kvobs.sources._errors import SourceError
 from kvobs.sources._rows import rows
 from kvobs.sources.otlp_json import DocumentSource
 

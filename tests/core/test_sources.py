@@ -87,7 +87,7 @@ def test_segments_written_by_an_older_kvobs_still_read(store_dir):
     import pyarrow.parquet as pq
 
     from kvobs.diagnose import diagnose
-    from kvobs.fleet._turns import fleet_turns
+    from kvobs.fleet import fleet_turns
     from kvobs.semconv import LINEAGE_FACTS, PREFIX_LINEAGE
 
     compact(str(store_dir))

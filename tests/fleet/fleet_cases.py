@@ -11,9 +11,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spanfactory import TurnSpec  # noqa: E402
 
 from kvobs import synth  # noqa: E402
-from kvobs.fleet._turns import PRESENCE  # noqa: E402
+from kvobs.turn_columns import FLEET_COLUMNS, Agg  # noqa: E402
 
 CONFIG = synth.small(250, seed=3)
+PRESENCE = {name for name, c in FLEET_COLUMNS.items() if c.agg is Agg.PRESENCE}
 
 FACTORY_CASES = {
     "hit": [TurnSpec(), TurnSpec(read="done")],

@@ -1,9 +1,8 @@
 """The fleet turn table (column-wise, for scale) labels every turn as kvobs diagnose does,
 keyed by (tenant, conversation, turn)."""
 
-from fleet_cases import SHARED_ID, TENANTS, assert_same_turns
+from fleet_cases import SHARED_ID, TENANTS
 
-from kvobs.correlate import turns_from_spans
 from kvobs.diagnose import all_turns
 from kvobs.fleet import classify_frame, fleet_turns
 from kvobs.sources import open_source
@@ -29,27 +28,16 @@ def test_parity_on_factory_spans(factory_store):
         t: len(specs) for t, specs in TENANTS.items()}
 
 
-def test_fleet_turn_table_equals_correlate_with_two_tenants(factory_store):
-    source = open_source(factory_store)
-    assert_same_turns(fleet_turns(source), turns_from_spans(source.spans()))
-
-
 def test_parity_on_synthetic_store(synthetic_store):
-    compare_verdicts(open_source(synthetic_store[0]))
-
-
-def test_fleet_turn_table_equals_correlate(synthetic_store):
-    source = open_source(synthetic_store[0])
-    turns = fleet_turns(source)
+    turns = compare_verdicts(open_source(synthetic_store[0]))
     assert turns["tenant"].nunique() > 1
-    assert_same_turns(turns, turns_from_spans(source.spans()))
 
 
 def test_turn_indices_of_any_size_stay_in_their_conversation():
     import pyarrow as pa
 
     from kvobs import semconv as sc
-    from kvobs.fleet._turns import aggregate, span_columns
+    from kvobs.correlate import aggregate, span_columns
     from kvobs.sources.store import store_schema
 
     turns = [("a", 1), ("a", 2_000_000), ("b", -3), ("b", 5)]

@@ -167,10 +167,10 @@ def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, ca
 
 
 def test_single_query_sql_equals_the_per_span_parts(clickhouse, factory_clickhouse):
-    from kvobs.fleet._turns import derive, to_frame
+    from kvobs.correlate import turn_table
 
     for source in (clickhouse, factory_clickhouse):
-        single = derive(to_frame(source.query(source.turns_sql())))
+        single = turn_table(source.query(source.turns_sql()))
         assert_same_turns(fleet_turns(source), single)
 
 

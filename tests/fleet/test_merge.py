@@ -2,7 +2,7 @@
 
 import pyarrow as pa
 
-from kvobs.fleet._merge import align_parts, merge_parts
+from kvobs.sources._merge import align_parts, merge_parts
 
 TYPES = {"a": pa.int64(), "b": pa.float64()}
 

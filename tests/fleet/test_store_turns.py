@@ -61,15 +61,11 @@ def test_split_and_live_conversations_equal_the_span_table(tmp_path):
 
 
 def test_report_from_turn_files_equals_report_from_spans(tmp_path):
-    import pyarrow as pa
-
-    from kvobs.fleet._turns import span_columns, turns_from_table
+    from kvobs.correlate import turn_rows, turn_table
 
     path = _split_store(str(tmp_path))
     source = open_source(path)
-    spans = source.spans()
-    from_spans = turns_from_table(pa.Table.from_pandas(spans[span_columns() + ["trace_id"]],
-                                                       preserve_index=False))
+    from_spans = turn_table(turn_rows(source.spans()))
     assert (build_report(fleet_turns(source))[0].to_dict()
             == build_report(from_spans)[0].to_dict())
 

@@ -18,20 +18,22 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage
-from kvobs.fleet._merge import sort_turns
-from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
+from kvobs.correlate import aggregate, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import drop_duplicate_span_rows
+from kvobs.sources._merge import sort_turns
+from kvobs.sources._store_layout import note, readable, span_files, store_schema, turns_path
+from kvobs.turn_columns import KEY_SOURCES
+
+_TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
 
 _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
 
 
-def _live_spans(source, columns: list[str]) -> pa.Table | None:
-    from kvobs.sources.store import store_schema
-
-    if not os.path.isdir(source._live.location):
+def _live_spans(live, columns: list[str]) -> pa.Table | None:
+    if not os.path.isdir(live.location):
         return None
-    frame = source._live.spans()
+    frame = live.spans()
     if frame.empty:
         return None
     if lineage.needed(frame):  # id-less turns: conversations from the prefix chains
@@ -45,8 +47,6 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
                      problems: list[str] | None = None) -> pa.Table:
     """``_scan_spans``; when a file cannot be read (corrupt inside: ``readable`` let it
     through), file by file, the unreadable ones reported and left out."""
-    from kvobs.sources.store import note
-
     try:
         return _scan_spans(files, columns, cids)
     except (pa.ArrowException, OSError):
@@ -64,8 +64,6 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
 
 
 def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> pa.Table:
-    from kvobs.sources.store import store_schema
-
     schema = pa.schema([store_schema().field(c) for c in columns])
     if not files:
         return schema.empty_table()
@@ -83,19 +81,16 @@ def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> 
     return table.select(columns).unify_dictionaries()
 
 
-def store_turns(source) -> pa.Table:
-    """Turn rows (before ``derive``) of a ``StoreSource``, sorted by the turn keys."""
-    from kvobs.sources.store import readable, span_files, turns_path
-
-    store_dir = source.store_dir
-    problems = source.problems
+def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
+    """Turn rows (before ``derive``) of a store directory and its live segments (a
+    ``SpanSource``), sorted by the turn keys; unreadable files reported in ``problems``."""
     columns = span_columns() + ["trace_id", "span_id"]
-    live = _live_spans(source, columns)
+    live = _live_spans(live_source, columns)
     files = readable(span_files(store_dir), problems)
     has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
     if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
         # A live span without conversation may belong to any compacted trace.
-        spans = _plain(_compacted_spans(files, columns, None, problems)).cast(live.schema)
+        spans = plain(_compacted_spans(files, columns, None, problems)).cast(live.schema)
         return aggregate(drop_duplicate_span_rows(pa.concat_tables([spans, live]), problems))
     turn_files = {f: _turn_file(turns_path(store_dir, f), problems)
                   for f in files if has_turns[f]}
@@ -119,7 +114,7 @@ def store_turns(source) -> pa.Table:
     if len(cids):
         spans = _compacted_spans(files, columns, cids, problems)
         if live is not None:
-            spans = pa.concat_tables([_plain(spans).cast(live.schema), live])
+            spans = pa.concat_tables([plain(spans).cast(live.schema), live])
         # A span in two files (a retried export compacted twice, a copied file) counts once.
         kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
     empty = aggregate(_compacted_spans([], columns, None))
@@ -131,8 +126,6 @@ def store_turns(source) -> pa.Table:
 def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
     """A span file's turn rows, or None (no turn file, or one that cannot be read:
     reported; its turns are then rebuilt from its spans, nothing lost)."""
-    from kvobs.sources.store import note
-
     try:
         return pq.read_table(path, read_dictionary=_READ_AS_DICTIONARY)
     except (pa.ArrowException, OSError) as error:
@@ -153,7 +146,7 @@ def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:
     """Conversation ids found in more than one turn file."""
     ids = pa.chunked_array([t.column("conversation_id").cast(pa.string()) for t in turns])
-    codes, names = _ranked(ids)
+    codes, names = ranked(ids)
     lengths = np.array([t.num_rows for t in turns])
     pairs = np.unique(codes * len(turns) + np.repeat(np.arange(len(turns)), lengths))
     files_per_id = np.bincount(pairs // len(turns), minlength=len(names))

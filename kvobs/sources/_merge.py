@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs.fleet._turns import _ranked
+from kvobs.correlate import ranked
 
 HASH, CHECK = "k", "k2"
 KEY_COLUMNS = ("tenant", "conversation_id", "turn")
@@ -25,8 +25,8 @@ KEY_COLUMNS = ("tenant", "conversation_id", "turn")
 def sort_turns(table: pa.Table) -> pa.Table:
     """Rows in (tenant, conversation_id, turn) order, as ``aggregate`` gives them."""
     table = table.unify_dictionaries()
-    tenant, _ = _ranked(table.column("tenant"))
-    cid, _ = _ranked(table.column("conversation_id"))
+    tenant, _ = ranked(table.column("tenant"))
+    cid, _ = ranked(table.column("conversation_id"))
     turn = table.column("turn").to_numpy()
     return table.take(pa.array(np.lexsort((turn, cid, tenant))))
 

@@ -1,0 +1,37 @@
+"""The turn table's schema (kvobs.turn_columns) is consistent with semconv and the docs."""
+
+from kvobs import semconv as sc
+from kvobs import turn_columns as tc
+from kvobs.catalogue import turns_md
+from kvobs.diagnose import SUMMARY_COLUMNS
+
+
+def test_every_span_column_reads_a_known_span_and_attribute():
+    for column in tc.SPAN_COLUMNS.values():
+        assert column.span is not None, column.name
+        if column.source in tc.SPAN_FIELDS:
+            continue
+        attribute = sc.ATTRIBUTES[column.source]
+        if column.agg is not tc.Agg.COUNT:
+            assert column.type == attribute.type, column.name
+
+
+def test_fleet_columns_aggregate_like_the_full_table_or_keep_presence():
+    for name, fleet in tc.FLEET_COLUMNS.items():
+        full = tc.COLUMNS[name]
+        assert fleet.agg is full.agg or (fleet.agg is tc.Agg.PRESENCE
+                                         and full.source == "span_id"), name
+
+
+def test_previous_columns_are_derived_from_carried_columns():
+    carried = {c.name for c in tc.SPAN_COLUMNS.values() if c.carries}
+    assert {n[len(tc.PREVIOUS_PREFIX):] for n in tc.DERIVED if n != tc.GAP.name} == carried
+
+
+def test_public_columns_are_what_diagnose_shows_and_what_the_docs_list():
+    text = turns_md()
+    for name in tc.PUBLIC:
+        assert f"| `{name}` |" in text
+        assert name in SUMMARY_COLUMNS or name in tc.KEYS
+    names = set(tc.ALL_COLUMNS)
+    assert {c for c in SUMMARY_COLUMNS if c in names} == set(tc.PUBLIC) - set(tc.KEYS)
