@@ -295,6 +295,24 @@ async def _get_json(url: str):
             return await response.json(content_type=None)
 
 
+def _degraded(port: int) -> dict[str, float]:
+    """The proxy's ``kvobs_proxy_store_degraded_total`` by reason: turns that went on
+    without the store (budget spent, timeout, breaker open)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvobs_proxy_store_degraded_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.split()[-1])
+    return out
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -403,6 +421,7 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                 result["direct_p50"] = _pct(base.latencies, 0.5)
                 result["direct_p99"] = _pct(base.latencies, 0.99)
             before = asyncio.run(_get_json(urls["stats"]))
+            degraded0 = _degraded(port) if name.startswith("kvobs") else {}
             cpu0 = _cpu(ps)
             redis0 = _cpu(redis_ps) if redis_ps else 0.0
             spy = None
@@ -422,6 +441,9 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
             cpu = _cpu(ps) - cpu0
             redis_cpu = (_cpu(redis_ps) - redis0) if redis_ps else 0.0
             after = asyncio.run(_get_json(urls["stats"]))
+            degraded = {reason: n - degraded0.get(reason, 0) for reason, n in
+                        (_degraded(port) if name.startswith("kvobs") else {}).items()
+                        if n - degraded0.get(reason, 0)}
             requests = clients * conversations * TURNS
             later = after["p_later_turns"] - before["p_later_turns"]
             hits = after["p_with_params"] - before["p_with_params"]
@@ -433,7 +455,7 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                 "redis_cpu_ms": redis_cpu / requests * 1e3,
                 "p50": _pct(phase.latencies, 0.5), "p99": _pct(phase.latencies, 0.99),
                 "hit_rate": hits / later if later else float("nan"),
-                "engine_calls": engine_calls / requests}
+                "store_degraded": degraded, "engine_calls": engine_calls / requests}
             print(f"  {name:<15}{clients:>4} clients: {requests:>5} req  "
                   f"{result[clients]['rps']:>7.0f} req/s  cpu {result[clients]['cpu_ms']:.3f} "
                   f"ms/req  p50 {result[clients]['p50'] * 1e3:.2f} ms  p99 "
@@ -442,6 +464,7 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                   + (f" {phase.error_kinds}" if phase.errors else "")
                   + (f"  redis cpu {result[clients]['redis_cpu_ms']:.3f} ms/req"
                      if name.startswith("kvobs-prod") else "")
+                  + (f"  store degraded {degraded}" if degraded else "")
                   + f"  engine calls/req {result[clients]['engine_calls']:.2f}", flush=True)
         if name.startswith("kvobs"):
             try:

@@ -158,6 +158,8 @@ class SchedulerObserver:
         self._retained_bytes = 0
         self._last_watchdog = 0.0
         self._errors_reported = 0
+        self._losses_reported: dict[str, int] = {}
+        self._losses_due = 0.0  # monotonic: span losses are looked at once a second
         self._stats = st.KvobsConnectorStats()
         self._stats_dirty = False  # a fact was added since the last take_stats
         self._publisher = None
@@ -603,6 +605,14 @@ class SchedulerObserver:
         if errors > self._errors_reported:
             self._add(st.TELEMETRY_ERRORS, errors - self._errors_reported)
             self._errors_reported = errors
+        now = time.monotonic()
+        if now >= self._losses_due:
+            self._losses_due = now + 1.0
+            for reason, lost in self._sink.losses().items():
+                reported = self._losses_reported.get(reason, 0)
+                if lost > reported:
+                    self._add(st.TELEMETRY_DROPPED, [reason, lost - reported])
+                    self._losses_reported[reason] = lost
         if not self._stats_dirty:  # every fact goes through _add: no key scan per step
             return None
         self._stats_dirty = False

@@ -43,12 +43,13 @@ STUCK_WAITS = "kvobs_stuck_waits"  # 1
 STUCK_PREVENTED = "kvobs_stuck_prevented"  # 1
 PREFIX_MISMATCHES = "kvobs_prefix_mismatches"  # 1
 TELEMETRY_ERRORS = "kvobs_telemetry_errors"  # n
+TELEMETRY_DROPPED = "kvobs_telemetry_dropped"  # [reason, spans]
 
 RAW_KEYS = (RAW_READS, RAW_RELEASES)
 FACT_KEYS = (READS, READ_BYTES, READ_DURATION, READ_SETUP, REMAINING_TTL, DECLINED_EXPIRED,
              PULL_DECISIONS, RETAINED_BLOCKS, RETAINED_BYTES, RETAINED_BLOCK_SECONDS,
              RELEASES, RECOMPUTED_TOKENS, REUSED_TOKENS, STUCK_WAITS, STUCK_PREVENTED,
-             PREFIX_MISMATCHES, TELEMETRY_ERRORS)
+             PREFIX_MISMATCHES, TELEMETRY_ERRORS, TELEMETRY_DROPPED)
 KVOBS_KEYS = RAW_KEYS + FACT_KEYS
 
 DIRECTIONS = tuple(d.value for d in sc.ReadDirection)
@@ -126,6 +127,8 @@ class KvobsPromMetrics(NixlPromMetrics):
         self.kvobs_stuck_prevented = self._make(sc.M_STUCK_PREVENTED)
         self.kvobs_prefix_mismatches = self._make(sc.M_PREFIX_MISMATCH)
         self.kvobs_errors = self._make(sc.M_TELEMETRY_ERRORS)
+        self.kvobs_dropped = self._make(sc.M_ENGINE_TELEMETRY_DROPPED,
+                                        [(r,) for r in sc.TELEMETRY_DROP_REASONS])
 
     def _make(self, metric: sc.Metric, values: list[tuple[str, ...]] | None = None):
         """Per engine: the child (no extra labels) or {label values: child}, all at 0."""
@@ -183,3 +186,7 @@ class KvobsPromMetrics(NixlPromMetrics):
             self.kvobs_prefix_mismatches[engine_idx].inc(value)
         for value in get(TELEMETRY_ERRORS, ()):
             self.kvobs_errors[engine_idx].inc(value)
+        for reason, spans in get(TELEMETRY_DROPPED, ()):
+            child = self.kvobs_dropped[engine_idx].get((reason,))
+            if child is not None:
+                child.inc(spans)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.setup import ENV_QUEUE_SIZE, configure_tracing, flush
+from kvobs.emit.setup import batch_settings, configure_tracing, flush, span_losses
 from kvobs.emit.spans import Correlation, emit
 
 _LOG = logging.getLogger("connector_instrumented")
@@ -102,7 +102,7 @@ class SpanSink:
         self._tracers: dict[sc.Service, trace.Tracer] = {}
         self._enabled: dict[str, bool] = {}  # by span name: asked on every hook call
         self._max_queue = max(1, int(max_queue if max_queue is not None
-                                     else os.environ.get(ENV_QUEUE_SIZE, "8192")))
+                                     else batch_settings().max_queue))
         self._wake_at = max(1, self._max_queue // 2)
         # deque append/popleft are atomic under the GIL: one producer (the hook's
         # thread) and the builder thread need no lock to hand items over; the bound is
@@ -121,6 +121,15 @@ class SpanSink:
     def errors(self) -> int:
         """Telemetry failures caught (hooks and spans) plus spans dropped."""
         return self._hook_errors + self._build_errors + self.dropped
+
+    def losses(self) -> dict[str, int]:
+        """Spans lost so far by ``semconv.TELEMETRY_DROP_REASONS``: this sink's full queue
+        and its tracers' export processors (full queue, failed exports)."""
+        totals = {"queue-full": self.dropped, "export-failed": 0}
+        for tracer in list(self._tracers.values()):
+            for reason, count in span_losses(tracer).items():
+                totals[reason] = totals.get(reason, 0) + count
+        return totals
 
     def _configure(self, service: sc.Service) -> trace.Tracer:
         return configure_tracing(service, self._store_dir)

@@ -181,6 +181,13 @@ class KvobsNixlConnector(UpstreamNixlConnector):
                                 per_engine_labelvalues)
 
     def shutdown(self):
+        # vLLM's only shutdown hook for a connector (EngineCore.shutdown -> Scheduler ->
+        # here, on SIGTERM too). Flushed first: upstream's shutdown joins its handshake
+        # listener thread without a timeout, and a SIGKILL after the process manager's
+        # grace period (5 s) would take the queued spans with it. Again after, for
+        # anything its shutdown emits.
+        if self._kvobs_sink is not None:
+            self._kvobs_sink.flush()
         try:
             return super().shutdown()
         finally:

@@ -24,11 +24,25 @@ def telemetry_md() -> str:
     lines = [_GENERATED, "# Span and metric catalogue\n",
              "Every name below lives in `kvobs/semconv.py`. Attribute values are ids and "
              "numbers only. `conversation_id` is a span attribute, never a metric label.\n",
-             "## Spans\n", "| span | service | meaning |", "|---|---|---|"]
-    lines += [f"| `{s.name}` | `{s.service.value}` | {s.doc} |" for s in sc.SPANS.values()]
+             "## Resource\n",
+             "Every kvobs process sets the OpenTelemetry resource from the environment "
+             "(the SDK's `Resource.create`: `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`) "
+             f"and adds its role as `{sc.ROLE.key}`. The service name is the deployer's; "
+             "without one each role gets a default: "
+             + ", ".join(f"`{s.value}` ({s.role})" for s in sc.Service) + ". "
+             f"Give engines `OTEL_RESOURCE_ATTRIBUTES={sc.ROLE.key}=prefill` (or "
+             "`decode`) so that vLLM's own request spans carry their role too.\n",
+             "## Spans\n", "| span | role (default service) | meaning |", "|---|---|---|"]
+    lines += [f"| `{s.name}` | {s.service.role} (`{s.service.value}`) | {s.doc} |"
+              for s in sc.SPANS.values()]
     lines += ["", "## Span attributes\n", "| key | type | unit | meaning |", "|---|---|---|---|"]
     lines += [f"| `{a.key}` | {a.type} | {a.unit or '-'} | {a.doc} |"
               for a in sc.ATTRIBUTES.values()]
+    genai = [a.key for a in sc.ATTRIBUTES.values() if a.key.startswith("gen_ai.")]
+    lines += ["", "OpenTelemetry's GenAI semantic conventions are used where they have the "
+              "fact: " + ", ".join(f"`{key}`" for key in genai) + "; `kvobs.*` keys only "
+              "for what they lack. The proxy's HTTP spans follow the stable HTTP "
+              "conventions (docs/proxy.md)."]
     lines += ["", "## Correlation keys inside `kv_transfer_params`\n"]
     lines += [f"- `{key}`" for key in (*sc.CORRELATION_KEYS, sc.KTP_BLOCK_DIGEST)]
     lines += ["", "## Metrics\n", "| metric | type | unit | labels | meaning |",
@@ -44,7 +58,24 @@ def telemetry_md() -> str:
                  + ", ".join(f"`{v}`" for v in sc.TURN_BUCKET_VALUES))
     lines.append(f"- `{sc.PROMPT_BUCKET_LABEL}`: "
                  + ", ".join(f"`{v}`" for v in sc.PROMPT_BUCKET_VALUES))
+    lines += ["", _store_section()]
     return "\n".join(lines) + "\n"
+
+
+def _store_section() -> str:
+    from kvobs.emit import segments
+
+    limits = segments.SegmentLimits()
+    return (
+        "## The embedded store's live segments\n\n"
+        f"Each writer of `DIR/{sc.STORE_LIVE_DIR}/` appends to its own active segment and "
+        f"seals it (renamed with a UTC stamp, still read as a live segment, compacted by "
+        f"`kvobs store compact`) at `{segments.ENV_SEGMENT_BYTES}` bytes (default "
+        f"{limits.segment_bytes}) or `{segments.ENV_SEGMENT_AGE}` seconds (default "
+        f"{limits.segment_age_s:g}). Sealed segments older than `{segments.ENV_RETENTION}` "
+        f"seconds (default {limits.retention_s:g}; 0: kept) are deleted, then the oldest "
+        f"until all live segments fit in `{segments.ENV_MAX_BYTES}` bytes (default "
+        f"{limits.max_bytes}; 0: no cap); active segments never are. Deletions are logged.")
 
 
 def turns_md() -> str:

@@ -41,14 +41,17 @@ _PANDAS = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
 
 def vllm_roles(spans: pd.DataFrame) -> pd.DataFrame:
     """vLLM's request spans renamed by role. Every engine names its span alike; the role
-    comes from ``service.name`` when it says prefill or decode, else from the trace: the
-    turn's last vLLM span is D's (the proxy calls P first, D last), earlier ones P's."""
+    comes from the resource attribute ``kvobs.role`` (``OTEL_RESOURCE_ATTRIBUTES`` of the
+    engine) or from ``service.name`` when it says prefill or decode, else from the trace:
+    the turn's last vLLM span is D's (the proxy calls P first, D last), earlier ones P's."""
     vllm = spans["name"] == sc.VLLM_REQUEST_SPAN
     if not vllm.any():
         return spans
     rows = spans[vllm]
     service = rows["service"].astype("string").str.lower() if "service" in rows else \
         pd.Series(pd.NA, index=rows.index, dtype="string")
+    if sc.ROLE.key in rows:
+        service = rows[sc.ROLE.key].astype("string").str.lower().fillna(service)
     last = rows["start_ns"] == rows.groupby("trace_id")["start_ns"].transform("max")
     decode = service.str.contains("decode").fillna(False) | (
         ~service.str.contains("prefill").fillna(False) & last)

@@ -20,11 +20,18 @@ from dataclasses import dataclass
 
 
 class Service(str, enum.Enum):
-    """OTel resource ``service.name`` per role."""
+    """A role's default OTel resource ``service.name``, used where the environment names
+    no service (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``); the role itself is
+    the resource attribute ``kvobs.role`` (``ROLE``), whatever the service is called."""
 
     PROXY = "kvobs-proxy"
     PREFILL = "kvobs-prefill"
     DECODE = "kvobs-decode"
+
+    @property
+    def role(self) -> str:
+        """``proxy``, ``prefill`` or ``decode``: the value of ``kvobs.role``."""
+        return self.value.removeprefix("kvobs-")
 
 
 # --------------------------------------------------------------------------- attributes
@@ -53,7 +60,17 @@ CONVERSATION_ID = _attr("gen_ai.conversation.id", "str", "", "Conversation id (c
 TURN_INDEX = _attr("kvobs.turn.index", "int", "", "1-based turn index within the conversation.")
 TENANT_DIGEST = _attr("kvobs.tenant.digest", "str", "", "Short digest of the tenant (never the key).")
 REQUEST_ID = _attr("kvobs.request.id", "str", "", "Engine request id on this role.")
-ROLE = _attr("kvobs.role", "str", "", "proxy | prefill | decode.")
+# OpenTelemetry's GenAI semantic conventions where they have the fact (kvobs.* only for
+# what they lack); strings bounded by the proxy (MAX_GENAI_VALUE), never message text.
+REQUEST_MODEL = _attr("gen_ai.request.model", "str", "",
+                      "The model the client asked for (the request's \"model\"): proxy turn.")
+RESPONSE_ID = _attr("gen_ai.response.id", "str", "",
+                    "The completion's id as the client got it (D's answer \"id\"): proxy turn.")
+MAX_GENAI_VALUE = 256
+ROLE = _attr("kvobs.role", "str", "",
+             "proxy | prefill | decode: on the connector's spans and, as a resource "
+             "attribute, on every span a kvobs process emits (its service name is the "
+             "deployer's: OTEL_SERVICE_NAME).")
 
 # Proxy
 LOOKUP_OUTCOME = _attr("kvobs.proxy.lookup.outcome", "str", "", "LookupOutcome value.")
@@ -114,7 +131,8 @@ ERROR_TYPE = "error.type"
 PROXY_LEG = "kvobs.proxy.leg"  # CLIENT spans: prefill | decode
 
 # Prefill pull decision (scheduler side of P)
-PROMPT_TOKENS = _attr("kvobs.prompt.tokens", "int", "tokens", "N: prompt length.")
+PROMPT_TOKENS = _attr("gen_ai.usage.input_tokens", "int", "tokens",
+                      "N: prompt length (P's pull decision; the proxy's turn: P's usage).")
 LOCAL_HIT_TOKENS = _attr("kvobs.local_hit.tokens", "int", "tokens", "L: local prefix hit.")
 REMOTE_TOKENS = _attr("kvobs.remote.tokens", "int", "tokens", "C: tokens D advertised.")
 CANDIDATE_TOKENS = _attr("kvobs.candidate.tokens", "int", "tokens", "M = max(0, min(C, N) - L).")
@@ -758,6 +776,12 @@ M_TELEMETRY_DROPPED = _metric("kvobs_telemetry_dropped_spans_total", "counter", 
                               "Spans lost on the proxy: dropped by a full export queue, or "
                               "failed to export (collector down, span store not writable).",
                               ("reason",))
+M_ENGINE_TELEMETRY_DROPPED = _metric(
+    "vllm:kvobs_telemetry_dropped_spans_total", "counter", "",
+    "Spans the connector lost in an engine, by the same reasons as the proxy's "
+    "kvobs_telemetry_dropped_spans_total: a full queue (the connector's or the export "
+    "processor's), or failed exports (collector down, span store not writable).",
+    ("reason",))
 M_PROXY_STORE_DEGRADED = _metric(
     "kvobs_proxy_store_degraded_total", "counter", "",
     "Metadata store calls that gave a turn no answer, by StoreFailure reason (timeout, "

@@ -135,7 +135,11 @@ def jaeger(requests: list[dict]) -> dict:
                                     if p["serviceName"] == service), None)
                     if process is None:
                         process = f"p{len(trace['processes']) + 1}"
-                        trace["processes"][process] = {"serviceName": service, "tags": []}
+                        trace["processes"][process] = {  # resource attributes: tags
+                            "serviceName": service,
+                            "tags": [_tag(a["key"], a["value"])
+                                     for a in resource_spans["resource"]["attributes"]
+                                     if a["key"] != "service.name"]}
                     start, end = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
                     tags = [_tag(a["key"], a["value"]) for a in span.get("attributes", ())]
                     if (span.get("status") or {}).get("code") in (2, "STATUS_CODE_ERROR"):

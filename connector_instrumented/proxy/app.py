@@ -24,9 +24,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
@@ -50,7 +49,6 @@ from connector_instrumented.proxy.store import (
     Entry, MemoryStore, MetadataStore, RedisStore)
 
 _LOG = logging.getLogger("kvobs.proxy")
-_PROPAGATOR = TraceContextTextMapPropagator()
 _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 _KTP = "kv_transfer_params"
 TRACE_ID_KEY = web.RequestKey("kvobs_trace_id", str)
@@ -117,6 +115,9 @@ class _TurnState:
     outcome: sc.LookupOutcome = LO.NO_ID
     params_sent: bool = False
     prompt_tokens: int | None = None
+    output_tokens: int | None = None  # D's usage, when its answer carries one
+    model: str | None = None  # the client's "model"
+    response_id: str | None = None  # D's answer "id", as the client gets it
     prefill_s: float | None = None
     decode_s: float | None = None
     ttft_s: float | None = None  # streamed turns only: D's first bytes at the proxy
@@ -226,10 +227,13 @@ class _Proxy:
         return aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect,
                                      sock_read=read_s)
 
-    def _headers(self, request_id: str, traceparent: str | None) -> dict[str, str]:
+    def _headers(self, request_id: str, correlation: Correlation) -> dict[str, str]:
+        """The legs' headers; the turn's trace context in the ``OTEL_PROPAGATORS``
+        formats (W3C ``traceparent`` by default)."""
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        if traceparent:
-            headers["traceparent"] = traceparent
+        context = correlation.parent_context()
+        if context is not None:
+            propagate.inject(headers, context=context)
         if self.config.engine_api_key:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
         return headers
@@ -297,7 +301,7 @@ class _Proxy:
         correlation = Correlation(identity.conversation_id, state.turn, identity.tenant,
                                   correlation.traceparent)
         keys = {**correlation.to_params(), sc.KTP_REQUEST_ID: state.request_id}
-        headers = self._headers(state.request_id, correlation.traceparent)
+        headers = self._headers(state.request_id, correlation)
 
         try:
             p_response, p_endpoint = await self._prefill_leg(path, body, previous, keys,
@@ -309,6 +313,7 @@ class _Proxy:
         usage = p_response.get("usage") if isinstance(p_response, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             state.prompt_tokens = usage["prompt_tokens"]
+        state.model = _genai_value(body.get("model"))
         d_params = dict(p_params) if isinstance(p_params, dict) else {}
         if d_params and self.config.rewrite_remote_host:
             d_params["remote_host"] = p_endpoint.host
@@ -557,6 +562,7 @@ class _Proxy:
             return self._upstream_failure(
                 _UpstreamError("decode", "http-error", PE.DECODE_ERROR), state)
         params = result.pop(_KTP, None) if isinstance(result, dict) else None
+        _answer_facts(result, state)
         message, text = _first_choice(result)
         digest = history_digest(d_body, message, text) if _single_choice(result) else None
         if isinstance(params, dict):
@@ -579,7 +585,7 @@ class _Proxy:
             return self._upstream_failure(error, state)
         client = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        collector = _StreamCollector()
+        collector = _StreamCollector(state)
         state.extra["client"] = client
         done = False
         try:
@@ -758,6 +764,9 @@ class _Proxy:
                     sc.PARAMS_SENT.key: state.params_sent,
                     sc.PARAMS_SOURCE.key: state.source,
                     sc.PROMPT_TOKENS.key: state.prompt_tokens,
+                    sc.OUTPUT_TOKENS.key: state.output_tokens,
+                    sc.REQUEST_MODEL.key: state.model,
+                    sc.RESPONSE_ID.key: state.response_id,
                     sc.REQUEST_ID.key: state.request_id,
                     sc.ROLE.key: "proxy",
                     sc.PROXY_ERROR.key: state.error,
@@ -787,11 +796,27 @@ class _Proxy:
         phase.labels("proxy-out").observe(max(0.0, end - state.d_answered))
 
 
-def _client_link(headers) -> list[trace.Link] | None:
-    """The client's own trace context (its ``traceparent``), as a link."""
-    if "traceparent" not in headers:
+def _genai_value(value: Any) -> str | None:
+    """A client- or engine-chosen id or model name fit for a span attribute."""
+    if type(value) is not str or not value or len(value) > sc.MAX_GENAI_VALUE:
         return None
-    context = trace.get_current_span(_PROPAGATOR.extract(headers)).get_span_context()
+    return value
+
+
+def _answer_facts(answer: Any, state: _TurnState) -> None:
+    """The completion's id and D's usage, from its answer (or a streamed chunk)."""
+    if not isinstance(answer, dict):
+        return
+    if state.response_id is None:
+        state.response_id = _genai_value(answer.get("id"))
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
+        state.output_tokens = usage["completion_tokens"]
+
+
+def _client_link(headers) -> list[trace.Link] | None:
+    """The client's own trace context (``OTEL_PROPAGATORS``' formats), as a link."""
+    context = trace.get_current_span(propagate.extract(headers)).get_span_context()
     return [trace.Link(context)] if context.is_valid else None
 
 
@@ -877,9 +902,10 @@ class _StreamCollector:
     """Parses SSE lines as they pass: assembles the answer, lifts out D's params."""
 
     __slots__ = ("params", "_content", "_reasoning", "_text", "_tools", "single", "_chat",
-                 "has_output")
+                 "has_output", "facts")
 
-    def __init__(self):
+    def __init__(self, facts: "_TurnState"):
+        self.facts = facts  # the turn's GenAI facts (_answer_facts) land there
         self.params: dict[str, Any] | None = None
         self.has_output = False  # a chunk carried text, reasoning or a tool call
         self._content: list[str] = []
@@ -909,6 +935,7 @@ class _StreamCollector:
                         if isinstance(params, dict):
                             self.params = params
                         line = b"data: " + json.dumps(chunk).encode()
+                    _answer_facts(chunk, self.facts)
                     self._collect(chunk)
             out.append(line)
         return b"\n".join(out) + b"\n", done

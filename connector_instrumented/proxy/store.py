@@ -460,15 +460,22 @@ class RedisStore:
         await self._redis.aclose()
 
 
-def redis_client(url: str, pool_size: int, socket_timeout_s: float = 2.0):
+def redis_client(url: str, pool_size: int, socket_timeout_s: float = 30.0):
     """An asyncio Redis client whose pool holds ``pool_size`` connections and makes
     callers wait for a free one (redis-py's default pool raises MaxConnectionsError past
-    100); callers bound the wait with their own deadline (``StoreGuard``)."""
+    100); callers bound the wait with their own deadline (``StoreGuard``), which its
+    connections feed with the Redis time of each command (``_store_clock``). redis-py's
+    own socket timeouts are wall time, the loop's lag included: only a last resort here
+    (a saturated proxy took over 2 s to open 256 connections at once)."""
     import redis.asyncio as aioredis
+
+    from connector_instrumented.proxy._store_clock import timed_connection_class
 
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=pool_size, timeout=None, socket_timeout=socket_timeout_s,
         socket_connect_timeout=socket_timeout_s)
+    # The URL chose the class (TCP, TLS, Unix socket); its Redis time goes to the guard.
+    pool.connection_class = timed_connection_class(pool.connection_class)
     return aioredis.Redis.from_pool(pool)  # closes the pool with the client
 
 

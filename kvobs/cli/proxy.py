@@ -116,8 +116,9 @@ class _UpstreamFlags(click.Command):
                    "client never reads another's KV) or shared (one tenant; trusted "
                    "networks only).")
 @click.option("--redis-budget", type=float, default=None,
-              help="Seconds a turn may wait on Redis in all; then it goes on without reuse "
-                   "(default 0.5).")
+              help="Seconds of Redis time (request written to reply received, not the "
+                   "proxy's own lag) a turn may spend in all; then it goes on without "
+                   "reuse (default 0.5).")
 @click.option("--redis-pool-size", type=int, default=None,
               help="Redis connections (callers wait for a free one; default 512).")
 @click.option("--redis-breaker-failures", type=int, default=None,

@@ -11,33 +11,25 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
 from kvobs.emit.otlp_json import request_to_otlp_json
-from kvobs.semconv import STORE_LIVE_DIR
+from kvobs.emit.segments import LiveSegmentWriter
 
 _LOG = logging.getLogger("kvobs.collect")
 PATH = "/v1/traces"
 MAX_BODY = 64 * 2**20
 
 
-class SegmentWriter:
-    """Appends OTLP-JSON lines to one live segment of the store."""
+class SegmentWriter(LiveSegmentWriter):
+    """The receiver's live segment of the store (rotated, capped, expired)."""
 
     def __init__(self, store_dir: str, name: str = "collect"):
-        directory = os.path.join(store_dir, STORE_LIVE_DIR)
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, f"{name}-{os.getpid()}.otlp.jsonl")
-        self._lock = threading.Lock()
-
-    def append(self, line: str) -> None:
-        with self._lock, open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+        super().__init__(store_dir, name)
+        self.makedirs()
 
 
 def _json_line(body: bytes) -> str:
@@ -47,7 +39,7 @@ def _json_line(body: bytes) -> str:
     return json.dumps(request, separators=(",", ":"))
 
 
-def build_app(writer: SegmentWriter) -> web.Application:
+def build_app(writer: LiveSegmentWriter) -> web.Application:
     async def traces(request: web.Request) -> web.Response:
         body = await request.read()
         is_json = request.content_type == "application/json"
@@ -61,7 +53,7 @@ def build_app(writer: SegmentWriter) -> web.Application:
         except Exception as error:  # noqa: BLE001 - any undecodable body is the sender's
             return web.Response(status=400, text=f"bad OTLP trace request: {error}"[:200])
         try:
-            writer.append(line)
+            writer.append(line + "\n")
         except OSError as error:  # full disk: the sender may retry (OTLP: 503)
             _LOG.warning("could not append spans: %s", error)
             return web.Response(status=503, text="store not writable")

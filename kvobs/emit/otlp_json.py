@@ -9,8 +9,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import threading
 from typing import Mapping, Sequence
 
 from google.protobuf.json_format import MessageToDict
@@ -18,6 +16,8 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
+
+from kvobs.emit.segments import LiveSegmentWriter
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 _LOG = logging.getLogger("kvobs.emit")
@@ -242,7 +242,8 @@ def spans_to_otlp_dict(spans: Sequence[ReadableSpan]) -> dict:
 
 
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends each export batch as one OTLP-JSON line to ``path``.
+    """Appends each export batch as one OTLP-JSON line to a live segment of a store
+    (``segments.LiveSegmentWriter``: rotated, size-capped, expired).
 
     A failed write (full disk, vanished directory) is reported as FAILURE to the span
     processor, which drops the batch and counts it: telemetry never raises into the host.
@@ -250,18 +251,22 @@ class OtlpJsonFileExporter(SpanExporter):
     (here, at start) and tried again at each export, so the store recovers when fixed.
     """
 
-    def __init__(self, path: str):
-        self._path = path
-        self._dir = os.path.dirname(os.path.abspath(path))
-        self._lock = threading.Lock()
+    def __init__(self, writer: "LiveSegmentWriter"):
+        self._writer = writer
+        self._dir = writer.directory
         self._failing = not self._makedirs()
         if self._failing:
             _LOG.warning("span store %s not writable: serving without it (lost spans are "
                          "counted)", self._dir)
 
+    @property
+    def path(self) -> str:
+        """The active segment."""
+        return self._writer.path
+
     def _makedirs(self) -> bool:
         try:
-            os.makedirs(self._dir, exist_ok=True)
+            self._writer.makedirs()
             return True
         except OSError:
             return False
@@ -270,12 +275,9 @@ class OtlpJsonFileExporter(SpanExporter):
         if not spans:
             return SpanExportResult.SUCCESS
         try:
-            line = spans_to_otlp_json(spans) + "\n"
-            with self._lock:
-                if self._failing:
-                    self._makedirs()
-                with open(self._path, "a", encoding="utf-8") as handle:
-                    handle.write(line)
+            if self._failing:
+                self._makedirs()
+            self._writer.append(spans_to_otlp_json(spans) + "\n")
         except Exception:  # noqa: BLE001 - the host must never see a telemetry error
             if not self._failing:
                 self._failing = True

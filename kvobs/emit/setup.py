@@ -1,11 +1,29 @@
 """The one place where the OTel SDK is chosen (deployer's side, environment first).
 
-- ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: spans go to
-  the user's collector over OTLP (``OTEL_EXPORTER_OTLP_PROTOCOL`` = ``grpc`` or
-  ``http/protobuf``, the SDK default rules).
+Configured the OpenTelemetry way, through the SDK's own machinery:
+
+- ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``: the resource, as the SDK builds it
+  (``Resource.create``). A process's role (proxy, prefill, decode) is the resource
+  attribute ``kvobs.role``, never the service name; without a service name from the
+  environment each role gets its default (``semconv.Service``: ``kvobs-proxy``...).
+- ``OTEL_TRACES_EXPORTER``: exporters by name from the SDK's entry points (``otlp``,
+  ``otlp_proto_http``, ``otlp_proto_grpc``, ``console``, ``none``...), each configured by
+  its own ``OTEL_EXPORTER_*`` variables. Unset, kvobs exports over OTLP only when an
+  endpoint is set (``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``; ``http/protobuf``, port
+  4318, unless ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` says ``grpc``), so that a bare
+  install sends nothing to a collector that is not there.
+- ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
+  ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_EXPORT_TIMEOUT``: the batch processor's
+  settings, read by the SDK's ``BatchSpanProcessor`` readers (kvobs' own defaults where
+  unset: queue 8192, batches of 64, every 500 ms; ``KVOBS_SPAN_QUEUE_SIZE`` is the old
+  name of the queue size). kvobs keeps its own processor (``DroppingBatchProcessor``):
+  it counts what it drops (``span_losses``) and hands the GIL back between batches.
+- ``OTEL_PROPAGATORS``: the API's global propagator (``opentelemetry.propagate``), used
+  for the proxy's HTTP headers in and out.
 - ``KVOBS_STORE``: spans also go to the embedded store, a directory ``kvobs`` reads with
-  ``--source DIR`` (no infrastructure needed).
-- ``OTEL_SDK_DISABLED=true`` or neither set: a no-op tracer; emitters cost a few ns.
+  ``--source DIR`` (no infrastructure needed); its live segments are rotated, capped
+  and expired (``kvobs.emit.segments``, ``KVOBS_STORE_*``).
+- ``OTEL_SDK_DISABLED=true`` or no exporter at all: a no-op tracer; emitters cost a few ns.
 """
 
 from __future__ import annotations
@@ -15,17 +33,49 @@ import os
 import collections
 import threading
 import time
+from typing import NamedTuple
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+from opentelemetry.sdk.environment_variables import (
+    OTEL_BSP_EXPORT_TIMEOUT, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_MAX_QUEUE_SIZE,
+    OTEL_BSP_SCHEDULE_DELAY, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_SDK_DISABLED)
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-from kvobs.semconv import STORE_LIVE_DIR, Service
+from kvobs.semconv import ROLE, Service
 
 ENV_STORE = "KVOBS_STORE"
-ENV_QUEUE_SIZE = "KVOBS_SPAN_QUEUE_SIZE"
+ENV_QUEUE_SIZE = "KVOBS_SPAN_QUEUE_SIZE"  # the old name of OTEL_BSP_MAX_QUEUE_SIZE
 _LOG = logging.getLogger(__name__)
+
+
+class BatchSettings(NamedTuple):
+    max_queue: int = 8192
+    batch: int = 64
+    interval_s: float = 0.5
+    export_timeout_s: float = 30.0
+
+
+def batch_settings() -> BatchSettings:
+    """The batch processor's settings: ``OTEL_BSP_*`` where set (parsed by the SDK's own
+    readers: a bad value is logged and the SDK default used), else kvobs' defaults."""
+    environ = os.environ
+    default = BatchSettings()
+    queue = default.max_queue
+    if environ.get(ENV_QUEUE_SIZE):
+        queue = int(environ[ENV_QUEUE_SIZE])
+    if environ.get(OTEL_BSP_MAX_QUEUE_SIZE):
+        queue = BatchSpanProcessor._default_max_queue_size()
+    batch = BatchSpanProcessor._default_max_export_batch_size() \
+        if environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE) else default.batch
+    interval_s = BatchSpanProcessor._default_schedule_delay_millis() / 1000 \
+        if environ.get(OTEL_BSP_SCHEDULE_DELAY) else default.interval_s
+    timeout_s = BatchSpanProcessor._default_export_timeout_millis() / 1000 \
+        if environ.get(OTEL_BSP_EXPORT_TIMEOUT) else default.export_timeout_s
+    return BatchSettings(max(1, queue), max(1, min(batch, queue)), interval_s, timeout_s)
 
 
 class DroppingBatchProcessor(SpanProcessor):
@@ -35,13 +85,15 @@ class DroppingBatchProcessor(SpanProcessor):
     condition cost the emitting thread more than the rest of ``on_end``. The bound is
     checked before the append, so concurrent emitters may overshoot it by a few spans."""
 
-    def __init__(self, exporter: SpanExporter, max_queue: int = 8192, batch: int = 64,
-                 interval_s: float = 0.5):
+    def __init__(self, exporter: SpanExporter, max_queue: int = BatchSettings.max_queue,
+                 batch: int = BatchSettings.batch, interval_s: float = BatchSettings.interval_s,
+                 export_timeout_s: float = BatchSettings.export_timeout_s):
         self._exporter = exporter
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._max_queue = max_queue
         self._batch = batch
         self._interval_s = interval_s
+        self._export_timeout_s = export_timeout_s
         self._stop = threading.Event()
         self._flushed = threading.Condition()
         self.dropped = 0
@@ -90,46 +142,75 @@ class DroppingBatchProcessor(SpanProcessor):
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self._export_timeout_s)
         self._exporter.shutdown()
 
 
-def _otlp_exporter() -> SpanExporter | None:
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-            or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
-        return None
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                              os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()
+def exporter_names() -> list[str]:
+    """Entry-point names of the span exporters the environment asks for."""
+    from opentelemetry.sdk._configuration import _get_exporter_names
+
+    environ = os.environ
+    if environ.get(OTEL_TRACES_EXPORTER, "").strip():
+        return _get_exporter_names("traces")
+    if not (environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
+            or environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
+        return []
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point
+
+    protocol = environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) \
+        or environ.get(OTEL_EXPORTER_OTLP_PROTOCOL)
+    # "otlp" follows the protocol variables (the SDK's rule); without one, http/protobuf
+    return [_get_exporter_entry_point("otlp" if protocol else "otlp_proto_http", "traces")]
 
 
-def store_span_file(store_dir: str, service: Service) -> str:
-    return os.path.join(store_dir, STORE_LIVE_DIR, f"{service.value}-{os.getpid()}.otlp.jsonl")
+def _exporters() -> list[SpanExporter]:
+    """The environment's exporters, built by the SDK's entry points; one that cannot be
+    found or built is logged and left out: telemetry never stops the host."""
+    from opentelemetry.sdk._configuration import _import_exporters
+
+    exporters = []
+    try:
+        names = exporter_names()
+        classes = _import_exporters(names, [], [])[0] if names else {}
+    except Exception as error:  # noqa: BLE001
+        _LOG.error("span exporters from %s not usable, spans go to the kvobs store only: "
+                   "%s", OTEL_TRACES_EXPORTER, error)
+        return exporters
+    for name, exporter_class in classes.items():
+        try:
+            exporters.append(exporter_class())
+        except Exception as error:  # noqa: BLE001
+            _LOG.error("span exporter %s not usable: %s", name, error)
+    return exporters
+
+
+def resource(service: Service) -> Resource:
+    """The SDK's resource from the environment, with the role as ``kvobs.role`` and the
+    role's default service name where the environment names none."""
+    attributes = {ROLE.key: service.role}
+    if SERVICE_NAME not in OTELResourceDetector().detect().attributes:
+        attributes[SERVICE_NAME] = service.value
+    return Resource.create(attributes)
 
 
 def configure_tracing(service: Service, store_dir: str | None = None) -> trace.Tracer:
     """Return a tracer for ``service`` wired to the exporters the environment asks for."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    if os.environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
         return trace.NoOpTracer()
     store_dir = store_dir or os.environ.get(ENV_STORE)
-    exporters: list[SpanExporter] = []
-    otlp = _otlp_exporter()
-    if otlp is not None:
-        exporters.append(otlp)
+    exporters = _exporters()
     if store_dir:
         from kvobs.emit.otlp_json import OtlpJsonFileExporter
+        from kvobs.emit.segments import LiveSegmentWriter
 
-        exporters.append(OtlpJsonFileExporter(store_span_file(store_dir, service)))
+        exporters.append(OtlpJsonFileExporter(LiveSegmentWriter(store_dir, service.value)))
     if not exporters:
         return trace.NoOpTracer()
-    provider = TracerProvider(resource=Resource.create({"service.name": service.value}))
-    max_queue = int(os.environ.get(ENV_QUEUE_SIZE, "8192"))
+    provider = TracerProvider(resource=resource(service))
+    settings = batch_settings()
     for exporter in exporters:
-        provider.add_span_processor(DroppingBatchProcessor(exporter, max_queue=max_queue))
+        provider.add_span_processor(DroppingBatchProcessor(exporter, *settings))
     return provider.get_tracer("kvobs", schema_url=None)
 
 

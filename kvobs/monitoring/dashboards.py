@@ -327,12 +327,14 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "ops"),
             PanelSpec(
                 "Dropped telemetry",
-                "Spans the proxy lost (a full export queue, or failed exports: collector "
-                "down, span store not writable), and telemetry failures caught inside the "
-                "connector (telemetry never blocks serving; gaps make kvobs diagnose report "
-                "insufficient-evidence).",
+                "Spans the proxy and the engines lost (a full export queue, or failed "
+                "exports: collector down, span store not writable), and telemetry failures "
+                "caught inside the connector (telemetry never blocks serving; gaps make "
+                "kvobs diagnose report insufficient-evidence).",
                 (T(q.dropped_spans_rate(s.keeping("instance", "reason")),
                    "dropped spans {{instance}} ({{reason}})"),
+                 T(q.engine_dropped_spans_rate(s.keeping("instance", "reason")),
+                   "engine dropped spans {{instance}} ({{reason}})"),
                  T(q.connector_telemetry_errors_rate(s.keeping("instance")),
                    "connector telemetry errors {{instance}}")),
                 "ops"),

@@ -62,6 +62,7 @@ from kvobs.semconv import (
     M_STUCK_PREVENTED,
     M_STUCK_WAITS,
     M_TELEMETRY_DROPPED,
+    M_ENGINE_TELEMETRY_DROPPED,
     M_TELEMETRY_ERRORS,
     M_VLLM_PREFILL_TIME,
     M_VLLM_PROMPT_TOKENS_BY_SOURCE,
@@ -402,6 +403,10 @@ def upstream_errors_rate(s: Scope) -> str:
 
 def dropped_spans_rate(s: Scope) -> str:
     return sum_rate(M_TELEMETRY_DROPPED, s.proxy, s.window, s.by)
+
+
+def engine_dropped_spans_rate(s: Scope) -> str:
+    return sum_rate(M_ENGINE_TELEMETRY_DROPPED, s.engine, s.window, s.by)
 
 
 # --------------------------------------------------------------------------- recompute

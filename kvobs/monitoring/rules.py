@@ -38,6 +38,7 @@ from kvobs.semconv import (
     M_REUSED_TOKENS,
     M_STUCK_WAITS,
     M_TELEMETRY_DROPPED,
+    M_ENGINE_TELEMETRY_DROPPED,
     M_VLLM_QUEUE_TIME,
     M_VLLM_TTFT,
     LookupOutcome,
@@ -372,7 +373,8 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
                   False))),
         Alert(
             "KvobsTelemetryDropped",
-            f"({q.dropped_spans_rate(s)}) > {th.dropped_spans_rate:g}",
+            f"({q.dropped_spans_rate(s)}) > {th.dropped_spans_rate:g}\n"
+            f"or ({q.engine_dropped_spans_rate(s)}) > {th.dropped_spans_rate:g}",
             w.for_absent, "info",
             "kvobs is dropping spans on {{ $labels.job }}.",
             "{{ $labels.job }} loses spans: its export queue is full, or exports fail "
@@ -384,8 +386,13 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
              Case("span store not writable",
                   {sel(M_TELEMETRY_DROPPED, {**PROXY, "reason": "export-failed"}):
                    per_minute(30)}, True, labels=pjob),
+             Case("an engine's spans not exported",
+                  {sel(M_ENGINE_TELEMETRY_DROPPED, {**ENGINE, "reason": "export-failed"}):
+                   per_minute(30)}, True, labels=job),
              Case("nothing dropped",
                   {sel(M_TELEMETRY_DROPPED, {**PROXY, "reason": "export-failed"}):
+                   per_minute(0),
+                   sel(M_ENGINE_TELEMETRY_DROPPED, {**ENGINE, "reason": "export-failed"}):
                    per_minute(0)}, False))),
     ]
     out += [

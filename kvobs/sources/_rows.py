@@ -92,12 +92,13 @@ def spans_from_request(request: dict) -> Iterator[dict]:
 def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dict]:
     for resource_spans in resource_spans_list or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
-        service = resource.get("service.name")
+        # the process's role (kvobs.role), whatever its service name
+        context = (resource.get("service.name"), resource.get(sc.ROLE.key))
         scopes = (resource_spans.get("scopeSpans")
                   or resource_spans.get("instrumentationLibrarySpans") or ())  # OTLP < 0.19
         for scope_spans in scopes:
             for span in scope_spans.get("spans") or ():
-                yield from _one(_otlp_span, span, service, skipped)
+                yield from _one(_otlp_span, span, context, skipped)
 
 
 def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
@@ -111,9 +112,12 @@ def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
         skipped.append(short(error))
 
 
-def _otlp_span(span: dict, service) -> dict:
+def _otlp_span(span: dict, context: tuple) -> dict:
+    service, role = context
     row = {key: value for key, value in _attributes(span.get("attributes")).items()
            if key in sc.ATTRIBUTES}
+    if role is not None:
+        row.setdefault(sc.ROLE.key, role)
     row.update(
         trace_id=hex_id(span.get("traceId"), _TRACE_ID_BYTES),
         span_id=hex_id(span.get("spanId"), _SPAN_ID_BYTES),
@@ -163,6 +167,10 @@ def _jaeger_span(span: dict, processes: dict) -> dict:
     start = _scaled(span.get("startTime"), _NANOS_PER_MICRO)
     duration = _scaled(span.get("duration"), _NANOS_PER_MICRO)
     row = {key: value for key, value in tags.items() if key in sc.ATTRIBUTES}
+    role = next((tag.get("value") for tag in process.get("tags") or ()
+                 if isinstance(tag, dict) and tag.get("key") == sc.ROLE.key), None)
+    if role is not None:  # the resource's kvobs.role: a process tag in Jaeger
+        row.setdefault(sc.ROLE.key, role)
     row.update(
         trace_id=hex_id(span.get("traceID"), _TRACE_ID_BYTES),
         span_id=hex_id(span.get("spanID"), _SPAN_ID_BYTES),

@@ -41,6 +41,7 @@ class EngineSettings:
     vllm_tracing: bool = False  # engines export vLLM's own request spans (OTLP) too
     router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
     proxy_infer_conversations: bool = True  # false: kvobs proxy --no-infer-conversations
+    service_name: str = ""  # OTEL_SERVICE_NAME of P, D and the proxy ("": each role's default)
 
 
 @dataclass(frozen=True)

@@ -106,8 +106,9 @@ class FrontDoor(Process):
 
     port: int
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, timeout_s: float):
-        super().__init__(name, cmd, log_path)
+    def __init__(self, name: str, cmd: list[str], log_path: Path, timeout_s: float,
+                 env: dict | None = None):
+        super().__init__(name, cmd, log_path, env)
         self.wait_until(lambda: _http_ok(f"{self.url}/health"), timeout_s, "healthy")
 
     @property
@@ -124,7 +125,7 @@ class ProxyProcess(FrontDoor):
 
     def __init__(self, log_path: Path, *, prefill: str, decode: str, store_dir: str,
                  port: int | None = None, redis_url: str | None = None,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, env: dict | None = None):
         self.port = port or free_ports(1)[0]
         cmd = [sys.executable, "-m", "kvobs", "proxy", "--host", "127.0.0.1",
                "--port", str(self.port), "--prefiller-hosts", prefill.split(":")[0],
@@ -133,7 +134,7 @@ class ProxyProcess(FrontDoor):
                "--store-dir", store_dir, *(extra_args or [])]
         if redis_url:
             cmd += ["--redis-url", redis_url]
-        super().__init__("proxy", cmd, log_path, timeout_s=30)
+        super().__init__("proxy", cmd, log_path, timeout_s=30, env=env)
 
 
 class VllmRouterProcess(FrontDoor):

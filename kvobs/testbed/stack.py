@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvobs import semconv as sc
 from kvobs.testbed.engines import PDPair, free_ports
 from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
@@ -135,8 +136,10 @@ class Stack:
             extra_config=self._connector_config() if self.instrumented else None,
             extra_args=tracing_args,
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
-            prefill_env={**telemetry, **transport, "KVOBS_ROLE": "prefill"},
-            decode_env={**telemetry, **transport, "KVOBS_ROLE": "decode"},
+            prefill_env={**telemetry, **transport, **self._otel_env("prefill"),
+                         "KVOBS_ROLE": "prefill"},
+            decode_env={**telemetry, **transport, **self._otel_env("decode"),
+                        "KVOBS_ROLE": "decode"},
             # With D in a namespace each side must reach the other's side channel, so P
             # listens on the link's outer address instead of loopback.
             prefill_host=self.netns.outer_address if self.netns else "127.0.0.1",
@@ -163,7 +166,16 @@ class Stack:
             decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
             store_dir=str(self.out_dir), redis_url=self.redis.url,
             port=self.proxy.port if self.proxy else None,  # a restart keeps its address
-            extra_args=self._proxy_args())
+            extra_args=self._proxy_args(), env=self._otel_env("proxy"))
+
+    def _otel_env(self, role: str) -> dict[str, str]:
+        """The OpenTelemetry resource a deployment gives each process: its service name
+        (if the scenario sets one) and its role as ``kvobs.role``, which vLLM's own spans
+        then carry too (vLLM builds its resource from the environment)."""
+        env = {"OTEL_RESOURCE_ATTRIBUTES": f"{sc.ROLE.key}={role}"}
+        if self.settings.service_name:
+            env["OTEL_SERVICE_NAME"] = self.settings.service_name
+        return env
 
     def _proxy_args(self) -> list[str]:
         # Redis holds the proxy's state, so a restarted proxy (restart-proxy) keeps it.

@@ -382,3 +382,58 @@ def test_telemetry_failures_never_reach_vllm(model_dir, spans, monkeypatch):
     req, _, eco = p_turn2(scheduler, tokens(56), 48)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # upstream result
     assert kv_stats(eco)[st.TELEMETRY_ERRORS][0] >= 3
+
+
+def test_lost_spans_reach_the_engines_metrics_by_reason(model_dir, tmp_path):
+    """#10: an engine whose span store cannot be written loses spans (export-failed), and
+    says so on its /metrics: the losses ride the connector stats to the front-end's
+    vllm:kvobs_telemetry_dropped_spans_total{reason}, once each (deltas, not totals)."""
+    from prometheus_client import CollectorRegistry
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    scheduler = h.make_scheduler(h.make_config(
+        model_dir, {"decoder_kv_blocks_ttl": 30, "kvobs_store": str(blocked / "store")}))
+    obs = scheduler.connector._kvobs_sched
+    _d_turn(scheduler, tokens(50))
+    obs._sink.flush()  # the spans built and exported (and failed) now
+    lost = obs._sink.losses()
+    assert lost["export-failed"] >= 1 and lost["queue-full"] == 0
+    obs._losses_due = 0.0  # looked at once a second: now
+    stats = obs.take_stats()
+    assert stats.data[st.TELEMETRY_DROPPED] == [["export-failed", lost["export-failed"]]]
+    obs._losses_due = 0.0
+    again = obs.take_stats()  # nothing new lost: nothing reported twice
+    assert again is None or not again.data[st.TELEMETRY_DROPPED]
+    registry = CollectorRegistry()
+    from test_worker_stats_options import _registry_types
+
+    metrics = st.KvobsPromMetrics(h.make_config(model_dir), _registry_types(registry),
+                                  ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe(stats.data, 0)
+    value = registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("vllm:kvobs_telemetry_dropped_spans_total",
+                 {**labels, "reason": "export-failed"}) == lost["export-failed"]
+    assert value("vllm:kvobs_telemetry_dropped_spans_total",
+                 {**labels, "reason": "queue-full"}) == 0
+
+
+def test_shutdown_exports_queued_spans_before_upstreams_shutdown(model_dir, spans,
+                                                                  monkeypatch):
+    """SIGTERM reaches the connector as shutdown() (EngineCore.shutdown -> Scheduler);
+    upstream's part may block (it joins its handshake listener without a timeout) until
+    the process manager's SIGKILL: the turn's spans are exported before it starts."""
+    from connector_instrumented import _telemetry
+
+    monkeypatch.setattr(_telemetry, "_BUILD_INTERVAL_S", 3600.0)  # the builder sleeps
+    scheduler = h.make_scheduler(h.make_config(model_dir, {"decoder_kv_blocks_ttl": 30}))
+    connector = scheduler.connector
+    _d_turn(scheduler, tokens(50))
+    exported_before = []
+    monkeypatch.setattr(type(connector.connector_scheduler), "shutdown",
+                        lambda self: exported_before.append(  # no flush here
+                            [s.name for s in spans.exporter.get_finished_spans()]))
+    connector.shutdown()
+    (names,) = exported_before
+    assert sc.SPAN_EXPORT.name in names and sc.SPAN_DECODE_REQUEST.name in names

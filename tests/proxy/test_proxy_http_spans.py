@@ -139,6 +139,19 @@ def test_kvobs_turns_not_confused_by_http_spans():
     run(scenario())
 
 
+def converse_into_store(store, conversation: str, turns: int) -> None:
+    """``turns`` turns through a proxy built as `kvobs proxy --store-dir STORE` builds it
+    (configure_tracing, the environment's OTEL_* settings), its spans flushed."""
+    async def scenario():
+        async with Harness() as h:
+            proxy = await _ConfiguredTracing(h.make_config(store_dir=str(store))).start()
+            h.proxies.append(proxy)
+            await converse(h, conversation, turns, proxy=proxy)
+            await asyncio.get_running_loop().run_in_executor(
+                None, flush, proxy._runner.app[PROXY_KEY].tracer)
+    run(scenario())
+
+
 def test_http_spans_in_the_span_store_and_kvobs_turns(tmp_path, monkeypatch):
     """The proxy as `kvobs proxy --store-dir` runs it: spans through configure_tracing's
     exporter into the store, read back by the store source as `kvobs turns` reads them."""
@@ -146,15 +159,7 @@ def test_http_spans_in_the_span_store_and_kvobs_turns(tmp_path, monkeypatch):
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "KVOBS_STORE"):
         monkeypatch.delenv(name, raising=False)
     store = tmp_path / "store"
-
-    async def scenario():
-        async with Harness() as h:
-            proxy = await _ConfiguredTracing(h.make_config(store_dir=str(store))).start()
-            h.proxies.append(proxy)
-            await converse(h, "stored", 2, proxy=proxy)
-            await asyncio.get_running_loop().run_in_executor(
-                None, flush, proxy._runner.app[PROXY_KEY].tracer)
-    run(scenario())
+    converse_into_store(store, "stored", 2)
     lines = [json.loads(line) for path in (store / sc.STORE_LIVE_DIR).iterdir()
              for line in path.read_text().splitlines() if line.strip()]
     spans = [span for line in lines for rs in line["resourceSpans"]

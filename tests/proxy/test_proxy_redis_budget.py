@@ -126,3 +126,53 @@ def test_256_concurrent_clients_get_no_pool_errors(redis_url):
                                   {"action": "skipped", "source": "none"}) == 0
     run(scenario())
 
+
+
+def _lagging_loop(tasks: int, stall_s: float):
+    """Busy tasks that keep the loop's ready queue long: each loop iteration runs every
+    one of them for ``stall_s``, as 256 clients do to a saturated proxy."""
+    async def busy():
+        while True:
+            time.sleep(stall_s)
+            await asyncio.sleep(0)
+    return [asyncio.create_task(busy()) for _ in range(tasks)]
+
+
+def test_the_loops_lag_is_not_charged_to_redis(redis_url):
+    """Defect 5's follow-up: under load a Redis call's wall time is mostly the proxy's own
+    event loop (a queue of ready callbacks before each resumption); only the time from
+    the command's send to its reply's arrival is Redis's, and only that spends the
+    budget. A hung Redis is still bounded (the test above)."""
+    from prometheus_client import CollectorRegistry
+
+    from connector_instrumented.proxy._guard import StoreGuard
+    from connector_instrumented.proxy._metrics import ProxyMetrics
+    from connector_instrumented.proxy.store import redis_client
+
+    budget_s = 0.2
+
+    async def scenario():
+        client = redis_client(redis_url, 8)
+        guard = StoreGuard(ProxyMetrics(CollectorRegistry()), "redis", True, budget_s,
+                           failures=100, cooldown_s=1.0)
+        await client.ping()
+        busy = _lagging_loop(tasks=10, stall_s=0.01)  # ~0.1 s per loop iteration
+        try:
+            walls, spent = [], []
+            for _ in range(10):
+                budget = guard.budget()
+                started = time.perf_counter()
+                value, failure = await guard.call(budget, client.incr, "kvobs-test:lag")
+                walls.append(time.perf_counter() - started)
+                spent.append(budget_s - budget.left)
+                assert failure is None and value
+        finally:
+            for task in busy:
+                task.cancel()
+            await client.aclose()
+        # The calls took 4+ loop iterations of wall time each, twice the budget: charged
+        # by wall time they would all have timed out. Redis time ends when the reply
+        # reached the kernel (TCP_INFO), not when the loop got to it: milliseconds.
+        assert sorted(walls)[len(walls) // 2] > budget_s, walls
+        assert max(spent) < budget_s / 2, spent
+    run(scenario())

@@ -451,6 +451,24 @@ def test_vllm_own_request_spans_agree_with_the_connector(latency):
     assert (lag > -0.002).all() and lag.median() < 0.05, list(lag)
 
 
+def test_otel_service_name_names_every_process_and_roles_stay_known(latency):
+    """#14: OTEL_SERVICE_NAME (the latency scenario's service_name) is the service name
+    of the proxy's, the connector's and vLLM's own spans alike; each process's role is
+    the resource attribute kvobs.role (OTEL_RESOURCE_ATTRIBUTES), which gives vLLM's
+    spans their roles; the proxy's turn spans carry the GenAI request model."""
+    spans = open_source(str(latency.out)).spans()
+    assert latency.scenario.engines.service_name == "pd-fleet"
+    assert set(spans["service"]) == {"pd-fleet"}
+    roles = {name: set(values.dropna()) for name, values in spans.groupby("name")[sc.ROLE.key]}
+    assert roles[sc.SPAN_PROXY_TURN.name] == {"proxy"}
+    assert roles[sc.SPAN_PULL_DECISION.name] == {"prefill"}
+    assert roles[sc.SPAN_EXPORT.name] == {"decode"}
+    assert roles[sc.VLLM_REQUEST_SPAN] == {"prefill", "decode"}
+    turns = spans[spans["name"] == sc.SPAN_PROXY_TURN.name]
+    assert turns[sc.REQUEST_MODEL.key].notna().all()
+    assert turns[sc.PROMPT_TOKENS.key].notna().all()
+
+
 # --------------------------------------------------------------------------- lineage (#15)
 
 
