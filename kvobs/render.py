@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any, Iterable
 
 from kvobs.diagnose import Diagnosis, TurnDiagnosis
 from kvobs.semconv import HEALTHY_VERDICTS, Phase
 from kvobs.timeline import Timeline
+
+if TYPE_CHECKING:  # rich is imported on use: JSON and CSV output never need it
+    from rich.console import Console
+    from rich.table import Table
 
 _STYLE_OK, _STYLE_FAULT, _STYLE_UNKNOWN = "green", "bold red", "yellow"
 
@@ -40,6 +41,8 @@ def _style(diagnosis: TurnDiagnosis) -> str:
 
 
 def diagnosis_table(diagnosis: Diagnosis) -> Table:
+    from rich.table import Table
+
     title = f"conversation {diagnosis.conversation_id}"
     if diagnosis.tenant:
         title += f" (tenant {diagnosis.tenant})"

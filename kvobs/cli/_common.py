@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
 from kvobs.cli import EXIT_INTERNAL  # noqa: F401  (a kvobs bug; the group handles it)
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
@@ -40,6 +43,8 @@ def load_source(location: str) -> SpanSource:
 
 
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
+    from rich.console import Console  # on use: `--json` output never needs rich
+
     Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
     sys.exit(EXIT_INPUT)
 
@@ -70,4 +75,6 @@ def exit_status(verdicts: list[Verdict]) -> int:
 
 
 def console() -> Console:
+    from rich.console import Console  # on use: `--json` output never needs rich
+
     return Console(width=200 if not sys.stdout.isatty() else None)

@@ -1,0 +1,97 @@
+"""Wall time of whole ``kvobs`` CLI processes, as a user meets them, against interpreter
+baselines measured in the same run.
+
+    python bench/startup_bench.py --dir /tmp/kvobs-bench [--conversations 1000000] [--repeat 15]
+
+Each process runs under ``/usr/bin/time`` (elapsed, user and system seconds); the
+commands run round-robin so that the box's load falls on all of them alike. Commands:
+``python -c pass`` and ``python -c "import pandas"`` (baselines), ``kvobs --help``, and
+``kvobs diagnose ID --json`` for one conversation (a different one each round) of the
+synthetic store that bench/diagnose_bench.py builds (``kvobs.synth``, generated once
+under ``--dir`` and reused). Prints medians and the margin over each baseline. Target:
+``diagnose --json`` under 0.5 s wall (aim 0.25 s); printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _synthetic_store import dir_size, ensure_store  # noqa: E402
+
+from kvobs import synth  # noqa: E402
+
+TARGET_S, AIM_S = 0.5, 0.25
+TIME = "/usr/bin/time"
+
+
+def timed(command: list[str]) -> tuple[float, float, int]:
+    """(elapsed s, user + system s, exit status) of one process, by /usr/bin/time."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
+        done = subprocess.run([TIME, "-o", report.name, "-f", "%e %U %S", *command],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        elapsed, user, system = map(float, report.read().split()[-3:])
+    if done.returncode not in (0, 1, 3):  # a verdict's exit status is not a failure
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}: {done.stderr}")
+    return elapsed, user + system, done.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/kvobs-bench")
+    parser.add_argument("--conversations", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args()
+    if not os.access(TIME, os.X_OK):
+        raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
+    store = os.path.join(args.dir, f"synthetic-{args.conversations}")
+    config = synth.SyntheticConfig(conversations=args.conversations)
+    info = ensure_store(store, config)
+    how = "reused" if info["reused"] else f"generated in {info['generate_s']}s"
+    print(f"store {store}: {info['conversations']:,} synthetic conversations, "
+          f"{info['spans']:,} spans, {dir_size(store) / 2**20:.0f} MiB on disk ({how})")
+    ids = synth.conversation_ids(config)
+    picks = [ids[(i * 7919 * 104729) % len(ids)] for i in range(args.repeat)]
+    kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
+    commands = {
+        "python -c pass": lambda i: [sys.executable, "-c", "pass"],
+        "python -c 'import pandas'": lambda i: [sys.executable, "-c", "import pandas"],
+        "kvobs --help": lambda i: [kvobs, "--help"],
+        "kvobs diagnose ID --json": lambda i: [kvobs, "diagnose", picks[i], "--source", store,
+                                               "--json"],
+    }
+    for name, command in commands.items():  # warm the page cache; not counted
+        timed(command(0))
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    cpu: dict[str, list[float]] = {name: [] for name in commands}
+    for i in range(args.repeat):
+        for name, command in commands.items():
+            elapsed, seconds, _ = timed(command(i))
+            wall[name].append(elapsed)
+            cpu[name].append(seconds)
+    load = os.getloadavg()[0]
+    print(f"{args.repeat} runs each, round-robin, /usr/bin/time; load average {load:.1f} "
+          f"on {os.cpu_count()} CPUs at the end")
+    print(f"{'command':28} {'wall median':>11} {'wall min':>9} {'cpu median':>11}")
+    for name in commands:
+        print(f"{name:28} {statistics.median(wall[name]):10.3f}s {min(wall[name]):8.3f}s "
+              f"{statistics.median(cpu[name]):10.3f}s")
+    median = {name: statistics.median(values) for name, values in wall.items()}
+    diagnose, pandas = median["kvobs diagnose ID --json"], median["python -c 'import pandas'"]
+    print(f"diagnose --json over `import pandas`: +{diagnose - pandas:.3f}s "
+          f"({diagnose / pandas:.2f}x); --help over `pass`: "
+          f"+{median['kvobs --help'] - median['python -c pass']:.3f}s")
+    verdict = "PASS" if diagnose < TARGET_S else "FAIL"
+    aim = "met" if diagnose < AIM_S else "not met"
+    print(f"target diagnose --json < {TARGET_S} s wall (median): {verdict}; "
+          f"aim {AIM_S} s: {aim}")
+
+
+if __name__ == "__main__":
+    main()
