@@ -23,7 +23,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _synthetic_store import dir_size, ensure_store  # noqa: E402
+from _synthetic_store import bench_store  # noqa: E402
 
 from kvobs import synth  # noqa: E402
 
@@ -50,12 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     if not os.access(TIME, os.X_OK):
         raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
-    store = os.path.join(args.dir, f"synthetic-{args.conversations}")
-    config = synth.SyntheticConfig(conversations=args.conversations)
-    info = ensure_store(store, config)
-    how = "reused" if info["reused"] else f"generated in {info['generate_s']}s"
-    print(f"store {store}: {info['conversations']:,} synthetic conversations, "
-          f"{info['spans']:,} spans, {dir_size(store) / 2**20:.0f} MiB on disk ({how})")
+    store, config = bench_store(args.dir, args.conversations)
     ids = synth.conversation_ids(config)
     picks = [ids[(i * 7919 * 104729) % len(ids)] for i in range(args.repeat)]
     kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
