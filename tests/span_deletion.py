@@ -97,14 +97,14 @@ def _broken(before: list[Diagnosed], after: list[Diagnosed]) -> list[tuple[Diagn
     by_span = {span: turn for turn in before for span in turn.span_ids}
     out = []
     for turn in after:
+        if turn.verdict == INSUFFICIENT:
+            continue
         matched = {by_span[span] for span in turn.span_ids if span in by_span}
-        if len(matched) != 1:
+        if len(matched) != 1:  # a turn the deletion made up, or two it merged
             out.append((next(iter(matched)) if matched else turn,
                         f"{turn.verdict} on a turn built from {len(matched)} turns' spans"))
-            continue
-        (old,) = matched
-        if turn.verdict not in (old.verdict, INSUFFICIENT):
-            out.append((old, turn.verdict))
+        elif turn.verdict != next(iter(matched)).verdict:
+            out.append((next(iter(matched)), turn.verdict))
     return out
 
 

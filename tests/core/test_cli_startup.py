@@ -71,9 +71,9 @@ def test_help_text_is_what_click_writes_from_the_commands_themselves():
 
     eager = Eager(name="kvobs", help=main.help, params=main.params,
                   context_settings=main.context_settings)
-    with click.Context(eager, info_name="kvobs") as ctx:
+    with click.Context(eager, info_name="kvobs", **main.context_settings) as ctx:
         expected = eager.get_help(ctx)
-    with click.Context(main, info_name="kvobs") as ctx:
+    with click.Context(main, info_name="kvobs", **main.context_settings) as ctx:
         assert main.get_help(ctx) == expected
 
 
