@@ -16,6 +16,8 @@ import sys
 
 import click
 
+from kvobs.cli._exit import EXIT_INTERNAL, fail_input
+
 # command name -> ("module:attribute", the first sentence of its help). Loaded on use,
 # so `kvobs diagnose` pays for what it needs only, and a command whose extra is not
 # installed fails alone, with its hint. The summaries let `kvobs --help` list the
@@ -57,7 +59,6 @@ COMMANDS = {
 
 
 ENV_DEBUG = "KVOBS_DEBUG"
-EXIT_INTERNAL = 4
 
 
 def _internal_error(error: Exception) -> "NoReturn":  # noqa: F821
@@ -86,14 +87,10 @@ class _LazyGroup(click.Group):
             # (the proxy) must not pay for pandas.
             sources = sys.modules.get("kvobs.sources")
             if sources is not None and isinstance(error, sources.SourceError):
-                from kvobs.cli._common import fail_input
-
                 fail_input(str(error))
             if isinstance(error, (click.ClickException, click.exceptions.Exit)):
                 raise
             if isinstance(error, OSError):  # a port in use, a file it cannot write
-                from kvobs.cli._common import fail_input
-
                 fail_input(str(error))
             _internal_error(error)
 

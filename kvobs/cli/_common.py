@@ -10,12 +10,12 @@ import click
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
-from kvobs.cli import EXIT_INTERNAL  # noqa: F401  (a kvobs bug; the group handles it)
+from kvobs.cli._exit import (EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT,  # noqa: F401
+                             EXIT_INTERNAL, EXIT_OK, fail_input)
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
 FAIL_ON = ("never", "fault", "insufficient")
 ENV_SOURCE = "KVOBS_SOURCE"
@@ -40,13 +40,6 @@ def load_source(location: str) -> SpanSource:
         return open_source(location)
     except (SourceError, OSError) as error:
         fail_input(str(error))
-
-
-def fail_input(message: str) -> "NoReturn":  # noqa: F821
-    from rich.console import Console  # on use: `--json` output never needs rich
-
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
-    sys.exit(EXIT_INPUT)
 
 
 def fail_on_option(function):
