@@ -201,7 +201,7 @@ def needed(spans: pd.DataFrame) -> bool:
     link only then (the facts for id'd turns are diagnose's, per conversation)."""
     if spans.empty or sc.PREFIX_LINEAGE.key not in spans:
         return False
-    decisions = (spans["name"] == sc.SPAN_PULL_DECISION.name).to_numpy(bool) & \
+    decisions = (spans["name"] == sc.SPAN_PULL_DECISION.name).fillna(False).to_numpy(bool) & \
         spans[sc.PREFIX_LINEAGE.key].notna().to_numpy(bool)
     if not decisions.any():
         return False
@@ -268,8 +268,8 @@ def _links(spans: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
 
 def _write_facts(spans: pd.DataFrame, links: pd.DataFrame) -> pd.DataFrame:
     spans = spans.copy()
-    decisions = spans.index[(spans["name"] == sc.SPAN_PULL_DECISION.name).to_numpy(bool)
-                            & spans[_RID].notna().to_numpy(bool)]
+    decision = (spans["name"] == sc.SPAN_PULL_DECISION.name).fillna(False)  # a nameless span
+    decisions = spans.index[decision.to_numpy(bool) & spans[_RID].notna().to_numpy(bool)]
     request_ids = spans.loc[decisions, _RID]
     for column, key in _FACTS.items():
         values = request_ids.map(links[column]).astype(spans[key].dtype) \

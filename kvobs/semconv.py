@@ -632,6 +632,9 @@ M_PROXY_LATENCY = _metric("kvobs_proxy_turn_duration_seconds", "histogram", "sec
                           "Whole-turn latency as the proxy served it (request in to last "
                           "byte out), by turn and prompt-length bucket.",
                           (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL), TTFT_BUCKETS + (60,))
+# Exemplar label of M_PROXY_TTFT and M_PROXY_LATENCY (OpenMetrics): the turn's trace id,
+# lower-case hex; Grafana's exemplar trace link looks it up by this name.
+EXEMPLAR_TRACE_ID = "trace_id"
 # ``phase`` label values of M_PROXY_PHASE: the proxy's own phases (Phase values) and the
 # two engine legs as the proxy times them.
 PROXY_PHASE_VALUES = ("proxy-in", "proxy-hop", "proxy-out", "prefill-leg", "decode-leg")

@@ -27,7 +27,8 @@ from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 from kvobs import semconv as sc
 from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
@@ -185,15 +186,18 @@ class _Proxy:
         return web.json_response({"status": "ready" if ok else "not-ready",
                                   "checks": checks}, status=200 if ok else 503)
 
-    async def metrics_view(self, _request: web.Request) -> web.Response:
+    async def metrics_view(self, request: web.Request) -> web.Response:
         size, _failure = await self.guard.call(self.guard.budget(), self.store.size)
         if size is not None:
             self.metrics.entries.set(size)
+        # OpenMetrics when the scraper asks for it (Prometheus does): only that format
+        # carries the exemplars (trace_id) of the TTFT and latency histograms.
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         # Rendering every series takes milliseconds (tens on a busy box): off the event
         # loop, so a scrape never holds back the turns being relayed.
         body = await asyncio.get_running_loop().run_in_executor(
-            None, generate_latest, self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+            None, encoder, self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "/v1/chat/completions")
@@ -733,10 +737,15 @@ class _Proxy:
         prompt_bucket = sc.prompt_bucket(state.prompt_tokens or 0)
         self.metrics.turns.labels(turn_bucket, prompt_bucket, state.outcome.value).inc()
         if state.error is None and state.d_answered is not None:
+            # The turn's trace id as exemplar: a dashboard point opens the turn's trace.
+            context = span.get_span_context()
+            exemplar = ({sc.EXEMPLAR_TRACE_ID: trace.format_trace_id(context.trace_id)}
+                        if context.is_valid else None)
             if state.ttft_s is not None:
-                self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(state.ttft_s)
+                self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(
+                    state.ttft_s, exemplar)
             self.metrics.latency.labels(turn_bucket, prompt_bucket).observe(
-                time.perf_counter() - state.start_perf)
+                time.perf_counter() - state.start_perf, exemplar)
             self._observe_phases(state)
         try:
             if span.is_recording():

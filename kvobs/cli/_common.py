@@ -42,6 +42,26 @@ def load_source(location: str) -> SpanSource:
         fail_input(str(error))
 
 
+MAX_PROBLEMS_SHOWN = 20
+
+
+def print_source_problems(problems: list[str], machine_readable: bool) -> None:
+    """What reading the source skipped or repaired (a corrupt file, a duplicate span, a
+    bad value): after the table, or on stderr when stdout is JSON or CSV. Every command
+    reads the rest of a damaged source and says so here; a long list is cut short."""
+    if not problems:
+        return
+    from rich.console import Console  # on use: a clean source's `--json` never needs rich
+
+    out = Console(stderr=True) if machine_readable else console()
+    shown = problems[:MAX_PROBLEMS_SHOWN]
+    for problem in shown:
+        out.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+    if len(problems) > len(shown):
+        out.print(f"[yellow]warning:[/] ... and {len(problems) - len(shown)} more problems",
+                  highlight=False)
+
+
 def fail_on_option(function):
     return click.option(
         "--fail-on", type=click.Choice(FAIL_ON), default="never", show_default=True,

@@ -12,5 +12,5 @@ EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT, EXIT_INTERNAL = 0, 1, 2, 3, 
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
     from rich.console import Console  # on use: `--json` output never needs rich
 
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
     sys.exit(EXIT_INPUT)

@@ -21,6 +21,26 @@ def _needs_extra(error: ImportError) -> NoReturn:
     fail_input(f"{error.name or error} is not installed: pip install 'kvobs[dashboards]'")
 
 
+def _config_options(command):
+    """``--config FILE`` and ``--set KEY=VALUE``: the monitoring knobs (thresholds, TTL,
+    runbook URL, selectors) the dashboards are generated with."""
+    command = click.option(
+        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+        help="Override one monitoring knob, e.g. decode_ttl_seconds=300 (repeatable).")(command)
+    return click.option(
+        "--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="Monitoring config, YAML or TOML (deploy/monitoring.example.yaml).")(command)
+
+
+def _load_config(config_file: str | None, overrides: tuple[str, ...]):
+    from kvobs.monitoring import config as settings
+
+    try:
+        return settings.load(config_file, overrides)
+    except settings.ConfigError as error:
+        fail_input(f"monitoring config: {error}")
+
+
 @click.group("dashboards", context_settings={"help_option_names": ["-h", "--help"]})
 def dashboards_group() -> None:
     """Grafana dashboards generated from kvobs/monitoring (see docs/dashboards.md)."""
@@ -36,9 +56,12 @@ def dashboards_group() -> None:
               help="Replace a dashboard with the same uid.")
 @click.option("--datasource-uid", envvar=ENV_DATASOURCE_UID, show_envvar=True, default=None,
               help="Prometheus data source uid the datasource variable defaults to.")
+@_config_options
 def import_command(url: str, token: str | None, folder: str | None, overwrite: bool,
-                   datasource_uid: str | None) -> None:
+                   datasource_uid: str | None, config_file: str | None,
+                   overrides: tuple[str, ...]) -> None:
     """Import every kvobs dashboard into the Grafana at --url."""
+    config = _load_config(config_file, overrides)
     try:
         from grafana_client.client import GrafanaException
 
@@ -48,7 +71,7 @@ def import_command(url: str, token: str | None, folder: str | None, overwrite: b
     try:
         api = grafana.connect(url, token)
         results = grafana.import_dashboards(api, folder=folder, overwrite=overwrite,
-                                            datasource_uid=datasource_uid)
+                                            datasource_uid=datasource_uid, config=config)
     except ImportError as error:
         _needs_extra(error)
     except GrafanaException as error:
@@ -68,15 +91,18 @@ def import_command(url: str, token: str | None, folder: str | None, overwrite: b
 @click.option("--provider", "provider_folder", default=None, metavar="FOLDER",
               help="Also write kvobs-provider.yaml, a Grafana provisioning provider for "
                    "DIRECTORY that files the dashboards under FOLDER.")
+@_config_options
 def export_command(directory: str, datasource_uid: str | None,
-                   provider_folder: str | None) -> None:
+                   provider_folder: str | None, config_file: str | None,
+                   overrides: tuple[str, ...]) -> None:
     """Write every kvobs dashboard as JSON into DIRECTORY (Grafana file provisioning)."""
     from pathlib import Path
 
+    config = _load_config(config_file, overrides)
     try:
         from kvobs.monitoring import grafana
 
-        paths = grafana.export_dashboards(directory, datasource_uid)
+        paths = grafana.export_dashboards(directory, datasource_uid, config)
     except ImportError as error:
         _needs_extra(error)
     if provider_folder:

@@ -6,8 +6,8 @@ import sys
 
 import click
 
-from kvobs.cli._common import (console, exit_status, fail_input, load_source, slo_option,
-                               source_option)
+from kvobs.cli._common import (console, exit_status, fail_input, load_source,
+                               print_source_problems, slo_option, source_option)
 from kvobs.diagnose import AmbiguousConversation, UnknownConversation, diagnose
 from kvobs.render import print_diagnosis, to_json
 
@@ -31,16 +31,19 @@ def command(conversation_id, source, read_slo, prefill_rate, tenant, as_json):
     try:
         result = diagnose(span_source, conversation_id, read_slo, prefill_rate, tenant)
     except UnknownConversation as unknown:
+        print_source_problems(span_source.problems, machine_readable=True)
         hint = f"; near matches: {', '.join(unknown.near)}" if unknown.near else ""
         scope = f" for tenant {unknown.tenant}" if unknown.tenant is not None else ""
         fail_input(f"unknown conversation id {unknown.conversation_id!r}{scope} in "
                    f"{source}{hint}")
     except AmbiguousConversation as ambiguous:
+        print_source_problems(span_source.problems, machine_readable=True)
         fail_input(f"conversation id {ambiguous.conversation_id!r} is used by "
                    f"{len(ambiguous.tenants)} tenants ({', '.join(ambiguous.tenants)}); "
                    f"they are separate conversations: pass --tenant DIGEST")
     if as_json:
         click.echo(to_json(result.to_dict()))
-    else:
+        print_source_problems(result.problems, machine_readable=True)
+    else:  # the problems printed after the table
         print_diagnosis(console(), result)
     sys.exit(exit_status(result.verdicts))

@@ -11,11 +11,12 @@ import sys
 import click
 
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
-                               fleet_exit_status, load_source, slo_option, source_option)
+                               fleet_exit_status, load_source, print_source_problems,
+                               slo_option, source_option)
 from kvobs.render import duration, to_json
 
 
-def _labelled(source: str, read_slo, prefill_rate):
+def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = False):
     from kvobs.fleet import fleet_turns
     from kvobs.sources import SourceError
 
@@ -25,6 +26,7 @@ def _labelled(source: str, read_slo, prefill_rate):
     except (SourceError, OSError) as error:
         fail_input(str(error))
     if turns.empty:
+        print_source_problems(span_source.problems, machine_readable)
         fail_input(f"no turns in {source}")
     return span_source, turns
 
@@ -49,7 +51,7 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
     apart)."""
     from kvobs.fleet import build_report
 
-    _, turns = _labelled(source, read_slo, prefill_rate)
+    span_source, turns = _labelled(source, read_slo, prefill_rate, as_json)
     report, labelled = build_report(turns, source, since, prefill_rate, read_slo)
     if html_file:
         from kvobs.fleet.html import render_html
@@ -60,6 +62,7 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
         click.echo(to_json(report.to_dict()))
     else:
         _print_report(report, html_file)
+    print_source_problems(span_source.problems, machine_readable=as_json)
     sys.exit(fleet_exit_status(report.verdicts, fail_on))
 
 

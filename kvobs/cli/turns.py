@@ -7,10 +7,11 @@ import sys
 import click
 import pandas as pd
 
-from kvobs.cli._common import (console, fail_on_option, fleet_exit_status, load_source,
-                               slo_option, source_option)
+from kvobs.cli._common import (console, fail_input, fail_on_option, fleet_exit_status,
+                               load_source, print_source_problems, slo_option,
+                               source_option)
 from kvobs.diagnose import all_turns
-from kvobs.render import duration, print_problems, to_json
+from kvobs.render import duration, to_json
 from kvobs.semconv import Verdict
 
 
@@ -31,13 +32,16 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
     """All turns with their verdicts (load the CSV or JSON into pandas)."""
     span_source = load_source(source)
     items = all_turns(span_source, read_slo)
+    fmt = "json" if as_json else fmt
+    if not items:  # an empty or unreadable source: as report and diagnose, an input error
+        print_source_problems(span_source.problems, machine_readable=fmt != "table")
+        fail_input(f"no turns in {source}")
     items = [t for t in items
              if (not verdicts or t.finding.verdict.value in verdicts)
              and (not conversations or t.conversation_id in conversations)
              and (not tenants or t.tenant in tenants)
              and (min_turn is None or t.turn.index >= min_turn)]
     rows = [t.to_dict() for t in items]
-    fmt = "json" if as_json else fmt
     if fmt == "json":
         click.echo(to_json(rows))
     elif fmt == "csv":
@@ -61,11 +65,5 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
                           str(row["read_outcome"]), duration(row["ttft_s"]),
                           duration(row["latency_s"]), str(row["slowest_phase"]), str(cause))
         out.print(table)
-    print_problems(console() if fmt == "table" else _stderr(), span_source.problems)
+    print_source_problems(span_source.problems, machine_readable=fmt != "table")
     sys.exit(fleet_exit_status([t.finding.verdict for t in items], fail_on))
-
-
-def _stderr():
-    from rich.console import Console
-
-    return Console(stderr=True)

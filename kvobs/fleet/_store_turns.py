@@ -20,6 +20,8 @@ import pyarrow.parquet as pq
 from kvobs import lineage
 from kvobs.fleet._merge import sort_turns
 from kvobs.fleet._turns import _CID, _TENANT, _plain, _ranked, aggregate, span_columns
+from kvobs.sources._decode import short
+from kvobs.sources._frame import drop_duplicate_span_rows
 
 _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
 
@@ -39,8 +41,29 @@ def _live_spans(source, columns: list[str]) -> pa.Table | None:
         pa.schema([schema.field(c) for c in columns]))
 
 
-def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
-                     ) -> pa.Table:
+def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None,
+                     problems: list[str] | None = None) -> pa.Table:
+    """``_scan_spans``; when a file cannot be read (corrupt inside: ``readable`` let it
+    through), file by file, the unreadable ones reported and left out."""
+    from kvobs.sources.store import note
+
+    try:
+        return _scan_spans(files, columns, cids)
+    except (pa.ArrowException, OSError):
+        if problems is None or len(files) < 2:
+            raise
+    tables = []
+    for path in files:
+        try:
+            tables.append(_scan_spans([path], columns, cids))
+        except (pa.ArrowException, OSError) as error:
+            note(problems, f"{path}: skipped unreadable span file ({short(error)})")
+    if not tables:
+        return _scan_spans([], columns, cids)
+    return pa.concat_tables(tables).unify_dictionaries()
+
+
+def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> pa.Table:
     from kvobs.sources.store import store_schema
 
     schema = pa.schema([store_schema().field(c) for c in columns])
@@ -62,24 +85,26 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
 
 def store_turns(source) -> pa.Table:
     """Turn rows (before ``derive``) of a ``StoreSource``, sorted by the turn keys."""
-    from kvobs.sources.store import span_files, turns_path
+    from kvobs.sources.store import readable, span_files, turns_path
 
     store_dir = source.store_dir
-    columns = span_columns() + ["trace_id"]
+    problems = source.problems
+    columns = span_columns() + ["trace_id", "span_id"]
     live = _live_spans(source, columns)
-    files = span_files(store_dir)
+    files = readable(span_files(store_dir), problems)
     has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
-    indexed = [f for f in files if has_turns[f]]
-    unindexed = [f for f in files if not has_turns[f]]
     if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
         # A live span without conversation may belong to any compacted trace.
-        spans = _plain(_compacted_spans(files, columns, None)).cast(live.schema)
-        return aggregate(pa.concat_tables([spans, live]))
-    turns = [pq.read_table(turns_path(store_dir, f), read_dictionary=_READ_AS_DICTIONARY)
-             for f in indexed]
+        spans = _plain(_compacted_spans(files, columns, None, problems)).cast(live.schema)
+        return aggregate(drop_duplicate_span_rows(pa.concat_tables([spans, live]), problems))
+    turn_files = {f: _turn_file(turns_path(store_dir, f), problems)
+                  for f in files if has_turns[f]}
+    indexed = [f for f in files if turn_files.get(f) is not None]
+    unindexed = [f for f in files if turn_files.get(f) is None]
+    turns = [turn_files[f] for f in indexed]
     rebuild = [pa.chunked_array([], pa.string())]
     if unindexed:
-        rebuild.append(_compacted_spans(unindexed, [_CID], None).column(_CID))
+        rebuild.append(_compacted_spans(unindexed, [_CID], None, problems).column(_CID))
     if live is not None:
         rebuild.append(live.column(_CID))
     # Buckets partition conversation ids: only a bucket with several files can split one.
@@ -92,14 +117,28 @@ def store_turns(source) -> pa.Table:
                                       pa.string()).combine_chunks())
     kept = [_without(t, cids) for t in turns] if len(cids) else turns
     if len(cids):
-        spans = _compacted_spans(files, columns, cids)
+        spans = _compacted_spans(files, columns, cids, problems)
         if live is not None:
             spans = pa.concat_tables([_plain(spans).cast(live.schema), live])
-        kept.append(aggregate(spans))
+        # A span in two files (a retried export compacted twice, a copied file) counts once.
+        kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
     empty = aggregate(_compacted_spans([], columns, None))
     if not kept:
         return empty
     return sort_turns(pa.concat_tables([_conform(t, empty.schema) for t in kept]))
+
+
+def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
+    """A span file's turn rows, or None (no turn file, or one that cannot be read:
+    reported; its turns are then rebuilt from its spans, nothing lost)."""
+    from kvobs.sources.store import note
+
+    try:
+        return pq.read_table(path, read_dictionary=_READ_AS_DICTIONARY)
+    except (pa.ArrowException, OSError) as error:
+        note(problems, f"{path}: unreadable turn file ({short(error)}); its turns "
+                       "rebuilt from its span file")
+        return None
 
 
 def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:

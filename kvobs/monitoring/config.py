@@ -1,14 +1,26 @@
 """Every knob of the monitoring mixin in one place: selectors, windows, thresholds.
 
-Dashboards, recording rules and alerts read only this module for tunables, so a deployment
-changes a threshold here (or passes its own :class:`MonitoringConfig`) and regenerates.
+Dashboards, recording rules and alerts read only this module for tunables. A deployment
+writes its own values in one YAML or TOML file (``deploy/monitoring.example.yaml``: the
+same keys as these dataclasses, nested) and/or ``--set KEY=VALUE`` flags, and regenerates::
+
+    python -m kvobs.monitoring.generate --config monitoring.yaml --set decode_ttl_seconds=300
+
+:func:`load` reads the file; unknown keys, wrong types and incoherent values (a relative
+runbook URL, a proxy entry lifetime not below D's TTL) are a :class:`ConfigError` that
+names the key, never a silent default.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvobs.semconv import ReadDirection
+
+RUNBOOK_BASE_URL = "https://github.com/kvobs/kvobs/blob/main/docs/runbooks"
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,11 @@ class Selectors:
     # (vllm-prefill, vllm-decode); use any label that does (e.g. 'instance=~"p-.*"').
     prefill: str = 'job=~".*prefill.*"'
     decode: str = 'job=~".*decode.*"'
+    # Matchers on `up` naming the scrape jobs that must expose kvobs metrics: the
+    # telemetry-absent alerts fire per job (and namespace) scraped without them, so one
+    # healthy fleet cannot hide another's missing connector or proxy.
+    engine_targets: str = 'job=~".*(prefill|decode).*"'
+    proxy_targets: str = 'job=~".*proxy.*"'
 
 
 # Matchers the dashboards use: every query is filtered by the template variables. The role
@@ -97,16 +114,142 @@ class MonitoringConfig:
     decode_ttl_seconds: float = 480.0
     # Proxy metadata lifetime default (s): must stay below decode_ttl_seconds.
     proxy_entry_lifetime_seconds: float = 450.0
-    # Prefix of every alert's runbook_url; the default is the repository path. Deployers set
-    # the URL where they host docs/runbooks (e.g. their Git web UI) and regenerate.
-    runbook_base_url: str = "docs/runbooks"
+    # Prefix of every alert's runbook_url and of the dashboards' runbook links: absolute
+    # (Alertmanager and Grafana cannot resolve a repository path). Point it at the place
+    # that serves docs/runbooks for you (your Git web UI, an internal docs site).
+    runbook_base_url: str = RUNBOOK_BASE_URL
+    # Labels every alert and recording rule aggregates by (the first level of recording
+    # rule names): `namespace` keeps two fleets' jobs of the same name apart.
+    aggregation_labels: tuple[str, ...] = ("namespace", "job")
+    # Trace view for exemplars and the dashboards' trace link: a URL with `${__value.raw}`
+    # where the trace id goes (Jaeger: http://jaeger:16686/trace/${__value.raw}); empty:
+    # exemplars are shown without a link.
+    trace_url: str = ""
     dashboard_uid: str = "kvobs-kv-reuse"
     dashboard_title: str = "kvobs / KV reuse across turns"
     dashboard_tags: tuple[str, ...] = ("kvobs", "vllm", "nixl")
     rule_group_prefix: str = "kvobs"
+    # Labels of the PrometheusRule manifest: kube-prometheus-stack's Prometheus selects
+    # rules by `release: <its Helm release name>` (ruleSelector); set yours.
+    prometheus_rule_labels: dict[str, str] = field(
+        default_factory=lambda: {"release": "kube-prometheus-stack"})
+    # Labels of the dashboards' ConfigMap: the Grafana sidecar (kube-prometheus-stack's
+    # grafana.sidecar.dashboards) loads ConfigMaps labelled `grafana_dashboard`.
+    dashboard_configmap_labels: dict[str, str] = field(
+        default_factory=lambda: {"grafana_dashboard": "1"})
 
 
 DEFAULT = MonitoringConfig()
+
+
+class ConfigError(ValueError):
+    """A monitoring config file or ``--set`` flag that cannot be used as written."""
+
+
+def _coerce(value, kind, key: str):
+    origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
+        return _build(kind, value, f"{key}.")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of labels, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _build(cls, values: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: "
+                          f"{', '.join(prefix + n for n in names)})")
+    return cls(**{name: _coerce(value, hints[name], prefix + name)
+                  for name, value in values.items()})
+
+
+def check(config: MonitoringConfig) -> MonitoringConfig:
+    """``config`` if it is coherent, else :class:`ConfigError`."""
+    if not config.runbook_base_url.startswith(("https://", "http://")):
+        raise ConfigError(f"runbook_base_url must be an absolute http(s) URL, got "
+                          f"{config.runbook_base_url!r}: Alertmanager and Grafana cannot "
+                          "open a repository path")
+    if config.decode_ttl_seconds <= 0:
+        raise ConfigError("decode_ttl_seconds must be positive")
+    if config.proxy_entry_lifetime_seconds >= config.decode_ttl_seconds:
+        raise ConfigError(
+            f"proxy_entry_lifetime_seconds ({config.proxy_entry_lifetime_seconds:g}) must be "
+            f"below decode_ttl_seconds ({config.decode_ttl_seconds:g}): the proxy would hand "
+            "out params for blocks D already released")
+    if not config.aggregation_labels:
+        raise ConfigError("aggregation_labels must name at least one label (e.g. job)")
+    return config
+
+
+def from_mapping(values: dict) -> MonitoringConfig:
+    return check(_build(MonitoringConfig, values))
+
+
+def _parse_file(path: Path) -> dict:
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as error:  # a parse error of either library: name the file
+        raise ConfigError(f"{path}: {error}") from error
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of keys at the top")
+    return data
+
+
+def _set(values: dict, assignment: str) -> None:
+    """Apply one ``a.b=value`` flag to a nested dict (the value parsed as YAML)."""
+    import yaml
+
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE")
+    *parents, leaf = key.strip().split(".")
+    node = values
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: {part} is not a table")
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> MonitoringConfig:
+    """The config of ``path`` (YAML, or TOML by its ``.toml`` suffix) with ``overrides``
+    (``section.key=value``) applied; the defaults where neither sets a key."""
+    values = _parse_file(Path(path)) if path else {}
+    for assignment in overrides:
+        _set(values, assignment)
+    return from_mapping(values)
 
 # prometheus_client (0.2x, seen with 0.26) answers a Prometheus 2.x scrape, which negotiates
 # OpenMetrics without an `escaping` parameter, with `escaping=underscores`: the sample lines

@@ -19,6 +19,9 @@ from kvobs.monitoring import rules
 from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
 from kvobs.semconv import (
     METRICS,
+    M_PROXY_GAP,
+    M_PROXY_LATENCY,
+    M_PROXY_TTFT,
     M_PROXY_TURNS,
     M_PULL_DECISIONS,
     M_READ_DURATION,
@@ -49,8 +52,36 @@ class PanelSpec:
     targets: tuple[Target, ...]
     unit: str = "short"
     stacked: bool = False
-    threshold: float | None = None  # drawn as a dashed red line
+    threshold: float | None = None  # drawn as a dashed red line (stat: red above it)
     width: int = 8
+    kind: str = "timeseries"  # | "stat": one current value
+
+
+# Panels that show what an alert fires on link to its runbook (panel title -> alerts).
+RUNBOOK_LINKS: dict[str, tuple[str, ...]] = {
+    "Later turns missing metadata": ("KvobsMissingMetadataHigh",),
+    "Expired D->P reads": ("KvobsRemoteReadsExpired",),
+    "D->P read p95": ("KvobsRemoteReadLatencyHigh",),
+    "Later turns by proxy lookup outcome": ("KvobsMissingMetadataHigh",),
+    "Missing-metadata share by turn bucket": ("KvobsMissingMetadataHigh",),
+    "D->P read outcomes": ("KvobsRemoteReadsExpired", "KvobsRemoteReadsFailing"),
+    "Read duration percentiles": ("KvobsRemoteReadLatencyHigh",),
+    "Expired and failed share of read attempts": ("KvobsRemoteReadsExpired",
+                                                  "KvobsRemoteReadsFailing"),
+    "Inter-turn gap against TTLs": ("KvobsProxyEntryOutlivesDecodeTTL",),
+    "Lookups by outcome": ("KvobsProxyTelemetryAbsent",),
+    "Fallbacks by reason": ("KvobsProxyFallbacks",),
+    "Metadata store errors": ("KvobsProxyStoreErrors",),
+    "Dropped telemetry": ("KvobsTelemetryDropped",),
+    "P pull decisions": ("KvobsEngineTelemetryAbsent",),
+    "Reused tokens per second of read time": ("KvobsRemoteReadsSlowerThanRecompute",),
+    "Prefix mismatches and stuck waits": ("KvobsRequestsStuckWaitingForRemoteKV",),
+    "P queue share of P's TTFT": (rules.PREFILL_QUEUEING_ALERT,),
+}
+# Histograms the proxy exposes with exemplars (trace_id of the turn): their quantile
+# queries ask Grafana for exemplars, which link to the trace (datasource's
+# exemplarTraceIdDestinations, see kvobs.monitoring.grafana.datasource_provisioning).
+EXEMPLAR_METRICS = (M_PROXY_TTFT, M_PROXY_LATENCY)
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
     th = config.thresholds
     T = Target
     return (
+        now_row(s, config),
         RowSpec("Turn outcomes (metric-side verdict proxies; turn 1 apart)", (
             PanelSpec(
                 "Later turns by proxy lookup outcome",
@@ -235,8 +267,11 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "Gaps longer than D's TTL",
                 f"Share of inter-turn gaps above {config.decode_ttl_seconds:g} s (the "
                 "configured decoder_kv_blocks_ttl): those turns cannot reuse D's KV "
-                "whatever the proxy does.",
-                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds), "gap > TTL"),),
+                "whatever the proxy does. Read from the gap histogram's buckets ("
+                f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)}).",
+                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds),
+                   f"gap > {config.decode_ttl_seconds:g} s ("
+                   f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)})"),),
                 "percentunit"),
         )),
         RowSpec("Proxy", (
@@ -368,6 +403,46 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
     )
 
 
+def now_row(s: q.Scope, config: MonitoringConfig) -> RowSpec:
+    """The first row: one number each, what an operator looks at first."""
+    T = Target
+    th = config.thresholds
+    return RowSpec("Now", (
+        PanelSpec(
+            "Reuse now",
+            "Share of P's prompt tokens obtained by D->P reads rather than computed "
+            "(later turns that reused their history).",
+            (T(q.reuse_share(s), "reuse"),), "percentunit", width=4, kind="stat"),
+        PanelSpec(
+            "Later turns missing metadata",
+            "Share of turns after the first whose proxy lookup found no usable params.",
+            (T(q.missing_metadata_ratio(s), "missing"),), "percentunit",
+            threshold=th.missing_metadata_ratio, width=4, kind="stat"),
+        PanelSpec(
+            "Expired D->P reads",
+            "Share of D->P read attempts declined because D's blocks were (nearly) "
+            "expired.",
+            (T(q.expired_read_ratio(s), "expired"),), "percentunit",
+            threshold=th.expired_read_ratio, width=4, kind="stat"),
+        PanelSpec(
+            "D->P read p95",
+            "95th percentile of a D->P read's duration against the read-latency SLO.",
+            (T(q.read_duration_quantile(s, 0.95), "p95"),), "s",
+            threshold=th.read_p95_seconds, width=4, kind="stat"),
+        PanelSpec(
+            "Later-turn TTFT p95",
+            "Time to first token p95 of turns after the first, at the proxy.",
+            (T(q.proxy_ttft_quantile(s, 0.95, LATER_TURNS), "p95"),), "s",
+            width=4, kind="stat"),
+        PanelSpec(
+            "Gaps beyond D's TTL",
+            f"Share of inter-turn gaps above D's {config.decode_ttl_seconds:g} s TTL ("
+            f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)}).",
+            (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds), "gap > TTL"),),
+            "percentunit", width=4, kind="stat"),
+    ))
+
+
 def where_ttft_goes(s: q.Scope, config: MonitoringConfig) -> RowSpec:
     """A turn's latency phase by phase (the metric side of ``kvobs diagnose``'s timeline)."""
     T = Target
@@ -495,10 +570,24 @@ def _variables():
     ]
 
 
-def _panel(spec: PanelSpec, panel_id: int):
-    from grafana_foundation_sdk.builders import common, prometheus, timeseries
+def runbook_links(title: str, config: MonitoringConfig) -> list[tuple[str, str]]:
+    """``(link title, url)`` of the runbooks of the alerts a panel shows."""
+    return [(f"Runbook: {alert}", rules.runbook_url(alert, config))
+            for alert in RUNBOOK_LINKS.get(title, ())]
+
+
+def wants_exemplars(expr: str) -> bool:
+    """A quantile over a histogram the proxy exposes with trace-id exemplars."""
+    return "histogram_quantile" in expr and any(
+        f"{m.name}_bucket{{" in expr for m in EXEMPLAR_METRICS)
+
+
+def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
+    from grafana_foundation_sdk.builders import common, prometheus, stat, timeseries
     from grafana_foundation_sdk.builders import dashboard as db
     from grafana_foundation_sdk.models.common import (
+        BigValueColorMode,
+        BigValueGraphMode,
         GraphThresholdsStyleMode,
         LegendDisplayMode,
         LegendPlacement,
@@ -506,34 +595,52 @@ def _panel(spec: PanelSpec, panel_id: int):
         StackingMode,
         TooltipDisplayMode,
     )
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef, Threshold, ThresholdsMode
+    from grafana_foundation_sdk.models.dashboard import (
+        DashboardLinkType,
+        DataSourceRef,
+        Threshold,
+        ThresholdsMode,
+    )
 
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
-    panel = (timeseries.Panel().id(panel_id).title(spec.title).description(description(spec))
-             .datasource(ds).unit(spec.unit).span(spec.width).height(8).fill_opacity(10)
-             .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
-                     .placement(LegendPlacement.BOTTOM).show_legend(True))
-             .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI)
-                      .sort(SortOrder.DESCENDING)))
+    if spec.kind == "stat":
+        panel = (stat.Panel().id(panel_id).title(spec.title).description(description(spec))
+                 .datasource(ds).unit(spec.unit).span(spec.width).height(4)
+                 .graph_mode(BigValueGraphMode.AREA).color_mode(BigValueColorMode.VALUE))
+    else:
+        panel = (timeseries.Panel().id(panel_id).title(spec.title)
+                 .description(description(spec)).datasource(ds).unit(spec.unit)
+                 .span(spec.width).height(8).fill_opacity(10)
+                 .legend(common.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+                         .placement(LegendPlacement.BOTTOM).show_legend(True))
+                 .tooltip(common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI)
+                          .sort(SortOrder.DESCENDING)))
     if spec.stacked:
         panel = panel.stacking(common.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40)
     if spec.threshold is not None:
-        panel = (panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([
-                     Threshold(value=None, color="green"),
-                     Threshold(value=spec.threshold, color="red")]))
-                 .thresholds_style(common.GraphThresholdsStyleConfig()
-                                   .mode(GraphThresholdsStyleMode.DASHED)))
+        panel = panel.thresholds(db.ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([
+            Threshold(value=None, color="green"),
+            Threshold(value=spec.threshold, color="red")]))
+        if spec.kind != "stat":
+            panel = panel.thresholds_style(common.GraphThresholdsStyleConfig()
+                                           .mode(GraphThresholdsStyleMode.DASHED))
+    links = runbook_links(spec.title, config)
+    if links:
+        panel = panel.links([db.DashboardLink(title).type(DashboardLinkType.LINK).url(url)
+                             .target_blank(True) for title, url in links])
     for index, target in enumerate(spec.targets):
-        panel = panel.with_target(prometheus.Dataquery().expr(target.expr).datasource(ds)
-                                  .legend_format(target.legend or "__auto")
-                                  .ref_id(chr(ord("A") + index)))
+        query = (prometheus.Dataquery().expr(target.expr).datasource(ds)
+                 .legend_format(target.legend or "__auto").ref_id(chr(ord("A") + index)))
+        if wants_exemplars(target.expr):
+            query = query.exemplar(True)
+        panel = panel.with_target(query)
     return panel
 
 
 def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
     from grafana_foundation_sdk.builders import dashboard as db
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync
+    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DashboardLinkType
 
     builder = (db.Dashboard(config.dashboard_title).uid(config.dashboard_uid)
                .description("KV reuse across turns in vLLM P/D disaggregated serving with "
@@ -545,12 +652,21 @@ def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
                .tooltip(DashboardCursorSync.CROSSHAIR))
     for variable in _variables():
         builder = builder.with_variable(variable)
+    builder = builder.link(db.DashboardLink("Runbooks").type(DashboardLinkType.LINK)
+                           .url(config.runbook_base_url).target_blank(True)
+                           .icon("doc").tooltip("kvobs alert runbooks"))
+    if config.trace_url:
+        base = config.trace_url.split("${")[0]
+        builder = builder.link(db.DashboardLink("Traces").type(DashboardLinkType.LINK)
+                               .url(base).target_blank(True).icon("external link")
+                               .tooltip("Trace view; exemplars on the TTFT and latency "
+                                        "panels open the turn's trace"))
     panel_id = 1
     for row in rows(config):
         builder = builder.with_row(db.Row(row.title).id(panel_id))
         panel_id += 1
         for spec in row.panels:
-            builder = builder.with_panel(_panel(spec, panel_id))
+            builder = builder.with_panel(_panel(spec, panel_id, config))
             panel_id += 1
     # Round-trip through the SDK's encoder so the result is plain JSON data.
     return json.loads(json.dumps(builder.build(), cls=JSONEncoder))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvobs.monitoring.dashboards import DATASOURCE_VAR, build_dashboards, render
 from kvobs.monitoring.config import DEFAULT, MonitoringConfig
+from kvobs.semconv import EXEMPLAR_TRACE_ID
 
 
 def map_datasource(dashboard: dict, datasource_uid: str | None) -> dict:
@@ -56,6 +57,21 @@ def provisioning_provider(directory: str | Path, folder: str = "kvobs") -> str:
         "    options:\n"
         f"      path: {json.dumps(str(Path(directory).resolve()))}\n"
     )
+
+
+def datasource_provisioning(prometheus_url: str, config: MonitoringConfig = DEFAULT,
+                            name: str = "Prometheus (kvobs)") -> str:
+    """A Grafana datasource provisioning file for the Prometheus the dashboards query,
+    with exemplar trace links: an exemplar's ``trace_id`` label (the proxy sets it on its
+    TTFT and latency histograms) opens ``config.trace_url``."""
+    import yaml
+
+    source: dict = {"name": name, "type": "prometheus", "access": "proxy",
+                    "url": prometheus_url, "jsonData": {}}
+    if config.trace_url:
+        source["jsonData"]["exemplarTraceIdDestinations"] = [
+            {"name": EXEMPLAR_TRACE_ID, "url": config.trace_url, "urlDisplayLabel": "Trace"}]
+    return yaml.safe_dump({"apiVersion": 1, "datasources": [source]}, sort_keys=False)
 
 
 @dataclass(frozen=True)

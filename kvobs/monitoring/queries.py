@@ -294,12 +294,62 @@ def gap_quantile(s: Scope, q: float) -> str:
     return quantile(q, M_PROXY_GAP, s.proxy, s.window, s.by)
 
 
-def gap_over_ttl_ratio(s: Scope, ttl_seconds: float) -> str:
-    """Share of inter-turn gaps longer than D's TTL (from the bucket at the TTL bound)."""
-    within = sum_rate(M_PROXY_GAP, s.proxy, s.window, s.by, le_matcher(ttl_seconds),
-                      suffix="_bucket")
-    total = sum_rate(M_PROXY_GAP, s.proxy, s.window, s.by, suffix="_count")
+def bracket(bound: float, buckets: tuple[float, ...]) -> tuple[float, float | None]:
+    """The histogram bounds around ``bound``: ``(lo, hi)`` with ``lo <= bound <= hi``;
+    ``lo`` is 0 below the first bound (observations are >= 0), ``hi`` is None above the
+    last finite bound, and ``lo == hi`` when ``bound`` is a bound.
+
+    >>> bracket(300, (240, 360, 480)), bracket(480, (240, 360, 480)), bracket(900, (240,))
+    ((240, 360), (480, 480), (240, None))
+    """
+    finite = sorted(b for b in buckets if b != float("inf"))
+    if bound in finite:
+        return bound, bound
+    lo = max((b for b in finite if b < bound), default=0)
+    hi = min((b for b in finite if b > bound), default=None)
+    return lo, hi
+
+
+def share_above_method(bound: float, buckets: tuple[float, ...]) -> str:
+    """How :func:`share_above` estimates the share above ``bound``, in words (legends)."""
+    lo, hi = bracket(bound, buckets)
+    if lo == hi:
+        return f"exact: {bound:g} s is a bucket bound"
+    if hi is None:
+        return f"share above {lo:g} s, the last bucket bound: an upper bound of the share"
+    return f"interpolated between the {lo:g} s and {hi:g} s buckets"
+
+
+def share_above(metric: Metric, selector: str, window: str, by: tuple[str, ...],
+                bound: float, buckets: tuple[float, ...]) -> str:
+    """Share of a classic histogram's observations above ``bound`` for any ``bound``.
+
+    A bound that is a bucket bound reads its bucket. Between two bounds the count at
+    ``bound`` is interpolated linearly between theirs (``histogram_quantile``'s own
+    assumption: observations spread evenly inside a bucket). Above the last finite bound
+    nothing is known past it: the share above that bound (an upper bound) is returned,
+    and :func:`share_above_method` says so.
+
+    >>> print(share_above(M_PROXY_GAP, 'job="x"', "5m", (), 300, (240, 360)))
+    1 - ((((sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"240(\\\\.0)?"}[5m]))) + ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"360(\\\\.0)?"}[5m]))) - (sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"240(\\\\.0)?"}[5m])))) * 0.5) or ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) * 0)) / ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) > 0))
+    """
+    def at(le: float) -> str:
+        return sum_rate(metric, selector, window, by, le_matcher(le), suffix="_bucket")
+
+    lo, hi = bracket(bound, buckets)
+    if hi is None or lo == hi:
+        within = at(lo)
+    elif lo == 0:
+        within = f"({at(hi)}) * {bound / hi:g}"
+    else:
+        within = f"({at(lo)}) + (({at(hi)}) - ({at(lo)})) * {(bound - lo) / (hi - lo):g}"
+    total = sum_rate(metric, selector, window, by, suffix="_count")
     return f"1 - ({ratio(within, total)})"
+
+
+def gap_over_ttl_ratio(s: Scope, ttl_seconds: float) -> str:
+    """Share of inter-turn gaps longer than D's TTL (:func:`share_above` of the gaps)."""
+    return share_above(M_PROXY_GAP, s.proxy, s.window, s.by, ttl_seconds, M_PROXY_GAP.buckets)
 
 
 def decode_ttl(s: Scope) -> str:
@@ -528,6 +578,15 @@ def proxy_ttft_mean(s: Scope) -> str:
 # --------------------------------------------------------------------------- absence
 
 
-def absent(metric: Metric, selector: str) -> str:
-    """Template for the telemetry-absent alerts."""
-    return f"absent({series(metric, selector)})"
+def absent_per_job(metric: Metric, selector: str, targets: str, by: tuple[str, ...]) -> str:
+    """Scrape jobs ``targets`` names (on ``up``) that expose no ``metric``, by ``by``; and,
+    when no such job is scraped at all, ``absent()`` of the metric (one series, no job).
+
+    >>> print(absent_per_job(M_PROXY_LOOKUPS, 'job!=""', 'job=~".*proxy.*"', ("job",)))
+    (count by (job) (up{job=~".*proxy.*"}) unless count by (job) (kvobs_proxy_lookups_total{job!=""}))
+    or (absent(kvobs_proxy_lookups_total{job!=""}) unless on() count(up{job=~".*proxy.*"}))
+    """
+    scraped = f"{_by(by, 'count')}({series('up', targets)})"
+    exposing = f"{_by(by, 'count')}({series(metric, selector)})"
+    return (f"({scraped} unless {exposing})\n"
+            f"or (absent({series(metric, selector)}) unless on() count({series('up', targets)}))")

@@ -7,9 +7,10 @@ generator serialises them into one promtool test file per rule file, so rule, fi
 runbook cannot drift apart (the runbook link is added to every alert by one pass,
 :func:`with_runbooks`).
 
-Recording rules are named ``level:metric:operations`` (``job:vllm_kvobs_remote_reads:rate5m``);
-a ``:`` inside a vLLM metric name becomes ``_`` in the metric part so the three parts stay
-parseable.
+Recording rules are named ``level:metric:operations``
+(``namespace_job:vllm_kvobs_remote_reads:rate5m``), the level being the aggregation labels
+of the config joined by ``_``; a ``:`` inside a vLLM metric name becomes ``_`` in the
+metric part so the three parts stay parseable.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from kvobs.semconv import (
     ReadOutcome,
 )
 
-LEVEL = "job"
 # Named here because the dashboard's panel over the same query points at its runbook.
 PREFILL_QUEUEING_ALERT = "KvobsPrefillQueueingDominates"
 
@@ -103,19 +103,20 @@ class Recording:
         return {"record": self.record, "expr": self.expr}
 
 
-def record_name(metric: Metric | str, operation: str, level: str = LEVEL) -> str:
+def record_name(metric: Metric | str, operation: str,
+                config: MonitoringConfig = DEFAULT) -> str:
     """``level:metric:operations`` with ``_total`` dropped and ``:`` made ``_``.
 
     >>> record_name(M_READS, "rate5m")
-    'job:vllm_kvobs_remote_reads:rate5m'
+    'namespace_job:vllm_kvobs_remote_reads:rate5m'
     """
     name = metric.name if isinstance(metric, Metric) else metric
     name = re.sub(r"_total$", "", name).replace(":", "_")
-    return f"{level}:{name}:{operation}"
+    return f"{'_'.join(config.aggregation_labels)}:{name}:{operation}"
 
 
 def runbook_url(alert: str, config: MonitoringConfig = DEFAULT) -> str:
-    return f"{config.runbook_base_url}/{alert}.md"
+    return f"{config.runbook_base_url.rstrip('/')}/{alert}.md"
 
 
 def with_runbooks(alerts: list[Alert], config: MonitoringConfig = DEFAULT) -> list[Alert]:
@@ -125,8 +126,9 @@ def with_runbooks(alerts: list[Alert], config: MonitoringConfig = DEFAULT) -> li
 
 # --------------------------------------------------------------------------- test fixtures
 
-ENGINE = {"job": "vllm-prefill", "instance": "p0:8000", "model_name": "m", "engine": "0"}
-PROXY = {"job": "kvobs-proxy", "instance": "proxy:9000"}
+ENGINE = {"namespace": "serving", "job": "vllm-prefill", "instance": "p0:8000",
+          "model_name": "m", "engine": "0"}
+PROXY = {"namespace": "serving", "job": "kvobs-proxy", "instance": "proxy:9000"}
 D2P = {"direction": DIRECTION_D_TO_P}
 
 
@@ -160,6 +162,22 @@ def _durations(bucket_counts: dict[str, float], total_seconds: float) -> dict[st
     return out
 
 
+def histogram_series(metric: Metric, labels: dict[str, str],
+                     per_minute_values: dict[float, float]) -> dict[str, str]:
+    """A histogram's series when, every minute, ``n`` observations of value ``v`` arrive
+    for each ``v: n`` of ``per_minute_values`` (cumulative buckets over the metric's
+    bounds, ``_count`` and ``_sum``)."""
+    out = {}
+    for le in (*metric.buckets, float("inf")):
+        n = sum(count for value, count in per_minute_values.items() if value <= le)
+        out[sel(metric, {**labels, "le": "+Inf" if le == float("inf") else f"{le:g}"},
+                "_bucket")] = per_minute(n)
+    out[sel(metric, labels, "_count")] = per_minute(sum(per_minute_values.values()))
+    out[sel(metric, labels, "_sum")] = per_minute(
+        sum(v * n for v, n in per_minute_values.items()))
+    return out
+
+
 def _turns(turn_bucket: str, lookup: LookupOutcome, n: float) -> dict[str, str]:
     labels = {**PROXY, "turn_bucket": turn_bucket, "prompt_bucket": "512-2k",
               "lookup": lookup.value}
@@ -189,15 +207,26 @@ FAST = {"0.01": 60, "0.5": 60, "1": 60, "2.5": 60, "+Inf": 60}
 
 def _scope(config: MonitoringConfig) -> q.Scope:
     selectors = config.selectors
-    return q.Scope(selectors.engine, selectors.proxy, config.windows.rate, (LEVEL,),
-                   prefill=selectors.prefill, decode=selectors.decode)
+    return q.Scope(selectors.engine, selectors.proxy, config.windows.rate,
+                   tuple(config.aggregation_labels), prefill=selectors.prefill,
+                   decode=selectors.decode)
+
+
+def _kept(labels: dict[str, str], config: MonitoringConfig) -> dict[str, str]:
+    """The labels of a fixture series an aggregation by the config's labels keeps."""
+    return {k: v for k, v in labels.items() if k in config.aggregation_labels}
+
+
+def _text(labels: dict[str, str]) -> str:
+    """A promtool ``exp_samples`` label set: ``{a="1", b="2"}``."""
+    return "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
 
 
 def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
     s = _scope(config)
     th, fl, w = config.thresholds, config.floors, config.windows
-    job = {"job": ENGINE["job"]}
-    pjob = {"job": PROXY["job"]}
+    job = _kept(ENGINE, config)
+    pjob = _kept(PROXY, config)
     out = [
         Alert(
             "KvobsRemoteReadsExpired",
@@ -361,26 +390,44 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
     ]
     out += [
         absent_alert("KvobsEngineTelemetryAbsent", M_PULL_DECISIONS, config.selectors.engine,
-                     "vLLM engines", "the instrumented connector is not loaded "
-                     "(kv_connector / kv_connector_module_path) or the engines are not "
-                     "scraped", config, ENGINE),
+                     config.selectors.engine_targets, "vLLM engines",
+                     "the instrumented connector is not loaded (kv_connector / "
+                     "kv_connector_module_path) or the engines are not scraped", config,
+                     ENGINE, "vllm-decode"),
         absent_alert("KvobsProxyTelemetryAbsent", M_PROXY_LOOKUPS, config.selectors.proxy,
-                     "kvobs proxy", "the proxy is down or its /metrics is not scraped",
-                     config, PROXY),
+                     config.selectors.proxy_targets, "kvobs proxy",
+                     "the proxy is down or its /metrics is not scraped", config, PROXY,
+                     "kvobs-proxy-b"),
     ]
     return with_runbooks(out, config)
 
 
-def absent_alert(name: str, metric: Metric, selector: str, what: str, why: str,
-                 config: MonitoringConfig, present_labels: dict[str, str]) -> Alert:
-    """The telemetry-absent template: one per component, same shape, same tests."""
+def absent_alert(name: str, metric: Metric, selector: str, targets: str, what: str,
+                 why: str, config: MonitoringConfig, present_labels: dict[str, str],
+                 other_job: str) -> Alert:
+    """The telemetry-absent template: one per component, same shape, same tests.
+
+    It fires per scrape job (and namespace) that ``targets`` names and that is scraped
+    without ``metric`` (a second healthy job does not hide it), and once, without labels,
+    when nothing exposes ``metric`` at all."""
+    by = tuple(config.aggregation_labels)
+    silent_job = _kept(present_labels, config)
+    missing = _kept({**present_labels, "job": other_job}, config)
     return Alert(
-        name, q.absent(metric, selector), config.windows.for_absent, "warning",
-        f"No kvobs telemetry from the {what}.",
-        f"{metric.name} has been absent for {config.windows.for_absent}: {why}. Every "
-        "kvobs panel and alert for that component is blind.",
+        name, q.absent_per_job(metric, selector, targets, by), config.windows.for_absent,
+        "warning",
+        f"No kvobs telemetry from the {what}{{{{ with $labels.job }}}} (job "
+        "{{ . }}){{ end }}.",
+        f"{metric.name} has been absent for {config.windows.for_absent}{{{{ with "
+        "$labels.job }} from job {{ . }}{{ end }}{{ with $labels.namespace }} in namespace "
+        f"{{{{ . }}}}{{{{ end }}}}: {why}. Every kvobs panel and alert for it is blind.",
         (Case("metric never scraped", {sel("up", {"job": "other"}): "1x40"}, True),
-         Case("metric present", {sel(metric, present_labels): "0x40"}, False)))
+         Case("metric present", {sel(metric, present_labels): "0x40",
+                                 sel("up", {**silent_job, "instance": "x"}): "1x40"}, False),
+         Case("one job without it while another has it",
+              {sel(metric, present_labels): "0x40",
+               sel("up", {**missing, "instance": "y"}): "1x40"},
+              True, labels=missing)))
 
 
 def recordings(config: MonitoringConfig = DEFAULT) -> list[Recording]:
@@ -388,40 +435,48 @@ def recordings(config: MonitoringConfig = DEFAULT) -> list[Recording]:
     r = f"rate{config.windows.rate}"
     ratio = f"ratio_{r}"
     return [
-        Recording(record_name(M_PROXY_TURNS, r),
+        Recording(record_name(M_PROXY_TURNS, r, config),
                   q.turns_rate(s.keeping("turn_bucket", "prompt_bucket", "lookup")),
                   (({**_turns("2", LookupOutcome.HIT, 60)}, "10m",
-                    (('{job="kvobs-proxy", turn_bucket="2", prompt_bucket="512-2k", '
-                      'lookup="hit"}', 1.0),)),)),
-        Recording(record_name("kvobs_proxy_turns_missing_metadata", ratio),
+                    ((_text({**_kept(PROXY, config), "turn_bucket": "2",
+                             "prompt_bucket": "512-2k", "lookup": "hit"}), 1.0),)),)),
+        Recording(record_name("kvobs_proxy_turns_missing_metadata", ratio, config),
                   q.missing_metadata_ratio(s),
                   (({**_turns("1", LookupOutcome.MISS, 60), **_turns("3-4", LookupOutcome.HIT, 45),
                      **_turns("3-4", LookupOutcome.STALE, 15)}, "10m",
-                    (('{job="kvobs-proxy"}', 0.25),)),
+                    ((_text(_kept(PROXY, config)), 0.25),)),
                    # Only first turns: no later-turn denominator, so no series (never NaN).
                    ({**_turns("1", LookupOutcome.MISS, 60)}, "10m", ()))),
-        Recording(record_name(M_PULL_DECISIONS, r), q.pull_decisions_rate(s.keeping("decision"))),
-        Recording(record_name("vllm_kvobs_remote_reads_d_to_p", r),
+        Recording(record_name(M_PULL_DECISIONS, r, config), q.pull_decisions_rate(s.keeping("decision"))),
+        Recording(record_name("vllm_kvobs_remote_reads_d_to_p", r, config),
                   q.read_outcomes_rate(s.keeping("outcome"))),
-        Recording(record_name("vllm_kvobs_remote_reads_expired", ratio), q.expired_read_ratio(s),
-                  ((_reads(45, declined=15), "10m", (('{job="vllm-prefill"}', 0.25),)),
-                   (_reads(60), "10m", (('{job="vllm-prefill"}', 0.0),)),
+        Recording(record_name("vllm_kvobs_remote_reads_expired", ratio, config), q.expired_read_ratio(s),
+                  ((_reads(45, declined=15), "10m", ((_text(_kept(ENGINE, config)), 0.25),)),
+                   (_reads(60), "10m", ((_text(_kept(ENGINE, config)), 0.0),)),
                    (_reads(0), "10m", ()))),
-        Recording(record_name("vllm_kvobs_remote_reads_failed", ratio), q.failed_read_ratio(s)),
-        Recording(record_name(M_READ_DURATION, f"p95_{r}"), q.read_duration_quantile(s, 0.95),
-                  ((_durations(SLOW, 90), "10m", (('{job="vllm-prefill"}', 2.425),)),)),
-        Recording(record_name(M_REUSED_TOKENS, r), q.reused_tokens_rate(s)),
-        Recording(record_name(M_RECOMPUTED_TOKENS, r),
+        Recording(record_name("vllm_kvobs_remote_reads_failed", ratio, config), q.failed_read_ratio(s)),
+        Recording(record_name(M_READ_DURATION, f"p95_{r}", config), q.read_duration_quantile(s, 0.95),
+                  ((_durations(SLOW, 90), "10m", ((_text(_kept(ENGINE, config)), 2.425),)),)),
+        Recording(record_name(M_REUSED_TOKENS, r, config), q.reused_tokens_rate(s)),
+        Recording(record_name(M_RECOMPUTED_TOKENS, r, config),
                   q.recomputed_tokens_rate(s.keeping("reason"))),
-        Recording(record_name("vllm_kvobs_remote_reuse_share", ratio), q.reuse_share(s),
+        Recording(record_name("vllm_kvobs_remote_reuse_share", ratio, config), q.reuse_share(s),
                   (({sel(M_REUSED_TOKENS, ENGINE): per_minute(600),
                      sel(M_RECOMPUTED_TOKENS, {**ENGINE, "reason": "suffix"}): per_minute(200)},
-                    "10m", (('{job="vllm-prefill"}', 0.75),)),)),
-        Recording(record_name(M_RETAINED_BYTES, "sum"), q.retained_bytes(s)),
-        Recording(record_name(M_PROXY_TTFT, f"p95_{r}"),
+                    "10m", ((_text(_kept(ENGINE, config)), 0.75),)),)),
+        Recording(record_name(M_RETAINED_BYTES, "sum", config), q.retained_bytes(s)),
+        Recording(record_name(M_PROXY_TTFT, f"p95_{r}", config),
                   q.proxy_ttft_quantile(s.keeping("turn_bucket"), 0.95)),
-        Recording(record_name(M_PROXY_GAP, f"p95_{r}"), q.gap_quantile(s, 0.95)),
-        Recording(record_name(M_PROXY_FALLBACKS, r), q.fallbacks_rate(s.keeping("reason"))),
+        Recording(record_name(M_PROXY_GAP, f"p95_{r}", config), q.gap_quantile(s, 0.95)),
+        Recording(record_name("kvobs_proxy_inter_turn_gap_over_decode_ttl", ratio, config),
+                  q.gap_over_ttl_ratio(s, config.decode_ttl_seconds),
+                  # Whatever the TTL: gaps of 0.5 s are all within it, gaps past the last
+                  # bucket bound all beyond it (a TTL that is no bucket bound once read 1).
+                  ((histogram_series(M_PROXY_GAP, PROXY, {0.5: 60}), "10m",
+                    ((_text(_kept(PROXY, config)), 0.0),)),
+                   (histogram_series(M_PROXY_GAP, PROXY, {1e6: 60}), "10m",
+                    ((_text(_kept(PROXY, config)), 1.0),)))),
+        Recording(record_name(M_PROXY_FALLBACKS, r, config), q.fallbacks_rate(s.keeping("reason"))),
     ]
 
 
@@ -450,7 +505,8 @@ def prometheus_rule(config: MonitoringConfig = DEFAULT) -> dict:
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
         "metadata": {"name": "kvobs", "labels": {"app.kubernetes.io/name": "kvobs",
-                                                 "app.kubernetes.io/part-of": "kvobs"}},
+                                                 "app.kubernetes.io/part-of": "kvobs",
+                                                 **config.prometheus_rule_labels}},
         "spec": {"groups": all_groups},
     }
 
@@ -460,9 +516,14 @@ def render_template(template: str, labels: dict[str, str], value: str) -> str:
 
     >>> render_template("{{ $value | humanize }} on {{ $labels.job }}", {"job": "x"}, "3")
     '3 on x'
+    >>> render_template("a{{ with $labels.job }} job {{ . }}{{ end }}.", {}, "")
+    'a.'
     """
+    text = re.sub(r"\{\{\s*with \$labels\.(\w+)\s*\}\}(.*?)\{\{\s*end\s*\}\}",
+                  lambda m: re.sub(r"\{\{\s*\.\s*\}\}", labels[m.group(1)], m.group(2))
+                  if labels.get(m.group(1)) else "", template)
     text = re.sub(r"\{\{\s*\$labels\.(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""),
-                  template)
+                  text)
     return re.sub(r"\{\{\s*\$value[^}]*\}\}", value, text)
 
 

@@ -34,15 +34,19 @@ class SpanSource(Protocol):
 
 
 CLICKHOUSE_SCHEMES = ("clickhouse://", "clickhouses://", "chdb:")
-SOURCE_HELP = ("Span source: a kvobs store directory, OTLP-JSON lines file(s)/directory, "
-               "clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces] or "
-               "chdb:PATH[?table=T].")
+TRACE_API_SCHEMES = ("tempo+http://", "tempo+https://", "jaeger+http://", "jaeger+https://")
+SOURCE_HELP = ("Span source: a kvobs store directory; span file(s) or a directory of them "
+               "(OTLP JSON lines or document, OTLP protobuf, the Collector file exporter's "
+               "output, Tempo or Jaeger trace JSON; gzip/zstd; the format read from the "
+               "content); clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces]; "
+               "chdb:PATH[?table=T]; tempo+http://HOST:3200[?trace=ID|since=1h&q=TRACEQL]; "
+               "jaeger+http://HOST:16686[?trace=ID|since=1h&service=S].")
 
 
 def open_source(location: str) -> SpanSource:
     """Every command's ``--source`` (``SOURCE_HELP``): ClickHouse by URL (HTTP interface)
-    or ``chdb:PATH`` (embedded ClickHouse), a store directory (has ``spans/`` or
-    ``compacted/``), else OTLP-JSON file(s)."""
+    or ``chdb:PATH`` (embedded ClickHouse), Tempo or Jaeger by URL (their HTTP query
+    APIs), a store directory (has ``spans/`` or ``compacted/``), else span file(s)."""
     from kvobs.sources.otlp_json import OtlpJsonSource
     from kvobs.sources.store import StoreSource, is_store
 
@@ -53,6 +57,12 @@ def open_source(location: str) -> SpanSource:
             source = ClickHouseSource.from_url(location)
         except ImportError as error:  # chdb not installed
             raise SourceError(f"{location}: {error}") from error
+        source.check()
+        return source
+    if location.startswith(TRACE_API_SCHEMES):
+        from kvobs.sources.trace_api import TraceApiSource
+
+        source = TraceApiSource(location)
         source.check()
         return source
     if not os.path.exists(location):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 
@@ -32,17 +35,44 @@ def frame_from_rows(rows: list[dict]) -> pd.DataFrame:
     return _name_anonymous(frame)
 
 
+def repeated_spans(trace_ids, span_ids) -> np.ndarray:
+    """Mask of the rows that repeat an earlier row's (trace id, span id): a span
+    delivered twice (an exporter's retry, a copied file) would otherwise count twice
+    (recomputed tokens are summed per turn). Rows without span id are never repeats."""
+    key = pc.binary_join_element_wise(
+        pc.fill_null(pa.chunked_array(trace_ids).cast(pa.string()), ""),
+        pa.chunked_array(span_ids).cast(pa.string()), "/")
+    codes = pc.fill_null(key.combine_chunks().dictionary_encode().indices, -1)
+    codes = codes.to_numpy(zero_copy_only=False)
+    order = np.argsort(codes, kind="stable")
+    ordered = codes[order]
+    repeated = np.zeros(len(codes), dtype=bool)
+    repeated[order[1:][(ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)]] = True
+    return repeated
+
+
+def _reported(count: int, problems: list[str]) -> None:
+    if count:
+        problems.append(f"{count} duplicate span(s) (same trace and span id) read once")
+
+
 def drop_duplicate_spans(frame: pd.DataFrame, problems: list[str]) -> pd.DataFrame:
-    """One row per (trace id, span id): a span delivered twice (an exporter's retry, a
-    copied file) would otherwise count twice (recomputed tokens summed per turn).
-    Reported, never silent."""
-    keys = ["trace_id", "span_id"]
-    duplicated = frame.duplicated(keys) & frame["span_id"].notna()
-    count = int(duplicated.sum())
-    if not count:
+    """One row per (trace id, span id) (``repeated_spans``), the repeats reported."""
+    if frame.empty:
         return frame
-    problems.append(f"{count} duplicate span(s) (same trace and span id) read once")
-    return frame[~duplicated.to_numpy(bool)].reset_index(drop=True)
+    repeated = repeated_spans(pa.array(frame["trace_id"], pa.string()),
+                              pa.array(frame["span_id"], pa.string()))
+    _reported(int(repeated.sum()), problems)
+    return frame[~repeated].reset_index(drop=True) if repeated.any() else frame
+
+
+def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
+    """``drop_duplicate_spans`` for an Arrow span table (the fleet's path)."""
+    if table.num_rows == 0:
+        return table
+    repeated = repeated_spans(table.column("trace_id"), table.column("span_id"))
+    _reported(int(repeated.sum()), problems)
+    return table.filter(pa.array(~repeated)) if repeated.any() else table
 
 
 def _name_anonymous(frame: pd.DataFrame) -> pd.DataFrame:

@@ -11,19 +11,16 @@ conversation, turn) (the same columns as ``kvobs.fleet``'s store path), from the
 view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
 store's turn files are to its spans) when it holds every span, else from the spans with
 one ``GROUP BY`` per span name; ``spans(cid)`` reads one conversation's traces only.
-Queries go through a ``query(sql) -> pyarrow.Table`` callable: ClickHouse's HTTP
-interface (``FORMAT ArrowStream``, no client library needed) or chdb (embedded
-ClickHouse; ``pip install chdb``) for tests and local files.
+Queries go through a ``query(sql, parameters=None) -> pyarrow.Table`` callable
+(``_clickhouse_client``): a server through clickhouse-connect, or chdb (embedded
+ClickHouse) for tests and local files; values from the user are bound parameters.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import urllib.parse
-import urllib.request
-from typing import Callable
 
 import pandas as pd
 import pyarrow as pa
@@ -45,13 +42,19 @@ from kvobs.sources._clickhouse_sql import (
     quote,
     span_column,
 )
+from kvobs.sources._clickhouse_client import (
+    ClickHouseError,
+    Query,
+    embedded_query,
+    server_query,
+)
 from kvobs.sources._clickhouse_view import (
     backfill_sql,
     turns_view_ddl,
     view_columns,
     view_mark,
 )
-from kvobs.sources._frame import ALL_DTYPES
+from kvobs.sources._frame import ALL_DTYPES, drop_duplicate_spans
 
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
@@ -60,16 +63,22 @@ __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
 
+def check_table_name(table: str) -> None:
+    """Raise ``SourceError`` unless ``table`` is a plain ``[db.]name`` (it goes into SQL
+    text: a table name cannot be a bound parameter)."""
+    if not _TABLE_NAME.fullmatch(table or ""):
+        from kvobs.sources import SourceError
+
+        raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
+                          "digits, underscores)")
+
+
 class ClickHouseSource:
     """A ``SpanSource`` over an ``otel_traces`` table, plus ``fleet_turns()`` in SQL."""
 
-    def __init__(self, query: Callable[[str], pa.Table], table: str = DEFAULT_TABLE,
+    def __init__(self, query: Query, table: str = DEFAULT_TABLE,
                  location: str = "clickhouse"):
-        if not _TABLE_NAME.fullmatch(table or ""):
-            from kvobs.sources import SourceError
-
-            raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
-                              "digits, underscores)")
+        check_table_name(table)
         self.query = query
         self.table = table
         self.location = location
@@ -81,34 +90,40 @@ class ClickHouseSource:
     def from_url(cls, url: str) -> "ClickHouseSource":
         """``clickhouse://[user:password@]HOST[:PORT]/DB[?table=T]`` (HTTP interface;
         ``clickhouses://`` for HTTPS; user/password also from ``KVOBS_CLICKHOUSE_USER`` /
-        ``KVOBS_CLICKHOUSE_PASSWORD``), or ``chdb:PATH[?table=T]`` (embedded)."""
+        ``KVOBS_CLICKHOUSE_PASSWORD``), or ``chdb:PATH[?table=T]`` (embedded). Connects
+        on first use: ``check()`` raises ``SourceError`` with the server's own words when
+        it refuses or is not there."""
+        from kvobs.sources import SourceError
+
         parsed = urllib.parse.urlparse(url)
         table = urllib.parse.parse_qs(parsed.query).get("table", [DEFAULT_TABLE])[0]
+        check_table_name(table)  # before any connection or embedded database
         if parsed.scheme == "chdb":
             path = parsed.path or url[len("chdb:"):].split("?")[0]
             if not os.path.isdir(path):  # reading must not create a database
-                from kvobs.sources import SourceError
-
                 what = "is not a directory" if os.path.exists(path) else "does not exist"
                 raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
                                   "directory)")
             return cls.chdb(path, table)
-        scheme = "https" if parsed.scheme == "clickhouses" else "http"
-        port = parsed.port or (8443 if scheme == "https" else 8123)
+        secure = parsed.scheme == "clickhouses"
+        scheme = "https" if secure else "http"
+        try:
+            port = parsed.port or (8443 if secure else 8123)
+        except ValueError as error:
+            raise SourceError(f"{url}: {error}") from error
         database = parsed.path.strip("/") or "default"
-        endpoint = f"{scheme}://{parsed.hostname}:{port}/?database={database}"
+        location = f"{scheme}://{parsed.hostname}:{port}/{database}"
         user = urllib.parse.unquote(parsed.username or "") or os.environ.get(ENV_USER)
         password = (urllib.parse.unquote(parsed.password or "")
                     or os.environ.get(ENV_PASSWORD, ""))
-        return cls(_http_query(endpoint, user, password), table,
-                   f"{scheme}://{parsed.hostname}:{port}/{database}")
+        if not parsed.hostname:
+            raise SourceError(f"{url}: no host")
+        return cls(server_query(parsed.hostname, port, database, user, password, secure),
+                   table, location)
 
     @classmethod
     def chdb(cls, path: str, table: str = DEFAULT_TABLE) -> "ClickHouseSource":
-        from chdb import session
-
-        db = session.Session(path)
-        return cls(lambda sql: db.query(sql, "ArrowTable"), table, f"chdb:{path}")
+        return cls(embedded_query(path), table, f"chdb:{path}")
 
     # ----------------------------------------------------------------- admin helpers
 
@@ -155,7 +170,7 @@ class ClickHouseSource:
 
         try:
             exists = self.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py()
-        except Exception as error:  # noqa: BLE001 - HTTP, chdb and SQL errors alike
+        except ClickHouseError as error:
             raise SourceError(f"{self.location}: {error}") from error
         if not exists:
             raise SourceError(f"{self.location}: no table {self.table}")
@@ -165,14 +180,15 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- SpanSource
 
-    def _frame(self, where: str) -> pd.DataFrame:
+    def _frame(self, where: str, parameters: dict | None = None) -> pd.DataFrame:
         columns = ", ".join(f"{span_column(c)} AS `{c}`" for c in ALL_DTYPES)
-        table = self.query(f"SELECT {columns} FROM {self.table} {where}")
+        table = self.query(f"SELECT {columns} FROM {self.table} {where}", parameters)
         frame = table.to_pandas(types_mapper=pd.ArrowDtype)
         for column, dtype in ALL_DTYPES.items():
             if column not in frame:
                 frame[column] = pd.Series(pd.NA, index=frame.index)
-        return frame[list(ALL_DTYPES)].astype(ALL_DTYPES)
+        # A span the exporter inserted twice (a retry) counts once, as in every source.
+        return drop_duplicate_spans(frame[list(ALL_DTYPES)].astype(ALL_DTYPES), self.problems)
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         if conversation_id is None:
@@ -181,8 +197,8 @@ class ClickHouseSource:
         # exporter's bloom-filter index on map values.
         return self._frame(
             f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
-            f"WHERE has(mapValues(SpanAttributes), {quote(conversation_id)}) "
-            f"AND {attr(CID_KEY)} = {quote(conversation_id)})")
+            f"WHERE has(mapValues(SpanAttributes), {{cid:String}}) "
+            f"AND {attr(CID_KEY)} = {{cid:String}})", {"cid": conversation_id})
 
     def conversation_ids(self) -> list[str]:
         table = self.query(f"SELECT DISTINCT {attr(CID_KEY)} AS cid FROM {self.table} "
@@ -369,22 +385,3 @@ def _need_traces(parts: list[pa.Table]) -> bool:
     keyless = any(pc.max(p.column("keyless")).as_py() for p in parts if p.num_rows)
     no_tenant = sum(pc.sum(p.column("no_tenant")).as_py() or 0 for p in parts)
     return keyless or 0 < no_tenant < rows
-
-
-def _http_query(endpoint: str, user: str | None, password: str):
-    def query(sql: str) -> pa.Table:
-        body = sql.strip()
-        if not body.upper().startswith(("INSERT", "CREATE")):
-            body += " FORMAT ArrowStream"
-        request = urllib.request.Request(endpoint, data=body.encode(), method="POST")
-        if user:
-            token = base64.b64encode(f"{user}:{password}".encode()).decode()
-            request.add_header("Authorization", f"Basic {token}")
-        with urllib.request.urlopen(request, timeout=300) as response:  # noqa: S310
-            data = response.read()
-        if not data:
-            return pa.table({})
-        return pa.ipc.open_stream(data).read_all()
-
-    return query
-

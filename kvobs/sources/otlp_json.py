@@ -1,111 +1,38 @@
-"""Reader for OTLP-JSON lines (OTel Collector file exporter), a file or a directory."""
+"""Span files: what the OpenTelemetry Collector's file exporter writes (JSON lines or
+length-prefixed protobuf, zstd-compressed or not, rotated), one OTLP JSON or protobuf
+document, gzip'd copies, Tempo's and Jaeger's trace JSON; a file or a directory of them.
+The format is found from each file's content (``_decode``), never from its name.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
 import pandas as pd
 
 from kvobs import semconv as sc
+from kvobs.sources._decode import documents
 from kvobs.sources._frame import drop_duplicate_spans, frame_from_rows, select_conversation
+from kvobs.sources._rows import rows, spans_from_request
 
-_VALUE_KEYS = ("stringValue", "intValue", "doubleValue", "boolValue")
-_ERROR_STATUS = 2  # STATUS_CODE_ERROR
-
-
-def _value(any_value: dict):
-    for key in _VALUE_KEYS:
-        if key in any_value:
-            return any_value[key]
-    return None
-
-
-def _attributes(items) -> dict:
-    return {item["key"]: _value(item.get("value", {})) for item in items or ()}
-
-
-def spans_from_request(request: dict) -> Iterator[dict]:
-    """Flatten one ``{"resourceSpans": ...}`` object into span rows (known keys only)."""
-    for resource_spans in request.get("resourceSpans") or ():
-        resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
-        service = resource.get("service.name")
-        for scope_spans in resource_spans.get("scopeSpans") or ():
-            for span in scope_spans.get("spans") or ():
-                row = {key: value for key, value in _attributes(span.get("attributes")).items()
-                       if key in sc.ATTRIBUTES}
-                row.update(
-                    trace_id=span.get("traceId"), span_id=span.get("spanId"),
-                    parent_span_id=span.get("parentSpanId") or None, name=span.get("name"),
-                    service=service, start_ns=span.get("startTimeUnixNano"),
-                    end_ns=span.get("endTimeUnixNano"),
-                    error=(span.get("status") or {}).get("code") in (_ERROR_STATUS,
-                                                                     "STATUS_CODE_ERROR"))
-                yield row
-
-
-_INT64 = 2**63 - 1
-_TYPES = {key: attribute.type for key, attribute in sc.ATTRIBUTES.items()}
-_TYPES.update(start_ns="int", end_ns="int", trace_id="str", span_id="str",
-              parent_span_id="str", name="str", service="str")
-
-
-def _coerced(value, type_: str):
-    """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""
-    if value is None:
-        return None
-    if type_ == "str":
-        if not isinstance(value, str):
-            raise ValueError
-        value.encode("utf-8")  # a lone surrogate cannot be stored or compared
-        return value
-    if type_ == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        raise ValueError
-    if isinstance(value, bool):
-        raise ValueError
-    number = float(value) if type_ == "float" else value
-    if type_ == "int":
-        number = int(value) if isinstance(value, str) else value
-        if isinstance(number, float):
-            if not number.is_integer():
-                raise ValueError
-            number = int(number)
-        if not isinstance(number, int) or abs(number) > _INT64:
-            raise ValueError
-        return number
-    if number != number or number in (float("inf"), float("-inf")):
-        raise ValueError
-    return number
-
-
-def _coerce(row: dict) -> list[str]:
-    """Coerce ``row`` in place to the semconv types; the keys whose value was unusable
-    (now null)."""
-    bad = []
-    for key, value in row.items():
-        try:
-            row[key] = _coerced(value, _TYPES.get(key, "str") if key != "error" else "bool")
-        except (ValueError, TypeError, OverflowError, UnicodeEncodeError):
-            row[key] = None
-            bad.append(key)
-    return bad
+__all__ = ["DocumentSource", "OtlpJsonSource", "otlp_files", "read_rows",
+           "spans_from_request"]
 
 
 def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
-    """Regular files only: a FIFO or socket named *.jsonl would block every read."""
+    """Every regular file of a directory (or the file itself), whatever its name: the
+    file exporter's rotated files have none of ours. A FIFO or socket would block every
+    read: skipped, reported. Hidden files (editors' swap files) are left alone."""
     if os.path.isfile(location):
         return [location]
     found = []
-    for root, _dirs, files in os.walk(location):
+    for root, dirs, files in os.walk(location):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in files:
-            path = os.path.join(root, name)
-            if not name.endswith((".json", ".jsonl")):
+            if name.startswith("."):
                 continue
+            path = os.path.join(root, name)
             if os.path.isfile(path):
                 found.append(path)
             elif problems is not None:
@@ -114,49 +41,28 @@ def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
 
 
 def read_rows(path: str, problems: list[str]) -> Iterator[dict]:
-    """Rows of one file; corrupt or truncated lines are reported and skipped."""
-    try:
-        handle = open(path, encoding="utf-8", errors="replace")
-    except OSError as error:
-        problems.append(f"{path}: cannot read ({error.strerror})")
-        return
-    with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                request = json.loads(line)
-                if not isinstance(request, dict) or "resourceSpans" not in request:
-                    raise ValueError("not an OTLP-JSON traces object")
-                rows = list(spans_from_request(request))
-            except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
-                problems.append(f"{path}:{number}: skipped corrupt line ({_short(error)})")
-                continue
-            for row in rows:
-                bad = _coerce(row)
-                if bad:
-                    problems.append(f"{path}:{number}: span {row.get('span_id')}: "
-                                    f"{', '.join(bad)} out of range or ill-typed, read as null")
-                yield row
+    """Rows of one file; what cannot be read is reported and skipped."""
+    for where, document in documents(path, problems):
+        yield from rows(where, document, problems)
 
 
-def _short(error: Exception) -> str:
-    return str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+class DocumentSource:
+    """A ``SpanSource`` over trace documents read whole into memory (small to medium
+    sets): subclasses say where the documents come from (``_rows``)."""
 
+    location: str
 
-class OtlpJsonSource:
-    """Spans from OTLP-JSON lines files; reads everything (small to medium sets)."""
-
-    def __init__(self, location: str):
-        self.location = location
+    def __init__(self) -> None:
         self.problems: list[str] = []
         self._frame: pd.DataFrame | None = None
 
+    def _rows(self) -> Iterator[dict]:
+        raise NotImplementedError
+
     def _all(self) -> pd.DataFrame:
         if self._frame is None:
-            rows = [row for path in otlp_files(self.location, self.problems)
-                    for row in read_rows(path, self.problems)]
-            self._frame = drop_duplicate_spans(frame_from_rows(rows), self.problems)
+            self._frame = drop_duplicate_spans(frame_from_rows(list(self._rows())),
+                                               self.problems)
         return self._frame
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
@@ -165,3 +71,15 @@ class OtlpJsonSource:
 
     def conversation_ids(self) -> list[str]:
         return sorted(self._all()[sc.CONVERSATION_ID.key].dropna().unique())
+
+
+class OtlpJsonSource(DocumentSource):
+    """Spans from span files (``otlp_files``): a file or a directory."""
+
+    def __init__(self, location: str):
+        super().__init__()
+        self.location = location
+
+    def _rows(self) -> Iterator[dict]:
+        for path in otlp_files(self.location, self.problems):
+            yield from read_rows(path, self.problems)

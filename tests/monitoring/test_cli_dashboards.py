@@ -203,3 +203,25 @@ def test_export_with_datasource_and_provider(tmp_path):
     (entry,) = yaml.safe_load(provider)["providers"]
     assert entry["options"]["path"] == str(out.resolve())
     assert entry["folder"] == "LLM serving"
+
+
+def test_export_with_a_monitoring_config_and_flags(tmp_path):
+    config = tmp_path / "m.yaml"
+    config.write_text("decode_ttl_seconds: 300\nproxy_entry_lifetime_seconds: 280\n"
+                      "runbook_base_url: https://runbooks.example.test/kvobs\n")
+    out = tmp_path / "out"
+    result = _run("dashboards", "export", str(out), "--config", str(config),
+                  "--set", "dashboard_uid=my-kvobs")
+    assert result.exit_code == 0, result.output
+    board = json.loads((out / "my-kvobs.json").read_text())
+    (ttl,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
+    assert ttl["targets"][0]["legendFormat"].startswith("gap > 300 s (interpolated")
+    assert board["links"][0]["url"] == "https://runbooks.example.test/kvobs"
+
+
+def test_export_refuses_a_bad_monitoring_config(tmp_path):
+    result = _run("dashboards", "export", str(tmp_path / "out"), "--set",
+                  "thresholds.read_p95=1")
+    assert result.exit_code == 2
+    assert "unknown key thresholds.read_p95" in result.output
+    assert not (tmp_path / "out").exists()

@@ -80,6 +80,7 @@ def test_variables(board):
 def test_rows(board):
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == [
+        "Now",
         "Turn outcomes (metric-side verdict proxies; turn 1 apart)",
         "D->P reads",
         "Retention and expiry (D)",
@@ -252,3 +253,69 @@ def test_role_selectors_come_from_the_config(sdk):
     (alert,) = [a for a in rules.alerts(config) if a.name == rules.PREFILL_QUEUEING_ALERT]
     assert 'instance=~"p-.*"' in alert.expr
     assert DEFAULT.selectors.prefill not in alert.expr
+
+
+def test_stat_row_comes_first_and_fills_the_width(board):
+    now = _row(board, "Now")
+    assert board["panels"][0]["title"] == "Now"
+    assert {p["type"] for p in now} == {"stat"}
+    assert [p["title"] for p in now][:1] == ["Reuse now"]
+    assert sum(p["gridPos"]["w"] for p in now) == 24
+
+
+def test_panels_link_the_runbooks_of_their_alerts(board):
+    alert_names = {a.name for a in rules.alerts(DEFAULT)}
+    titles = {p["title"] for p in _panels(board)}
+    assert set(dashboards.RUNBOOK_LINKS) <= titles  # no link table entry for a lost panel
+    linked = set()
+    for panel in _panels(board):
+        for link in panel.get("links", ()):
+            alert = link["title"].removeprefix("Runbook: ")
+            assert alert in alert_names, link
+            assert link["url"] == rules.runbook_url(alert, DEFAULT)
+            assert link["url"].startswith("https://")
+            linked.add(alert)
+    assert linked == alert_names  # every alert reachable from a panel
+
+
+def test_runbook_links_follow_the_config(sdk):
+    config = replace(DEFAULT, runbook_base_url="https://docs.example.test/kvobs/runbooks/")
+    board = dashboards.build_overview(config)
+    urls = [l["url"] for p in board["panels"] for l in p.get("links", ())]
+    assert urls and all(u.startswith("https://docs.example.test/kvobs/runbooks/Kvobs")
+                        for u in urls)
+    assert board["links"][0]["url"] == config.runbook_base_url
+
+
+def test_exemplars_on_the_proxy_latency_histograms(board):
+    with_exemplars = [(p["title"], t) for p in _panels(board) for t in p["targets"]
+                      if t.get("exemplar")]
+    assert with_exemplars
+    for title, target in with_exemplars:
+        assert "histogram_quantile" in target["expr"], title
+        assert any(m.name in target["expr"] for m in dashboards.EXEMPLAR_METRICS), title
+    for panel in _panels(board):
+        for target in panel["targets"]:
+            if not target.get("exemplar"):
+                assert not dashboards.wants_exemplars(target["expr"]), panel["title"]
+
+
+def test_trace_link_only_with_a_trace_url(sdk):
+    assert [l["title"] for l in dashboards.build_overview(DEFAULT)["links"]] == ["Runbooks"]
+    config = replace(DEFAULT, trace_url="http://jaeger:16686/trace/${__value.raw}")
+    links = {l["title"]: l for l in dashboards.build_overview(config)["links"]}
+    assert links["Traces"]["url"] == "http://jaeger:16686/trace/"
+
+
+def test_datasource_provisioning_links_exemplars_to_traces():
+    import yaml
+
+    from kvobs.monitoring import grafana
+
+    config = replace(DEFAULT, trace_url="http://jaeger:16686/trace/${__value.raw}")
+    (source,) = yaml.safe_load(grafana.datasource_provisioning("http://prom:9090",
+                                                               config))["datasources"]
+    assert source["jsonData"]["exemplarTraceIdDestinations"] == [
+        {"name": "trace_id", "url": config.trace_url, "urlDisplayLabel": "Trace"}]
+    (plain,) = yaml.safe_load(grafana.datasource_provisioning("http://prom:9090"))["datasources"]
+    assert "exemplarTraceIdDestinations" not in plain["jsonData"]

@@ -190,16 +190,16 @@ def test_prefill_queue_share_value(prometheus):
 
 
 def test_recording_rule_expressions(report):
-    assert _status(report, "job:vllm_kvobs_pull_decisions:rate5m").has_data
-    assert _status(report, "job:kvobs_proxy_turns_missing_metadata:ratio_rate5m").has_data
-    assert _status(report, "job:vllm_kvobs_remote_reads_expired:ratio_rate5m").has_data
-    assert _status(report, "job:vllm_kvobs_retained_bytes:sum").status == "empty"
+    assert _status(report, "namespace_job:vllm_kvobs_pull_decisions:rate5m").has_data
+    assert _status(report, "namespace_job:kvobs_proxy_turns_missing_metadata:ratio_rate5m").has_data
+    assert _status(report, "namespace_job:vllm_kvobs_remote_reads_expired:ratio_rate5m").has_data
+    assert _status(report, "namespace_job:vllm_kvobs_retained_bytes:sum").status == "empty"
 
 
 def test_missing_metadata_ratio_value(prometheus):
     # The fake proxy counts per tick: turn 1 hit, turn 2 hit, turn 2 miss -> later-turn
     # missing share 1/2; the first turn is not in the denominator.
-    (sample,) = live.instant_query(prometheus.url, _expr("job:kvobs_proxy_turns_missing_metadata:ratio_rate5m"))
+    (sample,) = live.instant_query(prometheus.url, _expr("namespace_job:kvobs_proxy_turns_missing_metadata:ratio_rate5m"))
     assert float(sample["value"][1]) == pytest.approx(0.5)
 
 

@@ -13,6 +13,8 @@ from kvobs import semconv
 from kvobs.monitoring import rules
 from kvobs.monitoring.config import DEFAULT
 
+from dataclasses import replace
+
 ALERTS_DIR = Path(__file__).resolve().parents[2] / "alerts"
 RULE_FILES = sorted(p.name for p in ALERTS_DIR.glob("*.rules.yaml"))
 TEST_FILES = sorted(p.name for p in (ALERTS_DIR / "tests").glob("*.test.yaml"))
@@ -42,9 +44,14 @@ def test_promtool_check_rules(promtool, name):
 
 
 def test_promtool_check_rules_on_the_prometheusrule_manifest(promtool, tmp_path):
-    manifest = yaml.safe_load((ALERTS_DIR / rules.MANIFEST_FILE).read_text())
+    from kvobs.monitoring.generate import DEPLOY_MONITORING
+
+    manifest = yaml.safe_load(
+        (ALERTS_DIR.parent / DEPLOY_MONITORING / rules.MANIFEST_FILE).read_text())
     assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
     assert manifest["kind"] == "PrometheusRule"
+    # kube-prometheus-stack's default ruleSelector matches its Helm release label
+    assert manifest["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     groups = [g for n in RULE_FILES
               for g in yaml.safe_load((ALERTS_DIR / n).read_text())["groups"]]
     by_name = lambda gs: {g["name"]: g for g in gs}  # noqa: E731
@@ -106,6 +113,7 @@ def test_every_alert_links_an_existing_runbook(repo):
     for alert in rules.alerts(DEFAULT):
         url = alert.rule()["annotations"]["runbook_url"]
         assert url == f"{DEFAULT.runbook_base_url}/{alert.name}.md"
+        assert url.startswith("https://")
         page = repo / "docs" / "runbooks" / f"{alert.name}.md"
         assert page.is_file(), page
         text = page.read_text()
@@ -133,20 +141,42 @@ def test_recording_rule_names():
     for rec in rules.recordings(DEFAULT):
         assert RECORD_NAME.match(rec.record), rec.record
         level, metric, operation = rec.record.split(":")
-        assert level == "job"
-        assert "sum by (job" in rec.expr or "max by (job" in rec.expr
+        assert level == "namespace_job"
+        assert "sum by (namespace, job" in rec.expr or "max by (namespace, job" in rec.expr
+
+
+def test_alerts_keep_namespace_in_their_aggregation():
+    for alert in rules.alerts(DEFAULT):
+        for labels in re.findall(r" by \(([^)]*)\)", alert.expr):
+            assert labels.startswith("namespace, job"), (alert.name, labels)
+        for case in alert.cases:
+            if case.fires and case.labels:
+                assert case.labels["namespace"] == "serving", alert.name
+
+
+def test_aggregation_labels_come_from_the_config():
+    config = replace(DEFAULT, aggregation_labels=("cluster", "namespace", "job"))
+    for alert in rules.alerts(config):
+        for labels in re.findall(r" by \(([^)]*)\)", alert.expr):
+            assert labels.startswith("cluster, namespace, job"), (alert.name, labels)
+    assert all(r.record.startswith("cluster_namespace_job:") for r in rules.recordings(config))
 
 
 def test_telemetry_absent_alerts_come_from_the_template():
-    absent = [a for a in rules.alerts(DEFAULT) if a.expr.startswith("absent(")]
+    absent = [a for a in rules.alerts(DEFAULT) if "absent(" in a.expr]
     assert {a.name for a in absent} == {"KvobsEngineTelemetryAbsent",
                                         "KvobsProxyTelemetryAbsent"}
+    for alert in absent:
+        # per job: a scraped job without the metric fires even while another job has it
+        assert alert.expr.startswith("(count by (namespace, job) (up{")
+        per_job = [c for c in alert.cases if c.name.startswith("one job without it")]
+        assert per_job and per_job[0].fires and per_job[0].labels["job"]
 
 
 def test_entry_lifetime_alert_compares_the_two_gauges():
     (alert,) = [a for a in rules.alerts(DEFAULT) if a.name == "KvobsProxyEntryOutlivesDecodeTTL"]
     assert "kvobs_proxy_entry_lifetime_seconds" in alert.expr
-    assert ">= (max by (job) (kvobs_proxy_decode_ttl_seconds" in alert.expr
+    assert ">= (max by (namespace, job) (kvobs_proxy_decode_ttl_seconds" in alert.expr
 
 
 def test_prefill_queueing_alert_compares_the_wait_alone_with_p_ttft():

@@ -1,0 +1,84 @@
+"""How kvobs talks to ClickHouse: a ``Query``, ``query(sql, parameters=None) ->
+pyarrow.Table``, over a server (clickhouse-connect, its HTTP interface) or an embedded
+database directory (chdb). Values from the user (a conversation id, a path) are bound as
+server-side parameters (``{name:String}`` in the SQL), never pasted in; a server error
+keeps the server's own text (``Code: 516. DB::Exception: ... Authentication failed``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import pyarrow as pa
+
+from kvobs.sources import SourceError
+
+Query = Callable[..., pa.Table]
+# Statements that answer no rows: sent as commands, not queries.
+_COMMANDS = ("INSERT", "CREATE", "DROP", "ALTER", "TRUNCATE", "RENAME", "OPTIMIZE",
+             "SYSTEM")
+_TIMEOUT_S = 300
+
+
+class ClickHouseError(SourceError):
+    """The server or the embedded database refused a statement; the message is theirs
+    (an input error for the commands: exit 2, never a traceback)."""
+
+
+def server_query(host: str, port: int, database: str, user: str | None, password: str,
+                 secure: bool) -> Query:
+    """A ``Query`` over ClickHouse's HTTP interface. It connects on its first statement
+    (clickhouse-connect asks the server's version and settings then): an unreachable
+    server or a refused login raises ``ClickHouseError`` there."""
+    import clickhouse_connect
+    from clickhouse_connect.driver.exceptions import ClickHouseError as DriverError
+
+    clients = []
+
+    def query(sql: str, parameters: Optional[Mapping[str, Any]] = None) -> pa.Table:
+        try:
+            if not clients:
+                clients.append(clickhouse_connect.get_client(
+                    host=host, port=port, database=database, username=user or "default",
+                    password=password or "", secure=secure, connect_timeout=10,
+                    send_receive_timeout=_TIMEOUT_S, autogenerate_session_id=False))
+            if sql.lstrip().upper().startswith(_COMMANDS):
+                clients[0].command(sql, parameters=parameters)
+                return pa.table({})
+            return clients[0].query_arrow(sql, parameters=parameters)
+        except DriverError as error:
+            raise ClickHouseError(_server_text(error)) from error
+
+    return query
+
+
+def embedded_query(path: str) -> Query:
+    """A ``Query`` over an embedded ClickHouse database directory (chdb)."""
+    from chdb import session
+
+    db = session.Session(path)
+
+    def query(sql: str, parameters: Optional[Mapping[str, Any]] = None) -> pa.Table:
+        try:
+            return db.query(sql, "ArrowTable", params={
+                name: _escaped(value) for name, value in (parameters or {}).items()})
+        except Exception as error:  # noqa: BLE001 - chdb raises a bare RuntimeError
+            raise ClickHouseError(_server_text(error)) from error
+
+    return query
+
+
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r",
+                          "\0": "\\0", "\b": "\\b", "\f": "\\f"})
+
+
+def _escaped(value: Any) -> str:
+    """A parameter in ClickHouse's Escaped text form (what its HTTP interface parses, and
+    chdb with it; clickhouse-connect does this itself): a backslash is not a value's."""
+    return str(value).translate(_ESCAPES)
+
+
+def _server_text(error: Exception) -> str:
+    """The server's message, without the client's retelling of the request."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines)[:500] or type(error).__name__

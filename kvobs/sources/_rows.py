@@ -1,0 +1,230 @@
+"""Trace documents to span rows: OTLP JSON (a request, the Collector's lines, Tempo's
+``batches`` and v2 ``trace``) and Jaeger's trace JSON (``data``: spans, processes, tags).
+
+Each row holds the span-table columns and the known attributes (``semconv.ATTRIBUTES``),
+each value coerced to its semconv type on its own: an out-of-range, non-finite or
+ill-typed value becomes null and is reported with its ``file:line``, never failing its
+span or its file.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Iterator
+
+from kvobs import semconv as sc
+from kvobs.sources._decode import short
+
+_VALUE_KEYS = ("stringValue", "intValue", "doubleValue", "boolValue")
+_ERROR_STATUS = (2, "STATUS_CODE_ERROR")
+_TRACE_ID_BYTES, _SPAN_ID_BYTES = 16, 8
+_INT64 = 2**63 - 1
+_TYPES = {key: attribute.type for key, attribute in sc.ATTRIBUTES.items()}
+_TYPES.update(start_ns="int", end_ns="int", trace_id="str", span_id="str",
+              parent_span_id="str", name="str", service="str", error="bool")
+_NANOS_PER_MICRO = 1000
+
+
+def rows(where: str, document: object, problems: list[str]) -> list[dict]:
+    """The coerced rows of one document; a document of no known shape is reported."""
+    skipped: list[str] = []
+    try:
+        found = list(_document_rows(document, skipped))
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
+        problems.append(f"{where}: skipped ({short(error)})")
+        return []
+    for reason in skipped:
+        problems.append(f"{where}: skipped a span that cannot be read ({reason})")
+    for row in found:
+        bad = coerce(row)
+        if bad:
+            problems.append(f"{where}: span {row.get('span_id')}: {', '.join(bad)} out of "
+                            "range or ill-typed, read as null")
+    return found
+
+
+def _document_rows(document: object, skipped: list[str]) -> Iterator[dict]:
+    if isinstance(document, list):  # several requests or traces in one array
+        for item in document:
+            yield from _document_rows(item, skipped)
+        return
+    if not isinstance(document, dict):
+        raise ValueError("not a trace document (OTLP, Tempo or Jaeger JSON)")
+    if "resourceSpans" in document:
+        yield from _otlp(document["resourceSpans"], skipped)
+    elif "batches" in document:  # Tempo /api/traces/<id>
+        yield from _otlp(document["batches"], skipped)
+    elif isinstance(document.get("trace"), dict):  # Tempo /api/v2/traces/<id>
+        yield from _document_rows(document["trace"], skipped)
+    elif "data" in document:  # Jaeger /api/traces, a JSON file saved from its UI
+        for trace in document["data"] or ():
+            yield from _jaeger(trace, skipped)
+    elif "spans" in document and "processes" in document:  # one Jaeger trace
+        yield from _jaeger(document, skipped)
+    elif not document:  # Tempo's empty answer, an empty OTLP request
+        return
+    else:
+        raise ValueError("not a trace document (OTLP, Tempo or Jaeger JSON)")
+
+
+# ---------------------------------------------------------------------- OTLP
+
+def _value(any_value: dict):
+    for key in _VALUE_KEYS:
+        if key in any_value:
+            return any_value[key]
+    return None
+
+
+def _attributes(items) -> dict:
+    """Key -> value; an item without a string key is no known attribute: dropped, as
+    unknown attributes are."""
+    return {item["key"]: _value(item.get("value") or {}) for item in items or ()
+            if isinstance(item, dict) and isinstance(item.get("key"), str)}
+
+
+def spans_from_request(request: dict) -> Iterator[dict]:
+    """Flatten one ``{"resourceSpans": ...}`` object into span rows (known keys only)."""
+    yield from _otlp(request.get("resourceSpans"))
+
+
+def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dict]:
+    for resource_spans in resource_spans_list or ():
+        resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
+        service = resource.get("service.name")
+        scopes = (resource_spans.get("scopeSpans")
+                  or resource_spans.get("instrumentationLibrarySpans") or ())  # OTLP < 0.19
+        for scope_spans in scopes:
+            for span in scope_spans.get("spans") or ():
+                yield from _one(_otlp_span, span, service, skipped)
+
+
+def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
+    """One span's row: a span that cannot be read at all is skipped alone (reported)."""
+    if skipped is None:
+        yield build(span, context)
+        return
+    try:
+        yield build(span, context)
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
+        skipped.append(short(error))
+
+
+def _otlp_span(span: dict, service) -> dict:
+    row = {key: value for key, value in _attributes(span.get("attributes")).items()
+           if key in sc.ATTRIBUTES}
+    row.update(
+        trace_id=hex_id(span.get("traceId"), _TRACE_ID_BYTES),
+        span_id=hex_id(span.get("spanId"), _SPAN_ID_BYTES),
+        parent_span_id=hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None,
+        name=span.get("name"), service=service,
+        start_ns=span.get("startTimeUnixNano"), end_ns=span.get("endTimeUnixNano"),
+        error=(span.get("status") or {}).get("code") in _ERROR_STATUS)
+    return row
+
+
+def hex_id(value, size: int):
+    """A trace or span id as lower-case hex: OTLP JSON writes hex, protobuf's JSON mapping
+    (Tempo's API, a decoded proto file) base64, Jaeger hex without leading zeros. Anything
+    else is left for coercion to judge."""
+    if not isinstance(value, str) or not value:
+        return value
+    if len(value) <= 2 * size and _is_hex(value):
+        return value.lower().rjust(2 * size, "0")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return value
+    return raw.hex() if len(raw) == size else value
+
+
+def _is_hex(value: str) -> bool:
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return value.isascii() and value.isalnum()
+
+
+# ---------------------------------------------------------------------- Jaeger
+
+def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
+    processes = trace.get("processes") or {}
+    for span in trace.get("spans") or ():
+        yield from _one(_jaeger_span, span, processes, skipped)
+
+
+def _jaeger_span(span: dict, processes: dict) -> dict:
+    tags = {tag["key"]: tag.get("value") for tag in span.get("tags") or ()}
+    process = processes.get(span.get("processID")) or span.get("process") or {}
+    parent = next((ref.get("spanID") for ref in span.get("references") or ()
+                   if ref.get("refType") == "CHILD_OF"), None)
+    start = _scaled(span.get("startTime"), _NANOS_PER_MICRO)
+    duration = _scaled(span.get("duration"), _NANOS_PER_MICRO)
+    row = {key: value for key, value in tags.items() if key in sc.ATTRIBUTES}
+    row.update(
+        trace_id=hex_id(span.get("traceID"), _TRACE_ID_BYTES),
+        span_id=hex_id(span.get("spanID"), _SPAN_ID_BYTES),
+        parent_span_id=hex_id(parent, _SPAN_ID_BYTES) or None,
+        name=span.get("operationName"), service=process.get("serviceName"),
+        start_ns=start,
+        end_ns=start + duration if _is_number(start) and _is_number(duration) else None,
+        error=tags.get("error") in (True, "true") or tags.get("otel.status_code") == "ERROR")
+    return row
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scaled(value, factor: int):
+    """``value * factor`` for a number; anything else as it is, for coercion to report."""
+    return value * factor if _is_number(value) and abs(value) < 2**62 else value
+
+
+# ---------------------------------------------------------------------- coercion
+
+def coerced(value, type_: str):
+    """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""
+    if value is None:
+        return None
+    if type_ == "str":
+        if not isinstance(value, str):
+            raise ValueError
+        value.encode("utf-8")  # a lone surrogate cannot be stored or compared
+        return value
+    if type_ == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ValueError
+    if isinstance(value, bool):
+        raise ValueError
+    if type_ == "int":
+        number = int(value) if isinstance(value, str) else value
+        if isinstance(number, float):
+            if not number.is_integer():
+                raise ValueError
+            number = int(number)
+        if not isinstance(number, int) or abs(number) > _INT64:
+            raise ValueError
+        return number
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError
+    return number
+
+
+def coerce(row: dict) -> list[str]:
+    """Coerce ``row`` in place to the semconv types; the keys whose value was unusable
+    (now null)."""
+    bad = []
+    for key, value in row.items():
+        try:
+            row[key] = coerced(value, _TYPES.get(key, "str"))
+        except (ValueError, TypeError, OverflowError, UnicodeEncodeError):
+            row[key] = None
+            bad.append(key)
+    return bad

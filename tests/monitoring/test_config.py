@@ -1,0 +1,114 @@
+"""One monitoring config file (YAML or TOML) and ``--set`` flags regenerate the mixin."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from kvobs.monitoring import config as settings
+from kvobs.monitoring import generate, rules
+from kvobs.monitoring.config import DEFAULT, ConfigError
+
+
+def test_no_file_no_flags_is_the_default():
+    assert settings.load() == DEFAULT
+
+
+def test_example_file_loads_and_documents_every_knob(repo):
+    example = repo / "deploy" / "monitoring.example.yaml"
+    config = settings.load(example)
+    data = yaml.safe_load(example.read_text())
+    top = {f.name for f in settings.dataclasses.fields(settings.MonitoringConfig)}
+    assert set(data) == top
+    assert config == DEFAULT  # the example documents the defaults, and cannot drift
+
+
+def test_yaml_and_toml_give_the_same_config(tmp_path):
+    (tmp_path / "m.yaml").write_text(
+        "decode_ttl_seconds: 300\nproxy_entry_lifetime_seconds: 280\n"
+        "thresholds:\n  read_p95_seconds: 0.25\n"
+        "selectors:\n  proxy: 'job=\"gw\"'\n"
+        "aggregation_labels: [cluster, namespace, job]\n"
+        "prometheus_rule_labels: {release: prom}\n")
+    (tmp_path / "m.toml").write_text(
+        "decode_ttl_seconds = 300\nproxy_entry_lifetime_seconds = 280\n"
+        "aggregation_labels = ['cluster', 'namespace', 'job']\n"
+        "[thresholds]\nread_p95_seconds = 0.25\n"
+        "[selectors]\nproxy = 'job=\"gw\"'\n"
+        "[prometheus_rule_labels]\nrelease = 'prom'\n")
+    from_yaml, from_toml = settings.load(tmp_path / "m.yaml"), settings.load(tmp_path / "m.toml")
+    assert from_yaml == from_toml
+    assert from_yaml.thresholds.read_p95_seconds == 0.25
+    assert from_yaml.thresholds.expired_read_ratio == DEFAULT.thresholds.expired_read_ratio
+    assert from_yaml.selectors.proxy == 'job="gw"'
+    assert from_yaml.selectors.engine == DEFAULT.selectors.engine
+    assert from_yaml.prometheus_rule_labels == {"release": "prom"}
+
+
+def test_set_flags_override_the_file(tmp_path):
+    (tmp_path / "m.yaml").write_text("thresholds:\n  read_p95_seconds: 0.25\n")
+    config = settings.load(tmp_path / "m.yaml", ["thresholds.read_p95_seconds=0.75",
+                                                 "windows.rate=10m",
+                                                 "runbook_base_url=https://x.test/rb"])
+    assert config.thresholds.read_p95_seconds == 0.75
+    assert config.windows.rate == "10m"
+    assert rules.runbook_url("KvobsProxyFallbacks", config) == \
+        "https://x.test/rb/KvobsProxyFallbacks.md"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("thresholds:\n  read_p95: 0.3\n", "unknown key thresholds.read_p95"),
+    ("decode_tll_seconds: 300\n", "unknown key decode_tll_seconds"),
+    ("thresholds:\n  read_p95_seconds: fast\n", "thresholds.read_p95_seconds: expected a number"),
+    ("runbook_base_url: docs/runbooks\n", "absolute http(s) URL"),
+    ("decode_ttl_seconds: 300\n", "must be below decode_ttl_seconds"),
+    ("selectors: job\n", "selectors: expected a table"),
+    ("[1, 2]\n", "expected a table of keys at the top"),
+    ("a: [\n", "m.yaml"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, text, message):
+    (tmp_path / "m.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=pytest.importorskip("re").escape(message)):
+        settings.load(tmp_path / "m.yaml")
+
+
+def test_bad_set_flag_is_a_clear_error():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        settings.load(None, ["thresholds.read_p95_seconds"])
+
+
+def test_generate_with_a_config_changes_rules_dashboards_and_manifests(tmp_path, sdk):
+    (tmp_path / "m.yaml").write_text(
+        "decode_ttl_seconds: 300\nproxy_entry_lifetime_seconds: 270\n"
+        "thresholds: {read_p95_seconds: 0.25}\n"
+        "runbook_base_url: https://wiki.example.test/kvobs\n"
+        "prometheus_rule_labels: {release: prom-stack}\n")
+    out = tmp_path / "out"
+    assert generate.main([str(out), "--config", str(tmp_path / "m.yaml"),
+                          "--set", "thresholds.expired_read_ratio=0.1"]) == 0
+    alerts = yaml.safe_load((out / "alerts" / rules.ALERTS_FILE).read_text())
+    by_name = {r["alert"]: r for r in alerts["groups"][0]["rules"]}
+    assert ") > 0.25\n" in by_name["KvobsRemoteReadLatencyHigh"]["expr"]
+    assert ") > 0.1\n" in by_name["KvobsRemoteReadsExpired"]["expr"]
+    assert by_name["KvobsProxyFallbacks"]["annotations"]["runbook_url"] == \
+        "https://wiki.example.test/kvobs/KvobsProxyFallbacks.md"
+    manifest = yaml.safe_load(
+        (out / generate.DEPLOY_MONITORING / rules.MANIFEST_FILE).read_text())
+    assert manifest["metadata"]["labels"]["release"] == "prom-stack"
+    board = json.loads((out / "dashboards" / "kvobs-kv-reuse.json").read_text())
+    (ttl_panel,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
+    assert "gap > 300 s (interpolated between the 240 s and 360 s buckets)" == \
+        ttl_panel["targets"][0]["legendFormat"]
+    # the check mode sees the same config as fresh, and the defaults as stale
+    assert generate.main([str(out), "--check", "--config", str(tmp_path / "m.yaml"),
+                          "--set", "thresholds.expired_read_ratio=0.1"]) == 0
+    assert generate.main([str(out), "--check"]) == 1
+
+
+def test_generate_refuses_a_bad_config(tmp_path, capsys):
+    (tmp_path / "m.yaml").write_text("thresholds: {read_p95: 1}\n")
+    assert generate.main([str(tmp_path), "--config", str(tmp_path / "m.yaml")]) == 2
+    assert "unknown key thresholds.read_p95" in capsys.readouterr().err
+    assert not (tmp_path / "alerts").exists()  # nothing written
