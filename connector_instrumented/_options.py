@@ -81,3 +81,9 @@ class Options:
             store_dir=extra.get(KEY_STORE) or None,
             params_redis_url=extra.get(KEY_PARAMS_REDIS) or None,
         )
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "Options":
+        """The options of the connector ``vllm_config.kv_transfer_config`` describes."""
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        return cls.from_extra_config(getattr(ktc, "kv_connector_extra_config", None))

@@ -20,6 +20,7 @@ from typing import Any
 from . import _compat
 from ._compat import UpstreamNixlConnector
 from ._options import Options
+from ._registry import register
 from ._scheduler_observer import SchedulerObserver
 from ._stats import KvobsConnectorStats, KvobsPromMetrics
 from ._telemetry import SpanSink
@@ -28,9 +29,7 @@ from ._worker_observer import WorkerObserver
 _compat.check_connector_class()
 
 
-def _options_of(vllm_config: Any) -> Options:
-    ktc = getattr(vllm_config, "kv_transfer_config", None)
-    return Options.from_extra_config(getattr(ktc, "kv_connector_extra_config", None))
+_options_of = Options.from_vllm_config
 
 
 class KvobsNixlConnector(UpstreamNixlConnector):
@@ -187,6 +186,9 @@ class KvobsNixlConnector(UpstreamNixlConnector):
         finally:
             if self._kvobs_sink is not None:
                 self._kvobs_sink.flush()
+
+
+register(KvobsNixlConnector)  # MultiConnector rebuilds sub-connector stats by class name
 
 
 def _as_kvobs(stats) -> KvobsConnectorStats:

@@ -109,6 +109,35 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
     "release_reason": (sc.SPAN_RELEASE, sc.RELEASE_REASON.key),
     "release_end_ns": (sc.SPAN_RELEASE, "end_ns"),
     "release_read_count": (sc.SPAN_RELEASE, sc.RELEASE_READ_COUNT.key),
+    # Host copy (offloading connector): this turn's lookup and load, its own copy (saved
+    # when it ended) and that copy's eviction (the evict span carries the owner's keys).
+    "host_lookup_span_id": (sc.SPAN_HOST_LOOKUP, "span_id"),
+    "host_lookup_start_ns": (sc.SPAN_HOST_LOOKUP, "start_ns"),
+    "host_local_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_LOCAL_TOKENS.key),
+    "host_hit_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_TOKENS.key),
+    "host_accepted_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_ACCEPTED_TOKENS.key),
+    "host_hit_host_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_HOST.key),
+    "host_hit_p2p_tokens": (sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_P2P.key),
+    "host_lookup_prompt_tokens": (sc.SPAN_HOST_LOOKUP, sc.PROMPT_TOKENS.key),
+    "host_load_span_id": (sc.SPAN_HOST_LOAD, "span_id"),
+    "host_load_bytes": (sc.SPAN_HOST_LOAD, sc.HOST_BYTES.key),
+    "host_load_blocks": (sc.SPAN_HOST_LOAD, sc.HOST_BLOCKS.key),
+    "host_load_duration_s": (sc.SPAN_HOST_LOAD, sc.HOST_DURATION.key),
+    "host_load_tier": (sc.SPAN_HOST_LOAD, sc.HOST_TIER.key),
+    "host_copy_engine": (sc.SPAN_HOST_LOAD, sc.HOST_COPY_ENGINE.key),
+    "host_save_span_id": (sc.SPAN_HOST_SAVE, "span_id"),
+    "host_saved_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_SAVED_TOKENS.key),
+    "host_saved_blocks": (sc.SPAN_HOST_SAVE, sc.HOST_BLOCKS.key),
+    "host_covers_response": (sc.SPAN_HOST_SAVE, sc.HOST_COVERS_RESPONSE.key),
+    "host_save_incomplete": (sc.SPAN_HOST_SAVE, sc.HOST_SAVE_INCOMPLETE.key),
+    "host_refused_blocks": (sc.SPAN_HOST_SAVE, sc.HOST_REFUSED_BLOCKS.key),
+    "host_save_prompt_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_PROMPT_TOKENS.key),
+    "host_save_output_tokens": (sc.SPAN_HOST_SAVE, sc.HOST_OUTPUT_TOKENS.key),
+    "host_save_end_ns": (sc.SPAN_HOST_SAVE, "end_ns"),
+    "host_evict_span_id": (sc.SPAN_HOST_EVICT, "span_id"),
+    "host_evicted_blocks": (sc.SPAN_HOST_EVICT, sc.HOST_BLOCKS.key),
+    "host_evicted_age_s": (sc.SPAN_HOST_EVICT, sc.HOST_EVICTED_AGE_MAX.key),
+    "host_evict_end_ns": (sc.SPAN_HOST_EVICT, "end_ns"),
     **{column: (sc.SPAN_PULL_DECISION, attribute.key)
        for column, attribute in sc.LINEAGE_FACTS.items()},
 }
@@ -117,7 +146,11 @@ TURN_FIELDS: dict[str, tuple[sc.SpanName, str]] = {
 PREVIOUS_TURN_FIELDS = ("export_span_id", "export_tokens", "export_expires_at", "ttl_s",
                         "release_span_id", "release_reason", "release_end_ns",
                         "decode_request_id", "store_span_id", "store_action", "stream",
-                        "proxy_instance", "turn_end_ns")
+                        "proxy_instance", "turn_end_ns", "host_save_span_id",
+                        "host_saved_tokens", "host_covers_response", "host_save_incomplete",
+                        "host_refused_blocks", "host_save_prompt_tokens",
+                        "host_save_output_tokens", "host_save_end_ns", "host_evict_span_id",
+                        "host_evicted_blocks", "host_evicted_age_s", "host_evict_end_ns")
 PREVIOUS_PREFIX = "prev_"
 
 

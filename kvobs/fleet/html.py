@@ -1,271 +1,295 @@
-"""The HTML fleet report: tables plus four plots (matplotlib, optional extra ``fleet``).
-
-- per-turn waterfall of one conversation: each turn's phases (``kvobs.timeline``) in time
-  order, its verdict and top latency cause (``kvobs.causes``);
-- the fleet's phase shares and p50/p95 per turn, turn 1 and later turns apart;
-- remote-hit ratio against the inter-turn gap, D's TTL marked;
-- read time against tokens read, with the recompute line ``M / p``.
-"""
+"""The HTML fleet report: one self-contained page (no script, nothing fetched) read top
+down: headline figures, the verdict mix (by scope, turn index, prompt length and
+inter-turn gap), where the time went, one conversation's waterfall, reads against
+recomputing, and D's memory. Plots from ``kvobs.fleet._plots`` (matplotlib, extra
+``fleet``); verdict mixes as inline SVG (``kvobs.fleet._svg``)."""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
-import json
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
 
-from kvobs.causes import causes, decode_context
-from kvobs.fleet.report import FleetReport
-from kvobs.semconv import Phase, ReadOutcome, Verdict
-from kvobs.timeline import PHASES, read_marks, timeline_of
-from kvobs.verdicts import Turn
+from kvobs import __version__
+from kvobs import semconv as sc
+from kvobs.fleet._plots import (PHASE_COLOURS, SCOPES, UNMEASURED, phase_shares,
+                                pick_conversation, png, read_time_vs_tokens, taken,
+                                waterfall)
+from kvobs.fleet._svg import legend, stacked_bars
+from kvobs.fleet.report import VERDICTS, FleetReport
+from kvobs.render import byte_size, duration, fault_count, total_seconds
+from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
+from kvobs.timeline import MARKS, PHASES
 
-UNMEASURED = "unmeasured"
-# Marks are float unix seconds (~0.24 us apart at today's dates): a step not taken can
-# read a fraction of a microsecond. Such a segment is not worth a legend entry.
-ROUNDING_S = 1e-6
-SCOPES = (("first_turn", "turn 1"), ("later_turns", "later turns"))
-
-
-def _png(figure) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def pick_conversation(turns: pd.DataFrame) -> str | None:
-    """A conversation worth a waterfall: the longest one that has a fault verdict."""
-    if turns.empty:
-        return None
-    sizes = turns.groupby("conversation_id", observed=True)["turn"].max()
-    faulty = turns.loc[~turns["verdict"].isin(
-        [Verdict.FIRST_TURN.value, Verdict.REMOTE_HIT.value]), "conversation_id"]
-    candidates = sizes[sizes.index.isin(set(faulty.astype(str)))]
-    return str((candidates if len(candidates) else sizes).idxmax())
+# Healthy verdicts in greens (turn 1 neutral), faults in warm colours, missing evidence
+# in light grey.
+VERDICT_COLOURS = {
+    Verdict.FIRST_TURN.value: "#94a3b8", Verdict.REMOTE_HIT.value: "#15803d",
+    Verdict.LOCAL_HIT.value: "#4ade80", Verdict.BELOW_THRESHOLD.value: "#bef264",
+    Verdict.EXPIRED.value: "#f59e0b", Verdict.MISSING_METADATA.value: "#dc2626",
+    Verdict.PREFIX_MISMATCH.value: "#9333ea", Verdict.TRANSFER_FAILED.value: "#7f1d1d",
+    Verdict.SLOW_TRANSFER.value: "#fb923c", Verdict.MISS.value: "#e11d48",
+    Verdict.INSUFFICIENT_EVIDENCE.value: "#d4d4d8"}
+_DARK_TEXT = frozenset({Verdict.LOCAL_HIT.value, Verdict.BELOW_THRESHOLD.value,
+                        Verdict.EXPIRED.value, Verdict.SLOW_TRANSFER.value,
+                        Verdict.INSUFFICIENT_EVIDENCE.value})
+# Inter-turn gap bins (s); D's TTL joins them so that "past the TTL" is a bin edge.
+GAP_EDGES_S = (10, 30, 60, 120, 300, 600, 1800, 3600)
+# Phase -> "from mark -> to mark" (docs/timeline.md says where each mark comes from).
+PHASE_SPAN = {phase.value: f"{start.name} → {end.name}"
+              for phase, start, end in zip(PHASES, MARKS, MARKS[1:])}
 
 
-def phase_colour(phase: str):
-    """One colour per phase, the same in every plot: tab20's ten dark colours for the
-    first ten phases, then its light ones, so neighbouring phases never share a hue."""
-    import matplotlib
-
-    index = PHASES.index(Phase(phase))
-    return matplotlib.colormaps["tab20"](2 * index % 20 + index // 10)
-
-
-def _unmeasured_style() -> dict:
-    return {"facecolor": "white", "edgecolor": "gray", "hatch": "///", "label": UNMEASURED}
+def percent(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0 %"
+    return "<0.1 %" if abs(value) < 0.001 else f"{value:.1%}".replace("%", " %")
 
 
-def _records(rows: pd.DataFrame) -> list[dict]:
-    """Rows as plain values, None for missing (what timeline_of and causes read)."""
-    return [Turn(row).as_dict() for row in rows.to_dict("records")]
+def count(value: Any) -> str:
+    return "–" if value is None else f"{int(value):,}"
 
 
-def _conversation(turns: pd.DataFrame, conversation_id: str) -> pd.DataFrame:
-    rows = turns[turns["conversation_id"] == conversation_id]
-    # An id several tenants use is several conversations: draw the first tenant's.
-    rows = rows[rows["tenant"] == rows["tenant"].iloc[0]] if len(rows) else rows
-    return rows.sort_values("turn").reset_index(drop=True)
+def number(value: Any) -> str:
+    """Any other figure, never in exponent notation."""
+    if value is None:
+        return "–"
+    if isinstance(value, (int, np.integer)) or float(value).is_integer():
+        return f"{int(value):,}"
+    value = float(value)
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.6f}".rstrip("0")
 
 
-def _draw_turn(axis, y: int, phases: dict[str, float], legend: dict) -> float:
-    """A turn's phases as consecutive segments from 0; a merged phase (``a+b``: a missing
-    span kept it from being split) is hatched unmeasured in its place. Returns the end."""
-    left = 0.0
-    for name, seconds in phases.items():
-        width = max(seconds, 0.0)  # clock skew: a negative phase takes no room
-        style = (_unmeasured_style() if "+" in name
-                 else {"color": phase_colour(name), "label": name})
-        axis.barh(y, width, left=left, **{k: v for k, v in style.items() if k != "label"})
-        if width > ROUNDING_S:
-            legend.setdefault(style["label"], style)
-        left += width
-    return left
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else duration(value)
 
 
-def _turn_note(turn: dict, context) -> str:
-    """Verdict, then the top latency cause and its share of the turn's latency."""
-    found = causes(turn, context)
-    if not found:
-        return f" {turn['verdict']}"
-    top = found[0]
-    share = f" {top.share:.0%}" if top.share is not None else ""
-    return f" {turn['verdict']} | {top.cause.value}{share}"
+Column = tuple[str, str, Callable[[Any], str]]  # key, heading (with unit), formatter
+METRICS: list[Column] = [
+    ("turns", "Turns", count),
+    ("remote_hit_ratio", "Remote hits", percent),
+    ("faults", "Faults", str),
+    ("bytes_read", "KV read (bytes)", byte_size),
+    ("reused_tokens", "Tokens reused", count),
+    ("recomputed_tokens", "Tokens recomputed", count),
+    ("ttft_p50_s", "TTFT p50", _seconds),
+    ("ttft_p95_s", "TTFT p95", _seconds),
+    ("ttft_unmeasured_turns", "TTFT unmeasured (turns)", count),
+    ("latency_p50_s", "Latency p50", _seconds),
+    ("latency_p95_s", "Latency p95", _seconds),
+]
+MEMORY: list[Column] = [
+    ("exports", "Exports (a turn's KV kept on D for the next turn)", count),
+    ("exports_released", "… released", count),
+    ("exports_read", "… read by the next turn", count),
+    ("blocks_exported", "Blocks exported", count),
+    ("blocks_read", "Blocks read", count),
+    ("block_seconds_held", "Held (block-seconds)", number),
+    ("block_seconds_held_then_read", "… then read (block-seconds)", number),
+    ("block_seconds_never_read", "… never read: held for nothing (block-seconds)", number),
+    ("read_share_of_blocks", "Share of exported blocks ever read", percent),
+    ("bytes_per_block", "Bytes per block", byte_size),
+    ("gib_hours_held", "Memory held (GiB-hours)", number),
+]
 
 
-def waterfall(turns: pd.DataFrame, conversation_id: str):
-    """One conversation, one bar per turn: its phases in Phase order, coloured per phase,
-    unmeasured time hatched, verdict and top cause at the bar's end."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    rows = _conversation(turns, conversation_id)
-    marks = read_marks(rows)
-    context = decode_context(turns)  # the source's typical decode rate, as diagnose
-    figure, axis = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
-    legend: dict[str, dict] = {}
-    longest = 0.0
-    for row, turn in enumerate(_records(rows)):
-        timeline = timeline_of(marks, row, turn)
-        end = _draw_turn(axis, turn["turn"], timeline.phases, legend)
-        note = _turn_note(turn, context) if timeline.phases else " no timeline"
-        axis.text(end, turn["turn"], note, va="center", fontsize=8)
-        longest = max(longest, end)
-    axis.set_xlim(0, longest * 1.4 or 1.0)  # room for the notes after the longest bar
-    axis.set_yticks(rows["turn"].to_numpy())
-    axis.invert_yaxis()
-    axis.set_xlabel("seconds from the turn's first mark")
-    axis.set_ylabel("turn")
-    tenant = f" (tenant {rows['tenant'].iloc[0]})" if len(rows) and rows["tenant"].iloc[0] else ""
-    axis.set_title(f"conversation {conversation_id}{tenant}")
-    order = [p.value for p in PHASES if p.value in legend] + (
-        [UNMEASURED] if UNMEASURED in legend else [])
-    below_label = 0.6 / (figure.get_figheight() * 0.77)  # ~0.6 in, in axes fraction
-    axis.legend(handles=[Patch(**legend[name]) for name in order], loc="upper center",
-                bbox_to_anchor=(0.5, -below_label), ncol=6, fontsize=7)
-    return figure
+def _faults(row: dict) -> str:
+    n = fault_count(row["verdicts"])
+    return f"{n:,} ({percent(n / row['turns'])})" if row["turns"] else "0"
 
 
-def _share_rows(report: FleetReport) -> list[str]:
-    """Phases some turn spent time in, in the later turns' rank (the larger scope), then
-    turn 1's others."""
-    order: list[str] = []
-    for scope in ("later_turns", "first_turn"):
-        order += [row["phase"] for row in report.phases[scope]["phases"]
-                  if row["total_s"] and row["phase"] not in order]
-    return order
-
-
-def _share_label(share: float) -> str:
-    return " 0" if share == 0 else f" {share:.1%}" if share >= 0.001 else " <0.1%"
-
-
-def phase_shares(report: FleetReport):
-    """Left: each phase's share of the summed latency (and the unmeasured share); right:
-    its p50 (dot) to p95 (bar end) seconds per turn, log scale; turn 1 and later turns
-    side by side."""
-    import matplotlib.pyplot as plt
-
-    names = _share_rows(report)
-    labels = names + [UNMEASURED]
-    y = np.arange(len(labels))
-    figure, (shares, spread) = plt.subplots(
-        1, 2, figsize=(11, 0.32 * len(labels) + 1.5), sharey=True)
-    for i, (scope, title) in enumerate(SCOPES):
-        section, offset, colour = report.phases[scope], 0.4 * i - 0.2, f"C{i}"
-        by_phase = {row["phase"]: row for row in section["phases"]}
-        share = [by_phase[name]["share"] or 0.0 for name in names] + [
-            section["unmeasured_share"] or 0.0]
-        bars = shares.barh(y + offset, share, height=0.4, label=title, color=colour)
-        # Most phases take under 1 %: the numbers say what the bars cannot show.
-        shares.bar_label(bars, [_share_label(v) for v in share], fontsize=6)
-        # A log axis has no 0: a phase no turn took (p50 0 s) shows no dot.
-        p50 = np.array([by_phase[name]["p50_s"] or np.nan for name in names])
-        p95 = np.array([by_phase[name]["p95_s"] or np.nan for name in names])
-        at = y[:len(names)] + offset
-        spread.hlines(at, p50, p95, color=colour)
-        spread.plot(p50, at, "o", color=colour, label=f"{title} p50 (to p95)")
-    shares.set_yticks(y, labels)
-    shares.invert_yaxis()
-    shares.set_xlim(0, 1.15)
-    shares.set_xlabel("share of summed latency")
-    shares.legend(fontsize=8)
-    spread.set_xscale("log")
-    spread.set_xlabel("seconds per turn (p50 to p95)")
-    spread.legend(fontsize=8)
-    return figure
-
-
-def hit_ratio_vs_gap(turns: pd.DataFrame):
-    import matplotlib.pyplot as plt
-
-    later = turns[turns["turn"] > 1]
-    gap = later["gap_s"].astype(float)
-    hit = (later["verdict"] == Verdict.REMOTE_HIT.value).astype(float)
-    edges = np.logspace(0, np.log10(max(float(gap.max() or 10), 10)) + 0.01, 30)
-    bins = pd.cut(gap, edges)
-    ratio = hit.groupby(bins, observed=True).mean()
-    count = hit.groupby(bins, observed=True).size()
-    centers = [interval.mid for interval in ratio.index]
-    figure, axis = plt.subplots(figsize=(9, 4))
-    axis.plot(centers, ratio.to_numpy(), marker="o")
-    axis.set_xscale("log")
-    axis.set_ylim(0, 1)
-    ttl = turns["ttl_s"].dropna()
-    if len(ttl):
-        axis.axvline(float(ttl.median()), color="red", linestyle="--",
-                     label=f"D TTL {float(ttl.median()):.0f} s")
-    twin = axis.twinx()
-    twin.bar(centers, count.to_numpy(), width=np.diff(edges)[:len(centers)], alpha=0.15,
-             color="gray")
-    twin.set_ylabel("turns")
-    axis.set_xlabel("inter-turn gap (s)")
-    axis.set_ylabel("remote-hit ratio")
-    axis.legend(loc="upper right")
-    return figure
-
-
-def read_time_vs_tokens(turns: pd.DataFrame, prefill_tokens_per_s: float | None,
-                        sample: int = 20000):
-    import matplotlib.pyplot as plt
-
-    done = turns[(turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False)]
-    if len(done) > sample:
-        done = done.sample(sample, random_state=0)
-    tokens = done["candidate_tokens"].astype(float)
-    seconds = done["read_duration_s"].astype(float)
-    slow = done["verdict"] == Verdict.SLOW_TRANSFER.value
-    figure, axis = plt.subplots(figsize=(9, 4))
-    axis.scatter(tokens[~slow], seconds[~slow], s=3, alpha=0.3, label="reads")
-    axis.scatter(tokens[slow], seconds[slow], s=3, alpha=0.5, color="red",
-                 label="slow-transfer")
-    if prefill_tokens_per_s and len(tokens):
-        xs = np.linspace(0, float(tokens.max()), 50)
-        axis.plot(xs, xs / prefill_tokens_per_s, color="black",
-                  label=f"recompute M/p (p={prefill_tokens_per_s:,.0f} tok/s)")
-    axis.set_xlabel("tokens read (M)")
-    axis.set_ylabel("read time (s)")
-    axis.set_yscale("log")
-    axis.legend()
-    return figure
-
-
-PHASE_KEYS = ["rank", "phase", "total_s", "share", "p50_s", "p95_s", "slowest_turns",
-              "measured_turns"]
-METRIC_KEYS = ["turns", "remote_hit_ratio", "bytes_read", "reused_tokens",
-               "recomputed_tokens", "ttft_p50_s", "ttft_p95_s", "ttft_unmeasured_turns",
-               "latency_p50_s", "latency_p95_s", "verdicts"]
-
-
-def _table(rows, keys) -> str:
+def _table(rows: list[dict], first: Column, columns: list[Column]) -> str:
     if not rows:
-        return "<p>none</p>"
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(
-        f"<td>{html.escape(_cell(row.get(k)))}</td>" for k in keys) + "</tr>"
-        for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+        return "<p class='none'>none</p>"
+    head = "".join(f"<th>{html.escape(label)}</th>" for _, label, _ in [first, *columns])
+    body = []
+    for row in rows:
+        row = {**row, "faults": _faults(row)} if "verdicts" in row else row
+        cells = [f"<th scope='row'>{html.escape(first[2](row.get(first[0])))}</th>"]
+        cells += [f"<td>{html.escape(fmt(row.get(key)))}</td>" for key, _, fmt in columns]
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _ordered(rows: list[dict], key: str, order) -> list[dict]:
+    position = {value: i for i, value in enumerate(order)}
+    return sorted(rows, key=lambda row: position.get(row[key], len(position)))
+
+
+def _verdict_mix(report: FleetReport) -> str:
+    scopes = [("turn 1", report.first_turn["verdicts"]),
+              ("later turns", report.later_turns["verdicts"])]
+    by_turn = [(f"turn {row['turn_bucket']}", row["verdicts"]) for row in _ordered(
+        report.by_turn, "turn_bucket", sc.TURN_BUCKET_VALUES) if row["turn_bucket"] != "1"]
+    by_prompt = [(f"{row['prompt_bucket']} tokens", row["verdicts"]) for row in _ordered(
+        report.by_prompt, "prompt_bucket", sc.PROMPT_BUCKET_VALUES)]
+    present = [v for v in VERDICTS if any(mix.get(v) for _, mix in scopes)]
+    notes = {v.value: "healthy" for v in HEALTHY_VERDICTS}
+    return "".join([
+        legend(present, VERDICT_COLOURS, notes),
+        "<h3>Turn 1 and later turns, later turns by turn index</h3>",
+        stacked_bars(scopes + by_turn, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+                     title="verdict mix by turn index"),
+        "<h3>Later turns by prompt length</h3>",
+        stacked_bars(by_prompt, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+                     title="verdict mix by prompt length")])
+
+
+def _span(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:g} s"
+    return f"{seconds / 60:g} min" if seconds < 3600 else f"{seconds / 3600:g} h"
+
+
+def gap_bins(turns: pd.DataFrame) -> tuple[list[tuple[str, dict[str, int]]], float | None]:
+    """Later turns' verdict counts per inter-turn gap bin (empty bins left out), and D's
+    TTL (the median over turns), which is a bin edge."""
+    later = turns[(turns["turn"] > 1) & turns["gap_s"].notna()]
+    ttl_values = turns["ttl_s"].dropna().astype(float)
+    ttl = float(ttl_values.median()) if len(ttl_values) else None
+    edges = sorted(set(GAP_EDGES_S) | ({ttl} if ttl else set()))
+    bounds = [0.0, *edges, np.inf]
+    gap = later["gap_s"].astype(float).to_numpy()
+    verdicts = later["verdict"].astype(str).to_numpy()
+    rows = []
+    for low, high in zip(bounds, bounds[1:]):
+        inside = (gap >= low) & (gap < high)
+        if not inside.any():
+            continue
+        label = (f"under {_span(high)}" if low == 0 else f"{_span(low)} and more"
+                 if high == np.inf else f"{_span(low)} – {_span(high)}")
+        if ttl and low >= ttl:
+            label += " (past TTL)"
+        values, counts = np.unique(verdicts[inside], return_counts=True)
+        rows.append((label, dict(zip(values.tolist(), counts.tolist()))))
+    return rows, ttl
+
+
+def _gap_section(turns: pd.DataFrame) -> str:
+    rows, ttl = gap_bins(turns)
+    if not rows:
+        return "<p class='none'>no later turn with a gap</p>"
+    note = (f"<p>D's TTL (<code>decoder_kv_blocks_ttl</code>, median over turns): "
+            f"{_span(ttl)}. P declines a read within {sc.VLLM_DECLINE_WINDOW_S:g} s of "
+            "expiry.</p>" if ttl else "")
+    return note + stacked_bars(rows, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+                               title="verdict mix by inter-turn gap")
+
+
+def _phase_cell(phase: str) -> str:
+    colour = PHASE_COLOURS[Phase(phase)]
+    return (f"<td class='phase'><span class='swatch' style='background:{colour}'></span>"
+            f"{html.escape(phase)}</td>")
 
 
 def phase_tables(report: FleetReport) -> list[str]:
-    """Per scope: its ranked phases, then the unmeasured rest of its latency."""
+    """Per scope: the phases some turn spent time in, ranked, then the unmeasured rest
+    of its latency and the phases no turn took."""
     parts = []
+    head = ("<tr><th>#</th><th>Phase</th><th>From → to (marks)</th><th>Total</th>"
+            "<th>Share of latency</th><th>p50 per turn</th><th>p95 per turn</th>"
+            "<th>Slowest phase in (turns)</th><th>Measured in (turns)</th></tr>")
     for scope, title in SCOPES:
         section = report.phases[scope]
-        rows = [{"rank": rank, **row} for rank, row in enumerate(section["phases"], 1)]
-        rows.append({"phase": f"{UNMEASURED} ({section['unmeasured_turns']:,} turns)",
-                     "total_s": section["unmeasured_s"],
-                     "share": section["unmeasured_share"]})
+        spent = [row for row in section["phases"] if taken(row)]
+        idle = [row["phase"] for row in section["phases"] if not taken(row)]
+        body = [f"<tr><td>{rank}</td>{_phase_cell(row['phase'])}"
+                f"<td class='span'>{html.escape(PHASE_SPAN[row['phase']])}</td>"
+                f"<td>{total_seconds(row['total_s'])}</td><td>{percent(row['share'])}</td>"
+                f"<td>{_seconds(row['p50_s'])}</td><td>{_seconds(row['p95_s'])}</td>"
+                f"<td>{count(row['slowest_turns'])}</td>"
+                f"<td>{count(row.get('measured_turns'))}</td></tr>"
+                for rank, row in enumerate(spent, 1)]
+        body.append(f"<tr class='unmeasured'><td></td><td class='phase'>{UNMEASURED} "
+                    f"({section['unmeasured_turns']:,} turns)</td><td>a missing span "
+                    f"kept phases apart</td><td>{total_seconds(section['unmeasured_s'])}</td>"
+                    f"<td>{percent(section['unmeasured_share'])}</td>"
+                    "<td></td><td></td><td></td><td></td></tr>")
         parts += [f"<h3>{title}: {section['timed_turns']:,} turns with a latency, "
-                  f"{section['latency_s']:,.1f} s in all</h3>", _table(rows, PHASE_KEYS)]
+                  f"{total_seconds(section['latency_s'])} in all</h3>",
+                  f"<table><thead>{head}</thead><tbody>{''.join(body)}</tbody></table>"]
+        if idle:
+            parts.append(f"<p class='note'>Phases no {title.replace('turns', 'turn')} "
+                         f"spent time in: {html.escape(', '.join(idle))}.</p>")
     return parts
+
+
+def _cards(report: FleetReport) -> str:
+    later, memory = report.later_turns, report.memory
+    never = (memory["block_seconds_never_read"] / memory["block_seconds_held"]
+             if memory.get("block_seconds_held") else None)
+    insufficient = sum(row["verdicts"].get(Verdict.INSUFFICIENT_EVIDENCE.value, 0)
+                       for row in (report.first_turn, later))
+    cards = [
+        ("Remote hits, later turns", percent(later["remote_hit_ratio"]),
+         f"{later['turns']:,} later turns"),
+        ("Faults, later turns", _faults(later), "turns with a fault verdict"),
+        ("TTFT, later turns", f"{_seconds(later['ttft_p50_s'])} / "
+                              f"{_seconds(later['ttft_p95_s'])}", "p50 / p95"),
+        ("Latency, later turns", f"{_seconds(later['latency_p50_s'])} / "
+                                 f"{_seconds(later['latency_p95_s'])}", "p50 / p95"),
+        ("KV read from D", byte_size(later["bytes_read"]),
+         f"{later['reused_tokens']:,} tokens reused"),
+        ("D memory never read", percent(never), "share of block-seconds held"),
+        ("Insufficient evidence", f"{insufficient:,}", "turns with spans missing"),
+    ]
+    return "<div class='cards'>" + "".join(
+        f"<div class='card'><div class='label'>{html.escape(label)}</div>"
+        f"<div class='value'>{html.escape(value)}</div>"
+        f"<div class='sub'>{html.escape(sub)}</div></div>" for label, value, sub in cards
+    ) + "</div>"
+
+
+def _memory(memory: dict[str, Any]) -> str:
+    known = {key: (label, fmt) for key, label, fmt in MEMORY}
+    rows = []
+    for key, value in memory.items():
+        label, fmt = known.get(key, (key.replace("_", " "), number))
+        rows.append(f"<tr><th scope='row'>{html.escape(label)}</th>"
+                    f"<td>{html.escape(fmt(value) if value is not None else '–')}</td></tr>")
+    return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _figure(caption: str, data: str, alt: str) -> str:
+    return (f"<h2>{html.escape(caption, quote=False)}</h2><figure>"
+            f"<img alt='{html.escape(alt)}' "
+            f"src='data:image/png;base64,{data}'></figure>")
+
+
+STYLE = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+ margin:0;color:#1f2937;background:#f8fafc}
+main{max-width:1240px;margin:0 auto;padding:24px 32px 48px}
+h1{margin:0 0 4px;font-size:26px}h2{margin:36px 0 8px;font-size:20px;
+ border-bottom:1px solid #e2e8f0;padding-bottom:4px}h3{margin:18px 0 6px;font-size:15px}
+.sub,.note{color:#64748b}.banner{background:#fef3c7;border:1px solid #f59e0b;
+ padding:6px 10px;border-radius:6px;display:inline-block;margin-top:8px}
+.cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(185px,1fr));gap:10px;
+ margin-top:18px}.card{background:#fff;border:1px solid #e2e8f0;border-radius:8px;
+ padding:10px 12px}.card .label{font-size:12px;color:#64748b}.card .value{font-size:20px;
+ font-weight:600;margin:2px 0;font-variant-numeric:tabular-nums}.card .sub{font-size:11px}
+table{border-collapse:collapse;background:#fff;font-size:13px;margin:6px 0}
+th,td{border:1px solid #e2e8f0;padding:4px 8px;text-align:right;
+ font-variant-numeric:tabular-nums;white-space:nowrap}
+thead th{background:#f1f5f9;text-align:center;white-space:normal;font-weight:600}
+tbody th{text-align:left;font-weight:500}tbody tr:nth-child(even){background:#f8fafc}
+td.phase,td.span{text-align:left}td.span{color:#64748b;font-size:12px}
+tr.unmeasured td{color:#64748b;font-style:italic}
+.swatch{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;
+ vertical-align:-1px;border:1px solid rgba(0,0,0,.15)}
+ul.legend{list-style:none;padding:0;margin:6px 0;display:flex;flex-wrap:wrap;gap:4px 16px;
+ font-size:13px}ul.legend .note{color:#15803d;font-size:11px}
+svg.bars{font-size:12px;fill:#1f2937;display:block}svg.bars text.in{font-size:11px}
+figure{margin:8px 0}img{max-width:100%;height:auto;background:#fff;
+ border:1px solid #e2e8f0}footer{margin-top:40px;color:#94a3b8;font-size:12px}
+table.memory th{min-width:360px}
+"""
 
 
 def render_html(report: FleetReport, turns: pd.DataFrame,
@@ -274,45 +298,45 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
 
     matplotlib.use("Agg")
     conversation_id = conversation_id or pick_conversation(turns)
-    images = []
-    if conversation_id:
-        images.append(("Per-turn waterfall: phases, verdict and top cause",
-                       _png(waterfall(turns, conversation_id))))
-    images.append(("Phase shares of the fleet's latency, p50/p95 per turn",
-                   _png(phase_shares(report))))
-    images.append(("Remote-hit ratio vs inter-turn gap", _png(hit_ratio_vs_gap(turns))))
-    images.append(("Read time vs tokens", _png(read_time_vs_tokens(
-        turns, report.prefill_tokens_per_s))))
     title = "kvobs fleet report" + (" (SYNTHETIC data)" if report.synthetic else "")
-    keys = METRIC_KEYS
-    parts = [f"<html><head><meta charset='utf-8'><title>{title}</title><style>"
-             "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}</style></head><body>",
-             f"<h1>{html.escape(title)}</h1>",
-             f"<p>source {html.escape(report.source)}; {report.conversations:,} "
-             f"conversations, {report.turns:,} turns"
-             + (f"; since {html.escape(report.since)}" if report.since else "") + "</p>",
-             "<h2>Turn 1 and later turns</h2>",
-             _table([{"scope": "turn 1", **report.first_turn},
-                     {"scope": "later turns", **report.later_turns}], ["scope", *keys]),
-             "<h2>Where the time went: phases ranked by total seconds</h2>",
-             *phase_tables(report),
-             "<h2>By turn index</h2>", _table(report.by_turn, ["turn_bucket", *keys]),
-             "<h2>Later turns by prompt length</h2>",
-             _table(report.by_prompt, ["prompt_bucket", *keys]),
-             "<h2>D memory held for reuse</h2>",
-             _table([report.memory], list(report.memory))]
-    for caption, data in images:
-        parts.append(f"<h2>{caption}</h2><img src='data:image/png;base64,{data}'/>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return f"{value:,}" if isinstance(value, int) else str(value)
+    since = f"; since {html.escape(report.since)}" if report.since else ""
+    rate = (f"; prefill rate {report.prefill_tokens_per_s:,.0f} tokens/s"
+            if report.prefill_tokens_per_s else "")
+    scopes = [{"scope": "turn 1", **report.first_turn},
+              {"scope": "later turns", **report.later_turns}]
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width,initial-scale=1'>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body><main>",
+        f"<h1>{html.escape(title)}</h1>",
+        f"<p class='sub'>source {html.escape(report.source)}: {report.conversations:,} "
+        f"conversations, {report.turns:,} turns{since}{rate}</p>",
+        "<p class='banner'>SYNTHETIC data: generated, not measured</p>"
+        if report.synthetic else "",
+        _cards(report),
+        "<h2>Verdict mix</h2>", _verdict_mix(report),
+        "<h2>Later turns by inter-turn gap</h2>", _gap_section(turns),
+        "<h2>Turn 1 and later turns</h2>",
+        _table(scopes, ("scope", "", str), METRICS),
+        "<h2>By turn index</h2>",
+        _table(_ordered(report.by_turn, "turn_bucket", sc.TURN_BUCKET_VALUES),
+               ("turn_bucket", "Turn", str), METRICS),
+        "<h2>Later turns by prompt length</h2>",
+        _table(_ordered(report.by_prompt, "prompt_bucket", sc.PROMPT_BUCKET_VALUES),
+               ("prompt_bucket", "Prompt (tokens)", str), METRICS),
+        "<h2>Where the time went: phases ranked by total seconds</h2>",
+        "<p class='note'>Each turn's latency split into consecutive phases between "
+        "timeline marks (docs/timeline.md); p50 and p95 are per turn.</p>",
+        *phase_tables(report)]
+    if conversation_id:
+        parts.append(_figure("Per-turn waterfall: phases, verdict and top cause",
+                             png(waterfall(turns, conversation_id)),
+                             f"phases of each turn of conversation {conversation_id}"))
+    parts.append(_figure("Phase shares of the fleet's latency, p50/p95 per turn",
+                         png(phase_shares(report)), "phase shares and per-turn spread"))
+    parts.append(_figure("Read time vs tokens read, against recomputing them",
+                         png(read_time_vs_tokens(turns, report.prefill_tokens_per_s)),
+                         "read time against tokens read"))
+    parts += ["<h2>D memory held for reuse</h2>", _memory(report.memory),
+              f"<footer>kvobs {__version__}</footer></main></body></html>"]
+    return "\n".join(part for part in parts if part)

@@ -12,6 +12,7 @@ import pandas as pd
 
 from kvobs import semconv as sc
 from kvobs.correlate import CONVERSATION_KEYS
+from kvobs.fleet.since import since_cutoff_ns
 from kvobs.timeline import PHASES, add_timeline, phase_column
 from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
@@ -40,19 +41,6 @@ def _buckets(values: pd.Series, label, order) -> pd.Series:
     codes = np.array([position.get(label(int(u)), -1) for u in uniques], np.int64)
     return pd.Series(pd.Categorical.from_codes(codes[inverse], categories=list(order)),
                      index=values.index)
-
-
-def since_cutoff_ns(turns: pd.DataFrame, since: str | None) -> int | None:
-    """``--since``: a duration (``90s``, ``30m``, ``24h``, ``7d``) back from the newest turn
-    in the source, or an ISO-8601 instant."""
-    if not since:
-        return None
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if since[-1] in units and since[:-1].replace(".", "", 1).isdigit():
-        newest = turns["turn_start_ns"].max()
-        return int(newest - float(since[:-1]) * units[since[-1]] * 1e9)
-    return int(pd.Timestamp(since).tz_localize("UTC").value
-               if pd.Timestamp(since).tzinfo is None else pd.Timestamp(since).value)
 
 
 METRIC_COLUMNS = ["verdict", "read_outcome", "read_bytes", "candidate_tokens",
@@ -222,7 +210,7 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
                  read_slo_s: float | None = None) -> tuple[FleetReport, pd.DataFrame]:
     """The report, and the labelled turn table it was computed from (for plots)."""
     labelled, rate = label_turns(turns, prefill_tokens_per_s, read_slo_s)
-    cutoff = since_cutoff_ns(labelled, since)
+    cutoff = since_cutoff_ns(labelled["turn_start_ns"].max(), since)
     if cutoff is not None:
         labelled = labelled[(labelled["turn_start_ns"] >= cutoff).fillna(False)]
     # The grouped metrics read a few columns: slicing those only keeps the per-group

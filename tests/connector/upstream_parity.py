@@ -183,6 +183,11 @@ def main() -> int:
         build(args.sdist, work)
     upstream = run(work, swap=False)
     swapped = run(work, swap=True)
+    return report(work, upstream, swapped)
+
+
+def report(work: Path, upstream: dict[str, str], swapped: dict[str, str]) -> int:
+    """Print both runs' counts, the swap check and every difference; 0 when identical."""
     count = lambda o, k: sum(v == k for v in o.values())  # noqa: E731
     for name, outcomes in (("upstream", upstream), ("kvobs", swapped)):
         print(f"{name:9s} passed={count(outcomes, 'PASSED')} failed={count(outcomes, 'FAILED')}"

@@ -102,6 +102,19 @@ def test_turns_csv_loads_into_pandas(source):
     assert {"conversation_id", "turn", "verdict", "remedy", "evidence"} <= set(frame.columns)
 
 
+def test_turns_csv_has_one_line_per_turn_with_json_cells(source):
+    import csv
+    import io
+
+    result = run("turns", "--source", source, "--format", "csv")
+    lines = result.output.splitlines()
+    rows = list(csv.DictReader(io.StringIO(result.output)))
+    assert len(lines) == len(rows) + 1 == 7
+    for row in rows:
+        assert isinstance(json.loads(row["evidence"]), dict)
+        assert isinstance(json.loads(row["phases"]), dict)
+
+
 @pytest.fixture(scope="module")
 def two_tenants(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants")

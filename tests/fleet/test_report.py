@@ -46,7 +46,7 @@ def test_report_cli_json_and_html(synthetic_store, tmp_path):
     data = json.loads(result.output)
     assert data["later_turns"]["turns"] > 0 and data["synthetic"] is True
     text = html.read_text()
-    assert text.count("data:image/png;base64,") == 4 and "SYNTHETIC" in text
+    assert text.count("data:image/png;base64,") == 3 and "SYNTHETIC" in text
     assert "Where the time went" in text
 
 

@@ -11,7 +11,8 @@ from spanfactory import Tracers, TurnSpec, write_conversation
 from kvobs import semconv as sc
 from kvobs.cli import main
 from kvobs.fleet import build_report, fleet_turns
-from kvobs.fleet.html import UNMEASURED, phase_colour, render_html, waterfall
+from kvobs.fleet._plots import UNMEASURED, phase_colour, waterfall
+from kvobs.fleet.html import render_html
 from kvobs.sources import open_source
 
 NO_P_D = (sc.SPAN_PREFILL_REQUEST.name, sc.SPAN_DECODE_REQUEST.name)
@@ -142,6 +143,10 @@ def test_waterfall_draws_phases_in_order_and_hatches_the_unmeasured(built):
     assert [s[1] for s in segments] == pytest.approx([2.0, 0.1, 0.05, 1.0], abs=10 * US)
     notes = [t.get_text() for t in axis.texts]
     assert any("queued-at-p" in note for note in notes)
+    # Segments wide enough carry their phase's name (the rest are in the legend).
+    assert {"p-queue", "decode"} <= set(notes)
+    assert {"p-queue", "read", "p-compute", "decode"} <= {
+        t.get_text() for t in axis.get_legend().get_texts()}
     axis = waterfall(labelled, "unmeasured").axes[0]
     hatched = [s for s in _bars(axis, 2) if s[3]]
     assert sum(s[1] for s in hatched) == pytest.approx(0.9, abs=10 * US)
@@ -154,8 +159,12 @@ def test_html_has_phase_sections(built):
     assert "Where the time went: phases ranked by total seconds" in text
     assert "Per-turn waterfall: phases, verdict and top cause" in text
     assert "Phase shares of the fleet's latency, p50/p95 per turn" in text
-    assert text.count("data:image/png;base64,") == 4
+    assert text.count("data:image/png;base64,") == 3
     first = text.index("<h3>turn 1:")
     later = text.index("<h3>later turns:")
-    assert first < text.index("<td>decode</td>", first) < later
-    assert text.index("<td>p-queue</td>", later) < text.index("<td>decode</td>", later)
+    assert first < text.index("</span>decode</td>", first) < later
+    assert (text.index("</span>p-queue</td>", later)
+            < text.index("</span>decode</td>", later))
+    # Each phase with its marks; the phases no turn took named once, not as rows of 0.
+    assert "<td class='span'>p-arrived → p-scheduled</td>" in text
+    assert "</span>p-retry</td>" not in text and "spent time in: " in text

@@ -27,11 +27,18 @@ def test_store_layout_one_file_per_bucket_sorted(synthetic_store, synthetic_conf
     assert result.spans == len(open_source(path).spans())
 
 
+# The host copy path (issue #11) is not synthesized yet: no host spans, no host verdicts.
+HOST_SPANS = {s.name for s in (sc.SPAN_HOST_LOOKUP, sc.SPAN_HOST_LOAD, sc.SPAN_HOST_SAVE,
+                               sc.SPAN_HOST_EVICT)}
+HOST_VERDICTS = {sc.Verdict.HOST_HIT, sc.Verdict.HOST_EVICTED,
+                 sc.Verdict.HOST_COPY_LACKS_RESPONSE}
+
+
 def test_names_are_synthetic_and_from_semconv(synthetic_store):
     path, _ = synthetic_store
     spans = open_source(path).spans()
     assert spans[sc.CONVERSATION_ID.key].str.startswith(synth.SYNTHETIC_PREFIX).all()
-    assert set(spans["name"]) == set(sc.SPANS) - {sc.SPAN_STUCK.name}
+    assert set(spans["name"]) == set(sc.SPANS) - {sc.SPAN_STUCK.name} - HOST_SPANS
     assert set(spans["service"]) == {s.value for s in sc.Service}
 
 
@@ -62,4 +69,4 @@ def test_every_scenario_gets_its_expected_verdict_from_the_real_rules(synthetic_
            for d in all_turns(_Frame(synth.synthetic_frame(CONFIG)))}
     assert got == expected
     seen = collections.Counter(got.values())
-    assert set(seen) == set(sc.Verdict) - {sc.Verdict.MISS}
+    assert set(seen) == set(sc.Verdict) - {sc.Verdict.MISS} - HOST_VERDICTS

@@ -1,0 +1,149 @@
+"""``KvobsHostCopySpec``: vLLM's CPU offloading spec with a host memory copy.
+
+The CPU stand-in for the copy engine only. vLLM's ``CPUOffloadingSpec`` refuses the CPU
+platform at start-up because its worker copies with CUDA streams, pinned memory and swap
+kernels; everything else it builds (the offloading manager: what to store, LRU eviction,
+lookups, KV events, metrics) is platform-free and kept as is. This spec replaces only
+the worker: each store or load is a synchronous ``index_copy_`` between the engine's KV
+cache tensors and host tensors, so the copy times it reports (``vllm:kv_offload_*_time``,
+kvobs's ``kvobs.host.duration``) are host memory copies, labelled
+``kvobs.host.copy_engine = host-memcpy``, never a GPU's DMA figures.
+
+Load it through the offloading connector's extra config::
+
+    "kv_connector_extra_config": {"spec_name": "KvobsHostCopySpec",
+        "spec_module_path": "connector_instrumented.host_copy",
+        "cpu_bytes_to_use": 67108864, ...}
+
+Byte counts follow vLLM's own worker (unpadded page bytes per layer per block), so the
+offload counters read the same as they would with the device copy engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+__all__ = ["KvobsHostCopySpec", "HostCopyWorker"]
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One group's rows: device block rows <-> host rows, and the tensors they live in."""
+
+    device_rows: torch.Tensor
+    host_rows: torch.Tensor
+    tensor_ids: tuple[int, ...]
+
+
+class HostCopyWorker(OffloadingWorker):
+    """Copies blocks between the engine's KV cache and host tensors, synchronously.
+
+    Host storage per KV tensor is ``(num_chunks * blocks_per_chunk, page_bytes)``: host
+    row ``chunk * blocks_per_chunk + j`` holds sub-block ``j`` of a chunk, so a chunk that
+    spans several engine blocks is laid out as upstream's CPU pages are.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
+                 num_chunks: int):
+        self._blocks_per_chunk = blocks_per_chunk
+        self._device = [entry.tensor for entry in kv_caches.tensors]
+        self._host = [torch.zeros((num_chunks * blocks_per_chunk, entry.tensor.shape[1]),
+                                  dtype=entry.tensor.dtype, device="cpu")
+                      for entry in kv_caches.tensors]
+        self._group_tensors = [tuple(sorted({ref.tensor_idx for ref in refs}))
+                               for refs in kv_caches.group_data_refs]
+        self._group_page_bytes = [sum(ref.page_size_bytes for ref in refs)
+                                  for refs in kv_caches.group_data_refs]
+        self._finished: list[TransferResult] = []
+
+    def _plan(self, device_spec: GPULoadStoreSpec,
+              host_spec: BlockIDsLoadStoreSpec) -> tuple[list[_Copy], int]:
+        per_chunk = self._blocks_per_chunk
+        chunks = host_spec.block_ids.astype(np.int64)
+        blocks = device_spec.block_ids.astype(np.int64)
+        copies: list[_Copy] = []
+        num_bytes = 0
+        block_at = chunk_at = 0
+        for group, (size, first_index) in enumerate(zip(device_spec.group_sizes,
+                                                        device_spec.block_indices)):
+            if size == 0:
+                continue
+            skip = first_index % per_chunk
+            num_chunks = -(-(size + skip) // per_chunk)
+            group_chunks = chunks[chunk_at:chunk_at + num_chunks]
+            host_rows = (group_chunks[:, None] * per_chunk
+                         + np.arange(per_chunk)).ravel()[skip:skip + size]
+            copies.append(_Copy(torch.from_numpy(blocks[block_at:block_at + size]),
+                                torch.from_numpy(np.ascontiguousarray(host_rows)),
+                                self._group_tensors[group]))
+            num_bytes += size * self._group_page_bytes[group]
+            block_at += size
+            chunk_at += num_chunks
+        return copies, num_bytes
+
+    def _run(self, job_id: int, device_spec: GPULoadStoreSpec,
+             host_spec: BlockIDsLoadStoreSpec, to_host: bool) -> bool:
+        start = time.perf_counter()
+        copies, num_bytes = self._plan(device_spec, host_spec)
+        for copy in copies:
+            for idx in copy.tensor_ids:
+                device, host = self._device[idx], self._host[idx]
+                if to_host:
+                    host.index_copy_(0, copy.host_rows, device.index_select(0, copy.device_rows))
+                else:
+                    device.index_copy_(0, copy.device_rows, host.index_select(0, copy.host_rows))
+        self._finished.append(TransferResult(job_id=job_id, success=True,
+                                             transfer_size=num_bytes,
+                                             transfer_time=time.perf_counter() - start))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: BlockIDsLoadStoreSpec) -> bool:
+        return self._run(job_id, src_spec, dst_spec, to_host=True)
+
+    def submit_load(self, job_id: int, src_spec: BlockIDsLoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        return self._run(job_id, dst_spec, src_spec, to_host=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # copies finish inside submit_*
+
+    def shutdown(self) -> None:
+        self._host.clear()
+        self._device.clear()
+
+
+class KvobsHostCopySpec(CPUOffloadingSpec):
+    """``CPUOffloadingSpec`` (manager, sizing, metrics) with ``HostCopyWorker`` copies."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if getattr(config, "canonical_layout", False):
+            raise ValueError("KvobsHostCopySpec copies whole engine pages; the canonical "
+                             "(parallelism-free) layout is not supported")
+        self._host_worker: HostCopyWorker | None = None
+
+    def _uses_shared_region(self) -> bool:
+        return False  # private host tensors, no shared mmap region to pin
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyWorker:
+        if self._host_worker is None:
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk,
+                                               self.num_chunks)
+        return self._host_worker

@@ -1,0 +1,26 @@
+"""The wheel carries the repository's shipped files (``kvobs._resources.SHIPPED``) under
+``kvobs/_data/``: one copy in the repository, a build-time copy in the wheel. Everything
+else is in pyproject.toml."""
+
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from kvobs._resources import SHIPPED  # noqa: E402  (a stdlib-only module)
+
+
+class BuildWithShippedFiles(build_py):
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return  # an editable install reads them from the repository
+        target = Path(self.build_lib) / "kvobs" / "_data"
+        for relative in SHIPPED:
+            self.copy_tree(str(ROOT / relative), str(target / relative))
+
+
+setup(cmdclass={"build_py": BuildWithShippedFiles})
