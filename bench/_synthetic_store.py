@@ -51,6 +51,18 @@ def ensure_store(directory: str, config: synth.SyntheticConfig,
     return recorded
 
 
+def bench_store(directory: str, conversations: int) -> tuple[str, synth.SyntheticConfig]:
+    """The default synthetic store of ``conversations`` under ``directory`` (generated
+    once, then reused), described on stdout: (its path, its config)."""
+    store = os.path.join(directory, f"synthetic-{conversations}")
+    config = synth.SyntheticConfig(conversations=conversations)
+    info = ensure_store(store, config)
+    how = "reused" if info["reused"] else f"generated in {info['generate_s']}s"
+    print(f"store {store}: {info['conversations']:,} synthetic conversations, "
+          f"{info['turns']:,} turns, {info['spans']:,} spans, "
+          f"{dir_size(store) / 2**20:.0f} MiB on disk ({how})")
+    return store, config
+
 def peak_rss_mb_of(command: list[str]) -> tuple[float, float, str, float]:
     """Run a command; (wall s, peak RSS MiB, stdout, CPU s). CPU (user + system, the
     command and its children) is steadier than wall on a shared box."""

@@ -4,7 +4,7 @@
 
 The store is synthetic (``kvobs.synth``), generated once under ``--dir`` and reused.
 Prints the library-call and CLI-subprocess times (best and median of ``--repeat``), the
-spans count and the store's size on disk. Target: under 0.5 s.
+spans count and the store's size on disk. Target: the CLI process under 0.5 s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _synthetic_store import dir_size, ensure_store  # noqa: E402
+from _synthetic_store import bench_store  # noqa: E402
 
 from kvobs import synth  # noqa: E402
 from kvobs.diagnose import diagnose  # noqa: E402
@@ -31,12 +31,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    store = os.path.join(args.dir, f"synthetic-{args.conversations}")
-    config = synth.SyntheticConfig(conversations=args.conversations)
-    info = ensure_store(store, config)
-    how = "reused" if info["reused"] else f"generated in {info['generate_s']}s"
-    print(f"store {store}: {info['conversations']} synthetic conversations, {info['turns']} "
-          f"turns, {info['spans']} spans, {dir_size(store) / 2**20:.0f} MiB on disk ({how})")
+    store, config = bench_store(args.dir, args.conversations)
     ids = synth.conversation_ids(config)
     picks = [ids[i * (len(ids) // args.repeat)] for i in range(args.repeat)]
 
@@ -61,9 +56,12 @@ def main() -> None:
     subprocess.run([kvobs, "--help"], capture_output=True)
     startup = time.perf_counter() - started
     print(f"CLI `kvobs diagnose --json` subprocess: best {min(cli):.3f}s median "
-          f"{statistics.median(cli):.3f}s (of which interpreter+imports ~{startup:.3f}s)")
-    verdict = "PASS" if statistics.median(library) < 0.5 else "FAIL"
-    print(f"target < 0.5 s (library, median): {verdict}")
+          f"{statistics.median(cli):.3f}s (`kvobs --help` alone {startup:.3f}s; "
+          "bench/startup_bench.py sets both against interpreter baselines)")
+    # The target is the user's: the whole CLI process (bench/startup_bench.py times it
+    # under /usr/bin/time against interpreter baselines).
+    verdict = "PASS" if statistics.median(cli) < 0.5 else "FAIL"
+    print(f"target < 0.5 s (CLI process, median): {verdict}")
 
 
 if __name__ == "__main__":

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable
-
-from rich import box
-from rich.console import Console
-from rich.markup import escape
-from rich.measure import Measurement
-from rich.padding import Padding
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, Iterable
 
 from kvobs.diagnose import Diagnosis, TurnDiagnosis
 from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
 from kvobs.timeline import Timeline
+
+if TYPE_CHECKING:  # rich is imported on use: JSON and CSV output never need it
+    from rich.console import Console
+    from rich.table import Table
 
 _STYLE_OK, _STYLE_FAULT, _STYLE_UNKNOWN = "green", "bold red", "yellow"
 
@@ -106,6 +102,8 @@ def diagnosis_table(diagnosis: Diagnosis, console: Console) -> Table:
 def widest_fitting(console: Console, tables: list[Table]) -> Table:
     """The first of ``tables`` (widest first) that fits the console unshrunk, else the
     last: a table rich must shrink folds its cells."""
+    from rich.measure import Measurement
+
     unbounded = console.options.update_width(10_000)
     for table in tables[:-1]:
         if Measurement.get(console, unbounded, table).maximum <= console.width:
@@ -115,6 +113,9 @@ def widest_fitting(console: Console, tables: list[Table]) -> Table:
 
 def compact_table(title: str, headers, right=frozenset()) -> Table:
     """A table of short cells that never wrap (what the CLI prints)."""
+    from rich import box
+    from rich.table import Table
+
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     for header in headers:
         table.add_column(header, no_wrap=True,
@@ -241,11 +242,16 @@ def _number(value: Any) -> str:
 
 def _wrapped(console: Console, markup: str, indent: int) -> None:
     """A line wrapped at word boundaries, continuation lines indented."""
+    from rich.padding import Padding
+    from rich.text import Text
+
     text = Text.from_markup(markup)
     console.print(Padding(text, (0, 0, 0, indent), expand=False), highlight=False)
 
 
 def print_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
+    from rich.markup import escape
+
     console.print(diagnosis_table(diagnosis, console))
     bar = max(10, min(_BAR_WIDTH, console.width // 3))
     for item in diagnosis.turns:

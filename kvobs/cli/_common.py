@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.markup import escape
 
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
-# EXIT_INTERNAL (4, a bug in kvobs) is kvobs.cli's: the group handles it.
+from kvobs.cli._exit import (EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT,  # noqa: F401
+                             EXIT_INTERNAL, EXIT_OK, fail_input)
 
-EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT = 0, 1, 2, 3
+if TYPE_CHECKING:
+    from rich.console import Console
+
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
 FAIL_ON = ("never", "fault", "insufficient")
 ENV_SOURCE = "KVOBS_SOURCE"
@@ -40,13 +42,6 @@ def load_source(location: str) -> SpanSource:
         fail_input(str(error))
 
 
-def fail_input(message: str) -> "NoReturn":  # noqa: F821
-    # Escaped: messages carry brackets (pip install 'kvobs[fleet]', ids, paths).
-    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False,
-                               soft_wrap=True)
-    sys.exit(EXIT_INPUT)
-
-
 MAX_PROBLEMS_SHOWN = 20
 
 
@@ -54,6 +49,10 @@ def print_source_problems(problems: list[str], machine_readable: bool) -> None:
     """What reading the source skipped or repaired (a corrupt file, a duplicate span, a
     bad value): after the table, or on stderr when stdout is JSON or CSV. Every command
     reads the rest of a damaged source and says so here; a long list is cut short."""
+    if not problems:
+        return
+    from rich.console import Console  # on use: a clean source's `--json` never needs rich
+
     out = Console(stderr=True) if machine_readable else console()
     shown = problems[:MAX_PROBLEMS_SHOWN]
     for problem in shown:
@@ -89,4 +88,6 @@ def exit_status(verdicts: list[Verdict]) -> int:
 
 
 def console() -> Console:
+    from rich.console import Console  # on use: `--json` output never needs rich
+
     return Console(width=200 if not sys.stdout.isatty() else None)

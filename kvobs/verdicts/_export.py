@@ -15,10 +15,12 @@ EVIDENCE = ("extends_request_id", "extends_span_id", "extends_engine_id", "exten
 
 
 def unrouted(turns):
-    """No kvobs proxy lookup and P got no params, though the prompt extends an export:
-    another router (or none) sent the turn."""
-    return (col.null(turns, "lookup") & col.isin(turns, "decision", LOST)
-            & col.present(turns, "extends_request_id"))
+    """No kvobs proxy span at all (neither its turn nor its lookup) and P got no params,
+    though the prompt extends an export: another router (or none) sent the turn. A proxy
+    turn without its lookup span is a lost span, not another router
+    (``missing_metadata.missing``)."""
+    return (col.null(turns, "lookup") & col.null(turns, "turn_span_id")
+            & col.isin(turns, "decision", LOST) & col.present(turns, "extends_request_id"))
 
 
 def restarted(turns):

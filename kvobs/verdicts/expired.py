@@ -9,24 +9,43 @@ held: ``vllm:kvobs_retained_block_seconds_total``); keep the proxy's entry lifet
 it; set ``kv_load_failure_policy`` so a declined read recomputes instead of failing.
 """
 
+from kvobs import semconv as sc
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
 from kvobs import columns as col
 from kvobs.verdicts import _export
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.EXPIRED
 
 
-def applies(turns, context: Context):
+def _released(turns):
+    """D released the blocks by expiry before this turn began."""
     released_before = col.num(turns, "prev_release_end_ns") <= col.num(turns, "turn_start_ns")
-    released = col.eq(turns, "prev_release_reason", ReleaseReason.EXPIRED.value) & released_before
+    return col.eq(turns, "prev_release_reason", ReleaseReason.EXPIRED.value) & released_before
+
+
+def _refused(turns):
+    """P declined the read, or the proxy judged its entry stale, or no router sent the
+    params of an export D no longer held."""
     lapsed = _export.unrouted(turns) & ~col.flag(turns, "extends_live")
-    # A D restart since the export took the blocks whatever the clock said: that turn is
-    # transfer-failed, named as a restart, however long the restart took.
     return (col.eq(turns, "read_outcome", ReadOutcome.DECLINED_EXPIRED.value)
             | col.eq(turns, "fallback_reason", FallbackReason.READ_DECLINED.value)
-            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | released
-            | lapsed) & ~_export.restarted(turns)
+            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | lapsed)
+
+
+def missing(turns, context: Context):
+    # A refusal is expiry only if D did not restart since the export (then it is
+    # transfer-failed); the restart is known from the lineage facts P's decision span
+    # carries, so without that span it cannot be ruled out. D's own expiry release
+    # needs no such check.
+    return [Needs(_refused(turns) & ~_released(turns) & col.null(turns, "decision"),
+                  "decision", sc.SPAN_PULL_DECISION)]
+
+
+def applies(turns, context: Context):
+    # A D restart since the export took the blocks whatever the clock said: that turn is
+    # transfer-failed, named as a restart, however long the restart took.
+    return (_refused(turns) | _released(turns)) & ~_export.restarted(turns)
 
 
 def _d_left_s(turn: Turn) -> float | None:

@@ -22,10 +22,20 @@ _NO_ENTRY = (LookupOutcome.NO_ID.value, LookupOutcome.MISS.value)
 
 def missing(turns, context: Context):
     # Without a proxy lookup, P's own decision (params arrived) or a lineage link tells
-    # what happened; with neither, the lookup is the evidence this rule needs.
+    # what happened; with neither, the lookup is the evidence this rule needs. When the
+    # proxy's turn span shows the proxy served the turn, its lookup is needed whatever
+    # lineage says: its absence is a lost span, not another router.
     params_arrived = col.present(turns, "decision") & ~col.isin(turns, "decision", _export.LOST)
-    return [Needs(col.null(turns, "lookup") & ~params_arrived
-                  & col.null(turns, "extends_request_id"), "lookup", sc.SPAN_PROXY_LOOKUP)]
+    lookup_lost = col.null(turns, "lookup") & ~params_arrived & (
+        col.null(turns, "extends_request_id") | col.present(turns, "turn_span_id"))
+    # After a fallback P decided twice: first with the proxy's params, then on the retry
+    # without them. A lone no-params decision is then the retry's; the first attempt's
+    # decision, which says whether the params arrived, is the span missing.
+    retry_only = (col.present(turns, "fallback_span_id")
+                  & (col.num(turns, "decision_count") < 2)
+                  & col.isin(turns, "decision", _export.LOST))
+    return [Needs(lookup_lost, "lookup", sc.SPAN_PROXY_LOOKUP),
+            Needs(retry_only, "decision", sc.SPAN_PULL_DECISION)]
 
 
 def applies(turns, context: Context):

@@ -35,6 +35,11 @@ CASES = {
     "no-decision-span": (TurnSpec(decision=None), Verdict.INSUFFICIENT_EVIDENCE),
     "no-lookup-span": (TurnSpec(lookup=None, decision=None), Verdict.INSUFFICIENT_EVIDENCE),
     "no-proxy-at-all": (TurnSpec(proxy=False), Verdict.INSUFFICIENT_EVIDENCE),
+    # A declined read is expiry unless D restarted (then transfer-failed): the restart is
+    # known from lineage on P's decision span, so without it the turn is not expired.
+    "declined-no-decision-span": (TurnSpec(decision=None, read="declined-expired",
+                                           fallback="read-declined", gap_s=40),
+                                  Verdict.INSUFFICIENT_EVIDENCE),
 }
 
 

@@ -26,6 +26,7 @@ from kvobs.testbed.check import (NOT_FOUND, accounting_errors, cause_mismatches,
 from kvobs.testbed.runner import TurnResult, run_scenario, write_results
 from kvobs.testbed.scenario import Scenario, load
 from kvobs.testbed.stack import Stack
+from span_deletion import deletion_violations
 
 pytestmark = pytest.mark.testbed
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,6 +148,13 @@ def test_demo_covers_every_producible_verdict(demo):
     assert set(demo.verdicts().values()) == {
         "first-turn", "remote-hit", "local-hit", "below-threshold", "missing-metadata",
         "prefix-mismatch", "expired", "transfer-failed"}
+
+
+def test_no_demo_verdict_rests_on_a_missing_span(demo):
+    """Deleting any one span of this fresh run keeps every turn's verdict or makes it
+    insufficient-evidence (tests/span_deletion.py; tests/core/test_span_deletion.py
+    checks a recorded run the same way)."""
+    assert deletion_violations(open_source(str(demo.out)).spans()) == []
 
 
 def test_every_client_turn_was_answered(demo, slow_link):

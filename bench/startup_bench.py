@@ -1,0 +1,124 @@
+"""Wall time of whole ``kvobs`` CLI processes, as a user meets them, against interpreter
+baselines measured in the same run.
+
+    python bench/startup_bench.py --dir /tmp/kvobs-bench [--conversations 1000000] [--repeat 15]
+        [--also-rev REV]
+
+Each process runs under ``/usr/bin/time`` (elapsed, user and system seconds); the
+commands run round-robin so that the box's load falls on all of them alike. Commands:
+``python -c pass`` and ``python -c "import pandas"`` (baselines), ``kvobs --help``, and
+``kvobs diagnose ID --json`` for one conversation (a different one each round) of the
+synthetic store that bench/diagnose_bench.py builds (``kvobs.synth``, generated once
+under ``--dir`` and reused). ``--also-rev REV`` adds both kvobs commands run from
+kvobs/ as it was at a git revision (a change's before, in the same run). Prints medians
+and the margin over each baseline. Target: ``diagnose --json`` under 0.5 s wall (aim
+0.25 s); printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _synthetic_store import bench_store  # noqa: E402
+
+from kvobs import synth  # noqa: E402
+
+TARGET_S, AIM_S = 0.5, 0.25
+TIME = "/usr/bin/time"
+# An installed kvobs loads its modules from .pyc files; with PYTHONDONTWRITEBYTECODE set
+# (as on some CI images) every run would compile kvobs's sources again (~0.1 s). The
+# processes run with caching on: the warm-up run writes the .pyc files.
+ENV = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def kvobs_at(rev: str, work: str) -> str:
+    """A directory holding kvobs/ as it was at ``rev``, to put first on PYTHONPATH."""
+    target = os.path.join(work, f"kvobs-{rev.replace('/', '_')}")
+    os.makedirs(target, exist_ok=True)
+    subprocess.run(f"git -C {shlex.quote(ROOT)} archive {shlex.quote(rev)} kvobs "
+                   f"| tar -x -C {shlex.quote(target)}", shell=True, check=True)
+    return target
+
+
+def timed(command: list[str], env: dict | None = None) -> tuple[float, float, int]:
+    """(elapsed s, user + system s, exit status) of one process, by /usr/bin/time."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
+        done = subprocess.run([TIME, "-o", report.name, "-f", "%e %U %S", *command],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env or ENV)
+        elapsed, user, system = map(float, report.read().split()[-3:])
+    if done.returncode not in (0, 1, 3):  # a verdict's exit status is not a failure
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}: {done.stderr}")
+    return elapsed, user + system, done.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/tmp/kvobs-bench")
+    parser.add_argument("--conversations", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--also-rev", help="also run the kvobs commands from kvobs/ at this "
+                        "git revision (a change's before, in the same run)")
+    args = parser.parse_args()
+    if not os.access(TIME, os.X_OK):
+        raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
+    store, config = bench_store(args.dir, args.conversations)
+    ids = synth.conversation_ids(config)
+    picks = [ids[(i * 7919 * 104729) % len(ids)] for i in range(args.repeat)]
+    kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "python -c 'import pandas'": [sys.executable, "-c", "import pandas"],
+        "kvobs --help": [kvobs, "--help"],
+        "kvobs diagnose ID --json": [kvobs, "diagnose", "ID", "--source", store, "--json"],
+    }
+    envs = {name: ENV for name in commands}
+    if args.also_rev:
+        before = {**ENV, "PYTHONPATH": kvobs_at(args.also_rev, args.dir)}
+        for name in ("kvobs --help", "kvobs diagnose ID --json"):
+            commands[f"{name} @{args.also_rev}"] = commands[name]
+            envs[f"{name} @{args.also_rev}"] = before
+
+    def run(name: str, i: int) -> tuple[float, float, int]:
+        return timed([picks[i] if word == "ID" else word for word in commands[name]],
+                     envs[name])
+
+    for name in commands:  # page cache and .pyc files; not counted
+        run(name, 0)
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    cpu: dict[str, list[float]] = {name: [] for name in commands}
+    for i in range(args.repeat):
+        for name in commands:
+            elapsed, seconds, _ = run(name, i)
+            wall[name].append(elapsed)
+            cpu[name].append(seconds)
+    load = os.getloadavg()[0]
+    print(f"{args.repeat} runs each, round-robin, /usr/bin/time; load average {load:.1f} "
+          f"on {os.cpu_count()} CPUs at the end")
+    width = max(map(len, commands))
+    print(f"{'command':{width}} {'wall median':>11} {'wall min':>9} {'cpu median':>11}")
+    for name in commands:
+        print(f"{name:{width}} {statistics.median(wall[name]):10.3f}s {min(wall[name]):8.3f}s "
+              f"{statistics.median(cpu[name]):10.3f}s")
+    median = {name: statistics.median(values) for name, values in wall.items()}
+    diagnose, pandas = median["kvobs diagnose ID --json"], median["python -c 'import pandas'"]
+    print(f"diagnose --json over `import pandas`: +{diagnose - pandas:.3f}s "
+          f"({diagnose / pandas:.2f}x); --help over `pass`: "
+          f"+{median['kvobs --help'] - median['python -c pass']:.3f}s")
+    verdict = "PASS" if diagnose < TARGET_S else "FAIL"
+    aim = "met" if diagnose < AIM_S else "not met"
+    print(f"target diagnose --json < {TARGET_S} s wall (median): {verdict}; "
+          f"aim {AIM_S} s: {aim}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Start-up: each command imports what it uses, so `kvobs --help` and `kvobs diagnose
+--json` do not pay for pandas, rich, aiohttp or OpenTelemetry when they do not need them
+(bench/startup_bench.py measures the seconds; these tests check what is imported)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import click
+import pytest
+
+from kvobs.cli import COMMANDS, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_SPANS = os.path.join(ROOT, "tests", "data", "demo-spans.otlp.jsonl")
+HEAVY = ("pandas", "pyarrow", "numpy", "rich", "aiohttp", "opentelemetry")
+# Prints the top-level packages a kvobs command imported (its exit status after them).
+_PROBE = """
+import sys
+from kvobs.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    status = done.code
+sys.stdout = sys.__stdout__
+print("\\nimported:", " ".join(sorted({m.split('.')[0] for m in sys.modules})), status)
+"""
+
+
+def _imported(*args: str) -> tuple[set[str], str, object]:
+    done = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          timeout=120)
+    output, _, last = done.stdout.rpartition("\nimported: ")
+    *modules, status = last.split()
+    return set(modules), output, status
+
+
+def _packages(modules: set[str]) -> set[str]:
+    return {module.split(".")[0] for module in modules}
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_summary_is_the_first_sentence_of_the_commands_help(name):
+    target, summary = COMMANDS[name]
+    module, attribute = target.split(":")
+    command = getattr(importlib.import_module(module), attribute)
+    assert summary == command.get_short_help_str(limit=10**6)
+
+
+def test_help_lists_every_command_importing_none_of_them():
+    modules, output, status = _imported("--help")
+    assert status == "0"
+    assert [line.split()[0] for line in output.split("Commands:\n")[1].splitlines()
+            if line.strip()] == sorted(COMMANDS)
+    assert _packages(modules).isdisjoint(HEAVY), _packages(modules) & set(HEAVY)
+    commands = {target.split(":")[0] for target, _ in COMMANDS.values()}
+    assert modules.isdisjoint(commands), modules & commands
+
+
+def test_help_text_is_what_click_writes_from_the_commands_themselves():
+    class Eager(click.Group):
+        def list_commands(self, ctx):
+            return sorted(COMMANDS)
+
+        def get_command(self, ctx, name):
+            return main.get_command(ctx, name)
+
+    eager = Eager(name="kvobs", help=main.help, params=main.params,
+                  context_settings=main.context_settings)
+    with click.Context(eager, info_name="kvobs", **main.context_settings) as ctx:
+        expected = eager.get_help(ctx)
+    with click.Context(main, info_name="kvobs", **main.context_settings) as ctx:
+        assert main.get_help(ctx) == expected
+
+
+def test_diagnose_json_imports_no_terminal_or_serving_stack():
+    modules, output, status = _imported("diagnose", "agent-happy", "--source", DEMO_SPANS,
+                                        "--json")
+    assert status == "0"
+    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
+        "first-turn", "remote-hit", "remote-hit"]
+    assert _packages(modules).isdisjoint({"rich", "aiohttp", "opentelemetry"})
