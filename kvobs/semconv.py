@@ -133,6 +133,9 @@ PROXY_LEG = "kvobs.proxy.leg"  # CLIENT spans: prefill | decode
 # Prefill pull decision (scheduler side of P)
 PROMPT_TOKENS = _attr("gen_ai.usage.input_tokens", "int", "tokens",
                       "N: prompt length (P's pull decision; the proxy's turn: P's usage).")
+# Keys an older kvobs wrote, read as today's (spans recorded before a rename keep their
+# facts).
+RENAMED_KEYS = {"kvobs.prompt.tokens": PROMPT_TOKENS.key}
 LOCAL_HIT_TOKENS = _attr("kvobs.local_hit.tokens", "int", "tokens", "L: local prefix hit.")
 REMOTE_TOKENS = _attr("kvobs.remote.tokens", "int", "tokens", "C: tokens D advertised.")
 CANDIDATE_TOKENS = _attr("kvobs.candidate.tokens", "int", "tokens", "M = max(0, min(C, N) - L).")

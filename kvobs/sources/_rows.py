@@ -80,8 +80,16 @@ def _value(any_value: dict):
 def _attributes(items) -> dict:
     """Key -> value; an item without a string key is no known attribute: dropped, as
     unknown attributes are."""
-    return {item["key"]: _value(item.get("value") or {}) for item in items or ()
-            if isinstance(item, dict) and isinstance(item.get("key"), str)}
+    return renamed({item["key"]: _value(item.get("value") or {}) for item in items or ()
+                    if isinstance(item, dict) and isinstance(item.get("key"), str)})
+
+
+def renamed(attributes: dict) -> dict:
+    """Keys an older kvobs wrote (``semconv.RENAMED_KEYS``) under today's names."""
+    for old, new in sc.RENAMED_KEYS.items():
+        if old in attributes:
+            attributes.setdefault(new, attributes.pop(old))
+    return attributes
 
 
 def spans_from_request(request: dict) -> Iterator[dict]:
@@ -160,7 +168,7 @@ def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
 
 
 def _jaeger_span(span: dict, processes: dict) -> dict:
-    tags = {tag["key"]: tag.get("value") for tag in span.get("tags") or ()}
+    tags = renamed({tag["key"]: tag.get("value") for tag in span.get("tags") or ()})
     process = processes.get(span.get("processID")) or span.get("process") or {}
     parent = next((ref.get("spanID") for ref in span.get("references") or ()
                    if ref.get("refType") == "CHILD_OF"), None)

@@ -7,6 +7,7 @@ import functools
 import os
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from kvobs import semconv as sc
@@ -86,12 +87,16 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
     file by file, an unreadable one (corrupt, empty, truncated) reported and left out."""
     schema = store_schema()
     schema = pa.schema([schema.field(c) for c in columns])
+    legacy = {old: new for old, new in sc.RENAMED_KEYS.items() if new in columns}
+    scanned = pa.schema([*schema, *(pa.field(old, schema.field(new).type)
+                                    for old, new in legacy.items())])
 
     def scan(paths):
         if not paths:
             return schema.empty_table()
-        dataset = ds.dataset(paths, format=file_format, schema=schema)
-        return dataset.to_table(columns=columns, filter=expression)
+        dataset = ds.dataset(paths, format=file_format, schema=scanned)
+        return with_renamed_keys(dataset.to_table(columns=scanned.names, filter=expression),
+                                 columns)
     try:
         return scan(files)
     except (pa.ArrowException, OSError):
@@ -103,3 +108,14 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
         except (pa.ArrowException, OSError) as error:
             note(problems, f"{path}: skipped unreadable span file ({short(error)})")
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def with_renamed_keys(table: pa.Table, columns: list[str]) -> pa.Table:
+    """``columns`` of ``table``, each filled from the key an older kvobs wrote it under
+    (``semconv.RENAMED_KEYS``) where that column is null."""
+    for old, new in sc.RENAMED_KEYS.items():
+        if old in table.column_names and new in columns:
+            filled = pc.coalesce(table.column(new), table.column(old).cast(
+                table.schema.field(new).type))
+            table = table.set_column(table.column_names.index(new), new, filled)
+    return table.select(columns)

@@ -17,12 +17,13 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs import lineage
+from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._merge import sort_turns
-from kvobs.sources._store_layout import note, readable, span_files, store_schema, turns_path
+from kvobs.sources._store_layout import (note, readable, span_files, store_schema, turns_path,
+                                         with_renamed_keys)
 from kvobs.turn_columns import KEY_SOURCES
 
 _TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
@@ -71,14 +72,16 @@ def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> 
     file_format = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
         dictionary_columns={_TENANT, _CID, "name"}))
     dataset = ds.dataset(files, format=file_format)
+    legacy = [old for old, new in sc.RENAMED_KEYS.items()
+              if new in columns and old in dataset.schema.names]
     present = [c for c in columns if c in dataset.schema.names]
-    table = dataset.to_table(columns=present, filter=None if cids is None
+    table = dataset.to_table(columns=present + legacy, filter=None if cids is None
                              else ds.field(_CID).isin(cids))
     for column in columns:
         if column not in present:
             table = table.append_column(column, pa.nulls(table.num_rows,
                                                          schema.field(column).type))
-    return table.select(columns).unify_dictionaries()
+    return with_renamed_keys(table, columns).unify_dictionaries()
 
 
 def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:

@@ -201,3 +201,37 @@ def test_json_nested_too_deep_is_a_skipped_line(store_dir):
     source = open_source(str(store_dir))
     assert len(source.spans()) > 0
     assert any("skipped corrupt line" in p for p in source.problems)
+
+
+def test_keys_an_older_kvobs_wrote_read_under_todays_names(store_dir, tmp_path_factory):
+    """Spans recorded before a key's rename (``kvobs.prompt.tokens`` became
+    ``gen_ai.usage.input_tokens``) keep their facts: in compacted segments and in OTLP
+    files alike."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from kvobs.correlate import turns_from_spans
+    from kvobs.semconv import PROMPT_TOKENS, RENAMED_KEYS
+
+    (old_key,) = [old for old, new in RENAMED_KEYS.items() if new == PROMPT_TOKENS.key]
+    live = _live_files(store_dir)
+    before = turns_from_spans(open_source(str(store_dir)).spans("conv-a"))["prompt_tokens"]
+    assert before.notna().all()
+
+    otlp_dir = tmp_path_factory.mktemp("otlp")
+    for path in live:
+        (otlp_dir / path.name).write_text(path.read_text().replace(
+            f'"{PROMPT_TOKENS.key}"', f'"{old_key}"'))
+    assert PROMPT_TOKENS.key not in "".join(p.read_text() for p in otlp_dir.iterdir())
+    renamed = turns_from_spans(open_source(str(otlp_dir)).spans("conv-a"))["prompt_tokens"]
+    assert renamed.tolist() == before.tolist()
+
+    compact(str(store_dir))
+    for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
+        table = pq.read_table(path)
+        pq.write_table(table.rename_columns([old_key if c == PROMPT_TOKENS.key else c
+                                             for c in table.column_names]), path)
+    source = open_source(str(store_dir))
+    spans = source.spans("conv-a")
+    assert turns_from_spans(spans)["prompt_tokens"].tolist() == before.tolist()
