@@ -64,6 +64,9 @@ from kvobs.turn_columns import FLEET_COLUMNS, Agg
 __all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
 
+# Span names some fleet column sums or counts: where a repeated span would be counted.
+_COUNTED_SPANS = {column.span.name for column in FLEET_COLUMNS.values()
+                  if column.agg in (Agg.SUM, Agg.COUNT)}
 # Table names go into SQL text: only plain identifiers, never quoted input.
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
@@ -204,6 +207,15 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- fleet
 
+    def _spans_named(self, name: str) -> str:
+        """The table's spans of one name. Where a turn column adds spans up (a sum, a
+        count), a span delivered twice (an exporter's retry, a load repeated) is read
+        once; elsewhere the first value wins anyway and the scan stays plain."""
+        where = f"{self.table} WHERE SpanName = {quote(name)}"
+        if name not in _COUNTED_SPANS:
+            return where
+        return f"(SELECT * FROM {where} LIMIT 1 BY TraceId, SpanId)"
+
     def turns_sql(self) -> str:
         """One row per (tenant, conversation, turn) in one query, spans lacking a key
         taking it from their trace (a join): what ``turn_rows`` falls back to when its
@@ -226,7 +238,7 @@ class ClickHouseSource:
             branches.append(
                 f"SELECT TraceId, Timestamp, {attr(TENANT_KEY)} AS tenant, "
                 f"{attr(CID_KEY)} AS cid, toInt64OrNull({attr(TURN_KEY)}) AS turn_index, "
-                f"{', '.join(values)} FROM {self.table} WHERE SpanName = {quote(name)}")
+                f"{', '.join(values)} FROM {self._spans_named(name)}")
         spans = f"""
             SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
                                 if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
@@ -278,8 +290,7 @@ class ClickHouseSource:
         group = "tenant, cid, turn_index"
         spans = (f"SELECT Timestamp, {attr(TENANT_KEY)} AS tenant, {attr(CID_KEY)} AS cid, "
                  f"toInt64OrNull({attr(TURN_KEY)}) AS turn_index"
-                 f"{''.join(', ' + v for v in values)} FROM {self.table} "
-                 f"WHERE SpanName = {quote(span)}")
+                 f"{''.join(', ' + v for v in values)} FROM {self._spans_named(span)}")
         flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
         if keys:
             return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
@@ -326,9 +337,17 @@ class ClickHouseSource:
             f"({names})) AS complete, max(keyless) AS keyless, "
             f"countIf(tenant = '') > 0 AND countIf(tenant != '') > 0 AS partial_tenant "
             f"FROM {target}").to_pylist()[0]
-        if not row["complete"]:
+        if not row["complete"] or self._has_repeated_counted_spans():
             return "incomplete"
         return "traces" if row["keyless"] or row["partial_tenant"] else "turns"
+
+    def _has_repeated_counted_spans(self) -> bool:
+        """The view adds up what was inserted: a span delivered twice would count twice
+        there, so such a table is read from its spans."""
+        names = ", ".join(map(quote, sorted(_COUNTED_SPANS)))
+        return not self.query(
+            f"SELECT count() = uniqExact(TraceId, SpanId) AS once FROM {self.table} "
+            f"WHERE SpanName IN ({names})").to_pylist()[0]["once"]
 
     def turn_rows(self) -> pa.Table:
         state = self.view_state()

@@ -243,3 +243,23 @@ def test_view_rows_repeating_a_turn_are_caught():
 
     assert _repeats_a_turn(rows(("t", "a", 1), ("t", "a", 1)))
     assert not _repeats_a_turn(rows(("t", "a", 1), ("u", "a", 1), ("u", "a", 2)))
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_spans_inserted_twice_count_once(clickhouse, chdb_path, view):
+    """An exporter's retry or a load run twice: the sums and counts of the turn table
+    (recomputed tokens, P's decisions) must not double, with or without the turn view."""
+    source = ClickHouseSource.chdb(chdb_path, f"twice_{int(view)}")
+    source.create_table()
+    if view:
+        source.create_turns_view()
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {clickhouse.table}")
+    repeated = ", ".join(f"'{span.name}'" for span in (sc.SPAN_RECOMPUTE,
+                                                        sc.SPAN_PULL_DECISION))
+    source.query(f"INSERT INTO {source.table} SELECT * FROM {clickhouse.table} "
+                 f"WHERE SpanName IN ({repeated})")
+    once = fleet_turns(clickhouse)
+    assert once["recomputed_tokens"].notna().any()
+    assert_same_turns(fleet_turns(source), once)
+    if view:
+        assert source.view_state() == "incomplete"
