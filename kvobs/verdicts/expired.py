@@ -36,10 +36,16 @@ def _refused(turns):
 def missing(turns, context: Context):
     # A refusal is expiry only if D did not restart since the export (then it is
     # transfer-failed); the restart is known from the lineage facts P's decision span
-    # carries, so without that span it cannot be ruled out. D's own expiry release
+    # carries, linked to D's export span, so without either it cannot be ruled out.
+    # The proxy sent params only if D exported (it stores D's answer), so a sent
+    # turn whose previous export is absent lost that span. D's own expiry release
     # needs no such check.
-    return [Needs(_refused(turns) & ~_released(turns) & col.null(turns, "decision"),
-                  "decision", sc.SPAN_PULL_DECISION)]
+    unexplained = _refused(turns) & ~_released(turns)
+    return [Needs(unexplained & col.null(turns, "decision"), "decision",
+                  sc.SPAN_PULL_DECISION),
+            Needs(unexplained & ~_export.restarted(turns) & col.flag(turns, "params_sent")
+                  & col.null(turns, "prev_export_tokens"), "prev_export_tokens",
+                  sc.SPAN_EXPORT)]
 
 
 def applies(turns, context: Context):

@@ -99,3 +99,16 @@ def test_retokenization_at_the_boundary_is_told_from_a_rewritten_history():
     without_proxy = finding(lookup=None, decision="prefix-mismatch", prefix_matched_tokens=64,
                             remote_tokens=399, **LINKED)
     assert "append-only" in without_proxy.remedy
+
+
+def test_a_declined_read_whose_export_span_was_lost_is_not_called_expired():
+    """The proxy sent params, so D exported turn 1; with that export span lost the
+    lineage cannot say whether D restarted since (transfer-failed) or not (expired)."""
+    lost = finding(lookup="hit", params_sent=True, decision="pull",
+                   read_outcome="declined-expired", gap_s=50.0)
+    assert lost.verdict.value == "insufficient-evidence"
+    assert lost.evidence["missing_span"] == "kvobs.decode.export"
+    kept = finding(lookup="hit", params_sent=True, decision="pull",
+                   read_outcome="declined-expired", gap_s=50.0, prev_export_tokens=400,
+                   prev_ttl_s=40.0)
+    assert kept.verdict.value == "expired"

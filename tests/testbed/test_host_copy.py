@@ -23,14 +23,13 @@ import pytest
 from kvobs import semconv as sc
 from kvobs._net import free_ports
 from kvobs.testbed.engines import EngineSpec, SERVED_MODEL_NAME, start_engine, wait_ready
-from kvobs.testbed.model import safe_token_ids
+from kvobs.testbed.model import build_tiny_model, safe_token_ids
+from kvobs.testbed.stack import MODEL_SIZE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / ".testbed" / "tiny-llama-h512-l4"
 KV_CACHE_BYTES = 6 * 1024 * 1024  # ~2,900 tokens of this model's KV: fillers evict turn 1
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-pytestmark = pytest.mark.skipif(not MODEL.exists(), reason="testbed model not built")
 
 
 def _post(url: str, body: dict) -> dict:
@@ -75,6 +74,7 @@ def engine(tmp_path_factory):
                "spec_module_path": "connector_instrumented.host_copy",
                "cpu_bytes_to_use": 32 * 1024 * 1024, "offload_prompt_only": False,
                "kvobs_role": "decode", "kvobs_store": store}}
+    build_tiny_model(MODEL, **MODEL_SIZE)  # once, as the scenario stacks build it
     eng = start_engine(EngineSpec("decode", port, side, 1, "kvobs-host"), MODEL, out,
                        kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
     try:
