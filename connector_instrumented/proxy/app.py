@@ -327,8 +327,8 @@ class _Proxy:
             if state.stream:
                 return await self._decode_stream(request, path, d_body, d_endpoint, headers,
                                                  identity, state, correlation, previous, leg)
-            return await self._decode_whole(path, d_body, d_endpoint, headers, identity,
-                                            state, correlation, previous, leg)
+            return await self._decode_whole(request, path, d_body, d_endpoint, headers,
+                                            identity, state, correlation, previous, leg)
         finally:
             leg.end(error="cancelled")  # ended already, unless the turn was cut short
 
@@ -537,7 +537,7 @@ class _Proxy:
             raise _UpstreamError("decode", "http-error", PE.DECODE_ERROR, response.status, raw)
         return response
 
-    async def _decode_whole(self, path, d_body, endpoint, headers, identity, state,
+    async def _decode_whole(self, request, path, d_body, endpoint, headers, identity, state,
                             correlation, previous, leg: ClientLeg) -> web.StreamResponse:
         started = time.perf_counter()
         sent_wall = state.d_sent = time.time()
@@ -570,8 +570,16 @@ class _Proxy:
         await self._store(identity, state, correlation, previous,
                           params if isinstance(params, dict) else None, digest,
                           sent_wall, answered_wall)
-        return web.Response(body=json.dumps(result).encode(), status=200,
-                            content_type="application/json")
+        answer = web.Response(body=json.dumps(result).encode(), status=200,
+                              content_type="application/json")
+        # Sent here, not after the handler returns: the turn's span (proxy-out) holds the
+        # write, so a proxy busy elsewhere at that moment is time kvobs accounts.
+        try:
+            await _to_client(answer.prepare(request))
+            await _to_client(answer.write_eof())
+        except _ClientGone:
+            state.error = PE.CLIENT_DISCONNECTED
+        return answer
 
     async def _decode_stream(self, request, path, d_body, endpoint, headers, identity,
                              state, correlation, previous,
