@@ -13,6 +13,7 @@ traceparent) to P and D inside ``kv_transfer_params`` and as a W3C ``traceparent
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -1038,6 +1039,12 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
 
 def run_proxy(config: ProxyConfig) -> None:
     """Serve until interrupted."""
-    web.run_app(build_app(config), host=config.host, port=config.port, access_log=None,
+    app = build_app(config)
+    # What start-up allocated (modules, the app, OpenTelemetry's SDK: ~80,000 objects)
+    # lives as long as the process. Frozen out of the collector's sight, it no longer
+    # makes each full collection stall the event loop (~50 ms here, 200 ms on a busy box).
+    gc.collect()
+    gc.freeze()
+    web.run_app(app, host=config.host, port=config.port, access_log=None,
                 **RUNNER_OPTIONS,
                 print=lambda *_: None)
