@@ -92,8 +92,11 @@ class OffloadObserver:
         lookup = manager.lookup
         guard = self.guard
 
-        def observed_prepare_store(keys, req_context):
-            out = prepare_store(keys, req_context)
+        # Each wrapper passes on whatever it is given: vLLM's tiering manager calls its own
+        # lookup and on_request_finished back with exclude_tier_idx= (from a secondary
+        # tier's facade, e.g. p2p serving a peer).
+        def observed_prepare_store(keys, req_context, *args, **kwargs):
+            out = prepare_store(keys, req_context, *args, **kwargs)
             try:
                 self.on_prepare_store(keys, req_context, out)
             except Exception:  # noqa: BLE001
@@ -109,24 +112,26 @@ class OffloadObserver:
                 guard.failed("complete_store")
             return result
 
-        def observed_on_request_finished(req_context):
-            result = on_request_finished(req_context)
+        def observed_on_request_finished(req_context, *args, **kwargs):
+            result = on_request_finished(req_context, *args, **kwargs)
             try:
                 self.on_closed(req_context.req_id)
             except Exception:  # noqa: BLE001
                 guard.failed("on_request_finished")
             return result
 
-        def observed_reset_cache():
-            result = reset_cache()
+        def observed_reset_cache(*args, **kwargs):
+            result = reset_cache(*args, **kwargs)
             self._owners.clear()
             self._evicted_keys.clear()  # emptied on purpose, not evicted
             return result
 
-        def observed_lookup(key, req_context):
-            result = lookup(key, req_context)
+        def observed_lookup(key, req_context, *args, **kwargs):
+            result = lookup(key, req_context, *args, **kwargs)
             try:  # per looked-up key: a dict probe on a miss only
-                if result == LookupResult.MISS and key in self._evicted_keys:
+                if (result == LookupResult.MISS and key in self._evicted_keys
+                        and req_context.req_id in self._sched._req_status):
+                    # this engine's own request (a peer's lookup is never admitted here)
                     self._wanted_evicted.add(req_context.req_id)
             except Exception:  # noqa: BLE001
                 guard.failed("lookup")

@@ -276,3 +276,46 @@ def test_lookup_outcome_hit_when_the_copy_is_there(make, spans):
     (second,) = [attrs(s) for s in spans.spans(sc.SPAN_HOST_LOOKUP)
                  if s.attributes[sc.TURN_INDEX.key] == 2]
     assert second[sc.HOST_LOOKUP_OUTCOME.key] == "hit"
+
+
+def test_wrapped_manager_passes_on_what_the_tiering_manager_adds(spans):
+    """vLLM's tiering manager calls its own lookup and on_request_finished back with
+    ``exclude_tier_idx=`` (a secondary tier's facade): the wrappers must pass it on, and a
+    peer's lookup (not one of this engine's requests) marks nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from connector_instrumented._offload_observer import OffloadObserver
+    from connector_instrumented._telemetry import SpanSink
+
+    calls = []
+
+    class TieringLikeManager:  # the keyword-only arguments of TieringOffloadingManager
+        def lookup(self, key, req_context, *, exclude_tier_idx=None):
+            calls.append(("lookup", exclude_tier_idx))
+            return LookupResult.MISS
+
+        def on_request_finished(self, req_context, *, exclude_tier_idx=None):
+            calls.append(("finished", exclude_tier_idx))
+
+        def prepare_store(self, keys, req_context):
+            return None
+
+        def complete_store(self, keys, req_context, success=True):
+            pass
+
+        def reset_cache(self):
+            return True
+
+    manager = TieringLikeManager()
+    observer = OffloadObserver(SimpleNamespace(manager=manager, _req_status={"mine": 1}),
+                               SpanSink(sc.Service.DECODE), "host-memcpy")
+    observer._evicted_keys["k"] = None
+    mine, peer = SimpleNamespace(req_id="mine"), SimpleNamespace(req_id="peer")
+    assert manager.lookup("k", peer, exclude_tier_idx=1) is LookupResult.MISS
+    assert manager.lookup("k", mine) is LookupResult.MISS
+    manager.on_request_finished(peer, exclude_tier_idx=1)
+    assert calls == [("lookup", 1), ("lookup", None), ("finished", 1)]
+    assert observer._wanted_evicted == {"mine"}
+    assert observer.guard.errors == 0
