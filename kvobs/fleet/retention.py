@@ -52,7 +52,7 @@ def per_turn(turns: pd.DataFrame) -> pd.DataFrame:
     host_served = (np.nan_to_num(_numbers(turns, "host_hit_host_tokens"))
                    + np.nan_to_num(_numbers(turns, "host_hit_p2p_tokens")))
     return pd.DataFrame({
-        **{key: turns[key].to_numpy() for key in CONVERSATION_KEYS},
+        **{key: turns[key].array for key in CONVERSATION_KEYS},  # positional, typed
         DEVICE_BLOCK_SECONDS.name: _numbers(turns, DEVICE_BLOCK_SECONDS.name),
         HOST_BYTE_SECONDS.name: _numbers(turns, HOST_BYTE_SECONDS.name),
         "device_tokens_served": np.where(done, np.nan_to_num(

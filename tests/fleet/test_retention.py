@@ -168,3 +168,13 @@ def test_report_terminal_names_both_places(store):
     (line,) = [l for l in result.output.splitlines() if l.startswith("retention cost")]
     assert "900 tokens read later" in line and "80 tokens loaded later" in line
     assert "1 host copies still held" in line
+
+
+def test_a_filtered_table_keeps_each_turn_with_its_conversation(turns):
+    """A table filtered by --since keeps its index: rows must not shift between turns."""
+    later = turns[turns["turn"] == 2]
+    rows = by_conversation(later).set_index("conversation_id")
+    assert rows.loc["dev", "device_tokens_served"] == 900
+    assert rows.loc["host", "host_tokens_served"] == 80
+    assert rows.loc["dev", "device_block_seconds"] == pytest.approx(
+        DEVICE_BLOCKS * DEVICE_HELD_S)
