@@ -178,3 +178,14 @@ def test_a_filtered_table_keeps_each_turn_with_its_conversation(turns):
     assert rows.loc["host", "host_tokens_served"] == 80
     assert rows.loc["dev", "device_block_seconds"] == pytest.approx(
         DEVICE_BLOCKS * DEVICE_HELD_S)
+
+
+def test_html_report_has_the_retention_table(store, tmp_path):
+    pytest.importorskip("matplotlib")
+    html = tmp_path / "r.html"
+    result = CliRunner().invoke(main, ["report", "--source", store, "--html", str(html)])
+    assert result.exit_code == 0, result.output
+    text = html.read_text()
+    section = text.split("Retention cost: D vs the host tier")[1]
+    assert "D: tokens served</th><td>900" in section
+    assert "host tier: tokens served</th><td>80" in section
