@@ -318,6 +318,10 @@ HOST_HIT_OTHER = _attr("kvobs.host.hit.other_tokens", "int", "tokens",
                        "Of the accepted hit, tokens from any other or unknown tier.")
 HOST_ACCEPTED_TOKENS = _attr("kvobs.host.accepted.tokens", "int", "tokens",
                              "Tokens the scheduler took from the tier (loaded, not computed).")
+HOST_LOOKUP_OUTCOME = _attr(
+    "kvobs.host.lookup.outcome", "str", "",
+    "HostLookupOutcome value: evicted when the tier's hit stopped at a block it had "
+    "evicted (the copy was wanted after its eviction).")
 
 # Stuck waits (P scheduler side)
 STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
@@ -489,6 +493,14 @@ class HostTier(str, enum.Enum):
     P2P = "p2p"
     DISK = "disk"
     OTHER = "external_unspecified"
+
+
+class HostLookupOutcome(str, enum.Enum):
+    """What an admitted prompt's lookup in the offloading tiers found past its local prefix."""
+
+    HIT = "hit"  # the tier served tokens, and did not stop at an evicted block
+    EVICTED = "evicted"  # the hit stopped at a block the tier had evicted: needed too late
+    MISS = "miss"  # nothing from the tier, and nothing it had evicted (new tokens)
 
 
 class CopyEngine(str, enum.Enum):
@@ -716,6 +728,10 @@ M_HOST_EVICTED_AGE = _metric("vllm:kvobs_host_evicted_age_seconds", "histogram",
                              GAP_BUCKETS)
 M_HOST_LOADS = _metric("vllm:kvobs_host_loads_total", "counter", "",
                        "Loads from an offloading tier, by tier.", ("tier",))
+M_HOST_LOOKUPS = _metric("vllm:kvobs_host_lookups_total", "counter", "",
+                         "Admitted prompts' lookups in the offloading tiers, by "
+                         "HostLookupOutcome (evicted: the hit stopped at a block the tier "
+                         "had evicted before this prompt came).", ("outcome",))
 M_HOST_LOADED_TOKENS = _metric("vllm:kvobs_host_loaded_tokens_total", "counter", "tokens",
                                "Prompt tokens loaded from an offloading tier, by tier.",
                                ("tier",))

@@ -256,6 +256,18 @@ def _memory(memory: dict[str, Any]) -> str:
     return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
 
 
+def _retention(retention: dict[str, Any]) -> str:
+    """Each place's cost and what it bought, one row per figure (docs/fleet.md)."""
+    rows = []
+    for place, title in (("device", "D"), ("host", "host tier")):
+        for key, value in retention.get(place, {}).items():
+            shown = number(value) if value is not None else "–"
+            rows.append(f"<tr><th scope='row'>{html.escape(title)}: "
+                        f"{html.escape(key.replace('_', ' '))}</th>"
+                        f"<td>{html.escape(shown)}</td></tr>")
+    return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
+
+
 def _figure(caption: str, data: str, alt: str) -> str:
     return (f"<h2>{html.escape(caption, quote=False)}</h2><figure>"
             f"<img alt='{html.escape(alt)}' "
@@ -338,5 +350,6 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
                          png(read_time_vs_tokens(turns, report.prefill_tokens_per_s)),
                          "read time against tokens read"))
     parts += ["<h2>D memory held for reuse</h2>", _memory(report.memory),
+              "<h2>Retention cost: D vs the host tier</h2>", _retention(report.retention),
               f"<footer>kvobs {__version__}</footer></main></body></html>"]
     return "\n".join(part for part in parts if part)

@@ -81,6 +81,13 @@ class Thresholds:
     store_error_rate: float = 0.0
     # Spans dropped by a full export queue per second.
     dropped_spans_rate: float = 0.0
+    # Share of the host tier's lookups that wanted a copy it had evicted (of those that
+    # found a copy or its evicted blocks): the tier is too small for the inter-turn gaps.
+    host_evicted_lookup_ratio: float = 0.1
+    # Share of host copies that stop at the prompt (not covering the generated tokens)
+    # on a fleet with later turns: offload_prompt_only=true on a multi-turn fleet. High
+    # by default: a short answer that does not fill its block is prompt-only too.
+    host_prompt_only_ratio: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,8 @@ class RateFloors:
     later_turns: float = 0.01
     reads_done: float = 0.01
     prefill_requests: float = 0.01  # requests finished by the prefill engines
+    host_lookups: float = 0.01  # host-tier lookups that found a copy or its evicted blocks
+    host_saves: float = 0.01  # host copies saved
 
 
 @dataclass(frozen=True)
