@@ -603,13 +603,6 @@ HEALTHY_VERDICTS = frozenset(
     {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD,
      Verdict.HOST_HIT})
 
-# --------------------------------------------------------------------------- vLLM facts
-
-# Facts of the vLLM release kvobs observes that several kvobs parts reason with.
-VLLM_DEFAULT_DECODE_TTL_S = 480.0  # default decoder_kv_blocks_ttl
-VLLM_DEFAULT_RECOMPUTE_THRESHOLD = 64  # default kv_recompute_threshold (tokens)
-VLLM_DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (fixed)
-
 # --------------------------------------------------------------------------- embedded store
 
 STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters
@@ -666,7 +659,9 @@ def _metric(name, type_, unit, doc, labels=(), buckets=()) -> Metric:
 
 METRICS: dict[str, Metric] = {}
 
-# Inter-turn gaps straddle the default TTLs (proxy 450 s, D 480 s) and short test TTLs.
+# Inter-turn gaps straddle the default lifetimes (upstream's fixed proxy entry lifetime,
+# D's TTL: kvobs/settings.py; tests/core/test_settings.py keeps them bounds) and short
+# test TTLs. Bucket bounds are a contract: written out, not derived.
 GAP_BUCKETS = (1, 5, 15, 30, 60, 120, 240, 360, 450, 480, 600, 900, 1800, 3600)
 TTL_BUCKETS = (0, 5, 10, 30, 60, 120, 240, 360, 480, 900)
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)

@@ -220,7 +220,7 @@ def tune_command(source, prefill_rate, target, as_json):
               + f"; confidence [bold]{trust.level}[/]", highlight=False)
     for warning in trust.warnings:
         out.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    table = Table(title="TTL candidates (replayed over recorded gaps)")
+    table = Table(title="TTL candidates (replayed over the recorded turns)")
     for header in ("TTL s", "reuse window s", "hits", "hit ratio", "block-s held"):
         table.add_column(header, justify="right")
     for row in result.ttl_table:
@@ -236,7 +236,9 @@ def tune_command(source, prefill_rate, target, as_json):
 @click.option("--ttl", type=float, required=True, help="decoder_kv_blocks_ttl to replay (s).")
 @click.option("--threshold", type=int, required=True, help="kv_recompute_threshold to replay.")
 @click.option("--proxy-lifetime", type=float, default=None,
-              help="Proxy entry lifetime (s); default TTL - 30.")
+              help="Proxy entry lifetime (s) every proxy replays with (default: each as "
+                   "recorded, its entries moving with the TTL as the kvobs proxy derives "
+                   "them: TTL less its --expiry-margin).")
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

@@ -21,6 +21,7 @@ from kvobs.fleet._svg import legend, stacked_bars
 from kvobs.fleet.report import VERDICTS, FleetReport
 from kvobs.render import byte_size, duration, fault_count, total_seconds
 from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
+from kvobs.settings import DECLINE_WINDOW
 from kvobs.timeline import MARKS, PHASES
 
 # Healthy verdicts in greens (turn 1 neutral), faults in warm colours, missing evidence
@@ -176,7 +177,7 @@ def _gap_section(turns: pd.DataFrame) -> str:
     if not rows:
         return "<p class='none'>no later turn with a gap</p>"
     note = (f"<p>D's TTL (<code>decoder_kv_blocks_ttl</code>, median over turns): "
-            f"{_span(ttl)}. P declines a read within {sc.VLLM_DECLINE_WINDOW_S:g} s of "
+            f"{_span(ttl)}. P declines a read within {DECLINE_WINDOW} of "
             "expiry.</p>" if ttl else "")
     return note + stacked_bars(rows, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
                                title="verdict mix by inter-turn gap")

@@ -18,7 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvobs.semconv import VLLM_DEFAULT_DECODE_TTL_S, ReadDirection
+from kvobs.semconv import ReadDirection
+from kvobs.settings import DECODE_TTL, PROXY_ENTRY_LIFETIME
 
 RUNBOOK_BASE_URL = "https://github.com/kvobs/kvobs/blob/main/docs/runbooks"
 
@@ -120,9 +121,9 @@ class MonitoringConfig:
     floors: RateFloors = field(default_factory=RateFloors)
     windows: Windows = field(default_factory=Windows)
     # D's decoder_kv_blocks_ttl (s): reference line for gaps and remaining TTL panels.
-    decode_ttl_seconds: float = VLLM_DEFAULT_DECODE_TTL_S
-    # Proxy metadata lifetime default (s): must stay below decode_ttl_seconds.
-    proxy_entry_lifetime_seconds: float = 450.0
+    decode_ttl_seconds: float = DECODE_TTL.default
+    # The proxy's entry lifetime (s): must stay below decode_ttl_seconds.
+    proxy_entry_lifetime_seconds: float = PROXY_ENTRY_LIFETIME.default
     # Prefix of every alert's runbook_url and of the dashboards' runbook links: absolute
     # (Alertmanager and Grafana cannot resolve a repository path). Point it at the place
     # that serves docs/runbooks for you (your Git web UI, an internal docs site).

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvobs.monitoring import queries as q
 from kvobs.monitoring import rules
 from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
+from kvobs.settings import DECLINE_WINDOW
 from kvobs.semconv import (
     METRICS,
     M_PROXY_GAP,
@@ -251,10 +252,11 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
             PanelSpec(
                 "Remaining TTL when a read began",
                 "Seconds left before D's expiry when P began a read. A low p05 means reads "
-                "race the TTL and some get declined; P declines within 5 s of expiry.",
+                f"race the TTL and some get declined; P declines within {DECLINE_WINDOW} of "
+                "expiry.",
                 (T(q.remaining_ttl_quantile(s, 0.05), "p05"),
                  T(q.remaining_ttl_quantile(s, 0.5), "p50")),
-                "s", threshold=5.0),
+                "s", threshold=DECLINE_WINDOW.default),
             PanelSpec(
                 "Inter-turn gap against TTLs",
                 "Gap between a turn's end and the next turn's start (p50, p95) against D's "

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvobs._net import free_ports  # noqa: F401  (part of this module's API)
-from kvobs.semconv import VLLM_DEFAULT_DECODE_TTL_S, VLLM_DEFAULT_RECOMPUTE_THRESHOLD
+from kvobs.settings import DECODE_TTL, RECOMPUTE_THRESHOLD
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_KV_CACHE_BYTES = 64 * 1024 * 1024
@@ -90,8 +90,8 @@ def kv_transfer_config(
     kv_connector_module_path: str | None = None,
     engine_id: str | None = None,
     bidirectional: bool = True,
-    decoder_kv_blocks_ttl: float = VLLM_DEFAULT_DECODE_TTL_S,
-    kv_recompute_threshold: int = VLLM_DEFAULT_RECOMPUTE_THRESHOLD,
+    decoder_kv_blocks_ttl: float = DECODE_TTL.default,
+    kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default,
     kv_load_failure_policy: str = "fail",
     extra_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -351,8 +351,8 @@ class PDPair:
     kv_connector: str = "NixlConnector"
     kv_connector_module_path: str | None = None
     bidirectional: bool = True
-    decoder_kv_blocks_ttl: float = VLLM_DEFAULT_DECODE_TTL_S
-    kv_recompute_threshold: int = VLLM_DEFAULT_RECOMPUTE_THRESHOLD
+    decoder_kv_blocks_ttl: float = DECODE_TTL.default
+    kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default
     kv_load_failure_policy: str = "fail"
     extra_config: dict[str, Any] | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
