@@ -33,7 +33,7 @@ def _write(store):
 @pytest.fixture
 def store(tmp_path):
     _write(tmp_path)
-    compact(str(tmp_path))
+    compact(str(tmp_path), writers_stopped=True)
     return tmp_path
 
 
@@ -116,7 +116,7 @@ def test_a_span_delivered_twice_counts_once_in_turns_and_report(tmp_path, how):
     _write(tmp_path)
     delivered = "".join(open(path).read() for path in glob.glob(str(tmp_path / "spans" / "*")))
     if how != "live-copied":
-        compact(str(tmp_path))
+        compact(str(tmp_path), writers_stopped=True)
     assert _recomputed(tmp_path) == (RECOMPUTED, RECOMPUTED)
     if how == "live-copied":
         for path in glob.glob(str(tmp_path / "spans" / "*")):
@@ -127,7 +127,7 @@ def test_a_span_delivered_twice_counts_once_in_turns_and_report(tmp_path, how):
     else:  # the exporter retried after compaction: the same spans come again
         (tmp_path / "spans" / "retry.otlp.jsonl").write_text(delivered)
         if how == "compacted-twice":
-            compact(str(tmp_path))
+            compact(str(tmp_path), writers_stopped=True)
     assert _recomputed(tmp_path) == (RECOMPUTED, RECOMPUTED)
     for command in ("turns", "report"):
         result = _run(command, "--source", tmp_path, "--json")
