@@ -19,6 +19,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+import kvobs
 from kvobs import semconv as sc
 from kvobs.cli import main
 from kvobs.emit.otlp_json import OtlpJsonFileExporter
@@ -27,6 +28,7 @@ from kvobs.sources.store import StoreSource, compact
 from spanfactory import Tracers, TurnSpec, write_conversation
 
 _CID = sc.CONVERSATION_ID.key
+_CHECKOUT = os.path.dirname(os.path.dirname(kvobs.__file__))  # the writer imports this kvobs
 # Small segments: the writers rotate every few spans, so compaction always has sealed
 # segments to take while an active one is being appended to.
 _LIMITS = SegmentLimits(segment_bytes=4000, max_bytes=0, retention_s=0)
@@ -36,6 +38,7 @@ import sys
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+import kvobs
 from kvobs import semconv as sc
 from kvobs.emit.otlp_json import OtlpJsonFileExporter
 from kvobs.emit.segments import LiveSegmentWriter, SegmentLimits
@@ -93,7 +96,7 @@ def test_compaction_while_writers_append_loses_and_doubles_nothing(tmp_path, qui
     n = 600
     options = {} if quiet_s is None else {"quiet_s": quiet_s}
     process = subprocess.Popen([sys.executable, "-c", _WRITER, store, "other", str(n)],
-                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+                               env={**os.environ, "PYTHONPATH": _CHECKOUT})
     thread = _emit_in_thread(store, "here", n)
     compactions = 0
     while thread.is_alive() or process.poll() is None or compactions < 3:
