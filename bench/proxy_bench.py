@@ -29,6 +29,8 @@ Reuse is counted at the P stand-in: turns 2-8 whose P request carried D's params
 ``git archive`` of REV (a change's before and after in one run); ``--profile DIR`` records
 py-spy (``py-spy record --format raw --gil``: the thread holding the GIL, 250 Hz,
 non-blocking) of each kvobs front door over its 64-client phase into DIR.
+``--only ...,kvobs-prod-nohiredis`` adds the production configuration with redis-py's
+pure-Python reply parser (hiredis hidden): what the C parser buys, in the same run.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ ANSWER = ("The answer, in short: " + "tok " * 50)[:200]
 TENANTS = 8
 FRONT_DOORS = ("router-rr", "router-default", "python-floor", "kvobs-default", "kvobs-prod")
 ANCHOR = "router-rr"
+NO_HIREDIS = "kvobs-prod-nohiredis"  # kvobs-prod without redis-py's C parser (hiredis)
 
 
 def _free_port() -> int:
@@ -357,7 +360,7 @@ def front_door_cmd(name: str, port: int, p_url: str, d_url: str, redis_url: str,
     cmd = [sys.executable, "-m", "kvobs", "proxy", "--host", "127.0.0.1", "--port", str(port),
            "--prefiller-host", p_host, "--prefiller-port", p_port,
            "--decoder-host", d_host, "--decoder-port", d_port]
-    if name == "kvobs-prod":
+    if name.startswith("kvobs-prod"):
         cmd += ["--store", "redis", "--redis-url", redis_url, "--store-dir", store_dir]
     return cmd
 
@@ -397,6 +400,11 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
     if "@" in name:  # the same configuration from another revision of the repository
         source = _source_of(name.partition("@")[2], work)
         env = {**env, "PYTHONPATH": str(source) + os.pathsep + env.get("PYTHONPATH", "")}
+    if name == NO_HIREDIS:  # redis-py falls back to its pure-Python RESP parser
+        hidden = work / "no-hiredis"
+        hidden.mkdir(exist_ok=True)
+        (hidden / "hiredis.py").write_text('raise ImportError("hidden by proxy_bench")\n')
+        env = {**env, "PYTHONPATH": str(hidden) + os.pathsep + env.get("PYTHONPATH", "")}
     proc = subprocess.Popen(["taskset", "-c", str(core),
                              *front_door_cmd(name, port, urls["p"], urls["d"], redis_url,
                                              store_dir)],

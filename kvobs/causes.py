@@ -2,8 +2,9 @@
 
 The reuse verdict says what happened to the previous turn's KV; a turn is often slow
 elsewhere. Every phase belongs to one cause (``CAUSE_OF``). A cause applies to a turn
-when its phases hold the turn's slowest phase, or take at least ``DOMINANT_SHARE`` of
-its latency (of its TTFT for phases before the first token) and ``MIN_SECONDS``. So a
+when its phases hold the turn's slowest phase, or take at least its share (``SHARE_OF``,
+else ``DOMINANT_SHARE``) of its latency (of its TTFT for phases before the first token)
+and ``MIN_SECONDS``. So a
 turn whose slowest phase lies outside P's reuse path always gets a cause besides its
 verdict. Each cause's ``explain`` is a small pure function of the turn and the
 source-wide context, returning its evidence and remedy.
@@ -23,6 +24,9 @@ from kvobs.semconv import Phase as P
 from kvobs.timeline import PHASES, phase_column
 
 DOMINANT_SHARE = 0.25
+# A NIXL handshake is named at a lower share: it recurs after every engine (re)start, a
+# 30 ms one is a fifth of a short turn's TTFT, and its remedy (warm each pair) is cheap.
+SHARE_OF: dict[LC, float] = {LC.CONNECTION_SETUP: 0.10}
 MIN_SECONDS = 0.005
 # Decode is "busy" when its seconds per output token exceed this multiple of the
 # source's median: D was shared (other decodes, long prefills) while it generated.
@@ -256,8 +260,9 @@ def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()
     for cause, total in seconds.items():
         share = total / latency if latency else None
         ttft_share = before_first.get(cause, 0.0) / ttft if ttft else 0.0
+        needed = SHARE_OF.get(cause, DOMINANT_SHARE)
         dominant = total >= MIN_SECONDS and (
-            (share or 0.0) >= DOMINANT_SHARE or ttft_share >= DOMINANT_SHARE)
+            (share or 0.0) >= needed or ttft_share >= needed)
         if not (dominant or cause in holds_slowest):
             continue
         remedy, evidence = EXPLAIN[cause](turn, total, context)

@@ -13,6 +13,7 @@ traceparent) to P and D inside ``kv_transfer_params`` and as a W3C ``traceparent
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -327,8 +328,8 @@ class _Proxy:
             if state.stream:
                 return await self._decode_stream(request, path, d_body, d_endpoint, headers,
                                                  identity, state, correlation, previous, leg)
-            return await self._decode_whole(path, d_body, d_endpoint, headers, identity,
-                                            state, correlation, previous, leg)
+            return await self._decode_whole(request, path, d_body, d_endpoint, headers,
+                                            identity, state, correlation, previous, leg)
         finally:
             leg.end(error="cancelled")  # ended already, unless the turn was cut short
 
@@ -537,7 +538,7 @@ class _Proxy:
             raise _UpstreamError("decode", "http-error", PE.DECODE_ERROR, response.status, raw)
         return response
 
-    async def _decode_whole(self, path, d_body, endpoint, headers, identity, state,
+    async def _decode_whole(self, request, path, d_body, endpoint, headers, identity, state,
                             correlation, previous, leg: ClientLeg) -> web.StreamResponse:
         started = time.perf_counter()
         sent_wall = state.d_sent = time.time()
@@ -570,8 +571,16 @@ class _Proxy:
         await self._store(identity, state, correlation, previous,
                           params if isinstance(params, dict) else None, digest,
                           sent_wall, answered_wall)
-        return web.Response(body=json.dumps(result).encode(), status=200,
-                            content_type="application/json")
+        answer = web.Response(body=json.dumps(result).encode(), status=200,
+                              content_type="application/json")
+        # Sent here, not after the handler returns: the turn's span (proxy-out) holds the
+        # write, so a proxy busy elsewhere at that moment is time kvobs accounts.
+        try:
+            await _to_client(answer.prepare(request))
+            await _to_client(answer.write_eof())
+        except _ClientGone:
+            state.error = PE.CLIENT_DISCONNECTED
+        return answer
 
     async def _decode_stream(self, request, path, d_body, endpoint, headers, identity,
                              state, correlation, previous,
@@ -1030,6 +1039,12 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
 
 def run_proxy(config: ProxyConfig) -> None:
     """Serve until interrupted."""
-    web.run_app(build_app(config), host=config.host, port=config.port, access_log=None,
+    app = build_app(config)
+    # What start-up allocated (modules, the app, OpenTelemetry's SDK: ~80,000 objects)
+    # lives as long as the process. Frozen out of the collector's sight, it no longer
+    # makes each full collection stall the event loop (~50 ms here, 200 ms on a busy box).
+    gc.collect()
+    gc.freeze()
+    web.run_app(app, host=config.host, port=config.port, access_log=None,
                 **RUNNER_OPTIONS,
                 print=lambda *_: None)

@@ -130,3 +130,16 @@ def test_every_phase_has_a_cause_with_a_remedy():
         row = _row(**{phase.value: 1.0})
         (finding,) = causes(row)
         assert finding.share == 1.0 and finding.remedy
+
+
+def test_a_handshake_is_named_at_a_lower_share_than_other_phases():
+    """The first-contact turn CI recorded: a 32 ms handshake in a 163 ms TTFT (20 %) is
+    named; P's queueing at the same share is not."""
+    row = {**_row(decode=0.32, **{"handoff-setup": 0.032, "p-compute": 0.13}),
+           "ttft_s": 0.163}
+    assert sc.LatencyCause.CONNECTION_SETUP in [c.cause for c in causes(row)]
+    row = {**_row(decode=0.32, **{"p-queue": 0.032, "p-compute": 0.13}), "ttft_s": 0.163}
+    assert sc.LatencyCause.QUEUED_AT_P not in [c.cause for c in causes(row)]
+    row = {**_row(decode=0.32, **{"handoff-setup": 0.012, "p-compute": 0.15}),
+           "ttft_s": 0.163}  # 7 %: not
+    assert sc.LatencyCause.CONNECTION_SETUP not in [c.cause for c in causes(row)]
