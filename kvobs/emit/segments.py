@@ -32,6 +32,7 @@ rotated backup (``collector-2026-01-02T03-04-05.678.jsonl``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -104,6 +105,16 @@ def is_rotated(name: str) -> bool:
     return is_sealed(name) or bool(_COLLECTOR_BACKUP.search(name))
 
 
+def _lock(handle) -> None:
+    """The segment's exclusive lock; a filesystem without locks (some FUSE mounts) only
+    loses the seal's guarantee, never the append."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+
+
 def _names(handle, path: str) -> bool:
     """Whether ``path`` still names the open file ``handle`` (no one sealed it)."""
     try:
@@ -121,7 +132,7 @@ def seal(path: str, now: float) -> str | None:
     except FileNotFoundError:
         return None
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        _lock(handle)
         if not _names(handle, path):
             return None
         stem = path[:-len(SUFFIX)]
@@ -191,7 +202,7 @@ class LiveSegmentWriter:
         sealed by someone else meanwhile (a compaction) is left alone, a new one begun."""
         while True:
             with open(self.path, "ab") as handle:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+                _lock(handle)
                 if _names(handle, self.path):
                     size = os.fstat(handle.fileno()).st_size
                     handle.write(data)
