@@ -200,10 +200,11 @@ class LiveSegmentWriter:
     def _write(self, data: bytes, now: float) -> None:
         """Append under the segment's lock, to the file the active name names: a segment
         sealed by someone else meanwhile (a compaction) is left alone, a new one begun."""
-        while True:
+        for attempt in range(3):  # sealed between open and lock: open the new one
             with open(self.path, "ab") as handle:
                 _lock(handle)
-                if _names(handle, self.path):
+                # a filesystem whose inodes are not stable must not spin the exporter
+                if _names(handle, self.path) or attempt == 2:
                     size = os.fstat(handle.fileno()).st_size
                     handle.write(data)
                     handle.flush()

@@ -9,7 +9,8 @@ Layout of a store directory::
                                 (``kvobs.fleet``'s per-turn aggregate), so a fleet report
                                 reads turns, not spans
 
-``compact()`` turns live segments into parquet. Reading one conversation touches one
+``compact()`` turns the live segments no writer appends to any more into parquet
+(safe next to running writers and after a crash: its doc). Reading one conversation touches one
 bucket and, thanks to the sort, few row groups: that keeps ``diagnose`` fast at fleet
 scale.
 """
