@@ -274,7 +274,7 @@ def test_a_store_an_older_kvobs_wrote_loads(clickhouse, factory_store, chdb_path
 
     store = str(tmp_path / "store")
     shutil.copytree(factory_store, store)
-    compact(store)
+    compact(store, writers_stopped=True)
     for path in glob.glob(f"{store}/compacted/*/*.parquet"):
         table = pq.read_table(path)
         old = [c for c in table.column_names
