@@ -77,7 +77,10 @@ def _store_section() -> str:
         f"{limits.segment_age_s:g}). Sealed segments older than `{segments.ENV_RETENTION}` "
         f"seconds (default {limits.retention_s:g}; 0: kept) are deleted, then the oldest "
         f"until all live segments fit in `{segments.ENV_MAX_BYTES}` bytes (default "
-        f"{limits.max_bytes}; 0: no cap); active segments never are. Deletions are logged.")
+        f"{limits.max_bytes}; 0: no cap); active segments never are. Deletions are logged. "
+        f"`kvobs store compact` takes sealed segments (and the Collector's rotated "
+        f"backups), and an active segment only once unwritten for `--quiet-for` seconds, "
+        f"sealing it first under its writer's lock: safe while the writers run.")
 
 
 def turns_md() -> str:

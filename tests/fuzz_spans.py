@@ -288,7 +288,7 @@ def check_batch(directory: str, cases: list[Case], raw_rows: int) -> tuple[list[
     os.makedirs(os.path.join(store, sc.STORE_LIVE_DIR))
     for case in cases[:STORE_CASES]:
         shutil.copy(case.path, os.path.join(store, sc.STORE_LIVE_DIR))
-    compact(store)
+    compact(store, writers_stopped=True)
     compacted = sorted(os.path.join(root, name)
                        for root, _, names in os.walk(os.path.join(store, sc.STORE_COMPACTED_DIR))
                        for name in names)

@@ -6,7 +6,7 @@ import click
 
 from kvobs.cli._common import console
 from kvobs.render import print_problems
-from kvobs.sources.store import compact
+from kvobs.sources.store import QUIET_S, compact
 
 
 @click.group("store")
@@ -16,10 +16,19 @@ def group():
 
 @group.command("compact")
 @click.argument("store_dir", type=click.Path(exists=True, file_okay=False))
-def compact_command(store_dir):
-    """Move live OTLP-JSON segments of STORE_DIR into indexed parquet, each file with its
-    turn rows (what kvobs report reads; written too for files compacted without them)."""
-    moved, problems = compact(store_dir)
+@click.option("--quiet-for", "quiet_s", type=click.FloatRange(min=0), default=QUIET_S,
+              show_default=True, metavar="SECONDS",
+              help="Also take a kvobs writer's active segment not written for this long "
+                   "(sealed under the writer's lock: safe while it runs).")
+@click.option("--writers-stopped", is_flag=True,
+              help="No writer runs any more (a copied store, a stopped Collector): take "
+                   "every live file, active ones included.")
+def compact_command(store_dir, quiet_s, writers_stopped):
+    """Move the live OTLP-JSON segments of STORE_DIR no writer appends to any more
+    (rotated away, or idle: see --quiet-for) into indexed parquet, each file with its
+    turn rows (what kvobs report reads; written too for files compacted without them).
+    Safe while writers run, and after a crash: run it again."""
+    moved, problems = compact(store_dir, quiet_s, writers_stopped)
     out = console()
     out.print(f"compacted {moved} spans into {store_dir}/compacted")
     print_problems(out, problems)

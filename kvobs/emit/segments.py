@@ -19,11 +19,21 @@ Limits come from the environment (one set for every kvobs process writing the st
 - ``KVOBS_STORE_RETENTION`` (seconds, default 7 days; 0: kept until compacted).
 
 Appends go through one lock per writer; the sweep runs in the appending thread (the
-span export thread or the receiver's), never on a request path.
+span export thread or the receiver's), never on a request path. Each append also holds
+the segment file's ``flock`` and writes only if the active name still names that file;
+whoever seals a segment (its writer rotating, ``kvobs store compact`` taking an idle one,
+``seal``) renames it under the same lock, so no append ever lands in a sealed segment:
+after a seal the writer starts a new active segment.
+
+A segment is *rotated away* (``is_rotated``: no writer appends to it any more) when it is
+sealed, or when its name is one the OpenTelemetry Collector's file exporter gives a
+rotated backup (``collector-2026-01-02T03-04-05.678.jsonl``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import re
@@ -36,6 +46,10 @@ from kvobs.semconv import STORE_LIVE_DIR
 _LOG = logging.getLogger("kvobs.emit")
 SUFFIX = ".otlp.jsonl"
 _SEALED = re.compile(r"\.\d{8}T\d{9}(?:-\d+)?" + re.escape(SUFFIX) + "$")
+# lumberjack's backup name, which the Collector's file exporter rotates with:
+# <name>-<UTC time>.<ext>, maybe gzip'd
+_COLLECTOR_BACKUP = re.compile(r"-\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}\.\d{3}"
+                               r"(?:\.[A-Za-z0-9]+)?(?:\.gz)?$")
 _SWEEP_EVERY_S = 60.0
 
 ENV_SEGMENT_BYTES = "KVOBS_STORE_SEGMENT_BYTES"
@@ -81,6 +95,57 @@ def is_sealed(name: str) -> bool:
     return bool(_SEALED.search(name))
 
 
+def is_active(name: str) -> bool:
+    """A kvobs writer's active segment (``LiveSegmentWriter``), which ``seal`` can take."""
+    return name.endswith(SUFFIX) and not is_sealed(name)
+
+
+def is_rotated(name: str) -> bool:
+    """Whether no writer appends to the live file ``name`` any more (module doc)."""
+    return is_sealed(name) or bool(_COLLECTOR_BACKUP.search(name))
+
+
+def _lock(handle) -> None:
+    """The segment's exclusive lock; a filesystem without locks (some FUSE mounts) only
+    loses the seal's guarantee, never the append."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    except OSError as error:
+        if error.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+
+
+def _names(handle, path: str) -> bool:
+    """Whether ``path`` still names the open file ``handle`` (no one sealed it)."""
+    try:
+        return os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def seal(path: str, now: float) -> str | None:
+    """Rename the active segment ``path`` to its sealed name, under the lock appends take:
+    no append lands in it afterwards. Returns the sealed path; None when ``path`` is
+    gone or was sealed meanwhile."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with handle:
+        _lock(handle)
+        if not _names(handle, path):
+            return None
+        stem = path[:-len(SUFFIX)]
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now * 1000) % 1000:03d}"
+        sealed = f"{stem}.{stamp}{SUFFIX}"
+        n = 0
+        while os.path.exists(sealed):  # two seals within a millisecond
+            n += 1
+            sealed = f"{stem}.{stamp}-{n}{SUFFIX}"
+        os.replace(path, sealed)
+        return sealed
+
+
 class LiveSegmentWriter:
     """Appends lines to this process's active segment in ``store_dir/spans``; rotates,
     caps and expires the live segments (module doc). ``append`` raises OSError when the
@@ -117,9 +182,7 @@ class LiveSegmentWriter:
             elif self._bytes and (self._bytes + len(data) > self.limits.segment_bytes
                                   or now - self._opened_at >= self.limits.segment_age_s):
                 self._rotate(now)
-            with open(self.path, "ab") as handle:
-                handle.write(data)
-            self._bytes += len(data)
+            self._write(data, now)
             if now - self._swept_at >= _SWEEP_EVERY_S:
                 self._sweep(now)
 
@@ -134,17 +197,24 @@ class LiveSegmentWriter:
             return
         self._bytes, self._opened_at = stat.st_size, min(now, stat.st_mtime)
 
+    def _write(self, data: bytes, now: float) -> None:
+        """Append under the segment's lock, to the file the active name names: a segment
+        sealed by someone else meanwhile (a compaction) is left alone, a new one begun."""
+        for attempt in range(3):  # sealed between open and lock: open the new one
+            with open(self.path, "ab") as handle:
+                _lock(handle)
+                # a filesystem whose inodes are not stable must not spin the exporter
+                if _names(handle, self.path) or attempt == 2:
+                    size = os.fstat(handle.fileno()).st_size
+                    handle.write(data)
+                    handle.flush()
+                    break
+        if size < (self._bytes or 0):  # sealed since the last append: a new segment
+            self._opened_at = now
+        self._bytes = size + len(data)
+
     def _rotate(self, now: float) -> None:
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now * 1000) % 1000:03d}"
-        sealed = os.path.join(self.directory, f"{self._stem}.{stamp}{SUFFIX}")
-        n = 0
-        while os.path.exists(sealed):  # two rotations within a millisecond
-            n += 1
-            sealed = os.path.join(self.directory, f"{self._stem}.{stamp}-{n}{SUFFIX}")
-        try:
-            os.replace(self.path, sealed)
-        except FileNotFoundError:  # compacted away meanwhile: nothing to seal
-            pass
+        seal(self.path, now)  # None: sealed by a compaction meanwhile, nothing to do
         self._bytes, self._opened_at = 0, now
         self._sweep(now)
 

@@ -95,6 +95,14 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
         dataset = ds.dataset(paths, format=file_format, schema=scanned)
         return with_renamed_keys(dataset.to_table(columns=scanned.names, filter=expression),
                                  columns)
+    return read_or_skip(files, problems, scan)
+
+
+def read_or_skip(files: list[str], problems: list[str], scan) -> pa.Table:
+    """``scan(files)`` (a table of compacted span files; ``scan([])``: none). When that
+    fails, file by file: a file that cannot be read (empty, truncated, corrupt inside)
+    is reported and left out, the rest read. The one fallback of every span-file
+    reader."""
     try:
         return scan(files)
     except (pa.ArrowException, OSError):
@@ -105,7 +113,7 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
             tables.append(scan([path]))
         except (pa.ArrowException, OSError) as error:
             note(problems, f"{path}: skipped unreadable span file ({short(error)})")
-    return pa.concat_tables(tables) if tables else schema.empty_table()
+    return pa.concat_tables(tables) if tables else scan([])
 
 
 def with_renamed_keys(table: pa.Table, columns: list[str]) -> pa.Table:

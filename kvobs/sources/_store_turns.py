@@ -22,8 +22,8 @@ from kvobs.correlate import aggregate, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._merge import sort_turns
-from kvobs.sources._store_layout import (note, readable, span_files, store_schema, turns_path,
-                                         with_renamed_keys)
+from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
+                                         store_schema, turns_path, with_renamed_keys)
 from kvobs.turn_columns import KEY_SOURCES
 
 _TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
@@ -45,23 +45,10 @@ def _live_spans(live, columns: list[str]) -> pa.Table | None:
 
 
 def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None,
-                     problems: list[str] | None = None) -> pa.Table:
-    """``_scan_spans``; when a file cannot be read (corrupt inside: ``readable`` let it
-    through), file by file, the unreadable ones reported and left out."""
-    try:
-        return _scan_spans(files, columns, cids)
-    except (pa.ArrowException, OSError):
-        if problems is None or len(files) < 2:
-            raise
-    tables = []
-    for path in files:
-        try:
-            tables.append(_scan_spans([path], columns, cids))
-        except (pa.ArrowException, OSError) as error:
-            note(problems, f"{path}: skipped unreadable span file ({short(error)})")
-    if not tables:
-        return _scan_spans([], columns, cids)
-    return pa.concat_tables(tables).unify_dictionaries()
+                     problems: list[str]) -> pa.Table:
+    """``_scan_spans``, unreadable files reported and left out (``read_or_skip``)."""
+    return read_or_skip(files, problems,
+                        lambda paths: _scan_spans(paths, columns, cids)).unify_dictionaries()
 
 
 def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> pa.Table:
@@ -120,7 +107,7 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
             spans = pa.concat_tables([plain(spans).cast(live.schema), live])
         # A span in two files (a retried export compacted twice, a copied file) counts once.
         kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
-    empty = aggregate(_compacted_spans([], columns, None))
+    empty = aggregate(_scan_spans([], columns, None))
     if not kept:
         return empty
     return sort_turns(pa.concat_tables([_conform(t, empty.schema) for t in kept]))

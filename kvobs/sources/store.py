@@ -9,15 +9,20 @@ Layout of a store directory::
                                 (``kvobs.fleet``'s per-turn aggregate), so a fleet report
                                 reads turns, not spans
 
-``compact()`` turns live segments into parquet. Reading one conversation touches one
+``compact()`` turns the live segments no writer appends to any more into parquet
+(safe next to running writers and after a crash: its doc). Reading one conversation touches one
 bucket and, thanks to the sort, few row groups: that keeps ``diagnose`` fast at fleet
 scale.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import glob
+import json
 import os
+import time
 import uuid
 import zlib
 
@@ -30,18 +35,24 @@ import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate
+from kvobs.emit import segments
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
                                   select_conversation)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note, read_spans,
                                          readable, span_files, store_schema, turns_path)
 from kvobs.sources._store_turns import store_turns
-from kvobs.sources.otlp_json import OtlpJsonSource
+from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows
 
 __all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
            "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
            "TURNS_DIR", "BUCKETS"]
 
 BUCKETS = 64
+# How long a kvobs writer's active segment must go unwritten before a compaction seals
+# and takes it (it is safe at any value: the seal takes the writer's lock; this keeps a
+# busy writer's segment whole).
+QUIET_S = 600.0
+_JOURNAL = ".compaction-"  # + batch + .json, in the store directory
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
 
@@ -68,21 +79,38 @@ def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def write_parquet(store_dir: str, frame: pd.DataFrame) -> int:
-    """Append a span table to the compacted segments; returns rows written."""
+def write_parquet(store_dir: str, frame: pd.DataFrame, name: str | None = None,
+                  context: pd.DataFrame | None = None,
+                  problems: list[str] | None = None) -> int:
+    """Append a span table to the compacted segments (files named ``name``, else new
+    names); returns rows written. ``context``: spans not written but read for the
+    conversation of an untagged span (its trace's) or an id-less turn (its lineage). A
+    span left without conversation is not stored: counted in ``problems``."""
+    written = len(frame)
+    frame = frame.reset_index(drop=True)
+    if context is not None and not context.empty:
+        frame = pd.concat([frame, context], ignore_index=True)
     if lineage.needed(frame):  # id-less turns (another router): name them before the
         frame = lineage.link(frame)  # id-less spans would be dropped below
-    frame = _inherit_conversation(frame).dropna(subset=[_CID])
+    frame = _inherit_conversation(frame)
+    frame = frame[frame.index < written]  # the rows given, not the context
+    untagged = int(frame[_CID].isna().sum())
+    if untagged and problems is not None:
+        problems.append(f"{untagged} span(s) without conversation id, in no trace with "
+                        "one, not stored")
+    frame = frame.dropna(subset=[_CID])
     if frame.empty:
         return 0
     table = pa.Table.from_pandas(frame, schema=store_schema(), preserve_index=False)
-    return write_table(store_dir, table)
+    return write_table(store_dir, table, name)
 
 
-def write_table(store_dir: str, table: pa.Table) -> int:
+def write_table(store_dir: str, table: pa.Table, name: str | None = None) -> int:
     """Append an Arrow span table (``store_schema()``, every row tagged with a conversation
     id) to the compacted segments: one file per bucket touched, rows sorted by
     conversation id (stable). The fast path behind ``write_parquet`` and ``kvobs.synth``.
+    Each file is named ``name`` (a compaction's batch), else a new name; it appears whole
+    or not at all.
     """
     table = table.filter(pc.is_valid(table.column(_CID)))
     if table.num_rows == 0:
@@ -104,8 +132,10 @@ def write_table(store_dir: str, table: pa.Table) -> int:
         part = table.slice(begin, stop - begin)
         directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{uuid.uuid4().hex}.parquet")
-        pq.write_table(part, path, row_group_size=ROW_GROUP_SIZE, compression="zstd")
+        path = os.path.join(directory, f"{name or uuid.uuid4().hex}.parquet")
+        pq.write_table(part, path + ".tmp", row_group_size=ROW_GROUP_SIZE,
+                       compression="zstd")
+        os.replace(path + ".tmp", path)
         write_turns(store_dir, path, part)
     return table.num_rows
 
@@ -121,26 +151,143 @@ def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -
     os.replace(path + ".tmp", path)
 
 
-def compact(store_dir: str) -> tuple[int, list[str]]:
-    """Move live OTLP-JSON segments into parquet (and their turn files). Returns (spans
-    moved, problems). Also writes turn files that older compactions did not.
+def compact(store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = False
+            ) -> tuple[int, list[str]]:
+    """Move the live segments no writer appends to any more into parquet (and their turn
+    files). Returns (spans moved, problems). Also writes turn files that older
+    compactions did not.
 
-    A live file is deleted only after its rows are safely written: nothing is lost.
+    Taken: rotated-away segments (``segments.is_rotated``: kvobs' sealed ones, the
+    Collector's backups), and a kvobs writer's active segment not written for
+    ``quiet_s`` seconds, sealed first under its writer's lock. Other files (the
+    Collector's open file) are left, read as live, unless ``writers_stopped``.
+
+    Crash-safe and idempotent: a journal names the batch's segments; its parquet is
+    written under the batch's name, the segments deleted only once it is whole. A
+    compaction that died is finished (or its partial output removed) by the next. Until
+    then a span may sit in both places: readers read it once (trace and span id).
     """
-    live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
-    moved, problems = 0, []
-    if os.path.isdir(live_dir):
-        source = OtlpJsonSource(live_dir)
-        frame = source.spans()
-        files = [os.path.join(live_dir, name) for name in os.listdir(live_dir)]
-        moved = write_parquet(store_dir, frame)
-        for path in files:
-            os.remove(path)
-        problems = source.problems
-    for path in span_files(store_dir):
-        if not os.path.exists(turns_path(store_dir, path)):
-            write_turns(store_dir, path)
+    problems: list[str] = []
+    lock = os.open(store_dir, os.O_RDONLY)  # one compaction at a time: the directory's
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        return 0, [f"{store_dir}: another compaction is running; nothing done"]
+    try:
+        _finish_journals(store_dir, problems)
+        moved = _compact_live(store_dir, quiet_s, writers_stopped, problems)
+        for path in span_files(store_dir):
+            if not os.path.exists(turns_path(store_dir, path)):
+                write_turns(store_dir, path)
+    finally:
+        os.close(lock)
     return moved, problems
+
+
+def _compact_live(store_dir: str, quiet_s: float, writers_stopped: bool,
+                  problems: list[str]) -> int:
+    live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
+    if not os.path.isdir(live_dir):
+        return 0
+    now = time.time()
+    taken, sources, left = [], [], []
+    for path in otlp_files(live_dir, problems):
+        name = os.path.basename(path)
+        take = writers_stopped or segments.is_rotated(name)
+        if segments.is_active(name) and (writers_stopped or _quiet(path, now, quiet_s)):
+            path, take = segments.seal(path, now), True
+            if path is None:  # sealed by its writer meanwhile: the next compaction's
+                continue
+        if not take:
+            left.append(path)
+            continue
+        try:
+            sources.append(_identity(live_dir, path))
+        except FileNotFoundError:  # expired by a writer's sweep meanwhile (logged there)
+            continue
+        taken.append(path)
+    if not taken:
+        return 0
+    batch = uuid.uuid4().hex
+    journal = _journal_path(store_dir, batch)
+    _write_journal(journal, {"sources": sources, "written": False})
+    # The segments left live are read too: a span untagged here takes its conversation
+    # from its trace's tagged spans, wherever they sit.
+    moved = write_parquet(store_dir, _spans_of(taken, problems), batch,
+                          _spans_of(left, []) if left else None, problems)
+    _write_journal(journal, {"sources": sources, "written": True})
+    _remove_sources(live_dir, sources)
+    os.remove(journal)
+    return moved
+
+
+def _quiet(path: str, now: float, quiet_s: float) -> bool:
+    try:
+        return now - os.stat(path).st_mtime >= quiet_s
+    except FileNotFoundError:
+        return False
+
+
+def _spans_of(paths: list[str], problems: list[str]) -> pd.DataFrame:
+    return drop_duplicate_spans(frame_from_rows(
+        [row for path in paths for row in read_rows(path, problems)]), problems)
+
+
+def _identity(live_dir: str, path: str) -> dict:
+    """What a journal keeps of a segment: recovery deletes that very file, never a new
+    one given the same name."""
+    stat = os.stat(path)
+    return {"path": os.path.relpath(path, live_dir), "inode": stat.st_ino,
+            "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _remove_sources(live_dir: str, sources: list[dict]) -> None:
+    for source in sources:
+        path = os.path.join(live_dir, source["path"])
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if (stat.st_ino, stat.st_size, stat.st_mtime_ns) == (
+                source["inode"], source["size"], source["mtime_ns"]):
+            os.remove(path)
+
+
+def _journal_path(store_dir: str, batch: str) -> str:
+    return os.path.join(store_dir, f"{_JOURNAL}{batch}.json")
+
+
+def _write_journal(path: str, entry: dict) -> None:
+    with open(path + ".tmp", "w") as handle:
+        json.dump(entry, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _finish_journals(store_dir: str, problems: list[str]) -> None:
+    """A compaction that died: once its parquet was whole, delete its segments; before,
+    delete its partial parquet (the segments are all still there)."""
+    live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
+    for unfinished in glob.glob(os.path.join(store_dir, f"{_JOURNAL}*.json.tmp")):
+        os.remove(unfinished)
+    for journal in glob.glob(os.path.join(store_dir, f"{_JOURNAL}*.json")):
+        batch = os.path.basename(journal)[len(_JOURNAL):-len(".json")]
+        try:
+            with open(journal) as handle:
+                entry = json.load(handle)
+        except (OSError, ValueError) as error:
+            note(problems, f"{journal}: unreadable compaction journal ({error}); left")
+            continue
+        if entry["written"]:
+            _remove_sources(live_dir, entry["sources"])
+        else:
+            for directory in (COMPACTED_DIR, TURNS_DIR):
+                for path in glob.glob(os.path.join(store_dir, directory, "bucket=*",
+                                                   f"{batch}.parquet*")):
+                    os.remove(path)
+        os.remove(journal)
 
 
 class StoreSource:
@@ -177,9 +324,10 @@ class StoreSource:
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()
-        table = read_spans(span_files(self.store_dir), self.problems, [_CID])
-        ids.update(table.column(_CID).unique().to_pylist())
+        # Live first: a segment compacted meanwhile is then found in one place or both.
         if os.path.isdir(self._live.location):
             ids.update(self._live.conversation_ids())
+        table = read_spans(span_files(self.store_dir), self.problems, [_CID])
+        ids.update(table.column(_CID).unique().to_pylist())
         ids.discard(None)
         return sorted(ids)

@@ -5,6 +5,7 @@ every path, the fleet's Arrow path included, and is reported."""
 
 import glob
 import json
+import os
 import shutil
 
 import pytest
@@ -33,7 +34,7 @@ def _write(store):
 @pytest.fixture
 def store(tmp_path):
     _write(tmp_path)
-    compact(str(tmp_path))
+    compact(str(tmp_path), writers_stopped=True)
     return tmp_path
 
 
@@ -116,7 +117,7 @@ def test_a_span_delivered_twice_counts_once_in_turns_and_report(tmp_path, how):
     _write(tmp_path)
     delivered = "".join(open(path).read() for path in glob.glob(str(tmp_path / "spans" / "*")))
     if how != "live-copied":
-        compact(str(tmp_path))
+        compact(str(tmp_path), writers_stopped=True)
     assert _recomputed(tmp_path) == (RECOMPUTED, RECOMPUTED)
     if how == "live-copied":
         for path in glob.glob(str(tmp_path / "spans" / "*")):
@@ -127,8 +128,33 @@ def test_a_span_delivered_twice_counts_once_in_turns_and_report(tmp_path, how):
     else:  # the exporter retried after compaction: the same spans come again
         (tmp_path / "spans" / "retry.otlp.jsonl").write_text(delivered)
         if how == "compacted-twice":
-            compact(str(tmp_path))
+            compact(str(tmp_path), writers_stopped=True)
     assert _recomputed(tmp_path) == (RECOMPUTED, RECOMPUTED)
     for command in ("turns", "report"):
         result = _run(command, "--source", tmp_path, "--json")
         assert "duplicate span(s) (same trace and span id) read once" in result.stderr
+
+
+def _corrupt_inside(path):
+    """Whole-looking (magic at both ends, so ``readable`` lets it through), its pages
+    garbage: only reading it finds out."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        handle.seek(4)
+        handle.write(b"\xff" * (size // 3))
+
+
+def test_a_span_file_corrupt_inside_is_skipped_and_named_by_every_command(store):
+    """With its turn file gone too, its turns are rebuilt from spans: the file that
+    cannot be read is reported and the rest of the store read, as diagnose does."""
+    healthy = {c: r.exit_code for c, r in _all_commands(store).items()}
+    path = _bucket_file(store, "conv-a")
+    os.remove(_bucket_file(store, "conv-a", "turns"))
+    _corrupt_inside(path)
+    results = _all_commands(store)
+    assert {c: r.exit_code for c, r in results.items()} == healthy  # the verdicts' status
+    for command in ("turns", "report"):
+        assert f"warning: {path}: skipped unreadable span file" in results[command].stderr
+    assert {t["conversation_id"] for t in json.loads(results["turns"].stdout)} == {"conv-b"}
+    lost = _run("diagnose", "conv-a", "--source", store, "--json")
+    assert lost.exit_code == 2 and f"{path}: skipped unreadable span file" in lost.stderr

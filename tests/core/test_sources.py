@@ -61,7 +61,7 @@ def test_missing_source_is_a_clear_error(tmp_path):
 
 def test_compaction_keeps_every_span(store_dir):
     before = open_source(str(store_dir)).spans().sort_values("span_id").reset_index(drop=True)
-    moved, problems = compact(str(store_dir))
+    moved, problems = compact(str(store_dir), writers_stopped=True)
     assert (moved, problems) == (len(before), [])
     assert os.listdir(store_dir / "spans") == []
     source = StoreSource(str(store_dir))
@@ -72,7 +72,7 @@ def test_compaction_keeps_every_span(store_dir):
 
 
 def test_store_reads_compacted_and_live_together(store_dir):
-    compact(str(store_dir))
+    compact(str(store_dir), writers_stopped=True)
     write_conversation(Tracers(str(store_dir)), "conv-c", [TurnSpec()])
     source = open_source(str(store_dir))
     assert source.conversation_ids() == ["conv-a", "conv-b", "conv-c"]
@@ -90,7 +90,7 @@ def test_segments_written_by_an_older_kvobs_still_read(store_dir):
     from kvobs.fleet import fleet_turns
     from kvobs.semconv import LINEAGE_FACTS, PREFIX_LINEAGE
 
-    compact(str(store_dir))
+    compact(str(store_dir), writers_stopped=True)
     newer = {PREFIX_LINEAGE.key, *(a.key for a in LINEAGE_FACTS.values())}
     for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
         table = pq.read_table(path)
@@ -101,7 +101,7 @@ def test_segments_written_by_an_older_kvobs_still_read(store_dir):
                                    if c.startswith("extends_")]), path)
     # ... next to segments and turn files of today's kvobs
     write_conversation(Tracers(str(store_dir)), "conv-c", [TurnSpec(), TurnSpec()])
-    compact(str(store_dir))
+    compact(str(store_dir), writers_stopped=True)
     source = open_source(str(store_dir))
     assert [t.turn.index for t in diagnose(source, "conv-a").turns] == [1, 2]
     assert [t.turn.index for t in diagnose(source, "conv-c").turns] == [1, 2]
@@ -125,7 +125,7 @@ def test_spans_delivered_twice_count_once_and_are_reported(store_dir):
     assert list(after["recomputed_tokens"]) == list(before["recomputed_tokens"])
     assert any("duplicate span" in p for p in source.problems)
     # ... and once compacted, a copied segment likewise
-    compact(str(store_dir))
+    compact(str(store_dir), writers_stopped=True)
     import glob
     for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
         shutil.copy(path, path.replace(".parquet", "-copy.parquet"))
@@ -227,7 +227,7 @@ def test_keys_an_older_kvobs_wrote_read_under_todays_names(store_dir, tmp_path_f
     renamed = turns_from_spans(open_source(str(otlp_dir)).spans("conv-a"))["prompt_tokens"]
     assert renamed.tolist() == before.tolist()
 
-    compact(str(store_dir))
+    compact(str(store_dir), writers_stopped=True)
     for path in glob.glob(str(store_dir / "compacted" / "*" / "*.parquet")):
         table = pq.read_table(path)
         pq.write_table(table.rename_columns([old_key if c == PROMPT_TOKENS.key else c

@@ -61,7 +61,7 @@ def test_segments_rotate_by_size_and_stay_readable_and_compactable(tmp_path):
         assert (store / sc.STORE_LIVE_DIR / name).read_text().endswith("\n")
     spans = open_source(str(store)).spans()
     assert sorted(spans[sc.CONVERSATION_ID.key]) == sorted(f"c{i}" for i in range(40))
-    moved, problems = compact(str(store))
+    moved, problems = compact(str(store), quiet_s=0)
     assert (moved, problems) == (40, [])
     _emit(_tracer(writer), 1, start=40)  # the writer goes on after a compaction
     assert len(open_source(str(store)).spans()) == 41

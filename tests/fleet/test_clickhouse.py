@@ -40,7 +40,7 @@ def factory_clickhouse(factory_store, chdb_path, tmp_path_factory):
     """The factory's spans (two tenants sharing an id) through the exporter's schema."""
     store = str(tmp_path_factory.mktemp("factory-compacted") / "store")
     shutil.copytree(factory_store, store)
-    compact(store)
+    compact(store, writers_stopped=True)
     source = ClickHouseSource.chdb(chdb_path, "factory_traces")
     source.create_table()
     source.load_store(store)
@@ -274,7 +274,7 @@ def test_a_store_an_older_kvobs_wrote_loads(clickhouse, factory_store, chdb_path
 
     store = str(tmp_path / "store")
     shutil.copytree(factory_store, store)
-    compact(store)
+    compact(store, writers_stopped=True)
     for path in glob.glob(f"{store}/compacted/*/*.parquet"):
         table = pq.read_table(path)
         old = [c for c in table.column_names

@@ -87,7 +87,7 @@ def test_a_conversation_id_is_a_bound_parameter(tmp_path):
         odd = "conv'a\\\\'); DROP TABLE otel_traces; -- {{x:String}}"
         write_conversation(Tracers(store), odd, [TurnSpec(), TurnSpec()])
         write_conversation(Tracers(store), "plain", [TurnSpec()])
-        compact(store)
+        compact(store, writers_stopped=True)
         source = ClickHouseSource.chdb(db)
         source.create_table()
         source.load_store(store)

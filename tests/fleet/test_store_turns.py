@@ -31,12 +31,12 @@ def _split_store(path: str) -> str:
     write_conversation(tracers, "a", TENANTS["tenant1"], T0 + 1, "tenant1")
     write_conversation(tracers, "whole", [TurnSpec(), TurnSpec(read="done")], T0)
     write_conversation(tracers, "split", [TurnSpec(), TurnSpec(read="done")], T0 + 2)
-    compact(path)
+    compact(path, writers_stopped=True)
     # Releases of turns compacted before: in the second compaction, or still live.
     _release_later(tracers, "a", 2, T0 + 60)
     _release_later(tracers, "split", 2, T0 + 61)
     write_conversation(tracers, "b", [TurnSpec(), TurnSpec(decision="no-params")], T0 + 5)
-    compact(path)
+    compact(path, writers_stopped=True)
     # Still live: conversation a's turn 1 release, and a conversation never compacted.
     _release_later(tracers, "a", 1, T0 + 90)
     write_conversation(tracers, "live-only", [TurnSpec(), TurnSpec(read="done")], T0 + 7)
@@ -72,9 +72,9 @@ def test_report_from_turn_files_equals_report_from_spans(tmp_path):
 
 def test_store_without_turn_files_reads_spans_and_compact_writes_them(tmp_path):
     path = _split_store(str(tmp_path))
-    compact(path)
+    compact(path, writers_stopped=True)
     shutil.rmtree(os.path.join(path, TURNS_DIR))
     _assert_equals_spans(path)  # every span file read as spans
-    compact(path)
+    compact(path, writers_stopped=True)
     assert all(os.path.exists(turns_path(path, f)) for f in span_files(path))
     _assert_equals_spans(path)
