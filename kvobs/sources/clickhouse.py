@@ -76,6 +76,14 @@ _COUNTED_SPANS = {column.span.name for column in FLEET_COLUMNS.values()
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
 
+# The store's columns as ClickHouse reads them: segments an older kvobs wrote lack newer
+# attributes, and without the structure given those are unknown identifiers.
+_CLICKHOUSE_TYPE = {"string": "String", "Int64": "Int64", "Float64": "Float64",
+                    "boolean": "Bool"}
+_STORE_STRUCTURE = ", ".join(f"`{column}` Nullable({_CLICKHOUSE_TYPE[dtype]})"
+                             for column, dtype in ALL_DTYPES.items())
+
+
 def check_table_name(table: str) -> None:
     """Raise ``SourceError`` unless ``table`` is a plain ``[db.]name`` (it goes into SQL
     text: a table name cannot be a bound parameter)."""
@@ -164,7 +172,7 @@ class ClickHouseSource:
                 {resource}, {attributes},
                 toUInt64(greatest(end_ns - start_ns, 0)),
                 if(error, 'Error', 'Unset')
-            FROM file({quote(pattern)}, Parquet)
+            FROM file({quote(pattern)}, Parquet, {quote(_STORE_STRUCTURE)})
             SETTINGS input_format_parquet_allow_missing_columns = 1""")
         return self.count()
 

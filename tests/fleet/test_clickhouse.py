@@ -224,3 +224,27 @@ def test_spans_inserted_twice_count_once(clickhouse, chdb_path, view):
     assert_same_turns(fleet_turns(source), once)
     if view:
         assert source.view_state() == "incomplete"
+
+
+def test_a_store_an_older_kvobs_wrote_loads(clickhouse, factory_store, chdb_path, tmp_path):
+    """Segments without an attribute a newer kvobs added (here gen_ai.request.model and
+    the host columns) load, the missing values NULL."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    store = str(tmp_path / "store")
+    shutil.copytree(factory_store, store)
+    compact(store)
+    for path in glob.glob(f"{store}/compacted/*/*.parquet"):
+        table = pq.read_table(path)
+        old = [c for c in table.column_names
+               if c != "gen_ai.request.model" and not c.startswith("kvobs.host.")]
+        pq.write_table(table.select(old), path)
+    newer = ClickHouseSource.chdb(chdb_path, "older_store_traces")
+    newer.create_table()
+    spans = newer.load_store(store)
+    assert spans == len(open_source(store).spans())
+    model = newer.query(f"SELECT count() FROM {newer.table} WHERE "
+                        "mapContains(SpanAttributes, 'gen_ai.request.model')")
+    assert model.column(0)[0].as_py() == 0
