@@ -2,6 +2,7 @@
 and the same --source strings for every command."""
 
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -17,6 +18,7 @@ from kvobs.diagnose import diagnose  # noqa: E402
 from kvobs.fleet import fleet_turns, label_turns  # noqa: E402
 from kvobs.sources import open_source  # noqa: E402
 from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource  # noqa: E402
+from kvobs.sources.store import compact  # noqa: E402
 
 
 @pytest.fixture(scope="module")
