@@ -2,7 +2,8 @@
 
 Facts come from three places, none of which carries a turn's identity on its own:
 - the offloading manager (wrapped per instance, its type unchanged): which request's
-  blocks a store prepares and completes, which keys a store evicts, which it refuses;
+  blocks a store prepares and completes, which keys a store evicts, which it refuses,
+  and which lookup missed a key it had evicted (a copy wanted after its eviction);
 - the worker's per-job copy results (bytes, seconds), carried to the scheduler in
   ``KvobsOffloadingWorkerMetadata`` and matched to the scheduler's job table (req id,
   keys, store or load) before upstream drops the job;
@@ -22,13 +23,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.kv_offload.base import LookupResult
+
 from kvobs import semconv as sc
 
 from ._offload_stats import HostStats
 from ._telemetry import Guard, SpanSink, raw_correlation
 
 # Keys whose owner we remember for eviction ages; beyond this the oldest are forgotten
-# (their eviction is still counted, without an owner).
+# (their eviction is still counted, without an owner). Evicted keys are remembered as
+# many, so a later prompt that misses one is told apart from one asking for new tokens.
 MAX_OWNED_KEYS = 1 << 20
 
 
@@ -59,6 +63,7 @@ class _Lookup:
     accepted: int = 0
     at: float = 0.0
     admitted: bool = False  # blocks allocated: the lookup that counted
+    wanted_evicted: bool = False  # the tier's hit stopped at a key it had evicted
 
 
 class OffloadObserver:
@@ -72,6 +77,8 @@ class OffloadObserver:
         self._copies: dict[str, _Copy] = {}
         self._owners: dict[Any, tuple[str, tuple | None, float]] = {}
         self._lookups: dict[str, _Lookup] = {}
+        self._evicted_keys: dict[Any, None] = {}  # insertion-ordered: oldest first
+        self._wanted_evicted: set[str] = set()  # req ids whose lookup missed one
         self.stats = HostStats()
         self._wrap_manager(connector_scheduler.manager)
 
@@ -82,10 +89,14 @@ class OffloadObserver:
         complete_store = manager.complete_store
         on_request_finished = manager.on_request_finished
         reset_cache = manager.reset_cache
+        lookup = manager.lookup
         guard = self.guard
 
-        def observed_prepare_store(keys, req_context):
-            out = prepare_store(keys, req_context)
+        # Each wrapper passes on whatever it is given: vLLM's tiering manager calls its own
+        # lookup and on_request_finished back with exclude_tier_idx= (from a secondary
+        # tier's facade, e.g. p2p serving a peer).
+        def observed_prepare_store(keys, req_context, *args, **kwargs):
+            out = prepare_store(keys, req_context, *args, **kwargs)
             try:
                 self.on_prepare_store(keys, req_context, out)
             except Exception:  # noqa: BLE001
@@ -101,23 +112,36 @@ class OffloadObserver:
                 guard.failed("complete_store")
             return result
 
-        def observed_on_request_finished(req_context):
-            result = on_request_finished(req_context)
+        def observed_on_request_finished(req_context, *args, **kwargs):
+            result = on_request_finished(req_context, *args, **kwargs)
             try:
                 self.on_closed(req_context.req_id)
             except Exception:  # noqa: BLE001
                 guard.failed("on_request_finished")
             return result
 
-        def observed_reset_cache():
-            result = reset_cache()
+        def observed_reset_cache(*args, **kwargs):
+            result = reset_cache(*args, **kwargs)
             self._owners.clear()
+            self._evicted_keys.clear()  # emptied on purpose, not evicted
+            return result
+
+        def observed_lookup(key, req_context, *args, **kwargs):
+            result = lookup(key, req_context, *args, **kwargs)
+            try:  # per looked-up key: a dict probe on a miss only
+                if (result == LookupResult.MISS and key in self._evicted_keys
+                        and req_context.req_id in self._sched._req_status):
+                    # this engine's own request (a peer's lookup is never admitted here)
+                    self._wanted_evicted.add(req_context.req_id)
+            except Exception:  # noqa: BLE001
+                guard.failed("lookup")
             return result
 
         for name, wrapper in (("prepare_store", observed_prepare_store),
                               ("complete_store", observed_complete_store),
                               ("on_request_finished", observed_on_request_finished),
-                              ("reset_cache", observed_reset_cache)):
+                              ("reset_cache", observed_reset_cache),
+                              ("lookup", observed_lookup)):
             # Only a method its class defines: a stand-in built per instance (upstream's
             # unit tests use a MagicMock manager and set side effects on its attributes)
             # is left exactly as it is, so those tests see upstream behaviour.
@@ -155,6 +179,7 @@ class OffloadObserver:
                 copy.refused.add(key)
                 continue
             copy.refused.discard(key)
+            self._evicted_keys.pop(key, None)  # in the tier again
             copy.blocks += 1
             end = position(key)
             if end is not None and end > copy.saved_end:
@@ -174,7 +199,11 @@ class OffloadObserver:
     def _evicted(self, keys, by_req_id: str, now: float) -> None:
         # owner req id ("" when forgotten) -> [correlation, blocks, ages]
         by_owner: dict[str, list] = {}
+        evicted = self._evicted_keys
         for key in keys:
+            if len(evicted) >= MAX_OWNED_KEYS:
+                del evicted[next(iter(evicted))]
+            evicted[key] = None
             req_id, correlation, stored_at = self._owners.pop(key, ("", None, None))
             entry = by_owner.setdefault(req_id, [correlation, 0, []])
             entry[1] += 1
@@ -196,11 +225,13 @@ class OffloadObserver:
 
     def on_match(self, request: Any, num_computed_tokens: int, result: Any) -> None:
         hit = result[0] if isinstance(result, tuple) else result
+        wanted_evicted = request.request_id in self._wanted_evicted
+        self._wanted_evicted.discard(request.request_id)
         if hit is None:  # the connector asked to be asked again
             return
         self._lookups[request.request_id] = _Lookup(
             request, raw_correlation(request.kv_transfer_params), num_computed_tokens,
-            int(hit), at=time.time())
+            int(hit), at=time.time(), wanted_evicted=wanted_evicted)
 
     def on_alloc(self, request: Any, num_external_tokens: int) -> None:
         lookup = self._lookups.get(request.request_id)
@@ -223,6 +254,8 @@ class OffloadObserver:
                     tiers[_tier(source)] += tokens
             for tier, tokens in tiers.items():
                 self.stats.loaded_tokens(tier, tokens)
+            outcome = _outcome(lookup)
+            self.stats.looked_up(outcome)
             if not self._sink.enabled(sc.SPAN_HOST_LOOKUP):
                 continue
             request = lookup.request
@@ -235,12 +268,14 @@ class OffloadObserver:
                 sc.HOST_HIT_HOST.key: tiers.pop(sc.HostTier.HOST.value, 0),
                 sc.HOST_HIT_P2P.key: tiers.pop(sc.HostTier.P2P.value, 0),
                 sc.HOST_HIT_OTHER.key: sum(tiers.values()),
+                sc.HOST_LOOKUP_OUTCOME.key: outcome,
             }
             self._sink.emit_fields(sc.SPAN_HOST_LOOKUP, lookup.correlation, None, attrs,
                                    lookup.at, lookup.at)
 
     def on_finished(self, request: Any) -> None:
         self._lookups.pop(request.request_id, None)  # finished without admission
+        self._wanted_evicted.discard(request.request_id)
         copy = self._copy(request.request_id, request.kv_transfer_params)
         copy.prompt_tokens = int(request.num_prompt_tokens)
         copy.output_tokens = int(request.num_output_tokens)
@@ -312,6 +347,14 @@ class OffloadObserver:
 
     def take_stats(self):
         return self.stats.take()
+
+
+def _outcome(lookup: _Lookup) -> str:
+    if lookup.wanted_evicted:
+        return sc.HostLookupOutcome.EVICTED.value
+    if lookup.accepted:
+        return sc.HostLookupOutcome.HIT.value
+    return sc.HostLookupOutcome.MISS.value
 
 
 def _tier(source: Any) -> str:

@@ -23,10 +23,13 @@ from kvobs import semconv as sc
 
 BOOL_LABELS = ("false", "true")
 TIERS = tuple(t.value for t in sc.HostTier)
+LOOKUP_OUTCOMES = tuple(o.value for o in sc.HostLookupOutcome)
 HOST_METRICS = (sc.M_HOST_SAVES, sc.M_HOST_SAVE_INCOMPLETE, sc.M_HOST_EVICTED_BLOCKS,
-                sc.M_HOST_EVICTED_AGE, sc.M_HOST_LOADS, sc.M_HOST_LOADED_TOKENS)
+                sc.M_HOST_EVICTED_AGE, sc.M_HOST_LOOKUPS, sc.M_HOST_LOADS,
+                sc.M_HOST_LOADED_TOKENS)
 # Label values each metric starts with at zero.
 _INITIAL = {sc.M_HOST_SAVES.name: [(b,) for b in BOOL_LABELS],
+            sc.M_HOST_LOOKUPS.name: [(o,) for o in LOOKUP_OUTCOMES],
             sc.M_HOST_LOADS.name: [(t,) for t in TIERS],
             sc.M_HOST_LOADED_TOKENS.name: [(t,) for t in TIERS]}
 
@@ -58,6 +61,9 @@ class HostStats:
         self._stats.increase_counter(sc.M_HOST_EVICTED_BLOCKS.name, blocks)
         if oldest_age is not None:
             self._stats.observe_histogram(sc.M_HOST_EVICTED_AGE.name, oldest_age)
+
+    def looked_up(self, outcome: str) -> None:
+        self._stats.increase_counter(sc.M_HOST_LOOKUPS.name, 1, (outcome,))
 
     def load(self, tier: str) -> None:
         self._stats.increase_counter(sc.M_HOST_LOADS.name, 1, (tier,))

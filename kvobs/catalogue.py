@@ -4,7 +4,9 @@
 - ``verdicts.md``: the verdict guide, from the rule modules' docstrings in decision order;
 - ``turns.md``: the turn table's columns, from ``kvobs.turn_columns``;
 - ``timeline.md``: the turn's phases, where each boundary comes from, and the latency
-  causes, from ``kvobs.timeline`` and ``kvobs.causes``.
+  causes, from ``kvobs.timeline`` and ``kvobs.causes``;
+- ``settings.md``: the settings kvobs reasons with, their names and defaults, from
+  ``kvobs.settings``.
 ``tests/core/test_docs.py`` fails when the checked-in files differ.
 """
 
@@ -159,8 +161,20 @@ def timeline_md() -> str:
     return "\n".join(lines) + "\n"
 
 
+def settings_md() -> str:
+    from kvobs import settings
+
+    lines = [_GENERATED, "# Settings\n", inspect.getdoc(settings) + "\n",
+             "| setting | default | applied by | meaning | also set or reported as |",
+             "|---|---|---|---|---|"]
+    for setting in settings.SETTINGS:
+        lines.append(f"| {setting.name} | {setting} | {setting.owner} | {setting.doc} | "
+                     + "; ".join(setting.spellings) + " |")
+    return "\n".join(lines) + "\n"
+
+
 GENERATED = {"telemetry.md": telemetry_md, "verdicts.md": verdicts_md,
-             "timeline.md": timeline_md, "turns.md": turns_md}
+             "timeline.md": timeline_md, "turns.md": turns_md, "settings.md": settings_md}
 
 
 def main(directory: str) -> None:

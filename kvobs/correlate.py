@@ -16,7 +16,8 @@ Built column-wise (Arrow + numpy), so millions of spans fit in seconds, in three
 shared by every source: ``aggregate`` (spans -> one Arrow row per turn, before the
 previous-turn shifts; what the store's turn files hold and ClickHouse's SQL returns),
 ``to_frame`` (Arrow turn rows -> the pandas table the rules read, typed by the schema)
-and ``derive`` (gap and previous-turn facts, never across conversations).
+and ``derive`` (gap, retention costs and previous-turn facts, never across
+conversations).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import lineage, semconv as sc
-from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DERIVED, FLEET_COLUMNS, GAP,
-                                KEY_SOURCES, KEYS, PREVIOUS_PREFIX, SPAN_COLUMNS,
-                                UNKNOWN_TENANT, Agg, TurnColumn)
+from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
+                                FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
+                                PREVIOUS, PREVIOUS_PREFIX, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
+                                TurnColumn)
 
 __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate", "to_frame", "derive",
            "span_columns", "vllm_roles", "KEYS", "UNKNOWN_TENANT"]
@@ -317,9 +319,9 @@ def follows(turns: pd.DataFrame) -> np.ndarray:
 
 
 def derive(rows: pa.Table) -> pa.Table:
-    """``rows`` with the gap and previous-turn facts (``turn_columns.DERIVED``) of the
-    columns they have. Rows must be grouped by (tenant, conversation), by turn; a shift
-    never crosses a conversation, so never a tenant."""
+    """``rows`` with the gap, retention costs and previous-turn facts
+    (``turn_columns.DERIVED``) of the columns they have. Rows must be grouped by (tenant,
+    conversation), by turn; a shift never crosses a conversation, so never a tenant."""
     turn = pc.cast(rows.column("turn"), pa.int64()).to_numpy(zero_copy_only=False)
     codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
     consecutive = _consecutive(codes, turn)
@@ -330,8 +332,30 @@ def derive(rows: pa.Table) -> pa.Table:
     end = pc.cast(rows.column("turn_end_ns"), pa.float64(), safe=False).take(previous)
     gap = pc.divide(pc.subtract(start, end), 1e9)
     rows = rows.append_column(GAP.name, gap)
-    for name in DERIVED:
+    rows = with_retention(rows)
+    for name in PREVIOUS:
         carried = name[len(PREVIOUS_PREFIX):]
-        if name != GAP.name and carried in rows.column_names:
+        if carried in rows.column_names:
             rows = rows.append_column(name, rows.column(carried).take(previous))
     return rows
+
+
+def with_retention(rows: pa.Table) -> pa.Table:
+    """``rows`` with each turn's retention costs (``turn_columns.RETENTION``): D's blocks
+    x seconds held, the host copy's bytes x seconds until evicted; null where a fact is
+    missing (turn files of an older kvobs lack the host ones) or the hold had not ended."""
+    def number(name: str) -> pa.ChunkedArray | pa.Array:
+        if name not in rows.column_names:
+            return pa.nulls(rows.num_rows, pa.float64())
+        return pc.cast(rows.column(name), pa.float64(), safe=False)
+
+    def seconds(end: str, start: str):  # never below 0: the two ends come from two clocks
+        elapsed = pc.divide(pc.subtract(number(end), number(start)), 1e9)
+        return pc.max_element_wise(elapsed, 0.0, skip_nulls=False)
+
+    held = pc.coalesce(number("held_s"), seconds("release_end_ns", "export_end_ns"))
+    device = pc.multiply(number("export_blocks"), held)
+    host = pc.multiply(number("host_saved_bytes"),
+                       seconds("host_evict_end_ns", "host_save_end_ns"))
+    return (rows.append_column(DEVICE_BLOCK_SECONDS.name, device)
+            .append_column(HOST_BYTE_SECONDS.name, host))

@@ -318,6 +318,10 @@ HOST_HIT_OTHER = _attr("kvobs.host.hit.other_tokens", "int", "tokens",
                        "Of the accepted hit, tokens from any other or unknown tier.")
 HOST_ACCEPTED_TOKENS = _attr("kvobs.host.accepted.tokens", "int", "tokens",
                              "Tokens the scheduler took from the tier (loaded, not computed).")
+HOST_LOOKUP_OUTCOME = _attr(
+    "kvobs.host.lookup.outcome", "str", "",
+    "HostLookupOutcome value: evicted when the tier's hit stopped at a block it had "
+    "evicted (the copy was wanted after its eviction).")
 
 # Stuck waits (P scheduler side)
 STUCK_REASON = _attr("kvobs.stuck.reason", "str", "", "StuckReason value.")
@@ -491,6 +495,14 @@ class HostTier(str, enum.Enum):
     OTHER = "external_unspecified"
 
 
+class HostLookupOutcome(str, enum.Enum):
+    """What an admitted prompt's lookup in the offloading tiers found past its local prefix."""
+
+    HIT = "hit"  # the tier served tokens, and did not stop at an evicted block
+    EVICTED = "evicted"  # the hit stopped at a block the tier had evicted: needed too late
+    MISS = "miss"  # nothing from the tier, and nothing it had evicted (new tokens)
+
+
 class CopyEngine(str, enum.Enum):
     """What moved offloaded KV, so timings are read for what they are."""
 
@@ -591,13 +603,6 @@ HEALTHY_VERDICTS = frozenset(
     {Verdict.FIRST_TURN, Verdict.REMOTE_HIT, Verdict.LOCAL_HIT, Verdict.BELOW_THRESHOLD,
      Verdict.HOST_HIT})
 
-# --------------------------------------------------------------------------- vLLM facts
-
-# Facts of the vLLM release kvobs observes that several kvobs parts reason with.
-VLLM_DEFAULT_DECODE_TTL_S = 480.0  # default decoder_kv_blocks_ttl
-VLLM_DEFAULT_RECOMPUTE_THRESHOLD = 64  # default kv_recompute_threshold (tokens)
-VLLM_DECLINE_WINDOW_S = 5.0  # P declines reads this close to D's expiry (fixed)
-
 # --------------------------------------------------------------------------- embedded store
 
 STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters
@@ -654,7 +659,9 @@ def _metric(name, type_, unit, doc, labels=(), buckets=()) -> Metric:
 
 METRICS: dict[str, Metric] = {}
 
-# Inter-turn gaps straddle the default TTLs (proxy 450 s, D 480 s) and short test TTLs.
+# Inter-turn gaps straddle the default lifetimes (upstream's fixed proxy entry lifetime,
+# D's TTL: kvobs/settings.py; tests/core/test_settings.py keeps them bounds) and short
+# test TTLs. Bucket bounds are a contract: written out, not derived.
 GAP_BUCKETS = (1, 5, 15, 30, 60, 120, 240, 360, 450, 480, 600, 900, 1800, 3600)
 TTL_BUCKETS = (0, 5, 10, 30, 60, 120, 240, 360, 480, 900)
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -716,6 +723,10 @@ M_HOST_EVICTED_AGE = _metric("vllm:kvobs_host_evicted_age_seconds", "histogram",
                              GAP_BUCKETS)
 M_HOST_LOADS = _metric("vllm:kvobs_host_loads_total", "counter", "",
                        "Loads from an offloading tier, by tier.", ("tier",))
+M_HOST_LOOKUPS = _metric("vllm:kvobs_host_lookups_total", "counter", "",
+                         "Admitted prompts' lookups in the offloading tiers, by "
+                         "HostLookupOutcome (evicted: the hit stopped at a block the tier "
+                         "had evicted before this prompt came).", ("outcome",))
 M_HOST_LOADED_TOKENS = _metric("vllm:kvobs_host_loaded_tokens_total", "counter", "tokens",
                                "Prompt tokens loaded from an offloading tier, by tier.",
                                ("tier",))

@@ -14,7 +14,7 @@ each store bucket gets one file.
 
 Model, per conversation: ``K`` turns (geometric); a system prompt ``S``; each turn adds
 the last reply ``R`` and new input ``T`` (``N_k = N_{k-1} + R_{k-1} + T_k``); gaps between
-turns are a lognormal mixture with mass on both sides of the TTL (480 s). Per later turn,
+turns are a lognormal mixture with mass on both sides of D's TTL. Per later turn,
 one scenario (``Scenario``): conversation id missing, proxy entry missing, history
 rewritten (prefix mismatch), or the normal path, where the proxy's entry lifetime, D's
 TTL, P's local prefix cache and ``kv_recompute_threshold`` decide stale / declined
@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import semconv as sc
+from kvobs.settings import DECODE_TTL, RECOMPUTE_THRESHOLD, UPSTREAM_ENTRY_LIFETIME, read_declined
 
 __all__ = ["SyntheticConfig", "Scenario", "SYNTHETIC_PREFIX", "simulate_turns",
            "spans_table", "write_store", "synthetic_frame"]
@@ -40,7 +41,6 @@ __all__ = ["SyntheticConfig", "Scenario", "SYNTHETIC_PREFIX", "simulate_turns",
 SYNTHETIC_PREFIX = "synthetic-"
 SECOND = 1_000_000_000
 BLOCK = 16
-DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
 
 
 class Scenario(str, enum.Enum):
@@ -97,10 +97,10 @@ class SyntheticConfig:
     system_median: float = 1500.0
     reply_median: float = 150.0
     input_median: float = 300.0
-    ttl_s: float = sc.VLLM_DEFAULT_DECODE_TTL_S  # decoder_kv_blocks_ttl
-    proxy_lifetime_s: float = 450.0  # proxy entry lifetime (capped proxies)
+    ttl_s: float = DECODE_TTL.default  # decoder_kv_blocks_ttl
+    proxy_lifetime_s: float = UPSTREAM_ENTRY_LIFETIME.default  # capped proxies' (fixed)
     uncapped_proxy_share: float = 0.3  # conversations behind a proxy with no lifetime cap
-    threshold: int = sc.VLLM_DEFAULT_RECOMPUTE_THRESHOLD
+    threshold: int = RECOMPUTE_THRESHOLD.default
     bytes_per_token: int = 131_072  # KV bytes per token (e.g. an 8B model in bf16)
     read_gbps: float = 10.0  # D->P read throughput, GB/s
     read_overhead_s: float = 0.002  # fixed cost per read (handshake, descriptors)
@@ -211,7 +211,7 @@ def simulate_turns(config: SyntheticConfig, conversations: np.ndarray | None = N
     below = normal & (candidate > 0) & (candidate < config.threshold)
     scenario[below] = _CODE[Scenario.BELOW_THRESHOLD]
     pull = normal & ~local_hit & ~below & (candidate >= config.threshold)
-    declined = pull & (gap >= config.ttl_s - DECLINE_WINDOW_S)
+    declined = pull & read_declined(gap, config.ttl_s)
     scenario[declined] = _CODE[Scenario.DECLINED]
     reading = pull & ~declined
     v = rng.random(n)

@@ -171,8 +171,8 @@ _SPAN_COLUMNS = [
     _col("host_local_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_LOCAL_TOKENS),
     _col("host_hit_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_TOKENS),
     _col("host_accepted_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_ACCEPTED_TOKENS),
-    _col("host_hit_host_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_HOST),
-    _col("host_hit_p2p_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_P2P),
+    _col("host_hit_host_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_HOST, fleet=_F),
+    _col("host_hit_p2p_tokens", sc.SPAN_HOST_LOOKUP, sc.HOST_HIT_P2P, fleet=_F),
     _col("host_lookup_prompt_tokens", sc.SPAN_HOST_LOOKUP, sc.PROMPT_TOKENS),
     _col("host_load_span_id", sc.SPAN_HOST_LOAD, "span_id"),
     _col("host_load_bytes", sc.SPAN_HOST_LOAD, sc.HOST_BYTES),
@@ -183,16 +183,17 @@ _SPAN_COLUMNS = [
     _col("host_save_span_id", sc.SPAN_HOST_SAVE, "span_id", carries=True),
     _col("host_saved_tokens", sc.SPAN_HOST_SAVE, sc.HOST_SAVED_TOKENS, carries=True),
     _col("host_saved_blocks", sc.SPAN_HOST_SAVE, sc.HOST_BLOCKS),
+    _col("host_saved_bytes", sc.SPAN_HOST_SAVE, sc.HOST_BYTES, fleet=_F),
     _col("host_covers_response", sc.SPAN_HOST_SAVE, sc.HOST_COVERS_RESPONSE, carries=True),
     _col("host_save_incomplete", sc.SPAN_HOST_SAVE, sc.HOST_SAVE_INCOMPLETE, carries=True),
     _col("host_refused_blocks", sc.SPAN_HOST_SAVE, sc.HOST_REFUSED_BLOCKS, carries=True),
     _col("host_save_prompt_tokens", sc.SPAN_HOST_SAVE, sc.HOST_PROMPT_TOKENS, carries=True),
     _col("host_save_output_tokens", sc.SPAN_HOST_SAVE, sc.HOST_OUTPUT_TOKENS, carries=True),
-    _col("host_save_end_ns", sc.SPAN_HOST_SAVE, "end_ns", carries=True),
+    _col("host_save_end_ns", sc.SPAN_HOST_SAVE, "end_ns", carries=True, fleet=_F),
     _col("host_evict_span_id", sc.SPAN_HOST_EVICT, "span_id", carries=True),
     _col("host_evicted_blocks", sc.SPAN_HOST_EVICT, sc.HOST_BLOCKS, carries=True),
     _col("host_evicted_age_s", sc.SPAN_HOST_EVICT, sc.HOST_EVICTED_AGE_MAX, carries=True),
-    _col("host_evict_end_ns", sc.SPAN_HOST_EVICT, "end_ns", carries=True),
+    _col("host_evict_end_ns", sc.SPAN_HOST_EVICT, "end_ns", carries=True, fleet=_F),
 ]
 # What the rules need behind another router (kvobs.lineage): the export a prompt extends.
 _FLEET_LINEAGE = {"extends_request_id", "extends_fully", "extends_live",
@@ -211,6 +212,22 @@ KEY_COLUMNS = [
 # Derived after aggregation, over consecutive turns of one conversation.
 GAP = TurnColumn("gap_s", "float", "Seconds from the previous turn's end to this turn's "
                  "start (null unless the previous turn is turn - 1).", fleet=_F, public=True)
+# Derived after aggregation from the turn's own columns: what keeping its KV for a later
+# turn cost in each place (``kvobs report``'s ``retention`` sums them). Null while the
+# hold had not ended in the spans read, or without the facts.
+DEVICE_BLOCK_SECONDS = TurnColumn(
+    "device_block_seconds", "float",
+    "D's retention cost: the blocks D kept for the next turn (`kvobs.export.blocks`) x the "
+    "seconds it held them, until a read released them or they expired "
+    "(`kvobs.release.held`, else the release's end less the export's). Null while D still "
+    "held them.", fleet=_F, public=True)
+HOST_BYTE_SECONDS = TurnColumn(
+    "host_byte_seconds", "float",
+    "The host tier's retention cost: the bytes this turn's copy added to the offloading "
+    "tier (`kvobs.host.bytes` of its save) x the seconds from the save's end until the "
+    "tier first evicted them (its evict span's end). Null while the copy was still in "
+    "the tier.", fleet=_F, public=True)
+RETENTION = {c.name: c for c in (DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS)}
 
 COLUMNS: dict[str, TurnColumn] = {c.name: c for c in [*KEY_COLUMNS, *_SPAN_COLUMNS]}
 SPAN_COLUMNS: dict[str, TurnColumn] = {c.name: c for c in _SPAN_COLUMNS}
@@ -227,8 +244,9 @@ def previous(column: TurnColumn) -> TurnColumn:
                       f"`{column.name}` of the previous turn (turn - 1).", fleet=column.fleet)
 
 
-DERIVED: dict[str, TurnColumn] = {GAP.name: GAP, **{
-    PREVIOUS_PREFIX + c.name: previous(c) for c in _SPAN_COLUMNS if c.carries}}
+PREVIOUS: dict[str, TurnColumn] = {
+    PREVIOUS_PREFIX + c.name: previous(c) for c in _SPAN_COLUMNS if c.carries}
+DERIVED: dict[str, TurnColumn] = {GAP.name: GAP, **RETENTION, **PREVIOUS}
 ALL_COLUMNS: dict[str, TurnColumn] = {**COLUMNS, **DERIVED}
 PUBLIC = [c.name for c in ALL_COLUMNS.values() if c.public]
 

@@ -32,6 +32,7 @@ from prometheus_client.exposition import choose_encoder
 
 from kvobs import semconv as sc
 from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
+from kvobs.settings import entry_lifetime_s
 
 from connector_instrumented.proxy._clock import DecodeClock
 from connector_instrumented.proxy._digest import Prefixes, extends, history_digest
@@ -158,7 +159,7 @@ class _Proxy:
         self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
         lifetime = (config.fixed_entry_lifetime_s or config.max_entry_lifetime_s
-                    or (config.decode_kv_ttl_s - config.expiry_margin_s))
+                    or entry_lifetime_s(config.decode_kv_ttl_s, config.expiry_margin_s))
         metrics.entry_lifetime.set(lifetime)
         metrics.decode_ttl.set(config.decode_kv_ttl_s)
 

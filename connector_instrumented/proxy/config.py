@@ -5,14 +5,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from kvobs import semconv as sc
+from kvobs.settings import DECLINE_WINDOW, DECODE_TTL, PROXY_EXPIRY_MARGIN
 
 from connector_instrumented.proxy.store import INFER_PER_TENANT
-
-# vLLM's own default for ``decoder_kv_blocks_ttl`` (kv_transfer_config extra config).
-VLLM_DEFAULT_DECODE_TTL_S = sc.VLLM_DEFAULT_DECODE_TTL_S
-# P declines a read whose blocks expire within this many seconds (fixed in vLLM).
-PREFILL_DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -39,11 +34,11 @@ class ProxyConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     # decoder_kv_blocks_ttl of the decode engines, used when D's params do not carry it.
-    decode_kv_ttl_s: float = VLLM_DEFAULT_DECODE_TTL_S
-    # End entries this long before D's blocks expire (>= P's fixed 5 s decline window).
-    expiry_margin_s: float = 10.0
+    decode_kv_ttl_s: float = DECODE_TTL.default
+    # End entries this long before D's blocks expire (>= P's fixed decline window).
+    expiry_margin_s: float = PROXY_EXPIRY_MARGIN.default
     max_entry_lifetime_s: float | None = None
-    # Upstream-compatible fixed entry life (upstream's example proxy: 450 s), ignoring D's
+    # Upstream-compatible fixed entry life (settings.UPSTREAM_ENTRY_LIFETIME), ignoring D's
     # own expiry. Unsafe when D's TTL is shorter: P then declines the reads (kvobs shows
     # `expired` turns and the lifetime-above-TTL alert fires). None: derive from D.
     fixed_entry_lifetime_s: float | None = None
@@ -101,9 +96,9 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("at least one prefill and one decode endpoint are required")
-        if self.expiry_margin_s < PREFILL_DECLINE_WINDOW_S:
+        if self.expiry_margin_s < DECLINE_WINDOW.default:
             raise ValueError(
-                f"expiry_margin_s must be >= {PREFILL_DECLINE_WINDOW_S} s (P declines reads "
+                f"expiry_margin_s must be >= {DECLINE_WINDOW} (P declines reads "
                 "that close to D's expiry)")
         if self.decode_kv_ttl_s <= self.expiry_margin_s:
             raise ValueError("decode_kv_ttl_s must exceed expiry_margin_s")

@@ -7,7 +7,7 @@ import logging
 import click
 
 from kvobs.cli._common import fail_input
-from kvobs.semconv import VLLM_DEFAULT_DECODE_TTL_S
+from kvobs.settings import DECLINE_WINDOW, DECODE_TTL, PROXY_EXPIRY_MARGIN
 
 ENV_REDIS_URL = "KVOBS_PROXY_REDIS_URL"
 
@@ -68,11 +68,12 @@ class _UpstreamFlags(click.Command):
               default=("localhost",), show_default=True)
 @click.option("--decoder-port", "--decoder-ports", "decoder_ports", multiple=True,
               default=("8200",), show_default=True)
-@click.option("--decode-kv-ttl", type=float, default=VLLM_DEFAULT_DECODE_TTL_S,
+@click.option("--decode-kv-ttl", type=float, default=DECODE_TTL.default,
               show_default=True,
               help="decoder_kv_blocks_ttl (s) of the decode engines, when D's params lack it.")
-@click.option("--expiry-margin", type=float, default=10.0, show_default=True,
-              help="End entries this long before D's blocks expire (>= 5 s).")
+@click.option("--expiry-margin", type=float, default=PROXY_EXPIRY_MARGIN.default,
+              show_default=True,
+              help=f"End entries this long before D's blocks expire (>= {DECLINE_WINDOW}).")
 @click.option("--max-entry-lifetime", type=float, default=None,
               help="Optional cap (s) on an entry's life.")
 @click.option("--fixed-entry-lifetime", type=float, default=None,

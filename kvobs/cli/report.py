@@ -145,8 +145,23 @@ def _print_report(report, html_file) -> None:
               f"{memory['block_seconds_never_read']:,.0f} block-s held for nothing"
               + (f"; {memory['gib_hours_held']:,.1f} GiB-h" if memory.get("gib_hours_held")
                  else ""))
+    out.print(_retention_line(report.retention), highlight=False)
     if html_file:
         out.print(f"HTML report written to {html_file}")
+
+
+def _retention_line(retention) -> str:
+    """Retention cost in each place and what it bought, in one line."""
+    device, host = retention["device"], retention["host"]
+    held = (f"{device['gib_hours']:,.3g} GiB-h" if device["gib_hours"] is not None
+            else f"{device['block_seconds']:,.0f} block-s")
+    line = (f"retention cost: D {held} for {device['tokens_served']:,} tokens read later; "
+            f"host tier {host['gib_hours']:,.3g} GiB-h (evicted copies) for "
+            f"{host['tokens_served']:,} tokens loaded later")
+    if host["copies_still_held"]:
+        line += (f"; {host['copies_still_held']:,} host copies still held "
+                 f"(>= {host['byte_seconds_still_held_at_least'] / 2**30 / 3600:,.3g} GiB-h)")
+    return line
 
 
 def _phase_table(section, title):
@@ -205,7 +220,7 @@ def tune_command(source, prefill_rate, target, as_json):
               + f"; confidence [bold]{trust.level}[/]", highlight=False)
     for warning in trust.warnings:
         out.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    table = Table(title="TTL candidates (replayed over recorded gaps)")
+    table = Table(title="TTL candidates (replayed over the recorded turns)")
     for header in ("TTL s", "reuse window s", "hits", "hit ratio", "block-s held"):
         table.add_column(header, justify="right")
     for row in result.ttl_table:
@@ -221,7 +236,9 @@ def tune_command(source, prefill_rate, target, as_json):
 @click.option("--ttl", type=float, required=True, help="decoder_kv_blocks_ttl to replay (s).")
 @click.option("--threshold", type=int, required=True, help="kv_recompute_threshold to replay.")
 @click.option("--proxy-lifetime", type=float, default=None,
-              help="Proxy entry lifetime (s); default TTL - 30.")
+              help="Proxy entry lifetime (s) every proxy replays with (default: each as "
+                   "recorded, its entries moving with the TTL as the kvobs proxy derives "
+                   "them: TTL less its --expiry-margin).")
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

@@ -205,8 +205,13 @@ def phase_shares(report: FleetReport):
     shares.xaxis.set_major_formatter(lambda value, _: f"{value:.0%}")
     shares.set_xlabel("share of the summed latency")
     shares.legend(fontsize=8)
-    spread.set_xscale("log")
-    spread.set_xlabel("seconds per turn (p50 to p95, log scale)")
+    # No phase measured (spans without a timeline): matplotlib refuses a log axis
+    # without a positive value; the empty panel stays linear.
+    measured = any(row["p95_s"] for scope, _ in SCOPES
+                   for row in report.phases[scope]["phases"])
+    spread.set_xscale("log" if measured else "linear")
+    spread.set_xlabel("seconds per turn (p50 to p95, log scale)" if measured
+                      else "seconds per turn: no phase measured")
     spread.legend(fontsize=8)
     return figure
 

@@ -21,6 +21,7 @@ from kvobs.fleet._svg import legend, stacked_bars
 from kvobs.fleet.report import VERDICTS, FleetReport
 from kvobs.render import byte_size, duration, fault_count, total_seconds
 from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
+from kvobs.settings import DECLINE_WINDOW
 from kvobs.timeline import MARKS, PHASES
 
 # Healthy verdicts in greens (turn 1 neutral), faults in warm colours, missing evidence
@@ -176,7 +177,7 @@ def _gap_section(turns: pd.DataFrame) -> str:
     if not rows:
         return "<p class='none'>no later turn with a gap</p>"
     note = (f"<p>D's TTL (<code>decoder_kv_blocks_ttl</code>, median over turns): "
-            f"{_span(ttl)}. P declines a read within {sc.VLLM_DECLINE_WINDOW_S:g} s of "
+            f"{_span(ttl)}. P declines a read within {DECLINE_WINDOW} of "
             "expiry.</p>" if ttl else "")
     return note + stacked_bars(rows, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
                                title="verdict mix by inter-turn gap")
@@ -253,6 +254,18 @@ def _memory(memory: dict[str, Any]) -> str:
         label, fmt = known.get(key, (key.replace("_", " "), number))
         rows.append(f"<tr><th scope='row'>{html.escape(label)}</th>"
                     f"<td>{html.escape(fmt(value) if value is not None else '–')}</td></tr>")
+    return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _retention(retention: dict[str, Any]) -> str:
+    """Each place's cost and what it bought, one row per figure (docs/fleet.md)."""
+    rows = []
+    for place, title in (("device", "D"), ("host", "host tier")):
+        for key, value in retention.get(place, {}).items():
+            shown = number(value) if value is not None else "–"
+            rows.append(f"<tr><th scope='row'>{html.escape(title)}: "
+                        f"{html.escape(key.replace('_', ' '))}</th>"
+                        f"<td>{html.escape(shown)}</td></tr>")
     return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
 
 
@@ -338,5 +351,6 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
                          png(read_time_vs_tokens(turns, report.prefill_tokens_per_s)),
                          "read time against tokens read"))
     parts += ["<h2>D memory held for reuse</h2>", _memory(report.memory),
+              "<h2>Retention cost: D vs the host tier</h2>", _retention(report.retention),
               f"<footer>kvobs {__version__}</footer></main></body></html>"]
     return "\n".join(part for part in parts if part)

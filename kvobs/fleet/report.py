@@ -1,6 +1,7 @@
 """The fleet report: verdict mix, reuse, bytes, TTFT, latency and D's retained memory, by
-turn index and prompt length, and the phases that cost the fleet most (``phase_ranking``),
-over every turn of a source; turn 1 always apart."""
+turn index and prompt length, the phases that cost the fleet most (``phase_ranking``) and
+the retention cost on D and in the host tier (``kvobs.fleet.retention``), over every turn
+of a source; turn 1 always apart."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from kvobs import semconv as sc
+from kvobs.fleet.retention import retention
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.turn_columns import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
@@ -193,6 +195,7 @@ class FleetReport:
     by_turn_and_prompt: list[dict[str, Any]]
     memory: dict[str, Any]
     phases: dict[str, Any] = field(default_factory=dict)  # phase_sections
+    retention: dict[str, Any] = field(default_factory=dict)  # fleet.retention.retention
     synthetic: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
 
@@ -237,5 +240,6 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
         by_turn_and_prompt=grouped(measured, ["turn_bucket", "prompt_bucket"]),
         memory=memory_held(labelled),
         phases=phase_sections(labelled, first.to_numpy(bool)),
+        retention=retention(labelled),
         synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
     return report, labelled

@@ -1,14 +1,17 @@
 """``kvobs tune``: settings from measurements, with the arithmetic shown.
 
 - Break-even read size: reads cost ``a + M * s`` seconds (least-squares fit of measured
-  read time on tokens read: ``a`` fixed cost, ``s`` seconds per token); recomputing costs
-  ``M / p`` (``p``: measured prefill rate, ``kvobs.timeline.prefill_rate``). Reading pays
-  off from ``M* = a / (1/p - s)``; ``kv_recompute_threshold`` is ``M*`` rounded up to a
-  block.
-- TTL: a later turn can reuse D's KV when its gap is below ``ttl - 5 s`` (P declines reads
-  that close to expiry) and below the proxy's entry lifetime. Each candidate TTL is
-  replayed over the recorded gaps: predicted hit ratio, and memory held (each export's
-  blocks x the time until its next turn reads them, or the TTL).
+  read time on tokens read, ``kvobs.fleet.replay.read_model``: ``a`` fixed cost, ``s``
+  seconds per token); recomputing costs ``M / p`` (``p``: measured prefill rate,
+  ``kvobs.timeline.prefill_rate``). Reading pays off from ``M* = a / (1/p - s)``;
+  ``kv_recompute_threshold`` is ``M*`` rounded up to a block.
+- TTL: each candidate TTL is replayed over the recorded turns at that threshold
+  (``kvobs.fleet.replay``: the facts the TTL decides rewritten, the verdicts decided by
+  ``kvobs.verdicts.decide``): hits are the later turns that read D's KV (remote-hit or
+  slow-transfer), memory held is each export's blocks x the time until its next turn
+  reads them, or the TTL.
+- Proxy entry lifetime: the kvobs proxy's own under the recommended TTL (TTL less its
+  expiry margin, ``kvobs.settings``), replayed with every proxy on it.
 """
 
 from __future__ import annotations
@@ -20,101 +23,42 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvobs.correlate import follows
+from kvobs.fleet.replay import ReadModel, Recorded, block_seconds, next_turn, read_model, replay
+from kvobs.settings import DECLINE_WINDOW, PROXY_EXPIRY_MARGIN, entry_lifetime_s
+from kvobs.semconv import Verdict
 from kvobs.timeline import prefill_rate
-from kvobs import semconv as sc
-from kvobs.semconv import ReadOutcome, Verdict
+from kvobs.verdicts import Context
 
-DECLINE_WINDOW_S = sc.VLLM_DECLINE_WINDOW_S
-PROXY_MARGIN_S = 30.0  # proxy entry lifetime below D's TTL (defaults: 450 vs 480 s)
+__all__ = ["Tuning", "tune", "ReadModel", "read_model", "next_turn", "replay_ttl"]
+
 BLOCK_TOKENS = 16
 TTL_GRID = (60, 120, 240, 300, 360, 480, 600, 900, 1200, 1800, 3600)
-# Verdicts whose outcome depends on D still holding the KV (TTL) and on the threshold.
-REUSE_VERDICTS = frozenset({Verdict.REMOTE_HIT.value, Verdict.SLOW_TRANSFER.value,
-                            Verdict.EXPIRED.value, Verdict.BELOW_THRESHOLD.value,
-                            Verdict.LOCAL_HIT.value})
-
-
-@dataclass
-class ReadModel:
-    """Measured read cost: ``seconds = fixed_s + tokens * s_per_token``."""
-
-    fixed_s: float
-    s_per_token: float
-    reads: int
-    bytes_per_s: float | None
-
-    def seconds(self, tokens):
-        return self.fixed_s + np.asarray(tokens, float) * self.s_per_token
-
-
-def read_model(turns: pd.DataFrame) -> ReadModel | None:
-    done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
-    tokens = turns["candidate_tokens"].astype(float).to_numpy()
-    seconds = turns["read_duration_s"].astype(float).to_numpy()
-    usable = done & (tokens > 0) & np.isfinite(seconds)
-    if usable.sum() < 2:
-        return None
-    x, y = tokens[usable], seconds[usable]
-    # Robust to a tail of slow reads: fit on reads up to the 90th percentile of cost/token.
-    per_token = y / x
-    keep = per_token <= np.quantile(per_token, 0.9)
-    if keep.sum() >= 2 and np.ptp(x[keep]) > 0:
-        x, y = x[keep], y[keep]
-    intercept, slope = _fit(x, y)
-    read_bytes = turns["read_bytes"].astype(float).to_numpy()[usable]
-    total_s = seconds[usable].sum()
-    return ReadModel(intercept, slope, int(usable.sum()),
-                     float(np.nansum(read_bytes) / total_s) if total_s > 0 else None)
-
-
-def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(fixed seconds, seconds per token), both >= 0, least squares within that bound.
-
-    Reads of similar sizes with noisy times give a line of any slope and a negative
-    intercept; clamping only the intercept keeps that slope (a 1 ms read of 139 tokens
-    then "costs" 0.5 ms per token). Refit with the bound active instead: through the
-    origin when the intercept would be negative, flat when the slope would be."""
-    if np.ptp(x) > 0:
-        slope, intercept = (float(v) for v in np.polyfit(x, y, 1))
-        if intercept >= 0 and slope >= 0:
-            return intercept, slope
-        if intercept < 0:
-            slope = float(x @ y / (x @ x))
-            if slope >= 0:
-                return 0.0, slope
-    return max(0.0, float(np.mean(y))), 0.0
-
-
-def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """For each row: whether the conversation's next turn follows it, and that turn's row."""
-    n = len(turns)
-    has_next = np.zeros(n, bool)
-    has_next[:-1] = follows(turns)[1:]
-    return has_next, np.minimum(np.arange(n) + 1, n - 1)
+# Verdicts of a later turn that read D's KV.
+READ_VERDICTS = (Verdict.REMOTE_HIT.value, Verdict.SLOW_TRANSFER.value)
 
 
 def reuse_window_s(ttl_s: float, proxy_lifetime_s: float | None) -> float:
-    window = ttl_s - DECLINE_WINDOW_S
-    return min(window, proxy_lifetime_s) if proxy_lifetime_s else window
+    """The longest gap after which a turn can still read D's KV: P declines reads within
+    the decline window of D's expiry, and the proxy's entry ends at its lifetime (by
+    default the kvobs proxy's under this TTL)."""
+    lifetime = entry_lifetime_s(ttl_s) if proxy_lifetime_s is None else proxy_lifetime_s
+    return min(ttl_s - DECLINE_WINDOW.default, lifetime)
 
 
-def replay_ttl(turns: pd.DataFrame, ttl_s: float, proxy_lifetime_s: float | None,
-               reads: np.ndarray) -> dict[str, float]:
-    """Predicted reuse and memory if D kept KV for ``ttl_s``.
-
-    ``reads``: later turns that would read if the KV were alive (per row, bool)."""
-    gap = turns["gap_s"].astype(float).to_numpy()
-    alive = gap < reuse_window_s(ttl_s, proxy_lifetime_s)
-    hits = reads & alive
-    has_next, following = next_turn(turns)
-    next_reads = has_next & hits[following]
-    blocks = turns["export_blocks"].astype(float).fillna(0).to_numpy()
-    held = np.where(next_reads, gap[following], ttl_s)
-    later = int((turns["turn"] > 1).sum())
+def replay_ttl(recorded: Recorded, ttl_s: float, threshold: int,
+               proxy_lifetime_s: float | None, model: ReadModel | None,
+               context: Context) -> dict[str, float]:
+    """Predicted reuse and memory if D kept KV for ``ttl_s`` (``kvobs.fleet.replay``)."""
+    turns = recorded.turns
+    replayed = replay(recorded, ttl_s, threshold, proxy_lifetime_s, model, context)
+    later = turns["turn"].to_numpy() > 1
+    read = np.zeros(len(later), bool)
+    for verdict in READ_VERDICTS:
+        read |= replayed.verdicts == verdict
+    hits = int((later & read).sum())
     return {"ttl_s": float(ttl_s), "reuse_window_s": reuse_window_s(ttl_s, proxy_lifetime_s),
-            "hits": int(hits.sum()), "hit_ratio": float(hits.sum() / later) if later else 0.0,
-            "block_seconds": float((blocks * held).sum())}
+            "hits": hits, "hit_ratio": float(hits / later.sum()) if later.sum() else 0.0,
+            "block_seconds": block_seconds(turns, replayed.reads, ttl_s)}
 
 
 @dataclass
@@ -135,26 +79,6 @@ class Tuning:
         out = dict(self.__dict__)
         out["read"] = dict(self.read.__dict__) if self.read else None
         return out
-
-
-def would_read(turns: pd.DataFrame, threshold: float) -> np.ndarray:
-    """Later turns whose reuse only TTL decides: params reached P (or would have, but for
-    the proxy's stale entry) and the candidate ``M`` is at least the threshold."""
-    verdict = turns["verdict"].astype(str).to_numpy()
-    eligible = np.isin(verdict, list(REUSE_VERDICTS)) & (turns["turn"].to_numpy() > 1)
-    return eligible & (candidate_tokens(turns) >= threshold)
-
-
-def candidate_tokens(turns: pd.DataFrame) -> np.ndarray:
-    """``M = max(0, min(C, N) - L)``, with ``C`` from the previous turn's export when P
-    never saw params (a stale proxy entry)."""
-    n_tokens = turns["prompt_tokens"].astype(float).to_numpy()
-    local = turns["local_hit_tokens"].astype(float).fillna(0).to_numpy()
-    remote = turns["remote_tokens"].astype(float).to_numpy()
-    exported = turns["prev_export_tokens"].astype(float).to_numpy()
-    remote = np.where(np.isnan(remote) | (remote == 0), exported, remote)
-    m = np.maximum(0, np.minimum(remote, n_tokens) - local)
-    return np.nan_to_num(m, nan=0.0)
 
 
 def tune(turns: pd.DataFrame, target: float = 0.95,
@@ -189,10 +113,10 @@ def tune(turns: pd.DataFrame, target: float = 0.95,
     else:
         lines.append("no break-even: need turns that read (read model) and turns that "
                      "computed without reading (prefill rate)")
-    threshold = recommended or current_threshold or 0
-    reads = would_read(turns, threshold)
+    threshold = int(recommended or current_threshold or 0)
+    context, recorded = Context(rate), Recorded(turns)
     grid = sorted(set(TTL_GRID) | ({float(current_ttl)} if current_ttl else set()))
-    table = [replay_ttl(turns, ttl, None, reads) for ttl in grid]
+    table = [replay_ttl(recorded, ttl, threshold, None, model, context) for ttl in grid]
     best = max(row["hit_ratio"] for row in table) if table else 0.0
     chosen = next((row for row in table if row["hit_ratio"] >= target * best), None)
     recommended_ttl = chosen["ttl_s"] if chosen and best > 0 else None
@@ -201,11 +125,13 @@ def tune(turns: pd.DataFrame, target: float = 0.95,
         lines.append(f"TTL: smallest candidate reaching {target:.0%} of the best hit ratio "
                      f"over the grid ({best:.1%}): {recommended_ttl:.0f} s, hit ratio "
                      f"{chosen['hit_ratio']:.1%}, {chosen['block_seconds']:,.0f} block-s held")
-        proxy_lifetime = max(0.0, recommended_ttl - PROXY_MARGIN_S)
-        proxy_prediction = replay_ttl(turns, recommended_ttl, proxy_lifetime, reads)
-        lines.append(f"proxy entry lifetime = TTL - {PROXY_MARGIN_S:.0f} s = "
-                     f"{proxy_lifetime:.0f} s (the proxy drops an entry before P would "
-                     f"decline its read): hit ratio {proxy_prediction['hit_ratio']:.1%}")
+        proxy_lifetime = entry_lifetime_s(recommended_ttl)
+        proxy_prediction = replay_ttl(recorded, recommended_ttl, threshold, proxy_lifetime,
+                                      model, context)
+        lines.append(f"proxy entry lifetime = TTL - expiry margin {PROXY_EXPIRY_MARGIN} = "
+                     f"{proxy_lifetime:.0f} s (the kvobs proxy's default: it drops an entry "
+                     f"before P would decline its read): hit ratio "
+                     f"{proxy_prediction['hit_ratio']:.1%} with every proxy on it")
     return Tuning(rate, model, break_even, recommended, current_threshold, current_ttl, table,
                   recommended_ttl, proxy_lifetime, proxy_prediction, lines)
 

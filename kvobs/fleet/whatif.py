@@ -1,45 +1,43 @@
-"""``kvobs whatif``: replay the recorded turns under another TTL and threshold.
+"""``kvobs whatif``: replay the recorded turns under another TTL, threshold and proxy
+entry lifetime, and compare the predicted verdict mix, reuse and memory with what
+happened.
 
-Only the outcomes those settings decide are replayed; everything else keeps its recorded
-verdict (no id, proxy miss, rewritten history, failed reads, missing spans). For a later
-turn whose params reached P, or would have but for the proxy's stale entry:
-
-1. expired when its gap is at least ``ttl - 5 s`` or the proxy's entry lifetime
-   (default ``ttl - 30 s``, as the defaults 480/450 s);
-2. local-hit when ``M = 0`` and ``L > 0``;
-3. below-threshold when ``0 < M < threshold``;
-4. else a read: its recorded duration when it read, else the fitted read model
-   (``kvobs.fleet.tune.read_model``); slow-transfer when that exceeds ``M / p``, else
-   remote-hit.
-Memory: each export's blocks held until the next turn reads them, or for the TTL.
+The replay (``kvobs.fleet.replay``) rewrites the facts each setting decides (the proxy's
+lookup, P's pull decision, P's read, D's release) and decides the rewritten turns with the
+one verdict decision, ``kvobs.verdicts.decide``: the verdicts are diagnose's own for those
+facts. Replaying the recorded settings gives back the recorded verdicts. Memory: each
+export's blocks held until the next turn reads them, or for the TTL.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from kvobs.timeline import prefill_rate
+from kvobs.fleet.replay import block_seconds, read_model, replay
 from kvobs.fleet.report import VERDICTS
-from kvobs.fleet.tune import (PROXY_MARGIN_S, REUSE_VERDICTS, candidate_tokens, next_turn, read_model,
-                              reuse_window_s)
+from kvobs.timeline import prefill_rate
 from kvobs.semconv import ReadOutcome, Verdict
+from kvobs.verdicts import Context
 
 
 @dataclass
 class WhatIf:
-    ttl_s: float
-    threshold: int
-    proxy_lifetime_s: float | None
+    # None: as recorded, turn by turn (the library's; the CLI always names TTL and threshold)
+    ttl_s: float | None
+    threshold: int | None
+    proxy_lifetime_s: float | None  # None: each proxy as recorded, moving with the TTL
     actual: dict[str, Any]
     predicted: dict[str, Any]
     changed_turns: int
+    # Per row of the turn table: the predicted verdict (not in the JSON output).
+    verdicts: np.ndarray = field(default_factory=lambda: np.array([], object), repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {key: value for key, value in self.__dict__.items() if key != "verdicts"}
 
 
 def _summary(turns: pd.DataFrame, verdicts: np.ndarray, reused: np.ndarray,
@@ -57,50 +55,26 @@ def _summary(turns: pd.DataFrame, verdicts: np.ndarray, reused: np.ndarray,
             "block_seconds_held": block_seconds}
 
 
-def whatif(turns: pd.DataFrame, ttl_s: float, threshold: int,
+def whatif(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None,
            proxy_lifetime_s: float | None = None,
            prefill_tokens_per_s: float | None = None) -> WhatIf:
-    """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``)."""
-    if proxy_lifetime_s is None:
-        proxy_lifetime_s = max(0.0, ttl_s - PROXY_MARGIN_S)
+    """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``, labelled at
+    ``prefill_tokens_per_s`` when given)."""
     rate = prefill_tokens_per_s or prefill_rate(turns)
-    model = read_model(turns)
+    replayed = replay(turns, ttl_s, threshold, proxy_lifetime_s, read_model(turns),
+                      Context(rate))
     verdict = turns["verdict"].astype(str).to_numpy()
-    later = turns["turn"].to_numpy() > 1
-    gap = turns["gap_s"].astype(float).to_numpy()
-    local = turns["local_hit_tokens"].astype(float).fillna(0).to_numpy()
-    m = candidate_tokens(turns)
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
-    recorded_s = turns["read_duration_s"].astype(float).to_numpy()
-
-    replay = later & np.isin(verdict, list(REUSE_VERDICTS))
-    predicted = verdict.copy()
-    expired = replay & ~(gap < reuse_window_s(ttl_s, proxy_lifetime_s))
-    local_hit = replay & ~expired & (m == 0) & (local > 0)
-    below = replay & ~expired & ~local_hit & (m > 0) & (m < threshold)
-    reads = replay & ~expired & ~local_hit & ~below & (m > 0)
-    modelled = model.seconds(m) if model else np.full(len(m), np.nan)
-    seconds = np.where(done & np.isfinite(recorded_s), recorded_s, modelled)
-    slow = reads & (seconds > m / rate) if rate else np.zeros(len(m), bool)
-    predicted[expired] = Verdict.EXPIRED.value
-    predicted[local_hit] = Verdict.LOCAL_HIT.value
-    predicted[below] = Verdict.BELOW_THRESHOLD.value
-    predicted[reads & slow] = Verdict.SLOW_TRANSFER.value
-    predicted[reads & ~slow] = Verdict.REMOTE_HIT.value
-    predicted[replay & ~expired & ~local_hit & ~below & ~reads] = Verdict.MISS.value
-
     actual_reused = np.where(done, turns["candidate_tokens"].astype(float).fillna(0), 0)
-    predicted_reused = np.where(reads, m, 0)
     blocks = turns["export_blocks"].astype(float).fillna(0).to_numpy()
     held = turns["held_s"].astype(float).fillna(
         (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9)
-    has_next, following = next_turn(turns)
-    next_reads = has_next & reads[following]
-    predicted_held = np.where(next_reads, gap[following], ttl_s)
     return WhatIf(
-        ttl_s, threshold, proxy_lifetime_s,
+        None if ttl_s is None else float(ttl_s),
+        None if threshold is None else int(threshold), proxy_lifetime_s,
         actual=_summary(turns, verdict, actual_reused,
                         float((blocks * held.fillna(0).to_numpy()).sum())),
-        predicted=_summary(turns, predicted, predicted_reused,
-                           float((blocks * predicted_held).sum())),
-        changed_turns=int((predicted != verdict).sum()))
+        predicted=_summary(turns, replayed.verdicts, replayed.reused_tokens,
+                           block_seconds(turns, replayed.reads, ttl_s)),
+        changed_turns=int((replayed.verdicts != verdict).sum()),
+        verdicts=replayed.verdicts)

@@ -18,7 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvobs.semconv import VLLM_DEFAULT_DECODE_TTL_S, ReadDirection
+from kvobs.semconv import ReadDirection
+from kvobs.settings import DECODE_TTL, PROXY_ENTRY_LIFETIME
 
 RUNBOOK_BASE_URL = "https://github.com/kvobs/kvobs/blob/main/docs/runbooks"
 
@@ -81,6 +82,13 @@ class Thresholds:
     store_error_rate: float = 0.0
     # Spans dropped by a full export queue per second.
     dropped_spans_rate: float = 0.0
+    # Share of the host tier's lookups that wanted a copy it had evicted (of those that
+    # found a copy or its evicted blocks): the tier is too small for the inter-turn gaps.
+    host_evicted_lookup_ratio: float = 0.1
+    # Share of host copies that stop at the prompt (not covering the generated tokens)
+    # on a fleet with later turns: offload_prompt_only=true on a multi-turn fleet. High
+    # by default: a short answer that does not fill its block is prompt-only too.
+    host_prompt_only_ratio: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,8 @@ class RateFloors:
     later_turns: float = 0.01
     reads_done: float = 0.01
     prefill_requests: float = 0.01  # requests finished by the prefill engines
+    host_lookups: float = 0.01  # host-tier lookups that found a copy or its evicted blocks
+    host_saves: float = 0.01  # host copies saved
 
 
 @dataclass(frozen=True)
@@ -111,9 +121,9 @@ class MonitoringConfig:
     floors: RateFloors = field(default_factory=RateFloors)
     windows: Windows = field(default_factory=Windows)
     # D's decoder_kv_blocks_ttl (s): reference line for gaps and remaining TTL panels.
-    decode_ttl_seconds: float = VLLM_DEFAULT_DECODE_TTL_S
-    # Proxy metadata lifetime default (s): must stay below decode_ttl_seconds.
-    proxy_entry_lifetime_seconds: float = 450.0
+    decode_ttl_seconds: float = DECODE_TTL.default
+    # The proxy's entry lifetime (s): must stay below decode_ttl_seconds.
+    proxy_entry_lifetime_seconds: float = PROXY_ENTRY_LIFETIME.default
     # Prefix of every alert's runbook_url and of the dashboards' runbook links: absolute
     # (Alertmanager and Grafana cannot resolve a repository path). Point it at the place
     # that serves docs/runbooks for you (your Git web UI, an internal docs site).

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvobs.monitoring import queries as q
 from kvobs.monitoring import rules
 from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
+from kvobs.settings import DECLINE_WINDOW
 from kvobs.semconv import (
     METRICS,
     M_PROXY_GAP,
@@ -77,6 +78,8 @@ RUNBOOK_LINKS: dict[str, tuple[str, ...]] = {
     "Reused tokens per second of read time": ("KvobsRemoteReadsSlowerThanRecompute",),
     "Prefix mismatches and stuck waits": ("KvobsRequestsStuckWaitingForRemoteKV",),
     "P queue share of P's TTFT": (rules.PREFILL_QUEUEING_ALERT,),
+    "Host copies evicted before reuse": (rules.HOST_EVICTED_ALERT,),
+    "Prompt-only share of host copies": (rules.HOST_PROMPT_ONLY_ALERT,),
 }
 # Histograms the proxy exposes with exemplars (trace_id of the turn): their quantile
 # queries ask Grafana for exemplars, which link to the trace (datasource's
@@ -249,10 +252,11 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
             PanelSpec(
                 "Remaining TTL when a read began",
                 "Seconds left before D's expiry when P began a read. A low p05 means reads "
-                "race the TTL and some get declined; P declines within 5 s of expiry.",
+                f"race the TTL and some get declined; P declines within {DECLINE_WINDOW} of "
+                "expiry.",
                 (T(q.remaining_ttl_quantile(s, 0.05), "p05"),
                  T(q.remaining_ttl_quantile(s, 0.5), "p50")),
-                "s", threshold=5.0),
+                "s", threshold=DECLINE_WINDOW.default),
             PanelSpec(
                 "Inter-turn gap against TTLs",
                 "Gap between a turn's end and the next turn's start (p50, p95) against D's "
@@ -402,6 +406,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "s"),
         )),
         where_ttft_goes(s, config),
+        host_copy(s, config),
     )
 
 
@@ -546,6 +551,81 @@ def where_ttft_goes(s: q.Scope, config: MonitoringConfig) -> RowSpec:
     ))
 
 
+def host_copy(s: q.Scope, config: MonitoringConfig) -> RowSpec:
+    """The previous turn's KV kept in an offloading tier (vLLM's offloading connector):
+    what is saved, what comes back, what is lost before it could (docs/host_copy.md)."""
+    T = Target
+    th = config.thresholds
+    return RowSpec("Host copy (offloading tier)", (
+        PanelSpec(
+            "Host tier bytes saved and loaded",
+            "Bytes the engines copied to their offloading tier (host memory, or a peer's) "
+            "and loaded back, per second, as vLLM counts them. A store rate far above the "
+            "load rate: the tier fills with copies nobody asks for again.",
+            (T(q.host_store_bytes_rate(s.keeping("instance")), "saved {{instance}}"),
+             T(q.host_load_bytes_rate(s.keeping("instance")), "loaded {{instance}}")),
+            "Bps"),
+        PanelSpec(
+            "Reused prompt tokens: host tier vs device",
+            "Prompt tokens served without computing them, per second: loaded from an "
+            "offloading tier (host or p2p, kvobs), read from D's retained KV (the device "
+            "path, D->P reads), and vLLM's own split of cached prompt tokens by tier "
+            "(device: the engine's prefix cache; host, p2p: the offloading tiers).",
+            (T(q.host_loaded_tokens_rate(s.keeping("tier")), "host tier: {{tier}}"),
+             T(q.reused_tokens_rate(s), "device: D->P reads"),
+             T(q.prompt_tokens_cached_by_source_rate(s.keeping("source")),
+               "vLLM cached: {{source}}")),
+            "short"),
+        PanelSpec(
+            "Host-tier lookups by outcome",
+            "Admitted prompts' lookups in the offloading tiers. hit: the tier served "
+            "tokens; evicted: the hit stopped at a block the tier had evicted (the "
+            "host-evicted verdict); miss: new tokens the tier never had.",
+            (T(q.host_lookups_rate(s.keeping("outcome")), "{{outcome}}"),),
+            "ops", stacked=True),
+        PanelSpec(
+            "Host copies evicted before reuse",
+            "Share of the lookups that wanted a host copy (hit or evicted) that found it "
+            "(partly) evicted. Above the dashed line for "
+            f"{config.windows.for_ratio} {rules.HOST_EVICTED_ALERT} fires.",
+            (T(q.host_evicted_lookup_ratio(s.keeping("instance")), "{{instance}}"),),
+            "percentunit", threshold=th.host_evicted_lookup_ratio),
+        PanelSpec(
+            "Age of evicted host copies",
+            "Time an evicted request's oldest block spent in the tier (p50, p95), and "
+            "evicted blocks per second: copies evicted younger than the inter-turn gaps "
+            "were needed again.",
+            (T(q.host_evicted_age_quantile(s, 0.5), "age p50"),
+             T(q.host_evicted_age_quantile(s, 0.95), "age p95"),
+             T(q.gap_quantile(s, 0.95), "inter-turn gap p95")),
+            "s"),
+        PanelSpec(
+            "Host copies saved, with and without the response",
+            "Finished requests whose copy the tier holds, by whether it reaches into the "
+            "generated tokens (R), and saves the tier refused in part (no room: "
+            "best-effort).",
+            (T(q.host_saves_rate(s.keeping("covers_response")),
+               "covers response: {{covers_response}}"),
+             T(q.host_save_incomplete_rate(s), "incomplete")),
+            "ops", stacked=True),
+        PanelSpec(
+            "Prompt-only share of host copies",
+            "Share of host copies that stop at the prompt (offload_prompt_only=true, "
+            "vLLM's default, or a short answer). With later turns at the proxy "
+            f"above the dashed line for {config.windows.for_ratio} "
+            f"{rules.HOST_PROMPT_ONLY_ALERT} fires.",
+            (T(q.host_prompt_only_ratio(s.keeping("instance")), "{{instance}}"),),
+            "percentunit", threshold=th.host_prompt_only_ratio),
+        PanelSpec(
+            "Host loads and evicted blocks",
+            "Loads from an offloading tier per second, by tier (host, p2p), and blocks "
+            "the tier evicted per second.",
+            (T(q.host_loads_rate(s.keeping("tier")), "loads {{tier}}"),
+             T(q.host_evicted_blocks_rate(s), "evicted blocks")),
+            "ops"),
+    ))
+
+
 # --------------------------------------------------------------------------- SDK assembly
 
 
@@ -647,8 +727,9 @@ def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
     builder = (db.Dashboard(config.dashboard_title).uid(config.dashboard_uid)
                .description("KV reuse across turns in vLLM P/D disaggregated serving with "
                             "bidirectional KV transfer: turn outcomes, D->P reads, retention, "
-                            "proxy metadata, recompute, TTFT and where it goes. Generated by "
-                            "kvobs; edit kvobs/monitoring/dashboards.py, not this JSON.")
+                            "proxy metadata, recompute, TTFT and where it goes, the host "
+                            "copy path. Generated by kvobs; edit "
+                            "kvobs/monitoring/dashboards.py, not this JSON.")
                .tags(list(config.dashboard_tags)).editable().refresh("30s")
                .time("now-3h", "now").timezone("browser")
                .tooltip(DashboardCursorSync.CROSSHAIR))

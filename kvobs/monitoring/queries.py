@@ -63,14 +63,25 @@ from kvobs.semconv import (
     M_STUCK_WAITS,
     M_TELEMETRY_DROPPED,
     M_ENGINE_TELEMETRY_DROPPED,
+    M_HOST_EVICTED_AGE,
+    M_HOST_EVICTED_BLOCKS,
+    M_HOST_LOADED_TOKENS,
+    M_HOST_LOADS,
+    M_HOST_LOOKUPS,
+    M_HOST_SAVE_INCOMPLETE,
+    M_HOST_SAVES,
+    M_OFFLOAD_LOAD_BYTES,
+    M_OFFLOAD_STORE_BYTES,
     M_TELEMETRY_ERRORS,
     M_VLLM_PREFILL_TIME,
+    M_VLLM_PROMPT_CACHED_BY_SOURCE,
     M_VLLM_PROMPT_TOKENS_BY_SOURCE,
     M_VLLM_QUEUE_TIME,
     M_VLLM_TTFT,
     PROXY_PHASE_VALUES,
     TURN_BUCKET_LABEL,
     TURN_BUCKET_VALUES,
+    HostLookupOutcome,
     LookupOutcome,
     Metric,
     Phase,
@@ -456,6 +467,85 @@ def rejected_requests_rate(s: Scope) -> str:
 
 def client_params_stripped_rate(s: Scope) -> str:
     return sum_rate(M_PROXY_CLIENT_PARAMS_STRIPPED, s.proxy, s.window, s.by)
+
+
+# --------------------------------------------------------------------------- host copy
+#
+# The previous turn's KV kept in an offloading tier (host memory, or a peer's over p2p)
+# by vLLM's offloading connector, as KvobsOffloadingConnector counts it, next to vLLM's
+# own vllm:kv_offload_* byte counters.
+
+# Lookups that found the copy they wanted, or found it evicted (a miss asked for new tokens).
+HOST_LOOKUPS_WANTING_A_COPY = (HostLookupOutcome.HIT, HostLookupOutcome.EVICTED)
+COVERS_RESPONSE_FALSE = 'covers_response="false"'
+
+
+def host_lookups_rate(s: Scope, *extra: str) -> str:
+    return sum_rate(M_HOST_LOOKUPS, s.engine, s.window, s.by, *extra)
+
+
+def host_lookups_wanting_a_copy_rate(s: Scope) -> str:
+    """Admitted lookups whose tier hit served a copy or stopped at one it had evicted."""
+    return host_lookups_rate(s, f'outcome=~"{_any(HOST_LOOKUPS_WANTING_A_COPY)}"')
+
+
+def host_evicted_lookup_ratio(s: Scope) -> str:
+    """Share of lookups wanting a host copy that found it (partly) evicted: copies
+    evicted before their reuse."""
+    evicted = host_lookups_rate(s, f'outcome="{HostLookupOutcome.EVICTED.value}"')
+    return ratio(evicted, host_lookups_wanting_a_copy_rate(s))
+
+
+def host_saves_rate(s: Scope, *extra: str) -> str:
+    return sum_rate(M_HOST_SAVES, s.engine, s.window, s.by, *extra)
+
+
+def host_prompt_only_ratio(s: Scope) -> str:
+    """Share of host copies that stop at the prompt (no generated tokens, R)."""
+    return ratio(host_saves_rate(s, COVERS_RESPONSE_FALSE), host_saves_rate(s))
+
+
+def host_save_incomplete_rate(s: Scope) -> str:
+    return sum_rate(M_HOST_SAVE_INCOMPLETE, s.engine, s.window, s.by)
+
+
+def host_store_bytes_rate(s: Scope) -> str:
+    return sum_rate(M_OFFLOAD_STORE_BYTES, s.engine, s.window, s.by)
+
+
+def host_load_bytes_rate(s: Scope) -> str:
+    return sum_rate(M_OFFLOAD_LOAD_BYTES, s.engine, s.window, s.by)
+
+
+def host_loads_rate(s: Scope) -> str:
+    return sum_rate(M_HOST_LOADS, s.engine, s.window, s.by)
+
+
+def host_loaded_tokens_rate(s: Scope) -> str:
+    return sum_rate(M_HOST_LOADED_TOKENS, s.engine, s.window, s.by)
+
+
+def prompt_tokens_cached_by_source_rate(s: Scope) -> str:
+    """Upstream cross-check: vLLM's prompt tokens found cached, by tier (device, host...)."""
+    return sum_rate(M_VLLM_PROMPT_CACHED_BY_SOURCE, s.engine, s.window, s.by)
+
+
+def host_evicted_blocks_rate(s: Scope) -> str:
+    return sum_rate(M_HOST_EVICTED_BLOCKS, s.engine, s.window, s.by)
+
+
+def host_evicted_age_quantile(s: Scope, q: float) -> str:
+    return quantile(q, M_HOST_EVICTED_AGE, s.engine, s.window, s.by)
+
+
+def shared_with_the_proxy(by: tuple[str, ...]) -> str:
+    """``on(...)`` joining an engine's series with the proxy's of the same fleet: every
+    aggregation label but the scrape job, which differs between them.
+
+    >>> shared_with_the_proxy(("namespace", "job"))
+    'on(namespace)'
+    """
+    return f"on({', '.join(label for label in by if label != 'job')})"
 
 
 # --------------------------------------------------------------------------- TTFT

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from kvobs.monitoring import queries as q
 from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P, MonitoringConfig
 from kvobs.semconv import (
+    M_HOST_LOOKUPS,
+    M_HOST_SAVES,
     M_PROXY_DECODE_TTL,
     M_PROXY_ENTRY_LIFETIME,
     M_PROXY_FALLBACKS,
@@ -41,13 +43,16 @@ from kvobs.semconv import (
     M_ENGINE_TELEMETRY_DROPPED,
     M_VLLM_QUEUE_TIME,
     M_VLLM_TTFT,
+    HostLookupOutcome,
     LookupOutcome,
     Metric,
     ReadOutcome,
 )
 
-# Named here because the dashboard's panel over the same query points at its runbook.
+# Named here because the dashboard's panels over the same queries point at their runbooks.
 PREFILL_QUEUEING_ALERT = "KvobsPrefillQueueingDominates"
+HOST_EVICTED_ALERT = "KvobsHostCopiesEvictedBeforeReuse"
+HOST_PROMPT_ONLY_ALERT = "KvobsPromptOnlyHostCopies"
 
 # --------------------------------------------------------------------------- model
 
@@ -129,6 +134,7 @@ def with_runbooks(alerts: list[Alert], config: MonitoringConfig = DEFAULT) -> li
 
 ENGINE = {"namespace": "serving", "job": "vllm-prefill", "instance": "p0:8000",
           "model_name": "m", "engine": "0"}
+DECODE = {**ENGINE, "job": "vllm-decode", "instance": "d0:8000"}
 PROXY = {"namespace": "serving", "job": "kvobs-proxy", "instance": "proxy:9000"}
 D2P = {"direction": DIRECTION_D_TO_P}
 
@@ -183,6 +189,20 @@ def _turns(turn_bucket: str, lookup: LookupOutcome, n: float) -> dict[str, str]:
     labels = {**PROXY, "turn_bucket": turn_bucket, "prompt_bucket": "512-2k",
               "lookup": lookup.value}
     return {sel(M_PROXY_TURNS, labels): per_minute(n)}
+
+
+def _host_lookups(hit: float, evicted: float, miss: float = 0) -> dict[str, str]:
+    """D's host-tier lookups per minute, by outcome."""
+    return {sel(M_HOST_LOOKUPS, {**DECODE, "outcome": outcome.value}): per_minute(n)
+            for outcome, n in ((HostLookupOutcome.HIT, hit),
+                               (HostLookupOutcome.EVICTED, evicted),
+                               (HostLookupOutcome.MISS, miss))}
+
+
+def _host_saves(covering: float, prompt_only: float) -> dict[str, str]:
+    """D's host copies saved per minute, with and without the generated tokens."""
+    return {sel(M_HOST_SAVES, {**DECODE, "covers_response": covers}): per_minute(n)
+            for covers, n in (("true", covering), ("false", prompt_only))}
 
 
 def _prefill_phases(requests: float, queued: float, ttft: float, read: float = 0,
@@ -394,6 +414,47 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
                    per_minute(0),
                    sel(M_ENGINE_TELEMETRY_DROPPED, {**ENGINE, "reason": "export-failed"}):
                    per_minute(0)}, False))),
+        Alert(
+            HOST_EVICTED_ALERT,
+            f"({q.host_evicted_lookup_ratio(s)}) > {th.host_evicted_lookup_ratio:g}\n"
+            f"and ({q.host_lookups_wanting_a_copy_rate(s)}) > {fl.host_lookups:g}",
+            w.for_ratio, "warning",
+            "Host copies are evicted before their next turn on {{ $labels.job }}.",
+            "{{ $value | humanizePercentage }} of the prompts on {{ $labels.job }} that "
+            "wanted a copy in the offloading tier found it (partly) evicted: the tier's LRU "
+            "pushed it out before the conversation came back, so those turns recomputed "
+            "what had been saved (host-evicted verdict).",
+            (Case("a fifth of the lookups find their copy evicted", _host_lookups(48, 12),
+                  True, labels=_kept(DECODE, config), value="20%"),
+             Case("copies found, misses are new tokens", _host_lookups(60, 0, miss=30),
+                  False),
+             Case("misses alone", _host_lookups(0, 0, miss=60), False),
+             Case("evicted but below the rate floor", _host_lookups(0.2, 0.2), False))),
+        Alert(
+            HOST_PROMPT_ONLY_ALERT,
+            f"({q.host_prompt_only_ratio(s)}) > {th.host_prompt_only_ratio:g}\n"
+            f"and ({q.host_saves_rate(s)}) > {fl.host_saves:g}\n"
+            f"and {q.shared_with_the_proxy(s.by)} "
+            f"({q.later_turns_rate(s)}) > {fl.later_turns:g}",
+            w.for_ratio, "warning",
+            "Host copies on {{ $labels.job }} stop at the prompt on a multi-turn fleet.",
+            "{{ $value | humanizePercentage }} of the copies {{ $labels.job }} saved to its "
+            "offloading tier hold the prompt only, not the generated tokens (R), while the "
+            "proxy serves later turns: every next turn recomputes the previous answer "
+            "(host-copy-lacks-response verdict). Usually offload_prompt_only=true on the "
+            "engine's offloading connector.",
+            (Case("prompt-only copies, later turns",
+                  {**_host_saves(0, 30), **_turns("2", LookupOutcome.HIT, 30)}, True,
+                  labels=_kept(DECODE, config), value="100%"),
+             Case("prompt-only copies, first turns only",
+                  {**_host_saves(0, 30), **_turns("1", LookupOutcome.MISS, 30)}, False),
+             Case("later turns in another namespace only",
+                  {**_host_saves(0, 30),
+                   sel(M_PROXY_TURNS, {**PROXY, "namespace": "batch", "turn_bucket": "2",
+                                       "prompt_bucket": "512-2k", "lookup": "hit"}):
+                   per_minute(30)}, False),
+             Case("copies cover the response",
+                  {**_host_saves(30, 0), **_turns("2", LookupOutcome.HIT, 30)}, False))),
     ]
     out += [
         absent_alert("KvobsEngineTelemetryAbsent", M_PULL_DECISIONS, config.selectors.engine,
@@ -484,6 +545,14 @@ def recordings(config: MonitoringConfig = DEFAULT) -> list[Recording]:
                    (histogram_series(M_PROXY_GAP, PROXY, {1e6: 60}), "10m",
                     ((_text(_kept(PROXY, config)), 1.0),)))),
         Recording(record_name(M_PROXY_FALLBACKS, r, config), q.fallbacks_rate(s.keeping("reason"))),
+        Recording(record_name("vllm_kvobs_host_lookups_evicted", ratio, config),
+                  q.host_evicted_lookup_ratio(s),
+                  ((_host_lookups(45, 15, miss=60), "10m",
+                    ((_text(_kept(DECODE, config)), 0.25),)),
+                   (_host_lookups(0, 0, miss=60), "10m", ()))),
+        Recording(record_name("vllm_kvobs_host_saves_prompt_only", ratio, config),
+                  q.host_prompt_only_ratio(s),
+                  ((_host_saves(30, 10), "10m", ((_text(_kept(DECODE, config)), 0.25),)),)),
     ]
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import tomllib
 
-from kvobs.semconv import VLLM_DEFAULT_RECOMPUTE_THRESHOLD, LatencyCause, Verdict
+from kvobs.semconv import LatencyCause, Verdict
+from kvobs.settings import RECOMPUTE_THRESHOLD
 
 FAILURE_POLICIES = ("fail", "recompute")
 REWRITES = ("strip-last-response", "truncate-head")
@@ -31,7 +32,7 @@ class ScenarioError(ValueError):
 @dataclass(frozen=True)
 class EngineSettings:
     ttl_s: float = 30.0  # decoder_kv_blocks_ttl
-    threshold: int = VLLM_DEFAULT_RECOMPUTE_THRESHOLD  # kv_recompute_threshold
+    threshold: int = RECOMPUTE_THRESHOLD.default  # kv_recompute_threshold
     prefill_prefix_caching: bool = False
     failure_policy: str = "fail"  # kv_load_failure_policy
     link_delay_ms: float = 0.0  # >0: D in a network namespace, UCX over TCP, netem delay

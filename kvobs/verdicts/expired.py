@@ -11,6 +11,7 @@ it; set ``kv_load_failure_policy`` so a declined read recomputes instead of fail
 
 from kvobs import semconv as sc
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
+from kvobs.settings import PROXY_EXPIRY_MARGIN
 from kvobs import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
@@ -76,7 +77,8 @@ def _remedy(turn: Turn) -> str:
     left = _d_left_s(turn)
     if turn.get("lookup") == LookupOutcome.STALE.value and left is not None and left > 0:
         return (f"The proxy dropped its entry while D still held the blocks for {left:.1f}s "
-                "more: its entry ends --expiry-margin seconds (default 10) before D's "
+                "more: its entry ends --expiry-margin seconds (default "
+                f"{PROXY_EXPIRY_MARGIN.default:g}) before D's "
                 "expiry. Lower --expiry-margin (it must stay above P's decline window) or "
                 "raise decoder_kv_blocks_ttl.")
     gap, ttl = turn.get("gap_s"), turn.get("prev_ttl_s")

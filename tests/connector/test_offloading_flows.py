@@ -157,19 +157,24 @@ def test_metrics_on_the_engine_registry(make, spans, model_dir):
     run(scheduler, [h.make_request(list(range(100, 160)), params("c4", 1), max_tokens=20)],
         stats=stats)
 
-    registry = CollectorRegistry()
-    types = {prometheus_client.Counter: _bind(prometheus_client.Counter, registry),
-             prometheus_client.Gauge: _bind(prometheus_client.Gauge, registry),
-             prometheus_client.Histogram: _bind(prometheus_client.Histogram, registry)}
-    prom = KvobsOffloadingConnector.build_prom_metrics(
-        offload_config(model_dir, 64), types, ["model_name", "engine"], {0: ["m", "0"]})
-    get = registry.get_sample_value
+    prom, get = engine_metrics(model_dir)
     labels = {"model_name": "m", "engine": "0"}
     assert get("vllm:kvobs_host_loads_total", {**labels, "tier": "p2p"}) == 0
     for data in stats:
         prom.observe(data)
     assert get("vllm:kvobs_host_saves_total", {**labels, "covers_response": "true"}) == 1
     assert get("vllm:kv_offload_store_bytes_total", labels) == 4 * BLOCK_BYTES
+
+
+def engine_metrics(model_dir):
+    """The connector's Prometheus metrics on a fresh registry: (metrics, sample getter)."""
+    registry = CollectorRegistry()
+    types = {prometheus_client.Counter: _bind(prometheus_client.Counter, registry),
+             prometheus_client.Gauge: _bind(prometheus_client.Gauge, registry),
+             prometheus_client.Histogram: _bind(prometheus_client.Histogram, registry)}
+    prom = KvobsOffloadingConnector.build_prom_metrics(
+        offload_config(model_dir, 64), types, ["model_name", "engine"], {0: ["m", "0"]})
+    return prom, registry.get_sample_value
 
 
 def _bind(cls, registry):
@@ -235,3 +240,82 @@ def test_one_lookup_span_per_admission(make, spans):
     run(scheduler, [a, b])
     lookups = [attrs(s) for s in spans.spans(sc.SPAN_HOST_LOOKUP)]
     assert sorted(x[sc.CONVERSATION_ID.key] for x in lookups) == ["a", "b"]
+
+
+def test_lookup_that_wants_an_evicted_copy_says_so(make, spans, model_dir):
+    """Turn 2 of a conversation whose host copy a newer request pushed out: its lookup
+    stops at a key the tier evicted (outcome evicted), unlike a first look at new tokens
+    (miss) or a copy still there (hit)."""
+    scheduler = make(chunks=4)
+    stats: list = []
+    old = list(range(100, 164))
+    run(scheduler, [h.make_request(old, params("old", 1), max_tokens=1)], stats=stats)
+    run(scheduler, [h.make_request(list(range(500, 564)), params("new", 1), max_tokens=1)],
+        stats=stats)
+    assert scheduler.reset_prefix_cache()  # the device blocks are gone too
+    run(scheduler, [h.make_request(old + list(range(700, 716)), params("old", 2),
+                                   max_tokens=1)], stats=stats)
+    outcome = {(a[sc.CONVERSATION_ID.key], a[sc.TURN_INDEX.key]):
+               a[sc.HOST_LOOKUP_OUTCOME.key]
+               for a in map(attrs, spans.spans(sc.SPAN_HOST_LOOKUP))}
+    assert outcome == {("old", 1): "miss", ("new", 1): "miss", ("old", 2): "evicted"}
+    prom, get = engine_metrics(model_dir)
+    for data in stats:
+        prom.observe(data)
+    labels = {"model_name": "m", "engine": "0"}
+    assert [get(sc.M_HOST_LOOKUPS.name, {**labels, "outcome": o.value})
+            for o in sc.HostLookupOutcome] == [0, 1, 2]  # hit, evicted, miss
+
+
+def test_lookup_outcome_hit_when_the_copy_is_there(make, spans):
+    scheduler = make()
+    prompt = list(range(100, 160))
+    run(scheduler, [h.make_request(prompt, params("c5", 1), max_tokens=20)])
+    assert scheduler.reset_prefix_cache()
+    run(scheduler, [h.make_request(prompt + [7] * 30, params("c5", 2))])
+    (second,) = [attrs(s) for s in spans.spans(sc.SPAN_HOST_LOOKUP)
+                 if s.attributes[sc.TURN_INDEX.key] == 2]
+    assert second[sc.HOST_LOOKUP_OUTCOME.key] == "hit"
+
+
+def test_wrapped_manager_passes_on_what_the_tiering_manager_adds(spans):
+    """vLLM's tiering manager calls its own lookup and on_request_finished back with
+    ``exclude_tier_idx=`` (a secondary tier's facade): the wrappers must pass it on, and a
+    peer's lookup (not one of this engine's requests) marks nothing."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from connector_instrumented._offload_observer import OffloadObserver
+    from connector_instrumented._telemetry import SpanSink
+
+    calls = []
+
+    class TieringLikeManager:  # the keyword-only arguments of TieringOffloadingManager
+        def lookup(self, key, req_context, *, exclude_tier_idx=None):
+            calls.append(("lookup", exclude_tier_idx))
+            return LookupResult.MISS
+
+        def on_request_finished(self, req_context, *, exclude_tier_idx=None):
+            calls.append(("finished", exclude_tier_idx))
+
+        def prepare_store(self, keys, req_context):
+            return None
+
+        def complete_store(self, keys, req_context, success=True):
+            pass
+
+        def reset_cache(self):
+            return True
+
+    manager = TieringLikeManager()
+    observer = OffloadObserver(SimpleNamespace(manager=manager, _req_status={"mine": 1}),
+                               SpanSink(sc.Service.DECODE), "host-memcpy")
+    observer._evicted_keys["k"] = None
+    mine, peer = SimpleNamespace(req_id="mine"), SimpleNamespace(req_id="peer")
+    assert manager.lookup("k", peer, exclude_tier_idx=1) is LookupResult.MISS
+    assert manager.lookup("k", mine) is LookupResult.MISS
+    manager.on_request_finished(peer, exclude_tier_idx=1)
+    assert calls == [("lookup", 1), ("lookup", None), ("finished", 1)]
+    assert observer._wanted_evicted == {"mine"}
+    assert observer.guard.errors == 0

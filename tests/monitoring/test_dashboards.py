@@ -88,6 +88,7 @@ def test_rows(board):
         "Recompute",
         "TTFT by turn",
         "Where TTFT goes",
+        "Host copy (offloading tier)",
     ]
 
 

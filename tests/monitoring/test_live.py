@@ -57,6 +57,9 @@ class FakeEngineAndProxy:
                                   buckets=sc.M_READ_DURATION.buckets, registry=e)
         self.reused = Counter(_name(sc.M_REUSED_TOKENS), "d", vllm, registry=e)
         self.retained = Gauge(_name(sc.M_RETAINED_BLOCKS), "d", vllm, registry=e)
+        self.host_lookups, self.host_saves = (
+            Counter(_name(m), "d", vllm + m.labels, registry=d)
+            for m in (sc.M_HOST_LOOKUPS, sc.M_HOST_SAVES))
         p = self.proxy_registry
         self.turns = Counter(_name(sc.M_PROXY_TURNS), "d", sc.M_PROXY_TURNS.labels, registry=p)
         self.lookups = Counter(_name(sc.M_PROXY_LOOKUPS), "d", sc.M_PROXY_LOOKUPS.labels,
@@ -75,6 +78,12 @@ class FakeEngineAndProxy:
         self.duration.labels(*m, DIRECTION_D_TO_P).observe(P_READ)
         self.reused.labels(*m).inc(1700)
         self.retained.labels(*m).set(42)
+        # D's host tier: three lookups found their copy for one found it evicted; every
+        # copy holds the prompt only.
+        self.host_lookups.labels(*m, sc.HostLookupOutcome.HIT.value).inc(3)
+        self.host_lookups.labels(*m, sc.HostLookupOutcome.EVICTED.value).inc()
+        self.host_saves.labels(*m, "false").inc()
+        self.host_saves.labels(*m, "true").inc(0)
         for turn in ("1", "2"):
             self.turns.labels(turn, "512-2k", sc.LookupOutcome.HIT.value).inc()
         self.turns.labels("2", "512-2k", sc.LookupOutcome.MISS.value).inc()
@@ -187,6 +196,22 @@ def test_prefill_queue_share_value(prometheus):
     (sample,) = live.instant_query(prometheus.url, q.prefill_queue_share(s))
     expected = (P_QUEUE - P_READ - P_SETUP) / P_TTFT
     assert float(sample["value"][1]) == pytest.approx(expected, rel=0.02)
+
+
+def test_host_copy_panels_return_data(report):
+    for name in ("Host-tier lookups by outcome [A]", "Host copies evicted before reuse [A]",
+                 "Host copies saved, with and without the response [A]",
+                 "Prompt-only share of host copies [A]"):
+        assert _status(report, name).has_data, name
+    assert _status(report, "Host tier bytes saved and loaded [A]").status == "empty"
+
+
+def test_host_copy_ratio_values(prometheus):
+    s = q.Scope(DEFAULT.selectors.engine, DEFAULT.selectors.proxy, "30s")
+    (evicted,) = live.instant_query(prometheus.url, q.host_evicted_lookup_ratio(s))
+    assert float(evicted["value"][1]) == pytest.approx(0.25, rel=0.02)
+    (prompt_only,) = live.instant_query(prometheus.url, q.host_prompt_only_ratio(s))
+    assert float(prompt_only["value"][1]) == 1.0
 
 
 def test_recording_rule_expressions(report):

@@ -28,8 +28,7 @@ from aiohttp import web
 
 from kvobs import semconv as sc
 from kvobs._net import free_port  # noqa: F401  (harness and conftest use it)
-
-DECLINE_WINDOW_S = 5.0
+from kvobs.settings import DECLINE_WINDOW
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -130,7 +129,7 @@ class StandInPrefill(_Engine):
                 return web.json_response(
                     {"error": {"message": "KV load failed: invalid remote blocks",
                                "type": "InternalServerError", "code": 500}}, status=500)
-            if held.expiry_d - DECLINE_WINDOW_S <= state.now():
+            if held.expiry_d - DECLINE_WINDOW.default <= state.now():
                 return web.json_response(
                     {"error": {"message": "Declining expired remote read", "code": 500,
                                "type": "InternalServerError"}}, status=500)

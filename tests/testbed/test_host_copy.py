@@ -223,3 +223,15 @@ def test_prompt_only_copy_lacks_the_response(engines):
     evidence = second.finding.evidence
     assert evidence["prev_host_save_output_tokens"] >= 200
     assert evidence.get("host_hit_host_tokens", 0) <= evidence["prev_host_save_prompt_tokens"]
+
+
+def test_ready_engines_run_below_normal_priority(engines):
+    """Once ready, an engine's session yields the CPU to the client and the proxy
+    (kvobs.testbed.engines.ENGINE_NICENESS), so their timing stays theirs."""
+    from kvobs.testbed.engines import ENGINE_NICENESS
+
+    for eng, _ in engines.values():
+        group = Path(f"/proc/{eng.proc.pid}/autogroup")
+        if not group.exists():
+            pytest.skip("no autogroup scheduling on this kernel")
+        assert group.read_text().split()[-1] == str(ENGINE_NICENESS)
