@@ -8,6 +8,7 @@ import click
 from kvobs.cli._common import fail_input, load_source
 from kvobs.sources.clickhouse import (
     DEFAULT_TABLE,
+    DIALECTS,
     ClickHouseSource,
     backfill_sql,
     turns_view_ddl,
@@ -25,16 +26,22 @@ def group() -> None:
                    "Without it, print the SQL (for clickhouse-client).")
 @click.option("--table", default=DEFAULT_TABLE, show_default=True,
               help="Span table the printed SQL reads (with --source: the URL's ?table=).")
+@click.option("--attributes", type=click.Choice(sorted(DIALECTS)), default="map",
+              show_default=True,
+              help="The printed SQL's attribute columns: the exporter's default Map, or "
+                   "JSON (its json: true option). With --source: read from the table.")
 @click.option("--backfill", is_flag=True,
               help="Also aggregate the spans already in the table. Only while nothing "
                    "inserts into it: spans inserted meanwhile count twice, and kvobs then "
                    "ignores the view.")
-def init_command(location: str | None, table: str, backfill: bool) -> None:
+def init_command(location: str | None, table: str, attributes: str, backfill: bool) -> None:
     """Create the turn view of the span table: a materialized view that aggregates each
     turn's spans as the collector inserts them. kvobs report/tune/whatif read it when it
     holds every span, else the spans."""
     if location is None:
-        statements = turns_view_ddl(table) + ([backfill_sql(table)] if backfill else [])
+        dialect = DIALECTS[attributes]
+        statements = (turns_view_ddl(table, dialect)
+                      + ([backfill_sql(table, dialect)] if backfill else []))
         click.echo(";\n\n".join(statements) + ";")
         return
     source = load_source(location)

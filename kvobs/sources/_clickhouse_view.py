@@ -59,37 +59,40 @@ def view_columns() -> list[_ViewColumn]:
     return columns
 
 
-def _view_select(table: str) -> str:
+def _view_select(table: str, dialect: sql.AttributeDialect) -> str:
     """Fleet spans of ``table`` as partial turn rows. A span lacking conversation or turn
     cannot be placed (its trace may supply them, at read time): it marks its row
     ``keyless`` so that readers take the span path."""
     values = "".join(
-        f",\n        CAST({sql.span_column(c.source)}, '{sql.NULLABLE[c.type]}') AS v_{name}"
+        f",\n        CAST({dialect.span_column(c.source)}, '{sql.NULLABLE[c.type]}') "
+        f"AS v_{name}"
         for name, c in FLEET_COLUMNS.items() if c.agg not in (Agg.PRESENCE, Agg.COUNT))
     states = "".join(f",\n    {c.insert} AS {c.name}" for c in view_columns())
     names = ", ".join(map(sql.quote, sql.fleet_span_names()))
     return (f"SELECT tenant, conversation_id, ifNull(turn_index, 0) AS turn,\n"
             f"    count() AS spans,\n"
             f"    max(conversation_id = '' OR turn_index IS NULL) AS keyless{states}\n"
-            f"FROM (SELECT Timestamp, SpanName,\n        {sql.attr(sql.TENANT_KEY)} AS tenant,\n"
-            f"        {sql.attr(sql.CID_KEY)} AS conversation_id,\n"
-            f"        toInt64OrNull({sql.attr(sql.TURN_KEY)}) AS turn_index{values}\n"
+            f"FROM (SELECT Timestamp, SpanName,\n"
+            f"        {dialect.attr(sql.TENANT_KEY)} AS tenant,\n"
+            f"        {dialect.attr(sql.CID_KEY)} AS conversation_id,\n"
+            f"        {dialect.typed(sql.TURN_KEY, 'int')} AS turn_index{values}\n"
             f"    FROM {table} WHERE SpanName IN ({names}))\n"
             f"GROUP BY tenant, conversation_id, turn")
 
 
-def turns_view_ddl(table: str = sql.DEFAULT_TABLE) -> list[str]:
+def turns_view_ddl(table: str = sql.DEFAULT_TABLE,
+                   dialect: sql.AttributeDialect = sql.MAP) -> list[str]:
     """Statements creating ``table``'s turn view: an ``AggregatingMergeTree`` with one
     row (partial aggregate states) per (tenant, conversation, turn) and the materialized
-    view filling it on every insert into ``table``. Spans already in ``table`` need
-    ``backfill_sql``."""
-    target, view = _view_statements(table)
+    view filling it on every insert into ``table`` (its attributes in ``dialect``).
+    Spans already in ``table`` need ``backfill_sql``."""
+    target, view = _view_statements(table, dialect)
     # A view made by another kvobs version may pick other values: its mark differs and
     # readers take the spans.
-    return [f"{target}\nCOMMENT {sql.quote(view_mark(table))}", view]
+    return [f"{target}\nCOMMENT {sql.quote(view_mark(table, dialect))}", view]
 
 
-def _view_statements(table: str) -> tuple[str, str]:
+def _view_statements(table: str, dialect: sql.AttributeDialect) -> tuple[str, str]:
     target = table + sql.TURNS_SUFFIX
     columns = ",\n    ".join(f"{c.name} SimpleAggregateFunction({c.merge}, {c.type})"
                            for c in view_columns())
@@ -103,16 +106,17 @@ def _view_statements(table: str) -> tuple[str, str]:
 ) ENGINE = AggregatingMergeTree
 ORDER BY (tenant, conversation_id, turn)""",
             f"CREATE MATERIALIZED VIEW IF NOT EXISTS {target}_mv TO {target} AS\n"
-            + _view_select(table))
+            + _view_select(table, dialect))
 
 
-def view_mark(table: str) -> str:
-    digest = hashlib.sha256("\n".join(_view_statements(table)).encode()).hexdigest()
-    return f"kvobs turn view {digest[:16]}"
+def view_mark(table: str, dialect: sql.AttributeDialect) -> str:
+    statements = "\n".join(_view_statements(table, dialect))
+    return f"kvobs turn view {hashlib.sha256(statements.encode()).hexdigest()[:16]}"
 
 
-def backfill_sql(table: str = sql.DEFAULT_TABLE) -> str:
+def backfill_sql(table: str = sql.DEFAULT_TABLE,
+                 dialect: sql.AttributeDialect = sql.MAP) -> str:
     """The view's rows for spans already in ``table``. Run once, right after
     ``turns_view_ddl`` and while nothing inserts into ``table``: a span inserted during
     the backfill is counted twice, and the view then reads as incomplete (span path)."""
-    return f"INSERT INTO {table}{sql.TURNS_SUFFIX}\n{_view_select(table)}"
+    return f"INSERT INTO {table}{sql.TURNS_SUFFIX}\n{_view_select(table, dialect)}"

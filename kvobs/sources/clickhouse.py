@@ -2,9 +2,11 @@
 
 The exporter's ``otel_traces`` table has one row per span: ``Timestamp`` (start,
 DateTime64(9)), ``TraceId``, ``SpanId``, ``ParentSpanId``, ``SpanName``, ``ServiceName``,
-``Duration`` (ns), ``StatusCode`` and ``SpanAttributes Map(LowCardinality(String),
-String)`` (every attribute value as a string). See docs/clickhouse.md for the collector
-configuration.
+``Duration`` (ns), ``StatusCode`` and ``SpanAttributes``: ``Map(LowCardinality(String),
+String)`` (every attribute value as a string), or ``JSON`` with the exporter's ``json``
+option. The source reads the table's column types once (``dialect``) and generates every
+attribute access for them (``_clickhouse_sql.AttributeDialect``). See docs/clickhouse.md
+for the collector configuration.
 
 Heavy work stays in SQL: ``turn_rows()`` pivots spans into one row per (tenant,
 conversation, turn) (``kvobs.turn_columns.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
@@ -18,6 +20,7 @@ ClickHouse) for tests and local files; values from the user are bound parameters
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import urllib.parse
@@ -30,17 +33,19 @@ from kvobs import semconv as sc
 from kvobs.sources._clickhouse_sql import (
     CID_KEY,
     DEFAULT_TABLE,
+    DIALECTS,
     ENV_PASSWORD,
     ENV_USER,
+    MAP,
     NULLABLE,
-    OTEL_TRACES_DDL,
+    SPAN_TABLE_COLUMNS,
     TENANT_KEY,
     TURN_KEY,
     TURNS_SUFFIX,
-    attr,
+    AttributeDialect,
+    dialect_of,
     fleet_span_names,
     quote,
-    span_column,
 )
 from kvobs.sources._clickhouse_client import (
     ClickHouseError,
@@ -61,7 +66,7 @@ from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turn_columns import FLEET_COLUMNS, Agg
 
-__all__ = ["ClickHouseSource", "OTEL_TRACES_DDL", "ENV_USER", "ENV_PASSWORD",
+__all__ = ["ClickHouseSource", "DIALECTS", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
 
 # Span names some fleet column sums or counts: where a repeated span would be counted.
@@ -97,6 +102,7 @@ class ClickHouseSource:
         self.table = table
         self.location = location
         self.problems: list[str] = []
+        self._dialect: AttributeDialect | None = None
 
     # ----------------------------------------------------------------- constructors
 
@@ -139,34 +145,31 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- admin helpers
 
-    def create_table(self) -> None:
-        self.query(OTEL_TRACES_DDL.format(table=self.table))
+    def create_table(self, attributes: str = MAP.name) -> None:
+        """The exporter's span table, its attributes a ``Map`` ("map", the exporter's
+        default) or ``JSON`` ("json", its ``json: true`` option)."""
+        self.query(DIALECTS[attributes].ddl(self.table))
+        self._dialect = None  # an existing table keeps its own: read it again
 
     def create_turns_view(self, backfill: bool = False) -> None:
         """``turns_view_ddl`` (and ``backfill_sql`` for spans already in the table)."""
-        for statement in turns_view_ddl(self.table):
+        for statement in turns_view_ddl(self.table, self.dialect):
             self.query(statement)
         if backfill:
-            self.query(backfill_sql(self.table))
+            self.query(backfill_sql(self.table, self.dialect))
 
     def load_store(self, store_dir: str) -> int:
         """Copy an embedded store's parquet segments into ``otel_traces`` the way the
         exporter would have written them (tests, demos, benchmarks). Returns spans."""
         pattern = os.path.join(os.path.abspath(store_dir), COMPACTED_DIR, "*", "*.parquet")
-        pairs = []
-        for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
-            value = f"`{key}`"
-            text = (f"if(isNull({value}), NULL, if({value}, 'true', 'false'))"
-                    if type_ == "bool" else f"toString({value})")
-            pairs.append(f"{quote(key)}, ifNull({text}, '')")
-        attributes = f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))"
+        attributes, resource = _exported_attributes(self.dialect)
         self.query(f"""
             INSERT INTO {self.table} (Timestamp, TraceId, SpanId, ParentSpanId, SpanName,
                 SpanKind, ServiceName, ResourceAttributes, SpanAttributes, Duration,
                 StatusCode)
             SELECT fromUnixTimestamp64Nano(start_ns), trace_id, span_id,
                 ifNull(parent_span_id, ''), name, 'Internal', service,
-                map('service.name', service), {attributes},
+                {resource}, {attributes},
                 toUInt64(greatest(end_ns - start_ns, 0)),
                 if(error, 'Error', 'Unset')
             FROM file({quote(pattern)}, Parquet, {quote(_STORE_STRUCTURE)})
@@ -182,6 +185,32 @@ class ClickHouseSource:
             raise SourceError(f"{self.location}: {error}") from error
         if not exists:
             raise SourceError(f"{self.location}: no table {self.table}")
+        self.dialect  # noqa: B018 - a table of neither schema fails here, not mid-command
+
+    @property
+    def dialect(self) -> AttributeDialect:
+        """How the table holds attributes, from its column types (one DESCRIBE, kept).
+        ``SourceError`` for a table the exporter did not write (missing columns, or
+        attributes neither ``Map(LowCardinality(String), String)`` nor ``JSON``)."""
+        if self._dialect is None:
+            try:
+                described = self.query(f"DESCRIBE TABLE {self.table}")
+            except ClickHouseError as error:
+                raise SourceError(f"{self.location}: {error}") from error
+            types = dict(zip(described.column("name").to_pylist(),
+                             described.column("type").to_pylist()))
+            missing = [c for c in SPAN_TABLE_COLUMNS if c not in types]
+            dialect = dialect_of(types.get("SpanAttributes", ""))
+            if missing or dialect is None:
+                what = (f"no column {', '.join(missing)}" if missing else
+                        f"SpanAttributes is {types['SpanAttributes']}")
+                raise SourceError(
+                    f"{self.location}: table {self.table} is not the OpenTelemetry "
+                    f"Collector ClickHouse exporter's span table ({what}; kvobs reads "
+                    f"SpanAttributes as {MAP.column_type}, or JSON with the exporter's "
+                    f"json option)")
+            self._dialect = dialect
+        return self._dialect
 
     def count(self) -> int:
         return int(self.query(f"SELECT count() AS n FROM {self.table}").column(0)[0].as_py())
@@ -189,7 +218,7 @@ class ClickHouseSource:
     # ----------------------------------------------------------------- SpanSource
 
     def _frame(self, where: str, parameters: dict | None = None) -> pd.DataFrame:
-        columns = ", ".join(f"{span_column(c)} AS `{c}`" for c in ALL_DTYPES)
+        columns = ", ".join(f"{self.dialect.span_column(c)} AS `{c}`" for c in ALL_DTYPES)
         table = self.query(f"SELECT {columns} FROM {self.table} {where}", parameters)
         frame = table.to_pandas(types_mapper=pd.ArrowDtype)
         for column, dtype in ALL_DTYPES.items():
@@ -201,15 +230,14 @@ class ClickHouseSource:
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         if conversation_id is None:
             return self._frame("")
-        # Spans of the conversation's traces (untagged spans included), found through the
-        # exporter's bloom-filter index on map values.
+        # Spans of the conversation's traces (untagged spans included).
         return self._frame(
             f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
-            f"WHERE has(mapValues(SpanAttributes), {{cid:String}}) "
-            f"AND {attr(CID_KEY)} = {{cid:String}})", {"cid": conversation_id})
+            f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})", {"cid": conversation_id})
 
     def conversation_ids(self) -> list[str]:
-        table = self.query(f"SELECT DISTINCT {attr(CID_KEY)} AS cid FROM {self.table} "
+        cid = self.dialect.attr(CID_KEY)
+        table = self.query(f"SELECT DISTINCT {cid} AS cid FROM {self.table} "
                            f"WHERE cid != '' ORDER BY cid")
         return table.column("cid").to_pylist()
 
@@ -229,7 +257,10 @@ class ClickHouseSource:
         taking it from their trace (a join): what ``turn_rows`` falls back to when its
         per-span-name parts show such spans, or on a hash collision."""
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
-        # attribute is looked up in the map only on rows of its own span.
+        # attribute is looked up only on rows of its own span.
+        sql = self.dialect
+        tenant, cid, turn = (sql.attr(TENANT_KEY), sql.attr(CID_KEY),
+                             sql.typed(TURN_KEY, "int"))
         branches = []
         for name in fleet_span_names():
             values = []
@@ -241,12 +272,11 @@ class ClickHouseSource:
                 elif marker:
                     values.append(f"CAST(1, '{NULLABLE[kind]}') AS v_{column}")
                 else:
-                    values.append(f"CAST({span_column(turn_column.source)}, "
+                    values.append(f"CAST({sql.span_column(turn_column.source)}, "
                                   f"'{NULLABLE[kind]}') AS v_{column}")
             branches.append(
-                f"SELECT TraceId, Timestamp, {attr(TENANT_KEY)} AS tenant, "
-                f"{attr(CID_KEY)} AS cid, toInt64OrNull({attr(TURN_KEY)}) AS turn_index, "
-                f"{', '.join(values)} FROM {self._spans_named(name)}")
+                f"SELECT TraceId, Timestamp, {tenant} AS tenant, {cid} AS cid, "
+                f"{turn} AS turn_index, {', '.join(values)} FROM {self._spans_named(name)}")
         spans = f"""
             SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
                                 if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
@@ -255,8 +285,8 @@ class ClickHouseSource:
             LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
                               anyIf(cid, cid != '') AS cid,
                               anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
-                       FROM (SELECT TraceId, {attr(TENANT_KEY)} AS tenant, {attr(CID_KEY)} AS cid,
-                                    toInt64OrNull({attr(TURN_KEY)}) AS turn_index
+                       FROM (SELECT TraceId, {tenant} AS tenant, {cid} AS cid,
+                                    {turn} AS turn_index
                              FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = []
@@ -290,14 +320,15 @@ class ClickHouseSource:
                 select.append(f"toInt64(count()) AS {column}")
                 continue
             kind = turn_column.type
-            values.append(f"CAST({span_column(turn_column.source)}, '{NULLABLE[kind]}') "
-                          f"AS v_{column}")
+            values.append(f"CAST({self.dialect.span_column(turn_column.source)}, "
+                          f"'{NULLABLE[kind]}') AS v_{column}")
             select.append(f"sum(v_{column}) AS {column}" if turn_column.agg is Agg.SUM else
                           f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
                           f"AS {column}")
         group = "tenant, cid, turn_index"
-        spans = (f"SELECT Timestamp, {attr(TENANT_KEY)} AS tenant, {attr(CID_KEY)} AS cid, "
-                 f"toInt64OrNull({attr(TURN_KEY)}) AS turn_index"
+        sql = self.dialect
+        spans = (f"SELECT Timestamp, {sql.attr(TENANT_KEY)} AS tenant, "
+                 f"{sql.attr(CID_KEY)} AS cid, {sql.typed(TURN_KEY, 'int')} AS turn_index"
                  f"{''.join(', ' + v for v in values)} FROM {self._spans_named(span)}")
         flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
         if keys:
@@ -337,7 +368,7 @@ class ClickHouseSource:
         if not self.query(f"EXISTS TABLE {target}").column(0)[0].as_py():
             return ""
         created = self.query(f"SHOW CREATE TABLE {target}").column(0)[0].as_py()
-        if quote(view_mark(self.table)) not in created:
+        if quote(view_mark(self.table, self.dialect)) not in created:
             return "stale"
         names = ", ".join(map(quote, fleet_span_names()))
         row = self.query(
@@ -383,6 +414,26 @@ class ClickHouseSource:
             parts = [self.query(self.branch_sql(name)) for name in others]
             table = merge_parts([keyed, *parts], types)
         return table if table is not None else self.query(self.turns_sql())  # a collision
+
+
+def _exported_attributes(dialect: AttributeDialect) -> tuple[str, str]:
+    """SQL for a parquet segment row's span and resource attributes as the exporter
+    writes them in ``dialect``: every value as text in a map, or typed in JSON (an int a
+    number, a bool true/false), absent values left out."""
+    if dialect is MAP:
+        pairs = []
+        for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
+            value = f"`{key}`"
+            text = (f"if(isNull({value}), NULL, if({value}, 'true', 'false'))"
+                    if type_ == "bool" else f"toString({value})")
+            pairs.append(f"{quote(key)}, ifNull({text}, '')")
+        return (f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))",
+                "map('service.name', service)")
+    members = ", ".join(
+        f"if(isNull(`{key}`), '', concat({quote(json.dumps(key) + ':')}, "
+        f"toJSONString(assumeNotNull(`{key}`))))" for key in sc.ATTRIBUTES)
+    return (f"concat('{{', arrayStringConcat(arrayFilter(m -> m != '', [{members}]), ','), "
+            f"'}}')", "concat('{\"service.name\":', toJSONString(service), '}')")
 
 
 def _repeats_a_turn(table: pa.Table) -> bool:

@@ -42,6 +42,21 @@ TENANTS = {"tenant0": [TurnSpec(release="expired", ttl_s=10),
            "tenant1": [TurnSpec(), TurnSpec(read="done"), TurnSpec(read="done")]}
 
 
+def chdb_table(chdb_path: str, table: str, store: str, attributes: str = "map",
+               view: bool = False):
+    """A compacted store's spans in the exporter's span ``table`` on chdb, its attributes
+    a Map or JSON; inserted after the turn view was created (as a collector would insert
+    them) when ``view``."""
+    from kvobs.sources.clickhouse import ClickHouseSource
+
+    source = ClickHouseSource.chdb(chdb_path, table)
+    source.create_table(attributes)
+    if view:
+        source.create_turns_view()
+    source.load_store(store)
+    return source
+
+
 def assert_same_turns(turns: pd.DataFrame, reference: pd.DataFrame) -> None:
     """Same rows in the same order, and equal values in every shared column."""
     for key in ("tenant", "conversation_id", "turn"):

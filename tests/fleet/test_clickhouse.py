@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 chdb = pytest.importorskip("chdb")
 
-from fleet_cases import SHARED_ID, assert_same_turns  # noqa: E402
+from fleet_cases import SHARED_ID, assert_same_turns, chdb_table  # noqa: E402
 from test_classify_parity import compare_verdicts  # noqa: E402
 
 from kvobs import semconv as sc  # noqa: E402
@@ -21,46 +21,9 @@ from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource  # noqa: E40
 from kvobs.sources.store import compact  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def chdb_path(tmp_path_factory):
-    """One path: chdb runs one embedded server per process."""
-    return str(tmp_path_factory.mktemp("chdb"))
-
-
-@pytest.fixture(scope="module")
-def clickhouse(synthetic_store, chdb_path):
-    source = ClickHouseSource.chdb(chdb_path)
-    source.create_table()
-    assert source.load_store(synthetic_store[0]) == synthetic_store[1].spans
-    return source
-
-
-@pytest.fixture(scope="module")
-def factory_clickhouse(factory_store, chdb_path, tmp_path_factory):
-    """The factory's spans (two tenants sharing an id) through the exporter's schema."""
-    store = str(tmp_path_factory.mktemp("factory-compacted") / "store")
-    shutil.copytree(factory_store, store)
-    compact(store, writers_stopped=True)
-    source = ClickHouseSource.chdb(chdb_path, "factory_traces")
-    source.create_table()
-    source.load_store(store)
-    return source
-
-
-def _load(chdb_path: str, table: str, store: str, view: bool) -> ClickHouseSource:
-    """The store's spans in ``table``, inserted after the turn view was created (as a
-    collector would insert them) when ``view``."""
-    source = ClickHouseSource.chdb(chdb_path, table)
-    source.create_table()
-    if view:
-        source.create_turns_view()
-    source.load_store(store)
-    return source
-
-
 @pytest.fixture(scope="module")
 def viewed(synthetic_store, chdb_path):
-    return _load(chdb_path, "viewed_traces", synthetic_store[0], view=True)
+    return chdb_table(chdb_path, "viewed_traces", synthetic_store[0], view=True)
 
 
 @pytest.fixture(scope="module")
