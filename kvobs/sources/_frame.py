@@ -11,8 +11,8 @@ from kvobs import semconv as sc
 
 SPAN_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "service",
                 "start_ns", "end_ns", "error")
-_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "str": "string"}
-ATTRIBUTE_DTYPES = {a.key: _DTYPES[a.type] for a in sc.ATTRIBUTES.values()}
+KIND_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "str": "string"}
+ATTRIBUTE_DTYPES = {a.key: KIND_DTYPES[a.type] for a in sc.ATTRIBUTES.values()}
 BASE_DTYPES = {"trace_id": "string", "span_id": "string", "parent_span_id": "string",
                "name": "string", "service": "string", "start_ns": "Int64", "end_ns": "Int64",
                "error": "boolean"}

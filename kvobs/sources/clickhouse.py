@@ -61,7 +61,7 @@ from kvobs.sources._clickhouse_view import (
 )
 from kvobs.correlate import ARROW_TYPES
 from kvobs.sources._errors import SourceError
-from kvobs.sources._frame import ALL_DTYPES, drop_duplicate_spans
+from kvobs.sources._frame import ALL_DTYPES, KIND_DTYPES, drop_duplicate_spans
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turn_columns import FLEET_COLUMNS, Agg
@@ -78,9 +78,8 @@ _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
 # The store's columns as ClickHouse reads them: segments an older kvobs wrote lack newer
 # attributes, and without the structure given those are unknown identifiers.
-_CLICKHOUSE_TYPE = {"string": "String", "Int64": "Int64", "Float64": "Float64",
-                    "boolean": "Bool"}
-_STORE_STRUCTURE = ", ".join(f"`{column}` Nullable({_CLICKHOUSE_TYPE[dtype]})"
+_KIND_OF_DTYPE = {dtype: kind for kind, dtype in KIND_DTYPES.items()}
+_STORE_STRUCTURE = ", ".join(f"`{column}` {NULLABLE[_KIND_OF_DTYPE[dtype]]}"
                              for column, dtype in ALL_DTYPES.items())
 
 
