@@ -17,9 +17,10 @@ BASE_DTYPES = {"trace_id": "string", "span_id": "string", "parent_span_id": "str
                "name": "string", "service": "string", "start_ns": "Int64", "end_ns": "Int64",
                "error": "boolean"}
 ALL_DTYPES = {**BASE_DTYPES, **ATTRIBUTE_DTYPES}
-# What each dtype is in Arrow (pandas' own mapping, without building a frame to ask it).
-ARROW_TYPES = {"string": pa.large_string(), "Int64": pa.int64(), "Float64": pa.float64(),
-               "boolean": pa.bool_()}
+# What each dtype is in Arrow (pandas' own mapping, without building a frame to ask it):
+# keyed by dtype, strings large, unlike the turn table's kvobs.correlate.ARROW_TYPES.
+DTYPE_ARROW_TYPES = {"string": pa.large_string(), "Int64": pa.int64(),
+                     "Float64": pa.float64(), "boolean": pa.bool_()}
 
 
 def empty_spans() -> pd.DataFrame:

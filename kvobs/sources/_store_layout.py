@@ -12,7 +12,7 @@ import pyarrow.dataset as ds
 
 from kvobs import semconv as sc
 from kvobs.sources._decode import short
-from kvobs.sources._frame import ALL_DTYPES, ARROW_TYPES
+from kvobs.sources._frame import ALL_DTYPES, DTYPE_ARROW_TYPES
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
 TURNS_DIR = sc.STORE_TURNS_DIR
@@ -21,7 +21,8 @@ TURNS_DIR = sc.STORE_TURNS_DIR
 @functools.lru_cache(maxsize=1)
 def store_schema() -> pa.Schema:
     """The Arrow schema of compacted segments (the span table's columns and types)."""
-    return pa.schema([(column, ARROW_TYPES[dtype]) for column, dtype in ALL_DTYPES.items()])
+    return pa.schema([(column, DTYPE_ARROW_TYPES[dtype])
+                      for column, dtype in ALL_DTYPES.items()])
 
 
 def turns_path(store_dir: str, span_file: str) -> str:
