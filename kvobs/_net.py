@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST = 20000
+
+# Ports this process handed out and may not have bound yet: two servers in one harness
+# each pick a port before either binds, so a random pick must not repeat a recent one
+# (CI lost a run to two stand-ins drawing the same port out of ~12,000).
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+_REMEMBERED = 4096
 
 
 def _below_ephemeral() -> range | None:
@@ -34,16 +42,27 @@ def free_ports(n: int) -> list[int]:
             attempts += 1
             sock = socket.socket()
             port = rng.choice(candidates) if candidates and attempts < 50 * n else 0
+            if port in _handed_out or port in ports:
+                sock.close()
+                continue
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 sock.close()
                 continue
+            bound = sock.getsockname()[1]
+            if bound in _handed_out or bound in ports:  # bind(0) may repeat one too
+                sockets.append(sock)  # held until the end, so the next bind(0) moves on
+                continue
             sockets.append(sock)
-            ports.append(sock.getsockname()[1])
+            ports.append(bound)
     finally:
         for sock in sockets:
             sock.close()
+    with _handed_out_lock:
+        if len(_handed_out) > _REMEMBERED:
+            _handed_out.clear()
+        _handed_out.update(ports)
     return ports
 
 
