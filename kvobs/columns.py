@@ -39,12 +39,13 @@ class Columns:
     def __init__(self, table: pa.Table):
         self.table = table
         self.added: dict[str, np.ndarray] = {}
+        self._names = frozenset(table.column_names)
 
     def __len__(self) -> int:
         return self.table.num_rows
 
     def __contains__(self, column: str) -> bool:
-        return column in self.added or column in self.table.column_names
+        return column in self.added or column in self._names
 
     def arrow(self, column: str) -> pa.ChunkedArray:
         values = self.table.column(column)

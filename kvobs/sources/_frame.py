@@ -53,8 +53,14 @@ def frame_from_table(table: pa.Table) -> pd.DataFrame:
     """An Arrow span table (``span_table()``, a store's parquet) as ``spans()`` types it."""
     import pandas as pd  # on use: see the module's doc
 
-    return table.to_pandas(types_mapper=pd.ArrowDtype).astype(
-        {column: ALL_DTYPES[column] for column in table.column_names if column in ALL_DTYPES})
+    # Straight to the span table's dtypes: through pd.ArrowDtype and astype, column by
+    # column, it cost ~20 ms of a one-conversation read (~130 columns); 4 ms this way.
+    dtypes = {arrow: pd.api.types.pandas_dtype(dtype)
+              for dtype, arrow in DTYPE_ARROW_TYPES.items()}
+    dtypes[pa.string()] = dtypes[pa.large_string()]
+    frame = table.to_pandas(types_mapper=lambda arrow: dtypes.get(arrow, pd.ArrowDtype(arrow)))
+    return frame.astype({column: ALL_DTYPES[column] for column in frame.columns
+                         if column in ALL_DTYPES and frame[column].dtype != ALL_DTYPES[column]})
 
 
 def table_from_frame(frame: pd.DataFrame) -> pa.Table:
