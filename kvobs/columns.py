@@ -4,8 +4,8 @@ causes decide with.
 Every rule decides over a whole table at once, so one definition serves one
 conversation (``kvobs diagnose``) and a million turns (``kvobs report``) alike. A table
 is either the fleet's pandas DataFrame (categorical-aware) or ``Columns``, the Arrow turn
-rows diagnose reads without pandas (whose import alone is most of a ``kvobs diagnose``
-process). The tests below are the one place that knows both. A column the table does not
+rows diagnose reads without building a pandas table (this module imports no pandas). The
+tests below are the one place that knows both. A column the table does not
 have reads as missing on every row (a fleet table carries fewer columns than
 diagnose's).
 """

@@ -19,8 +19,8 @@ previous-turn shifts; what the store's turn files hold and ClickHouse's SQL retu
 and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
 diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
 ``to_frame``, ``follows`` and linking (``kvobs.lineage``, when some span carries a
-prefix chain) need pandas: each imports it on use, so that ``kvobs diagnose`` of a
-conversation without chains never loads it.
+prefix chain) need pandas: each imports it on use, so that the stages never load it
+themselves (pyarrow still does, on its first numpy conversion: bench/README.md).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
 
 def turn_rows(spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
               lineage_facts: bool = False) -> pa.Table:
-    """A span table (any source's ``spans()`` or ``span_table()``) to ``aggregate``'s turn
+    """A span table (any source's ``spans()``, or Arrow) to ``aggregate``'s turn
     rows. Lineage links id-less turns always; ``lineage_facts`` also gives id'd turns the
     facts of the export they extend (diagnose: one conversation; the fleet skips that
     cost)."""
