@@ -635,6 +635,9 @@ KTP_REQUEST_ID = "kvobs_request_id"
 # Optional: decoder_kv_blocks_ttl (s) added to D's exported params by the decode connector.
 KTP_DECODE_TTL = "kvobs_decode_ttl"
 PUBLISHED_PARAMS_PREFIX = "kvobs:params:"
+# vLLM's (not kvobs's) key naming the peer a request pulls its prefix from over the p2p
+# host tier: {"kv_request_id", "remote_host", "remote_port"} (vLLM's symmetric P2P).
+KTP_REMOTE_KV_SOURCE = "remote_kv_source"
 
 # --------------------------------------------------------------------------- metrics
 
