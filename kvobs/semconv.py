@@ -852,6 +852,12 @@ M_OFFLOAD_LOAD_BYTES = _upstream("vllm:kv_offload_load_bytes_total", "counter", 
                                  "Bytes loaded from the offloading tier (vLLM).")
 M_OFFLOAD_STORE_BYTES = _upstream("vllm:kv_offload_store_bytes_total", "counter", "bytes",
                                   "Bytes stored to the offloading tier (vLLM).")
+M_OFFLOAD_TIER_READ_BYTES = _upstream(
+    "vllm:kv_offload_tiering_read_bytes_total", "counter", "bytes",
+    "Bytes read from a secondary tier into the host tier, by tier (label value "
+    "'<index>:<type>', e.g. 1:p2p: pulled from a peer's host tier over NIXL; vLLM's "
+    "tiering spec).",
+    ("model_name", "engine", "tier"))
 
 # --------------------------------------------------------------------------- buckets
 

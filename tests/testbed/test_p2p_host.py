@@ -72,6 +72,8 @@ def test_p2p_hit_pulls_the_prefix_from_the_peer(pair):
     loaded = delta(sc.M_OFFLOAD_LOAD_BYTES.name)
     p2p_tokens = delta(sc.M_VLLM_PROMPT_CACHED_BY_SOURCE.name, 'source="p2p"')
     assert loaded > 0 and p2p_tokens > 0
+    # Every loaded byte came over NIXL from D's host tier into P's first.
+    assert delta(sc.M_OFFLOAD_TIER_READ_BYTES.name, ':p2p"') == loaded
     assert delta(sc.M_HOST_LOADS.name, 'tier="p2p"') >= 1
 
     spans, mine = _conversation_spans(store, cid, {(sc.SPAN_HOST_SAVE.name, 1),
