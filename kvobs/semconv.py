@@ -858,6 +858,11 @@ M_OFFLOAD_TIER_READ_BYTES = _upstream(
     "'<index>:<type>', e.g. 1:p2p: pulled from a peer's host tier over NIXL; vLLM's "
     "tiering spec).",
     ("model_name", "engine", "tier"))
+M_OFFLOAD_TIER_READ_TIME = _upstream(
+    "vllm:kv_offload_tiering_read_time_total", "counter", "seconds",
+    "Seconds spent reading from a secondary tier into the host tier, by tier (as "
+    "vllm:kv_offload_tiering_read_bytes_total; vLLM's tiering spec).",
+    ("model_name", "engine", "tier"))
 
 # --------------------------------------------------------------------------- buckets
 
