@@ -26,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,11 @@ def p2p_host_tier_config(*, host_bytes: int, host: str, port: int,
             "secondary_tiers": [{"type": "p2p", "host": host, "port": int(port)}]}
 
 
+def offload_region_path(engine_id: str) -> Path:
+    """Where vLLM's tiering spec keeps an engine's host tier (``SharedOffloadRegion``)."""
+    return Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+
+
 @dataclass
 class EngineSpec:
     role: str  # "prefill" | "decode"
@@ -212,6 +218,11 @@ class Engine:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL whatever is left."""
         _kill_group(self.proc, grace_s)
+        if self.spec.p2p_port:
+            # vLLM's tiering spec unlinks its host tier's region only on a clean shutdown:
+            # a stopped engine left it in /dev/shm (memory), and the next engine of that
+            # id joined it and timed out waiting for its own size (seen here).
+            offload_region_path(self.spec.engine_id).unlink(missing_ok=True)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -440,7 +451,9 @@ class PDPair:
                 self.prefill_side_channel_port if is_p else self.decode_side_channel_port
             ),
             core=self.prefill_core if is_p else self.decode_core,
-            engine_id=engine_id or f"kvobs-{role}",
+            # The p2p host tier's region is named after the engine id: one per start.
+            engine_id=engine_id or (f"kvobs-{role}-{uuid.uuid4().hex[:8]}"
+                                    if self.p2p_host_bytes else f"kvobs-{role}"),
             host=self.prefill_host if is_p else self.decode_host,
             wrapper=() if is_p else tuple(self.decode_wrapper),
             p2p_port=(self.prefill_p2p_port if is_p else self.decode_p2p_port)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kvobs import semconv as sc
-from kvobs.testbed.engines import SERVED_MODEL_NAME, PDPair
+from kvobs.testbed.engines import SERVED_MODEL_NAME, PDPair, offload_region_path
 from kvobs.testbed.model import build_tiny_model, safe_token_ids
 from kvobs.testbed.stack import MODEL_SIZE
 
@@ -36,7 +36,12 @@ def pair(tmp_path_factory):
     with PDPair.on_free_ports(MODEL, out / "logs", p2p_host_bytes=HOST_BYTES,
                               prefill_env={**env, "KVOBS_ROLE": "prefill"},
                               decode_env={**env, "KVOBS_ROLE": "decode"}) as started:
+        regions = [offload_region_path(e.spec.engine_id)
+                   for e in (started.prefill, started.decode)]
+        assert all(region.exists() for region in regions)
         yield started, store
+    # Stopped engines leave no host tier behind in /dev/shm (memory).
+    assert not [region for region in regions if region.exists()]
 
 
 def _turns(pair, cid: str, seed: int, turn1_chars: int = 700, out_tokens: int = 200):
