@@ -4,7 +4,8 @@ causes decide with.
 Every rule decides over a whole table at once, so one definition serves one
 conversation (``kvobs diagnose``) and a million turns (``kvobs report``) alike. A table
 is either the fleet's pandas DataFrame (categorical-aware) or ``Columns``, the Arrow turn
-rows diagnose reads without building a pandas table (this module imports no pandas). The
+rows diagnose reads without building a pandas table (this module imports no pandas;
+Arrow reaches numpy through ``kvobs.arrays``, which never makes pyarrow load it). The
 tests below are the one place that knows both. A column the table does not
 have reads as missing on every row (a fleet table carries fewer columns than
 diagnose's).
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from kvobs import arrays
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -81,7 +84,7 @@ def eq(turns: Table, column: str, value: str) -> np.ndarray:
         values = turns.arrow(column)
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
             return np.zeros(len(turns), bool)
-        return pc.fill_null(pc.equal(values, value), False).to_numpy(zero_copy_only=False)
+        return arrays.booleans(pc.equal(values, arrays.scalar(value, values.type)))
     values = turns[column]
     if values.dtype.name == "category":
         if value not in values.cat.categories:
@@ -104,8 +107,7 @@ def null(turns: Table, column: str) -> np.ndarray:
         if column in turns.added:
             values = turns.added[column]
             return np.equal(values, None) if _is_object(values) else np.isnan(values)
-        return pc.is_null(turns.arrow(column), nan_is_null=True).to_numpy(
-            zero_copy_only=False)
+        return arrays.booleans(pc.is_null(turns.arrow(column), nan_is_null=True))
     return turns[column].isna().to_numpy(bool)
 
 
@@ -124,7 +126,7 @@ def num(turns: Table, column: str) -> np.ndarray:
         if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
                 or pa.types.is_boolean(values.type)):
             return np.full(len(turns), np.nan)
-        return pc.cast(values, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        return arrays.numbers(pc.cast(values, pa.float64(), safe=False))
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
     return pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
@@ -139,7 +141,7 @@ def flag(turns: Table, column: str) -> np.ndarray:
         values = turns.arrow(column)
         if not pa.types.is_boolean(values.type):
             return np.zeros(len(turns), bool)
-        return pc.fill_null(values, False).to_numpy(zero_copy_only=False)
+        return arrays.booleans(values)
     return turns[column].astype("boolean").fillna(False).to_numpy(bool)
 
 

@@ -19,8 +19,8 @@ previous-turn shifts; what the store's turn files hold and ClickHouse's SQL retu
 and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
 diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
 ``to_frame``, ``follows`` and linking (``kvobs.lineage``, when some span carries a
-prefix chain) need pandas: each imports it on use, so that the stages never load it
-themselves (pyarrow still does, on its first numpy conversion: bench/README.md).
+prefix chain) need pandas: each imports it on use. numpy <-> Arrow goes through
+``kvobs.arrays`` (pyarrow's own conversions import pandas), so the stages never load it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import semconv as sc
+from kvobs import arrays, semconv as sc
 from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
@@ -47,6 +47,14 @@ __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate",
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
 ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
 Spans = Union["pd.DataFrame", pa.Table]
+# Compute calls' literals, typed (a Python literal would import pandas: kvobs.arrays).
+_FALSE = arrays.scalar(False, pa.bool_())
+_SECOND_NS = arrays.scalar(1e9, pa.float64())
+_ZERO_S = arrays.scalar(0.0, pa.float64())
+
+
+def _text(value: str) -> pa.Scalar:
+    return arrays.scalar(value, pa.string())
 
 
 def _strings(table: pa.Table, column: str) -> pa.ChunkedArray:
@@ -67,24 +75,30 @@ def vllm_roles(spans: Spans) -> Spans:
     calls P first, D last), earlier ones P's."""
     table = _arrow(spans, set(_ROLE_AND_CHAIN))
     name = _strings(table, "name")
-    vllm = pc.fill_null(pc.equal(name, sc.VLLM_REQUEST_SPAN), False)
+    vllm = pc.fill_null(pc.equal(name, _text(sc.VLLM_REQUEST_SPAN)), _FALSE)
     if not pc.any(vllm).as_py():
         return spans
     service = pc.coalesce(pc.utf8_lower(_strings(table, sc.ROLE.key)),
                           pc.utf8_lower(_strings(table, "service")))
     trace, start = _strings(table, "trace_id"), table.column("start_ns")
-    latest = pa.table({"trace": trace, "start": start}).filter(vllm).group_by(
-        "trace", use_threads=False).aggregate([("start", "max")])
+    # Per row, the latest start of a vLLM span of its trace (null: none has one). By
+    # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.arrays).
+    codes, traces = _codes(trace)
+    counted = arrays.booleans(pc.and_(vllm, pc.is_valid(start)))
+    starts = arrays.numbers(start, fill=0).astype(np.int64)
+    latest = np.full(traces, np.iinfo(np.int64).min)
+    np.maximum.at(latest, codes[counted], starts[counted])
+    has = np.zeros(traces, bool)
+    has[codes[counted]] = True
+    latest_start = arrays.array(latest[codes], pa.int64(), mask=~has[codes])
     # A span without trace has no turn to be the last of.
-    latest_start = latest.column("start_max").take(
-        pc.index_in(trace, value_set=latest.column("trace")))
-    last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), False)
+    last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), _FALSE)
     decode = pc.or_kleene(
-        pc.fill_null(pc.match_substring(service, "decode"), False),
-        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"), False)),
+        pc.fill_null(pc.match_substring(service, "decode"), _FALSE),
+        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"), _FALSE)),
                       last))
-    renamed = pc.if_else(vllm, pc.if_else(decode, sc.SPAN_VLLM_DECODE.name,
-                                          sc.SPAN_VLLM_PREFILL.name), name)
+    renamed = pc.if_else(vllm, pc.if_else(decode, _text(sc.SPAN_VLLM_DECODE.name),
+                                          _text(sc.SPAN_VLLM_PREFILL.name)), name)
     if isinstance(spans, pa.Table):
         return spans.set_column(spans.column_names.index("name"), "name", renamed)
     return spans.assign(name=renamed.to_pylist()).astype({"name": spans["name"].dtype})
@@ -98,7 +112,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
         return False
     decisions = pc.and_(pc.fill_null(pc.equal(_strings(spans, "name"),
-                                              sc.SPAN_PULL_DECISION.name), False),
+                                              _text(sc.SPAN_PULL_DECISION.name)), _FALSE),
                         pc.is_valid(spans.column(key)))
     if not pc.any(decisions).as_py():
         return False
@@ -106,7 +120,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
         return True
     cid = _strings(spans, sc.CONVERSATION_ID.key).filter(decisions)
     return bool(pc.any(pc.or_(pc.is_null(cid), pc.fill_null(
-        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), False))).as_py())
+        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), _FALSE))).as_py())
 
 
 def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
@@ -180,17 +194,27 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
     if "trace_id" not in table.column_names or not needs_traces(table):
         return table
     table = plain(table)
+    codes, traces = _codes(table.column("trace_id"))
     for key in KEY_SOURCES.values():
         column = table.column(key)
         if column.null_count in (0, table.num_rows):
             continue
-        by_trace = table.filter(pc.is_valid(column)).select(["trace_id", key]).group_by(
-            "trace_id", use_threads=False).aggregate([(key, "first")])
-        index = pc.index_in(table.column("trace_id"), value_set=by_trace.column("trace_id"))
-        inherited = by_trace.column(f"{key}_first").take(index)
+        has = np.flatnonzero(arrays.booleans(pc.is_valid(column)))
+        # The first row of each trace that has the key (rows without trace: one trace).
+        traced, first = np.unique(codes[has], return_index=True)
+        source = np.full(traces, -1, np.int64)
+        source[traced] = has[first]
+        index = source[codes]
+        inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
         table = table.set_column(table.column_names.index(key), key,
                                  pc.coalesce(column, inherited))
     return table
+
+
+def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
+    """Per row a code of its value (null: a code of its own), and how many codes."""
+    encoded = pc.dictionary_encode(column.combine_chunks(), null_encoding="encode")
+    return arrays.numbers(encoded.indices).astype(np.int64), len(encoded.dictionary)
 
 
 def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
@@ -203,7 +227,8 @@ def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
             return pa.DictionaryArray.from_arrays(indices, first)
         column = column.cast(column.type.value_type)
     if not len(column):
-        return pa.DictionaryArray.from_arrays(pa.array([], pa.int32()), pa.array([], pa.string()))
+        return pa.DictionaryArray.from_arrays(arrays.array(np.zeros(0, np.int32)),
+                                              arrays.strings([]))
     return column.combine_chunks().dictionary_encode()
 
 
@@ -222,13 +247,13 @@ def ranked(column: pa.ChunkedArray, null_as: str | None = None
     dictionary = encoded.dictionary.cast(pa.string())
     indices = encoded.indices
     if null_as is not None and indices.null_count:
-        indices = pc.fill_null(indices, len(dictionary))
-        dictionary = pa.concat_arrays([dictionary, pa.array([null_as], pa.string())])
+        indices = pc.fill_null(indices, arrays.scalar(len(dictionary), indices.type))
+        dictionary = pa.concat_arrays([dictionary, arrays.strings([null_as])])
     # Dense ranks: equal strings (an unmerged dictionary) share one code.
-    rank = pc.rank(dictionary, sort_keys="ascending", tiebreaker="dense").to_numpy() - 1
+    rank = arrays.numbers(pc.rank(dictionary, sort_keys="ascending", tiebreaker="dense")) - 1
     categories = np.empty(int(rank.max()) + 1 if len(rank) else 0, dtype=object)
-    categories[rank] = dictionary.to_numpy(zero_copy_only=False)
-    return rank.astype(np.int64)[indices.to_numpy(zero_copy_only=False)], categories
+    categories[rank] = arrays.values(dictionary)
+    return rank.astype(np.int64)[arrays.numbers(indices)], categories
 
 
 def _firsts(sorted_keys: np.ndarray) -> np.ndarray:
@@ -260,15 +285,15 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
     tenant_codes, tenants = ranked(table.column(_TENANT), UNKNOWN_TENANT)
     cid_codes, cids = ranked(table.column(_CID))
     conversation = tenant_codes * max(len(cids), 1) + cid_codes
-    turn = pc.cast(table.column(_TURN), pa.int64()).to_numpy(zero_copy_only=False)
+    turn = arrays.numbers(pc.cast(table.column(_TURN), pa.int64()))
     # key = conversation << bits | (turn - lowest): as many bits as the turns need, so a
     # stray turn index can never spill into the next conversation's keys.
     lowest = int(turn.min()) if len(turn) else 0
     bits = max(int(turn.max() - lowest).bit_length(), 1) if len(turn) else 1
     key = (conversation << bits) | (turn - lowest)
-    start = pc.fill_null(table.column("start_ns"), 0).to_numpy(zero_copy_only=False)
+    start = arrays.numbers(table.column("start_ns"), fill=0)
     names = _dictionary(table.column("name"))
-    name_codes = names.indices.to_numpy(zero_copy_only=False)
+    name_codes = arrays.numbers(names.indices)
     name_index = {name: i for i, name in enumerate(names.dictionary.to_pylist())}
 
     # Per span name: its rows in turn order, each row's turn (group) and the turn keys.
@@ -295,12 +320,12 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
     conversation_of = turn_keys >> bits
     out: dict[str, pa.Array] = {
         "tenant": pa.DictionaryArray.from_arrays(
-            pa.array(conversation_of // max(len(cids), 1), pa.int32()),
-            pa.array(tenants, pa.string())),
+            arrays.array(conversation_of // max(len(cids), 1), pa.int32()),
+            arrays.strings(tenants)),
         "conversation_id": pa.DictionaryArray.from_arrays(
-            pa.array(conversation_of % max(len(cids), 1), pa.int32()),
-            pa.array(cids, pa.string())),
-        "turn": pa.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
+            arrays.array(conversation_of % max(len(cids), 1), pa.int32()),
+            arrays.strings(cids)),
+        "turn": arrays.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
     for name, column in columns.items():
         arrow_type = ARROW_TYPES[column.type]
         if column.span.name not in by_name:
@@ -311,31 +336,31 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
         if column.agg in (Agg.PRESENCE, Agg.COUNT):
             count = np.zeros(n, np.int64)
             count[position] = np.bincount(group, minlength=len(keys))
-            out[name] = (pa.array(np.where(count > 0, "yes", None), pa.string())
-                         if column.agg is Agg.PRESENCE else pa.array(count, mask=count == 0))
+            out[name] = (arrays.strings(np.where(count > 0, "yes", None))
+                         if column.agg is Agg.PRESENCE else arrays.array(count, mask=count == 0))
             continue
-        values = source_column(column.source).take(pa.array(rows))
+        values = source_column(column.source).take(arrays.array(rows))
         if column.agg is Agg.SUM:
             out[name] = _summed(values, group, position, n)
             continue
-        valid = np.flatnonzero(values.is_valid().to_numpy(zero_copy_only=False))
+        valid = np.flatnonzero(arrays.booleans(values.is_valid()))
         first = valid[_firsts(group[valid])]
         take = np.full(n, -1, np.int64)
         take[position[group[first]]] = first
-        out[name] = values.take(pa.array(take, mask=take < 0)).cast(arrow_type)
+        out[name] = values.take(arrays.array(take, mask=take < 0)).cast(arrow_type)
     return pa.table(out)
 
 
 def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
             n: int) -> pa.Array:
     """Sum per turn, null when no span of the turn has a value (``min_count=1``)."""
-    numbers = pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False)
-    valid = values.is_valid().to_numpy(zero_copy_only=False)
+    numbers = arrays.numbers(pc.cast(values, pa.int64()), fill=0)
+    valid = arrays.booleans(values.is_valid())
     total = np.zeros(n, np.int64)
     counted = np.zeros(n, np.int64)
     np.add.at(total, position[group], numbers)
     np.add.at(counted, position[group], valid)
-    return pa.array(total, mask=counted == 0)
+    return arrays.array(total, mask=counted == 0)
 
 
 def to_frame(table: pa.Table) -> pd.DataFrame:
@@ -391,15 +416,16 @@ def derive(rows: pa.Table) -> pa.Table:
     """``rows`` with the gap, retention costs and previous-turn facts
     (``turn_columns.DERIVED``) of the columns they have. Rows must be grouped by (tenant,
     conversation), by turn; a shift never crosses a conversation, so never a tenant."""
-    turn = pc.cast(rows.column("turn"), pa.int64()).to_numpy(zero_copy_only=False)
+    turn = arrays.numbers(pc.cast(rows.column("turn"), pa.int64()))
     codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
     consecutive = _consecutive(codes, turn)
-    previous = pa.array(np.maximum(np.arange(len(turn)) - 1, 0), mask=~consecutive)
+    previous = arrays.array(np.maximum(np.arange(len(turn)) - 1, 0), pa.int64(),
+                            mask=~consecutive)
     # In float: nanosecond stamps past 2**53 (a clock gone wrong, a fuzzed file) lose
     # precision instead of failing the table.
     start = pc.cast(rows.column("turn_start_ns"), pa.float64(), safe=False)
     end = pc.cast(rows.column("turn_end_ns"), pa.float64(), safe=False).take(previous)
-    gap = pc.divide(pc.subtract(start, end), 1e9)
+    gap = pc.divide(pc.subtract(start, end), _SECOND_NS)
     rows = rows.append_column(GAP.name, gap)
     rows = with_retention(rows)
     for name in PREVIOUS:
@@ -419,8 +445,8 @@ def with_retention(rows: pa.Table) -> pa.Table:
         return pc.cast(rows.column(name), pa.float64(), safe=False)
 
     def seconds(end: str, start: str):  # never below 0: the two ends come from two clocks
-        elapsed = pc.divide(pc.subtract(number(end), number(start)), 1e9)
-        return pc.max_element_wise(elapsed, 0.0, skip_nulls=False)
+        elapsed = pc.divide(pc.subtract(number(end), number(start)), _SECOND_NS)
+        return pc.max_element_wise(elapsed, _ZERO_S, skip_nulls=False)
 
     held = pc.coalesce(number("held_s"), seconds("release_end_ns", "export_end_ns"))
     device = pc.multiply(number("export_blocks"), held)

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import columns as col
+from kvobs import arrays, columns as col
 from kvobs.causes import CauseFinding, causes, decode_context
 from kvobs.correlate import turns_from_spans
 from kvobs import semconv as sc
@@ -112,7 +112,8 @@ def _where(turns: pa.Table, column: str, value: str) -> pa.Table:
     values = turns.column(column)
     if pa.types.is_dictionary(values.type):
         values = values.cast(values.type.value_type)
-    return turns.filter(pc.fill_null(pc.equal(values, value), False))
+    return turns.filter(pc.fill_null(pc.equal(values, arrays.scalar(value, values.type)),
+                                     arrays.scalar(False, pa.bool_())))
 
 
 def _distinct(turns: pa.Table, column: str) -> list[str]:
@@ -131,7 +132,8 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
     # Conversations kvobs named itself (an id-less turn, a chain rebuilt from engine
     # spans) exist only once every span is correlated: no source can select them.
     derived = conversation_id.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
-    every = turns_from_spans(source.spans(None if derived else conversation_id), frame=False)
+    every = turns_from_spans(source.span_table(None if derived else conversation_id),
+                             frame=False)
     turns = _where(every, "conversation_id", conversation_id)
     problems = list(source.problems)
     if turns.num_rows == 0 and conversation_id.startswith(sc.ANONYMOUS_PREFIX):

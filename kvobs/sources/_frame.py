@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import semconv as sc
+from kvobs import arrays, semconv as sc
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -73,10 +73,10 @@ def repeated_spans(trace_ids, span_ids) -> np.ndarray:
     delivered twice (an exporter's retry, a copied file) would otherwise count twice
     (recomputed tokens are summed per turn). Rows without span id are never repeats."""
     key = pc.binary_join_element_wise(
-        pc.fill_null(pa.chunked_array(trace_ids).cast(pa.string()), ""),
-        pa.chunked_array(span_ids).cast(pa.string()), "/")
-    codes = pc.fill_null(key.combine_chunks().dictionary_encode().indices, -1)
-    codes = codes.to_numpy(zero_copy_only=False)
+        pc.fill_null(pa.chunked_array(trace_ids).cast(pa.string()),
+                     arrays.scalar("", pa.string())),
+        pa.chunked_array(span_ids).cast(pa.string()), arrays.scalar("/", pa.string()))
+    codes = arrays.numbers(key.combine_chunks().dictionary_encode().indices, fill=-1)
     order = np.argsort(codes, kind="stable")
     ordered = codes[order]
     repeated = np.zeros(len(codes), dtype=bool)
@@ -105,7 +105,7 @@ def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
         return table
     repeated = repeated_spans(table.column("trace_id"), table.column("span_id"))
     _reported(int(repeated.sum()), problems)
-    return table.filter(pa.array(~repeated)) if repeated.any() else table
+    return table.filter(arrays.array(~repeated)) if repeated.any() else table
 
 
 def _name_anonymous(frame: pd.DataFrame) -> pd.DataFrame:

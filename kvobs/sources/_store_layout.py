@@ -8,9 +8,9 @@ import os
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
-from kvobs import semconv as sc
+from kvobs import arrays, semconv as sc
 from kvobs.sources._decode import short
 from kvobs.sources._frame import ALL_DTYPES, DTYPE_ARROW_TYPES
 
@@ -79,16 +79,66 @@ def note(problems: list[str], problem: str) -> None:
         problems.append(problem)
 
 
+def _scanned(columns: list[str]) -> tuple[pa.Schema, pa.Schema]:
+    """The schema of ``columns`` (today's), and what to scan for it: also the keys an
+    older kvobs wrote them under (``with_renamed_keys``)."""
+    schema = store_schema()
+    schema = pa.schema([schema.field(c) for c in columns])
+    legacy = {old: new for old, new in sc.RENAMED_KEYS.items() if new in columns}
+    return schema, pa.schema([*schema, *(pa.field(old, schema.field(new).type)
+                                          for old, new in legacy.items())])
+
+
+def read_conversation(files: list[str], problems: list[str], columns: list[str],
+                      conversation_id: str) -> pa.Table:
+    """``read_spans`` of the spans tagged with one conversation id, through
+    ``pyarrow.parquet`` alone (``pyarrow.dataset`` imports pandas: ``kvobs.arrays``):
+    only the row groups whose statistics can hold the id are read."""
+    schema, scanned = _scanned(columns)
+    cid = sc.CONVERSATION_ID.key
+    wanted = arrays.scalar(conversation_id, scanned.field(cid).type)
+
+    def row_groups(parquet: pq.ParquetFile) -> list[int]:
+        names = parquet.schema_arrow.names
+        if cid not in names:
+            return []
+        index = parquet.schema_arrow.get_field_index(cid)
+        picked = []
+        for group in range(parquet.num_row_groups):
+            stats = parquet.metadata.row_group(group).column(index).statistics
+            if (stats is None or not stats.has_min_max
+                    or stats.min <= conversation_id <= stats.max):
+                picked.append(group)
+        return picked
+
+    def scan(paths):
+        tables = []
+        for path in paths:
+            parquet = pq.ParquetFile(path)
+            present = [name for name in scanned.names if name in parquet.schema_arrow.names]
+            groups = row_groups(parquet)
+            if not groups:
+                continue
+            read = parquet.read_row_groups(groups, columns=present, use_threads=False)
+            read = read.filter(pc.fill_null(pc.equal(read.column(cid).cast(wanted.type),
+                                                     wanted), arrays.scalar(False, pa.bool_())))
+            tables.append(pa.table([read.column(f.name).cast(f.type)
+                                    if f.name in present else pa.nulls(read.num_rows, f.type)
+                                    for f in scanned], schema=scanned))
+        if not tables:
+            return schema.empty_table()
+        return with_renamed_keys(pa.concat_tables(tables), columns)
+    return read_or_skip(files, problems, scan)
+
+
 def read_spans(files: list[str], problems: list[str], columns: list[str],
                expression=None, file_format="parquet") -> pa.Table:
     """Columns of compacted span files (today's schema: segments written by an older
     kvobs lack newer attributes, read as null). One dataset when every file reads; else
     file by file, an unreadable one (corrupt, empty, truncated) reported and left out."""
-    schema = store_schema()
-    schema = pa.schema([schema.field(c) for c in columns])
-    legacy = {old: new for old, new in sc.RENAMED_KEYS.items() if new in columns}
-    scanned = pa.schema([*schema, *(pa.field(old, schema.field(new).type)
-                                    for old, new in legacy.items())])
+    import pyarrow.dataset as ds  # imports pandas: diagnose reads by read_conversation
+
+    schema, scanned = _scanned(columns)
 
     def scan(paths):
         if not paths:

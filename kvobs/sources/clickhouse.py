@@ -61,7 +61,8 @@ from kvobs.sources._clickhouse_view import (
 )
 from kvobs.correlate import ARROW_TYPES
 from kvobs.sources._errors import SourceError
-from kvobs.sources._frame import ALL_DTYPES, KIND_DTYPES, drop_duplicate_spans
+from kvobs.sources._frame import (ALL_DTYPES, KIND_DTYPES, drop_duplicate_spans,
+                                  table_from_frame)
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turn_columns import FLEET_COLUMNS, Agg
@@ -233,6 +234,9 @@ class ClickHouseSource:
         return self._frame(
             f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
             f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})", {"cid": conversation_id})
+
+    def span_table(self, conversation_id: str | None = None) -> pa.Table:
+        return table_from_frame(self.spans(conversation_id))
 
     def conversation_ids(self) -> list[str]:
         cid = self.dialect.attr(CID_KEY)

@@ -7,16 +7,19 @@ The format is found from each file's content (``_decode``), never from its name.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import pandas as pd
 import pyarrow as pa
 
 from kvobs import semconv as sc
 from kvobs.correlate import turn_rows
 from kvobs.sources._decode import documents
-from kvobs.sources._frame import drop_duplicate_spans, frame_from_rows, select_conversation
+from kvobs.sources._frame import (drop_duplicate_spans, frame_from_rows,
+                                  select_conversation, table_from_frame)
 from kvobs.sources._rows import rows, spans_from_request
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["DocumentSource", "OtlpJsonSource", "otlp_files", "read_rows",
            "spans_from_request"]
@@ -70,6 +73,9 @@ class DocumentSource:
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         frame = self._all()
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
+
+    def span_table(self, conversation_id: str | None = None) -> pa.Table:
+        return table_from_frame(self.spans(conversation_id))
 
     def turn_rows(self) -> pa.Table:
         return turn_rows(self._all())

@@ -26,22 +26,30 @@ import time
 import uuid
 import zlib
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs import lineage, semconv as sc
+from kvobs import semconv as sc
 from kvobs.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
-from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
-                                  frame_from_table, select_conversation, table_from_frame)
-from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note, read_spans,
-                                         readable, span_files, store_schema, turns_path)
-from kvobs.sources._store_turns import store_turns
+from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_span_rows,
+                                  drop_duplicate_spans, frame_from_rows, frame_from_table,
+                                  select_conversation, table_from_frame)
+from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
+                                         read_conversation, read_spans, readable,
+                                         span_files, store_schema, turns_path)
 from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# pandas, kvobs.lineage (pandas) and the turn-file reader (pyarrow.dataset, which imports
+# pandas) are imported where used: reading one conversation (``span_table``, what
+# ``kvobs diagnose`` reads) needs none of them (bench/README.md, issue 12).
 
 __all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
            "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
@@ -86,6 +94,10 @@ def write_parquet(store_dir: str, frame: pd.DataFrame, name: str | None = None,
     names); returns rows written. ``context``: spans not written but read for the
     conversation of an untagged span (its trace's) or an id-less turn (its lineage). A
     span left without conversation is not stored: counted in ``problems``."""
+    import pandas as pd
+
+    from kvobs import lineage
+
     written = len(frame)
     frame = frame.reset_index(drop=True)
     if context is not None and not context.empty:
@@ -299,34 +311,47 @@ class StoreSource:
         self._live = OtlpJsonSource(os.path.join(store_dir, sc.STORE_LIVE_DIR))
         self.problems = self._live.problems
 
-    def _compacted(self, conversation_id: str | None) -> pd.DataFrame:
+    def _compacted(self, conversation_id: str | None) -> pa.Table:
         columns = list(ALL_DTYPES)
         if conversation_id is None:
-            files = span_files(self.store_dir)
-            table = read_spans(files, self.problems, columns)
-        else:  # buckets partition conversation ids: one bucket's files
-            files = span_files(self.store_dir, bucket_of(conversation_id))
-            table = read_spans(files, self.problems, columns,
-                               ds.field(_CID) == conversation_id)
-        return frame_from_table(table)
+            return read_spans(span_files(self.store_dir), self.problems, columns)
+        # Buckets partition conversation ids: one bucket's files.
+        return read_conversation(span_files(self.store_dir, bucket_of(conversation_id)),
+                                 self.problems, columns, conversation_id)
+
+    def _has_live(self) -> bool:
+        """Whether live segments (span files) exist: a compacted store often keeps an
+        empty ``spans/`` directory."""
+        return os.path.isdir(self._live.location) and bool(otlp_files(self._live.location))
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
-        live = self._live.spans(conversation_id) if os.path.isdir(self._live.location) else None
-        compacted = self._compacted(conversation_id)
+        import pandas as pd
+
+        live = self._live.spans(conversation_id) if self._has_live() else None
+        compacted = frame_from_table(self._compacted(conversation_id))
         if live is None or live.empty:
             return drop_duplicate_spans(compacted, self.problems)
         frame = drop_duplicate_spans(pd.concat([compacted, live], ignore_index=True),
                                      self.problems)
         return frame if conversation_id is None else select_conversation(frame, conversation_id)
 
+    def span_table(self, conversation_id: str | None = None) -> pa.Table:
+        """``spans`` in Arrow: compacted spans straight from parquet; with live segments
+        (span files), through ``spans``."""
+        if self._has_live():
+            return table_from_frame(self.spans(conversation_id))
+        return drop_duplicate_span_rows(self._compacted(conversation_id), self.problems)
+
     def turn_rows(self) -> pa.Table:
         """Mostly from the turn files written at compaction (``_store_turns``)."""
+        from kvobs.sources._store_turns import store_turns
+
         return store_turns(self.store_dir, self._live, self.problems)
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()
         # Live first: a segment compacted meanwhile is then found in one place or both.
-        if os.path.isdir(self._live.location):
+        if self._has_live():
             ids.update(self._live.conversation_ids())
         table = read_spans(span_files(self.store_dir), self.problems, [_CID])
         ids.update(table.column(_CID).unique().to_pylist())

@@ -154,6 +154,8 @@ def test_source_failing_after_open_is_an_input_error(monkeypatch, source):
         def spans(self, conversation_id=None):
             raise SourceError("clickhouse://db: Code: 60. Unknown table")
 
+        span_table = spans
+
         def conversation_ids(self):
             return []
 

@@ -85,3 +85,36 @@ def test_diagnose_json_imports_no_terminal_or_serving_stack():
     assert [t["verdict"] for t in json.loads(output)["turns"]] == [
         "first-turn", "remote-hit", "remote-hit"]
     assert _packages(modules).isdisjoint({"rich", "aiohttp", "opentelemetry"})
+
+
+def _without_chains(document):
+    """An OTLP document without the prefix-chain attribute (kvobs.lineage, which links
+    by chains, still uses pandas)."""
+    from kvobs import semconv as sc
+
+    if isinstance(document, dict):
+        return {key: _without_chains(value) for key, value in document.items()}
+    if isinstance(document, list):
+        return [_without_chains(item) for item in document
+                if not (isinstance(item, dict) and item.get("key") == sc.PREFIX_LINEAGE.key)]
+    return document
+
+
+def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
+    """One conversation of a compacted store is read, correlated, classified and printed
+    without pandas (pyarrow imports it on a numpy conversion: kvobs.arrays avoids them;
+    pyarrow.dataset imports it too: the store reads one conversation by pyarrow.parquet).
+    Spans without prefix chains: linking by chains (kvobs.lineage) still loads it."""
+    from kvobs.sources.store import compact
+
+    os.makedirs(tmp_path / "spans")
+    with open(DEMO_SPANS) as spans, open(tmp_path / "spans" / "seg.jsonl", "w") as out:
+        for line in spans:
+            out.write(json.dumps(_without_chains(json.loads(line))) + "\n")
+    compact(str(tmp_path), writers_stopped=True)
+    modules, output, status = _imported("diagnose", "agent-happy", "--source",
+                                        str(tmp_path), "--json")
+    assert status == "0"
+    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
+        "first-turn", "remote-hit", "remote-hit"]
+    assert "pandas" not in _packages(modules)

@@ -16,7 +16,7 @@ import pytest
 from connector_instrumented import _digest
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import turns_from_spans
-from kvobs.sources._frame import frame_from_rows
+from kvobs.sources._frame import frame_from_rows, table_from_frame
 
 BS = 16
 SEED = "abcd1234"
@@ -236,6 +236,9 @@ class _FrameSource:
 
     def spans(self, conversation_id=None):
         return self._spans
+
+    def span_table(self, conversation_id=None):
+        return table_from_frame(self._spans)
 
     def conversation_ids(self):
         return []

@@ -1,0 +1,124 @@
+"""numpy <-> Arrow without pyarrow's pandas check.
+
+pyarrow (26) imports pandas, whenever it is installed, on its first conversion from or
+to Python or numpy values (``pa.array``, ``pa.scalar``, ``Array.to_numpy``, a compute
+call given a Python literal): ~0.4 s that ``kvobs diagnose`` of one conversation would
+otherwise spend on a library it never uses (bench/README.md, issue 12). Arrays here are
+built from their buffers (``pa.Array.from_buffers``) and read through them
+(``np.frombuffer``), which pyarrow converts nothing for. The diagnose path converts
+only through this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["array", "strings", "scalar", "numbers", "booleans", "values"]
+
+_NUMPY_TYPES = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32,
+                pa.int64(): np.int64, pa.uint8(): np.uint8, pa.uint16(): np.uint16,
+                pa.uint32(): np.uint32, pa.uint64(): np.uint64, pa.float32(): np.float32,
+                pa.float64(): np.float64}
+_ARROW_TYPES = {np.dtype(numpy): arrow for arrow, numpy in _NUMPY_TYPES.items()}
+
+
+def _bits(flags: np.ndarray) -> pa.Buffer:
+    return pa.py_buffer(np.packbits(np.asarray(flags, bool), bitorder="little"))
+
+
+def array(values: np.ndarray, type: pa.DataType | None = None,
+          mask: np.ndarray | None = None) -> pa.Array:
+    """A numeric or boolean numpy array as Arrow (``type``: its own dtype's when not
+    given), null where ``mask`` is true. Object arrays of strings: ``strings``."""
+    values = np.asarray(values)
+    if values.dtype == object:
+        return strings(values.tolist() if mask is None else
+                       [None if m else v for v, m in zip(values.tolist(), mask)])
+    n = len(values)
+    validity, nulls = None, 0
+    if mask is not None and np.any(mask):
+        validity, nulls = _bits(~np.asarray(mask, bool)), int(np.count_nonzero(mask))
+    if type is None:
+        type = pa.bool_() if values.dtype == bool else _ARROW_TYPES[values.dtype]
+    if pa.types.is_boolean(type):
+        data = _bits(values)
+    else:
+        data = pa.py_buffer(np.ascontiguousarray(values, _NUMPY_TYPES[type]))
+    return pa.Array.from_buffers(type, n, [validity, data], null_count=nulls)
+
+
+def strings(items: Iterable[str | None]) -> pa.Array:
+    """Python strings (None: null) as an Arrow string array."""
+    items = list(items)
+    encoded = [b"" if item is None else str(item).encode("utf-8", "surrogatepass")
+               for item in items]
+    offsets = np.zeros(len(items) + 1, np.int32)
+    np.cumsum([len(item) for item in encoded], out=offsets[1:])
+    missing = np.array([item is None for item in items], bool)
+    validity = _bits(~missing) if missing.any() else None
+    return pa.Array.from_buffers(pa.string(), len(items),
+                                 [validity, pa.py_buffer(offsets),
+                                  pa.py_buffer(b"".join(encoded))],
+                                 null_count=int(missing.sum()))
+
+
+def scalar(value: Any, type: pa.DataType) -> pa.Scalar:
+    """A typed Arrow scalar (a compute call's literal: a Python one would import pandas)."""
+    if pa.types.is_string(type) or pa.types.is_large_string(type):
+        return strings([value]).cast(type)[0]
+    return array(np.array([value]), type)[0]
+
+
+def _one(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+    return values
+
+
+def _valid(values: pa.Array) -> np.ndarray | None:
+    """Per row whether it has a value; None when every row has."""
+    if values.null_count == 0:
+        return None
+    bitmap = values.buffers()[0]
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
+    return bits[values.offset:values.offset + len(values)].astype(bool)
+
+
+def numbers(values: pa.Array | pa.ChunkedArray, fill: float | int | None = None
+            ) -> np.ndarray:
+    """A numeric column as numpy in its own dtype; null rows read ``fill`` (when not
+    given and some row is null: float64 with NaN, as ``to_numpy`` reads it)."""
+    values = _one(values)
+    dtype = _NUMPY_TYPES[values.type]
+    data = np.frombuffer(values.buffers()[1], dtype)[values.offset:values.offset + len(values)]
+    valid = _valid(values)
+    if valid is None:
+        return data.copy()
+    if fill is None:
+        out = data.astype(np.float64)
+        out[~valid] = np.nan
+    else:
+        out = data.copy()
+        out[~valid] = fill
+    return out
+
+
+def booleans(values: pa.Array | pa.ChunkedArray, fill: bool = False) -> np.ndarray:
+    """A boolean column as numpy; null rows read ``fill``."""
+    values = _one(values)
+    bits = np.unpackbits(np.frombuffer(values.buffers()[1], np.uint8), bitorder="little")
+    out = bits[values.offset:values.offset + len(values)].astype(bool)
+    valid = _valid(values)
+    if valid is not None:
+        out[~valid] = fill
+    return out
+
+
+def values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Any column as an object array of Python values (None: null)."""
+    out = np.empty(len(column), dtype=object)
+    out[:] = column.to_pylist()
+    return out

@@ -1,0 +1,62 @@
+"""kvobs.arrays reads and builds what pyarrow's own conversions do (nulls, slices,
+chunks), without importing pandas."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvobs import arrays
+
+
+def _chunked(values, type):
+    whole = pa.array(values, type)
+    return pa.chunked_array([whole.slice(0, 2), whole.slice(2)])
+
+
+@pytest.mark.parametrize("type", [pa.int64(), pa.int32(), pa.float64()])
+def test_numbers_read_as_to_numpy_does(type):
+    values = [3, None, 5, 7, None, 11]
+    column = _chunked(values, type)
+    np.testing.assert_array_equal(arrays.numbers(column),
+                                  column.to_numpy(zero_copy_only=False))
+    np.testing.assert_array_equal(arrays.numbers(column.chunk(1).slice(1), fill=0),
+                                  [7, 0, 11])
+    assert arrays.numbers(pa.array([1, 2], type)).dtype == column.type.to_pandas_dtype()
+
+
+def test_booleans_read_nulls_as_fill():
+    column = _chunked([True, None, False, True, None, True, False, False, True], pa.bool_())
+    assert arrays.booleans(column).tolist() == [
+        bool(v) for v in column.to_pylist()]
+    assert arrays.booleans(column.chunk(1).slice(2), fill=True).tolist() == [
+        True, True, False, False, True]
+
+
+def test_built_arrays_equal_pyarrows():
+    mask = np.array([False, True, False, False])
+    assert arrays.array(np.array([1, 2, 3, 4]), pa.int32(), mask=mask).equals(
+        pa.array([1, 2, 3, 4], pa.int32(), mask=mask))
+    assert arrays.array(np.array([True, False, True])).equals(pa.array([True, False, True]))
+    assert arrays.array(np.array([0.5, -2.0])).equals(pa.array([0.5, -2.0]))
+    built = arrays.strings(["a", None, "héllo", ""])
+    built.validate(full=True)
+    assert built.equals(pa.array(["a", None, "héllo", ""]))
+    assert arrays.scalar("x", pa.large_string()).equals(pa.scalar("x", pa.large_string()))
+    assert arrays.scalar(1e9, pa.float64()).as_py() == 1e9
+
+
+def test_no_conversion_imports_pandas():
+    probe = ("import sys, numpy as np, pyarrow as pa, pyarrow.compute as pc\n"
+             "from kvobs import arrays\n"
+             "a = arrays.array(np.arange(5), mask=np.arange(5) == 2)\n"
+             "arrays.numbers(pc.cast(a, pa.float64())); arrays.numbers(a, fill=0)\n"
+             "arrays.booleans(pc.equal(arrays.strings(['x', None]), "
+             "arrays.scalar('x', pa.string())))\n"
+             "arrays.values(arrays.strings(['y'])); arrays.scalar(False, pa.bool_())\n"
+             "print('pandas' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "False"
