@@ -84,6 +84,21 @@ def make_shim_dir(dest: str | os.PathLike, vllm_version: str | None = None) -> P
     return dest
 
 
+def host_copy_config(host_bytes: int, *, prompt_only: bool = False,
+                     extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The instrumented offloading connector with kvobs's CPU host-copy spec
+    (``docs/host_copy.md``): a host tier of ``host_bytes`` saving whole turns unless
+    ``prompt_only`` (vLLM's default, ``offload_prompt_only=true``)."""
+    return {"kv_connector": "KvobsOffloadingConnector",
+            "kv_connector_module_path": "connector_instrumented.offloading",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "KvobsHostCopySpec",
+                "spec_module_path": "connector_instrumented.host_copy",
+                "cpu_bytes_to_use": host_bytes, "offload_prompt_only": prompt_only,
+                **(extra_config or {})}}
+
+
 def kv_transfer_config(
     *,
     kv_connector: str = "NixlConnector",
@@ -94,12 +109,19 @@ def kv_transfer_config(
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default,
     kv_load_failure_policy: str = "fail",
     extra_config: dict[str, Any] | None = None,
+    host_copy_bytes: int = 0,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` dict (identical for P and D except ``engine_id``).
 
     ``bidirectional_kv_xfer``, ``decoder_kv_blocks_ttl`` and ``kv_recompute_threshold``
     are read from ``kv_connector_extra_config`` by the NIXL scheduler;
     ``kv_load_failure_policy`` is a top-level ``KVTransferConfig`` field.
+
+    ``host_copy_bytes`` > 0: vLLM's ``MultiConnector`` with the host copy
+    (:func:`host_copy_config`) first and the NIXL connector second. MultiConnector loads
+    from the first connector that reports matched tokens and saves to all; with NIXL
+    first the host copy could never load on D (NIXL claims every remote-prefill
+    request), so the host copy goes first (``docs/host_copy.md``, configuration (a)).
     """
     extra: dict[str, Any] = {
         "bidirectional_kv_xfer": bidirectional,
@@ -116,6 +138,11 @@ def kv_transfer_config(
     }
     if kv_connector_module_path:
         cfg["kv_connector_module_path"] = kv_connector_module_path
+    if host_copy_bytes > 0:
+        cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+               "kv_buffer_device": "cpu", "kv_load_failure_policy": kv_load_failure_policy,
+               "kv_connector_extra_config": {"connectors": [
+                   host_copy_config(host_copy_bytes), cfg]}}
     if engine_id:
         cfg["engine_id"] = engine_id
     return cfg
@@ -355,7 +382,9 @@ class PDPair:
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default
     kv_load_failure_policy: str = "fail"
     extra_config: dict[str, Any] | None = None
+    decode_host_copy_bytes: int = 0  # >0: D's connector is MultiConnector with a host copy
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    decode_kv_cache_bytes: int | None = None  # None: kv_cache_bytes
     pthr_delay_us: int = 1000
     log_level: str = "INFO"
     startup_timeout_s: float = 300.0
@@ -381,7 +410,7 @@ class PDPair:
             prefill_side_channel_port=ps, decode_side_channel_port=ds, **kw,
         )  # fmt: skip
 
-    def kv_config(self) -> dict[str, Any]:
+    def kv_config(self, role: str = "prefill") -> dict[str, Any]:
         return kv_transfer_config(
             kv_connector=self.kv_connector,
             kv_connector_module_path=self.kv_connector_module_path,
@@ -390,6 +419,7 @@ class PDPair:
             kv_recompute_threshold=self.kv_recompute_threshold,
             kv_load_failure_policy=self.kv_load_failure_policy,
             extra_config=self.extra_config,
+            host_copy_bytes=self.decode_host_copy_bytes if role == "decode" else 0,
         )
 
     def _start_one(self, role: str, engine_id: str | None = None) -> Engine:
@@ -409,8 +439,9 @@ class PDPair:
             spec,
             self.model_path,
             self.out_dir,
-            kv_config=self.kv_config(),
-            kv_cache_bytes=self.kv_cache_bytes,
+            kv_config=self.kv_config(role),
+            kv_cache_bytes=(self.kv_cache_bytes if is_p or self.decode_kv_cache_bytes is None
+                            else self.decode_kv_cache_bytes),
             pthr_delay_us=self.pthr_delay_us,
             log_level=self.log_level,
             extra_args=[*(self.extra_args or []),

@@ -134,6 +134,8 @@ class Stack:
             decoder_kv_blocks_ttl=s.ttl_s, kv_recompute_threshold=s.threshold,
             kv_load_failure_policy=s.failure_policy,
             extra_config=self._connector_config() if self.instrumented else None,
+            decode_host_copy_bytes=s.decode_host_copy_bytes,
+            decode_kv_cache_bytes=s.decode_kv_cache_bytes or None,
             extra_args=tracing_args,
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
             prefill_env={**telemetry, **transport, **self._otel_env("prefill"),
