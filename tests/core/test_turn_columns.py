@@ -26,7 +26,7 @@ def test_fleet_columns_aggregate_like_the_full_table_or_keep_presence():
 def test_previous_columns_are_derived_from_carried_columns():
     carried = {c.name for c in tc.SPAN_COLUMNS.values() if c.carries}
     assert {n[len(tc.PREVIOUS_PREFIX):] for n in tc.PREVIOUS} == carried
-    assert set(tc.DERIVED) == {tc.GAP.name, *tc.RETENTION, *tc.PREVIOUS}
+    assert set(tc.DERIVED) == {tc.GAP.name, *tc.RETENTION, *tc.SERVED, *tc.PREVIOUS}
 
 
 def test_public_columns_are_what_diagnose_shows_and_what_the_docs_list():
