@@ -111,6 +111,7 @@ def kv_transfer_config(
     kv_load_failure_policy: str = "fail",
     extra_config: dict[str, Any] | None = None,
     host_copy_bytes: int = 0,
+    host_copy_first: bool = True,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` dict (identical for P and D except ``engine_id``).
 
@@ -119,10 +120,10 @@ def kv_transfer_config(
     ``kv_load_failure_policy`` is a top-level ``KVTransferConfig`` field.
 
     ``host_copy_bytes`` > 0: vLLM's ``MultiConnector`` with the host copy
-    (:func:`host_copy_config`) first and the NIXL connector second. MultiConnector loads
-    from the first connector that reports matched tokens and saves to all; with NIXL
-    first the host copy could never load on D (NIXL claims every remote-prefill
-    request), so the host copy goes first (``docs/host_copy.md``, configuration (a)).
+    (:func:`host_copy_config`) and the NIXL connector. MultiConnector loads from the
+    first connector that reports matched tokens and saves to all; with NIXL first
+    (``host_copy_first=False``) the copy is saved but never loaded on D, since NIXL
+    claims every request P prefilled (``docs/host_copy.md``, configuration (a)).
     """
     extra: dict[str, Any] = {
         "bidirectional_kv_xfer": bidirectional,
@@ -142,8 +143,9 @@ def kv_transfer_config(
     if host_copy_bytes > 0:
         cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
                "kv_buffer_device": "cpu", "kv_load_failure_policy": kv_load_failure_policy,
-               "kv_connector_extra_config": {"connectors": [
-                   host_copy_config(host_copy_bytes), cfg]}}
+               "kv_connector_extra_config": {"connectors": (
+                   [host_copy_config(host_copy_bytes), cfg] if host_copy_first
+                   else [cfg, host_copy_config(host_copy_bytes)])}}
     if engine_id:
         cfg["engine_id"] = engine_id
     return cfg
@@ -373,6 +375,7 @@ class PDPair:
     kv_load_failure_policy: str = "fail"
     extra_config: dict[str, Any] | None = None
     decode_host_copy_bytes: int = 0  # >0: D's connector is MultiConnector with a host copy
+    decode_host_copy_first: bool = True  # MultiConnector asks the host copy before NIXL
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     decode_kv_cache_bytes: int | None = None  # None: kv_cache_bytes
     pthr_delay_us: int = 1000
@@ -410,6 +413,7 @@ class PDPair:
             kv_load_failure_policy=self.kv_load_failure_policy,
             extra_config=self.extra_config,
             host_copy_bytes=self.decode_host_copy_bytes if role == "decode" else 0,
+            host_copy_first=self.decode_host_copy_first,
         )
 
     def _start_one(self, role: str, engine_id: str | None = None) -> Engine:

@@ -46,6 +46,7 @@ class EngineSettings:
     # >0: D runs vLLM's MultiConnector, a host copy of this many bytes (kvobs's CPU
     # stand-in, whole turns saved) before the NIXL connector (docs/host_copy.md).
     decode_host_copy_bytes: int = 0
+    decode_host_copy_first: bool = True  # false: NIXL first (the copy is never loaded)
     decode_kv_cache_bytes: int = 0  # >0: D's KV cache size (a small one evicts sooner)
 
 

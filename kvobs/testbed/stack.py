@@ -135,6 +135,7 @@ class Stack:
             kv_load_failure_policy=s.failure_policy,
             extra_config=self._connector_config() if self.instrumented else None,
             decode_host_copy_bytes=s.decode_host_copy_bytes,
+            decode_host_copy_first=s.decode_host_copy_first,
             decode_kv_cache_bytes=s.decode_kv_cache_bytes or None,
             extra_args=tracing_args,
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
