@@ -10,7 +10,7 @@ What to do: nothing; with the copy on D, a peer tier or a longer D TTL serves P 
 """
 
 from kvobs import columns as col
-from kvobs.semconv import Verdict
+from kvobs.semconv import M_OFFLOAD_TIER_READ_TIME, HostTier, Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn
 
@@ -23,16 +23,30 @@ def applies(turns, context: Context):
 
 def explain(turn: Turn, context: Context) -> Finding:
     tokens, duration = turn.get("host_accepted_tokens"), turn.get("host_load_duration_s")
+    tier = turn.get("host_load_tier") or HostTier.HOST.value
     took = f" in {duration * 1000:.1f} ms" if duration is not None else ""
-    served = (f"{tokens} prompt tokens came from the "
-              f"{turn.get('host_load_tier') or 'host'} tier{took}")
-    computed = turn.get("recomputed_tokens")
-    if computed:  # a P/D pair whose tier sits on D (MultiConnector): it never serves P
-        remedy = (f"{served}, into the engine holding the copy (D); P computed {computed} "
-                  "prompt tokens itself: a copy on D does not serve P. A peer tier (p2p) "
-                  "or a D TTL longer than the wait would.")
+    if tier == HostTier.P2P.value:
+        # The load span times the copy from this engine's host tier only: the pull from
+        # the peer into it carries no request id upstream (vLLM's tiering counters).
+        remedy = (f"{tokens} prompt tokens were pulled from a peer's host tier (p2p tier) "
+                  f"and loaded{took} (the NIXL pull before the load: "
+                  f"{M_OFFLOAD_TIER_READ_TIME.name}); nothing to do.")
+    elif _p_computed_them(turn):  # the copy sat on D (MultiConnector): it never serves P
+        remedy = (f"{tokens} prompt tokens came from the {tier} tier{took}, into the "
+                  f"engine holding the copy (D); P computed "
+                  f"{int(turn.get('recomputed_tokens'))} prompt tokens itself, those "
+                  "among them: a copy on D does not serve P. A peer tier (p2p) or a D TTL "
+                  "longer than the wait would.")
     else:
-        remedy = f"{served}; nothing to do."
+        remedy = f"{tokens} prompt tokens came from the {tier} tier{took}; nothing to do."
     return Finding(VERDICT, remedy, turn.pick(
         *_host.EVIDENCE, "host_load_span_id", "host_load_bytes", "host_load_blocks",
         "host_load_duration_s", "host_load_tier", "host_copy_engine", "recomputed_tokens"))
+
+
+def _p_computed_them(turn: Turn) -> bool:
+    """P recomputed more than the prompt less the tier's tokens: the tier served another
+    engine than P (a host copy on D), not P's own prefill."""
+    computed, prompt = turn.get("recomputed_tokens"), turn.get("prompt_tokens")
+    tokens = turn.get("host_accepted_tokens") or 0
+    return bool(computed and prompt and computed > prompt - tokens)
