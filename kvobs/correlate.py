@@ -451,20 +451,21 @@ def with_served_by(rows: pa.Table) -> pa.Table:
     offered = pc.coalesce(_column(rows, "offered_tokens", pa.int64()),
                           _column(rows, "candidate_tokens", pa.int64()))
     read = pc.fill_null(pc.equal(_column(rows, "read_outcome", pa.string()),
-                                 sc.ReadOutcome.DONE.value), False)
+                                 _text(sc.ReadOutcome.DONE.value)), _FALSE)
     decided = pc.is_valid(_column(rows, "decision", pa.string()))
-    device = pc.if_else(decided, pc.if_else(read, pc.fill_null(offered, 0), 0),
+    zero = arrays.scalar(0, pa.int64())
+    device = pc.if_else(decided, pc.if_else(read, pc.fill_null(offered, zero), zero),
                         pa.nulls(rows.num_rows, pa.int64()))
     host = _column(rows, "host_accepted_tokens", pa.int64())
-    by_device = pc.greater(pc.fill_null(device, 0), 0)
-    by_host = pc.greater(pc.fill_null(host, 0), 0)
+    by_device = pc.greater(pc.fill_null(device, zero), zero)
+    by_host = pc.greater(pc.fill_null(host, zero), zero)
     known = pc.or_(pc.is_valid(device), pc.is_valid(host))
     served = pc.if_else(
-        by_device, pc.if_else(by_host, sc.ServedBy.DEVICE_AND_HOST.value,
-                              sc.ServedBy.DEVICE.value),
-        pc.if_else(by_host, sc.ServedBy.HOST.value,
-                   pc.if_else(known, sc.ServedBy.NONE.value,
-                              pa.scalar(None, pa.string()))))
+        by_device, pc.if_else(by_host, _text(sc.ServedBy.DEVICE_AND_HOST.value),
+                              _text(sc.ServedBy.DEVICE.value)),
+        pc.if_else(by_host, _text(sc.ServedBy.HOST.value),
+                   pc.if_else(known, _text(sc.ServedBy.NONE.value),
+                              pa.nulls(1, pa.string())[0])))
     return (rows.append_column(SERVED_DEVICE_TOKENS.name, device)
             .append_column(SERVED_HOST_TOKENS.name, host)
             .append_column(SERVED_BY.name, served))
