@@ -107,6 +107,7 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
         for group in range(parquet.num_row_groups):
             stats = parquet.metadata.row_group(group).column(index).statistics
             if (stats is None or not stats.has_min_max
+                    or not isinstance(stats.min, str) or not isinstance(stats.max, str)
                     or stats.min <= conversation_id <= stats.max):
                 picked.append(group)
         return picked
