@@ -235,3 +235,35 @@ def test_keys_an_older_kvobs_wrote_read_under_todays_names(store_dir, tmp_path_f
     source = open_source(str(store_dir))
     spans = source.spans("conv-a")
     assert turns_from_spans(spans)["prompt_tokens"].tolist() == before.tolist()
+
+
+def test_one_conversation_read_by_row_group_statistics_equals_a_filtered_scan(tmp_path):
+    """The store reads one conversation (diagnose) with pyarrow.parquet, skipping row
+    groups by the id's statistics: the rows equal a whole scan's, filtered, for every
+    conversation, with the demo spans rewritten in row groups of 5 rows."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from kvobs import semconv as sc
+    from kvobs.sources._frame import ALL_DTYPES
+    from kvobs.sources._store_layout import read_conversation, read_spans, span_files
+
+    demo = os.path.join(os.path.dirname(__file__), "..", "data", "demo-spans.otlp.jsonl")
+    os.makedirs(tmp_path / "spans")
+    with open(demo, "rb") as spans, open(tmp_path / "spans" / "seg.jsonl", "wb") as out:
+        out.write(spans.read())
+    compact(str(tmp_path), writers_stopped=True)
+    files = span_files(str(tmp_path))
+    for path in files:
+        table = pq.read_table(path)
+        pq.write_table(table.sort_by(sc.CONVERSATION_ID.key), path, row_group_size=5)
+    assert max(pq.ParquetFile(path).num_row_groups for path in files) > 2
+    columns = list(ALL_DTYPES)
+    every = read_spans(files, [], columns)
+    ids = set(every.column(sc.CONVERSATION_ID.key).to_pylist()) - {None}
+    assert len(ids) > 5
+    for cid in sorted(ids):
+        expected = every.filter(pc.equal(every.column(sc.CONVERSATION_ID.key), cid))
+        got = read_conversation(files, [], columns, cid)
+        assert got.num_rows == expected.num_rows > 0
+        assert got.equals(expected), cid
