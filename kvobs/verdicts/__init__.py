@@ -45,7 +45,7 @@ from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lack
 from kvobs.verdicts._base import Context, Finding, Turn
 
 __all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
-           "INSUFFICIENT_REMEDY"]
+           "INSUFFICIENT_REMEDY", "meaning"]
 
 # The host-path rules apply only to turns looked up in an offloading tier that D's
 # retained KV did not serve (verdicts/_host.py); they come before missing-metadata because
@@ -54,6 +54,13 @@ ORDER: tuple[ModuleType, ...] = (first_turn, host_evicted, host_save_incomplete,
                                  host_copy_lacks_response, host_hit, missing_metadata,
                                  prefix_mismatch, expired, transfer_failed, below_threshold,
                                  local_hit, slow_transfer, remote_hit, miss)
+
+def meaning(rule: ModuleType) -> str:
+    """A rule's one-line meaning: its docstring's title, less the verdict's name (the
+    verdict guide's heading; the fleet views' legend)."""
+    title = (rule.__doc__ or "").strip().partition("\n")[0]
+    return title.removeprefix(f"{rule.VERDICT.value}:").strip()
+
 
 INSUFFICIENT_REMEDY = ("Spans missing: check that the named component runs with kvobs "
                        "telemetry on and exports to this source.")

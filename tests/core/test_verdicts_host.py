@@ -85,14 +85,19 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("host-store"))
+def write_cases(path: str) -> str:
+    """Every case's conversation in a store at ``path`` (the fleet views' tests read
+    them too)."""
     tracers = Tracers(path)
     for name, (kwargs, _) in CASES.items():
         write(tracers, name, **kwargs)
     tracers.flush()
-    return open_source(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return open_source(write_cases(str(tmp_path_factory.mktemp("host-store"))))
 
 
 @pytest.mark.parametrize("name", list(CASES))
