@@ -79,3 +79,11 @@ def test_turns_lists_host_verdicts(store):
     table = runner.invoke(main, ["turns", "-s", store, "--conversation", "hit"],
                           terminal_width=200).output
     assert "host-hit" in table and "80 tok" in table and "140" in table
+
+
+def test_every_verdict_has_a_colour_and_a_meaning():
+    """A verdict added without them would crash the HTML report (as the host ones did)."""
+    from kvobs.fleet.html import VERDICT_COLOURS, VERDICT_NOTES
+
+    assert set(VERDICT_COLOURS) == set(VERDICT_NOTES) == {v.value for v in Verdict}
+    assert all(VERDICT_NOTES.values())
