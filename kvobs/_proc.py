@@ -24,3 +24,20 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def yield_cpu(pid: int, niceness: int) -> None:
+    """Lower the priority of ``pid``'s session (all its processes): with autogroup
+    scheduling a process's own nice value only counts inside its session, so the
+    session's is set. Without autogroup (nice values compete directly) the process is
+    reniced instead."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as group:
+            group.write(str(niceness))
+        return
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    except OSError:  # gone, or not ours to lower: it runs as started
+        pass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvobs._net import free_port
-from kvobs._proc import stop_process_group
+from kvobs._proc import stop_process_group, yield_cpu
 from kvobs.monitoring import dashboards, rules
 from kvobs.monitoring.config import COLON_RESTORING_RELABEL, DEFAULT, MonitoringConfig
 
@@ -194,12 +194,13 @@ def start_prometheus(targets: dict[str, list[str]], *, binary: str = "prometheus
     port = port or free_port()
     log = open(workdir / "prometheus.log", "wb")
     process = subprocess.Popen(
-        [*(["nice", "-n", str(niceness)] if niceness else []),
-         executable, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
+        [executable, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
         start_new_session=True)
     log.close()
+    if niceness:
+        yield_cpu(process.pid, niceness)
     handle = PrometheusProcess(process.pid, f"http://127.0.0.1:{port}", workdir, owns, process)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

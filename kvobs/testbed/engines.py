@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvobs._net import free_ports  # noqa: F401  (part of this module's API)
+from kvobs._proc import yield_cpu
 from kvobs.settings import DECODE_TTL, RECOMPUTE_THRESHOLD
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -302,17 +303,6 @@ def start_engine(
     return eng
 
 
-def _yield_cpu(pid: int, niceness: int) -> None:
-    """Lower the priority of the engine's session (its API server, EngineCore and
-    workers): with autogroup scheduling a process's own nice value only counts inside
-    its session, so the session's is set."""
-    try:
-        with open(f"/proc/{pid}/autogroup", "w") as group:
-            group.write(str(niceness))
-    except OSError:  # no autogroup scheduling (nice values compete directly): as started
-        pass
-
-
 def wait_ready(engines: list[Engine], timeout_s: float = 300.0) -> None:
     """Block until every engine answers ``/health`` 200; raise if one dies or times out."""
     deadline = time.monotonic() + timeout_s
@@ -326,7 +316,7 @@ def wait_ready(engines: list[Engine], timeout_s: float = 300.0) -> None:
                 )
             if eng.healthy():
                 eng.ready_s = time.monotonic() - eng.started_at
-                _yield_cpu(eng.proc.pid, ENGINE_NICENESS)
+                yield_cpu(eng.proc.pid, ENGINE_NICENESS)
                 pending.remove(eng)
         if not pending:
             return
