@@ -1,4 +1,5 @@
-"""``KvobsHostCopySpec``: vLLM's CPU offloading spec with a host memory copy.
+"""``KvobsHostCopySpec``, ``KvobsTieringHostCopySpec``: vLLM's CPU offloading specs with a
+host memory copy.
 
 The CPU stand-in for the copy engine only. vLLM's ``CPUOffloadingSpec`` refuses the CPU
 platform at start-up because its worker copies with CUDA streams, pinned memory and swap
@@ -14,6 +15,17 @@ Load it through the offloading connector's extra config::
     "kv_connector_extra_config": {"spec_name": "KvobsHostCopySpec",
         "spec_module_path": "connector_instrumented.host_copy",
         "cpu_bytes_to_use": 67108864, ...}
+
+``KvobsTieringHostCopySpec`` does the same for vLLM's ``TieringOffloadingSpec`` (a host
+primary tier plus secondary tiers, e.g. ``p2p``: llm-d's peer-to-peer host path). Its
+primary tier lives in the shared memory region upstream's tiering manager hands its
+secondary tiers (the p2p tier registers it with NIXL), so the worker copies into that
+region's per-worker views, exactly where upstream's worker would::
+
+    "kv_connector_extra_config": {"spec_name": "KvobsTieringHostCopySpec",
+        "spec_module_path": "connector_instrumented.host_copy",
+        "cpu_bytes_to_use": 67108864,
+        "secondary_tiers": [{"type": "p2p", "host": "127.0.0.1", "port": 5710}]}
 
 Byte counts follow vLLM's own worker (unpadded page bytes per layer per block), so the
 offload counters read the same as they would with the device copy engine.
@@ -33,35 +45,46 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["KvobsHostCopySpec", "HostCopyWorker"]
+__all__ = ["KvobsHostCopySpec", "KvobsTieringHostCopySpec", "HostCopyWorker",
+           "HOST_COPY_SPECS"]
 
 
 @dataclass(frozen=True)
 class _Copy:
-    """One group's rows: device block rows <-> host rows, and the tensors they live in."""
+    """One group's rows: device block rows <-> host (chunk, page) pairs, and the tensors
+    they live in."""
 
     device_rows: torch.Tensor
-    host_rows: torch.Tensor
+    host_chunks: torch.Tensor
+    host_pages: torch.Tensor
     tensor_ids: tuple[int, ...]
 
 
 class HostCopyWorker(OffloadingWorker):
     """Copies blocks between the engine's KV cache and host tensors, synchronously.
 
-    Host storage per KV tensor is ``(num_chunks * blocks_per_chunk, page_bytes)``: host
-    row ``chunk * blocks_per_chunk + j`` holds sub-block ``j`` of a chunk, so a chunk that
-    spans several engine blocks is laid out as upstream's CPU pages are.
+    Host storage per KV tensor is one row of ``blocks_per_chunk`` pages per chunk (upstream's
+    CPU page layout): sub-block ``j`` of chunk ``c`` is ``host[c, j]``. The rows are private
+    tensors, or ``host_chunks`` given by the spec (views of a shared region, strided).
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 num_chunks: int):
+                 num_chunks: int, host_chunks: list[torch.Tensor] | None = None,
+                 release=None):
         self._blocks_per_chunk = blocks_per_chunk
-        self._device = [entry.tensor for entry in kv_caches.tensors]
-        self._host = [torch.zeros((num_chunks * blocks_per_chunk, entry.tensor.shape[1]),
-                                  dtype=entry.tensor.dtype, device="cpu")
-                      for entry in kv_caches.tensors]
+        # Byte pages, as upstream's worker views them (int8: strides are bytes).
+        self._device = [entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes)
+                        for entry in kv_caches.tensors]
+        if host_chunks is None:
+            host_chunks = [torch.zeros((num_chunks, blocks_per_chunk * entry.page_size_bytes),
+                                       dtype=torch.int8, device="cpu")
+                           for entry in kv_caches.tensors]
+        self._host = [_pages(rows, blocks_per_chunk) for rows in host_chunks]
+        self._release = release
         self._group_tensors = [tuple(sorted({ref.tensor_idx for ref in refs}))
                                for refs in kv_caches.group_data_refs]
         self._group_page_bytes = [sum(ref.page_size_bytes for ref in refs)
@@ -86,7 +109,8 @@ class HostCopyWorker(OffloadingWorker):
             host_rows = (group_chunks[:, None] * per_chunk
                          + np.arange(per_chunk)).ravel()[skip:skip + size]
             copies.append(_Copy(torch.from_numpy(blocks[block_at:block_at + size]),
-                                torch.from_numpy(np.ascontiguousarray(host_rows)),
+                                torch.from_numpy(host_rows // per_chunk),
+                                torch.from_numpy(host_rows % per_chunk),
                                 self._group_tensors[group]))
             num_bytes += size * self._group_page_bytes[group]
             block_at += size
@@ -100,10 +124,11 @@ class HostCopyWorker(OffloadingWorker):
         for copy in copies:
             for idx in copy.tensor_ids:
                 device, host = self._device[idx], self._host[idx]
+                at = (copy.host_chunks, copy.host_pages)
                 if to_host:
-                    host.index_copy_(0, copy.host_rows, device.index_select(0, copy.device_rows))
+                    host[at] = device.index_select(0, copy.device_rows)
                 else:
-                    device.index_copy_(0, copy.device_rows, host.index_select(0, copy.host_rows))
+                    device.index_copy_(0, copy.device_rows, host[at])
         self._finished.append(TransferResult(job_id=job_id, success=True,
                                              transfer_size=num_bytes,
                                              transfer_time=time.perf_counter() - start))
@@ -127,6 +152,17 @@ class HostCopyWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self._host.clear()
         self._device.clear()
+        if self._release is not None:
+            self._release()
+
+
+def _pages(rows: torch.Tensor, blocks_per_chunk: int) -> torch.Tensor:
+    """``(chunks, blocks_per_chunk * page)`` rows (possibly strided) as a
+    ``(chunks, blocks_per_chunk, page)`` view of the same memory."""
+    page = rows.shape[1] // blocks_per_chunk
+    return rows.as_strided((rows.shape[0], blocks_per_chunk, page),
+                           (rows.stride(0), page * rows.stride(1), rows.stride(1)),
+                           rows.storage_offset())
 
 
 class KvobsHostCopySpec(CPUOffloadingSpec):
@@ -147,3 +183,40 @@ class KvobsHostCopySpec(CPUOffloadingSpec):
             self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk,
                                                self.num_chunks)
         return self._host_worker
+
+
+class KvobsTieringHostCopySpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` (host primary tier in a shared region, secondary tiers
+    such as p2p, their metrics) with ``HostCopyWorker`` copies into that region."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if getattr(config, "canonical_layout", False):
+            raise ValueError("KvobsTieringHostCopySpec copies whole engine pages; the "
+                             "canonical (parallelism-free) layout is not supported")
+        self._host_worker: HostCopyWorker | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyWorker:
+        if self._host_worker is None:
+            # The worker's own mapping of the region the scheduler's primary tier (and
+            # its p2p tier's NIXL registration) reads: upstream's create_worker, less its
+            # CUDA copy handlers.
+            region = SharedOffloadRegion(
+                engine_id=self._engine_id, num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker)
+            try:
+                views = [region.create_next_worker_view(
+                    entry.page_size_bytes * self.blocks_per_chunk)
+                    for entry in kv_caches.tensors]
+                self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk,
+                                                   self.num_chunks, views, region.cleanup)
+            except Exception:
+                region.cleanup()
+                raise
+        return self._host_worker
+
+
+# The specs whose copies are this module's host memory copies (spans say host-memcpy).
+HOST_COPY_SPECS = frozenset({KvobsHostCopySpec.__name__, KvobsTieringHostCopySpec.__name__})

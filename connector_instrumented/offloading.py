@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvobs import semconv as sc
 
 from ._offload_observer import OffloadObserver
+from .host_copy import HOST_COPY_SPECS
 from ._offload_stats import KvobsOffloadPromMetrics
 from ._options import Options
 from ._registry import register
@@ -191,6 +192,6 @@ register(KvobsOffloadingConnector)
 
 def _copy_engine(vllm_config: Any) -> str:
     extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
-    if extra.get("spec_name") == "KvobsHostCopySpec":
+    if extra.get("spec_name") in HOST_COPY_SPECS:
         return sc.CopyEngine.HOST_MEMCPY.value
     return sc.CopyEngine.DEVICE.value

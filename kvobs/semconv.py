@@ -636,6 +636,9 @@ KTP_REQUEST_ID = "kvobs_request_id"
 # Optional: decoder_kv_blocks_ttl (s) added to D's exported params by the decode connector.
 KTP_DECODE_TTL = "kvobs_decode_ttl"
 PUBLISHED_PARAMS_PREFIX = "kvobs:params:"
+# vLLM's (not kvobs's) key naming the peer a request pulls its prefix from over the p2p
+# host tier: {"kv_request_id", "remote_host", "remote_port"} (vLLM's symmetric P2P).
+KTP_REMOTE_KV_SOURCE = "remote_kv_source"
 
 # --------------------------------------------------------------------------- metrics
 
@@ -850,6 +853,17 @@ M_OFFLOAD_LOAD_BYTES = _upstream("vllm:kv_offload_load_bytes_total", "counter", 
                                  "Bytes loaded from the offloading tier (vLLM).")
 M_OFFLOAD_STORE_BYTES = _upstream("vllm:kv_offload_store_bytes_total", "counter", "bytes",
                                   "Bytes stored to the offloading tier (vLLM).")
+M_OFFLOAD_TIER_READ_BYTES = _upstream(
+    "vllm:kv_offload_tiering_read_bytes_total", "counter", "bytes",
+    "Bytes read from a secondary tier into the host tier, by tier (label value "
+    "'<index>:<type>', e.g. 1:p2p: pulled from a peer's host tier over NIXL; vLLM's "
+    "tiering spec).",
+    ("model_name", "engine", "tier"))
+M_OFFLOAD_TIER_READ_TIME = _upstream(
+    "vllm:kv_offload_tiering_read_time_total", "counter", "seconds",
+    "Seconds spent reading from a secondary tier into the host tier, by tier (as "
+    "vllm:kv_offload_tiering_read_bytes_total; vLLM's tiering spec).",
+    ("model_name", "engine", "tier"))
 
 # --------------------------------------------------------------------------- buckets
 

@@ -26,10 +26,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvobs import semconv as sc
 from kvobs._net import free_ports  # noqa: F401  (part of this module's API)
 from kvobs._proc import yield_cpu
 from kvobs.settings import DECODE_TTL, RECOMPUTE_THRESHOLD
@@ -122,6 +124,28 @@ def kv_transfer_config(
     return cfg
 
 
+OFFLOADING_CONNECTOR = "KvobsOffloadingConnector"
+OFFLOADING_MODULE = "connector_instrumented.offloading"
+
+
+def p2p_host_tier_config(*, host_bytes: int, host: str, port: int,
+                         prompt_only: bool = False) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of configuration (b), llm-d's peer-to-peer host path:
+    vLLM's tiering spec (kvobs's host copy as the primary, host, tier; the CPU stand-in
+    for the copy engine) with a ``p2p`` secondary tier whose control socket listens on
+    ``host:port``. A request naming a peer's socket in ``remote_kv_source`` has the
+    prefix that peer holds in its host tier pulled over NIXL."""
+    return {"spec_name": "KvobsTieringHostCopySpec",
+            "spec_module_path": "connector_instrumented.host_copy",
+            "cpu_bytes_to_use": int(host_bytes), "offload_prompt_only": prompt_only,
+            "secondary_tiers": [{"type": "p2p", "host": host, "port": int(port)}]}
+
+
+def offload_region_path(engine_id: str) -> Path:
+    """Where vLLM's tiering spec keeps an engine's host tier (``SharedOffloadRegion``)."""
+    return Path(f"/dev/shm/vllm_offload_{engine_id}.mmap")
+
+
 @dataclass
 class EngineSpec:
     role: str  # "prefill" | "decode"
@@ -130,6 +154,7 @@ class EngineSpec:
     core: int
     engine_id: str
     host: str = "127.0.0.1"  # another address when the engine runs in a netns
+    p2p_port: int = 0  # >0: the p2p host tier's control socket (configuration (b))
     wrapper: tuple[str, ...] = ()  # command prefix, e.g. ("ip", "netns", "exec", NS)
 
 
@@ -158,6 +183,15 @@ class Engine:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def p2p_source(self, kv_request_id: str) -> dict[str, Any]:
+        """``kv_transfer_params`` that have another engine pull this one's host-tier
+        prefix over the p2p tier (vLLM's symmetric P2P: ``remote_kv_source``)."""
+        if not self.spec.p2p_port:
+            raise ValueError(f"{self.role} engine has no p2p host tier")
+        return {sc.KTP_REMOTE_KV_SOURCE: {"kv_request_id": kv_request_id,
+                                          "remote_host": self.spec.host,
+                                          "remote_port": self.spec.p2p_port}}
+
     def get(self, path: str, timeout: float = 5.0) -> str:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()
@@ -184,6 +218,11 @@ class Engine:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the engine's process group, then SIGKILL whatever is left."""
         _kill_group(self.proc, grace_s)
+        if self.spec.p2p_port:
+            # vLLM's tiering spec unlinks its host tier's region only on a clean shutdown:
+            # a stopped engine left it in /dev/shm (memory), and the next engine of that
+            # id joined it and timed out waiting for its own size (seen here).
+            offload_region_path(self.spec.engine_id).unlink(missing_ok=True)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -358,28 +397,49 @@ class PDPair:
     decode_host: str = "127.0.0.1"
     decode_wrapper: tuple[str, ...] = ()
     sequential_start: bool = False
+    # >0: configuration (b), llm-d's peer-to-peer host path. Both engines run kvobs's
+    # offloading connector with a host tier of this many bytes and a p2p tier (their
+    # control sockets on the ports below) instead of the NIXL P/D connector.
+    p2p_host_bytes: int = 0
+    prefill_p2p_port: int = 0
+    decode_p2p_port: int = 0
+    p2p_prompt_only: bool = False
     prefill: Engine | None = field(default=None, init=False)
     decode: Engine | None = field(default=None, init=False)
     start_s: float | None = field(default=None, init=False)
 
     @classmethod
     def on_free_ports(cls, model_path, out_dir, **kw) -> "PDPair":
-        """Like ``PDPair(...)`` but with four fresh free ports (HTTP + side channels)."""
-        pp, dp, ps, ds = free_ports(4)
+        """Like ``PDPair(...)`` but with fresh free ports (HTTP + side channels, and
+        the p2p tier's with ``p2p_host_bytes``)."""
+        pp, dp, ps, ds, pq, dq = free_ports(6)
+        if kw.get("p2p_host_bytes"):
+            kw = {"prefill_p2p_port": pq, "decode_p2p_port": dq, **kw}
         return cls(
             model_path, out_dir, prefill_port=pp, decode_port=dp,
             prefill_side_channel_port=ps, decode_side_channel_port=ds, **kw,
         )  # fmt: skip
 
-    def kv_config(self) -> dict[str, Any]:
+    def kv_config(self, role: str = "prefill") -> dict[str, Any]:
+        extra, connector, module = self.extra_config, self.kv_connector, \
+            self.kv_connector_module_path
+        if self.p2p_host_bytes:
+            is_p = role == "prefill"
+            tier = p2p_host_tier_config(
+                host_bytes=self.p2p_host_bytes,
+                host=self.prefill_host if is_p else self.decode_host,
+                port=self.prefill_p2p_port if is_p else self.decode_p2p_port,
+                prompt_only=self.p2p_prompt_only)
+            extra, connector, module = ({**tier, **(extra or {})}, OFFLOADING_CONNECTOR,
+                                        OFFLOADING_MODULE)
         return kv_transfer_config(
-            kv_connector=self.kv_connector,
-            kv_connector_module_path=self.kv_connector_module_path,
+            kv_connector=connector,
+            kv_connector_module_path=module,
             bidirectional=self.bidirectional,
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
             kv_recompute_threshold=self.kv_recompute_threshold,
             kv_load_failure_policy=self.kv_load_failure_policy,
-            extra_config=self.extra_config,
+            extra_config=extra,
         )
 
     def _start_one(self, role: str, engine_id: str | None = None) -> Engine:
@@ -391,15 +451,19 @@ class PDPair:
                 self.prefill_side_channel_port if is_p else self.decode_side_channel_port
             ),
             core=self.prefill_core if is_p else self.decode_core,
-            engine_id=engine_id or f"kvobs-{role}",
+            # The p2p host tier's region is named after the engine id: one per start.
+            engine_id=engine_id or (f"kvobs-{role}-{uuid.uuid4().hex[:8]}"
+                                    if self.p2p_host_bytes else f"kvobs-{role}"),
             host=self.prefill_host if is_p else self.decode_host,
             wrapper=() if is_p else tuple(self.decode_wrapper),
+            p2p_port=(self.prefill_p2p_port if is_p else self.decode_p2p_port)
+            if self.p2p_host_bytes else 0,
         )
         return start_engine(
             spec,
             self.model_path,
             self.out_dir,
-            kv_config=self.kv_config(),
+            kv_config=self.kv_config(role),
             kv_cache_bytes=self.kv_cache_bytes,
             pthr_delay_us=self.pthr_delay_us,
             log_level=self.log_level,

@@ -9,7 +9,7 @@ What to do: nothing.
 """
 
 from kvobs import columns as col
-from kvobs.semconv import Verdict
+from kvobs.semconv import M_OFFLOAD_TIER_READ_TIME, HostTier, Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn
 
@@ -22,9 +22,16 @@ def applies(turns, context: Context):
 
 def explain(turn: Turn, context: Context) -> Finding:
     tokens, duration = turn.get("host_accepted_tokens"), turn.get("host_load_duration_s")
+    tier = turn.get("host_load_tier") or HostTier.HOST.value
     took = f" in {duration * 1000:.1f} ms" if duration is not None else ""
-    remedy = (f"{tokens} prompt tokens came from the {turn.get('host_load_tier') or 'host'} "
-              f"tier{took}; nothing to do.")
+    if tier == HostTier.P2P.value:
+        # The load span times the copy from this engine's host tier only: the pull from
+        # the peer into it carries no request id upstream (vLLM's tiering counters).
+        remedy = (f"{tokens} prompt tokens were pulled from a peer's host tier (p2p tier) "
+                  f"and loaded{took} (the NIXL pull before the load: "
+                  f"{M_OFFLOAD_TIER_READ_TIME.name}); nothing to do.")
+    else:
+        remedy = f"{tokens} prompt tokens came from the {tier} tier{took}; nothing to do."
     return Finding(VERDICT, remedy, turn.pick(
         *_host.EVIDENCE, "host_load_span_id", "host_load_bytes", "host_load_blocks",
         "host_load_duration_s", "host_load_tier", "host_copy_engine"))

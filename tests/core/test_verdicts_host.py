@@ -41,7 +41,7 @@ def _save(decode, corr, at_ns, saved, prompt, output, covers, refused=0):
 
 
 def write(tracers, cid, *, saved=80, covers=True, accepted=80, evict_at_s=None,
-          load=True, prompt2=140, refused=0):
+          load=True, prompt2=140, tier="host", refused=0):
     decode = tracers[sc.Service.DECODE]
     first, second = Correlation(cid, 1), Correlation(cid, 2)
     _lookup(decode, first, T0, 60)
@@ -52,17 +52,19 @@ def write(tracers, cid, *, saved=80, covers=True, accepted=80, evict_at_s=None,
             sc.REQUEST_ID.key: "r1", sc.HOST_EVICTED_AGE_MIN.key: evict_at_s - 1.0,
             sc.HOST_EVICTED_AGE_MAX.key: evict_at_s - 1.0},
             T0 + int(evict_at_s * S), T0 + int(evict_at_s * S))
-    _lookup(decode, second, T0 + 10 * S, prompt2, accepted=accepted)
+    _lookup(decode, second, T0 + 10 * S, prompt2, accepted=accepted, tier=tier)
     if load and accepted:
         emit(decode, sc.SPAN_HOST_LOAD, second, {
             sc.REQUEST_ID.key: "r2", sc.HOST_BYTES.key: accepted // 16 * 65536,
             sc.HOST_BLOCKS.key: accepted // 16, sc.HOST_DURATION.key: 0.002,
-            sc.HOST_TIER.key: "host", sc.HOST_COPY_ENGINE.key: "host-memcpy"},
+            sc.HOST_TIER.key: tier, sc.HOST_COPY_ENGINE.key: "host-memcpy"},
             T0 + 10 * S, T0 + 10 * S + 2 * 10**6)
 
 
 CASES = {
     "hit": (dict(), Verdict.HOST_HIT),
+    # pulled from a peer's host tier (configuration (b)): a host hit, by the p2p tier
+    "p2p-hit": (dict(tier="p2p"), Verdict.HOST_HIT),
     "evicted": (dict(accepted=0, evict_at_s=5), Verdict.HOST_EVICTED),
     "evicted-part": (dict(accepted=32, evict_at_s=5), Verdict.HOST_EVICTED),
     "prompt-only": (dict(saved=48, covers=False, accepted=48), Verdict.HOST_COPY_LACKS_RESPONSE),
@@ -114,6 +116,15 @@ def test_host_hit_evidence(store):
     assert finding.evidence["host_load_bytes"] == 5 * 65536
     assert finding.evidence["host_copy_engine"] == "host-memcpy"
     assert finding.remedy == "80 prompt tokens came from the host tier in 2.0 ms; nothing to do."
+
+
+def test_p2p_hit_says_the_load_time_leaves_out_the_pull(store):
+    finding = diagnose(store, "p2p-hit").turns[1].finding
+    assert finding.evidence["host_hit_p2p_tokens"] == 80
+    assert finding.evidence["host_load_tier"] == "p2p"
+    assert finding.remedy.startswith("80 prompt tokens were pulled from a peer's host tier "
+                                     "(p2p tier) and loaded in 2.0 ms")
+    assert "kv_offload_tiering_read_time" in finding.remedy
 
 
 def test_host_evicted_evidence_and_remedy(store):
