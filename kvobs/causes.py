@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import pandas as pd
 
 from kvobs import columns as col
 from kvobs.semconv import LatencyCause as LC
@@ -93,7 +92,7 @@ def _per_token(turn: Mapping[str, Any]) -> float | None:
     return decode / (tokens - 1)
 
 
-def decode_context(turns: pd.DataFrame) -> CauseContext:
+def decode_context(turns: col.Table) -> CauseContext:
     decode = col.num(turns, phase_column(P.DECODE))
     tokens = col.num(turns, "output_tokens")
     usable = (tokens >= 2) & (decode > 0)

@@ -1,71 +1,182 @@
-"""Column tests over a turn table (pandas, categorical-aware): what the timeline, the
-verdict rules and the latency causes decide with.
+"""Column tests over a turn table: what the timeline, the verdict rules and the latency
+causes decide with.
 
 Every rule decides over a whole table at once, so one definition serves one
-conversation (``kvobs diagnose``) and a million turns (``kvobs report``) alike. A column
-the table does not have reads as missing on every row (a fleet table carries fewer
-columns than diagnose's).
+conversation (``kvobs diagnose``) and a million turns (``kvobs report``) alike. A table
+is either the fleet's pandas DataFrame (categorical-aware) or ``Columns``, the Arrow turn
+rows diagnose reads without building a pandas table (this module imports no pandas). The
+tests below are the one place that knows both. A column the table does not
+have reads as missing on every row (a fleet table carries fewer columns than
+diagnose's).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
 import numpy as np
-import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
-def _absent(turns: pd.DataFrame, column: str) -> bool:
+@dataclass(frozen=True)
+class Categories:
+    """A string column by codes (-1: missing) into ``names``: what the timeline adds."""
+
+    codes: np.ndarray
+    names: list[str]
+
+
+class Columns:
+    """A turn table as named columns: Arrow turn rows (``correlate.derive``) and the
+    numpy columns added to them (``assign``: floats, NaN missing; strings as objects,
+    None missing)."""
+
+    def __init__(self, table: pa.Table):
+        self.table = table
+        self.added: dict[str, np.ndarray] = {}
+        self._names = frozenset(table.column_names)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __contains__(self, column: str) -> bool:
+        return column in self.added or column in self._names
+
+    def arrow(self, column: str) -> pa.ChunkedArray:
+        values = self.table.column(column)
+        if pa.types.is_dictionary(values.type):
+            values = values.cast(values.type.value_type)
+        return values
+
+    def records(self) -> list[dict[str, Any]]:
+        """Rows as plain dicts (missing values None or NaN), the added columns last."""
+        names = self.table.column_names + list(self.added)
+        values = [self.table.column(name).to_pylist() for name in self.table.column_names]
+        values += [column.tolist() for column in self.added.values()]
+        return [dict(zip(names, row)) for row in zip(*values)]
+
+
+Table = Union["pd.DataFrame", Columns]
+
+
+def _absent(turns: Table, column: str) -> bool:
     return column not in turns
 
 
-def eq(turns: pd.DataFrame, column: str, value: str) -> np.ndarray:
+def _is_object(values: np.ndarray) -> bool:
+    return values.dtype == object
+
+
+def eq(turns: Table, column: str, value: str) -> np.ndarray:
     if _absent(turns, column):
         return np.zeros(len(turns), bool)
+    if isinstance(turns, Columns):
+        if column in turns.added:
+            return np.asarray(turns.added[column] == value, bool)
+        values = turns.arrow(column)
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+            return np.zeros(len(turns), bool)
+        return pc.fill_null(pc.equal(values, value), False).to_numpy(zero_copy_only=False)
     values = turns[column]
-    if isinstance(values.dtype, pd.CategoricalDtype):
+    if values.dtype.name == "category":
         if value not in values.cat.categories:
             return np.zeros(len(values), bool)
         return values.cat.codes.to_numpy() == values.cat.categories.get_loc(value)
     return (values == value).fillna(False).to_numpy(bool)
 
 
-def isin(turns: pd.DataFrame, column: str, values) -> np.ndarray:
+def isin(turns: Table, column: str, values) -> np.ndarray:
     out = np.zeros(len(turns), bool)
     for value in values:
         out |= eq(turns, column, value)
     return out
 
 
-def null(turns: pd.DataFrame, column: str) -> np.ndarray:
+def null(turns: Table, column: str) -> np.ndarray:
     if _absent(turns, column):
         return np.ones(len(turns), bool)
+    if isinstance(turns, Columns):
+        if column in turns.added:
+            values = turns.added[column]
+            return np.equal(values, None) if _is_object(values) else np.isnan(values)
+        return pc.is_null(turns.arrow(column), nan_is_null=True).to_numpy(
+            zero_copy_only=False)
     return turns[column].isna().to_numpy(bool)
 
 
-def present(turns: pd.DataFrame, column: str) -> np.ndarray:
+def present(turns: Table, column: str) -> np.ndarray:
     return ~null(turns, column)
 
 
-def num(turns: pd.DataFrame, column: str) -> np.ndarray:
+def num(turns: Table, column: str) -> np.ndarray:
     if _absent(turns, column):
         return np.full(len(turns), np.nan)
+    if isinstance(turns, Columns):
+        if column in turns.added:
+            values = turns.added[column]
+            return np.full(len(turns), np.nan) if _is_object(values) else values
+        values = turns.arrow(column)
+        if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
+                or pa.types.is_boolean(values.type)):
+            return np.full(len(turns), np.nan)
+        return pc.cast(values, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+
     return pd.to_numeric(turns[column], errors="coerce").to_numpy(float, na_value=np.nan)
 
 
-def flag(turns: pd.DataFrame, column: str) -> np.ndarray:
+def flag(turns: Table, column: str) -> np.ndarray:
     if _absent(turns, column):
         return np.zeros(len(turns), bool)
+    if isinstance(turns, Columns):
+        if column in turns.added:
+            return np.asarray(turns.added[column] == True, bool)  # noqa: E712 (per row)
+        values = turns.arrow(column)
+        if not pa.types.is_boolean(values.type):
+            return np.zeros(len(turns), bool)
+        return pc.fill_null(values, False).to_numpy(zero_copy_only=False)
     return turns[column].astype("boolean").fillna(False).to_numpy(bool)
 
 
-def none(turns: pd.DataFrame) -> np.ndarray:
+def none(turns: Table) -> np.ndarray:
     return np.zeros(len(turns), bool)
+
+
+def assign(turns: Table, columns: dict[str, np.ndarray | Categories]) -> None:
+    """Add (or replace) columns in place, in one insertion: a fleet table has millions
+    of rows and ~60 columns, and each single-column insert costs tens of ms."""
+    if isinstance(turns, Columns):
+        for name, values in columns.items():
+            if isinstance(values, Categories):
+                names = np.array([*values.names, None], dtype=object)
+                values = names[values.codes]  # code -1: the None at the end
+            turns.added[name] = values
+        return
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+
+    turns[list(columns)] = pd.DataFrame(
+        {name: pd.Categorical.from_codes(values.codes, values.names)
+         if isinstance(values, Categories) else values for name, values in columns.items()},
+        index=turns.index)
+
+
+def records(turns: Table) -> list[dict[str, Any]]:
+    """The table's rows as dicts (``verdicts.Turn`` makes their values plain)."""
+    if isinstance(turns, Columns):
+        return turns.records()
+    return turns.to_dict("records")
 
 
 class Cached:
     """The same tests, each column converted once: the timeline reads some columns
     several times over millions of rows."""
 
-    def __init__(self, turns: pd.DataFrame):
+    def __init__(self, turns: Table):
         self.turns = turns
         self._num: dict[str, np.ndarray] = {}
         self._present: dict[str, np.ndarray] = {}

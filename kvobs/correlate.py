@@ -15,52 +15,98 @@ extends (``semconv.LINEAGE_FACTS``): columns like any other.
 Built column-wise (Arrow + numpy), so millions of spans fit in seconds, in three steps
 shared by every source: ``aggregate`` (spans -> one Arrow row per turn, before the
 previous-turn shifts; what the store's turn files hold and ClickHouse's SQL returns),
-``to_frame`` (Arrow turn rows -> the pandas table the rules read, typed by the schema)
-and ``derive`` (gap, retention costs and previous-turn facts, never across
-conversations).
+``derive`` (gap, retention costs and previous-turn facts, never across conversations)
+and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
+diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
+``to_frame``, ``follows`` and linking (``kvobs.lineage``, when some span carries a
+prefix chain) need pandas: each imports it on use, so that the stages never load it
+themselves (pyarrow still does, on its first numpy conversion: bench/README.md).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import lineage, semconv as sc
+from kvobs import semconv as sc
 from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
                                 TurnColumn)
 
-__all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate", "to_frame", "derive",
-           "span_columns", "vllm_roles", "KEYS", "UNKNOWN_TENANT"]
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate",
+           "to_frame", "derive", "span_columns", "vllm_roles", "needs_lineage", "KEYS",
+           "UNKNOWN_TENANT"]
 
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
 ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
-_PANDAS = {pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
+Spans = Union["pd.DataFrame", pa.Table]
 
 
-def vllm_roles(spans: pd.DataFrame) -> pd.DataFrame:
-    """vLLM's request spans renamed by role. Every engine names its span alike; the role
-    comes from the resource attribute ``kvobs.role`` (``OTEL_RESOURCE_ATTRIBUTES`` of the
-    engine) or from ``service.name`` when it says prefill or decode, else from the trace:
-    the turn's last vLLM span is D's (the proxy calls P first, D last), earlier ones P's."""
-    vllm = spans["name"] == sc.VLLM_REQUEST_SPAN
-    if not vllm.any():
+def _strings(table: pa.Table, column: str) -> pa.ChunkedArray:
+    """A column as plain strings (all null when the table lacks it)."""
+    if column not in table.column_names:
+        return pa.chunked_array([pa.nulls(table.num_rows, pa.string())])
+    values = table.column(column)
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    return values.cast(pa.string())
+
+
+def vllm_roles(spans: Spans) -> Spans:
+    """vLLM's request spans renamed by role (the span table's type kept). Every engine
+    names its span alike; the role comes from the resource attribute ``kvobs.role``
+    (``OTEL_RESOURCE_ATTRIBUTES`` of the engine) or from ``service.name`` when it says
+    prefill or decode, else from the trace: the turn's last vLLM span is D's (the proxy
+    calls P first, D last), earlier ones P's."""
+    table = _arrow(spans, set(_ROLE_AND_CHAIN))
+    name = _strings(table, "name")
+    vllm = pc.fill_null(pc.equal(name, sc.VLLM_REQUEST_SPAN), False)
+    if not pc.any(vllm).as_py():
         return spans
-    rows = spans[vllm]
-    service = rows["service"].astype("string").str.lower() if "service" in rows else \
-        pd.Series(pd.NA, index=rows.index, dtype="string")
-    if sc.ROLE.key in rows:
-        service = rows[sc.ROLE.key].astype("string").str.lower().fillna(service)
-    last = rows["start_ns"] == rows.groupby("trace_id")["start_ns"].transform("max")
-    decode = service.str.contains("decode").fillna(False) | (
-        ~service.str.contains("prefill").fillna(False) & last)
-    spans = spans.copy()
-    spans.loc[rows.index, "name"] = decode.map(
-        {True: sc.SPAN_VLLM_DECODE.name, False: sc.SPAN_VLLM_PREFILL.name})
-    return spans
+    service = pc.coalesce(pc.utf8_lower(_strings(table, sc.ROLE.key)),
+                          pc.utf8_lower(_strings(table, "service")))
+    trace, start = _strings(table, "trace_id"), table.column("start_ns")
+    latest = pa.table({"trace": trace, "start": start}).filter(vllm).group_by(
+        "trace", use_threads=False).aggregate([("start", "max")])
+    # A span without trace has no turn to be the last of.
+    latest_start = latest.column("start_max").take(
+        pc.index_in(trace, value_set=latest.column("trace")))
+    last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), False)
+    decode = pc.or_kleene(
+        pc.fill_null(pc.match_substring(service, "decode"), False),
+        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"), False)),
+                      last))
+    renamed = pc.if_else(vllm, pc.if_else(decode, sc.SPAN_VLLM_DECODE.name,
+                                          sc.SPAN_VLLM_PREFILL.name), name)
+    if isinstance(spans, pa.Table):
+        return spans.set_column(spans.column_names.index("name"), "name", renamed)
+    return spans.assign(name=renamed.to_pylist()).astype({"name": spans["name"].dtype})
+
+
+def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
+    """Whether ``kvobs.lineage.link`` has work: some P request carries a chain and no id
+    a client sent (fleet builders link only then), or, with ``facts`` (diagnose: the
+    facts of the export each prompt extends), some P request carries a chain at all."""
+    key = sc.PREFIX_LINEAGE.key
+    if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
+        return False
+    decisions = pc.and_(pc.fill_null(pc.equal(_strings(spans, "name"),
+                                              sc.SPAN_PULL_DECISION.name), False),
+                        pc.is_valid(spans.column(key)))
+    if not pc.any(decisions).as_py():
+        return False
+    if facts:
+        return True
+    cid = _strings(spans, sc.CONVERSATION_ID.key).filter(decisions)
+    return bool(pc.any(pc.or_(pc.is_null(cid), pc.fill_null(
+        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), False))).as_py())
 
 
 def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
@@ -72,23 +118,41 @@ def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
     return sorted(needed)
 
 
-def turn_rows(spans: pd.DataFrame, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
+def turn_rows(spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
               lineage_facts: bool = False) -> pa.Table:
-    """A span table (any source's ``spans()``) to ``aggregate``'s turn rows. Lineage links
-    id-less turns always; ``lineage_facts`` also gives id'd turns the facts of the export
-    they extend (diagnose: one conversation; the fleet skips that cost)."""
-    spans = vllm_roles(spans)
-    if lineage_facts or lineage.needed(spans):
-        spans = lineage.link(spans)
+    """A span table (any source's ``spans()``, or Arrow) to ``aggregate``'s turn
+    rows. Lineage links id-less turns always; ``lineage_facts`` also gives id'd turns the
+    facts of the export they extend (diagnose: one conversation; the fleet skips that
+    cost)."""
     needed = sorted({*span_columns(columns), "trace_id"})
-    table = pa.Table.from_pandas(spans[needed], preserve_index=False)
-    return aggregate(table, columns)
+    table = vllm_roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
+    if needs_lineage(table, lineage_facts):
+        from kvobs import lineage  # pandas: loaded only when some span carries a chain
+
+        table = lineage.link_table(vllm_roles(_arrow(spans)))
+    return aggregate(table.select(needed), columns)
 
 
-def turns_from_spans(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per (tenant, conversation_id, turn): every column of
-    ``kvobs.turn_columns`` (diagnose, turns)."""
-    return turn_table(turn_rows(spans, SPAN_COLUMNS, lineage_facts=True))
+# What ``vllm_roles`` and ``needs_lineage`` read.
+_ROLE_AND_CHAIN = ("name", "service", sc.ROLE.key, "start_ns", "trace_id",
+                   sc.PREFIX_LINEAGE.key, sc.CONVERSATION_ID.key)
+
+
+def _arrow(spans: Spans, columns: set[str] | None = None) -> pa.Table:
+    """An Arrow span table as it is; a pandas one converted (``columns`` of it only)."""
+    if isinstance(spans, pa.Table):
+        return spans
+    if columns is not None:
+        spans = spans[[c for c in spans.columns if c in columns]]
+    return pa.Table.from_pandas(spans, preserve_index=False)
+
+
+def turns_from_spans(spans: Spans, frame: bool = True) -> pd.DataFrame | pa.Table:
+    """One row per (tenant, conversation_id, turn), ``derive``d: every column of
+    ``kvobs.turn_columns`` (diagnose, turns). The pandas turn table, or with ``frame``
+    false the Arrow rows (diagnose reads them through ``kvobs.columns.Columns``)."""
+    rows = derive(turn_rows(spans, SPAN_COLUMNS, lineage_facts=True))
+    return to_frame(rows) if frame else rows
 
 
 def turn_table(rows: pa.Table) -> pd.DataFrame:
@@ -279,6 +343,8 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
     categorical, integers nullable ``Int64``, the gap ``Float64``. Columns this version
     does not know (turn files written by another kvobs version) are left out; columns they
     lack read as missing downstream."""
+    import pandas as pd  # the fleet's table; diagnose reads the Arrow rows
+
     table = table.select([name for name in table.column_names if name in ALL_COLUMNS])
     columns = []
     for name in table.column_names:
@@ -291,7 +357,8 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
             values = pc.cast(values, ARROW_TYPES[kind])
         columns.append(values)
     frame = pa.table(columns, names=table.column_names).to_pandas(
-        types_mapper=_PANDAS.get, split_blocks=True)
+        types_mapper={pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}.get,
+        split_blocks=True)
     frame["turn"] = frame["turn"].astype(np.int64)
     if GAP.name in frame:
         frame[GAP.name] = frame[GAP.name].astype("Float64")
@@ -312,6 +379,8 @@ def _consecutive(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.n
 def follows(turns: pd.DataFrame) -> np.ndarray:
     """Per row of a turn table grouped by (tenant, conversation) and sorted by turn:
     whether it is the next turn of the row before."""
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+
     codes = [turns[key].cat.codes.to_numpy(np.int64)
              if isinstance(turns[key].dtype, pd.CategoricalDtype)
              else pd.factorize(turns[key])[0] for key in CONVERSATION_KEYS]

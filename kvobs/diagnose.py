@@ -6,8 +6,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from kvobs import columns as col
 from kvobs.causes import CauseFinding, causes, decode_context
 from kvobs.correlate import turns_from_spans
 from kvobs import semconv as sc
@@ -86,20 +88,38 @@ class Diagnosis:
                 "problems": self.problems}
 
 
-def classify_turns(turns: pd.DataFrame, read_slo_s: float | None = None,
+def classify_turns(turns: col.Table, read_slo_s: float | None = None,
                    prefill_tokens_per_s: float | None = None) -> tuple[list[TurnDiagnosis],
                                                                        Context]:
-    turns, marks, rate = add_timeline(turns.reset_index(drop=True), prefill_tokens_per_s)
+    """Every turn of a turn table (``correlate.turns_from_spans``: its Arrow rows as
+    ``col.Columns``, or the pandas table) classified, timed and explained."""
+    if not isinstance(turns, col.Columns):
+        turns = turns.reset_index(drop=True)
+    turns, marks, rate = add_timeline(turns, prefill_tokens_per_s)
     context = Context(rate, read_slo_s)
     cause_context = decode_context(turns)
     diagnoses = []
-    rows = turns.to_dict("records")
+    rows = col.records(turns)
     for i, (row, finding) in enumerate(zip(rows, findings(turns, context, rows))):
         turn = Turn(row)
         diagnoses.append(TurnDiagnosis(
             str(row["conversation_id"]), turn, finding, str(row["tenant"]),
             timeline_of(marks, i, turn.as_dict()), causes(turn.as_dict(), cause_context)))
     return diagnoses, context
+
+
+def _where(turns: pa.Table, column: str, value: str) -> pa.Table:
+    values = turns.column(column)
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    return turns.filter(pc.fill_null(pc.equal(values, value), False))
+
+
+def _distinct(turns: pa.Table, column: str) -> list[str]:
+    values = turns.column(column)
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    return sorted(str(value) for value in pc.unique(values).to_pylist())
 
 
 def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None = None,
@@ -111,24 +131,24 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
     # Conversations kvobs named itself (an id-less turn, a chain rebuilt from engine
     # spans) exist only once every span is correlated: no source can select them.
     derived = conversation_id.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
-    spans = source.spans(None if derived else conversation_id)
-    every = turns_from_spans(spans)
-    turns = every[every["conversation_id"] == conversation_id]
+    every = turns_from_spans(source.spans(None if derived else conversation_id), frame=False)
+    turns = _where(every, "conversation_id", conversation_id)
     problems = list(source.problems)
-    if turns.empty and conversation_id.startswith(sc.ANONYMOUS_PREFIX):
+    if turns.num_rows == 0 and conversation_id.startswith(sc.ANONYMOUS_PREFIX):
         # The id the proxy gave an id-less turn, which the engines' prefix chains then
         # put in an earlier turn's conversation: diagnose that one.
         trace = conversation_id[len(sc.ANONYMOUS_PREFIX):]
-        found = every.loc[every["trace_id"] == trace, ["conversation_id", "turn"]]
-        if not found.empty:
-            conversation_id, turn = found.iloc[0]
+        found = _where(every, "trace_id", trace)
+        if found.num_rows:
+            conversation_id = found.column("conversation_id")[0].as_py()
+            turn = found.column("turn")[0].as_py()
             problems.append(f"turn {turn} of {conversation_id}: its prompt extends that "
                             f"conversation's history (prefix lineage)")
-            turns = every[every["conversation_id"] == conversation_id]
-    tenants = sorted(turns["tenant"].unique())
+            turns = _where(every, "conversation_id", conversation_id)
+    tenants = _distinct(turns, "tenant")
     if tenant is not None:
-        turns = turns[turns["tenant"] == tenant]
-    if turns.empty:
+        turns = _where(turns, "tenant", tenant)
+    if turns.num_rows == 0:
         near = difflib.get_close_matches(conversation_id, source.conversation_ids(), n=5,
                                          cutoff=0.6)
         if tenant is not None and tenants:
@@ -136,13 +156,13 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
         raise UnknownConversation(conversation_id, near, tenant)
     if len(tenants) > 1 and tenant is None:
         raise AmbiguousConversation(conversation_id, tenants)
-    diagnoses, context = classify_turns(turns, read_slo_s, prefill_tokens_per_s)
+    diagnoses, context = classify_turns(col.Columns(turns), read_slo_s, prefill_tokens_per_s)
     return Diagnosis(conversation_id, diagnoses, context, problems,
-                     str(turns["tenant"].iloc[0]))
+                     str(turns.column("tenant")[0].as_py()))
 
 
 def all_turns(source: SpanSource, read_slo_s: float | None = None,
               prefill_tokens_per_s: float | None = None) -> list[TurnDiagnosis]:
-    diagnoses, _ = classify_turns(turns_from_spans(source.spans()), read_slo_s,
-                                  prefill_tokens_per_s)
+    diagnoses, _ = classify_turns(col.Columns(turns_from_spans(source.spans(), frame=False)),
+                                  read_slo_s, prefill_tokens_per_s)
     return diagnoses

@@ -33,9 +33,11 @@ from __future__ import annotations
 import hashlib
 
 import pandas as pd
+import pyarrow as pa
 
 from kvobs import semconv as sc
 from kvobs.prefix_chain import grid_points, parse
+from kvobs.sources._frame import frame_from_table
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
@@ -196,17 +198,9 @@ def _trace_ids(spans: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return per_trace(cid.notna() & ~anonymous), per_trace(anonymous)
 
 
-def needed(spans: pd.DataFrame) -> bool:
-    """Whether some P request carries a chain and no id a client sent: fleet builders
-    link only then (the facts for id'd turns are diagnose's, per conversation)."""
-    if spans.empty or sc.PREFIX_LINEAGE.key not in spans:
-        return False
-    decisions = (spans["name"] == sc.SPAN_PULL_DECISION.name).fillna(False).to_numpy(bool) & \
-        spans[sc.PREFIX_LINEAGE.key].notna().to_numpy(bool)
-    if not decisions.any():
-        return False
-    cid = spans.loc[decisions, _CID].astype("string")
-    return bool((cid.isna() | cid.str.startswith(sc.ANONYMOUS_PREFIX)).any())
+def link_table(spans: pa.Table) -> pa.Table:
+    """``link`` for an Arrow span table (the turn builder's)."""
+    return pa.Table.from_pandas(link(frame_from_table(spans)), preserve_index=False)
 
 
 def link(spans: pd.DataFrame) -> pd.DataFrame:

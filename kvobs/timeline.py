@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import pandas as pd
 
 from kvobs import columns as col
 from kvobs import semconv as sc
@@ -47,7 +46,7 @@ TIMELINE_COLUMNS = ("latency_s", "ttft_s", "ttft_source", "slowest_phase", "slow
                     "slowest_share", "compute_saved_tokens", "compute_saved_s",
                     "ttft_gained_s") + PHASE_COLUMNS
 
-_T = pd.DataFrame
+_T = col.Table
 _C = col.Cached  # what mark readers get: the turn table, each column converted once
 
 
@@ -306,19 +305,17 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     has_best = best_s > 0
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(has_best & (latency > 0), best_s / latency, np.nan)
-    # One insertion for all the new float columns: a fleet table has millions of rows
-    # and ~60 columns, and each single-column insert costs tens of ms.
-    turns[list(PHASE_COLUMNS)] = pd.DataFrame(phase_seconds.T, index=turns.index,
-                                              columns=PHASE_COLUMNS)
-    turns["latency_s"] = latency
-    turns["ttft_s"] = np.where(ttft_known, value[_FIRST_TOKEN] - value[0], np.nan)
-    # Categorical: two names (and the phases' below) over millions of rows.
-    turns["ttft_source"] = pd.Categorical.from_codes(
-        np.where(ttft_known, np.where(streamed, 0, 1), -1), ["proxy-stream", "engine"])
-    turns["slowest_phase"] = pd.Categorical.from_codes(np.where(has_best, best, -1),
-                                                       [p.value for p in PHASES])
-    turns["slowest_s"] = np.where(has_best, best_s, np.nan)
-    turns["slowest_share"] = share
+    # Categorical: two names (and the phases') over millions of rows.
+    col.assign(turns, {
+        **dict(zip(PHASE_COLUMNS, phase_seconds)),
+        "latency_s": latency,
+        "ttft_s": np.where(ttft_known, value[_FIRST_TOKEN] - value[0], np.nan),
+        "ttft_source": col.Categories(np.where(ttft_known, np.where(streamed, 0, 1), -1),
+                                      ["proxy-stream", "engine"]),
+        "slowest_phase": col.Categories(np.where(has_best, best, -1),
+                                        [p.value for p in PHASES]),
+        "slowest_s": np.where(has_best, best_s, np.nan),
+        "slowest_share": share})
     rate = prefill_tokens_per_s or prefill_rate(c)
     _reuse_gain(c, rate)
     return turns, marks, rate
@@ -329,16 +326,15 @@ def _reuse_gain(c: _C, rate: float | None) -> None:
     tokens it brought (tokens, and seconds at ``rate``); TTFT gained what those seconds
     were worth less what the read cost (set-up and read phases). Reuse can save compute
     and still gain no TTFT."""
-    turns = c.turns
     done = _read_done(c)
     tokens = c.num("offered_tokens") if "offered_tokens" in c else c.num("candidate_tokens")
     tokens = np.where(done, tokens, np.where(c.present("decision"), 0, np.nan))
-    turns["compute_saved_tokens"] = tokens
     saved = tokens / rate if rate else np.full(len(c), np.nan)
-    turns["compute_saved_s"] = saved
     cost = (np.nan_to_num(_first_of(c, phase_column(Phase.READ_SETUP), "read_setup_s"))
             + _first_of(c, phase_column(Phase.READ), "read_duration_s"))
-    turns["ttft_gained_s"] = np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan))
+    col.assign(c.turns, {
+        "compute_saved_tokens": tokens, "compute_saved_s": saved,
+        "ttft_gained_s": np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan))})
 
 
 def _first_of(c: _C, *columns: str) -> np.ndarray:

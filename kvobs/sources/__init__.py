@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Protocol
 
-import pandas as pd
-
 if TYPE_CHECKING:
+    import pandas as pd
     import pyarrow as pa
 
 from kvobs.sources._errors import SourceError

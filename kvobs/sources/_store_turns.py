@@ -18,9 +18,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
-from kvobs.correlate import aggregate, plain, ranked, span_columns
+from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
-from kvobs.sources._frame import drop_duplicate_span_rows
+from kvobs.sources._frame import drop_duplicate_span_rows, table_from_frame
 from kvobs.sources._merge import sort_turns
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, turns_path, with_renamed_keys)
@@ -37,7 +37,7 @@ def _live_spans(live, columns: list[str]) -> pa.Table | None:
     frame = live.spans()
     if frame.empty:
         return None
-    if lineage.needed(frame):  # id-less turns: conversations from the prefix chains
+    if needs_lineage(table_from_frame(frame)):  # id-less turns: conversations from chains
         frame = lineage.link(frame)
     schema = store_schema()
     return pa.Table.from_pandas(frame[columns], preserve_index=False).cast(

@@ -34,10 +34,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from kvobs import lineage, semconv as sc
-from kvobs.correlate import aggregate
+from kvobs.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_spans, frame_from_rows,
-                                  select_conversation)
+                                  frame_from_table, select_conversation, table_from_frame)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note, read_spans,
                                          readable, span_files, store_schema, turns_path)
 from kvobs.sources._store_turns import store_turns
@@ -90,8 +90,9 @@ def write_parquet(store_dir: str, frame: pd.DataFrame, name: str | None = None,
     frame = frame.reset_index(drop=True)
     if context is not None and not context.empty:
         frame = pd.concat([frame, context], ignore_index=True)
-    if lineage.needed(frame):  # id-less turns (another router): name them before the
-        frame = lineage.link(frame)  # id-less spans would be dropped below
+    # Id-less turns (another router): named before the id-less spans are dropped below.
+    if needs_lineage(table_from_frame(frame)):
+        frame = lineage.link(frame)
     frame = _inherit_conversation(frame)
     frame = frame[frame.index < written]  # the rows given, not the context
     untagged = int(frame[_CID].isna().sum())
@@ -307,7 +308,7 @@ class StoreSource:
             files = span_files(self.store_dir, bucket_of(conversation_id))
             table = read_spans(files, self.problems, columns,
                                ds.field(_CID) == conversation_id)
-        return table.to_pandas(types_mapper=pd.ArrowDtype).astype(ALL_DTYPES)
+        return frame_from_table(table)
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         live = self._live.spans(conversation_id) if os.path.isdir(self._live.location) else None

@@ -34,15 +34,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
-import pandas as pd
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvobs import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lacks_response,
                             host_evicted, host_hit, host_save_incomplete, local_hit, miss,
                             missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
                             transfer_failed)
 from kvobs.verdicts._base import Context, Finding, Turn
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
            "INSUFFICIENT_REMEDY", "meaning"]
@@ -77,7 +82,7 @@ class Decisions:
     missing: dict[int, tuple]
 
 
-def decide(turns: pd.DataFrame, context: Context = Context()) -> Decisions:
+def decide(turns: col.Table, context: Context = Context()) -> Decisions:
     """Exactly one verdict per row: the first rule in ORDER that applies, unless a rule
     before it lacks the evidence it needs on that row."""
     rows = len(turns)
@@ -101,17 +106,19 @@ def decide(turns: pd.DataFrame, context: Context = Context()) -> Decisions:
 def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
                    read_slo_s: float | None = None) -> pd.Series:
     """The verdict value of every row of a turn table (fleet scale)."""
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+
     decisions = decide(turns, Context(prefill_tokens_per_s, read_slo_s))
     return pd.Series(decisions.verdict, index=turns.index, name="verdict")
 
 
-def findings(turns: pd.DataFrame, context: Context = Context(),
+def findings(turns: col.Table, context: Context = Context(),
              rows: list[dict] | None = None) -> list[Finding]:
     """The finding (verdict, evidence, remedy, rule) of every row of a turn table
     (``rows``: the table as records, when the caller has them already)."""
     decisions = decide(turns, context)
     out = []
-    for i, row in enumerate(turns.to_dict("records") if rows is None else rows):
+    for i, row in enumerate(col.records(turns) if rows is None else rows):
         module = ORDER[decisions.rule[i]]
         name = module.__name__.rsplit(".", 1)[-1]
         if i in decisions.missing:

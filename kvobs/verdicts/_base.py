@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import math
+import sys
+
 import numpy as np
-import pandas as pd
 
 from kvobs import semconv as sc
 from kvobs.semconv import Verdict
@@ -43,7 +45,10 @@ class Finding:
 
 def _plain(value: Any) -> Any:
     """pandas/numpy scalars to plain Python; every kind of missing to None."""
-    if value is None or (pd.api.types.is_scalar(value) and pd.isna(value)):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    pandas = sys.modules.get("pandas")  # its missing values exist only once it is loaded
+    if pandas is not None and pandas.api.types.is_scalar(value) and pandas.isna(value):
         return None
     return value.item() if hasattr(value, "item") else value
 

@@ -5,6 +5,7 @@ its own prefix cache for a shared system prompt).
 What to do: nothing; judge reuse on turns 2 and later.
 """
 
+from kvobs import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts._base import Context, Finding, Turn
 
@@ -12,7 +13,7 @@ VERDICT = Verdict.FIRST_TURN
 
 
 def applies(turns, context: Context):
-    return turns["turn"].to_numpy() == 1
+    return col.num(turns, "turn") == 1
 
 
 def explain(turn: Turn, context: Context) -> Finding:

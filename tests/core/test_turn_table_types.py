@@ -1,0 +1,85 @@
+"""One implementation of the timeline, the verdict rules and the causes, two turn-table
+types: diagnose's Arrow rows (``kvobs.columns.Columns``) and the fleet's pandas table.
+Every column test and every diagnosis agrees on both; the stages import no pandas."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvobs import columns as col
+from kvobs import synth
+from kvobs.correlate import to_frame, turns_from_spans
+from kvobs.diagnose import classify_turns
+from kvobs.sources import open_source
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEMO_SPANS = os.path.join(ROOT, "tests", "data", "demo-spans.otlp.jsonl")
+
+
+@pytest.fixture(scope="module")
+def span_sets(tmp_path_factory):
+    store = str(tmp_path_factory.mktemp("synthetic"))
+    synth.write_store(store, synth.small(60))
+    return {"demo": open_source(DEMO_SPANS).spans(), "synthetic": open_source(store).spans()}
+
+
+def _both(spans):
+    rows = turns_from_spans(spans, frame=False)
+    return col.Columns(rows), to_frame(rows)
+
+
+def test_every_column_test_agrees_on_both_table_types(span_sets):
+    for spans in span_sets.values():
+        arrow, frame = _both(spans)
+        assert len(arrow) == len(frame) > 0
+        for column in frame.columns:
+            assert column in arrow
+            np.testing.assert_array_equal(col.null(arrow, column), col.null(frame, column))
+            if frame[column].dtype != "category":  # num() reads numbers, not ids
+                np.testing.assert_array_equal(col.num(arrow, column),
+                                              col.num(frame, column))
+            if frame[column].dtype == "boolean":
+                np.testing.assert_array_equal(col.flag(arrow, column),
+                                              col.flag(frame, column))
+            for value in {str(v) for v in frame[column].dropna().unique()[:3]}:
+                np.testing.assert_array_equal(col.eq(arrow, column, value),
+                                              col.eq(frame, column, value))
+        assert not col.present(arrow, "no-such-column").any()
+
+
+def test_diagnoses_are_identical_on_both_table_types(span_sets):
+    for name, spans in span_sets.items():
+        arrow, frame = _both(spans)
+        from_arrow, arrow_context = classify_turns(arrow)
+        from_frame, frame_context = classify_turns(frame)
+        assert arrow_context == frame_context
+        assert len(from_arrow) == len(from_frame) > 0
+        for a, f in zip(from_arrow, from_frame):
+            assert json.dumps(a.to_dict(), sort_keys=True) == json.dumps(
+                f.to_dict(), sort_keys=True), (name, a.conversation_id, a.turn.index)
+        verdicts = {d.finding.verdict.value for d in from_arrow}
+        assert len(verdicts) > 2, verdicts  # the sets exercise several rules
+
+
+_PROBE = """
+import sys
+import kvobs.cli.diagnose, kvobs.diagnose, kvobs.render
+print(" ".join(sorted({m.split('.')[0] for m in sys.modules})))
+"""
+
+
+def test_the_diagnose_stages_import_no_pandas():
+    """Correlation, timeline, verdicts, causes and rendering load pandas only on use
+    (the fleet's table, linking prefix chains, a source's span frame)."""
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120,
+                          check=True)
+    packages = set(done.stdout.split())
+    assert "kvobs" in packages and "pyarrow" in packages
+    assert "pandas" not in packages
