@@ -410,9 +410,9 @@ class SchedulerObserver:
         # Called every step, usually with little in it: test before touching anything.
         if self._first_pending:
             self._first_tokens()
-        stats = getattr(output, "kv_connector_stats", None)
+        stats = _own_stats(getattr(output, "kv_connector_stats", None))
         raw_releases = ()
-        if isinstance(stats, st.KvobsConnectorStats):
+        if stats is not None:
             data = stats.data
             raw_reads = data.get(st.RAW_READS)
             if raw_reads:
@@ -625,3 +625,17 @@ def _group_block_bytes(group: Any) -> int:
         return int(spec.page_size_bytes) * len(group.layer_names)
     except Exception:  # noqa: BLE001
         return 0
+
+
+def _own_stats(stats: Any) -> "st.KvobsConnectorStats | None":
+    """This connector's worker stats in a step's output: the stats themselves, or under
+    vLLM's MultiConnector (``MultiKVConnectorStats``, one entry per connector class) the
+    entry that is ours. Without it D's hand-off spans lost the worker's bytes there."""
+    if stats is None or isinstance(stats, st.KvobsConnectorStats):
+        return stats
+    entries = getattr(stats, "data", None)
+    if isinstance(entries, dict):
+        for entry in entries.values():
+            if isinstance(entry, st.KvobsConnectorStats):
+                return entry
+    return None

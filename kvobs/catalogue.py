@@ -53,7 +53,7 @@ def telemetry_md() -> str:
               f"{m.doc} |" for m in sc.METRICS.values()]
     lines += ["", "## Closed label and attribute values\n"]
     for enum_class in (sc.LookupOutcome, sc.PullDecision, sc.ReadOutcome, sc.ReleaseReason,
-                       sc.RecomputeReason, sc.FallbackReason):
+                       sc.RecomputeReason, sc.FallbackReason, sc.ServedBy):
         values = ", ".join(f"`{v.value}`" for v in enum_class)
         lines.append(f"- {enum_class.__name__}: {values}")
     lines.append(f"- `{sc.TURN_BUCKET_LABEL}`: "

@@ -34,7 +34,8 @@ import pyarrow.compute as pc
 from kvobs import semconv as sc
 from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
-                                PREVIOUS, PREVIOUS_PREFIX, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
+                                PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
+                                SERVED_HOST_TOKENS, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
                                 TurnColumn)
 
 if TYPE_CHECKING:
@@ -401,12 +402,46 @@ def derive(rows: pa.Table) -> pa.Table:
     end = pc.cast(rows.column("turn_end_ns"), pa.float64(), safe=False).take(previous)
     gap = pc.divide(pc.subtract(start, end), 1e9)
     rows = rows.append_column(GAP.name, gap)
-    rows = with_retention(rows)
+    rows = with_served_by(with_retention(rows))
     for name in PREVIOUS:
         carried = name[len(PREVIOUS_PREFIX):]
         if carried in rows.column_names:
             rows = rows.append_column(name, rows.column(carried).take(previous))
     return rows
+
+
+def _column(rows: pa.Table, name: str, kind: pa.DataType):
+    """``rows``'s column ``name`` as ``kind``, all null where the table lacks it."""
+    if name not in rows.column_names:
+        return pa.nulls(rows.num_rows, kind)
+    return pc.cast(rows.column(name), kind, safe=False)
+
+
+def with_served_by(rows: pa.Table) -> pa.Table:
+    """``rows`` with which retention path served which tokens (``turn_columns.SERVED``):
+    the tokens P read from D's device blocks (a finished read's offered, else candidate,
+    tokens; 0 when P decided without reading), the tokens an offloading tier loaded (the
+    host lookup's accepted tokens), and the path(s) that served any."""
+    offered = pc.coalesce(_column(rows, "offered_tokens", pa.int64()),
+                          _column(rows, "candidate_tokens", pa.int64()))
+    read = pc.fill_null(pc.equal(_column(rows, "read_outcome", pa.string()),
+                                 sc.ReadOutcome.DONE.value), False)
+    decided = pc.is_valid(_column(rows, "decision", pa.string()))
+    device = pc.if_else(decided, pc.if_else(read, pc.fill_null(offered, 0), 0),
+                        pa.nulls(rows.num_rows, pa.int64()))
+    host = _column(rows, "host_accepted_tokens", pa.int64())
+    by_device = pc.greater(pc.fill_null(device, 0), 0)
+    by_host = pc.greater(pc.fill_null(host, 0), 0)
+    known = pc.or_(pc.is_valid(device), pc.is_valid(host))
+    served = pc.if_else(
+        by_device, pc.if_else(by_host, sc.ServedBy.DEVICE_AND_HOST.value,
+                              sc.ServedBy.DEVICE.value),
+        pc.if_else(by_host, sc.ServedBy.HOST.value,
+                   pc.if_else(known, sc.ServedBy.NONE.value,
+                              pa.scalar(None, pa.string()))))
+    return (rows.append_column(SERVED_DEVICE_TOKENS.name, device)
+            .append_column(SERVED_HOST_TOKENS.name, host)
+            .append_column(SERVED_BY.name, served))
 
 
 def with_retention(rows: pa.Table) -> pa.Table:

@@ -503,6 +503,16 @@ class HostLookupOutcome(str, enum.Enum):
     MISS = "miss"  # nothing from the tier, and nothing it had evicted (new tokens)
 
 
+class ServedBy(str, enum.Enum):
+    """Which retention path served a later turn's earlier KV (turn column ``served_by``),
+    each path its own tokens (``served_device_tokens``, ``served_host_tokens``)."""
+
+    DEVICE = "device"  # P read D's retained KV over NIXL (the bidirectional path)
+    HOST = "host"  # an engine loaded it from an offloading tier (host or p2p)
+    DEVICE_AND_HOST = "device+host"  # both, in one turn
+    NONE = "none"  # a path was asked and served no token
+
+
 class CopyEngine(str, enum.Enum):
     """What moved offloaded KV, so timings are read for what they are."""
 

@@ -235,6 +235,25 @@ HOST_BYTE_SECONDS = TurnColumn(
     "tier first evicted them (its evict span's end). Null while the copy was still in "
     "the tier.", fleet=_F, public=True)
 RETENTION = {c.name: c for c in (DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS)}
+# Derived from the turn's own columns: which retention path served which of its tokens.
+# D with a host copy (vLLM's MultiConnector) has two: P reading D's device blocks, and an
+# engine loading a copy from its offloading tier (docs/host_copy.md).
+SERVED_DEVICE_TOKENS = TurnColumn(
+    "served_device_tokens", "int",
+    "Prompt tokens P read from D's retained KV over NIXL (the device path): the offered "
+    "(else candidate) tokens of a read that finished, 0 when the turn read nothing. Null "
+    "without P's pull decision.", public=True)
+SERVED_HOST_TOKENS = TurnColumn(
+    "served_host_tokens", "int",
+    "Prompt tokens an engine loaded from an offloading tier, host or p2p (the host path): "
+    "`kvobs.host.accepted_tokens` of the turn's lookup. Null without a lookup span.",
+    public=True)
+SERVED_BY = TurnColumn(
+    "served_by", "str",
+    "Which path served the turn's earlier KV (`ServedBy`: `device`, `host`, `device+host`, "
+    "`none`) from `served_device_tokens` and `served_host_tokens`; null when neither path "
+    "was observed.", public=True)
+SERVED = {c.name: c for c in (SERVED_DEVICE_TOKENS, SERVED_HOST_TOKENS, SERVED_BY)}
 
 COLUMNS: dict[str, TurnColumn] = {c.name: c for c in [*KEY_COLUMNS, *_SPAN_COLUMNS]}
 SPAN_COLUMNS: dict[str, TurnColumn] = {c.name: c for c in _SPAN_COLUMNS}
@@ -253,7 +272,7 @@ def previous(column: TurnColumn) -> TurnColumn:
 
 PREVIOUS: dict[str, TurnColumn] = {
     PREVIOUS_PREFIX + c.name: previous(c) for c in _SPAN_COLUMNS if c.carries}
-DERIVED: dict[str, TurnColumn] = {GAP.name: GAP, **RETENTION, **PREVIOUS}
+DERIVED: dict[str, TurnColumn] = {GAP.name: GAP, **RETENTION, **SERVED, **PREVIOUS}
 ALL_COLUMNS: dict[str, TurnColumn] = {**COLUMNS, **DERIVED}
 PUBLIC = [c.name for c in ALL_COLUMNS.values() if c.public]
 

@@ -87,6 +87,25 @@ def make_shim_dir(dest: str | os.PathLike, vllm_version: str | None = None) -> P
     return dest
 
 
+OFFLOADING_CONNECTOR = "KvobsOffloadingConnector"
+OFFLOADING_MODULE = "connector_instrumented.offloading"
+
+
+def host_copy_config(host_bytes: int, *, prompt_only: bool = False,
+                     extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The instrumented offloading connector with kvobs's CPU host-copy spec
+    (``docs/host_copy.md``): a host tier of ``host_bytes`` saving whole turns unless
+    ``prompt_only`` (vLLM's default, ``offload_prompt_only=true``)."""
+    return {"kv_connector": OFFLOADING_CONNECTOR,
+            "kv_connector_module_path": OFFLOADING_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "KvobsHostCopySpec",
+                "spec_module_path": "connector_instrumented.host_copy",
+                "cpu_bytes_to_use": host_bytes, "offload_prompt_only": prompt_only,
+                **(extra_config or {})}}
+
+
 def kv_transfer_config(
     *,
     kv_connector: str = "NixlConnector",
@@ -97,12 +116,20 @@ def kv_transfer_config(
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default,
     kv_load_failure_policy: str = "fail",
     extra_config: dict[str, Any] | None = None,
+    host_copy_bytes: int = 0,
+    host_copy_first: bool = True,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` dict (identical for P and D except ``engine_id``).
 
     ``bidirectional_kv_xfer``, ``decoder_kv_blocks_ttl`` and ``kv_recompute_threshold``
     are read from ``kv_connector_extra_config`` by the NIXL scheduler;
     ``kv_load_failure_policy`` is a top-level ``KVTransferConfig`` field.
+
+    ``host_copy_bytes`` > 0: vLLM's ``MultiConnector`` with the host copy
+    (:func:`host_copy_config`) and the NIXL connector. MultiConnector loads from the
+    first connector that reports matched tokens and saves to all; with NIXL first
+    (``host_copy_first=False``) the copy is saved but never loaded on D, since NIXL
+    claims every request P prefilled (``docs/host_copy.md``, configuration (a)).
     """
     extra: dict[str, Any] = {
         "bidirectional_kv_xfer": bidirectional,
@@ -119,13 +146,15 @@ def kv_transfer_config(
     }
     if kv_connector_module_path:
         cfg["kv_connector_module_path"] = kv_connector_module_path
+    if host_copy_bytes > 0:
+        cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+               "kv_buffer_device": "cpu", "kv_load_failure_policy": kv_load_failure_policy,
+               "kv_connector_extra_config": {"connectors": (
+                   [host_copy_config(host_copy_bytes), cfg] if host_copy_first
+                   else [cfg, host_copy_config(host_copy_bytes)])}}
     if engine_id:
         cfg["engine_id"] = engine_id
     return cfg
-
-
-OFFLOADING_CONNECTOR = "KvobsOffloadingConnector"
-OFFLOADING_MODULE = "connector_instrumented.offloading"
 
 
 def p2p_host_tier_config(*, host_bytes: int, host: str, port: int,
@@ -384,7 +413,10 @@ class PDPair:
     kv_recompute_threshold: int = RECOMPUTE_THRESHOLD.default
     kv_load_failure_policy: str = "fail"
     extra_config: dict[str, Any] | None = None
+    decode_host_copy_bytes: int = 0  # >0: D's connector is MultiConnector with a host copy
+    decode_host_copy_first: bool = True  # MultiConnector asks the host copy before NIXL
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    decode_kv_cache_bytes: int | None = None  # None: kv_cache_bytes
     pthr_delay_us: int = 1000
     log_level: str = "INFO"
     startup_timeout_s: float = 300.0
@@ -423,6 +455,9 @@ class PDPair:
     def kv_config(self, role: str = "prefill") -> dict[str, Any]:
         extra, connector, module = self.extra_config, self.kv_connector, \
             self.kv_connector_module_path
+        if self.p2p_host_bytes and self.decode_host_copy_bytes:
+            raise ValueError("p2p_host_bytes (configuration (b)) and decode_host_copy_bytes "
+                             "(configuration (a)) are two configurations: choose one")
         if self.p2p_host_bytes:
             is_p = role == "prefill"
             tier = p2p_host_tier_config(
@@ -440,6 +475,8 @@ class PDPair:
             kv_recompute_threshold=self.kv_recompute_threshold,
             kv_load_failure_policy=self.kv_load_failure_policy,
             extra_config=extra,
+            host_copy_bytes=self.decode_host_copy_bytes if role == "decode" else 0,
+            host_copy_first=self.decode_host_copy_first,
         )
 
     def _start_one(self, role: str, engine_id: str | None = None) -> Engine:
@@ -464,7 +501,8 @@ class PDPair:
             self.model_path,
             self.out_dir,
             kv_config=self.kv_config(role),
-            kv_cache_bytes=self.kv_cache_bytes,
+            kv_cache_bytes=(self.kv_cache_bytes if is_p or self.decode_kv_cache_bytes is None
+                            else self.decode_kv_cache_bytes),
             pthr_delay_us=self.pthr_delay_us,
             log_level=self.log_level,
             extra_args=[*(self.extra_args or []),

@@ -43,6 +43,11 @@ class EngineSettings:
     router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
     proxy_infer_conversations: bool = True  # false: kvobs proxy --no-infer-conversations
     service_name: str = ""  # OTEL_SERVICE_NAME of P, D and the proxy ("": each role's default)
+    # >0: D runs vLLM's MultiConnector, a host copy of this many bytes (kvobs's CPU
+    # stand-in, whole turns saved) before the NIXL connector (docs/host_copy.md).
+    decode_host_copy_bytes: int = 0
+    decode_host_copy_first: bool = True  # false: NIXL first (the copy is never loaded)
+    decode_kv_cache_bytes: int = 0  # >0: D's KV cache size (a small one evicts sooner)
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,8 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
     if engines.router != KVOBS_PROXY and not engines.proxy_infer_conversations:
         raise ScenarioError("engines.proxy_infer_conversations: a kvobs proxy setting, "
                             f"unused with router = {engines.router!r}")
+    if engines.decode_host_copy_bytes < 0 or engines.decode_kv_cache_bytes < 0:
+        raise ScenarioError("engines.decode_host_copy_bytes, decode_kv_cache_bytes: >= 0")
     conversations = []
     for n, conv in enumerate(raw.pop("conversations", []), 1):
         where = f"conversations[{n}]"

@@ -10,7 +10,8 @@ from kvobs.semconv import ReadOutcome
 # Evidence every host-path finding carries when present.
 EVIDENCE = ("host_lookup_span_id", "host_lookup_prompt_tokens", "host_local_tokens",
             "host_hit_tokens", "host_accepted_tokens", "host_hit_host_tokens",
-            "host_hit_p2p_tokens")
+            "host_hit_p2p_tokens", "served_by", "served_device_tokens",
+            "served_host_tokens")
 
 
 def asked(turns) -> np.ndarray:

@@ -33,7 +33,8 @@ def _ms(seconds: float) -> str:
 def explain(turn: Turn, context: Context) -> Finding:
     evidence = turn.pick("read_span_id", "read_bytes", "read_blocks", "read_duration_s",
                          "read_setup_s", "candidate_tokens", "remaining_ttl_s", "ttft_s",
-                         "compute_saved_tokens", "compute_saved_s", "ttft_gained_s")
+                         "compute_saved_tokens", "compute_saved_s", "ttft_gained_s",
+                         "served_by", "served_device_tokens", "served_host_tokens")
     gained = turn.get("ttft_gained_s")
     saved = turn.get("compute_saved_s")
     tokens = turn.get("compute_saved_tokens")

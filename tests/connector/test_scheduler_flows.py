@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -437,3 +438,21 @@ def test_shutdown_exports_queued_spans_before_upstreams_shutdown(model_dir, span
     connector.shutdown()
     (names,) = exported_before
     assert sc.SPAN_EXPORT.name in names and sc.SPAN_DECODE_REQUEST.name in names
+
+
+def test_worker_records_reach_the_spans_under_multiconnector(model_dir, spans):
+    """Under vLLM's MultiConnector the worker's stats arrive as one entry per connector
+    class (``MultiKVConnectorStats``): the read span still carries the worker's bytes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorStats)
+
+    scheduler = h.make_scheduler(h.make_config(model_dir))
+    req, _, _ = p_turn2(scheduler, tokens(56), 48)
+    multi = MultiKVConnectorStats(data={"KvobsNixlConnector": read_record(req.request_id)})
+    # The observer's hook as MultiConnector hands it the step's output (a stand-alone
+    # scheduler would then mix the multi stats with its own connector's).
+    scheduler.connector._kvobs_sched.on_output(SimpleNamespace(
+        kv_connector_stats=multi, finished_recving={req.request_id}, failed_recving=set(),
+        finished_sending=set()))
+    (read,) = spans.spans(sc.SPAN_READ)
+    assert (attrs(read)[sc.READ_OUTCOME.key], attrs(read)[sc.READ_BYTES.key]) == ("done", 4096)

@@ -71,3 +71,36 @@ def test_expected_causes_one_or_any_of_several():
     assert scenario.cause_expectations == {("a", 1): ("decode-busy", "queued-at-d")}
     assert parse(MINIMAL + 'expect_cause = "queued-at-p"\n').cause_expectations == {
         ("a", 1): "queued-at-p"}
+
+
+def test_host_copy_makes_ds_connector_a_multiconnector_in_the_chosen_order():
+    """engines.decode_host_copy_bytes: D's kv_transfer_config is vLLM's MultiConnector
+    (its children valid vLLM KVTransferConfigs, as MultiConnector builds them), the host
+    copy first unless decode_host_copy_first = false; P's stays the NIXL connector."""
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from kvobs.testbed.engines import PDPair
+
+    scenario = parse(MINIMAL.replace('name = "x"', 'name = "x"\n[engines]\n'
+                                     'decode_host_copy_bytes = 1048576'))
+    settings = scenario.engines
+    pair = PDPair("model", "out", kv_connector="KvobsNixlConnector",
+                  kv_connector_module_path="connector_instrumented",
+                  decode_host_copy_bytes=settings.decode_host_copy_bytes)
+    assert pair.kv_config("prefill")["kv_connector"] == "KvobsNixlConnector"
+    decode = pair.kv_config("decode")
+    assert decode["kv_connector"] == "MultiConnector"
+    children = decode["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["KvobsOffloadingConnector",
+                                                     "KvobsNixlConnector"]
+    assert children[0]["kv_connector_extra_config"]["cpu_bytes_to_use"] == 1048576
+    assert children[1]["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    for child in children:
+        KVTransferConfig(**child, engine_id="kvobs-decode")
+    pair.decode_host_copy_first = False
+    nixl_first = pair.kv_config("decode")["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in nixl_first] == ["KvobsNixlConnector",
+                                                       "KvobsOffloadingConnector"]
+    with pytest.raises(ScenarioError, match="decode_host_copy_bytes"):
+        parse(MINIMAL.replace('name = "x"', 'name = "x"\n[engines]\n'
+                              'decode_host_copy_bytes = -1'))

@@ -26,7 +26,7 @@ def test_fleet_columns_aggregate_like_the_full_table_or_keep_presence():
 def test_previous_columns_are_derived_from_carried_columns():
     carried = {c.name for c in tc.SPAN_COLUMNS.values() if c.carries}
     assert {n[len(tc.PREVIOUS_PREFIX):] for n in tc.PREVIOUS} == carried
-    assert set(tc.DERIVED) == {tc.GAP.name, *tc.RETENTION, *tc.PREVIOUS}
+    assert set(tc.DERIVED) == {tc.GAP.name, *tc.RETENTION, *tc.SERVED, *tc.PREVIOUS}
 
 
 def test_public_columns_are_what_diagnose_shows_and_what_the_docs_list():
@@ -36,3 +36,25 @@ def test_public_columns_are_what_diagnose_shows_and_what_the_docs_list():
         assert name in SUMMARY_COLUMNS or name in tc.KEYS
     names = set(tc.ALL_COLUMNS)
     assert {c for c in SUMMARY_COLUMNS if c in names} == set(tc.PUBLIC) - set(tc.KEYS)
+
+
+def test_served_by_names_the_path_that_served_each_token():
+    """One rule (kvobs.correlate.with_served_by): P's finished read is the device path,
+    the host lookup's accepted tokens the host path; both in one turn say so."""
+    import pyarrow as pa
+
+    from kvobs.correlate import with_served_by
+
+    rows = pa.table({
+        "decision": ["pull", "pull", "no-params", "pull", None, None],
+        "read_outcome": ["done", "done", None, "declined-expired", None, None],
+        "candidate_tokens": [899, 640, 0, 512, None, None],
+        "host_accepted_tokens": pa.array([0, 256, 1152, 0, 384, None], pa.int64()),
+    })
+    out = with_served_by(rows)
+    assert out.column("served_by").to_pylist() == [
+        "device", "device+host", "host", "none", "host", None]
+    assert out.column("served_device_tokens").to_pylist() == [899, 640, 0, 0, None, None]
+    assert out.column("served_host_tokens").to_pylist() == [0, 256, 1152, 0, 384, None]
+    assert {v.value for v in sc.ServedBy} >= set(
+        v for v in out.column("served_by").to_pylist() if v)
