@@ -24,7 +24,8 @@ import pytest
 
 from kvobs import semconv as sc
 from kvobs._net import free_ports
-from kvobs.testbed.engines import EngineSpec, SERVED_MODEL_NAME, start_engine, wait_ready
+from kvobs.testbed.engines import (EngineSpec, SERVED_MODEL_NAME, host_copy_config,
+                                   start_engine, wait_ready)
 from kvobs.testbed.model import build_tiny_model, safe_token_ids
 from kvobs.testbed.stack import MODEL_SIZE
 
@@ -66,14 +67,8 @@ def _spans(store: Path) -> list[tuple[str, dict]]:
 
 def _host_engine(out: Path, role_core: int, name: str, prompt_only: bool):
     port, side = free_ports(2)
-    cfg = {"kv_connector": "KvobsOffloadingConnector",
-           "kv_connector_module_path": "connector_instrumented.offloading",
-           "kv_role": "kv_both",
-           "kv_connector_extra_config": {
-               "spec_name": "KvobsHostCopySpec",
-               "spec_module_path": "connector_instrumented.host_copy",
-               "cpu_bytes_to_use": HOST_BYTES, "offload_prompt_only": prompt_only,
-               "kvobs_role": "decode", "kvobs_store": str(out / name / "store")}}
+    cfg = host_copy_config(HOST_BYTES, prompt_only=prompt_only, extra_config={
+        "kvobs_role": "decode", "kvobs_store": str(out / name / "store")})
     return start_engine(EngineSpec("decode", port, side, role_core, name), MODEL, out / name,
                         kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
 
