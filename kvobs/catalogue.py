@@ -125,8 +125,8 @@ def verdicts_md() -> str:
              "`insufficient-evidence`, naming the span.\n",
              "```", inspect.getdoc(verdicts).split("Order, and why:")[1].strip("\n"), "```\n"]
     for position, rule in enumerate(ORDER, 1):
-        doc = inspect.getdoc(rule)
-        title, _, body = doc.partition("\n")
+        body = inspect.getdoc(rule).partition("\n")[2]
+        title = f"{rule.VERDICT.value}: {verdicts.meaning(rule)}"
         lines += [f"## {position}. `{rule.VERDICT.value}`\n", title + "\n", body.strip() + "\n",
                   f"Rule: `kvobs/verdicts/{rule.__name__.rsplit('.', 1)[-1]}.py`\n"]
     lines += ["## `insufficient-evidence`\n",

@@ -561,6 +561,7 @@ class Verdict(str, enum.Enum):
     MISS = "miss"
     REMOTE_HIT = "remote-hit"
     HOST_EVICTED = "host-evicted"
+    HOST_SAVE_INCOMPLETE = "host-save-incomplete"
     HOST_COPY_LACKS_RESPONSE = "host-copy-lacks-response"
     HOST_HIT = "host-hit"
     INSUFFICIENT_EVIDENCE = "insufficient-evidence"

@@ -80,9 +80,16 @@ UPSTREAM_ENTRY_LIFETIME = Setting(
     ("`kvobs proxy --fixed-entry-lifetime`", "testbed scenario `proxy_fixed_lifetime_s`",
      "`SyntheticConfig.proxy_lifetime_s`"))
 
+MIN_CACHED_TOKEN_DELTA = Setting(
+    "minCachedTokenDelta", 2048, "tokens", "llm-d router (CPU peer-to-peer host path)",
+    "The router sends P to a peer's host copy only when that copy holds at least this "
+    "many more of the prompt's tokens than P has itself; below it P recomputes. The "
+    "value of llm-d's calibration guide.",
+    ("`kvobs whatif --placement --min-cached-token-delta`",))
+
 SETTINGS: tuple[Setting, ...] = (DECODE_TTL, RECOMPUTE_THRESHOLD, DECLINE_WINDOW,
                                  PROXY_EXPIRY_MARGIN, PROXY_ENTRY_LIFETIME,
-                                 UPSTREAM_ENTRY_LIFETIME)
+                                 UPSTREAM_ENTRY_LIFETIME, MIN_CACHED_TOKEN_DELTA)
 
 
 def entry_lifetime_s(ttl_s, expiry_margin_s: float = PROXY_EXPIRY_MARGIN.default):

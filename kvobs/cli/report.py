@@ -14,6 +14,7 @@ from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, print_source_problems,
                                slo_option, source_option)
 from kvobs.render import byte_size, duration, fault_count, to_json, total_seconds
+from kvobs.settings import MIN_CACHED_TOKEN_DELTA
 
 
 def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = False):
@@ -100,6 +101,8 @@ _REPORT_COLUMNS = (
 _REPORT_WIDE = (
     ("bytes read", lambda row: byte_size(row["bytes_read"])),
     ("reused tok", lambda row: f"{row['reused_tokens']:,}"),
+    ("host-hit", lambda row: _pct(row["host_hit_ratio"])),
+    ("host tok", lambda row: f"{row['host_reused_tokens']:,}"),
     ("recomputed tok", lambda row: f"{row['recomputed_tokens']:,}"),
     ("no TTFT", lambda row: f"{row['ttft_unmeasured_turns']:,}"),
 )
@@ -233,8 +236,19 @@ def tune_command(source, prefill_rate, target, as_json):
 
 @click.command("whatif")
 @source_option
-@click.option("--ttl", type=float, required=True, help="decoder_kv_blocks_ttl to replay (s).")
-@click.option("--threshold", type=int, required=True, help="kv_recompute_threshold to replay.")
+@click.option("--ttl", type=float, default=None,
+              help="decoder_kv_blocks_ttl to replay (s); with --placement: as recorded "
+                   "unless given.")
+@click.option("--threshold", type=int, default=None,
+              help="kv_recompute_threshold to replay; with --placement: as recorded "
+                   "unless given.")
+@click.option("--placement", is_flag=True,
+              help="Compare keeping each conversation's KV on D, in the host tier "
+                   "instead, or in both: retention cost and reuse for the same turns.")
+@click.option("--min-cached-token-delta", type=int,
+              default=int(MIN_CACHED_TOKEN_DELTA.default), show_default=True,
+              help="With --placement: the router's gate for the host path (llm-d's "
+                   "minCachedTokenDelta): fewer extra tokens cached there, P recomputes.")
 @click.option("--proxy-lifetime", type=float, default=None,
               help="Proxy entry lifetime (s) every proxy replays with (default: each as "
                    "recorded, its entries moving with the TTL as the kvobs proxy derives "
@@ -242,13 +256,21 @@ def tune_command(source, prefill_rate, target, as_json):
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def whatif_command(source, ttl, threshold, proxy_lifetime, prefill_rate, as_json):
+def whatif_command(source, ttl, threshold, placement, min_cached_token_delta, proxy_lifetime,
+                   prefill_rate, as_json):
     """Replay recorded turns under another TTL and threshold: predicted verdict mix, hits
-    and memory against what happened."""
+    and memory against what happened. With --placement: the same turns had their KV
+    been kept on D, in the host tier, or both."""
     from kvobs.fleet import label_turns, whatif
 
+    if not placement:
+        for name, value in (("--ttl", ttl), ("--threshold", threshold)):
+            if value is None:
+                raise click.UsageError(f"Missing option '{name}' (or give --placement).")
     _, turns = _labelled(source, None, prefill_rate)
     labelled, _ = label_turns(turns, prefill_rate)
+    if placement:
+        _placement(labelled, min_cached_token_delta, ttl, threshold, prefill_rate, as_json)
     result = whatif(labelled, ttl, threshold, proxy_lifetime, prefill_rate)
     if as_json:
         click.echo(to_json(result.to_dict()))
@@ -277,6 +299,48 @@ def whatif_command(source, ttl, threshold, proxy_lifetime, prefill_rate, as_json
     out.print(table)
     out.print(f"{result.changed_turns:,} turns change verdict")
     sys.exit(EXIT_OK)
+
+
+def _placement(labelled, delta, ttl, threshold, prefill_rate, as_json) -> None:
+    from rich.table import Table
+
+    from kvobs.fleet.placement import PLACES, placement
+    from kvobs.fleet.report import VERDICTS
+
+    result = placement(labelled, delta, ttl, threshold, prefill_rate)
+    if as_json:
+        click.echo(to_json(result.to_dict()))
+        sys.exit(EXIT_OK)
+    out = console()
+    columns = {"recorded": result.recorded, **result.places}
+    table = Table(title=f"where the KV waits: {result.later_turns:,} later turns "
+                        f"(host gate minCachedTokenDelta {delta:,} tokens)")
+    for header in ("", "recorded", *(f"keep on {p}" for p in PLACES)):
+        table.add_column(header, justify="right")
+    for verdict in VERDICTS:
+        counts = [c["verdicts"].get(verdict, 0) for c in columns.values()]
+        if any(counts):
+            table.add_row(verdict, *(f"{n:,}" for n in counts))
+    for key, label in (("turns_served_by_device", "turns served by D"),
+                       ("turns_served_by_host", "turns served by the host tier"),
+                       ("tokens_served_by_device", "tokens served by D"),
+                       ("tokens_served_by_host", "tokens served by the host tier")):
+        table.add_row(label, *(f"{c[key]:,}" for c in columns.values()))
+    for key, label in (("device_block_seconds", "D block-s held"),
+                       ("device_gib_hours", "D GiB-h held"),
+                       ("host_byte_seconds", "host byte-s held"),
+                       ("host_gib_hours", "host GiB-h held")):
+        table.add_row(label, *(_num(c.get(key)) if "block" in key or "byte" in key
+                               else _gib(c.get(key)) for c in columns.values()))
+    out.print(table)
+    out.print(f"bytes per token {_num(result.bytes_per_token)}, tokens per D block "
+              f"{_num(result.tokens_per_block)}; host-tier evictions "
+              f"{result.host_evictions}", highlight=False)
+    sys.exit(EXIT_OK)
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value:,.4g}"
 
 
 def _pct(value) -> str:

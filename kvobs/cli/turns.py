@@ -55,15 +55,23 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
         from rich.table import Table
 
         table = Table()
-        for header in ("conversation", "turn", "verdict", "N", "M", "read", "TTFT",
+        for header in ("conversation", "turn", "verdict", "N", "M", "read", "host", "TTFT",
                        "latency", "slowest", "cause"):
             table.add_column(header)
         for row in rows:
             cause = row["causes"][0]["cause"] if row["causes"] else None
+            evidence = row["evidence"]
+            # An engine with only the offloading connector has no P decision: its host
+            # lookup names the prompt, and the host column what the tiers served.
+            prompt = row["prompt_tokens"]
+            if prompt is None:
+                prompt = evidence.get("host_lookup_prompt_tokens")
+            host = evidence.get("host_accepted_tokens")
             table.add_row(row["conversation_id"], str(row["turn"]), row["verdict"],
-                          str(row["prompt_tokens"]), str(row["candidate_tokens"]),
-                          str(row["read_outcome"]), duration(row["ttft_s"]),
-                          duration(row["latency_s"]), str(row["slowest_phase"]), str(cause))
+                          str(prompt), str(row["candidate_tokens"]),
+                          str(row["read_outcome"]), "-" if host is None else f"{host} tok",
+                          duration(row["ttft_s"]), duration(row["latency_s"]),
+                          str(row["slowest_phase"]), str(cause))
         out.print(table)
     print_source_problems(span_source.problems, machine_readable=fmt != "table")
     sys.exit(fleet_exit_status([t.finding.verdict for t in items], fail_on))

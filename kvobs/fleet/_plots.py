@@ -235,7 +235,10 @@ def read_time_vs_tokens(turns: pd.DataFrame, prefill_tokens_per_s: float | None,
         axis.plot(xs, xs / prefill_tokens_per_s, color="black",
                   label=f"recompute M/p (p = {prefill_tokens_per_s:,.0f} tokens/s)")
     axis.set_xlabel("tokens read (M)")
-    axis.set_ylabel("read time (s, log scale)")
-    axis.set_yscale("log")
+    if (seconds > 0).any():  # a fleet without D reads (host path only) has no log axis
+        axis.set_ylabel("read time (s, log scale)")
+        axis.set_yscale("log")
+    else:
+        axis.set_ylabel("read time (s): no reads")
     axis.legend()
     return figure

@@ -23,6 +23,7 @@ from kvobs.render import byte_size, duration, fault_count, total_seconds
 from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
 from kvobs.settings import DECLINE_WINDOW
 from kvobs.timeline import MARKS, PHASES
+from kvobs.verdicts import ORDER, meaning
 
 # Healthy verdicts in greens (turn 1 neutral), faults in warm colours, missing evidence
 # in light grey.
@@ -32,10 +33,17 @@ VERDICT_COLOURS = {
     Verdict.EXPIRED.value: "#f59e0b", Verdict.MISSING_METADATA.value: "#dc2626",
     Verdict.PREFIX_MISMATCH.value: "#9333ea", Verdict.TRANSFER_FAILED.value: "#7f1d1d",
     Verdict.SLOW_TRANSFER.value: "#fb923c", Verdict.MISS.value: "#e11d48",
+    # The host path: its hit in teal, its faults in browns and pinks.
+    Verdict.HOST_HIT.value: "#0d9488", Verdict.HOST_EVICTED.value: "#b45309",
+    Verdict.HOST_SAVE_INCOMPLETE.value: "#a16207",
+    Verdict.HOST_COPY_LACKS_RESPONSE.value: "#db2777",
     Verdict.INSUFFICIENT_EVIDENCE.value: "#d4d4d8"}
 _DARK_TEXT = frozenset({Verdict.LOCAL_HIT.value, Verdict.BELOW_THRESHOLD.value,
                         Verdict.EXPIRED.value, Verdict.SLOW_TRANSFER.value,
                         Verdict.INSUFFICIENT_EVIDENCE.value})
+# The legend's note per verdict: what it means (its rule's title, docs/verdicts.md).
+VERDICT_NOTES = {rule.VERDICT.value: meaning(rule) for rule in ORDER}
+VERDICT_NOTES[Verdict.INSUFFICIENT_EVIDENCE.value] = "a span a rule needed is missing"
 # Inter-turn gap bins (s); D's TTL joins them so that "past the TTL" is a bin edge.
 GAP_EDGES_S = (10, 30, 60, 120, 300, 600, 1800, 3600)
 # Phase -> "from mark -> to mark" (docs/timeline.md says where each mark comes from).
@@ -78,6 +86,9 @@ METRICS: list[Column] = [
     ("faults", "Faults", str),
     ("bytes_read", "KV read (bytes)", byte_size),
     ("reused_tokens", "Tokens reused", count),
+    ("host_hit_ratio", "Host hits", percent),
+    ("host_bytes_loaded", "KV loaded from the host tier (bytes)", byte_size),
+    ("host_reused_tokens", "Tokens from the host tier", count),
     ("recomputed_tokens", "Tokens recomputed", count),
     ("ttft_p50_s", "TTFT p50", _seconds),
     ("ttft_p95_s", "TTFT p95", _seconds),
@@ -131,7 +142,8 @@ def _verdict_mix(report: FleetReport) -> str:
     by_prompt = [(f"{row['prompt_bucket']} tokens", row["verdicts"]) for row in _ordered(
         report.by_prompt, "prompt_bucket", sc.PROMPT_BUCKET_VALUES)]
     present = [v for v in VERDICTS if any(mix.get(v) for _, mix in scopes)]
-    notes = {v.value: "healthy" for v in HEALTHY_VERDICTS}
+    healthy = {v.value for v in HEALTHY_VERDICTS}
+    notes = {v: ("healthy: " if v in healthy else "") + VERDICT_NOTES[v] for v in present}
     return "".join([
         legend(present, VERDICT_COLOURS, notes),
         "<h3>Turn 1 and later turns, later turns by turn index</h3>",
@@ -237,6 +249,9 @@ def _cards(report: FleetReport) -> str:
                                  f"{_seconds(later['latency_p95_s'])}", "p50 / p95"),
         ("KV read from D", byte_size(later["bytes_read"]),
          f"{later['reused_tokens']:,} tokens reused"),
+        ("KV loaded from the host tier", byte_size(later["host_bytes_loaded"]),
+         f"{later['host_reused_tokens']:,} tokens, {later['host_path_turns']:,} "
+         "turns judged by the host path"),
         ("D memory never read", percent(never), "share of block-seconds held"),
         ("Insufficient evidence", f"{insufficient:,}", "turns with spans missing"),
     ]

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvobs import columns as col
 from kvobs import semconv as sc
-from kvobs.fleet.retention import retention
+from kvobs.fleet.retention import host_tokens_served, retention
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.turn_columns import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
@@ -29,10 +30,17 @@ def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
     turns, _, rate = add_timeline(turns, prefill_tokens_per_s)
     turns["verdict"] = classify_frame(turns, rate, read_slo_s).to_numpy()
     turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
-    prompt = turns["prompt_tokens"].astype("Float64").fillna(-1).to_numpy(np.int64)
+    prompt = np.nan_to_num(prompt_tokens(turns), nan=-1).astype(np.int64)
     labels = _buckets(pd.Series(prompt), sc.prompt_bucket, sc.PROMPT_BUCKET_VALUES)
     turns["prompt_bucket"] = labels.where(prompt >= 0).to_numpy()
     return turns, rate
+
+
+def prompt_tokens(turns: pd.DataFrame) -> np.ndarray:
+    """Per turn, its prompt length: P's pull decision's, else (an engine with only the
+    offloading connector: no P) its host lookup's; NaN when neither says."""
+    return np.where(col.present(turns, "prompt_tokens"), col.num(turns, "prompt_tokens"),
+                    col.num(turns, "host_lookup_prompt_tokens"))
 
 
 def _buckets(values: pd.Series, label, order) -> pd.Series:
@@ -47,6 +55,12 @@ def _buckets(values: pd.Series, label, order) -> pd.Series:
 
 METRIC_COLUMNS = ["verdict", "read_outcome", "read_bytes", "candidate_tokens",
                   "recomputed_tokens", "ttft_s", "latency_s"]
+# The host path's (kvobs.host.* spans); a turn table of an older kvobs may lack them.
+HOST_METRIC_COLUMNS = ["host_load_bytes", "host_hit_host_tokens", "host_hit_p2p_tokens"]
+# Verdicts of the host path, counted apart in each scope's ``host_hit_ratio``.
+HOST_VERDICTS = [v.value for v in (Verdict.HOST_HIT, Verdict.HOST_EVICTED,
+                                   Verdict.HOST_SAVE_INCOMPLETE,
+                                   Verdict.HOST_COPY_LACKS_RESPONSE)]
 
 
 def _metrics(group: pd.DataFrame) -> dict[str, Any]:
@@ -62,6 +76,11 @@ def _metrics(group: pd.DataFrame) -> dict[str, Any]:
         "bytes_read": int(group.loc[done, "read_bytes"].astype(float).sum()),
         "reused_tokens": int(group.loc[done, "candidate_tokens"].astype(float).sum()),
         "recomputed_tokens": int(group["recomputed_tokens"].astype(float).sum()),
+        # The host path: what the offloading tiers served (docs/host_copy.md).
+        "host_hit_ratio": float(counts.get(Verdict.HOST_HIT.value, 0) / n) if n else None,
+        "host_path_turns": int(sum(counts.get(v, 0) for v in HOST_VERDICTS)),
+        "host_bytes_loaded": int(np.nansum(col.num(group, "host_load_bytes"))),
+        "host_reused_tokens": int(host_tokens_served(group).sum()),
         # TTFT and latency apart: a turn can be slow after its first token (decode).
         "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p95_s": _quantile(ttft, 0.95),
         "ttft_unmeasured_turns": int(ttft.isna().sum()),
@@ -218,7 +237,8 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
         labelled = labelled[(labelled["turn_start_ns"] >= cutoff).fillna(False)]
     # The grouped metrics read a few columns: slicing those only keeps the per-group
     # copies small (a million turns, ~40 columns).
-    measured = labelled[["turn", "turn_bucket", "prompt_bucket", *METRIC_COLUMNS]]
+    measured = labelled[["turn", "turn_bucket", "prompt_bucket", *METRIC_COLUMNS,
+                         *(c for c in HOST_METRIC_COLUMNS if c in labelled)]]
     first = measured["turn"] == 1
     later = measured[~first]
 

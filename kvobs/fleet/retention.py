@@ -42,6 +42,12 @@ def bytes_per_block(turns: pd.DataFrame) -> float | None:
     return float(np.median(per_block)) if len(per_block) else None
 
 
+def host_tokens_served(turns: pd.DataFrame) -> np.ndarray:
+    """Per turn, the prompt tokens the offloading tiers (host, p2p) served it."""
+    return (np.nan_to_num(_numbers(turns, "host_hit_host_tokens"))
+            + np.nan_to_num(_numbers(turns, "host_hit_p2p_tokens")))
+
+
 def per_turn(turns: pd.DataFrame) -> pd.DataFrame:
     """Per turn: its retention costs and what the KV it reused was worth, by place.
 
@@ -49,8 +55,7 @@ def per_turn(turns: pd.DataFrame) -> pd.DataFrame:
     read); ``host_tokens_served``: tokens it took from the offloading tiers (host, p2p).
     A turn's reuse is bought by the previous turn's retention."""
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
-    host_served = (np.nan_to_num(_numbers(turns, "host_hit_host_tokens"))
-                   + np.nan_to_num(_numbers(turns, "host_hit_p2p_tokens")))
+    host_served = host_tokens_served(turns)
     return pd.DataFrame({
         **{key: turns[key].array for key in CONVERSATION_KEYS},  # positional, typed
         DEVICE_BLOCK_SECONDS.name: _numbers(turns, DEVICE_BLOCK_SECONDS.name),

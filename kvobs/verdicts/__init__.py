@@ -11,19 +11,21 @@ giving the finding (evidence and remedy) for a turn it decided.
 Order, and why:
  1. first-turn        nothing earlier exists, whatever else happened
  2. host-evicted      host path: the copy asked about was evicted while the turn waited
- 3. host-copy-lacks-response  host path: the copy ended at the prompt, R never saved
- 4. host-hit          host path: an offloading tier served part of the prompt
- 5. missing-metadata  without params nothing below can apply
- 6. prefix-mismatch   guards refused the old KV; expiry would not have mattered
- 7. expired           params valid but D's blocks gone or declined
- 8. transfer-failed   the read itself broke (or never came)
- 9. below-threshold   P chose not to read, by design
-10. local-hit         P did not need to read
-11. slow-transfer     the read worked but did not pay off
-12. remote-hit        the read worked and paid off
-13. miss              params valid, nothing reused, nothing above explains it
+ 3. host-save-incomplete  host path: the tier refused part of the copy when it was saved
+                      (before lacks-response: a refused tail also ends the copy early)
+ 4. host-copy-lacks-response  host path: the copy ended at the prompt, R never saved
+ 5. host-hit          host path: an offloading tier served part of the prompt
+ 6. missing-metadata  without params nothing below can apply
+ 7. prefix-mismatch   guards refused the old KV; expiry would not have mattered
+ 8. expired           params valid but D's blocks gone or declined
+ 9. transfer-failed   the read itself broke (or never came)
+10. below-threshold   P chose not to read, by design
+11. local-hit         P did not need to read
+12. slow-transfer     the read worked but did not pay off
+13. remote-hit        the read worked and paid off
+14. miss              params valid, nothing reused, nothing above explains it
 
-Host-path rules (2-4) apply only to later turns looked up in an offloading tier that D's
+Host-path rules (2-5) apply only to later turns looked up in an offloading tier that D's
 retained KV did not serve (``verdicts/_host.py``): a turn D's KV served keeps its verdict.
 """
 
@@ -39,23 +41,31 @@ import numpy as np
 from kvobs import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lacks_response,
-                            host_evicted, host_hit, local_hit, miss, missing_metadata,
-                            prefix_mismatch, remote_hit, slow_transfer, transfer_failed)
+                            host_evicted, host_hit, host_save_incomplete, local_hit, miss,
+                            missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
+                            transfer_failed)
 from kvobs.verdicts._base import Context, Finding, Turn
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
-           "INSUFFICIENT_REMEDY"]
+           "INSUFFICIENT_REMEDY", "meaning"]
 
 # The host-path rules apply only to turns looked up in an offloading tier that D's
 # retained KV did not serve (verdicts/_host.py); they come before missing-metadata because
 # a host-only engine has no proxy params to miss.
-ORDER: tuple[ModuleType, ...] = (first_turn, host_evicted, host_copy_lacks_response,
-                                 host_hit, missing_metadata, prefix_mismatch, expired,
-                                 transfer_failed, below_threshold, local_hit, slow_transfer,
-                                 remote_hit, miss)
+ORDER: tuple[ModuleType, ...] = (first_turn, host_evicted, host_save_incomplete,
+                                 host_copy_lacks_response, host_hit, missing_metadata,
+                                 prefix_mismatch, expired, transfer_failed, below_threshold,
+                                 local_hit, slow_transfer, remote_hit, miss)
+
+def meaning(rule: ModuleType) -> str:
+    """A rule's one-line meaning: its docstring's title, less the verdict's name (the
+    verdict guide's heading; the fleet views' legend)."""
+    title = (rule.__doc__ or "").strip().partition("\n")[0]
+    return title.removeprefix(f"{rule.VERDICT.value}:").strip()
+
 
 INSUFFICIENT_REMEDY = ("Spans missing: check that the named component runs with kvobs "
                        "telemetry on and exports to this source.")

@@ -319,3 +319,29 @@ def test_wrapped_manager_passes_on_what_the_tiering_manager_adds(spans):
     assert calls == [("lookup", 1), ("lookup", None), ("finished", 1)]
     assert observer._wanted_evicted == {"mine"}
     assert observer.guard.errors == 0
+
+
+def test_refused_save_diagnosed_on_the_next_turn(make, spans, tmp_path):
+    """The spans the connector emits when the tier has no room for turn 1 (2 chunks, 4
+    blocks to store: vLLM's manager refuses the store), read back by kvobs: turn 2 found
+    nothing in the tier and is host-save-incomplete, with the refused blocks as evidence.
+    (The testbed's engines cannot refuse: their tier holds 5x their KV cache.)"""
+    from kvobs.diagnose import diagnose
+    from kvobs.emit.otlp_json import spans_to_otlp_json
+    from kvobs.sources import open_source
+
+    scheduler = make(chunks=2)
+    prompt = list(range(100, 164))
+    run(scheduler, [h.make_request(prompt, params("refused", 1), max_tokens=1)])
+    assert scheduler.reset_prefix_cache()  # turn 2 must come from the tier, or recompute
+    run(scheduler, [h.make_request(prompt + list(range(300, 340)), params("refused", 2))])
+    live = tmp_path / sc.STORE_LIVE_DIR
+    live.mkdir()
+    (live / "connector.otlp.jsonl").write_text(spans_to_otlp_json(spans.spans()) + "\n")
+
+    first, second = diagnose(open_source(str(tmp_path)), "refused").turns
+    assert first.finding.verdict is sc.Verdict.FIRST_TURN
+    assert second.finding.verdict is sc.Verdict.HOST_SAVE_INCOMPLETE, second.finding
+    evidence = second.finding.evidence
+    assert evidence["prev_host_refused_blocks"] == 4
+    assert evidence["host_accepted_tokens"] == 0 and evidence["prev_host_saved_tokens"] == 0

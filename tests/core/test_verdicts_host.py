@@ -30,22 +30,22 @@ def _lookup(decode, corr, at_ns, prompt, local=0, accepted=0, tier="host"):
         at_ns, at_ns)
 
 
-def _save(decode, corr, at_ns, saved, prompt, output, covers, incomplete=False):
+def _save(decode, corr, at_ns, saved, prompt, output, covers, refused=0):
     emit(decode, sc.SPAN_HOST_SAVE, corr, {
         sc.REQUEST_ID.key: f"r{corr.turn}", sc.HOST_BLOCKS.key: saved // 16,
         sc.HOST_SAVED_TOKENS.key: saved, sc.HOST_BYTES.key: saved // 16 * 65536,
         sc.HOST_DURATION.key: 0.001, sc.HOST_COVERS_RESPONSE.key: covers,
-        sc.HOST_SAVE_INCOMPLETE.key: incomplete, sc.HOST_REFUSED_BLOCKS.key: 0,
+        sc.HOST_SAVE_INCOMPLETE.key: refused > 0, sc.HOST_REFUSED_BLOCKS.key: refused,
         sc.HOST_PROMPT_TOKENS.key: prompt, sc.HOST_OUTPUT_TOKENS.key: output,
         sc.HOST_COPY_ENGINE.key: sc.CopyEngine.HOST_MEMCPY.value}, at_ns, at_ns + S // 100)
 
 
 def write(tracers, cid, *, saved=80, covers=True, accepted=80, evict_at_s=None,
-          load=True, prompt2=140, tier="host"):
+          load=True, prompt2=140, tier="host", refused=0):
     decode = tracers[sc.Service.DECODE]
     first, second = Correlation(cid, 1), Correlation(cid, 2)
     _lookup(decode, first, T0, 60)
-    _save(decode, first, T0 + S, saved, 60, 21, covers)
+    _save(decode, first, T0 + S, saved, 60, 21, covers, refused)
     if evict_at_s is not None:
         emit(decode, sc.SPAN_HOST_EVICT, first, {
             sc.HOST_BLOCKS.key: saved // 16, sc.HOST_EVICTED_BY.key: "filler",
@@ -72,17 +72,34 @@ CASES = {
     "evicted-later": (dict(evict_at_s=12), Verdict.HOST_HIT),
     # a prompt-only copy but the turn reused past the prompt (its own local prefix)
     "prompt-only-but-hit": (dict(saved=48, covers=False, accepted=80), Verdict.HOST_HIT),
+    # the tier refused all 5 blocks of turn 1 (no room): nothing to load
+    "save-refused": (dict(saved=0, covers=False, accepted=0, refused=5),
+                     Verdict.HOST_SAVE_INCOMPLETE),
+    # it refused the response's block: the copy ends at the prompt, yet not by
+    # offload_prompt_only, so not host-copy-lacks-response
+    "save-refused-tail": (dict(saved=48, covers=False, accepted=48, refused=2),
+                          Verdict.HOST_SAVE_INCOMPLETE),
+    # a refusal that a retry made good, or reuse past it: the turn lost nothing
+    "save-refused-but-reused": (dict(saved=80, accepted=96, refused=1), Verdict.HOST_HIT),
+    # evicted after an incomplete save: the eviction is the stronger fact
+    "save-refused-then-evicted": (dict(saved=48, covers=False, accepted=0, refused=2,
+                                       evict_at_s=5), Verdict.HOST_EVICTED),
 }
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("host-store"))
+def write_cases(path: str) -> str:
+    """Every case's conversation in a store at ``path`` (the fleet views' tests read
+    them too)."""
     tracers = Tracers(path)
     for name, (kwargs, _) in CASES.items():
         write(tracers, name, **kwargs)
     tracers.flush()
-    return open_source(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return open_source(write_cases(str(tmp_path_factory.mktemp("host-store"))))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -124,3 +141,13 @@ def test_lacks_response_remedy(store):
     assert finding.evidence["prev_host_save_output_tokens"] == 21
     assert finding.evidence["prev_host_covers_response"] is False
     assert "offload_prompt_only: false" in finding.remedy
+
+
+def test_save_incomplete_evidence_and_remedy(store):
+    finding = diagnose(store, "save-refused-tail").turns[1].finding
+    assert finding.evidence["prev_host_save_incomplete"] is True
+    assert finding.evidence["prev_host_refused_blocks"] == 2
+    assert finding.evidence["prev_host_saved_tokens"] == 48
+    assert finding.evidence["host_accepted_tokens"] == 48
+    assert "refused 2 blocks" in finding.remedy and "cpu_bytes_to_use" in finding.remedy
+    assert "reused 48" in finding.remedy

@@ -16,8 +16,8 @@ from kvobs.cli import report as report_cli
     (100, ["turns", "prompt", "n", "remote-hit", "faults", "TTFT p50", "TTFT p95",
            "latency p50", "latency p95"]),
     (200, ["turns", "prompt", "n", "remote-hit", "faults", "TTFT p50", "TTFT p95",
-           "latency p50", "latency p95", "bytes read", "reused tok", "recomputed tok",
-           "no TTFT"])])
+           "latency p50", "latency p95", "bytes read", "reused tok", "host-hit", "host tok",
+           "recomputed tok", "no TTFT"])])
 def test_report_table_fits_the_terminal(synthetic_store, monkeypatch, width, headers):
     monkeypatch.setattr(report_cli, "console",
                         lambda: Console(width=width, color_system=None))

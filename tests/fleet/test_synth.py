@@ -31,7 +31,7 @@ def test_store_layout_one_file_per_bucket_sorted(synthetic_store, synthetic_conf
 HOST_SPANS = {s.name for s in (sc.SPAN_HOST_LOOKUP, sc.SPAN_HOST_LOAD, sc.SPAN_HOST_SAVE,
                                sc.SPAN_HOST_EVICT)}
 HOST_VERDICTS = {sc.Verdict.HOST_HIT, sc.Verdict.HOST_EVICTED,
-                 sc.Verdict.HOST_COPY_LACKS_RESPONSE}
+                 sc.Verdict.HOST_SAVE_INCOMPLETE, sc.Verdict.HOST_COPY_LACKS_RESPONSE}
 
 
 def test_names_are_synthetic_and_from_semconv(synthetic_store):

@@ -24,7 +24,8 @@ import pytest
 
 from kvobs import semconv as sc
 from kvobs._net import free_ports
-from kvobs.testbed.engines import EngineSpec, SERVED_MODEL_NAME, start_engine, wait_ready
+from kvobs.testbed.engines import (EngineSpec, SERVED_MODEL_NAME, host_copy_config,
+                                   start_engine, wait_ready)
 from kvobs.testbed.model import build_tiny_model, safe_token_ids
 from kvobs.testbed.stack import MODEL_SIZE
 
@@ -66,14 +67,8 @@ def _spans(store: Path) -> list[tuple[str, dict]]:
 
 def _host_engine(out: Path, role_core: int, name: str, prompt_only: bool):
     port, side = free_ports(2)
-    cfg = {"kv_connector": "KvobsOffloadingConnector",
-           "kv_connector_module_path": "connector_instrumented.offloading",
-           "kv_role": "kv_both",
-           "kv_connector_extra_config": {
-               "spec_name": "KvobsHostCopySpec",
-               "spec_module_path": "connector_instrumented.host_copy",
-               "cpu_bytes_to_use": HOST_BYTES, "offload_prompt_only": prompt_only,
-               "kvobs_role": "decode", "kvobs_store": str(out / name / "store")}}
+    cfg = host_copy_config(HOST_BYTES, prompt_only=prompt_only, extra_config={
+        "kvobs_role": "decode", "kvobs_store": str(out / name / "store")})
     return start_engine(EngineSpec("decode", port, side, role_core, name), MODEL, out / name,
                         kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
 
@@ -266,3 +261,57 @@ def test_the_host_row_reads_the_real_engines(engines, prometheus):
     empty = [r.name for r in host if r.status == "empty"
              and "saves_incomplete" not in r.expr]
     assert empty == []
+
+
+def test_whatif_placement_on_the_recorded_turns(engine):
+    """``kvobs whatif --placement`` on the real engine's spans (after the turns above):
+    for the same later turns, device vs host retention cost and reuse. Recorded: one
+    host-hit, one host-evicted. Kept on D instead (gaps far below D's TTL): both read.
+    In the host tier with no gate: the hit again, the eviction as recorded; under the
+    default gate (2,048 tokens, more than these prompts) the tier serves none."""
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+    from kvobs.settings import MIN_CACHED_TOKEN_DELTA
+
+    _, store = engine
+    runner = CliRunner()
+
+    def placement(*args):
+        result = runner.invoke(main, ["whatif", "-s", str(store), "--placement", "--json",
+                                      *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    ungated = placement("--min-cached-token-delta", "0")
+    gated = placement()
+    assert gated["min_cached_token_delta"] == MIN_CACHED_TOKEN_DELTA.default
+    recorded, device, host = (ungated["recorded"], ungated["places"]["device"],
+                              ungated["places"]["host"])
+    assert ungated["later_turns"] == 2
+    assert recorded["verdicts"] == {"host-evicted": 1, "host-hit": 1}
+    saves = [a for n, a in _spans(store) if n == sc.SPAN_HOST_SAVE.name
+             and a.get(sc.CONVERSATION_ID.key) == "host-copy-1"
+             and int(a[sc.TURN_INDEX.key]) == 1]
+    (save,) = saves
+    per_token = int(save[sc.HOST_BYTES.key]) / int(save[sc.HOST_SAVED_TOKENS.key])
+    assert ungated["bytes_per_token"] == pytest.approx(per_token)
+
+    assert device["verdicts"] == {"remote-hit": 2} and device["turns_served_by_device"] == 2
+    assert device["host_byte_seconds"] == 0 and device["device_block_seconds"] > 0
+    assert host["verdicts"] == {"host-evicted": 1, "host-hit": 1}
+    assert host["turns_served_by_host"] == 1 and host["device_block_seconds"] == 0
+    # the what-if copy is the previous turn whole; the recorded one ended at its last
+    # full block: the same turn, at most a block more
+    block = ungated["tokens_per_block"]
+    served = host["tokens_served_by_host"]
+    assert recorded["tokens_served_by_host"] <= served <= recorded["tokens_served_by_host"] + block
+    assert 0 < host["host_byte_seconds"] < device["device_byte_seconds"]
+    both = ungated["places"]["both"]
+    assert both["turns_served_by_device"] == 2 and both["turns_served_by_host"] == 0
+    assert gated["places"]["host"]["turns_served_by_host"] == 0
+    assert gated["places"]["host"]["verdicts"] == {"below-threshold": 1, "host-evicted": 1}
+    table = runner.invoke(main, ["whatif", "-s", str(store), "--placement",
+                                 "--min-cached-token-delta", "0"], terminal_width=120)
+    assert table.exit_code == 0 and "keep on host" in table.output
+    print(table.output)  # the figures, in the test log (pytest -s)
