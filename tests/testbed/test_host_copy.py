@@ -7,7 +7,8 @@ saved in host memory, filler prompts push its blocks out of the engine's cache (
 more of them, out of the host tier), then turn 2 resends it: host-hit (checked against
 vLLM's own counters and a recompute of the same prompt, ``cache_salt``: other block
 hashes), host-evicted, host-copy-lacks-response, each diagnosed from the engines' spans.
-~1 min on the 2-core box, mostly engine start-up.
+host-save-incomplete comes from a third engine whose tier is smaller than one prompt.
+~1.5 min on the 2-core box, mostly engine start-up.
 """
 
 from __future__ import annotations
@@ -315,3 +316,57 @@ def test_whatif_placement_on_the_recorded_turns(engine):
                                  "--min-cached-token-delta", "0"], terminal_width=120)
     assert table.exit_code == 0 and "keep on host" in table.output
     print(table.output)  # the figures, in the test log (pytest -s)
+
+
+TINY_TIER_BYTES = 4 * 128 * 2048  # 4 blocks of this model: less than one turn's prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_tier(tmp_path_factory):
+    """A third engine whose host tier holds 4 blocks: every save of a 5-block prompt
+    finds no room (nothing in the tier to evict) and vLLM's manager refuses it."""
+    out = tmp_path_factory.mktemp("host-copy-tiny")
+    eng = None
+    try:
+        port, side = free_ports(2)
+        cfg = host_copy_config(TINY_TIER_BYTES, extra_config={
+            "kvobs_role": "decode", "kvobs_store": str(out / "store")})
+        eng = start_engine(EngineSpec("decode", port, side, 0, "kvobs-tiny"), MODEL, out,
+                           kv_config=cfg, kv_cache_bytes=KV_CACHE_BYTES, max_model_len=2048)
+        wait_ready([eng], 300)
+        yield eng, out / "store"
+    finally:
+        if eng is not None:
+            eng.stop()
+
+
+def _allocation_failures(metrics: str) -> float:
+    name = "vllm:kv_offload_allocation_failure"  # vLLM's own count of refused stores
+    return max(_counter(metrics, name), _counter(metrics, name + "_total"))
+
+
+def test_refused_save_is_host_save_incomplete(tiny_tier):
+    """The tier refuses turn 1's copy (vLLM counts the refusals and logs "cannot store
+    chunks"); the save span says incomplete with the refused blocks, and turn 2, which
+    finds no copy to reuse, is host-save-incomplete, not a prompt-only copy."""
+    eng, store = tiny_tier
+    cid = "host-copy-refused"
+    before = eng.metrics()
+    _two_turns(eng, cid, fillers=3, seed=14)
+    after = eng.metrics()
+    assert _allocation_failures(after) > _allocation_failures(before)
+    assert _counter(after, sc.M_HOST_SAVE_INCOMPLETE.name) >= 1  # kvobs's count agrees
+    _, mine = _conversation_spans(store, cid, {(sc.SPAN_HOST_SAVE.name, 1),
+                                               (sc.SPAN_HOST_LOOKUP.name, 2)})
+    (save,) = [a for n, a in mine if n == sc.SPAN_HOST_SAVE.name
+               and int(a[sc.TURN_INDEX.key]) == 1]
+    assert save[sc.HOST_SAVE_INCOMPLETE.key] is True
+    assert int(save[sc.HOST_REFUSED_BLOCKS.key]) >= 5
+
+    from kvobs.diagnose import diagnose
+    from kvobs.sources import open_source
+
+    first, second = diagnose(open_source(str(store)), cid).turns
+    assert first.finding.verdict is sc.Verdict.FIRST_TURN
+    assert second.finding.verdict is sc.Verdict.HOST_SAVE_INCOMPLETE, second.finding
+    assert second.finding.evidence["prev_host_refused_blocks"] >= 5
