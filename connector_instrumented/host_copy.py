@@ -165,15 +165,20 @@ def _pages(rows: torch.Tensor, blocks_per_chunk: int) -> torch.Tensor:
                            rows.storage_offset())
 
 
-class KvobsHostCopySpec(CPUOffloadingSpec):
-    """``CPUOffloadingSpec`` (manager, sizing, metrics) with ``HostCopyWorker`` copies."""
+class _WholePageCopies:
+    """What both kvobs specs share: their ``HostCopyWorker`` copies whole engine pages,
+    so they refuse vLLM's canonical layout at start-up instead of copying it wrongly."""
 
     def __init__(self, config):
         super().__init__(config)
         if getattr(config, "canonical_layout", False):
-            raise ValueError("KvobsHostCopySpec copies whole engine pages; the canonical "
-                             "(parallelism-free) layout is not supported")
+            raise ValueError(f"{type(self).__name__} copies whole engine pages; the "
+                             "canonical (parallelism-free) layout is not supported")
         self._host_worker: HostCopyWorker | None = None
+
+
+class KvobsHostCopySpec(_WholePageCopies, CPUOffloadingSpec):
+    """``CPUOffloadingSpec`` (manager, sizing, metrics) with ``HostCopyWorker`` copies."""
 
     def _uses_shared_region(self) -> bool:
         return False  # private host tensors, no shared mmap region to pin
@@ -185,16 +190,9 @@ class KvobsHostCopySpec(CPUOffloadingSpec):
         return self._host_worker
 
 
-class KvobsTieringHostCopySpec(TieringOffloadingSpec):
+class KvobsTieringHostCopySpec(_WholePageCopies, TieringOffloadingSpec):
     """``TieringOffloadingSpec`` (host primary tier in a shared region, secondary tiers
     such as p2p, their metrics) with ``HostCopyWorker`` copies into that region."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        if getattr(config, "canonical_layout", False):
-            raise ValueError("KvobsTieringHostCopySpec copies whole engine pages; the "
-                             "canonical (parallelism-free) layout is not supported")
-        self._host_worker: HostCopyWorker | None = None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyWorker:
         if self._host_worker is None:
