@@ -87,9 +87,20 @@ MIN_CACHED_TOKEN_DELTA = Setting(
     "value of llm-d's calibration guide.",
     ("`kvobs whatif --placement --min-cached-token-delta`",))
 
+SLOW_TRANSFER_FACTOR = Setting(
+    "slow_transfer_factor", 2.0, "x", "kvobs (the slow-transfer verdict)",
+    "A read that succeeded is slow-transfer when it took more than this many times the "
+    "recompute estimate (its tokens at P's measured compute rate). The rate is a median "
+    "of per-turn rates that spread about fourfold on a busy engine (1,451 to 6,936 "
+    "tokens/s in one CI demo run), so a read within twice the estimate is inside that "
+    "spread: a remote-hit, whose `ttft_gained_s` says what it gained or lost.",
+    ("evidence key `slow_transfer_factor` of a slow-transfer finding",
+     "`kvobs.verdicts.Context.slow_transfer_factor`"))
+
 SETTINGS: tuple[Setting, ...] = (DECODE_TTL, RECOMPUTE_THRESHOLD, DECLINE_WINDOW,
                                  PROXY_EXPIRY_MARGIN, PROXY_ENTRY_LIFETIME,
-                                 UPSTREAM_ENTRY_LIFETIME, MIN_CACHED_TOKEN_DELTA)
+                                 UPSTREAM_ENTRY_LIFETIME, MIN_CACHED_TOKEN_DELTA,
+                                 SLOW_TRANSFER_FACTOR)
 
 
 def entry_lifetime_s(ttl_s, expiry_margin_s: float = PROXY_EXPIRY_MARGIN.default):

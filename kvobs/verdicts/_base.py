@@ -12,6 +12,7 @@ import numpy as np
 
 from kvobs import semconv as sc
 from kvobs.semconv import Verdict
+from kvobs.settings import SLOW_TRANSFER_FACTOR
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Context:
 
     prefill_tokens_per_s: float | None = None  # measured P compute rate
     read_slo_s: float | None = None  # optional read-latency SLO
+    slow_transfer_factor: float = SLOW_TRANSFER_FACTOR.default
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """slow-transfer: the read succeeded but cost more than recomputing would have.
 
-What it means: read time exceeded ``M / prefill rate`` (the rate measured from this
-source's turns that computed without reading), or broke the read-latency SLO.
+What it means: read time exceeded ``slow_transfer_factor x M / prefill rate`` (the rate
+measured from the diagnosed turns that computed without reading; the factor keeps the
+rate's own spread from turning a break-even read into a fault), or broke the read-latency
+SLO.
 What to do: check the P<->D link (``vllm:kvobs_remote_read_duration_seconds``); raise
 ``kv_recompute_threshold`` to the break-even point ``kvobs tune`` reports.
 """
@@ -35,7 +37,8 @@ def recompute_estimate_s(turns, context: Context) -> np.ndarray:
 
 def applies(turns, context: Context):
     duration = col.num(turns, "read_duration_s")
-    slower = duration > recompute_estimate_s(turns, context)  # NaN compares False
+    # NaN compares False: no estimate, no "slower".
+    slower = duration > context.slow_transfer_factor * recompute_estimate_s(turns, context)
     over_slo = (duration > context.read_slo_s if context.read_slo_s is not None
                 else col.none(turns))
     return _done(turns) & (slower | over_slo)
@@ -47,7 +50,8 @@ def explain(turn: Turn, context: Context) -> Finding:
                 if tokens and context.prefill_tokens_per_s else None)
     evidence = turn.pick("read_span_id", "read_duration_s", "read_bytes", "candidate_tokens")
     evidence.update(recompute_estimate_s=estimate, read_slo_s=context.read_slo_s,
-                    prefill_tokens_per_s=context.prefill_tokens_per_s)
+                    prefill_tokens_per_s=context.prefill_tokens_per_s,
+                    slow_transfer_factor=context.slow_transfer_factor)
     return Finding(VERDICT, "Read cost more than recomputing: check the P<->D link; raise "
                             "kv_recompute_threshold to the break-even from `kvobs tune`.",
                    evidence)

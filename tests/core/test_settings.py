@@ -15,7 +15,7 @@ from kvobs import semconv as sc
 from kvobs import settings
 from kvobs.settings import (DECLINE_WINDOW, DECODE_TTL, MIN_CACHED_TOKEN_DELTA,
                             PROXY_ENTRY_LIFETIME, PROXY_EXPIRY_MARGIN, RECOMPUTE_THRESHOLD,
-                            UPSTREAM_ENTRY_LIFETIME)
+                            SLOW_TRANSFER_FACTOR, UPSTREAM_ENTRY_LIFETIME)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE = ("kvobs", "connector_instrumented")
@@ -34,6 +34,7 @@ NAMED = {
     PROXY_ENTRY_LIFETIME: r"lifetime|entry life",
     UPSTREAM_ENTRY_LIFETIME: r"upstream|fixed.entry.life|fixed_lifetime",
     MIN_CACHED_TOKEN_DELTA: r"min.?cached.?token.?delta",
+    SLOW_TRANSFER_FACTOR: r"slow.?transfer.?factor",
 }
 RETIRED = {PROXY_EXPIRY_MARGIN: (30,), PROXY_ENTRY_LIFETIME: (450,)}
 
@@ -123,6 +124,7 @@ def test_no_doc_states_a_default_other_than_the_settings_one():
      PROXY_EXPIRY_MARGIN),
     ('@click.option("--min-cached-token-delta", type=int, default=2048)',
      MIN_CACHED_TOKEN_DELTA),
+    ('    slow_transfer_factor: float = 2.0', SLOW_TRANSFER_FACTOR),
 ])
 def test_the_check_finds_the_strays_it_removed(line, setting, tmp_path, monkeypatch):
     """The lines this check replaced (kvobs before kvobs/settings.py) are what it finds."""

@@ -29,8 +29,10 @@ CASES = {
     "p-prefix": (TurnSpec(decision="prefix-mismatch"), Verdict.PREFIX_MISMATCH),
     "failed": (TurnSpec(read="failed", fallback="read-failed"), Verdict.TRANSFER_FAILED),
     "stuck": (TurnSpec(read=None, stuck=True), Verdict.TRANSFER_FAILED),
-    # 900 tokens at 1000/0.2 = 5000 tok/s recompute in 0.18 s; a 0.5 s read is slower.
+    # 900 tokens at 1000/0.2 = 5000 tok/s recompute in 0.18 s; a 0.5 s read is more than
+    # slow_transfer_factor (2) times slower; a 0.3 s read is slower, inside the rate's spread.
     "slow": (TurnSpec(read="done", read_duration_s=0.5), Verdict.SLOW_TRANSFER),
+    "break-even": (TurnSpec(read="done", read_duration_s=0.3), Verdict.REMOTE_HIT),
     "miss": (TurnSpec(decision="pull", read=None, extra={}), None),
     "no-decision-span": (TurnSpec(decision=None), Verdict.INSUFFICIENT_EVIDENCE),
     "no-lookup-span": (TurnSpec(lookup=None, decision=None), Verdict.INSUFFICIENT_EVIDENCE),
@@ -106,6 +108,23 @@ def test_slow_transfer_shows_arithmetic(store):
     second = diagnose(store, "slow").turns[1]
     assert second.finding.evidence["recompute_estimate_s"] == pytest.approx(900 / 5000)
     assert second.finding.evidence["read_duration_s"] == pytest.approx(0.5)
+
+
+def test_slow_transfer_factor_is_the_line(store):
+    """The same 0.3 s read of 900 tokens (estimate 0.18 s) is slow-transfer under a factor
+    below 0.3 / 0.18, a remote-hit above it: the factor decides, and the evidence says
+    which factor it was."""
+    from kvobs.correlate import turns_from_spans
+    from kvobs.verdicts import slow_transfer
+    from kvobs.verdicts._base import Context
+
+    turns = turns_from_spans(store.spans("break-even"))
+    second_turn = list(turns["turn"]).index(2)
+    slow = {factor: bool(slow_transfer.applies(turns, Context(5000.0, None, factor))[second_turn])
+            for factor in (1.5, 1.7)}
+    assert slow == {1.5: True, 1.7: False}
+    second = diagnose(store, "slow").turns[1]
+    assert second.finding.evidence["slow_transfer_factor"] == 2.0
 
 
 def test_read_slo_makes_a_fast_read_slow(store):
