@@ -16,7 +16,7 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["array", "strings", "scalar", "numbers", "booleans", "values"]
+__all__ = ["array", "strings", "scalar", "empty", "numbers", "booleans", "values"]
 
 _NUMPY_TYPES = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32,
                 pa.int64(): np.int64, pa.uint8(): np.uint8, pa.uint16(): np.uint16,
@@ -70,6 +70,11 @@ def scalar(value: Any, type: pa.DataType) -> pa.Scalar:
     if pa.types.is_string(type) or pa.types.is_large_string(type):
         return strings([value]).cast(type)[0]
     return array(np.array([value]), type)[0]
+
+
+def empty(schema: pa.Schema) -> pa.Table:
+    """A table of no rows (``Schema.empty_table`` imports pandas)."""
+    return pa.Table.from_batches([], schema=schema)
 
 
 def _one(values: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
-from kvobs.sources._frame import drop_duplicate_span_rows, table_from_frame
+from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._merge import sort_turns
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, turns_path, with_renamed_keys)
@@ -34,14 +34,13 @@ _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
 def _live_spans(live, columns: list[str]) -> pa.Table | None:
     if not os.path.isdir(live.location):
         return None
-    frame = live.spans()
-    if frame.empty:
+    table = live.span_table()
+    if table.num_rows == 0:
         return None
-    if needs_lineage(table_from_frame(frame)):  # id-less turns: conversations from chains
-        frame = lineage.link(frame)
+    if needs_lineage(table):  # id-less turns: conversations from chains
+        table = lineage.link_table(table)
     schema = store_schema()
-    return pa.Table.from_pandas(frame[columns], preserve_index=False).cast(
-        pa.schema([schema.field(c) for c in columns]))
+    return table.select(columns).cast(pa.schema([schema.field(c) for c in columns]))
 
 
 def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None,

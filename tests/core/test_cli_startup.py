@@ -100,6 +100,25 @@ def _without_chains(document):
     return document
 
 
+def _chainless_segment(path) -> str:
+    """The demo spans without prefix chains, as a store's live segment under ``path``."""
+    os.makedirs(path / "spans")
+    segment = str(path / "spans" / "seg.jsonl")
+    with open(DEMO_SPANS) as spans, open(segment, "w") as out:
+        for line in spans:
+            out.write(json.dumps(_without_chains(json.loads(line))) + "\n")
+    return segment
+
+
+def _diagnoses_happy_without_pandas(source: str) -> None:
+    modules, output, status = _imported("diagnose", "agent-happy", "--source", source,
+                                        "--json")
+    assert status == "0"
+    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
+        "first-turn", "remote-hit", "remote-hit"]
+    assert "pandas" not in _packages(modules)
+
+
 def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
     """One conversation of a compacted store is read, correlated, classified and printed
     without pandas (pyarrow imports it on a numpy conversion: kvobs.arrays avoids them;
@@ -107,14 +126,21 @@ def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
     Spans without prefix chains: linking by chains (kvobs.lineage) still loads it."""
     from kvobs.sources.store import compact
 
-    os.makedirs(tmp_path / "spans")
-    with open(DEMO_SPANS) as spans, open(tmp_path / "spans" / "seg.jsonl", "w") as out:
-        for line in spans:
-            out.write(json.dumps(_without_chains(json.loads(line))) + "\n")
+    _chainless_segment(tmp_path)
     compact(str(tmp_path), writers_stopped=True)
-    modules, output, status = _imported("diagnose", "agent-happy", "--source",
-                                        str(tmp_path), "--json")
-    assert status == "0"
-    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
-        "first-turn", "remote-hit", "remote-hit"]
-    assert "pandas" not in _packages(modules)
+    _diagnoses_happy_without_pandas(str(tmp_path))
+
+
+@pytest.mark.parametrize("source", ["span file", "live store", "compacted and live"])
+def test_diagnose_json_of_span_files_loads_no_pandas(tmp_path, source):
+    """Span files are read into the Arrow span table without pandas: a span file, a store
+    whose writers are running (live segments only), and one with live segments next to
+    compacted ones (a span in both read once)."""
+    from kvobs.sources.store import compact
+
+    segment = _chainless_segment(tmp_path)
+    if source == "compacted and live":
+        compact(str(tmp_path), writers_stopped=True)
+        _chainless_segment(tmp_path / "again")
+        os.replace(tmp_path / "again" / "spans" / "seg.jsonl", segment)
+    _diagnoses_happy_without_pandas(segment if source == "span file" else str(tmp_path))
