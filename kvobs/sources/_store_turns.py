@@ -38,7 +38,7 @@ def _live_spans(live, columns: list[str]) -> pa.Table | None:
     if table.num_rows == 0:
         return None
     if needs_lineage(table):  # id-less turns: conversations from chains
-        table = lineage.link_table(table)
+        table = lineage.link(table)
     schema = store_schema()
     return table.select(columns).cast(pa.schema([schema.field(c) for c in columns]))
 
