@@ -30,7 +30,7 @@ import pandas as pd  # noqa: E402
 from connector_instrumented import _digest  # noqa: E402
 from kvobs import lineage, semconv as sc  # noqa: E402
 from kvobs.correlate import turns_from_spans  # noqa: E402
-from kvobs.sources._frame import frame_from_rows  # noqa: E402
+from kvobs.sources._frame import frame_from_rows, table_from_frame  # noqa: E402
 
 BS = 16
 SEED = "bench000"
@@ -102,7 +102,7 @@ def main() -> None:
           f"{args.turns}; prompts {args.first_tokens:,} tokens growing "
           f"{args.step_tokens + args.output_tokens:,} a turn); chain {chain:,.0f} chars "
           f"on average; built in {built:.1f}s")
-    _, link_s = timed(lineage.link, idless)
+    _, link_s = timed(lineage.link, table_from_frame(idless))
     rebuilt, idless_s = timed(turns_from_spans, idless)
     _, ids_s = timed(turns_from_spans, with_ids)
     plain = with_ids.assign(**{sc.PREFIX_LINEAGE.key: pd.NA})  # no chains: no linking

@@ -2,14 +2,17 @@
 baselines measured in the same run.
 
     python bench/startup_bench.py --dir /tmp/kvobs-bench [--conversations 1000000] [--repeat 15]
-        [--also-rev REV]
+        [--also-rev REV] [--store DIR]
 
 Each process runs under ``/usr/bin/time`` (elapsed, user and system seconds); the
 commands run round-robin so that the box's load falls on all of them alike. Commands:
 ``python -c pass`` and ``python -c "import pandas"`` (baselines), ``kvobs --help``, and
 ``kvobs diagnose ID --json`` for one conversation (a different one each round) of the
 synthetic store that bench/diagnose_bench.py builds (``kvobs.synth``, generated once
-under ``--dir`` and reused). ``--also-rev REV`` adds both kvobs commands run from
+under ``--dir`` and reused), or with ``--store DIR`` of an existing store: a compacted
+testbed run, whose real engine spans carry prefix chains, so diagnose links them (the
+synthetic spans carry none); its conversation ids that one tenant uses (diagnose needs
+``--tenant`` for the others). ``--also-rev REV`` adds both kvobs commands run from
 kvobs/ as it was at a git revision (a change's before, in the same run). Prints medians
 and the margin over each baseline. Target: ``diagnose --json`` under 0.5 s wall (aim
 0.25 s); printed, never asserted.
@@ -18,6 +21,7 @@ and the margin over each baseline. Target: ``diagnose --json`` under 0.5 s wall 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shlex
 import statistics
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _synthetic_store import bench_store  # noqa: E402
 
 from kvobs import synth  # noqa: E402
+from kvobs.sources import open_source  # noqa: E402
 
 TARGET_S, AIM_S = 0.5, 0.25
 TIME = "/usr/bin/time"
@@ -47,6 +52,15 @@ def kvobs_at(rev: str, work: str) -> str:
     subprocess.run(f"git -C {shlex.quote(ROOT)} archive {shlex.quote(rev)} kvobs "
                    f"| tar -x -C {shlex.quote(target)}", shell=True, check=True)
     return target
+
+
+def single_tenant_ids(store: str) -> list[str]:
+    """The store's conversation ids that one tenant uses: diagnose takes them alone."""
+    rows = open_source(store).turn_rows()
+    pairs = set(zip(rows.column("conversation_id").to_pylist(),
+                    rows.column("tenant").to_pylist()))
+    tenants = collections.Counter(cid for cid, _ in pairs)
+    return sorted(cid for cid, count in tenants.items() if count == 1)
 
 
 def timed(command: list[str], env: dict | None = None) -> tuple[float, float, int]:
@@ -68,11 +82,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--also-rev", help="also run the kvobs commands from kvobs/ at this "
                         "git revision (a change's before, in the same run)")
+    parser.add_argument("--store", help="diagnose conversations of this existing store "
+                        "instead of the synthetic one")
     args = parser.parse_args()
     if not os.access(TIME, os.X_OK):
         raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
-    store, config = bench_store(args.dir, args.conversations)
-    ids = synth.conversation_ids(config)
+    if args.store:
+        store, ids = args.store, single_tenant_ids(args.store)
+        print(f"store {store}: {len(ids)} conversation ids")
+    else:
+        store, config = bench_store(args.dir, args.conversations)
+        ids = synth.conversation_ids(config)
     picks = [ids[(i * 7919 * 104729) % len(ids)] for i in range(args.repeat)]
     kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
     commands = {

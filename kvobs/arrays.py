@@ -15,8 +15,13 @@ from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-__all__ = ["array", "strings", "scalar", "numbers", "booleans", "values"]
+__all__ = ["array", "strings", "scalar", "numbers", "booleans", "values", "from_values",
+           "text", "codes", "KIND_TYPES"]
+
+# The Arrow type of each value kind of kvobs.semconv's attributes and the turn columns.
+KIND_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
 
 _NUMPY_TYPES = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32,
                 pa.int64(): np.int64, pa.uint8(): np.uint8, pa.uint16(): np.uint16,
@@ -63,6 +68,18 @@ def strings(items: Iterable[str | None]) -> pa.Array:
                                  [validity, pa.py_buffer(offsets),
                                   pa.py_buffer(b"".join(encoded))],
                                  null_count=int(missing.sum()))
+
+
+def from_values(items: Iterable[Any], type: pa.DataType) -> pa.Array:
+    """Python values (None: null) as an Arrow array of ``type`` (a string, integer, float
+    or boolean type): ``pa.array`` of a list would import pandas."""
+    items = list(items)
+    if pa.types.is_string(type):
+        return strings(items)
+    missing = np.array([item is None for item in items], bool)
+    dtype = bool if pa.types.is_boolean(type) else _NUMPY_TYPES[type]
+    filled = np.array([0 if item is None else item for item in items], dtype)
+    return array(filled, type, mask=missing)
 
 
 def scalar(value: Any, type: pa.DataType) -> pa.Scalar:
@@ -122,3 +139,21 @@ def values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     out = np.empty(len(column), dtype=object)
     out[:] = column.to_pylist()
     return out
+
+
+def text(table: pa.Table, column: str) -> pa.ChunkedArray:
+    """A table's column as plain strings (dictionaries decoded; all null when the table
+    lacks it): one type for compute calls and value sets."""
+    if column not in table.column_names:
+        return pa.chunked_array([pa.nulls(table.num_rows, pa.string())])
+    values = table.column(column)
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    return values.cast(pa.string())
+
+
+def codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, int]:
+    """Per row a code of its value (null: a code of its own), and how many codes: numpy
+    groups by them where ``Table.group_by`` would import pandas (through pyarrow.dataset)."""
+    encoded = pc.dictionary_encode(_one(column), null_encoding="encode")
+    return numbers(encoded.indices).astype(np.int64), len(encoded.dictionary)

@@ -18,9 +18,9 @@ previous-turn shifts; what the store's turn files hold and ClickHouse's SQL retu
 ``derive`` (gap, retention costs and previous-turn facts, never across conversations)
 and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
 diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
-``to_frame``, ``follows`` and linking (``kvobs.lineage``, when some span carries a
-prefix chain) need pandas: each imports it on use. numpy <-> Arrow goes through
-``kvobs.arrays`` (pyarrow's own conversions import pandas), so the stages never load it.
+``to_frame`` and ``follows`` need pandas: each imports it on use. numpy <-> Arrow goes
+through ``kvobs.arrays`` (pyarrow's own conversions import pandas), so the stages,
+linking included, never load it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, semconv as sc
+from kvobs import arrays, lineage, semconv as sc
 from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
@@ -46,7 +46,7 @@ __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate",
            "UNKNOWN_TENANT"]
 
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
-ARROW_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
+ARROW_TYPES = arrays.KIND_TYPES
 Spans = Union["pd.DataFrame", pa.Table]
 # Compute calls' literals, typed (a Python literal would import pandas: kvobs.arrays).
 _FALSE = arrays.scalar(False, pa.bool_())
@@ -58,16 +58,6 @@ def _text(value: str) -> pa.Scalar:
     return arrays.scalar(value, pa.string())
 
 
-def _strings(table: pa.Table, column: str) -> pa.ChunkedArray:
-    """A column as plain strings (all null when the table lacks it)."""
-    if column not in table.column_names:
-        return pa.chunked_array([pa.nulls(table.num_rows, pa.string())])
-    values = table.column(column)
-    if pa.types.is_dictionary(values.type):
-        values = values.cast(values.type.value_type)
-    return values.cast(pa.string())
-
-
 def vllm_roles(spans: Spans) -> Spans:
     """vLLM's request spans renamed by role (the span table's type kept). Every engine
     names its span alike; the role comes from the resource attribute ``kvobs.role``
@@ -75,16 +65,16 @@ def vllm_roles(spans: Spans) -> Spans:
     prefill or decode, else from the trace: the turn's last vLLM span is D's (the proxy
     calls P first, D last), earlier ones P's."""
     table = _arrow(spans, set(_ROLE_AND_CHAIN))
-    name = _strings(table, "name")
+    name = arrays.text(table, "name")
     vllm = pc.fill_null(pc.equal(name, _text(sc.VLLM_REQUEST_SPAN)), _FALSE)
     if not pc.any(vllm).as_py():
         return spans
-    service = pc.coalesce(pc.utf8_lower(_strings(table, sc.ROLE.key)),
-                          pc.utf8_lower(_strings(table, "service")))
-    trace, start = _strings(table, "trace_id"), table.column("start_ns")
+    service = pc.coalesce(pc.utf8_lower(arrays.text(table, sc.ROLE.key)),
+                          pc.utf8_lower(arrays.text(table, "service")))
+    trace, start = arrays.text(table, "trace_id"), table.column("start_ns")
     # Per row, the latest start of a vLLM span of its trace (null: none has one). By
     # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.arrays).
-    codes, traces = _codes(trace)
+    codes, traces = arrays.codes(trace)
     counted = arrays.booleans(pc.and_(vllm, pc.is_valid(start)))
     starts = arrays.numbers(start, fill=0).astype(np.int64)
     latest = np.full(traces, np.iinfo(np.int64).min)
@@ -112,14 +102,14 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     key = sc.PREFIX_LINEAGE.key
     if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
         return False
-    decisions = pc.and_(pc.fill_null(pc.equal(_strings(spans, "name"),
+    decisions = pc.and_(pc.fill_null(pc.equal(arrays.text(spans, "name"),
                                               _text(sc.SPAN_PULL_DECISION.name)), _FALSE),
                         pc.is_valid(spans.column(key)))
     if not pc.any(decisions).as_py():
         return False
     if facts:
         return True
-    cid = _strings(spans, sc.CONVERSATION_ID.key).filter(decisions)
+    cid = arrays.text(spans, sc.CONVERSATION_ID.key).filter(decisions)
     return bool(pc.any(pc.or_(pc.is_null(cid), pc.fill_null(
         pc.starts_with(cid, sc.ANONYMOUS_PREFIX), _FALSE))).as_py())
 
@@ -142,9 +132,7 @@ def turn_rows(spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
     needed = sorted({*span_columns(columns), "trace_id"})
     table = vllm_roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
     if needs_lineage(table, lineage_facts):
-        from kvobs import lineage  # pandas: loaded only when some span carries a chain
-
-        table = lineage.link_table(vllm_roles(_arrow(spans)))
+        table = lineage.link(vllm_roles(_arrow(spans)))
     return aggregate(table.select(needed), columns)
 
 
@@ -195,7 +183,7 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
     if "trace_id" not in table.column_names or not needs_traces(table):
         return table
     table = plain(table)
-    codes, traces = _codes(table.column("trace_id"))
+    codes, traces = arrays.codes(table.column("trace_id"))
     for key in KEY_SOURCES.values():
         column = table.column(key)
         if column.null_count in (0, table.num_rows):
@@ -210,12 +198,6 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
         table = table.set_column(table.column_names.index(key), key,
                                  pc.coalesce(column, inherited))
     return table
-
-
-def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, int]:
-    """Per row a code of its value (null: a code of its own), and how many codes."""
-    encoded = pc.dictionary_encode(column.combine_chunks(), null_encoding="encode")
-    return arrays.numbers(encoded.indices).astype(np.int64), len(encoded.dictionary)
 
 
 def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:

@@ -26,53 +26,92 @@ equal histories pair off in time order). A prompt that extends no export may sti
 extend an earlier *prompt*: the history went on from that turn, but its output was
 rewritten or re-tokenized. It is linked to that turn's export with ``extends_fully``
 false.
+
+Arrow in, Arrow out, through ``kvobs.arrays``: real engines' spans all carry chains, so
+``kvobs diagnose`` of one conversation links every time, and pyarrow's own numpy and
+Python conversions would import pandas (~0.4 s). The matching itself is per prompt, in
+Python; the reads and writes of span columns are column-wise.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-import pandas as pd
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from kvobs import semconv as sc
+from kvobs import arrays, semconv as sc
 from kvobs.prefix_chain import grid_points, parse
-from kvobs.sources._frame import frame_from_table
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
+_CHAIN = sc.PREFIX_LINEAGE.key
 _P_ROLE_SPANS = {span.name for span in (
     sc.SPAN_PULL_DECISION, sc.SPAN_READ, sc.SPAN_RECOMPUTE, sc.SPAN_STUCK,
     sc.SPAN_PREFILL_REQUEST)}
 _D_ROLE_SPANS = {span.name for span in (
     sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)}
-
-_FACTS = {column: attribute.key for column, attribute in sc.LINEAGE_FACTS.items()}
-
-
-def _first(frame: pd.DataFrame, names: set[str], by: str, columns: list[str]) -> pd.DataFrame:
-    rows = frame[frame["name"].isin(names) & frame[by].notna()]
-    return rows.sort_values("start_ns", kind="stable").groupby(by)[columns].first()
+_LAST = np.iinfo(np.int64).max  # a row without start sorts after every other
 
 
-def _exports(spans: pd.DataFrame) -> pd.DataFrame:
-    columns = ["span_id", "end_ns", _REMOTE_RID, sc.PREFIX_LINEAGE.key, sc.EXPORT_TOKENS.key,
-               sc.EXPORT_EXPIRES_AT.key, sc.ENGINE_ID.key, sc.ENGINE_ENDPOINT.key, _TENANT]
-    exports = _first(spans, {sc.SPAN_EXPORT.name}, _RID, columns)
-    released = _first(spans, {sc.SPAN_RELEASE.name}, _RID,
-                      ["end_ns", sc.RELEASE_REASON.key]).rename(
-        columns={"end_ns": "released_ns"})
-    return exports.join(released, how="left")
+def _missing(value) -> bool:
+    return value is None or value != value  # NaN
 
 
-def _records(frame: pd.DataFrame) -> dict[str, dict]:
-    """Rows by index as plain dicts (NA as None): pandas' to_dict is ~8x slower."""
-    columns = list(frame.columns)
-    values = [frame[c].to_numpy(dtype=object, na_value=None) for c in columns]
-    return {i: dict(zip(columns, row)) for i, row in zip(frame.index, zip(*values))}
+def _rows(mask: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Row numbers where ``mask`` holds (null: not)."""
+    return np.flatnonzero(arrays.booleans(mask))
 
 
-def _index(exports: dict, export_chains: dict, prompts: pd.DataFrame,
+def _take(spans: pa.Table, column: str, rows: np.ndarray) -> list:
+    """Python values (None: null) of ``column`` at ``rows``; all None when it is absent."""
+    if column not in spans.column_names:
+        return [None] * len(rows)
+    return spans.column(column).take(arrays.array(rows, pa.int64())).to_pylist()
+
+
+def _named(spans: pa.Table, names: set[str]) -> pa.ChunkedArray:
+    return pc.is_in(arrays.text(spans, "name"), value_set=arrays.strings(sorted(names)))
+
+
+def _first(spans: pa.Table, names: set[str], by: str, columns: list[str]) -> dict[str, dict]:
+    """Per ``by`` value (in sorted order), each column's first non-null value over the
+    spans named ``names``, earliest start first: a repeated span (a retry) may lack a value
+    an earlier or later one carries."""
+    rows = _rows(pc.and_(_named(spans, names), pc.is_valid(arrays.text(spans, by))))
+    start = arrays.numbers(spans.column("start_ns"), fill=_LAST)[rows]
+    rows = rows[np.argsort(start, kind="stable")]
+    values = {column: _take(spans, column, rows) for column in columns}
+    first: dict[str, dict] = {}
+    for i, key in enumerate(_take(spans, by, rows)):
+        record = first.setdefault(key, dict.fromkeys(columns))
+        for column in columns:
+            if record[column] is None:
+                record[column] = values[column][i]
+    return dict(sorted(first.items()))
+
+
+def _in_time(prompts: dict[str, dict]) -> list[str]:
+    """P request ids by start (stable: ties in id order; no start last)."""
+    return sorted(prompts, key=lambda rid: (prompts[rid]["start_ns"] is None,
+                                            prompts[rid]["start_ns"] or 0))
+
+
+def _exports(spans: pa.Table) -> dict[str, dict]:
+    """Per D request: its export's facts and its release (``released_ns``), if any."""
+    exports = _first(spans, {sc.SPAN_EXPORT.name}, _RID, [
+        "span_id", "end_ns", _REMOTE_RID, _CHAIN, sc.EXPORT_TOKENS.key,
+        sc.EXPORT_EXPIRES_AT.key, sc.ENGINE_ID.key, sc.ENGINE_ENDPOINT.key, _TENANT])
+    released = _first(spans, {sc.SPAN_RELEASE.name}, _RID, ["end_ns", sc.RELEASE_REASON.key])
+    for d_request, export in exports.items():
+        release = released.get(d_request, {})
+        export["released_ns"] = release.get("end_ns")
+        export[sc.RELEASE_REASON.key] = release.get(sc.RELEASE_REASON.key)
+    return exports
+
+
+def _index(exports: dict, export_chains: dict, prompts: dict,
            prompt_chains: dict) -> dict[tuple, list]:
     """(scope, grid point, hash) -> [(kind, time ns, D request id, tenant, blocks)].
 
@@ -83,18 +122,17 @@ def _index(exports: dict, export_chains: dict, prompts: pd.DataFrame,
     index: dict[tuple, list] = {}
 
     def add(chain, kind, time_ns, d_request, tenant):
-        if chain is None or pd.isna(time_ns) or d_request is None:
+        if chain is None or _missing(time_ns) or d_request is None:
             return
         index.setdefault((chain.scope, *chain.key()), []).append(
-            (kind, int(time_ns), d_request, None if pd.isna(tenant) else tenant,
-             chain.blocks))
+            (kind, int(time_ns), d_request, tenant, chain.blocks))
 
     for d_request, export in exports.items():
         add(export_chains.get(d_request), 1, export["end_ns"], d_request, export[_TENANT])
     export_of = {e[_REMOTE_RID]: d for d, e in exports.items()
                  if isinstance(e[_REMOTE_RID], str)}
-    for rid, start_ns, tenant in zip(prompts.index, prompts["start_ns"], prompts[_TENANT]):
-        add(prompt_chains.get(rid), 0, start_ns, export_of.get(rid), tenant)
+    for rid, prompt in prompts.items():
+        add(prompt_chains.get(rid), 0, prompt["start_ns"], export_of.get(rid), prompt[_TENANT])
     return index
 
 
@@ -105,10 +143,9 @@ def _extended(chain, start_ns, tenant, index, points_with_keys,
     are equal histories (a fork, a copied conversation): the earliest one no prompt has
     continued yet, so that two such histories pair off in time order; when every one
     has been continued, the latest (this prompt forks it)."""
-    if chain is None or pd.isna(start_ns):
+    if chain is None or _missing(start_ns):
         return None
     points = grid_points(chain.blocks)
-    tenant = None if pd.isna(tenant) else tenant
     for i in range(len(points) - 1, -1, -1):
         point = points[i]
         if point not in points_with_keys:
@@ -133,13 +170,12 @@ def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
     """The lineage facts of one prompt that extends ``export``."""
     exported_s = export["end_ns"] / 1e9
     released = export["released_ns"]
-    released_s = None if pd.isna(released) else released / 1e9
+    released_s = None if _missing(released) else released / 1e9
     expires = export[sc.EXPORT_EXPIRES_AT.key]
     endpoint = export[sc.ENGINE_ENDPOINT.key]
     # A restart matters only while D still held the blocks: after they expired or were
     # released, the restart took nothing.
-    held_until = min(t for t in (prompt_s, expires, released_s)
-                     if t is not None and not pd.isna(t))
+    held_until = min(t for t in (prompt_s, expires, released_s) if not _missing(t))
     facts = {
         "extends_request_id": d_request, "extends_span_id": export["span_id"],
         "extends_prefill_request_id": export[_REMOTE_RID],
@@ -156,19 +192,22 @@ def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
     return facts
 
 
-def _restarts(spans: pd.DataFrame) -> dict[str, list[tuple[float, str]]]:
+def _restarts(spans: pa.Table) -> dict[str, list[tuple[float, str]]]:
     """Per D endpoint: (engine start, engine id) of every engine seen there."""
-    rows = spans[spans["name"].isin(_D_ROLE_SPANS) & spans[sc.ENGINE_ENDPOINT.key].notna()]
-    seen = rows[[sc.ENGINE_ENDPOINT.key, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ID.key]]
+    endpoint = sc.ENGINE_ENDPOINT.key
+    rows = _rows(pc.and_(_named(spans, _D_ROLE_SPANS),
+                         pc.is_valid(arrays.text(spans, endpoint))))
+    seen = zip(*(_take(spans, column, rows)
+                 for column in (endpoint, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ID.key)))
     by_endpoint: dict[str, list] = {}
-    for endpoint, started, engine in seen.drop_duplicates().itertuples(index=False):
-        if not pd.isna(started):
-            by_endpoint.setdefault(endpoint, []).append((float(started), engine))
+    for at, started, engine in set(seen):
+        if not _missing(started):
+            by_endpoint.setdefault(at, []).append((float(started), engine))
     return by_endpoint
 
 
 def _restarted_at(engines, endpoint, after_s, before_s) -> float | None:
-    if endpoint is None or pd.isna(endpoint):
+    if _missing(endpoint):
         return None
     # An engine that started there after the export cannot hold it, whatever its id
     # (a restart may reuse a configured engine_id).
@@ -178,101 +217,114 @@ def _restarted_at(engines, endpoint, after_s, before_s) -> float | None:
 
 def _liveness(row: dict, prompt_s: float) -> dict:
     expires = row["extends_expires_at"]
-    left = None if expires is None or pd.isna(expires) else float(expires) - prompt_s
+    left = None if _missing(expires) else float(expires) - prompt_s
     released = row["extends_released_at"]
     live = (left is not None and left > 0 and row["extends_engine_restarted_at"] is None
             and (released is None or released > prompt_s))
     return {"extends_ttl_left_s": left, "extends_live": live}
 
 
-def _trace_ids(spans: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+def _first_per_trace(spans: pa.Table, rows: np.ndarray) -> dict:
+    """Trace id -> the conversation id of its first span among ``rows``."""
+    trace = arrays.text(spans, "trace_id").take(arrays.array(rows, pa.int64()))
+    _, first = np.unique(arrays.codes(trace)[0], return_index=True)
+    chosen = rows[np.sort(first)]
+    return dict(zip(_take(spans, "trace_id", chosen), _take(spans, _CID, chosen)))
+
+
+def _trace_ids(spans: pa.Table) -> tuple[dict, dict]:
     """Per trace: the conversation id a client sent, and the anonymous id the proxy gave
     a turn sent without one."""
-    cid = spans[_CID]
-    anonymous = cid.astype("string").str.startswith(sc.ANONYMOUS_PREFIX).fillna(False)
-
-    def per_trace(rows: pd.Series) -> pd.Series:
-        return spans[rows.to_numpy(bool)].drop_duplicates("trace_id").set_index(
-            "trace_id")[_CID]
-
-    return per_trace(cid.notna() & ~anonymous), per_trace(anonymous)
+    cid = arrays.text(spans, _CID)
+    anonymous = arrays.booleans(pc.starts_with(cid, sc.ANONYMOUS_PREFIX))
+    sent = arrays.booleans(pc.is_valid(cid)) & ~anonymous
+    return (_first_per_trace(spans, np.flatnonzero(sent)),
+            _first_per_trace(spans, np.flatnonzero(anonymous)))
 
 
-def link_table(spans: pa.Table) -> pa.Table:
-    """``link`` for an Arrow span table (the turn builder's)."""
-    return pa.Table.from_pandas(link(frame_from_table(spans)), preserve_index=False)
-
-
-def link(spans: pd.DataFrame) -> pd.DataFrame:
-    """``spans`` with conversation and turn filled for id-less turns and the lineage
-    facts (``semconv.LINEAGE_FACTS``) on every P decision span that carries a chain.
-    Facts already there (written when a store compacted the spans) are kept."""
-    if spans.empty or sc.PREFIX_LINEAGE.key not in spans \
-            or not spans[sc.PREFIX_LINEAGE.key].notna().any():
+def link(spans: pa.Table) -> pa.Table:
+    """``spans`` (Arrow) with conversation and turn filled for id-less turns and the
+    lineage facts (``semconv.LINEAGE_FACTS``) on every P decision span that carries a
+    chain. Facts already there (written when a store compacted the spans) are kept."""
+    if spans.num_rows == 0 or _CHAIN not in spans.column_names \
+            or spans.column(_CHAIN).null_count == spans.num_rows:
         return spans
     prompts = _first(spans, {sc.SPAN_PULL_DECISION.name}, _RID,
-                     ["start_ns", "trace_id", sc.PREFIX_LINEAGE.key, _TENANT, _TURN])
-    if prompts.empty:
+                     ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN])
+    if not prompts:
         return spans
     links = _links(spans, prompts)
-    client_ids, anonymous_ids = (series.to_dict() for series in _trace_ids(spans))
-    parent = {rid: p for rid, p in links["extends_prefill_request_id"].items()
-              if isinstance(p, str) and p in links.index and p != rid}
-    order = prompts["start_ns"].sort_values(kind="stable").index
-    named = {rid: anonymous_ids.get(trace) for rid, trace in prompts["trace_id"].items()}
+    client_ids, anonymous_ids = _trace_ids(spans)
+    parent = {rid: p for rid, facts in links.items()
+              if isinstance(p := facts["extends_prefill_request_id"], str)
+              and p in prompts and p != rid}
+    order = _in_time(prompts)
+    named = {rid: anonymous_ids.get(prompt["trace_id"]) for rid, prompt in prompts.items()}
     named = {rid: cid for rid, cid in named.items() if isinstance(cid, str)}
-    lineage = _walk(order, parent, {}, named)
-    links["lineage_conversation_id"] = pd.Series({r: k[0] for r, k in lineage.items()},
-                                                 dtype="object")
-    links["lineage_turn"] = pd.Series({r: k[1] for r, k in lineage.items()}, dtype="Int64")
+    facts = {rid: {**links.get(rid, {}), "lineage_conversation_id": cid, "lineage_turn": turn}
+             for rid, (cid, turn) in _walk(order, parent, {}, named).items()}
     # What the turn table uses: a client's id wins; id-less turns continue the chain.
     fixed = {}
-    for rid, trace, turn in zip(prompts.index, prompts["trace_id"], prompts[_TURN]):
-        cid = client_ids.get(trace)
-        if isinstance(cid, str) and not pd.isna(turn):
-            fixed[rid] = (cid, int(turn))
+    for rid, prompt in prompts.items():
+        cid = client_ids.get(prompt["trace_id"])
+        if isinstance(cid, str) and not _missing(prompt[_TURN]):
+            fixed[rid] = (cid, int(prompt[_TURN]))
     keys = _walk(order, parent, fixed, named)
     rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
-    return _assign(_write_facts(spans, links), prompts, rekeyed)
+    return _assign(_write_facts(spans, facts), prompts, rekeyed)
 
 
-def _links(spans: pd.DataFrame, prompts: pd.DataFrame) -> pd.DataFrame:
-    """Per P request (``prompts``' index), the facts of the export its prompt extends;
-    prompts are matched in time order (``_extended`` pairs equal histories off)."""
-    exports = _records(_exports(spans))
-    export_chains = {d: parse(e[sc.PREFIX_LINEAGE.key]) for d, e in exports.items()}
-    prompt_chains = {rid: parse(digest)
-                     for rid, digest in prompts[sc.PREFIX_LINEAGE.key].items()}
+def _links(spans: pa.Table, prompts: dict[str, dict]) -> dict[str, dict]:
+    """Per P request whose prompt extends an export, the facts of that export; prompts
+    are matched in time order (``_extended`` pairs equal histories off)."""
+    exports = _exports(spans)
+    export_chains = {d: parse(e[_CHAIN]) for d, e in exports.items()}
+    prompt_chains = {rid: parse(prompt[_CHAIN]) for rid, prompt in prompts.items()}
     index = _index(exports, export_chains, prompts, prompt_chains)
     points_with_keys = {point for _, point, _ in index}
     engines = _restarts(spans)
-    rows = {}
+    links = {}
     continued: set[str] = set()
-    in_time = prompts.sort_values("start_ns", kind="stable")
-    for rid, start_ns, tenant in zip(in_time.index, in_time["start_ns"], in_time[_TENANT]):
-        chain = prompt_chains[rid]
-        hit = _extended(chain, start_ns, tenant, index, points_with_keys, continued)
+    for rid in _in_time(prompts):
+        chain, start_ns = prompt_chains[rid], prompts[rid]["start_ns"]
+        hit = _extended(chain, start_ns, prompts[rid][_TENANT], index, points_with_keys,
+                        continued)
         if hit is not None:
             d_request, fully = hit
-            rows[rid] = _facts(chain, start_ns / 1e9, d_request, fully, exports[d_request],
-                               export_chains[d_request], engines)
-    links = pd.DataFrame.from_dict(rows, orient="index", columns=list(_FACTS))
-    return links.reindex(prompts.index)
+            links[rid] = _facts(chain, start_ns / 1e9, d_request, fully, exports[d_request],
+                                export_chains[d_request], engines)
+    return links
 
 
-def _write_facts(spans: pd.DataFrame, links: pd.DataFrame) -> pd.DataFrame:
-    spans = spans.copy()
-    decision = (spans["name"] == sc.SPAN_PULL_DECISION.name).fillna(False)  # a nameless span
-    decisions = spans.index[decision.to_numpy(bool) & spans[_RID].notna().to_numpy(bool)]
-    request_ids = spans.loc[decisions, _RID]
-    for column, key in _FACTS.items():
-        values = request_ids.map(links[column]).astype(spans[key].dtype) \
-            if key in spans else request_ids.map(links[column])
-        if key in spans:
-            spans.loc[decisions, key] = spans.loc[decisions, key].fillna(values)
-        else:
-            spans[key] = pd.NA
-            spans.loc[decisions, key] = values
+def _set(spans: pa.Table, column: str, values) -> pa.Table:
+    if column in spans.column_names:
+        return spans.set_column(spans.column_names.index(column), column, values)
+    return spans.append_column(column, values)
+
+
+def _lookup(values: pa.ChunkedArray, keys: list[str], rows: np.ndarray | None = None
+            ) -> pa.Array:
+    """Per row, the position of its value in ``keys`` (null: not there, or not one of
+    ``rows`` when given): what a ``take`` maps row by row."""
+    position = arrays.numbers(pc.index_in(values, value_set=arrays.strings(keys)), fill=-1)
+    if rows is not None:
+        outside = np.ones(len(position), bool)
+        outside[rows] = False
+        position[outside] = -1
+    return arrays.array(position, pa.int64(), mask=position < 0)
+
+
+def _write_facts(spans: pa.Table, facts: dict[str, dict]) -> pa.Table:
+    """Each fact on its P request's decision span(s), typed as semconv declares it."""
+    decisions = _rows(pc.and_(_named(spans, {sc.SPAN_PULL_DECISION.name}),
+                              pc.is_valid(arrays.text(spans, _RID))))
+    position = _lookup(arrays.text(spans, _RID), list(facts), decisions)
+    for column, attribute in sc.LINEAGE_FACTS.items():
+        kind = arrays.KIND_TYPES[attribute.type]
+        values = arrays.from_values([f.get(column) for f in facts.values()], kind).take(position)
+        if attribute.key in spans.column_names:  # kept where a store wrote it already
+            values = pc.coalesce(spans.column(attribute.key).cast(kind), values)
+        spans = _set(spans, attribute.key, values)
     return spans
 
 
@@ -309,27 +361,46 @@ def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str,
     return keys
 
 
-def _assign(spans: pd.DataFrame, prompts: pd.DataFrame,
-            keys: dict[str, tuple[str, int]]) -> pd.DataFrame:
+def _units(spans: pa.Table, prompts: dict[str, dict], keyed: list[str]) -> pa.ChunkedArray:
+    """Per span, the P request of its turn: P's spans by request id, D's by the P request
+    they pulled from (a D span that does not name it: from its request's other spans),
+    the rest by trace (the first of ``keyed`` in that trace)."""
+    rid, remote = arrays.text(spans, _RID), arrays.text(spans, _REMOTE_RID)
+    d_role = _named(spans, _D_ROLE_SPANS)
+    # Each D request's first span that names its P request.
+    naming = _rows(pc.and_(d_role, pc.is_valid(remote)))
+    _, first = np.unique(arrays.codes(rid.take(arrays.array(naming, pa.int64())))[0],
+                         return_index=True)
+    firsts = arrays.array(naming[np.sort(first)], pa.int64())
+    # index_in pairs nulls: D spans without a request id take what the first of them
+    # names.
+    p_of_d = remote.take(firsts).take(
+        pc.index_in(rid, value_set=rid.take(firsts).combine_chunks()))
+    unit = pc.if_else(_named(spans, _P_ROLE_SPANS), rid,
+                      pc.if_else(d_role, pc.coalesce(remote, p_of_d),
+                                 pa.nulls(spans.num_rows, pa.string())))
+    by_trace: dict[str, str] = {}
+    for request in keyed:  # time order: a trace's earliest keyed prompt
+        trace = prompts[request]["trace_id"]
+        if trace is not None:
+            by_trace.setdefault(trace, request)
+    traced = arrays.strings(list(by_trace.values())).take(
+        _lookup(arrays.text(spans, "trace_id"), list(by_trace)))
+    return pc.coalesce(unit, traced)
+
+
+def _assign(spans: pa.Table, prompts: dict[str, dict],
+            keys: dict[str, tuple[str, int]]) -> pa.Table:
     """Write the lineage keys onto every span of the turns they change (id-less ones,
-    renumbered ones): P's spans by request id, D's by the P request they pulled from,
-    the rest by trace."""
+    renumbered ones)."""
     if not keys:
         return spans
-    d_spans = spans[spans["name"].isin(_D_ROLE_SPANS) & spans[_REMOTE_RID].notna()]
-    p_of_d = d_spans.drop_duplicates(_RID).set_index(_RID)[_REMOTE_RID]
-    unit = pd.Series(pd.NA, index=spans.index, dtype="object")
-    p_role = spans["name"].isin(_P_ROLE_SPANS).to_numpy(bool)
-    unit[p_role] = spans.loc[p_role, _RID]
-    d_role = spans["name"].isin(_D_ROLE_SPANS).to_numpy(bool)
-    unit[d_role] = spans.loc[d_role, _REMOTE_RID].fillna(spans.loc[d_role, _RID].map(p_of_d))
-    traces = prompts.loc[list(keys), "trace_id"].dropna()
-    by_trace = pd.Series(traces.index, index=traces.to_numpy())
-    unit = unit.fillna(spans["trace_id"].map(by_trace[~by_trace.index.duplicated()]))
-    chosen = unit.isin(list(keys)).fillna(False).to_numpy(bool)
-    if not chosen.any():
+    position = _lookup(_units(spans, prompts, list(keys)), list(keys))
+    if position.null_count == len(position):
         return spans
-    mapped = unit[chosen]
-    spans.loc[chosen, _CID] = mapped.map({r: k[0] for r, k in keys.items()}).astype("string")
-    spans.loc[chosen, _TURN] = mapped.map({r: k[1] for r, k in keys.items()}).astype("Int64")
-    return spans
+    cids = arrays.strings([cid for cid, _ in keys.values()]).take(position)
+    turns = arrays.array(np.array([turn for _, turn in keys.values()], np.int64)).take(position)
+    spans = _set(spans, _CID, pc.coalesce(cids, arrays.text(spans, _CID)))
+    old_turns = (spans.column(_TURN).cast(pa.int64()) if _TURN in spans.column_names
+                 else pa.nulls(spans.num_rows, pa.int64()))
+    return _set(spans, _TURN, pc.coalesce(turns, old_turns))

@@ -37,11 +37,11 @@ def _live_spans(live, columns: list[str]) -> pa.Table | None:
     frame = live.spans()
     if frame.empty:
         return None
-    if needs_lineage(table_from_frame(frame)):  # id-less turns: conversations from chains
-        frame = lineage.link(frame)
+    table = table_from_frame(frame)
+    if needs_lineage(table):  # id-less turns: conversations from chains
+        table = lineage.link(table)
     schema = store_schema()
-    return pa.Table.from_pandas(frame[columns], preserve_index=False).cast(
-        pa.schema([schema.field(c) for c in columns]))
+    return table.select(columns).cast(pa.schema([schema.field(c) for c in columns]))
 
 
 def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None,

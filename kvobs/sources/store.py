@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvobs import semconv as sc
+from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
 from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_span_rows,
@@ -96,15 +96,14 @@ def write_parquet(store_dir: str, frame: pd.DataFrame, name: str | None = None,
     span left without conversation is not stored: counted in ``problems``."""
     import pandas as pd
 
-    from kvobs import lineage
-
     written = len(frame)
     frame = frame.reset_index(drop=True)
     if context is not None and not context.empty:
         frame = pd.concat([frame, context], ignore_index=True)
     # Id-less turns (another router): named before the id-less spans are dropped below.
-    if needs_lineage(table_from_frame(frame)):
-        frame = lineage.link(frame)
+    table = table_from_frame(frame)
+    if needs_lineage(table):
+        frame = frame_from_table(lineage.link(table))
     frame = _inherit_conversation(frame)
     frame = frame[frame.index < written]  # the rows given, not the context
     untagged = int(frame[_CID].isna().sum())

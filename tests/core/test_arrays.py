@@ -48,6 +48,24 @@ def test_built_arrays_equal_pyarrows():
     assert arrays.scalar(1e9, pa.float64()).as_py() == 1e9
 
 
+@pytest.mark.parametrize("kind, values", [("int", [3, None, -2**62]), ("float", [0.5, None]),
+                                          ("bool", [True, None, False]), ("str", ["a", None])])
+def test_python_values_build_as_pyarrows(kind, values):
+    type = arrays.KIND_TYPES[kind]
+    assert arrays.from_values(values, type).equals(pa.array(values, type))
+    assert len(arrays.from_values([], type)) == 0
+
+
+def test_codes_group_equal_values_and_nulls():
+    column = pa.chunked_array([pa.array(["b", None]), pa.array(["a", "b", None])])
+    codes, count = arrays.codes(column)
+    assert count == 3 and codes[0] == codes[3] and codes[1] == codes[4]
+    assert len({codes[0], codes[1], codes[2]}) == 3
+    table = pa.table({"x": pa.array(["u", "v"]).dictionary_encode()})
+    assert arrays.text(table, "x").type == pa.string()
+    assert arrays.text(table, "missing").null_count == 2
+
+
 def test_no_conversion_imports_pandas():
     probe = ("import sys, numpy as np, pyarrow as pa, pyarrow.compute as pc\n"
              "from kvobs import arrays\n"
@@ -56,6 +74,7 @@ def test_no_conversion_imports_pandas():
              "arrays.booleans(pc.equal(arrays.strings(['x', None]), "
              "arrays.scalar('x', pa.string())))\n"
              "arrays.values(arrays.strings(['y'])); arrays.scalar(False, pa.bool_())\n"
+             "arrays.from_values([1, None], pa.int64()); arrays.codes(arrays.strings(['z']))\n"
              "print('pandas' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)

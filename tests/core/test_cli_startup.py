@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -87,34 +88,27 @@ def test_diagnose_json_imports_no_terminal_or_serving_stack():
     assert _packages(modules).isdisjoint({"rich", "aiohttp", "opentelemetry"})
 
 
-def _without_chains(document):
-    """An OTLP document without the prefix-chain attribute (kvobs.lineage, which links
-    by chains, still uses pandas)."""
-    from kvobs import semconv as sc
-
-    if isinstance(document, dict):
-        return {key: _without_chains(value) for key, value in document.items()}
-    if isinstance(document, list):
-        return [_without_chains(item) for item in document
-                if not (isinstance(item, dict) and item.get("key") == sc.PREFIX_LINEAGE.key)]
-    return document
-
-
 def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
-    """One conversation of a compacted store is read, correlated, classified and printed
-    without pandas (pyarrow imports it on a numpy conversion: kvobs.arrays avoids them;
-    pyarrow.dataset imports it too: the store reads one conversation by pyarrow.parquet).
-    Spans without prefix chains: linking by chains (kvobs.lineage) still loads it."""
+    """One conversation of a compacted store is read, linked by its prefix chains
+    (kvobs.lineage: real engines' spans all carry them), correlated, classified and
+    printed without pandas (pyarrow imports it on a numpy conversion: kvobs.arrays avoids
+    them; pyarrow.dataset imports it too: the store reads one conversation by
+    pyarrow.parquet)."""
+    from kvobs import semconv as sc
     from kvobs.sources.store import compact
 
+    with open(DEMO_SPANS) as spans:
+        assert spans.read().count(f'"{sc.PREFIX_LINEAGE.key}"') > 10
     os.makedirs(tmp_path / "spans")
-    with open(DEMO_SPANS) as spans, open(tmp_path / "spans" / "seg.jsonl", "w") as out:
-        for line in spans:
-            out.write(json.dumps(_without_chains(json.loads(line))) + "\n")
+    shutil.copy(DEMO_SPANS, tmp_path / "spans" / "seg.jsonl")
     compact(str(tmp_path), writers_stopped=True)
-    modules, output, status = _imported("diagnose", "agent-happy", "--source",
-                                        str(tmp_path), "--json")
-    assert status == "0"
-    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
-        "first-turn", "remote-hit", "remote-hit"]
-    assert "pandas" not in _packages(modules)
+    for conversation, verdicts, exit_status in (
+            ("agent-happy", ["first-turn", "remote-hit", "remote-hit"], "0"),
+            ("agent-d-restart", ["first-turn", "transfer-failed"], "1")):  # 1: a fault
+        modules, output, status = _imported("diagnose", conversation, "--source",
+                                            str(tmp_path), "--json")
+        turns = json.loads(output)["turns"]
+        assert (status, [t["verdict"] for t in turns]) == (exit_status, verdicts)
+        assert "pandas" not in _packages(modules)
+    # The restart is a lineage fact: the export turn 2 extends, and the engine after it.
+    assert turns[1]["evidence"]["extends_engine_restarted_at"] is not None
