@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--skip-chdb", action="store_true", help="Same as --sources store.")
     parser.add_argument("--sources", default=",".join(SOURCES),
                         help="Comma-separated, of: %(default)s. chdb tables a run does not "
-                             "time are not loaded (at 100M spans each is ~15 min of load).")
+                             "time are not loaded (14M spans with the view: ~17 min here).")
     parser.add_argument("--follow", action="store_true",
                         help="Load chdb while another process generates the store (this "
                              "bench, or bench/_synthetic_store.ensure_store, same --dir and "
@@ -70,8 +70,9 @@ def main() -> None:
     store = os.path.join(args.dir, f"synthetic-{args.conversations}")
     config = synth.SyntheticConfig(conversations=args.conversations)
     chdb_dir = store + ".chdb"
+    with_plain = "spans" in chosen and args.scale == 1  # --scale makes its own
     if args.follow and {"view", "spans"} & set(chosen):
-        load_chdb(chdb_dir, store, config, plain="spans" in chosen)
+        load_chdb(chdb_dir, store, config, plain=with_plain)
     info = ensure_store(store, config)
     print(f"store {store}: {info['conversations']:,} synthetic conversations, "
           f"{info['turns']:,} turns, {info['spans']:,} spans, "
@@ -79,7 +80,7 @@ def main() -> None:
     kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
     viewed, plain = VIEWED, PLAIN
     if {"view", "spans"} & set(chosen):
-        load_chdb(chdb_dir, store, config, plain="spans" in chosen and args.scale == 1)
+        load_chdb(chdb_dir, store, config, plain=with_plain)
     if args.scale > 1:
         viewed, plain = SCALED, SCALED_PLAIN
         scale_chdb(chdb_dir, args.scale)
@@ -98,7 +99,7 @@ def main() -> None:
             status = "PASS" if wall < 10 else "FAIL"
             print(f"kvobs report [{label}]: {wall:.2f}s wall, {cpu:.2f}s CPU, "
                   f"peak RSS {peak:,.0f} MiB, "
-                  f"{report.get('turns', '?'):,} turns -> {status} (target < 10 s); "
+                  f"{report.get('turns', 0):,} turns -> {status} (target < 10 s); "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
     if len(reports) < 2:
         return
