@@ -43,6 +43,7 @@ TIME = "/usr/bin/time"
 # processes run with caching on: the warm-up run writes the .pyc files.
 ENV = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KVOBS = os.path.join(os.path.dirname(sys.executable), "kvobs")
 
 
 def kvobs_at(rev: str, work: str) -> str:
@@ -75,18 +76,74 @@ def timed(command: list[str], env: dict | None = None) -> tuple[float, float, in
     return elapsed, user + system, done.returncode
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_arguments(doc: str, repeat: int) -> argparse.ArgumentParser:
+    """The arguments of a CLI timing bench (``--dir``, ``--repeat``, ``--also-rev``);
+    exits when /usr/bin/time is missing."""
+    if not os.access(TIME, os.X_OK):
+        raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--dir", default="/tmp/kvobs-bench")
-    parser.add_argument("--conversations", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=repeat, choices=range(1, 1000),
+                        metavar="N")
     parser.add_argument("--also-rev", help="also run the kvobs commands from kvobs/ at this "
                         "git revision (a change's before, in the same run)")
+    return parser
+
+
+def with_baselines(kvobs_commands: dict[str, list[str]], rev: str | None, work: str
+                   ) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """(commands, their environments): the interpreter baselines, ``kvobs_commands``,
+    and with ``rev`` each of those again from kvobs/ at that revision."""
+    commands = {"python -c pass": [sys.executable, "-c", "pass"],
+                "python -c 'import pandas'": [sys.executable, "-c", "import pandas"],
+                **kvobs_commands}
+    envs = {name: ENV for name in commands}
+    if rev:
+        before = {**ENV, "PYTHONPATH": kvobs_at(rev, work)}
+        for name in kvobs_commands:
+            commands[f"{name} @{rev}"] = commands[name]
+            envs[f"{name} @{rev}"] = before
+    return commands, envs
+
+
+def round_robin(commands: dict[str, list[str]], envs: dict[str, dict], picks: list[str],
+                repeat: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall s, CPU s) of ``repeat`` runs of each command (its word ``ID``: run i's pick),
+    run round-robin after one uncounted run each (page cache, .pyc files)."""
+    def run(name: str, i: int) -> tuple[float, float, int]:
+        return timed([picks[i] if word == "ID" else word for word in commands[name]],
+                     envs[name])
+
+    for name in commands:
+        run(name, 0)
+    wall: dict[str, list[float]] = {name: [] for name in commands}
+    cpu: dict[str, list[float]] = {name: [] for name in commands}
+    for i in range(repeat):
+        for name in commands:
+            elapsed, seconds, _ = run(name, i)
+            wall[name].append(elapsed)
+            cpu[name].append(seconds)
+    return wall, cpu
+
+
+def print_medians(what: str, wall: dict[str, list[float]], cpu: dict[str, list[float]]
+                  ) -> None:
+    load = os.getloadavg()[0]
+    print(f"{what}, round-robin, /usr/bin/time; load average {load:.1f} "
+          f"on {os.cpu_count()} CPUs at the end")
+    width = max(map(len, wall))
+    print(f"{'command':{width}} {'wall median':>11} {'wall min':>9} {'cpu median':>11}")
+    for name in wall:
+        print(f"{name:{width}} {statistics.median(wall[name]):10.3f}s {min(wall[name]):8.3f}s "
+              f"{statistics.median(cpu[name]):10.3f}s")
+
+
+def main() -> None:
+    parser = timing_arguments(__doc__, repeat=15)
+    parser.add_argument("--conversations", type=int, default=1_000_000)
     parser.add_argument("--store", help="diagnose conversations of this existing store "
                         "instead of the synthetic one")
     args = parser.parse_args()
-    if not os.access(TIME, os.X_OK):
-        raise SystemExit(f"{TIME} is needed (Debian: apt-get install time)")
     if args.store:
         store, ids = args.store, single_tenant_ids(args.store)
         print(f"store {store}: {len(ids)} conversation ids")
@@ -94,41 +151,13 @@ def main() -> None:
         store, config = bench_store(args.dir, args.conversations)
         ids = synth.conversation_ids(config)
     picks = [ids[(i * 7919 * 104729) % len(ids)] for i in range(args.repeat)]
-    kvobs = os.path.join(os.path.dirname(sys.executable), "kvobs")
-    commands = {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "python -c 'import pandas'": [sys.executable, "-c", "import pandas"],
-        "kvobs --help": [kvobs, "--help"],
-        "kvobs diagnose ID --json": [kvobs, "diagnose", "ID", "--source", store, "--json"],
-    }
-    envs = {name: ENV for name in commands}
-    if args.also_rev:
-        before = {**ENV, "PYTHONPATH": kvobs_at(args.also_rev, args.dir)}
-        for name in ("kvobs --help", "kvobs diagnose ID --json"):
-            commands[f"{name} @{args.also_rev}"] = commands[name]
-            envs[f"{name} @{args.also_rev}"] = before
+    commands, envs = with_baselines({
+        "kvobs --help": [KVOBS, "--help"],
+        "kvobs diagnose ID --json": [KVOBS, "diagnose", "ID", "--source", store, "--json"],
+    }, args.also_rev, args.dir)
 
-    def run(name: str, i: int) -> tuple[float, float, int]:
-        return timed([picks[i] if word == "ID" else word for word in commands[name]],
-                     envs[name])
-
-    for name in commands:  # page cache and .pyc files; not counted
-        run(name, 0)
-    wall: dict[str, list[float]] = {name: [] for name in commands}
-    cpu: dict[str, list[float]] = {name: [] for name in commands}
-    for i in range(args.repeat):
-        for name in commands:
-            elapsed, seconds, _ = run(name, i)
-            wall[name].append(elapsed)
-            cpu[name].append(seconds)
-    load = os.getloadavg()[0]
-    print(f"{args.repeat} runs each, round-robin, /usr/bin/time; load average {load:.1f} "
-          f"on {os.cpu_count()} CPUs at the end")
-    width = max(map(len, commands))
-    print(f"{'command':{width}} {'wall median':>11} {'wall min':>9} {'cpu median':>11}")
-    for name in commands:
-        print(f"{name:{width}} {statistics.median(wall[name]):10.3f}s {min(wall[name]):8.3f}s "
-              f"{statistics.median(cpu[name]):10.3f}s")
+    wall, cpu = round_robin(commands, envs, picks, args.repeat)
+    print_medians(f"{args.repeat} runs each", wall, cpu)
     median = {name: statistics.median(values) for name, values in wall.items()}
     diagnose, pandas = median["kvobs diagnose ID --json"], median["python -c 'import pandas'"]
     print(f"diagnose --json over `import pandas`: +{diagnose - pandas:.3f}s "

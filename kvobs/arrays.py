@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["array", "strings", "scalar", "numbers", "booleans", "values", "from_values",
-           "text", "codes", "KIND_TYPES"]
+__all__ = ["array", "strings", "scalar", "empty", "numbers", "booleans", "values",
+           "from_values", "text", "codes", "KIND_TYPES"]
 
 # The Arrow type of each value kind of kvobs.semconv's attributes and the turn columns.
 KIND_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
@@ -87,6 +87,11 @@ def scalar(value: Any, type: pa.DataType) -> pa.Scalar:
     if pa.types.is_string(type) or pa.types.is_large_string(type):
         return strings([value]).cast(type)[0]
     return array(np.array([value]), type)[0]
+
+
+def empty(schema: pa.Schema) -> pa.Table:
+    """A table of no rows (``Schema.empty_table`` imports pandas)."""
+    return pa.Table.from_batches([], schema=schema)
 
 
 def _one(values: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -3,7 +3,8 @@
 Every source returns spans as a pandas DataFrame with the columns ``SPAN_COLUMNS`` plus
 one column per known attribute key (``semconv.ATTRIBUTES``); unknown attributes are
 dropped, absent ones are null; ``span_table()`` gives them as Arrow (what diagnose
-reads: the store from parquet, without pandas). ``turn_rows()`` gives the fleet's turn rows
+reads: span files and the store's live segments through ``_frame.table_from_rows``, its
+compacted spans from parquet, neither through pandas). ``turn_rows()`` gives the fleet's turn rows
 (``kvobs.correlate.aggregate`` over every span, before ``derive``), each backend the way
 it does best: the store from its turn files, ClickHouse in SQL. Problems met while
 reading (corrupt lines, unreadable files) are collected in ``problems`` as
@@ -35,7 +36,7 @@ class SpanSource(Protocol):
     def span_table(self, conversation_id: str | None = None) -> pa.Table:
         """``spans`` as an Arrow table (its columns; types may differ): what diagnose
         reads, so that one conversation never needs pandas where the source can help it
-        (the store reads it from parquet)."""
+        (span files and the store build it in Arrow; ``spans`` derives from it)."""
 
     def turn_rows(self) -> pa.Table:
         """One Arrow row per (tenant, conversation_id, turn), sorted by those keys, with

@@ -1,18 +1,21 @@
-"""The span table every source produces.
+"""The span table every source produces: Arrow, typed by ``SPAN_SCHEMA``.
 
-pandas is imported where a frame is built: importing a source (or this module's dtypes)
-does not load it.
+Span files are read into it by ``table_from_rows``, the one builder of a span table from
+decoded rows, without pandas (``kvobs diagnose`` of a span file or of a store's live
+segments never loads it: bench/README.md, issue 12). The pandas frame of ``spans()`` is
+derived from that table (``frame_from_table``), which imports pandas on use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import arrays, semconv as sc
+from kvobs.sources._rows import INT64_MAX, UNUSABLE, coerced
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -29,24 +32,103 @@ ALL_DTYPES = {**BASE_DTYPES, **ATTRIBUTE_DTYPES}
 # keyed by dtype, strings large, unlike the turn table's kvobs.correlate.ARROW_TYPES.
 DTYPE_ARROW_TYPES = {"string": pa.large_string(), "Int64": pa.int64(),
                      "Float64": pa.float64(), "boolean": pa.bool_()}
+SPAN_SCHEMA = pa.schema([(column, DTYPE_ARROW_TYPES[dtype])
+                         for column, dtype in ALL_DTYPES.items()])
+_KINDS = {column: next(kind for kind, d in KIND_DTYPES.items() if d == dtype)
+          for column, dtype in ALL_DTYPES.items()}
+_NUMPY_KINDS = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_PYTHON_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
+_FALSE = arrays.scalar(False, pa.bool_())
 
 
 def empty_spans() -> pd.DataFrame:
-    return frame_from_rows([])
+    return frame_from_table(table_from_rows([]))
 
 
-def frame_from_rows(rows: list[dict]) -> pd.DataFrame:
-    """Rows (dicts keyed by column name) to a typed span table; bad values become null."""
-    import pandas as pd  # on use: see the module's doc
+def frame_from_rows(rows: Iterable[dict]) -> pd.DataFrame:
+    """``table_from_rows`` as a pandas frame (``frame_from_table``)."""
+    return frame_from_table(table_from_rows(rows))
 
-    frame = pd.DataFrame.from_records(rows, columns=list(ALL_DTYPES))
-    for column, dtype in ALL_DTYPES.items():
-        if dtype in ("Int64", "Float64"):
-            frame[column] = pd.to_numeric(frame[column], errors="coerce")
-            if dtype == "Int64":
-                frame[column] = frame[column].round()
-        frame[column] = frame[column].astype(dtype)
-    return _name_anonymous(frame)
+
+def table_from_rows(rows: Iterable[dict]) -> pa.Table:
+    """Rows (dicts keyed by column name, as the decoders yield them) to the span table:
+    each value coerced to its column's type on its own (``_rows.coerced``), one it
+    cannot use read as null (the decoders report it with its file:line); keys of no
+    column dropped. A proxy turn span without conversation id gets
+    ``anonymous:<trace id>`` (``_name_anonymous``)."""
+    found: dict[str, tuple[list[int], list]] = {column: ([], []) for column in ALL_DTYPES}
+    count = 0
+    for index, row in enumerate(rows):
+        count = index + 1
+        for key, value in row.items():
+            slot = found.get(key)
+            if slot is not None and value is not None:
+                slot[0].append(index)
+                slot[1].append(value)
+    usable = {column: _usable(at, values, _KINDS[column])
+              for column, (at, values) in found.items()}
+    _name_anonymous(usable)
+    return pa.Table.from_arrays([_column(*usable[column], _KINDS[column], count)
+                                 .cast(SPAN_SCHEMA.field(column).type)
+                                 for column in ALL_DTYPES], schema=SPAN_SCHEMA)
+
+
+def _usable(at: list[int], values: list, kind: str) -> tuple[list[int], list]:
+    """The rows' values as ``kind``, those it cannot use left out."""
+    if _already(values, kind):
+        return at, values
+    kept_at, kept = [], []
+    for row, value in zip(at, values):
+        try:
+            kept.append(coerced(value, kind))
+        except UNUSABLE:
+            continue
+        kept_at.append(row)
+    return kept_at, kept
+
+
+def _already(values: list, kind: str) -> bool:
+    """Whether every value is already what ``coerced`` makes of it (the decoders' rows
+    are coerced): one pass over the column instead of a call per value."""
+    exact = _PYTHON_KINDS[kind]
+    if not all(type(value) is exact for value in values):
+        return False
+    if kind == "str":  # an ASCII string cannot hold a lone surrogate
+        return all(value.isascii() for value in values)
+    if kind == "int":
+        return not values or -INT64_MAX <= min(values) and max(values) <= INT64_MAX
+    if kind == "float":
+        return bool(np.isfinite(np.array(values, np.float64)).all())
+    return True
+
+
+def _column(at: list[int], values: list, kind: str, count: int) -> pa.Array:
+    """One column of ``count`` rows: ``values`` at rows ``at``, null elsewhere."""
+    if kind == "str":  # the values, then spread over the rows (null between)
+        where = np.full(count, -1, np.int64)
+        where[at] = np.arange(len(at))
+        return arrays.strings(values).take(arrays.array(where, mask=where < 0))
+    dtype = _NUMPY_KINDS[kind]
+    data = np.zeros(count, dtype)
+    data[at] = np.array(values, dtype)
+    missing = np.ones(count, bool)
+    missing[at] = False
+    return arrays.array(data, mask=missing)
+
+
+def _name_anonymous(usable: dict[str, tuple[list[int], list]]) -> None:
+    """A turn sent without a conversation id is still a turn: its proxy turn span gets
+    the conversation id ``anonymous:<trace id>`` (the id the proxy's answer header gave)."""
+    cid = sc.CONVERSATION_ID.key
+    turns = {row for row, name in zip(*usable["name"]) if name == sc.SPAN_PROXY_TURN.name}
+    if not turns:
+        return
+    tagged = set(usable[cid][0])
+    named = [(row, sc.ANONYMOUS_PREFIX + trace) for row, trace in zip(*usable["trace_id"])
+             if row in turns and row not in tagged]
+    if named:
+        merged = sorted([*zip(*usable[cid]), *named])
+        usable[cid] = ([row for row, _ in merged], [value for _, value in merged])
 
 
 def frame_from_table(table: pa.Table) -> pd.DataFrame:
@@ -108,19 +190,11 @@ def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
     return table.filter(arrays.array(~repeated)) if repeated.any() else table
 
 
-def _name_anonymous(frame: pd.DataFrame) -> pd.DataFrame:
-    """A turn sent without a conversation id is still a turn: its proxy turn span gets
-    the conversation id ``anonymous:<trace id>`` (the id the proxy's answer header gave)."""
-    cid = sc.CONVERSATION_ID.key
-    anonymous = ((frame["name"] == sc.SPAN_PROXY_TURN.name) & frame[cid].isna()).fillna(False)
-    if anonymous.any():
-        frame.loc[anonymous, cid] = sc.ANONYMOUS_PREFIX + frame.loc[anonymous, "trace_id"]
-    return frame
-
-
-def select_conversation(frame: pd.DataFrame, conversation_id: str) -> pd.DataFrame:
+def select_conversation(table: pa.Table, conversation_id: str) -> pa.Table:
     """Spans tagged with the conversation, plus untagged spans of the same traces."""
-    tagged = frame[sc.CONVERSATION_ID.key] == conversation_id
-    traces = set(frame.loc[tagged.fillna(False), "trace_id"].dropna())
-    in_trace = frame["trace_id"].isin(traces) & frame[sc.CONVERSATION_ID.key].isna()
-    return frame[tagged.fillna(False) | in_trace].reset_index(drop=True)
+    ids = table.column(sc.CONVERSATION_ID.key)
+    tagged = pc.fill_null(pc.equal(ids, arrays.scalar(conversation_id, ids.type)), _FALSE)
+    traces = pc.unique(table.column("trace_id").filter(tagged)).drop_null()
+    in_trace = pc.and_(pc.is_in(table.column("trace_id"), value_set=traces),
+                       pc.is_null(ids))
+    return table.filter(pc.or_(tagged, in_trace))

@@ -19,11 +19,13 @@ from kvobs.sources._decode import short
 _VALUE_KEYS = ("stringValue", "intValue", "doubleValue", "boolValue")
 _ERROR_STATUS = (2, "STATUS_CODE_ERROR")
 _TRACE_ID_BYTES, _SPAN_ID_BYTES = 16, 8
-_INT64 = 2**63 - 1
+INT64_MAX = 2**63 - 1
 _TYPES = {key: attribute.type for key, attribute in sc.ATTRIBUTES.items()}
 _TYPES.update(start_ns="int", end_ns="int", trace_id="str", span_id="str",
               parent_span_id="str", name="str", service="str", error="bool")
 _NANOS_PER_MICRO = 1000
+# What ``coerced`` raises for a value it cannot use.
+UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
 
 def rows(where: str, document: object, problems: list[str]) -> list[dict]:
@@ -224,7 +226,7 @@ def coerced(value, type_: str):
             if not number.is_integer():
                 raise ValueError
             number = int(number)
-        if not isinstance(number, int) or abs(number) > _INT64:
+        if not isinstance(number, int) or abs(number) > INT64_MAX:
             raise ValueError
         return number
     number = float(value)
@@ -240,7 +242,7 @@ def coerce(row: dict) -> list[str]:
     for key, value in row.items():
         try:
             row[key] = coerced(value, _TYPES.get(key, "str"))
-        except (ValueError, TypeError, OverflowError, UnicodeEncodeError):
+        except UNUSABLE:
             row[key] = None
             bad.append(key)
     return bad

@@ -3,7 +3,6 @@ by its writer and its turn reader."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pyarrow as pa
@@ -12,17 +11,15 @@ import pyarrow.parquet as pq
 
 from kvobs import arrays, semconv as sc
 from kvobs.sources._decode import short
-from kvobs.sources._frame import ALL_DTYPES, DTYPE_ARROW_TYPES
+from kvobs.sources._frame import SPAN_SCHEMA
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
 TURNS_DIR = sc.STORE_TURNS_DIR
 
 
-@functools.lru_cache(maxsize=1)
 def store_schema() -> pa.Schema:
     """The Arrow schema of compacted segments (the span table's columns and types)."""
-    return pa.schema([(column, DTYPE_ARROW_TYPES[dtype])
-                      for column, dtype in ALL_DTYPES.items()])
+    return SPAN_SCHEMA
 
 
 def turns_path(store_dir: str, span_file: str) -> str:
@@ -127,7 +124,7 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
                                     if f.name in present else pa.nulls(read.num_rows, f.type)
                                     for f in scanned], schema=scanned))
         if not tables:
-            return schema.empty_table()
+            return arrays.empty(schema)
         return with_renamed_keys(pa.concat_tables(tables), columns)
     return read_or_skip(files, problems, scan)
 
@@ -143,7 +140,7 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
 
     def scan(paths):
         if not paths:
-            return schema.empty_table()
+            return arrays.empty(schema)
         dataset = ds.dataset(paths, format=file_format, schema=scanned)
         return with_renamed_keys(dataset.to_table(columns=scanned.names, filter=expression),
                                  columns)

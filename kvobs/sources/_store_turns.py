@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
-from kvobs.sources._frame import drop_duplicate_span_rows, table_from_frame
+from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._merge import sort_turns
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, turns_path, with_renamed_keys)
@@ -34,10 +34,9 @@ _READ_AS_DICTIONARY = ["tenant", "conversation_id"]
 def _live_spans(live, columns: list[str]) -> pa.Table | None:
     if not os.path.isdir(live.location):
         return None
-    frame = live.spans()
-    if frame.empty:
+    table = live.span_table()
+    if table.num_rows == 0:
         return None
-    table = table_from_frame(frame)
     if needs_lineage(table):  # id-less turns: conversations from chains
         table = lineage.link(table)
     schema = store_schema()

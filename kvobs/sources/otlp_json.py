@@ -14,8 +14,8 @@ import pyarrow as pa
 from kvobs import semconv as sc
 from kvobs.correlate import turn_rows
 from kvobs.sources._decode import documents
-from kvobs.sources._frame import (drop_duplicate_spans, frame_from_rows,
-                                  select_conversation, table_from_frame)
+from kvobs.sources._frame import (drop_duplicate_span_rows, frame_from_table,
+                                  select_conversation, table_from_rows)
 from kvobs.sources._rows import rows, spans_from_request
 
 if TYPE_CHECKING:
@@ -59,29 +59,30 @@ class DocumentSource:
 
     def __init__(self) -> None:
         self.problems: list[str] = []
-        self._frame: pd.DataFrame | None = None
+        self._table: pa.Table | None = None
 
     def _rows(self) -> Iterator[dict]:
         raise NotImplementedError
 
-    def _all(self) -> pd.DataFrame:
-        if self._frame is None:
-            self._frame = drop_duplicate_spans(frame_from_rows(list(self._rows())),
-                                               self.problems)
-        return self._frame
+    def _all(self) -> pa.Table:
+        if self._table is None:
+            self._table = drop_duplicate_span_rows(table_from_rows(self._rows()),
+                                                   self.problems)
+        return self._table
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
-        frame = self._all()
-        return frame if conversation_id is None else select_conversation(frame, conversation_id)
+        return frame_from_table(self.span_table(conversation_id))
 
     def span_table(self, conversation_id: str | None = None) -> pa.Table:
-        return table_from_frame(self.spans(conversation_id))
+        table = self._all()
+        return table if conversation_id is None else select_conversation(table, conversation_id)
 
     def turn_rows(self) -> pa.Table:
         return turn_rows(self._all())
 
     def conversation_ids(self) -> list[str]:
-        return sorted(self._all()[sc.CONVERSATION_ID.key].dropna().unique())
+        return sorted(self._all().column(sc.CONVERSATION_ID.key).unique().drop_null()
+                      .to_pylist())
 
 
 class OtlpJsonSource(DocumentSource):

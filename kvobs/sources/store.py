@@ -36,9 +36,8 @@ import pyarrow.parquet as pq
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
-from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_span_rows,
-                                  drop_duplicate_spans, frame_from_rows, frame_from_table,
-                                  select_conversation, table_from_frame)
+from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_span_rows, frame_from_table,
+                                  select_conversation, table_from_frame, table_from_rows)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
                                          read_conversation, read_spans, readable,
                                          span_files, store_schema, turns_path)
@@ -242,8 +241,8 @@ def _quiet(path: str, now: float, quiet_s: float) -> bool:
 
 
 def _spans_of(paths: list[str], problems: list[str]) -> pd.DataFrame:
-    return drop_duplicate_spans(frame_from_rows(
-        [row for path in paths for row in read_rows(path, problems)]), problems)
+    return frame_from_table(drop_duplicate_span_rows(table_from_rows(
+        row for path in paths for row in read_rows(path, problems)), problems))
 
 
 def _identity(live_dir: str, path: str) -> dict:
@@ -324,22 +323,18 @@ class StoreSource:
         return os.path.isdir(self._live.location) and bool(otlp_files(self._live.location))
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
-        import pandas as pd
-
-        live = self._live.spans(conversation_id) if self._has_live() else None
-        compacted = frame_from_table(self._compacted(conversation_id))
-        if live is None or live.empty:
-            return drop_duplicate_spans(compacted, self.problems)
-        frame = drop_duplicate_spans(pd.concat([compacted, live], ignore_index=True),
-                                     self.problems)
-        return frame if conversation_id is None else select_conversation(frame, conversation_id)
+        return frame_from_table(self.span_table(conversation_id))
 
     def span_table(self, conversation_id: str | None = None) -> pa.Table:
-        """``spans`` in Arrow: compacted spans straight from parquet; with live segments
-        (span files), through ``spans``."""
-        if self._has_live():
-            return table_from_frame(self.spans(conversation_id))
-        return drop_duplicate_span_rows(self._compacted(conversation_id), self.problems)
+        """Compacted spans straight from parquet, and the live segments' (span files)
+        after them; a span in both places read once."""
+        live = self._live.span_table(conversation_id) if self._has_live() else None
+        compacted = self._compacted(conversation_id)
+        if live is None or live.num_rows == 0:
+            return drop_duplicate_span_rows(compacted, self.problems)
+        table = drop_duplicate_span_rows(pa.concat_tables([compacted, live]), self.problems)
+        return (table if conversation_id is None
+                else select_conversation(table, conversation_id))
 
     def turn_rows(self) -> pa.Table:
         """Mostly from the turn files written at compaction (``_store_turns``)."""

@@ -112,3 +112,25 @@ def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
         assert "pandas" not in _packages(modules)
     # The restart is a lineage fact: the export turn 2 extends, and the engine after it.
     assert turns[1]["evidence"]["extends_engine_restarted_at"] is not None
+
+
+@pytest.mark.parametrize("source", ["span file", "live store", "compacted and live"])
+def test_diagnose_json_of_span_files_loads_no_pandas(tmp_path, source):
+    """Span files are read into the Arrow span table without pandas: a span file, a store
+    whose writers are running (live segments only), and one with live segments next to
+    compacted ones (a span in both read once); the demo spans, prefix chains included."""
+    from kvobs.sources.store import compact
+
+    os.makedirs(tmp_path / "spans")
+    segment = tmp_path / "spans" / "seg.jsonl"
+    shutil.copy(DEMO_SPANS, segment)
+    if source == "compacted and live":
+        compact(str(tmp_path), writers_stopped=True)
+        shutil.copy(DEMO_SPANS, segment)
+    modules, output, status = _imported("diagnose", "agent-happy", "--source",
+                                        str(segment if source == "span file" else tmp_path),
+                                        "--json")
+    assert status == "0"
+    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
+        "first-turn", "remote-hit", "remote-hit"]
+    assert "pandas" not in _packages(modules)

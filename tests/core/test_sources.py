@@ -267,3 +267,29 @@ def test_one_conversation_read_by_row_group_statistics_equals_a_filtered_scan(tm
         got = read_conversation(files, [], columns, cid)
         assert got.num_rows == expected.num_rows > 0
         assert got.equals(expected), cid
+
+
+def test_span_table_from_rows_coerces_each_value_on_its_own():
+    """The one builder of the span table from rows: Arrow, typed by the span schema; a
+    value it cannot use is null and takes nothing else with it; an id-less proxy turn is
+    named by its trace."""
+    from kvobs import semconv as sc
+    from kvobs.sources._frame import SPAN_SCHEMA, table_from_rows
+
+    good = {"trace_id": "ab", "span_id": "01", "name": sc.SPAN_PROXY_TURN.name,
+            "start_ns": 1_700_000_000_123_456_789, "end_ns": "1700000000123456790",
+            sc.TURN_INDEX.key: 2.0, sc.STREAM.key: "true", sc.TTFT.key: 1}
+    bad = {"trace_id": "cd", "span_id": "\ud800", "name": "x", "start_ns": 2**70,
+           "end_ns": 1.5, sc.TURN_INDEX.key: True, sc.STREAM.key: "yes",
+           sc.TTFT.key: float("inf"), sc.CONVERSATION_ID.key: 7, "no.such.key": 1}
+    table = table_from_rows([good, bad, {"span_id": "02"}])
+    assert table.schema == SPAN_SCHEMA
+    rows = table.to_pylist()
+    assert {k: v for k, v in rows[0].items() if v is not None} == {
+        "trace_id": "ab", "span_id": "01", "name": sc.SPAN_PROXY_TURN.name,
+        "start_ns": 1_700_000_000_123_456_789, "end_ns": 1_700_000_000_123_456_790,
+        sc.TURN_INDEX.key: 2, sc.STREAM.key: True, sc.TTFT.key: 1.0,
+        sc.CONVERSATION_ID.key: sc.ANONYMOUS_PREFIX + "ab"}
+    assert {k: v for k, v in rows[1].items() if v is not None} == {
+        "trace_id": "cd", "name": "x"}
+    assert {k: v for k, v in rows[2].items() if v is not None} == {"span_id": "02"}
