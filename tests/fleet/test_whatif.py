@@ -46,7 +46,7 @@ def demo():
 def test_the_recorded_settings_give_back_every_verdict_diagnose_gives_the_demo_run(demo):
     source, turns, rate = demo
     ttl, threshold = float(turns["ttl_s"].mode()[0]), int(turns["threshold"].mode()[0])
-    assert (ttl, threshold) == (40.0, 64)  # scenarios/demo.toml
+    assert (ttl, threshold) == (40.0, 64)  # the demo run DEMO_SPANS recorded
     expected = diagnosed(source)
     assert len(set(expected.values())) >= 8
     # None: as recorded turn by turn; 450: the demo proxy's fixed entry lifetime.
