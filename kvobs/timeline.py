@@ -179,13 +179,17 @@ def read_marks(turns: _T | _C) -> Marks:
     value = np.empty((len(MARKS), rows))
     status = np.empty((len(MARKS), rows), np.int8)
     last = np.full(rows, np.nan)
+    # Written into the rows in place: no temporaries of millions of turns per mark.
     for i, mark in enumerate(MARKS):
         read = mark.read(c)
         applies = mark.applies(c)
         known = applies & ~np.isnan(read)
-        value[i] = np.where(applies, read, last)
-        status[i] = np.where(known, KNOWN, np.where(applies, MISSING, NOT_APPLICABLE))
-        last = np.where(known, read, last)
+        value[i] = last
+        np.copyto(value[i], read, where=applies)
+        status[i] = NOT_APPLICABLE
+        status[i][applies] = MISSING
+        status[i][known] = KNOWN
+        np.copyto(last, read, where=known)
     return Marks(value, status)
 
 
@@ -282,7 +286,8 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     # the last known one carried over marks that do not apply) and ends at a known mark.
     starts_known = _carried_known(status)[:-1]
     end = status[1:]
-    phase_seconds = np.where(starts_known & (end == KNOWN), np.diff(value, axis=0), np.nan)
+    phase_seconds = value[1:] - value[:-1]
+    phase_seconds[~(starts_known & (end == KNOWN))] = np.nan
     phase_seconds[starts_known & (end == NOT_APPLICABLE)] = 0.0
     # Marks are in time order: the latency runs from the first known to the last.
     # (Reductions run mark by mark: each mark's row is contiguous, a reduction across
@@ -291,8 +296,8 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     count = np.zeros(rows, np.int8)
     for i in range(len(MARKS)):
         known = status[i] == KNOWN
-        earliest = np.where(known & (count == 0), value[i], earliest)
-        latest = np.where(known, value[i], latest)
+        np.copyto(earliest, value[i], where=known & (count == 0))
+        np.copyto(latest, value[i], where=known)
         count += known
     latency = np.where(count >= 2, latest - earliest, np.nan)
     ttft_known = (status[0] == KNOWN) & (status[_FIRST_TOKEN] == KNOWN)
@@ -300,8 +305,8 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     best, best_s = np.zeros(rows, np.int64), np.zeros(rows)
     for i in range(len(PHASES)):
         longer = phase_seconds[i] > best_s  # NaN compares False
-        best = np.where(longer, i, best)
-        best_s = np.where(longer, phase_seconds[i], best_s)
+        best[longer] = i
+        np.copyto(best_s, phase_seconds[i], where=longer)
     has_best = best_s > 0
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(has_best & (latency > 0), best_s / latency, np.nan)

@@ -53,44 +53,110 @@ def _buckets(values: pd.Series, label, order) -> pd.Series:
                      index=values.index)
 
 
-METRIC_COLUMNS = ["verdict", "read_outcome", "read_bytes", "candidate_tokens",
-                  "recomputed_tokens", "ttft_s", "latency_s"]
-# The host path's (kvobs.host.* spans); a turn table of an older kvobs may lack them.
-HOST_METRIC_COLUMNS = ["host_load_bytes", "host_hit_host_tokens", "host_hit_p2p_tokens"]
 # Verdicts of the host path, counted apart in each scope's ``host_hit_ratio``.
 HOST_VERDICTS = [v.value for v in (Verdict.HOST_HIT, Verdict.HOST_EVICTED,
                                    Verdict.HOST_SAVE_INCOMPLETE,
                                    Verdict.HOST_COPY_LACKS_RESPONSE)]
 
 
-def _metrics(group: pd.DataFrame) -> dict[str, Any]:
-    n = len(group)
-    counts = group["verdict"].value_counts()
-    done = (group["read_outcome"] == ReadOutcome.DONE.value).fillna(False)
-    ttft = group["ttft_s"].astype(float)
-    latency = group["latency_s"].astype(float)
+@dataclass
+class _Measured:
+    """What each scope's metrics read, per turn, computed once for the whole table: a
+    scope is then row positions into numpy arrays, never a copied frame."""
+    verdict_codes: np.ndarray
+    verdict_names: list[str]
+    bytes_read: np.ndarray  # a finished read's bytes, else 0
+    reused_tokens: np.ndarray  # a finished read's candidate tokens, else 0
+    recomputed_tokens: np.ndarray
+    host_load_bytes: np.ndarray
+    host_reused_tokens: np.ndarray
+    ttft_s: np.ndarray
+    latency_s: np.ndarray
+
+    @classmethod
+    def of(cls, turns: pd.DataFrame) -> _Measured:
+        codes, names = pd.factorize(turns["verdict"])
+        done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
+
+        def counted(column: str, where: np.ndarray | bool = True) -> np.ndarray:
+            values = turns[column].to_numpy(float, na_value=np.nan)
+            return np.where(where & ~np.isnan(values), values, 0.0)
+
+        return cls(codes, [str(name) for name in names], counted("read_bytes", done),
+                   counted("candidate_tokens", done), counted("recomputed_tokens"),
+                   np.nan_to_num(col.num(turns, "host_load_bytes")),
+                   host_tokens_served(turns), turns["ttft_s"].to_numpy(float, na_value=np.nan),
+                   turns["latency_s"].to_numpy(float, na_value=np.nan))
+
+
+def _metrics(measured: _Measured, rows: np.ndarray) -> dict[str, Any]:
+    """One scope's metrics over the turns at positions ``rows``."""
+    n = len(rows)
+    codes = measured.verdict_codes.take(rows)
+    tally = np.bincount(codes[codes >= 0], minlength=len(measured.verdict_names))
+    counts = {name: int(k) for name, k in zip(measured.verdict_names, tally)}
+    ttft, latency = measured.ttft_s.take(rows), measured.latency_s.take(rows)
+    ttft_p50, ttft_p95 = _quantiles(ttft)
+    latency_p50, latency_p95 = _quantiles(latency)
     return {
         "turns": n,
-        "verdicts": {v: int(counts.get(v, 0)) for v in VERDICTS if counts.get(v, 0)},
+        "verdicts": {v: counts[v] for v in VERDICTS if counts.get(v, 0)},
         "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / n) if n else None,
-        "bytes_read": int(group.loc[done, "read_bytes"].astype(float).sum()),
-        "reused_tokens": int(group.loc[done, "candidate_tokens"].astype(float).sum()),
-        "recomputed_tokens": int(group["recomputed_tokens"].astype(float).sum()),
+        "bytes_read": int(measured.bytes_read.take(rows).sum()),
+        "reused_tokens": int(measured.reused_tokens.take(rows).sum()),
+        "recomputed_tokens": int(measured.recomputed_tokens.take(rows).sum()),
         # The host path: what the offloading tiers served (docs/host_copy.md).
         "host_hit_ratio": float(counts.get(Verdict.HOST_HIT.value, 0) / n) if n else None,
         "host_path_turns": int(sum(counts.get(v, 0) for v in HOST_VERDICTS)),
-        "host_bytes_loaded": int(np.nansum(col.num(group, "host_load_bytes"))),
-        "host_reused_tokens": int(host_tokens_served(group).sum()),
+        "host_bytes_loaded": int(measured.host_load_bytes.take(rows).sum()),
+        "host_reused_tokens": int(measured.host_reused_tokens.take(rows).sum()),
         # TTFT and latency apart: a turn can be slow after its first token (decode).
-        "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p95_s": _quantile(ttft, 0.95),
-        "ttft_unmeasured_turns": int(ttft.isna().sum()),
-        "latency_p50_s": _quantile(latency, 0.5), "latency_p95_s": _quantile(latency, 0.95),
+        "ttft_p50_s": ttft_p50, "ttft_p95_s": ttft_p95,
+        "ttft_unmeasured_turns": int(np.isnan(ttft).sum()),
+        "latency_p50_s": latency_p50, "latency_p95_s": latency_p95,
     }
 
 
-def _quantile(values: pd.Series, q: float) -> float | None:
-    values = values.dropna()
-    return float(values.quantile(q)) if len(values) else None
+def _sorted_codes(values: pd.Series) -> tuple[np.ndarray, list]:
+    """Per row the code of its value (-1: missing) and the values in sort order."""
+    if isinstance(values.dtype, pd.CategoricalDtype):
+        return values.cat.codes.to_numpy(np.int64), list(values.cat.categories)
+    codes, uniques = pd.factorize(values, sort=True)
+    return codes.astype(np.int64), list(uniques)
+
+
+def _quantiles(values: np.ndarray) -> tuple[float | None, float | None]:
+    """p50 and p95 of the measured values (one partition for both)."""
+    values = values[~np.isnan(values)]
+    if not len(values):
+        return None, None
+    p50, p95 = np.quantile(values, (0.5, 0.95))
+    return float(p50), float(p95)
+
+
+def _grouped(measured: _Measured, turns: pd.DataFrame, keys: list[str],
+             rows: np.ndarray) -> list[dict[str, Any]]:
+    """``_metrics`` per combination of ``keys`` found among ``rows``, sorted as
+    ``groupby`` sorts (a categorical by category order); rows with a missing key belong
+    to no group."""
+    coded = [_sorted_codes(turns[key]) for key in keys]
+    categories = [names for _, names in coded]
+    codes = [key_codes.take(rows) for key_codes, _ in coded]
+    combined = np.zeros(len(rows), np.int64)
+    for key_codes, names in zip(codes, categories):
+        combined = combined * len(names) + key_codes
+    valid = np.logical_and.reduce([key_codes >= 0 for key_codes in codes])
+    rows, combined = rows[valid], combined[valid]
+    order = np.argsort(combined, kind="stable")  # each group's rows in table order
+    uniques, starts = np.unique(combined[order], return_index=True)
+    out = []
+    for value, group in zip(uniques, np.split(rows[order], starts[1:])):
+        key = []
+        for names in reversed(categories):
+            value, code = divmod(int(value), len(names))
+            key.append(names[code])
+        out.append({**dict(zip(keys, reversed(key))), **_metrics(measured, group)})
+    return out
 
 
 def phase_ranking(turns: pd.DataFrame, rows: np.ndarray, slowest: dict[str, int],
@@ -235,31 +301,21 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
     cutoff = since_cutoff_ns(labelled["turn_start_ns"].max(), since)
     if cutoff is not None:
         labelled = labelled[(labelled["turn_start_ns"] >= cutoff).fillna(False)]
-    # The grouped metrics read a few columns: slicing those only keeps the per-group
-    # copies small (a million turns, ~40 columns).
-    measured = labelled[["turn", "turn_bucket", "prompt_bucket", *METRIC_COLUMNS,
-                         *(c for c in HOST_METRIC_COLUMNS if c in labelled)]]
-    first = measured["turn"] == 1
-    later = measured[~first]
-
-    def grouped(frame, keys):
-        rows = []
-        for key, group in frame.groupby(keys, observed=True, sort=True):
-            key = key if isinstance(key, tuple) else (key,)
-            rows.append({**dict(zip(keys, key)), **_metrics(group)})
-        return rows
-
+    measured = _Measured.of(labelled)
+    first = (labelled["turn"] == 1).to_numpy(bool)
+    every, later = np.arange(len(labelled)), np.flatnonzero(~first)
     cids = labelled["conversation_id"]
     report = FleetReport(
         source=source, since=since,
         conversations=len(labelled[CONVERSATION_KEYS].drop_duplicates()), turns=len(labelled),
-        prefill_tokens_per_s=rate, first_turn=_metrics(measured[first]),
-        later_turns=_metrics(later),
-        by_turn=grouped(measured, ["turn_bucket"]),
-        by_prompt=grouped(later, ["prompt_bucket"]),
-        by_turn_and_prompt=grouped(measured, ["turn_bucket", "prompt_bucket"]),
+        prefill_tokens_per_s=rate, first_turn=_metrics(measured, np.flatnonzero(first)),
+        later_turns=_metrics(measured, later),
+        by_turn=_grouped(measured, labelled, ["turn_bucket"], every),
+        by_prompt=_grouped(measured, labelled, ["prompt_bucket"], later),
+        by_turn_and_prompt=_grouped(measured, labelled, ["turn_bucket", "prompt_bucket"],
+                                    every),
         memory=memory_held(labelled),
-        phases=phase_sections(labelled, first.to_numpy(bool)),
+        phases=phase_sections(labelled, first),
         retention=retention(labelled),
         synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
     return report, labelled
