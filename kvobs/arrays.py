@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["array", "strings", "scalar", "empty", "numbers", "booleans", "values",
-           "from_values", "text", "codes", "KIND_TYPES"]
+__all__ = ["array", "strings", "scalar", "equal", "empty", "numbers", "booleans", "values",
+           "from_values", "text", "codes", "KIND_TYPES", "FALSE"]
 
 # The Arrow type of each value kind of kvobs.semconv's attributes and the turn columns.
 KIND_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
@@ -87,6 +87,15 @@ def scalar(value: Any, type: pa.DataType) -> pa.Scalar:
     if pa.types.is_string(type) or pa.types.is_large_string(type):
         return strings([value]).cast(type)[0]
     return array(np.array([value]), type)[0]
+
+
+FALSE = scalar(False, pa.bool_())
+
+
+def equal(values: pa.Array | pa.ChunkedArray, value: Any) -> pa.Array | pa.ChunkedArray:
+    """Per row whether it holds ``value`` (typed as the column; a null row: false): a
+    mask for ``filter``."""
+    return pc.fill_null(pc.equal(values, scalar(value, values.type)), FALSE)
 
 
 def empty(schema: pa.Schema) -> pa.Table:

@@ -49,7 +49,6 @@ _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KE
 ARROW_TYPES = arrays.KIND_TYPES
 Spans = Union["pd.DataFrame", pa.Table]
 # Compute calls' literals, typed (a Python literal would import pandas: kvobs.arrays).
-_FALSE = arrays.scalar(False, pa.bool_())
 _SECOND_NS = arrays.scalar(1e9, pa.float64())
 _ZERO_S = arrays.scalar(0.0, pa.float64())
 
@@ -66,7 +65,7 @@ def vllm_roles(spans: Spans) -> Spans:
     calls P first, D last), earlier ones P's."""
     table = _arrow(spans, set(_ROLE_AND_CHAIN))
     name = arrays.text(table, "name")
-    vllm = pc.fill_null(pc.equal(name, _text(sc.VLLM_REQUEST_SPAN)), _FALSE)
+    vllm = arrays.equal(name, sc.VLLM_REQUEST_SPAN)
     if not pc.any(vllm).as_py():
         return spans
     service = pc.coalesce(pc.utf8_lower(arrays.text(table, sc.ROLE.key)),
@@ -83,10 +82,11 @@ def vllm_roles(spans: Spans) -> Spans:
     has[codes[counted]] = True
     latest_start = arrays.array(latest[codes], pa.int64(), mask=~has[codes])
     # A span without trace has no turn to be the last of.
-    last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), _FALSE)
+    last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), arrays.FALSE)
     decode = pc.or_kleene(
-        pc.fill_null(pc.match_substring(service, "decode"), _FALSE),
-        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"), _FALSE)),
+        pc.fill_null(pc.match_substring(service, "decode"), arrays.FALSE),
+        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"),
+                                             arrays.FALSE)),
                       last))
     renamed = pc.if_else(vllm, pc.if_else(decode, _text(sc.SPAN_VLLM_DECODE.name),
                                           _text(sc.SPAN_VLLM_PREFILL.name)), name)
@@ -102,8 +102,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     key = sc.PREFIX_LINEAGE.key
     if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
         return False
-    decisions = pc.and_(pc.fill_null(pc.equal(arrays.text(spans, "name"),
-                                              _text(sc.SPAN_PULL_DECISION.name)), _FALSE),
+    decisions = pc.and_(arrays.equal(arrays.text(spans, "name"), sc.SPAN_PULL_DECISION.name),
                         pc.is_valid(spans.column(key)))
     if not pc.any(decisions).as_py():
         return False
@@ -111,7 +110,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
         return True
     cid = arrays.text(spans, sc.CONVERSATION_ID.key).filter(decisions)
     return bool(pc.any(pc.or_(pc.is_null(cid), pc.fill_null(
-        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), _FALSE))).as_py())
+        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), arrays.FALSE))).as_py())
 
 
 def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
@@ -432,8 +431,7 @@ def with_served_by(rows: pa.Table) -> pa.Table:
     host lookup's accepted tokens), and the path(s) that served any."""
     offered = pc.coalesce(_column(rows, "offered_tokens", pa.int64()),
                           _column(rows, "candidate_tokens", pa.int64()))
-    read = pc.fill_null(pc.equal(_column(rows, "read_outcome", pa.string()),
-                                 _text(sc.ReadOutcome.DONE.value)), _FALSE)
+    read = arrays.equal(_column(rows, "read_outcome", pa.string()), sc.ReadOutcome.DONE.value)
     decided = pc.is_valid(_column(rows, "decision", pa.string()))
     zero = arrays.scalar(0, pa.int64())
     device = pc.if_else(decided, pc.if_else(read, pc.fill_null(offered, zero), zero),

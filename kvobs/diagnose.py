@@ -112,8 +112,7 @@ def _where(turns: pa.Table, column: str, value: str) -> pa.Table:
     values = turns.column(column)
     if pa.types.is_dictionary(values.type):
         values = values.cast(values.type.value_type)
-    return turns.filter(pc.fill_null(pc.equal(values, arrays.scalar(value, values.type)),
-                                     arrays.scalar(False, pa.bool_())))
+    return turns.filter(arrays.equal(values, value))
 
 
 def _distinct(turns: pa.Table, column: str) -> list[str]:

@@ -38,7 +38,6 @@ _KINDS = {column: next(kind for kind, d in KIND_DTYPES.items() if d == dtype)
           for column, dtype in ALL_DTYPES.items()}
 _NUMPY_KINDS = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _PYTHON_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
-_FALSE = arrays.scalar(False, pa.bool_())
 
 
 def empty_spans() -> pd.DataFrame:
@@ -193,7 +192,7 @@ def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
 def select_conversation(table: pa.Table, conversation_id: str) -> pa.Table:
     """Spans tagged with the conversation, plus untagged spans of the same traces."""
     ids = table.column(sc.CONVERSATION_ID.key)
-    tagged = pc.fill_null(pc.equal(ids, arrays.scalar(conversation_id, ids.type)), _FALSE)
+    tagged = arrays.equal(ids, conversation_id)
     traces = pc.unique(table.column("trace_id").filter(tagged)).drop_null()
     in_trace = pc.and_(pc.is_in(table.column("trace_id"), value_set=traces),
                        pc.is_null(ids))

@@ -118,8 +118,8 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
             if not groups:
                 continue
             read = parquet.read_row_groups(groups, columns=present, use_threads=False)
-            read = read.filter(pc.fill_null(pc.equal(read.column(cid).cast(wanted.type),
-                                                     wanted), arrays.scalar(False, pa.bool_())))
+            read = read.filter(arrays.equal(read.column(cid).cast(wanted.type),
+                                            conversation_id))
             tables.append(pa.table([read.column(f.name).cast(f.type)
                                     if f.name in present else pa.nulls(read.num_rows, f.type)
                                     for f in scanned], schema=scanned))
