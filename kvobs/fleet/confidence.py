@@ -77,7 +77,12 @@ def _break_even_interval(turns: pd.DataFrame, tuning: Tuning, resamples: int,
         return None
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
     rows = turns.loc[done, ["read_outcome", "candidate_tokens", "read_duration_s",
-                            "read_bytes"]].reset_index(drop=True)
+                            "read_bytes"]]
+    # In the order of their values: the same reads give the same interval whichever
+    # order a source returned its turns in.
+    rows = rows.iloc[np.lexsort([rows[c].to_numpy(np.float64, na_value=np.nan)
+                                 for c in reversed(rows.columns[1:])])]
+    rows = rows.reset_index(drop=True)
     random = np.random.default_rng(seed)
     if len(rows) > MAX_RESAMPLED_READS:
         rows = rows.iloc[random.choice(len(rows), MAX_RESAMPLED_READS, replace=False)]

@@ -39,8 +39,11 @@ class SpanSource(Protocol):
         (span files and the store build it in Arrow; ``spans`` derives from it)."""
 
     def turn_rows(self) -> pa.Table:
-        """One Arrow row per (tenant, conversation_id, turn), sorted by those keys, with
-        the columns of ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``)."""
+        """One Arrow row per (tenant, conversation_id, turn) with the columns of
+        ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``): each
+        conversation's rows together and by turn, conversations in any order (what
+        ``correlate.derive`` needs; a global sort of a fleet's rows costs more than
+        reading them)."""
 
     def conversation_ids(self) -> list[str]:
         """Every conversation id the source knows."""

@@ -21,7 +21,6 @@ from kvobs import lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import drop_duplicate_span_rows
-from kvobs.sources._merge import sort_turns
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, turns_path, with_renamed_keys)
 from kvobs.turn_columns import KEY_SOURCES
@@ -72,7 +71,8 @@ def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> 
 
 def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     """Turn rows (before ``derive``) of a store directory and its live segments (a
-    ``SpanSource``), sorted by the turn keys; unreadable files reported in ``problems``."""
+    ``SpanSource``), each conversation's rows together and by turn (``SpanSource.turn_rows``);
+    unreadable files reported in ``problems``."""
     columns = span_columns() + ["trace_id", "span_id"]
     live = _live_spans(live_source, columns)
     files = readable(span_files(store_dir), problems)
@@ -106,10 +106,14 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
             spans = pa.concat_tables([plain(spans).cast(live.schema), live])
         # A span in two files (a retried export compacted twice, a copied file) counts once.
         kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
-    empty = aggregate(_scan_spans([], columns, None))
+    schema = _turn_schema(aggregate(_scan_spans([], columns, None)).schema)
+    # Each table is sorted and no conversation is in two of them (split ones were
+    # rebuilt from their spans): concatenated, every conversation's turns stay together
+    # and in order, which is all the turn table needs; a global sort of the 1.35M x 87
+    # rows of a 270k-conversation fleet cost more than reading them.
     if not kept:
-        return empty
-    return sort_turns(pa.concat_tables([_conform(t, empty.schema) for t in kept]))
+        return schema.empty_table()
+    return pa.concat_tables([_conform(t, schema) for t in kept]).unify_dictionaries()
 
 
 def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
@@ -123,13 +127,25 @@ def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
         return None
 
 
+def _turn_schema(schema: pa.Schema) -> pa.Schema:
+    """The turn rows' schema, conversation keys as dictionaries (as parquet reads them:
+    decoding 1.35M ids to cast a turn file would cost a second read)."""
+    return pa.schema([pa.field(f.name, pa.dictionary(pa.int32(), f.type))
+                      if f.name in _READ_AS_DICTIONARY and not pa.types.is_dictionary(f.type)
+                      else f for f in schema])
+
+
 def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:
     """A turn file in today's columns: one written by another kvobs version lacks newer
     columns (null here) or has older ones (dropped)."""
+    columns = []
     for field in schema:
         if field.name not in turns.column_names:
-            turns = turns.append_column(field.name, pa.nulls(turns.num_rows, field.type))
-    return turns.select(schema.names).cast(schema)
+            columns.append(pa.nulls(turns.num_rows, field.type))
+            continue
+        column = turns.column(field.name)
+        columns.append(column if column.type == field.type else column.cast(field.type))
+    return pa.table(columns, schema=schema)
 
 
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:

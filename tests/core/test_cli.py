@@ -183,3 +183,20 @@ def test_a_bug_in_kvobs_exits_4_with_one_line_never_1(monkeypatch, source):
     assert result.exit_code == 4
     assert "internal error (ZeroDivisionError: boom)" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("chosen, expected", [(None, "system"), ("mimalloc", "mimalloc")])
+def test_cli_uses_the_c_allocator_for_arrow_unless_told_otherwise(chosen, expected):
+    """The CLI picks Arrow's pool before pyarrow loads (mimalloc's page churn cost
+    `kvobs report` seconds of system time, bench/README.md); a pool the user set wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if chosen:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
+    out = subprocess.run([sys.executable, "-c", "import kvobs.cli, pyarrow; "
+                          "print(pyarrow.default_memory_pool().backend_name)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == expected

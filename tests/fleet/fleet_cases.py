@@ -57,8 +57,29 @@ def chdb_table(chdb_path: str, table: str, store: str, attributes: str = "map",
     return source
 
 
+def assert_grouped(turns: pd.DataFrame) -> None:
+    """Each conversation's rows together and by turn (``SpanSource.turn_rows``)."""
+    keys = list(zip(turns["tenant"].astype(str), turns["conversation_id"].astype(str)))
+    turn = turns["turn"].tolist()
+    starts = [i for i in range(len(keys)) if i == 0 or keys[i] != keys[i - 1]]
+    assert len(starts) == len(set(keys)), "a conversation's rows are not together"
+    assert all(keys[i] != keys[i - 1] or turn[i] > turn[i - 1]
+               for i in range(1, len(keys))), "a conversation's turns are out of order"
+
+
+def by_key(turns: pd.DataFrame) -> pd.DataFrame:
+    order = sorted(range(len(turns)), key=lambda i: (str(turns["tenant"].iloc[i]),
+                                                     str(turns["conversation_id"].iloc[i]),
+                                                     int(turns["turn"].iloc[i])))
+    return turns.iloc[order].reset_index(drop=True)
+
+
 def assert_same_turns(turns: pd.DataFrame, reference: pd.DataFrame) -> None:
-    """Same rows in the same order, and equal values in every shared column."""
+    """Same rows (each table grouped by conversation; compared in key order), and equal
+    values in every shared column."""
+    assert_grouped(turns)
+    assert_grouped(reference)
+    turns, reference = by_key(turns), by_key(reference)
     for key in ("tenant", "conversation_id", "turn"):
         assert list(turns[key].astype(str)) == list(reference[key].astype(str)), key
     for column in turns.columns:

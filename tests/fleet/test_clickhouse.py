@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 chdb = pytest.importorskip("chdb")
 
-from fleet_cases import SHARED_ID, assert_same_turns, chdb_table  # noqa: E402
+from fleet_cases import SHARED_ID, assert_same_turns, by_key, chdb_table  # noqa: E402
 from test_classify_parity import compare_verdicts  # noqa: E402
 
 from kvobs import semconv as sc  # noqa: E402
@@ -92,8 +92,8 @@ def test_sql_turn_table_equals_store_turn_table(clickhouse, synthetic_store):
     sql = fleet_turns(clickhouse)
     assert_same_turns(sql, store)
     assert set(store.columns) <= set(sql.columns)
-    assert (label_turns(store)[0]["verdict"].to_numpy()
-            == label_turns(sql)[0]["verdict"].to_numpy()).all()
+    assert (by_key(label_turns(store)[0])["verdict"].to_numpy()
+            == by_key(label_turns(sql)[0])["verdict"].to_numpy()).all()
 
 
 def test_sql_keeps_tenants_sharing_an_id_apart(factory_clickhouse, factory_store):
