@@ -26,11 +26,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pandas as pd  # noqa: E402
+import pyarrow as pa  # noqa: E402
 
 from connector_instrumented import _digest  # noqa: E402
 from kvobs import lineage, semconv as sc  # noqa: E402
 from kvobs.correlate import turns_from_spans  # noqa: E402
-from kvobs.sources._frame import frame_from_rows, table_from_frame  # noqa: E402
+from kvobs.sources._frame import frame_from_table, table_from_rows  # noqa: E402
 
 BS = 16
 SEED = "bench000"
@@ -45,7 +46,7 @@ def _extend(hashes: list[bytes], rng: random.Random, tokens: int) -> list[bytes]
 
 
 def spans(conversations: int, turns: int, first: int, step: int, output: int,
-          with_ids: bool) -> pd.DataFrame:
+          with_ids: bool) -> pa.Table:
     rows = []
     rng = random.Random(7)
     t0 = 1_800_000_000.0
@@ -75,7 +76,7 @@ def spans(conversations: int, turns: int, first: int, step: int, output: int,
                          sc.PREFIX_LINEAGE.key: _digest.encode(hashes, len(hashes) * BS, BS,
                                                                SEED)})
             start = end + 5 + rng.random() * 30
-    return frame_from_rows(rows)
+    return table_from_rows(rows)
 
 
 def timed(fn, *args):
@@ -94,15 +95,15 @@ def main() -> None:
     args = parser.parse_args()
     shape = (args.conversations, args.turns, args.first_tokens, args.step_tokens,
              args.output_tokens)
-    idless, built = timed(spans, *shape, False)
-    with_ids = spans(*shape, True)
+    idless_table, built = timed(spans, *shape, False)
+    idless, with_ids = frame_from_table(idless_table), frame_from_table(spans(*shape, True))
     n_turns = args.conversations * args.turns
     chain = idless[sc.PREFIX_LINEAGE.key].str.len().mean()
     print(f"{len(idless):,} spans, {n_turns:,} turns ({args.conversations:,} conversations x "
           f"{args.turns}; prompts {args.first_tokens:,} tokens growing "
           f"{args.step_tokens + args.output_tokens:,} a turn); chain {chain:,.0f} chars "
           f"on average; built in {built:.1f}s")
-    _, link_s = timed(lineage.link, table_from_frame(idless))
+    _, link_s = timed(lineage.link, idless_table)
     rebuilt, idless_s = timed(turns_from_spans, idless)
     _, ids_s = timed(turns_from_spans, with_ids)
     plain = with_ids.assign(**{sc.PREFIX_LINEAGE.key: pd.NA})  # no chains: no linking

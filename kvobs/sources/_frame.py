@@ -72,6 +72,17 @@ def table_from_rows(rows: Iterable[dict]) -> pa.Table:
                                  for column in ALL_DTYPES], schema=SPAN_SCHEMA)
 
 
+def conformed(table: pa.Table, schema: pa.Schema = SPAN_SCHEMA) -> pa.Table:
+    """``table`` (span columns under whatever Arrow types its reader gave them: a
+    ClickHouse query's result, a parquet file an older kvobs wrote) as ``schema``: each
+    column cast to its type, a column it lacks all null, others dropped. The typing
+    ``table_from_rows`` gives span files, for every other reader."""
+    return pa.table([table.column(field.name).cast(field.type)
+                     if field.name in table.column_names
+                     else pa.nulls(table.num_rows, field.type) for field in schema],
+                    schema=schema)
+
+
 def _usable(at: list[int], values: list, kind: str) -> tuple[list[int], list]:
     """The rows' values as ``kind``, those it cannot use left out."""
     if _already(values, kind):
@@ -144,11 +155,6 @@ def frame_from_table(table: pa.Table) -> pd.DataFrame:
                          if column in ALL_DTYPES and frame[column].dtype != ALL_DTYPES[column]})
 
 
-def table_from_frame(frame: pd.DataFrame) -> pa.Table:
-    """A span frame as an Arrow table (what ``correlate.needs_lineage`` reads)."""
-    return pa.Table.from_pandas(frame, preserve_index=False)
-
-
 def repeated_spans(trace_ids, span_ids) -> np.ndarray:
     """Mask of the rows that repeat an earlier row's (trace id, span id): a span
     delivered twice (an exporter's retry, a copied file) would otherwise count twice
@@ -165,28 +171,16 @@ def repeated_spans(trace_ids, span_ids) -> np.ndarray:
     return repeated
 
 
-def _reported(count: int, problems: list[str]) -> None:
-    if count:
-        problems.append(f"{count} duplicate span(s) (same trace and span id) read once")
-
-
-def drop_duplicate_spans(frame: pd.DataFrame, problems: list[str]) -> pd.DataFrame:
-    """One row per (trace id, span id) (``repeated_spans``), the repeats reported."""
-    if frame.empty:
-        return frame
-    repeated = repeated_spans(pa.array(frame["trace_id"], pa.string()),
-                              pa.array(frame["span_id"], pa.string()))
-    _reported(int(repeated.sum()), problems)
-    return frame[~repeated].reset_index(drop=True) if repeated.any() else frame
-
-
 def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
-    """``drop_duplicate_spans`` for an Arrow span table (the fleet's path)."""
+    """One row per (trace id, span id) (``repeated_spans``), the repeats reported."""
     if table.num_rows == 0:
         return table
     repeated = repeated_spans(table.column("trace_id"), table.column("span_id"))
-    _reported(int(repeated.sum()), problems)
-    return table.filter(arrays.array(~repeated)) if repeated.any() else table
+    if repeated.any():
+        problems.append(f"{int(repeated.sum())} duplicate span(s) (same trace and span "
+                        "id) read once")
+        return table.filter(arrays.array(~repeated))
+    return table
 
 
 def select_conversation(table: pa.Table, conversation_id: str) -> pa.Table:

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from kvobs import arrays, semconv as sc
 from kvobs.sources._decode import short
-from kvobs.sources._frame import SPAN_SCHEMA
+from kvobs.sources._frame import SPAN_SCHEMA, conformed
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
 TURNS_DIR = sc.STORE_TURNS_DIR
@@ -120,9 +120,7 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
             read = parquet.read_row_groups(groups, columns=present, use_threads=False)
             read = read.filter(arrays.equal(read.column(cid).cast(wanted.type),
                                             conversation_id))
-            tables.append(pa.table([read.column(f.name).cast(f.type)
-                                    if f.name in present else pa.nulls(read.num_rows, f.type)
-                                    for f in scanned], schema=scanned))
+            tables.append(conformed(read, scanned))
         if not tables:
             return arrays.empty(schema)
         return with_renamed_keys(pa.concat_tables(tables), columns)

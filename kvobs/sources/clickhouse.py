@@ -24,8 +24,8 @@ import json
 import os
 import re
 import urllib.parse
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -61,11 +61,14 @@ from kvobs.sources._clickhouse_view import (
 )
 from kvobs.correlate import ARROW_TYPES
 from kvobs.sources._errors import SourceError
-from kvobs.sources._frame import (ALL_DTYPES, KIND_DTYPES, drop_duplicate_spans,
-                                  table_from_frame)
+from kvobs.sources._frame import (ALL_DTYPES, KIND_DTYPES, conformed,
+                                  drop_duplicate_span_rows, frame_from_table)
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turn_columns import FLEET_COLUMNS, Agg
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["ClickHouseSource", "DIALECTS", "ENV_USER", "ENV_PASSWORD",
            "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
@@ -217,26 +220,22 @@ class ClickHouseSource:
 
     # ----------------------------------------------------------------- SpanSource
 
-    def _frame(self, where: str, parameters: dict | None = None) -> pd.DataFrame:
+    def _span_table(self, where: str, parameters: dict | None = None) -> pa.Table:
         columns = ", ".join(f"{self.dialect.span_column(c)} AS `{c}`" for c in ALL_DTYPES)
         table = self.query(f"SELECT {columns} FROM {self.table} {where}", parameters)
-        frame = table.to_pandas(types_mapper=pd.ArrowDtype)
-        for column, dtype in ALL_DTYPES.items():
-            if column not in frame:
-                frame[column] = pd.Series(pd.NA, index=frame.index)
         # A span the exporter inserted twice (a retry) counts once, as in every source.
-        return drop_duplicate_spans(frame[list(ALL_DTYPES)].astype(ALL_DTYPES), self.problems)
+        return drop_duplicate_span_rows(conformed(table), self.problems)
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
-        if conversation_id is None:
-            return self._frame("")
-        # Spans of the conversation's traces (untagged spans included).
-        return self._frame(
-            f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
-            f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})", {"cid": conversation_id})
+        return frame_from_table(self.span_table(conversation_id))
 
     def span_table(self, conversation_id: str | None = None) -> pa.Table:
-        return table_from_frame(self.spans(conversation_id))
+        if conversation_id is None:
+            return self._span_table("")
+        # Spans of the conversation's traces (untagged spans included).
+        return self._span_table(
+            f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
+            f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})", {"cid": conversation_id})
 
     def conversation_ids(self) -> list[str]:
         cid = self.dialect.attr(CID_KEY)

@@ -33,11 +33,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvobs import lineage, semconv as sc
+from kvobs import arrays, lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
-from kvobs.sources._frame import (ALL_DTYPES, drop_duplicate_span_rows, frame_from_table,
-                                  select_conversation, table_from_frame, table_from_rows)
+from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_rows,
+                                  frame_from_table, select_conversation, table_from_rows)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
                                          read_conversation, read_spans, readable,
                                          span_files, store_schema, turns_path)
@@ -46,9 +46,10 @@ from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows
 if TYPE_CHECKING:
     import pandas as pd
 
-# pandas, kvobs.lineage (pandas) and the turn-file reader (pyarrow.dataset, which imports
-# pandas) are imported where used: reading one conversation (``span_table``, what
-# ``kvobs diagnose`` reads) needs none of them (bench/README.md, issue 12).
+# pandas (``spans()`` only: compaction is Arrow throughout) and the turn-file reader
+# (pyarrow.dataset, which imports pandas) are imported where used: reading one
+# conversation (``span_table``, what ``kvobs diagnose`` reads) needs neither
+# (bench/README.md, issue 12).
 
 __all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
            "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
@@ -72,47 +73,46 @@ def bucket_of(conversation_id: str) -> int:
     return zlib.crc32(conversation_id.encode()) % BUCKETS
 
 
-def _inherit_conversation(frame: pd.DataFrame) -> pd.DataFrame:
-    """Untagged spans take the conversation (and turn) of their trace's tagged spans."""
-    tagged = frame.dropna(subset=[_CID]).drop_duplicates("trace_id")
-    by_trace = tagged.set_index("trace_id")
-    missing = frame[_CID].isna() & frame["trace_id"].isin(by_trace.index)
-    if missing.any():
-        frame = frame.copy()
-        traces = frame.loc[missing, "trace_id"]
-        frame.loc[missing, _CID] = traces.map(by_trace[_CID]).astype("string").to_numpy()
-        turn = sc.TURN_INDEX.key
-        frame.loc[missing, turn] = traces.map(by_trace[turn]).astype("Int64").to_numpy()
-    return frame
+def _inherit_conversation(table: pa.Table) -> pa.Table:
+    """Untagged spans take the conversation (and turn) of their trace's first tagged
+    span. A span without trace id is in no trace: it keeps its own."""
+    untagged = arrays.booleans(pc.is_null(table.column(_CID)))
+    if not untagged.any() or untagged.all():
+        return table
+    tagged = np.flatnonzero(~untagged)
+    traces = table.column("trace_id")
+    first = arrays.numbers(pc.index_in(traces, value_set=traces.take(tagged).combine_chunks(),
+                                       skip_nulls=True), fill=-1)
+    inherits = untagged & (first >= 0)
+    if not inherits.any():
+        return table
+    # Each inheriting row takes both keys from its trace's tagged row, the others their own.
+    source = pa.array(np.where(inherits, tagged[np.maximum(first, 0)],
+                               np.arange(table.num_rows)))
+    for key in (_CID, sc.TURN_INDEX.key):
+        table = table.set_column(table.column_names.index(key), key,
+                                 table.column(key).take(source))
+    return table
 
 
-def write_parquet(store_dir: str, frame: pd.DataFrame, name: str | None = None,
-                  context: pd.DataFrame | None = None,
+def write_parquet(store_dir: str, table: pa.Table, name: str | None = None,
+                  context: pa.Table | None = None,
                   problems: list[str] | None = None) -> int:
-    """Append a span table to the compacted segments (files named ``name``, else new
-    names); returns rows written. ``context``: spans not written but read for the
-    conversation of an untagged span (its trace's) or an id-less turn (its lineage). A
-    span left without conversation is not stored: counted in ``problems``."""
-    import pandas as pd
-
-    written = len(frame)
-    frame = frame.reset_index(drop=True)
-    if context is not None and not context.empty:
-        frame = pd.concat([frame, context], ignore_index=True)
+    """Append a span table (``SPAN_SCHEMA``) to the compacted segments (files named
+    ``name``, else new names); returns rows written. ``context``: spans not written but
+    read for the conversation of an untagged span (its trace's) or an id-less turn (its
+    lineage). A span left without conversation is not stored: counted in ``problems``."""
+    written = table.num_rows
+    if context is not None and context.num_rows:
+        table = pa.concat_tables([table, context])
     # Id-less turns (another router): named before the id-less spans are dropped below.
-    table = table_from_frame(frame)
     if needs_lineage(table):
-        frame = frame_from_table(lineage.link(table))
-    frame = _inherit_conversation(frame)
-    frame = frame[frame.index < written]  # the rows given, not the context
-    untagged = int(frame[_CID].isna().sum())
+        table = conformed(lineage.link(table))
+    table = _inherit_conversation(table).slice(0, written)  # the rows given, not the context
+    untagged = table.column(_CID).null_count
     if untagged and problems is not None:
         problems.append(f"{untagged} span(s) without conversation id, in no trace with "
                         "one, not stored")
-    frame = frame.dropna(subset=[_CID])
-    if frame.empty:
-        return 0
-    table = pa.Table.from_pandas(frame, schema=store_schema(), preserve_index=False)
     return write_table(store_dir, table, name)
 
 
@@ -240,9 +240,9 @@ def _quiet(path: str, now: float, quiet_s: float) -> bool:
         return False
 
 
-def _spans_of(paths: list[str], problems: list[str]) -> pd.DataFrame:
-    return frame_from_table(drop_duplicate_span_rows(table_from_rows(
-        row for path in paths for row in read_rows(path, problems)), problems))
+def _spans_of(paths: list[str], problems: list[str]) -> pa.Table:
+    return drop_duplicate_span_rows(table_from_rows(
+        row for path in paths for row in read_rows(path, problems)), problems)
 
 
 def _identity(live_dir: str, path: str) -> dict:

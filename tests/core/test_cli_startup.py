@@ -134,3 +134,29 @@ def test_diagnose_json_of_span_files_loads_no_pandas(tmp_path, source):
     assert [t["verdict"] for t in json.loads(output)["turns"]] == [
         "first-turn", "remote-hit", "remote-hit"]
     assert "pandas" not in _packages(modules)
+
+
+def test_diagnose_json_of_chdb_loads_no_pandas(tmp_path):
+    """ClickHouse (embedded: chdb) answers in Arrow and the span table stays Arrow; chdb's
+    own Arrow table output imports pandas, so the client reads the Arrow stream itself.
+    (chdb serves one database directory per process: loaded in a process of its own.)"""
+    pytest.importorskip("chdb")
+    from kvobs.sources.store import compact
+
+    store = tmp_path / "store"
+    os.makedirs(store / "spans")
+    shutil.copy(DEMO_SPANS, store / "spans" / "seg.jsonl")
+    compact(str(store), writers_stopped=True)
+    os.makedirs(tmp_path / "chdb")
+    subprocess.run([sys.executable, "-c", "import sys\n"
+                    "from kvobs.sources.clickhouse import ClickHouseSource\n"
+                    "source = ClickHouseSource.chdb(sys.argv[1])\n"
+                    "source.create_table()\nsource.load_store(sys.argv[2])",
+                    str(tmp_path / "chdb"), str(store)],
+                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    modules, output, status = _imported("diagnose", "agent-happy", "--source",
+                                        f"chdb:{tmp_path / 'chdb'}", "--json")
+    assert status == "0"
+    assert [t["verdict"] for t in json.loads(output)["turns"]] == [
+        "first-turn", "remote-hit", "remote-hit"]
+    assert "pandas" not in _packages(modules)

@@ -16,7 +16,8 @@ import pytest
 from connector_instrumented import _digest
 from kvobs import lineage, semconv as sc
 from kvobs.correlate import turns_from_spans
-from kvobs.sources._frame import frame_from_rows, table_from_frame
+from kvobs.sources._frame import frame_from_rows
+from kvobs.sources.otlp_json import DocumentSource
 
 BS = 16
 SEED = "abcd1234"
@@ -228,20 +229,17 @@ def test_two_identical_histories_pair_off_in_time_order():
     assert turns.loc["p-f-2", "extends_request_id"] == "d-f-1"
 
 
-class _FrameSource:
-    problems: list = []
+class _RowSource(DocumentSource):
+    """A source of the rows given (as the span-file decoders yield them)."""
 
-    def __init__(self, spans):
-        self._spans = spans
+    location = "rows"
 
-    def spans(self, conversation_id=None):
-        return self._spans
+    def __init__(self, given: list[dict]):
+        super().__init__()
+        self._given = given
 
-    def span_table(self, conversation_id=None):
-        return table_from_frame(self._spans)
-
-    def conversation_ids(self):
-        return []
+    def _rows(self):
+        return iter(self._given)
 
 
 def test_id_less_proxy_turns_join_the_first_turns_anonymous_conversation():
@@ -253,10 +251,9 @@ def test_id_less_proxy_turns_join_the_first_turns_anonymous_conversation():
     rows = router_turns("a", 2, 100.0, list(range(40)))
     for k in (1, 2):  # the proxy's turn span shares P's trace
         rows.append(span(sc.SPAN_PROXY_TURN, 99.9 + 2 * (k - 1), f"t-a-{k}"))
-    spans = frame(rows)
-    turns = turns_from_spans(spans).set_index("prefill_request_id")
+    turns = turns_from_spans(frame(rows)).set_index("prefill_request_id")
     assert turns.loc["p-a-2", ["conversation_id", "turn"]].tolist() == ["anonymous:t-a-1", 2]
-    diagnosis = diagnose(_FrameSource(spans), "anonymous:t-a-2")
+    diagnosis = diagnose(_RowSource(rows), "anonymous:t-a-2")
     assert diagnosis.conversation_id == "anonymous:t-a-1"
     assert [t.turn.index for t in diagnosis.turns] == [1, 2]
     assert "prefix lineage" in diagnosis.problems[0]

@@ -190,3 +190,41 @@ def _turns_and_report(store) -> tuple:
     rows = json.loads(turns.stdout)
     return ([(t["conversation_id"], t["turn"], t["recomputed_tokens"], t["verdict"])
              for t in rows], json.loads(report.stdout)["later_turns"])
+
+
+def _otlp_line(*spans: tuple[str, str, str | None, int | None]) -> str:
+    """One OTLP JSON line of proxy lookup spans (trace id, span id, conversation, turn)."""
+    def attributes(cid, turn):
+        return ([{"key": _CID, "value": {"stringValue": cid}}] if cid else []) + (
+            [{"key": sc.TURN_INDEX.key, "value": {"intValue": str(turn)}}] if turn else [])
+    return json.dumps({"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name",
+                                     "value": {"stringValue": "proxy"}}]},
+        "scopeSpans": [{"spans": [
+            {"traceId": trace, "spanId": span, "name": sc.SPAN_PROXY_LOOKUP.name,
+             "startTimeUnixNano": "1000", "endTimeUnixNano": "2000",
+             "attributes": attributes(cid, turn)}
+            for trace, span, cid, turn in spans]}]}]}) + "\n"
+
+
+def test_untagged_spans_are_stored_under_their_traces_conversation(tmp_path):
+    """A span without conversation id is compacted under the conversation and turn of
+    its trace's tagged span, whether that span is compacted with it or left live (the
+    Collector's open file); a span in no tagged trace is not stored, and counted."""
+    live = tmp_path / sc.STORE_LIVE_DIR
+    live.mkdir()
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    (live / "collector-2026-01-02T03-04-05.678.jsonl").write_text(_otlp_line(  # rotated
+        (a, "1" * 16, "conv-a", 2), (a, "2" * 16, None, None), (b, "3" * 16, None, 7),
+        (c, "4" * 16, None, None)))
+    (live / "collector.jsonl").write_text(_otlp_line((b, "5" * 16, "conv-b", 3)))  # open
+    moved, problems = compact(str(tmp_path))
+    stored = sorted(
+        (row["span_id"], row[_CID], row[sc.TURN_INDEX.key])
+        for path in glob.glob(str(tmp_path / sc.STORE_COMPACTED_DIR / "*" / "*.parquet"))
+        for row in pq.read_table(path).to_pylist())
+    assert stored == [("1" * 16, "conv-a", 2), ("2" * 16, "conv-a", 2),
+                      ("3" * 16, "conv-b", 3)]
+    assert moved == 3
+    assert problems == ["1 span(s) without conversation id, in no trace with one, not stored"]
+    assert os.listdir(live) == ["collector.jsonl"]

@@ -250,3 +250,35 @@ def test_a_store_an_older_kvobs_wrote_loads(clickhouse, factory_store, chdb_path
     model = newer.query(f"SELECT count() FROM {newer.table} WHERE "
                         "mapContains(SpanAttributes, 'gen_ai.request.model')")
     assert model.column(0)[0].as_py() == 0
+
+
+def _by_span(table):
+    return table.sort_by([("trace_id", "ascending"), ("span_id", "ascending")])
+
+
+def test_span_table_equals_the_stores_and_reads_a_repeated_span_once(
+        factory_clickhouse, compacted_factory_store, chdb_path):
+    """The span table from ClickHouse is the store's it was loaded from, typed alike
+    (``SPAN_SCHEMA``), cell for cell (an unset status reads as no error), for every span
+    and one conversation; spans inserted twice are read once, and said so."""
+    import pyarrow.compute as pc
+
+    from kvobs.sources._frame import SPAN_SCHEMA
+    from kvobs.sources.store import StoreSource
+
+    store = StoreSource(compacted_factory_store)
+    for conversation in (None, SHARED_ID):
+        ours = _by_span(factory_clickhouse.span_table(conversation))
+        expected = _by_span(store.span_table(conversation))
+        assert ours.schema == SPAN_SCHEMA and ours.num_rows == expected.num_rows > 0
+        for name in SPAN_SCHEMA.names:
+            column = expected.column(name)
+            if name == "error":
+                column = pc.fill_null(column, False)
+            assert ours.column(name).equals(column), name
+    twice = ClickHouseSource.chdb(chdb_path, "factory_twice")
+    twice.create_table()
+    for _ in range(2):
+        twice.query(f"INSERT INTO {twice.table} SELECT * FROM {factory_clickhouse.table}")
+    assert _by_span(twice.span_table()).equals(_by_span(factory_clickhouse.span_table()))
+    assert any("duplicate span" in problem for problem in twice.problems)
