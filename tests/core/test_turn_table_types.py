@@ -83,3 +83,18 @@ def test_the_diagnose_stages_import_no_pandas():
     packages = set(done.stdout.split())
     assert "kvobs" in packages and "pyarrow" in packages
     assert "pandas" not in packages
+
+
+def test_the_fleet_table_types_columns_no_turn_has_as_the_full_conversion_would(span_sets):
+    """``turn_table`` converts only columns with a value and adds the others all missing:
+    same columns, order, dtypes and values as converting every column."""
+    from kvobs.correlate import derive, turn_rows, turn_table
+
+    for name, spans in span_sets.items():
+        rows = turn_rows(spans)
+        empty = [c for c in rows.column_names if rows.column(c).null_count == rows.num_rows]
+        assert any(c.startswith("host_") for c in empty), name  # the case is exercised
+        full, fast = to_frame(derive(rows)), turn_table(rows)
+        assert list(fast.columns) == list(full.columns), name
+        assert (fast.dtypes == full.dtypes).all(), name
+        assert fast.equals(full), name
