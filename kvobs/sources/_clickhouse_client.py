@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from kvobs.sources._errors import SourceError
@@ -57,6 +58,9 @@ def embedded_query(path: str) -> Query:
     from chdb import session
 
     db = session.Session(path)
+    # In process, compressing the result only to decompress it again is waste: the turn
+    # view's 1.35M rows came back in 1.7-1.8 s instead of 2.3-2.8 (4.3-4.9 CPU-s -> 2.7).
+    db.query("SET output_format_arrow_compression_method = 'none'")
 
     def query(sql: str, parameters: Optional[Mapping[str, Any]] = None) -> pa.Table:
         try:
@@ -68,7 +72,12 @@ def embedded_query(path: str) -> Query:
         # only to see that it is installed. A statement returns nothing: no columns.
         if len(result) == 0:
             return pa.table({})
-        return pa.ipc.open_file(result.get_memview().view()).read_all()
+        # Copied into Arrow's memory: chdb reuses the result's buffer for the next query,
+        # and a table reading it in place (an uncompressed result) would change under it.
+        view = result.get_memview().view()
+        owned = pa.allocate_buffer(len(view))
+        np.frombuffer(owned, np.uint8)[:] = np.frombuffer(view, np.uint8)
+        return pa.ipc.open_file(owned).read_all()
 
     return query
 
