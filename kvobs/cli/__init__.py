@@ -17,13 +17,10 @@ import sys
 
 import click
 
+from kvobs._memory import prefer_c_allocator
 from kvobs.cli._exit import EXIT_INTERNAL, fail_input
 
-# Before pyarrow loads. Arrow's default allocator (mimalloc) hands large freed blocks back
-# to the OS and faults them in again: `kvobs report` over 1.35M turns spent 9-15 s in the
-# kernel on the 2-core VM of bench/README.md, 2.5-4 s with the C library's allocator. A
-# pool the user chose wins.
-os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+prefer_c_allocator()  # before pyarrow loads
 
 # command name -> ("module:attribute", the first sentence of its help). Loaded on use,
 # so `kvobs diagnose` pays for what it needs only, and a command whose extra is not

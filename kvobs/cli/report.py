@@ -18,8 +18,11 @@ from kvobs.settings import MIN_CACHED_TOKEN_DELTA
 
 
 def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = False):
+    from kvobs._memory import keep_freed_memory
     from kvobs.fleet import fleet_turns
     from kvobs.sources import SourceError
+
+    keep_freed_memory()
 
     span_source = load_source(source)
     try:

@@ -200,3 +200,24 @@ def test_cli_uses_the_c_allocator_for_arrow_unless_told_otherwise(chosen, expect
                           "print(pyarrow.default_memory_pool().backend_name)"],
                          env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == expected
+
+
+
+@pytest.mark.parametrize("user_tuned", [False, True])
+def test_fleet_commands_tune_glibc_unless_the_user_did(user_tuned):
+    """keep_freed_memory (report, tune, whatif) sets glibc's thresholds; a user's
+    MALLOC_* setting wins. Its effect is measured in bench/README.md (report_bench)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc: nothing to tune")
+    env = dict(os.environ)
+    if user_tuned:
+        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    out = subprocess.run([sys.executable, "-c", "from kvobs._memory import "
+                          "keep_freed_memory; print(keep_freed_memory())"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(not user_tuned)
