@@ -74,7 +74,12 @@ def embedded_query(path: str) -> Query:
             return pa.table({})
         # Copied into Arrow's memory: chdb reuses the result's buffer for the next query,
         # and a table reading it in place (an uncompressed result) would change under it.
+        # Batches are concatenated (one copy, and the one chunk per column the turn
+        # table wants); a single batch is copied as bytes.
         view = result.get_memview().view()
+        table = pa.ipc.open_file(view).read_all()
+        if table.num_columns and table.column(0).num_chunks > 1:
+            return table.combine_chunks()
         owned = pa.allocate_buffer(len(view))
         np.frombuffer(owned, np.uint8)[:] = np.frombuffer(view, np.uint8)
         return pa.ipc.open_file(owned).read_all()

@@ -388,10 +388,13 @@ class ClickHouseSource:
 
     def _has_repeated_counted_spans(self) -> bool:
         """The view adds up what was inserted: a span delivered twice would count twice
-        there, so such a table is read from its spans."""
+        there, so such a table is read from its spans. Counted by a 64-bit hash of the ids
+        (0.1 s instead of 0.3 over 1.35M spans): two spans sharing one only look repeated,
+        and are read from the spans, never counted twice."""
         names = ", ".join(map(quote, sorted(_COUNTED_SPANS)))
         return not self.query(
-            f"SELECT count() = uniqExact(TraceId, SpanId) AS once FROM {self.table} "
+            f"SELECT count() = uniqExact(cityHash64(TraceId, SpanId)) AS once "
+            f"FROM {self.table} "
             f"WHERE SpanName IN ({names})").to_pylist()[0]["once"]
 
     def turn_rows(self) -> pa.Table:
