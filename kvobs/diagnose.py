@@ -164,6 +164,6 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
 
 def all_turns(source: SpanSource, read_slo_s: float | None = None,
               prefill_tokens_per_s: float | None = None) -> list[TurnDiagnosis]:
-    diagnoses, _ = classify_turns(col.Columns(turns_from_spans(source.spans(), frame=False)),
+    diagnoses, _ = classify_turns(col.Columns(turns_from_spans(source.span_table(), frame=False)),
                                   read_slo_s, prefill_tokens_per_s)
     return diagnoses

@@ -17,10 +17,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs import lineage, semconv as sc
+from kvobs import arrays, lineage, semconv as sc
 from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
-from kvobs.sources._frame import drop_duplicate_span_rows
+from kvobs.sources._frame import conformed, drop_duplicate_span_rows
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, turns_path, with_renamed_keys)
 from kvobs.turn_columns import KEY_SOURCES
@@ -52,7 +52,7 @@ def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None
 def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> pa.Table:
     schema = pa.schema([store_schema().field(c) for c in columns])
     if not files:
-        return schema.empty_table()
+        return arrays.empty(schema)
     # Keys and names as dictionaries straight from parquet: never 10M separate strings.
     file_format = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
         dictionary_columns={_TENANT, _CID, "name"}))
@@ -106,14 +106,15 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
             spans = pa.concat_tables([plain(spans).cast(live.schema), live])
         # A span in two files (a retried export compacted twice, a copied file) counts once.
         kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
-    schema = _turn_schema(aggregate(_scan_spans([], columns, None)).schema)
+    # Keys as dictionaries, as parquet reads them: no 1.35M ids decoded to conform a file.
+    schema = aggregate(_scan_spans([], columns, None)).schema
     # Each table is sorted and no conversation is in two of them (split ones were
     # rebuilt from their spans): concatenated, every conversation's turns stay together
     # and in order, which is all the turn table needs; a global sort of the 1.35M x 87
     # rows of a 270k-conversation fleet cost more than reading them.
     if not kept:
-        return schema.empty_table()
-    return pa.concat_tables([_conform(t, schema) for t in kept]).unify_dictionaries()
+        return arrays.empty(schema)
+    return pa.concat_tables([conformed(t, schema) for t in kept]).unify_dictionaries()
 
 
 def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
@@ -125,27 +126,6 @@ def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
         note(problems, f"{path}: unreadable turn file ({short(error)}); its turns "
                        "rebuilt from its span file")
         return None
-
-
-def _turn_schema(schema: pa.Schema) -> pa.Schema:
-    """The turn rows' schema, conversation keys as dictionaries (as parquet reads them:
-    decoding 1.35M ids to cast a turn file would cost a second read)."""
-    return pa.schema([pa.field(f.name, pa.dictionary(pa.int32(), f.type))
-                      if f.name in _READ_AS_DICTIONARY and not pa.types.is_dictionary(f.type)
-                      else f for f in schema])
-
-
-def _conform(turns: pa.Table, schema: pa.Schema) -> pa.Table:
-    """A turn file in today's columns: one written by another kvobs version lacks newer
-    columns (null here) or has older ones (dropped)."""
-    columns = []
-    for field in schema:
-        if field.name not in turns.column_names:
-            columns.append(pa.nulls(turns.num_rows, field.type))
-            continue
-        column = turns.column(field.name)
-        columns.append(column if column.type == field.type else column.cast(field.type))
-    return pa.table(columns, schema=schema)
 
 
 def _split(turns: list[pa.Table]) -> pa.ChunkedArray:

@@ -57,6 +57,8 @@ class _Frame:
     def spans(self, conversation_id=None):
         return self.frame
 
+    span_table = spans  # correlate takes a pandas span table as well as an Arrow one
+
 
 def test_every_scenario_gets_its_expected_verdict_from_the_real_rules(synthetic_config):
     CONFIG = synthetic_config
