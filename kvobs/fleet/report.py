@@ -28,7 +28,7 @@ def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
     """Turn table plus its timeline (``kvobs.timeline``), ``verdict``, ``turn_bucket``
     and ``prompt_bucket`` columns."""
     turns, _, rate = add_timeline(turns, prefill_tokens_per_s)
-    turns["verdict"] = classify_frame(turns, rate, read_slo_s).to_numpy()
+    turns["verdict"] = classify_frame(turns, rate, read_slo_s).array
     turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
     prompt = np.nan_to_num(prompt_tokens(turns), nan=-1).astype(np.int64)
     labels = _buckets(pd.Series(prompt), sc.prompt_bucket, sc.PROMPT_BUCKET_VALUES)
