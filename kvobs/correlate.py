@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import arrays, lineage, semconv as sc
-from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DERIVED, DEVICE_BLOCK_SECONDS,
+from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
                                 SERVED_HOST_TOKENS, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
@@ -159,38 +159,10 @@ def turns_from_spans(spans: Spans, frame: bool = True) -> pd.DataFrame | pa.Tabl
 
 def turn_table(rows: pa.Table) -> pd.DataFrame:
     """Turn rows (``aggregate``, a source's ``turn_rows()``) to the table the rules read."""
-    # A column no turn has a value in (a fleet without the host-copy path or another
-    # router's lineage has ~35 of its 87) is derived and converted as nothing, then added
-    # all missing: a fifth of the table's cost otherwise.
-    empty = [name for name in rows.column_names
-             if name not in KEYS and rows.column(name).null_count == rows.num_rows]
     # One chunk per column first: a source's rows come in one chunk per file or query
     # batch, and both the derived columns and pandas' conversion cost more per chunk than
     # one copy does.
-    frame = to_frame(derive(rows.drop_columns(empty).combine_chunks()))
-    carried = [PREVIOUS_PREFIX + name for name in empty if PREVIOUS_PREFIX + name in PREVIOUS]
-    return _with_missing(frame, [*empty, *carried], [*rows.column_names, *DERIVED])
-
-
-def _with_missing(frame: pd.DataFrame, names: list[str], order: list[str]) -> pd.DataFrame:
-    """``frame`` with the columns ``names`` all missing, typed as ``to_frame`` types
-    them, in ``order`` (unknown names left out, as ``to_frame`` does)."""
-    import pandas as pd  # a DataFrame's: pandas is loaded already
-
-    rows = len(frame)
-    for name in names:
-        kind = ALL_COLUMNS[name].type if name in ALL_COLUMNS else None
-        if kind == "str":
-            frame[name] = pd.Categorical.from_codes(np.full(rows, -1, np.int8), [])
-        elif kind in ("int", "bool"):
-            array = (pd.arrays.IntegerArray if kind == "int" else pd.arrays.BooleanArray)(
-                np.zeros(rows, np.int64 if kind == "int" else bool), np.ones(rows, bool))
-            frame[name] = array
-        elif kind == "float":
-            frame[name] = np.full(rows, np.nan)
-    if list(frame.columns) == [name for name in order if name in frame.columns]:
-        return frame
-    return frame[[name for name in order if name in frame.columns]]
+    return to_frame(derive(rows.combine_chunks()))
 
 
 def needs_traces(table: pa.Table) -> bool:
@@ -384,23 +356,43 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
     import pandas as pd  # the fleet's table; diagnose reads the Arrow rows
 
     table = table.select([name for name in table.column_names if name in ALL_COLUMNS])
-    columns = []
-    for name in table.column_names:
+    columns, names, missing = [], [], {}
+    for position, name in enumerate(table.column_names):
         values = table.column(name)
         kind = ALL_COLUMNS[name].type
+        if name not in KEYS and 0 < len(values) == values.null_count:
+            # No turn has a value (a fleet without host copies or another router: ~35 of
+            # 87 columns): made all missing, typed as converted, for a fifth less work.
+            missing[position] = (name, kind)
+            continue
+        names.append(name)
         if kind == "str":
             if not pa.types.is_dictionary(values.type):
                 values = values.dictionary_encode()
         else:
             values = pc.cast(values, ARROW_TYPES[kind])
         columns.append(values)
-    frame = pa.table(columns, names=table.column_names).to_pandas(
+    frame = pa.table(columns, names=names).to_pandas(
         types_mapper={pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}.get,
         split_blocks=True)
+    for position, (name, kind) in missing.items():  # in order: each lands at its place
+        frame.insert(position, name, _all_missing(kind, len(frame)))
     frame["turn"] = frame["turn"].astype(np.int64)
     if GAP.name in frame:
         frame[GAP.name] = frame[GAP.name].astype("Float64")
     return frame
+
+
+def _all_missing(kind: str, rows: int):
+    """A column of ``rows`` missing values, as ``to_frame`` types a ``kind``."""
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+
+    if kind == "str":
+        return pd.Categorical.from_codes(np.full(rows, -1, np.int8), [])
+    if kind == "float":
+        return np.full(rows, np.nan)
+    array = pd.arrays.IntegerArray if kind == "int" else pd.arrays.BooleanArray
+    return array(np.zeros(rows, np.int64 if kind == "int" else bool), np.ones(rows, bool))
 
 
 def _consecutive(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.ndarray:
@@ -444,7 +436,9 @@ def derive(rows: pa.Table) -> pa.Table:
     for name in PREVIOUS:
         carried = name[len(PREVIOUS_PREFIX):]
         if carried in rows.column_names:
-            rows = rows.append_column(name, rows.column(carried).take(previous))
+            values = rows.column(carried)
+            rows = rows.append_column(name, values.take(previous)
+                                      if values.null_count < len(values) else values)
     return rows
 
 

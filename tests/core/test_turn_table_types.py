@@ -15,6 +15,7 @@ import pytest
 from kvobs import columns as col
 from kvobs import synth
 from kvobs.correlate import to_frame, turns_from_spans
+from kvobs.turn_columns import ALL_COLUMNS
 from kvobs.diagnose import classify_turns
 from kvobs.sources import open_source
 
@@ -85,16 +86,28 @@ def test_the_diagnose_stages_import_no_pandas():
     assert "pandas" not in packages
 
 
-def test_the_fleet_table_types_columns_no_turn_has_as_the_full_conversion_would(span_sets):
-    """``turn_table`` converts only columns with a value and adds the others all missing:
-    same columns, order, dtypes and values as converting every column."""
-    from kvobs.correlate import derive, turn_rows, turn_table
+def test_columns_no_turn_has_are_typed_as_converted_ones_and_stay_in_place(span_sets):
+    """``to_frame`` makes a column no turn has a value in all missing without converting
+    it: same place, and the dtype the column gets when a turn has a value (categorical for
+    strings)."""
+    import pyarrow as pa
+
+    from kvobs.correlate import derive, turn_rows
 
     for name, spans in span_sets.items():
-        rows = turn_rows(spans)
+        rows = derive(turn_rows(spans))
+        frame = to_frame(rows)
+        assert list(frame.columns) == rows.column_names, name
         empty = [c for c in rows.column_names if rows.column(c).null_count == rows.num_rows]
         assert any(c.startswith("host_") for c in empty), name  # the case is exercised
-        full, fast = to_frame(derive(rows)), turn_table(rows)
-        assert list(fast.columns) == list(full.columns), name
-        assert (fast.dtypes == full.dtypes).all(), name
-        assert fast.equals(full), name
+        for column in empty:
+            assert frame[column].isna().all(), (name, column)
+            valued = pa.array([{"str": "x", "int": 1, "float": 0.5, "bool": True}[
+                ALL_COLUMNS[column].type]]).cast(rows.schema.field(column).type)
+            one = to_frame(rows.slice(0, 1).set_column(
+                rows.column_names.index(column), column, valued))
+            got, want = frame[column].dtype, one[column].dtype
+            if want.name == "category":  # categories differ: none vs the value
+                assert got.name == "category", (name, column)
+            else:
+                assert got == want, (name, column)
