@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 
+import pyarrow as pa
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _synthetic_store import bench_store  # noqa: E402
@@ -57,7 +59,7 @@ def kvobs_at(rev: str, work: str) -> str:
 
 def single_tenant_ids(store: str) -> list[str]:
     """The store's conversation ids that one tenant uses: diagnose takes them alone."""
-    rows = open_source(store).turn_rows()
+    rows = pa.concat_tables(open_source(store).turn_row_slices())
     pairs = set(zip(rows.column("conversation_id").to_pylist(),
                     rows.column("tenant").to_pylist()))
     tenants = collections.Counter(cid for cid, _ in pairs)

@@ -18,20 +18,20 @@ previous-turn shifts; what the store's turn files hold and ClickHouse's SQL retu
 ``derive`` (gap, retention costs and previous-turn facts, never across conversations)
 and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
 diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
-``to_frame`` and ``follows`` need pandas: each imports it on use. numpy <-> Arrow goes
+``to_frame`` and ``turn_links`` need pandas: each imports it on use. numpy <-> Arrow goes
 through ``kvobs.arrays`` (pyarrow's own conversions import pandas), so the stages,
 linking included, never load it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Iterable, Union
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, lineage, semconv as sc
+from kvobs import arrays, columns as col, lineage, semconv as sc
 from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
@@ -157,12 +157,37 @@ def turns_from_spans(spans: Spans, frame: bool = True) -> pd.DataFrame | pa.Tabl
     return to_frame(rows) if frame else rows
 
 
-def turn_table(rows: pa.Table) -> pd.DataFrame:
-    """Turn rows (``aggregate``, a source's ``turn_rows()``) to the table the rules read."""
-    # One chunk per column first: a source's rows come in one chunk per file or query
-    # batch, and both the derived columns and pandas' conversion cost more per chunk than
-    # one copy does.
-    return to_frame(derive(rows.combine_chunks()))
+def turn_table(rows: pa.Table | Iterable[pa.Table]) -> pd.DataFrame:
+    """Turn rows (``aggregate``; or a source's ``turn_row_slices()``, at least one slice,
+    each holding whole conversations) to the table the rules read."""
+    # A slice at a time, derived and converted, so that neither's copies ever span a
+    # fleet: its Arrow rows are freed before the next slice is read. One chunk per
+    # column first: a source's rows come in one chunk per file or query batch, and both
+    # the derived columns and pandas' conversion cost more per chunk than one copy does.
+    frames = [to_frame(derive(piece.combine_chunks()))
+              for piece in ([rows] if isinstance(rows, pa.Table) else rows)]
+    return frames[0] if len(frames) == 1 else _stacked(frames)
+
+
+def _stacked(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Turn tables of slices as one, column by column, each column taken out of its
+    slice's table once copied: the fleet's table is never in memory twice."""
+    import pandas as pd  # a DataFrame's: pandas is loaded already
+    from pandas.api.types import union_categoricals
+
+    out = pd.DataFrame(index=pd.RangeIndex(sum(len(frame) for frame in frames)))
+    for name in list(frames[0].columns):
+        parts = [frame.pop(name) for frame in frames]
+        if isinstance(parts[0].dtype, pd.CategoricalDtype):
+            # A slice without values has no categories, typed apart (``_all_missing``).
+            kinds = [p.cat.categories[:0] for p in parts if len(p.cat.categories)]
+            values = union_categoricals([p.cat.set_categories(kinds[0])
+                                         if kinds and not len(p.cat.categories) else p
+                                         for p in parts])
+        else:
+            values = pd.concat(parts, ignore_index=True).array
+        col.assign(out, {name: values})
+    return out
 
 
 def needs_traces(table: pa.Table) -> bool:
@@ -241,7 +266,8 @@ def ranked(column: pa.ChunkedArray, null_as: str | None = None
     return rank.astype(np.int64)[arrays.numbers(indices)], categories
 
 
-def _firsts(sorted_keys: np.ndarray) -> np.ndarray:
+def run_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """Per element of sorted keys: whether it starts a run of equal keys."""
     return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:len(sorted_keys)]
 
 
@@ -288,11 +314,11 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
             continue
         rows = np.flatnonzero(name_codes == name_index[span_name])
         rows = rows[_turn_order(key[rows], start[rows])]
-        firsts = _firsts(key[rows])
+        firsts = run_starts(key[rows])
         by_name[span_name] = rows, np.cumsum(firsts) - 1, key[rows][firsts]
     every = np.concatenate([keys for _, _, keys in by_name.values()] or [np.zeros(0, np.int64)])
     turn_keys = np.sort(every, kind="stable")  # sorted runs: a merge
-    turn_keys = turn_keys[_firsts(turn_keys)]
+    turn_keys = turn_keys[run_starts(turn_keys)]
     n = len(turn_keys)
     combined: dict[str, pa.Array] = {}
 
@@ -329,7 +355,7 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
             out[name] = _summed(values, group, position, n)
             continue
         valid = np.flatnonzero(arrays.booleans(values.is_valid()))
-        first = valid[_firsts(group[valid])]
+        first = valid[run_starts(group[valid])]
         take = np.full(n, -1, np.int64)
         take[position[group[first]]] = first
         out[name] = values.take(arrays.array(take, mask=take < 0)).cast(arrow_type)
@@ -395,37 +421,52 @@ def _all_missing(kind: str, rows: int):
     return array(np.zeros(rows, np.int64 if kind == "int" else bool), np.ones(rows, bool))
 
 
-def _consecutive(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.ndarray:
-    """Per row: whether it is turn + 1 of the row before, in the same conversation."""
-    consecutive = np.zeros(len(turn), bool)
-    if len(turn) > 1:
-        same = np.ones(len(turn) - 1, bool)
-        for codes in conversation_codes:
-            same &= codes[1:] == codes[:-1]
-        consecutive[1:] = same & (turn[1:] == turn[:-1] + 1)
-    return consecutive
+def previous_rows(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.ndarray:
+    """Per row: the row holding turn - 1 of the same conversation, -1 when no row does.
+    Rows in any order (sorted by key here only when they are not already: a source's
+    rows come grouped by conversation, or as a ClickHouse scan hands them)."""
+    n = len(turn)
+    key = np.zeros(n, np.int64)
+    for codes in conversation_codes:
+        key = key * (int(codes.max()) + 1 if n else 1) + codes
+    grouped = bool(np.all((key[1:] > key[:-1])
+                          | ((key[1:] == key[:-1]) & (turn[1:] > turn[:-1]))))
+    order = None if grouped else np.lexsort((turn, key))
+    if order is not None:
+        key, turn = key[order], turn[order]
+    before = np.arange(n) - 1
+    consecutive = np.zeros(n, bool)
+    consecutive[1:] = (key[1:] == key[:-1]) & (turn[1:] == turn[:-1] + 1)
+    if order is None:
+        return np.where(consecutive, before, -1)
+    previous = np.empty(n, np.int64)
+    previous[order] = np.where(consecutive, order[np.maximum(before, 0)], -1)
+    return previous
 
 
-def follows(turns: pd.DataFrame) -> np.ndarray:
-    """Per row of a turn table grouped by (tenant, conversation) and sorted by turn:
-    whether it is the next turn of the row before."""
+def turn_links(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a turn table (rows in any order): the row of its conversation's
+    previous turn and of its next turn, -1 when there is none."""
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
     codes = [turns[key].cat.codes.to_numpy(np.int64)
              if isinstance(turns[key].dtype, pd.CategoricalDtype)
              else pd.factorize(turns[key])[0] for key in CONVERSATION_KEYS]
-    return _consecutive(codes, turns["turn"].to_numpy(np.int64))
+    previous = previous_rows(codes, turns["turn"].to_numpy(np.int64))
+    following = np.full(len(previous), -1, np.int64)
+    linked = previous >= 0
+    following[previous[linked]] = np.flatnonzero(linked)
+    return previous, following
 
 
 def derive(rows: pa.Table) -> pa.Table:
-    """``rows`` with the gap, retention costs and previous-turn facts
-    (``turn_columns.DERIVED``) of the columns they have. Rows must be grouped by (tenant,
-    conversation), by turn; a shift never crosses a conversation, so never a tenant."""
+    """``rows`` (in any order) with the gap, retention costs and previous-turn facts
+    (``turn_columns.DERIVED``) of the columns they have: each row's previous turn is
+    the row of the same (tenant, conversation) with turn - 1 (``previous_rows``)."""
     turn = arrays.numbers(pc.cast(rows.column("turn"), pa.int64()))
     codes = [ranked(rows.column(key), UNKNOWN_TENANT)[0] for key in CONVERSATION_KEYS]
-    consecutive = _consecutive(codes, turn)
-    previous = arrays.array(np.maximum(np.arange(len(turn)) - 1, 0), pa.int64(),
-                            mask=~consecutive)
+    before = previous_rows(codes, turn)
+    previous = arrays.array(np.maximum(before, 0), pa.int64(), mask=before < 0)
     # In float: nanosecond stamps past 2**53 (a clock gone wrong, a fuzzed file) lose
     # precision instead of failing the table.
     start = _column(rows, "turn_start_ns", pa.float64())

@@ -567,6 +567,10 @@ class Verdict(str, enum.Enum):
     INSUFFICIENT_EVIDENCE = "insufficient-evidence"
 
 
+# Every verdict's value, in the enum's order (a categorical's categories, its codes).
+VERDICT_VALUES = tuple(v.value for v in Verdict)
+
+
 class Phase(str, enum.Enum):
     """A turn's latency, phase by phase, in time order (``kvobs/timeline.py`` gives each
     phase's boundary marks and where they come from). Each phase starts where the one

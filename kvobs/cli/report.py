@@ -280,14 +280,14 @@ def whatif_command(source, ttl, threshold, placement, min_cached_token_delta, pr
         sys.exit(EXIT_OK)
     from rich.table import Table
 
-    from kvobs.fleet.report import VERDICTS
+    from kvobs.semconv import VERDICT_VALUES
 
     out = console()
     table = Table(title=f"what if TTL {ttl:.0f} s, threshold {threshold} (later turns)")
     for header in ("", "recorded", "predicted"):
         table.add_column(header, justify="right")
     actual, predicted = result.actual, result.predicted
-    for verdict in VERDICTS:
+    for verdict in VERDICT_VALUES:
         a, p = actual["verdicts"].get(verdict, 0), predicted["verdicts"].get(verdict, 0)
         if a or p:
             table.add_row(verdict, f"{a:,}", f"{p:,}")
@@ -308,7 +308,7 @@ def _placement(labelled, delta, ttl, threshold, prefill_rate, as_json) -> None:
     from rich.table import Table
 
     from kvobs.fleet.placement import PLACES, placement
-    from kvobs.fleet.report import VERDICTS
+    from kvobs.semconv import VERDICT_VALUES
 
     result = placement(labelled, delta, ttl, threshold, prefill_rate)
     if as_json:
@@ -320,7 +320,7 @@ def _placement(labelled, delta, ttl, threshold, prefill_rate, as_json) -> None:
                         f"(host gate minCachedTokenDelta {delta:,} tokens)")
     for header in ("", "recorded", *(f"keep on {p}" for p in PLACES)):
         table.add_column(header, justify="right")
-    for verdict in VERDICTS:
+    for verdict in VERDICT_VALUES:
         counts = [c["verdicts"].get(verdict, 0) for c in columns.values()]
         if any(counts):
             table.add_row(verdict, *(f"{n:,}" for n in counts))

@@ -12,14 +12,14 @@ from kvobs.cli._common import (console, fail_input, fail_on_option, fleet_exit_s
                                source_option)
 from kvobs.diagnose import all_turns
 from kvobs.render import duration, to_json
-from kvobs.semconv import Verdict
+from kvobs.semconv import VERDICT_VALUES
 
 
 @click.command("turns")
 @source_option
 @slo_option
 @click.option("--verdict", "verdicts", multiple=True,
-              type=click.Choice([v.value for v in Verdict]), help="Only these verdicts.")
+              type=click.Choice(VERDICT_VALUES), help="Only these verdicts.")
 @click.option("--conversation", "conversations", multiple=True, help="Only these ids.")
 @click.option("--tenant", "tenants", multiple=True, metavar="DIGEST",
               help="Only these tenants (digests, as spans carry them).")

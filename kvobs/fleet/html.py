@@ -18,9 +18,9 @@ from kvobs.fleet._plots import (PHASE_COLOURS, SCOPES, UNMEASURED, phase_shares,
                                 pick_conversation, png, read_time_vs_tokens, taken,
                                 waterfall)
 from kvobs.fleet._svg import legend, stacked_bars
-from kvobs.fleet.report import VERDICTS, FleetReport
+from kvobs.fleet.report import FleetReport
 from kvobs.render import byte_size, duration, fault_count, total_seconds
-from kvobs.semconv import HEALTHY_VERDICTS, Phase, Verdict
+from kvobs.semconv import HEALTHY_VERDICTS, VERDICT_VALUES, Phase, Verdict
 from kvobs.settings import DECLINE_WINDOW
 from kvobs.timeline import MARKS, PHASES
 from kvobs.verdicts import ORDER, meaning
@@ -141,16 +141,16 @@ def _verdict_mix(report: FleetReport) -> str:
         report.by_turn, "turn_bucket", sc.TURN_BUCKET_VALUES) if row["turn_bucket"] != "1"]
     by_prompt = [(f"{row['prompt_bucket']} tokens", row["verdicts"]) for row in _ordered(
         report.by_prompt, "prompt_bucket", sc.PROMPT_BUCKET_VALUES)]
-    present = [v for v in VERDICTS if any(mix.get(v) for _, mix in scopes)]
+    present = [v for v in VERDICT_VALUES if any(mix.get(v) for _, mix in scopes)]
     healthy = {v.value for v in HEALTHY_VERDICTS}
     notes = {v: ("healthy: " if v in healthy else "") + VERDICT_NOTES[v] for v in present}
     return "".join([
         legend(present, VERDICT_COLOURS, notes),
         "<h3>Turn 1 and later turns, later turns by turn index</h3>",
-        stacked_bars(scopes + by_turn, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+        stacked_bars(scopes + by_turn, VERDICT_VALUES, VERDICT_COLOURS, _DARK_TEXT,
                      title="verdict mix by turn index"),
         "<h3>Later turns by prompt length</h3>",
-        stacked_bars(by_prompt, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+        stacked_bars(by_prompt, VERDICT_VALUES, VERDICT_COLOURS, _DARK_TEXT,
                      title="verdict mix by prompt length")])
 
 
@@ -191,7 +191,7 @@ def _gap_section(turns: pd.DataFrame) -> str:
     note = (f"<p>D's TTL (<code>decoder_kv_blocks_ttl</code>, median over turns): "
             f"{_span(ttl)}. P declines a read within {DECLINE_WINDOW} of "
             "expiry.</p>" if ttl else "")
-    return note + stacked_bars(rows, VERDICTS, VERDICT_COLOURS, _DARK_TEXT,
+    return note + stacked_bars(rows, VERDICT_VALUES, VERDICT_COLOURS, _DARK_TEXT,
                                title="verdict mix by inter-turn gap")
 
 

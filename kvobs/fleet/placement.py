@@ -36,11 +36,12 @@ import numpy as np
 import pandas as pd
 
 from kvobs import columns as col
-from kvobs.correlate import follows
+from kvobs.correlate import turn_links
 from kvobs.fleet.replay import read_model
-from kvobs.fleet.report import VERDICTS, prompt_tokens
+from kvobs.fleet.report import prompt_tokens
 from kvobs.fleet.retention import GIB_HOUR, host_tokens_served
-from kvobs.semconv import FallbackReason, LookupOutcome, PullDecision, ReadOutcome, ReleaseReason
+from kvobs.semconv import (VERDICT_VALUES, FallbackReason, LookupOutcome, PullDecision,
+                           ReadOutcome, ReleaseReason)
 from kvobs.settings import DECODE_TTL, MIN_CACHED_TOKEN_DELTA, RECOMPUTE_THRESHOLD, read_declined
 from kvobs.timeline import prefill_rate
 from kvobs.verdicts import Context, decide
@@ -69,6 +70,8 @@ class Facts:
     threshold: np.ndarray
     evicted: np.ndarray  # the previous turn's host copy was evicted before this turn
     has_next: np.ndarray
+    previous: np.ndarray  # the row of the conversation's previous turn, -1 when none
+    following: np.ndarray  # the row of the conversation's next turn (has_next), else its own
     bytes_per_token: float | None
     tokens_per_block: float | None
     read_s: np.ndarray  # a D read of M, as recorded or modelled
@@ -86,11 +89,11 @@ def _facts(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None) -> F
                   + col.num(turns, "host_save_output_tokens"))
     exported = col.num(turns, "export_tokens")
     kept = np.where(np.isnan(exported), whole_copy, exported)
-    consecutive = follows(turns)
-    prev_kept = np.full(n, np.nan)
-    prev_kept[1:] = np.where(consecutive[1:], kept[:-1], np.nan)
-    has_next = np.zeros(n, bool)
-    has_next[:-1] = consecutive[1:]
+    previous, following = turn_links(turns)
+    consecutive = previous >= 0
+    prev_kept = np.where(consecutive, kept[np.maximum(previous, 0)], np.nan)
+    has_next = following >= 0
+    following = np.where(has_next, following, np.arange(n))
     prompt = prompt_tokens(turns)
     local = np.where(col.present(turns, "local_hit_tokens"), col.num(turns, "local_hit_tokens"),
                      np.nan_to_num(col.num(turns, "host_local_tokens")))
@@ -127,7 +130,7 @@ def _facts(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None) -> F
     modelled_s = model.seconds(m) if model else np.zeros(n)
     read_s = np.where(np.isfinite(recorded_s), recorded_s, modelled_s)
     return Facts(later, kept, m, prompt, local, gap, ttl, thresholds, evicted, has_next,
-                 per_token, per_block, read_s)
+                 previous, following, per_token, per_block, read_s)
 
 
 def _write(frame: pd.DataFrame, updates: dict[str, Any], on: np.ndarray) -> None:
@@ -178,7 +181,7 @@ def _host_path(frame: pd.DataFrame, f: Facts, rows: np.ndarray, served: np.ndarr
         "host_lookup_span_id": _WHATIF_SPAN, "host_local_tokens": f.local[rows],
         "host_hit_tokens": accepted, "host_accepted_tokens": accepted,
         "host_hit_host_tokens": accepted, "host_hit_p2p_tokens": 0,
-        "prev_host_saved_tokens": np.nan_to_num(f.kept[rows - 1]),
+        "prev_host_saved_tokens": np.nan_to_num(f.kept[f.previous[rows]]),
         "prev_host_covers_response": True, "prev_host_save_incomplete": False}, on)
 
 
@@ -211,10 +214,9 @@ def _costs(f: Facts, place: str, device_next: np.ndarray) -> dict[str, float | N
     """Retention of every turn that kept KV for a next turn, under ``place``
     (``device_next``: per row, whether D's read of the next turn released the blocks)."""
     kept = np.nan_to_num(f.kept)
-    gap_next = np.zeros(len(kept))
-    gap_next[:-1] = np.where(f.has_next[:-1], np.nan_to_num(f.gap[1:]), 0)
-    ttl_own = np.roll(f.ttl, -1)  # a turn's blocks expire under the TTL its next turn saw
-    ttl_own[~f.has_next] = f.ttl[~f.has_next]
+    gap_next = np.where(f.has_next, np.nan_to_num(f.gap[f.following]), 0)
+    # A turn's blocks expire under the TTL its next turn saw.
+    ttl_own = np.where(f.has_next, f.ttl[f.following], f.ttl)
     device_held = np.where(device_next, gap_next, ttl_own)
     host_held = np.where(f.has_next, gap_next, 0)
     device_tokens_s = float((kept * device_held).sum()) if place != "host" else 0.0
@@ -250,7 +252,7 @@ class Placement:
 def _summary(verdicts: np.ndarray, device: np.ndarray, host: np.ndarray,
              costs: dict[str, Any]) -> dict[str, Any]:
     counts = pd.Series(verdicts).value_counts()
-    return {"verdicts": {v: int(counts.get(v, 0)) for v in VERDICTS if counts.get(v, 0)},
+    return {"verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
             "turns_served_by_device": int((device > 0).sum()),
             "turns_served_by_host": int((host > 0).sum()),
             "tokens_served_by_device": int(device.sum()),
@@ -268,7 +270,7 @@ def placement(turns: pd.DataFrame, min_cached_token_delta: int = int(
     for place in PLACES:
         decided, device, host = _verdicts(turns, f, place, min_cached_token_delta, context)
         device_next = np.zeros(len(turns), bool)
-        device_next[rows - 1] = device > 0
+        device_next[f.previous[rows]] = device > 0
         verdicts[place] = decided
         places[place] = _summary(decided, device, host, _costs(f, place, device_next))
     done = col.eq(turns, "read_outcome", ReadOutcome.DONE.value)[rows]

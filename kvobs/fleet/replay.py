@@ -41,7 +41,7 @@ import numpy as np
 import pandas as pd
 
 from kvobs import columns as col
-from kvobs.correlate import follows
+from kvobs.correlate import turn_links
 from kvobs.semconv import (FallbackReason, LookupOutcome, PullDecision, ReadOutcome,
                            ReleaseReason)
 from kvobs.settings import entry_lifetime_s, read_declined
@@ -108,11 +108,11 @@ def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 
 def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """For each row: whether the conversation's next turn follows it, and that turn's row."""
-    n = len(turns)
-    has_next = np.zeros(n, bool)
-    has_next[:-1] = follows(turns)[1:]
-    return has_next, np.minimum(np.arange(n) + 1, n - 1)
+    """For each row: whether the conversation's next turn is in the table, and that
+    turn's row (the row itself where there is none)."""
+    _, following = turn_links(turns)
+    has_next = following >= 0
+    return has_next, np.where(has_next, following, np.arange(len(turns)))
 
 
 def candidate_tokens(turns: pd.DataFrame) -> np.ndarray:

@@ -18,9 +18,8 @@ import numpy as np
 import pandas as pd
 
 from kvobs.fleet.replay import block_seconds, read_model, replay
-from kvobs.fleet.report import VERDICTS
+from kvobs.semconv import VERDICT_VALUES, ReadOutcome, Verdict
 from kvobs.timeline import prefill_rate
-from kvobs.semconv import ReadOutcome, Verdict
 from kvobs.verdicts import Context
 
 
@@ -47,7 +46,7 @@ def _summary(turns: pd.DataFrame, verdicts: np.ndarray, reused: np.ndarray,
     prompt = turns["prompt_tokens"].astype(float).fillna(0).to_numpy()
     local = turns["local_hit_tokens"].astype(float).fillna(0).to_numpy()
     return {"later_turns": int(later.sum()),
-            "verdicts": {v: int(counts.get(v, 0)) for v in VERDICTS if counts.get(v, 0)},
+            "verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
             "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / later.sum())
             if later.sum() else None,
             "reused_tokens": int(reused[later].sum()),

@@ -4,9 +4,9 @@ Every source returns spans as a pandas DataFrame with the columns ``SPAN_COLUMNS
 one column per known attribute key (``semconv.ATTRIBUTES``); unknown attributes are
 dropped, absent ones are null; ``span_table()`` gives them as Arrow (what diagnose
 reads: span files and the store's live segments through ``_frame.table_from_rows``, its
-compacted spans from parquet, neither through pandas). ``turn_rows()`` gives the fleet's turn rows
-(``kvobs.correlate.aggregate`` over every span, before ``derive``), each backend the way
-it does best: the store from its turn files, ClickHouse in SQL. Problems met while
+compacted spans from parquet, neither through pandas). ``turn_row_slices()`` gives the
+fleet's turn rows (``kvobs.correlate.aggregate`` over every span, before ``derive``), each
+backend the way it does best: the store from its turn files, ClickHouse in SQL. Problems met while
 reading (corrupt lines, unreadable files) are collected in ``problems`` as
 ``file:line: reason`` and never stop the read.
 """
@@ -14,7 +14,7 @@ reading (corrupt lines, unreadable files) are collected in ``problems`` as
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -38,12 +38,14 @@ class SpanSource(Protocol):
         reads, so that one conversation never needs pandas where the source can help it
         (span files and the store build it in Arrow; ``spans`` derives from it)."""
 
-    def turn_rows(self) -> pa.Table:
-        """One Arrow row per (tenant, conversation_id, turn) with the columns of
-        ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``): each
-        conversation's rows together and by turn, conversations in any order (what
-        ``correlate.derive`` needs; a global sort of a fleet's rows costs more than
-        reading them)."""
+    def turn_row_slices(self) -> Iterator[pa.Table]:
+        """The fleet's turn rows, one Arrow row per (tenant, conversation_id, turn) with
+        the columns of ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``), in
+        slices: each conversation whole in one slice, rows in any order
+        (``correlate.derive`` links each turn to its previous one by key; sorting a
+        fleet's rows costs more than reading them). A source slices as its storage
+        allows (ClickHouse's turn view by ranges of conversation ids), so that a
+        fleet's rows need never all be in memory at once."""
 
     def conversation_ids(self) -> list[str]:
         """Every conversation id the source knows."""

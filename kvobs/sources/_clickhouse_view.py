@@ -1,7 +1,7 @@
 """The ClickHouse turn view: what the store's turn files are to its spans.
 
 A materialized view writes one partial row per (tenant, conversation, turn) and insert as
-the exporter inserts spans; ``ClickHouseSource.turn_rows`` reads it when it holds every
+the exporter inserts spans; ``ClickHouseSource.turn_row_slices`` reads it when it holds every
 span (``view_state``). DDL and backfill are generated from
 ``kvobs.turn_columns.FLEET_COLUMNS``, the same columns the span SQL pivots.
 """

@@ -71,8 +71,8 @@ def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> 
 
 def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     """Turn rows (before ``derive``) of a store directory and its live segments (a
-    ``SpanSource``), each conversation's rows together and by turn (``SpanSource.turn_rows``);
-    unreadable files reported in ``problems``."""
+    ``SpanSource``), one row per turn (``SpanSource.turn_row_slices``); unreadable
+    files reported in ``problems``."""
     columns = span_columns() + ["trace_id", "span_id"]
     live = _live_spans(live_source, columns)
     files = readable(span_files(store_dir), problems)
@@ -108,10 +108,10 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
         kept.append(aggregate(drop_duplicate_span_rows(spans, problems)))
     # Keys as dictionaries, as parquet reads them: no 1.35M ids decoded to conform a file.
     schema = aggregate(_scan_spans([], columns, None)).schema
-    # Each table is sorted and no conversation is in two of them (split ones were
-    # rebuilt from their spans): concatenated, every conversation's turns stay together
-    # and in order, which is all the turn table needs; a global sort of the 1.35M x 87
-    # rows of a 270k-conversation fleet cost more than reading them.
+    # No conversation is in two of these tables (split ones were rebuilt from their
+    # spans): concatenated, each turn is one row, which is all the turn table needs (a
+    # global sort of the 1.35M x 87 rows of a 270k-conversation fleet cost more than
+    # reading them); each table sorted, derive finds its rows in order.
     if not kept:
         return arrays.empty(schema)
     return pa.concat_tables([conformed(t, schema) for t in kept]).unify_dictionaries()

@@ -8,7 +8,7 @@ option. The source reads the table's column types once (``dialect``) and generat
 attribute access for them (``_clickhouse_sql.AttributeDialect``). See docs/clickhouse.md
 for the collector configuration.
 
-Heavy work stays in SQL: ``turn_rows()`` pivots spans into one row per (tenant,
+Heavy work stays in SQL: ``turn_row_slices()`` pivots spans into one row per (tenant,
 conversation, turn) (``kvobs.turn_columns.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
 view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
 store's turn files are to its spans) when it holds every span, else from the spans with
@@ -24,12 +24,13 @@ import json
 import os
 import re
 import urllib.parse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import semconv as sc
+from kvobs import arrays, semconv as sc
 from kvobs.sources._clickhouse_sql import (
     CID_KEY,
     DEFAULT_TABLE,
@@ -76,6 +77,12 @@ __all__ = ["ClickHouseSource", "DIALECTS", "ENV_USER", "ENV_PASSWORD",
 # Span names some fleet column sums or counts: where a repeated span would be counted.
 _COUNTED_SPANS = {column.span.name for column in FLEET_COLUMNS.values()
                   if column.agg in (Agg.SUM, Agg.COUNT)}
+# Turn view rows read per query by a fleet command (``view_slices``): a slice's Arrow
+# rows and their conversion need ~2 KiB a turn, so a 100M-span fleet's 9.5M turns are
+# never all in memory at once next to the table built from them.
+VIEW_SLICE_TURNS = 2_000_000
+# The turn view query's hash of each row's key (``_repeats_a_turn``).
+KEY_HASH = "kvobs_key_hash"
 # Table names go into SQL text: only plain identifiers, never quoted input.
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 
@@ -96,7 +103,7 @@ def check_table_name(table: str) -> None:
 
 
 class ClickHouseSource:
-    """A ``SpanSource`` over an ``otel_traces`` table, its ``turn_rows()`` in SQL."""
+    """A ``SpanSource`` over an ``otel_traces`` table, its ``turn_row_slices()`` in SQL."""
 
     def __init__(self, query: Query, table: str = DEFAULT_TABLE,
                  location: str = "clickhouse"):
@@ -256,8 +263,8 @@ class ClickHouseSource:
 
     def turns_sql(self) -> str:
         """One row per (tenant, conversation, turn) in one query, spans lacking a key
-        taking it from their trace (a join): what ``turn_rows`` falls back to when its
-        per-span-name parts show such spans, or on a hash collision."""
+        taking it from their trace (a join): what ``turn_row_slices`` falls back to when
+        its per-span-name parts show such spans, or on a hash collision."""
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up only on rows of its own span.
         sql = self.dialect
@@ -345,23 +352,48 @@ class ClickHouseSource:
                 f"FROM (SELECT *, cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
                 f"{flags} FROM ({spans})) GROUP BY {HASH}, {CHECK}")
 
-    def view_sql(self, merge: bool = True) -> str:
-        """The turn rows from the turn view, in key order. With ``merge``, rows of a turn
-        that ClickHouse has not merged yet (inserted apart) are merged here, the others
-        read as they are (``GROUP BY`` or ``FINAL`` over every row cost 3-10x more).
-        Without, every row is read as stored, in the table's own order (no sort, no
-        ``GROUP BY``): right when no turn is split, which its repeated key shows."""
+    def view_sql(self, merge: bool = True, where: str = "") -> str:
+        """The turn rows from the turn view, in no particular order (``derive`` links
+        turns in any order; an ``ORDER BY`` merged the parts' 87 columns row by row, 1-2
+        s of 1.35M turns) and ``where``: only the rows matching it, a condition on the
+        view's keys. With ``merge``, rows of a turn that ClickHouse has not merged yet
+        (inserted apart) are merged here, the others read as they are (``GROUP BY`` or
+        ``FINAL`` over every row cost 3-10x more). Without, every row is read as stored
+        (no ``GROUP BY``): right when no turn is split, which a repeated key shows."""
         keys = "tenant, conversation_id, turn"
         target = self.table + TURNS_SUFFIX
         columns = view_columns()
         whole = ", ".join(f"{c.value(grouped=False)} AS {c.name}" for c in columns)
+        scope = f"WHERE {where}" if where else ""
+        hashed = f"cityHash64({keys}) AS {KEY_HASH}"
         if not merge:
-            return f"SELECT {keys}, {whole} FROM {target} ORDER BY {keys}"
-        split = f"({keys}) IN (SELECT {keys} FROM {target} GROUP BY {keys} HAVING count() > 1)"
+            return f"SELECT {keys}, {hashed}, {whole} FROM {target} {scope}"
+        split = (f"({keys}) IN (SELECT {keys} FROM {target} {scope} GROUP BY {keys} "
+                 f"HAVING count() > 1)")
         merged = ", ".join(f"{c.value(grouped=True)} AS {c.name}" for c in columns)
-        return (f"SELECT * FROM (SELECT {keys}, {whole} FROM {target} WHERE NOT {split} "
-                f"UNION ALL SELECT {keys}, {merged} FROM {target} WHERE {split} "
-                f"GROUP BY {keys}) ORDER BY {keys}")
+        within = f"({where}) AND " if where else ""
+        return (f"SELECT {keys}, {hashed}, {whole} FROM {target} WHERE {within}NOT {split} "
+                f"UNION ALL SELECT {keys}, {hashed}, {merged} FROM {target} "
+                f"WHERE {within}{split} GROUP BY {keys}")
+
+    def view_slices(self) -> list[str]:
+        """Conditions that split the turn view into ranges of conversation ids (each
+        conversation in one), about ``VIEW_SLICE_TURNS`` rows each, bounded by a seeded
+        sample of the ids: a fleet's turn rows are read a slice at a time, each slice
+        reading only its own granules (the view is sorted by conversation id)."""
+        target = self.table + TURNS_SUFFIX
+        rows = int(self.query(f"SELECT count() FROM {target}").column(0)[0].as_py())
+        slices = -(-rows // VIEW_SLICE_TURNS)
+        if slices <= 1:
+            return [""]
+        sample = self.query(
+            f"SELECT arraySort(groupArraySample({100 * slices}, 1)(conversation_id)) AS ids "
+            f"FROM {target}").column(0)[0].as_py()
+        bounds = sorted({sample[len(sample) * k // slices] for k in range(1, slices)})
+        ranges = [f"conversation_id < {quote(bounds[0])}"]
+        ranges += [f"conversation_id >= {quote(low)} AND conversation_id < {quote(high)}"
+                   for low, high in zip(bounds, bounds[1:])]
+        return ranges + [f"conversation_id >= {quote(bounds[-1])}"]
 
     def view_state(self) -> str:
         """What a fleet report reads: the turn view ("turns") when it holds exactly the
@@ -397,23 +429,29 @@ class ClickHouseSource:
             f"FROM {self.table} "
             f"WHERE SpanName IN ({names})").to_pylist()[0]["once"]
 
-    def turn_rows(self) -> pa.Table:
+    def turn_row_slices(self) -> Iterator[pa.Table]:
+        """From the turn view a range of conversation ids at a time (``view_slices``)
+        when it holds every span, else from the spans in one piece."""
         state = self.view_state()
-        table = None
         if state == "turns":
-            # Rows as stored (a merged view: one per turn); a turn still split over rows
-            # repeats its key, and then the merging query is asked.
-            table = self.query(self.view_sql(merge=False))
-            if _repeats_a_turn(table):
-                table = self.query(self.view_sql())
-        if table is None or _repeats_a_turn(table):  # repeated: rows inserted meanwhile
-            table = (self.query(self.turns_sql()) if state == "traces"
+            slices = self.view_slices()
+            for where in slices:
+                # Rows as stored (a merged view: one per turn); a turn still split over
+                # rows repeats its key, and then the merging query is asked.
+                table = self.query(self.view_sql(merge=False, where=where))
+                if _repeats_a_turn(table):
+                    table = self.query(self.view_sql(where=where))
+                if not _repeats_a_turn(table):
+                    yield _keyed(table.drop_columns([KEY_HASH]))
+                elif len(slices) > 1:  # slices before it are given: cannot start over
+                    raise SourceError(f"{self.location}: turn view rows kept changing "
+                                      f"while read ({where}); read it again")
+                else:  # repeated: rows inserted meanwhile
+                    break
+            else:
+                return
+        yield _keyed(self.query(self.turns_sql()) if state == "traces"
                      else self._turns_from_parts())
-        keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
-                        pc.is_valid(table.column("turn")))
-        if keyed.null_count == 0 and pc.all(keyed).as_py():
-            return table  # a filter copies every column (1-3 CPU-s over 1.35M turns)
-        return table.filter(keyed)
 
     def _turns_from_parts(self) -> pa.Table:
         # The proxy's turn span is in (almost) every turn: its part brings the key strings,
@@ -453,18 +491,21 @@ def _exported_attributes(dialect: AttributeDialect) -> tuple[str, str]:
             f"'}}')", "concat('{\"service.name\":', toJSONString(service), '}')")
 
 
+def _keyed(table: pa.Table) -> pa.Table:
+    """Turn rows with a conversation id and a turn index."""
+    keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
+                    pc.is_valid(table.column("turn")))
+    if keyed.null_count == 0 and pc.all(keyed).as_py():
+        return table  # a filter copies every column (1-3 CPU-s over 1.35M turns)
+    return table.filter(keyed)
+
+
 def _repeats_a_turn(table: pa.Table) -> bool:
-    """Whether two adjacent rows of a table sorted by turn key share the key."""
-    if table.num_rows < 2:
-        return False
-    same = None
-    for key in ("tenant", "conversation_id", "turn"):
-        column = table.column(key)
-        if pa.types.is_dictionary(column.type):
-            column = column.cast(column.type.value_type)
-        equal = pc.equal(column.slice(1), column.slice(0, table.num_rows - 1))
-        same = equal if same is None else pc.and_(same, equal)
-    return bool(pc.any(same).as_py())
+    """Whether two rows share a turn key (rows in any order), by the keys' 64-bit hash
+    the query added (``KEY_HASH``): two keys sharing one only look repeated, and are
+    then read by the merging query, which is right either way."""
+    hashes = np.sort(arrays.numbers(table.column(KEY_HASH)))
+    return bool((hashes[1:] == hashes[:-1]).any())
 
 
 def _need_traces(parts: list[pa.Table]) -> bool:

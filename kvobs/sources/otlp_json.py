@@ -77,8 +77,8 @@ class DocumentSource:
         table = self._all()
         return table if conversation_id is None else select_conversation(table, conversation_id)
 
-    def turn_rows(self) -> pa.Table:
-        return turn_rows(self._all())
+    def turn_row_slices(self) -> Iterator[pa.Table]:
+        yield turn_rows(self._all())  # spans already in memory: one slice
 
     def conversation_ids(self) -> list[str]:
         return sorted(self._all().column(sc.CONVERSATION_ID.key).unique().drop_null()

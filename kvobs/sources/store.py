@@ -26,7 +26,7 @@ import time
 import uuid
 import zlib
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -336,11 +336,12 @@ class StoreSource:
         return (table if conversation_id is None
                 else select_conversation(table, conversation_id))
 
-    def turn_rows(self) -> pa.Table:
-        """Mostly from the turn files written at compaction (``_store_turns``)."""
+    def turn_row_slices(self) -> Iterator[pa.Table]:
+        """Mostly from the turn files written at compaction (``_store_turns``), in one
+        slice."""
         from kvobs.sources._store_turns import store_turns
 
-        return store_turns(self.store_dir, self._live, self.problems)
+        yield store_turns(self.store_dir, self._live, self.problems)
 
     def conversation_ids(self) -> list[str]:
         ids: set[str] = set()

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvobs import columns as col
-from kvobs.semconv import Verdict
+from kvobs.semconv import VERDICT_VALUES, Verdict
 from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lacks_response,
                             host_evicted, host_hit, host_save_incomplete, local_hit, miss,
                             missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
@@ -74,33 +74,41 @@ _INSUFFICIENT = Verdict.INSUFFICIENT_EVIDENCE.value
 
 @dataclass
 class Decisions:
-    """Per row of a turn table: the verdict value, the deciding rule's position in ORDER
-    and, for insufficient-evidence rows, the missing (column, span)."""
+    """Per row of a turn table: the verdict (its position in ``VERDICT_VALUES``), the
+    deciding rule's position in ORDER and, for insufficient-evidence rows, the missing
+    (column, span)."""
 
-    verdict: np.ndarray
+    code: np.ndarray
     rule: np.ndarray
     missing: dict[int, tuple]
+
+    @property
+    def verdict(self) -> np.ndarray:
+        """Per row, the verdict value."""
+        return np.array(VERDICT_VALUES, dtype=object)[self.code]
 
 
 def decide(turns: col.Table, context: Context = Context()) -> Decisions:
     """Exactly one verdict per row: the first rule in ORDER that applies, unless a rule
     before it lacks the evidence it needs on that row."""
     rows = len(turns)
-    verdict = np.full(rows, "", dtype=object)
+    code = np.full(rows, -1, np.int8)
     rule = np.full(rows, -1)
     missing: dict[int, tuple] = {}
     undecided = np.ones(rows, bool)
+    insufficient = VERDICT_VALUES.index(_INSUFFICIENT)
     for position, module in enumerate(ORDER):
         for needs in getattr(module, "missing", lambda *_: ())(turns, context):
             chosen = undecided & needs.where
-            verdict[chosen], rule[chosen] = _INSUFFICIENT, position
+            code[chosen], rule[chosen] = insufficient, position
             missing.update((int(i), (needs.column, needs.span)) for i in np.flatnonzero(chosen))
             undecided &= ~chosen
         chosen = undecided & module.applies(turns, context)
-        verdict[chosen], rule[chosen] = module.VERDICT.value, position
+        code[chosen] = VERDICT_VALUES.index(module.VERDICT.value)
+        rule[chosen] = position
         undecided &= ~chosen
     assert not undecided.any(), "miss applies to every row"
-    return Decisions(verdict, rule, missing)
+    return Decisions(code, rule, missing)
 
 
 def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
@@ -109,9 +117,11 @@ def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = Non
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
     decisions = decide(turns, Context(prefill_tokens_per_s, read_slo_s))
-    # Categorical: as strings, pandas stores 1.35M of them as Arrow and converts them back
-    # at every comparison (0.5 s of a fleet report).
-    return pd.Series(pd.Categorical(decisions.verdict, categories=[v.value for v in Verdict]),
+    # Categorical, from the codes: as strings, pandas stores 1.35M of them as Arrow and
+    # converts them back at every comparison (0.5 s of a fleet report), and coding them
+    # again costs as much.
+    return pd.Series(pd.Categorical.from_codes(decisions.code,
+                                                categories=list(VERDICT_VALUES)),
                      index=turns.index, name="verdict")
 
 

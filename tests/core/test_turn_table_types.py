@@ -111,3 +111,35 @@ def test_columns_no_turn_has_are_typed_as_converted_ones_and_stay_in_place(span_
                 assert got.name == "category", (name, column)
             else:
                 assert got == want, (name, column)
+
+
+def test_turns_are_linked_to_their_previous_turn_in_any_row_order(span_sets):
+    """``derive`` (and ``turn_links``) find each turn's previous turn by key: rows in a
+    scan's order (a ClickHouse turn view read without ``ORDER BY``) derive the same
+    previous-turn facts as rows sorted by key."""
+    from kvobs.correlate import derive, turn_links, turn_rows
+
+    for name, spans in span_sets.items():
+        rows = turn_rows(spans)
+        assert rows.num_rows > 3, name
+        shuffled = np.random.default_rng(7).permutation(rows.num_rows)
+        sorted_frame = to_frame(derive(rows))
+        frame = to_frame(derive(rows.take(shuffled)))
+        linked = [c for c in frame.columns if c.startswith("prev_") or c == "gap_s"]
+        assert sorted_frame["prev_turn_end_ns"].notna().sum() > 1, name  # exercised
+        for column in linked:
+            got = frame[column].astype(object).where(frame[column].notna(), None).tolist()
+            want = sorted_frame[column].astype(object).where(
+                sorted_frame[column].notna(), None).take(shuffled).tolist()
+            assert got == want, (name, column)
+        previous, following = turn_links(frame)
+        for row, before in enumerate(previous):
+            if before >= 0:
+                assert following[before] == row
+                assert (frame["conversation_id"].iloc[before],
+                        frame["turn"].iloc[before] + 1) == (
+                    frame["conversation_id"].iloc[row], frame["turn"].iloc[row])
+            else:
+                assert not ((frame["conversation_id"] == frame["conversation_id"].iloc[row])
+                            & (frame["tenant"] == frame["tenant"].iloc[row])
+                            & (frame["turn"] == frame["turn"].iloc[row] - 1)).any()

@@ -17,6 +17,7 @@ from kvobs.cli import main  # noqa: E402
 from kvobs.diagnose import diagnose  # noqa: E402
 from kvobs.fleet import fleet_turns, label_turns  # noqa: E402
 from kvobs.sources import open_source  # noqa: E402
+from kvobs.sources import clickhouse as clickhouse_module  # noqa: E402
 from kvobs.sources.clickhouse import TURNS_SUFFIX, ClickHouseSource  # noqa: E402
 from kvobs.sources.store import compact  # noqa: E402
 
@@ -57,6 +58,25 @@ def test_turn_view_keeps_tenants_sharing_an_id_apart(factory_viewed, factory_cli
     turns = compare_verdicts(factory_viewed, open_source(factory_store))
     assert turns[turns["conversation_id"] == SHARED_ID]["tenant"].nunique() == 2
     assert_same_turns(turns, fleet_turns(factory_clickhouse))
+
+
+def test_turn_view_is_read_in_slices_of_whole_conversations(viewed, factory_viewed,
+                                                             factory_clickhouse, monkeypatch):
+    whole = fleet_turns(viewed)
+    monkeypatch.setattr(clickhouse_module, "VIEW_SLICE_TURNS", len(whole) // 5)
+    slices = list(viewed.turn_row_slices())
+    assert len(slices) >= 4 and all(piece.num_rows for piece in slices)
+    ids = [set(piece.column("conversation_id").to_pylist()) for piece in slices]
+    assert sum(map(len, ids)) == len(set().union(*ids))  # no conversation in two slices
+    sliced = fleet_turns(viewed)  # slice by slice, stacked column by column
+    assert_same_turns(sliced, whole)
+    assert list(sliced.columns) == list(whole.columns)
+    assert (sliced.dtypes == whole.dtypes).all()
+    # Turns merged at read time, and two tenants sharing an id, a slice at a time.
+    reference = fleet_turns(factory_clickhouse)
+    monkeypatch.setattr(clickhouse_module, "VIEW_SLICE_TURNS", len(reference) // 3)
+    assert len(list(factory_viewed.turn_row_slices())) > 1
+    assert_same_turns(fleet_turns(factory_viewed), reference)
 
 
 def test_turn_view_created_after_spans_is_used_once_backfilled(clickhouse, chdb_path):
@@ -194,18 +214,16 @@ def test_clickhouse_init_prints_or_creates_the_turn_view(clickhouse, chdb_path):
     assert reports[0] == reports[1]  # the view's report is the spans' report
 
 
-def test_view_rows_repeating_a_turn_are_caught():
+def test_view_rows_repeating_a_turn_are_caught_in_any_order():
     import pyarrow as pa
 
-    from kvobs.sources.clickhouse import _repeats_a_turn
+    from kvobs.sources.clickhouse import KEY_HASH, _repeats_a_turn
 
-    def rows(*keys):
-        tenants, cids, turns = zip(*keys)
-        return pa.table({"tenant": pa.array(tenants).dictionary_encode(),
-                         "conversation_id": cids, "turn": turns})
+    def rows(*hashes):
+        return pa.table({KEY_HASH: pa.array(hashes, pa.uint64())})
 
-    assert _repeats_a_turn(rows(("t", "a", 1), ("t", "a", 1)))
-    assert not _repeats_a_turn(rows(("t", "a", 1), ("u", "a", 1), ("u", "a", 2)))
+    assert _repeats_a_turn(rows(7, 1, 7)) and _repeats_a_turn(rows(2**64 - 1, 0, 2**64 - 1))
+    assert not _repeats_a_turn(rows(7, 1, 2)) and not _repeats_a_turn(rows(7))
 
 
 @pytest.mark.parametrize("view", [False, True])

@@ -112,3 +112,34 @@ def test_cli_text_and_json(host_store):
     assert "keep on host" in text and "host byte-s held" in text
     missing = runner.invoke(main, ["whatif", "-s", host_store, "--ttl", "30"])
     assert missing.exit_code == 2 and "--threshold" in missing.output
+
+
+def _close(a, b) -> bool:
+    """Equal, floats to 1e-9 relative: sums over rows in another order round apart."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("fixture", ["device_turns", "host_store"])
+def test_placement_and_tuning_do_not_depend_on_row_order(fixture, request):
+    """A turn table in a scan's order (ClickHouse's turn view) gives the same placement,
+    what-if and TTL replay as one sorted by conversation and turn: next turns are found
+    by key, not as the row below."""
+    from kvobs.fleet import tune, whatif
+
+    value = request.getfixturevalue(fixture)
+    turns = value if fixture == "device_turns" else label_turns(
+        fleet_turns(open_source(value)))[0]
+    shuffled = turns.sample(frac=1, random_state=3).reset_index(drop=True)
+    assert not shuffled["turn"].equals(turns["turn"])  # the order did change
+    for place in ("device", "host", "both"):
+        assert _close(placement(shuffled, ttl_s=TTL_S).places[place],
+                      placement(turns, ttl_s=TTL_S).places[place]), place
+    assert _close(whatif(shuffled, TTL_S / 2, None).to_dict(),
+                  whatif(turns, TTL_S / 2, None).to_dict())
+    assert _close(tune(shuffled).to_dict(), tune(turns).to_dict())
