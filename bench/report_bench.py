@@ -89,6 +89,8 @@ def main() -> None:
     sources = [(SOURCES[name], locations[name]) for name in SOURCES if name in chosen]
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
           f"({os.cpu_count()} cores; other engineers share the box)")
+    print(f"CPU calibration before: {calibration_s():.2f} s (np.sort of 10M floats, best "
+          f"of 3; this VM drifted from 0.27 to 0.41 s within an hour on 2026-12-02)")
     reports = {}
     for _ in range(args.repeat):
         for label, location in sources:
@@ -101,6 +103,7 @@ def main() -> None:
                   f"peak RSS {peak:,.0f} MiB, "
                   f"{report.get('turns', 0):,} turns -> {status} (target < 10 s); "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"CPU calibration after: {calibration_s():.2f} s")
     if len(reports) < 2:
         return
     (first, reference), *others = reports.items()
@@ -108,6 +111,19 @@ def main() -> None:
         print(f"report [{label}] == report [{first}] (all but 'source'; floats to 1e-12 "
               f"relative: sums over turns in another order): {_same(report, reference)}"
               f" (exactly: {report == reference})")
+
+
+def calibration_s() -> float:
+    """Seconds to sort 10M random floats, best of 3: how fast the box is right now."""
+    import numpy as np
+
+    values = np.random.default_rng(0).random(10_000_000)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        np.sort(values)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def _same(a, b) -> bool:

@@ -22,3 +22,4 @@ __all__ = ["fleet_turns", "classify_frame", "FleetReport", "build_report", "labe
 def fleet_turns(source) -> pd.DataFrame:
     """Every turn of ``source`` (a ``kvobs.sources.SpanSource``), fleet columns."""
     return turn_table(source.turn_row_slices())
+

@@ -48,7 +48,7 @@ def prompt_tokens(turns: pd.DataFrame) -> np.ndarray:
 def _buckets(values: pd.Series, label, order, known: np.ndarray | bool = True) -> pd.Series:
     """Bucket labels as categorical codes (missing where not ``known``): one label call
     per distinct value, no per-turn strings."""
-    uniques, inverse = np.unique(values.to_numpy(np.int64), return_inverse=True)
+    inverse, uniques = pd.factorize(values.to_numpy(np.int64))  # hashed: no sort
     position = {name: i for i, name in enumerate(order)}
     codes = np.array([position.get(label(int(u)), -1) for u in uniques], np.int64)
     return pd.Series(pd.Categorical.from_codes(np.where(known, codes[inverse], -1),

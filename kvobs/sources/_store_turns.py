@@ -22,7 +22,8 @@ from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_column
 from kvobs.sources._decode import short
 from kvobs.sources._frame import conformed, drop_duplicate_span_rows
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
-                                         store_schema, turns_path, with_renamed_keys)
+                                         store_schema, existing_turns_path,
+                                         with_renamed_keys)
 from kvobs.turn_columns import KEY_SOURCES
 
 _TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
@@ -76,13 +77,12 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     columns = span_columns() + ["trace_id", "span_id"]
     live = _live_spans(live_source, columns)
     files = readable(span_files(store_dir), problems)
-    has_turns = {f: os.path.exists(turns_path(store_dir, f)) for f in files}
+    turn_paths = {f: existing_turns_path(store_dir, f) for f in files}
     if live is not None and pc.any(pc.is_null(live.column(_CID))).as_py():
         # A live span without conversation may belong to any compacted trace.
         spans = plain(_compacted_spans(files, columns, None, problems)).cast(live.schema)
         return aggregate(drop_duplicate_span_rows(pa.concat_tables([spans, live]), problems))
-    turn_files = {f: _turn_file(turns_path(store_dir, f), problems)
-                  for f in files if has_turns[f]}
+    turn_files = {f: _turn_file(turn_paths[f], problems) for f in files if turn_paths[f]}
     indexed = [f for f in files if turn_files.get(f) is not None]
     unindexed = [f for f in files if turn_files.get(f) is None]
     turns = [turn_files[f] for f in indexed]
@@ -121,7 +121,10 @@ def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
     """A span file's turn rows, or None (no turn file, or one that cannot be read:
     reported; its turns are then rebuilt from its spans, nothing lost)."""
     try:
-        return pq.read_table(path, read_dictionary=_READ_AS_DICTIONARY)
+        if path.endswith(".parquet"):  # an older kvobs's
+            return pq.read_table(path, read_dictionary=_READ_AS_DICTIONARY)
+        with pa.OSFile(path) as source:
+            return pa.ipc.open_file(source).read_all()
     except (pa.ArrowException, OSError) as error:
         note(problems, f"{path}: unreadable turn file ({short(error)}); its turns "
                        "rebuilt from its span file")

@@ -40,7 +40,8 @@ from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_row
                                   frame_from_table, select_conversation, table_from_rows)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
                                          read_conversation, read_spans, readable,
-                                         span_files, store_schema, turns_path)
+                                         span_files, store_schema, turns_path,
+                                         existing_turns_path)
 from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows
 
 if TYPE_CHECKING:
@@ -158,7 +159,10 @@ def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -
         spans = pq.read_table(span_file)
     path = turns_path(store_dir, span_file)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    pq.write_table(aggregate(spans), path + ".tmp", compression="zstd")
+    turns = aggregate(spans)
+    with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(
+            sink, turns.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
+        writer.write_table(turns)
     os.replace(path + ".tmp", path)
 
 
@@ -189,7 +193,7 @@ def compact(store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = Fa
         _finish_journals(store_dir, problems)
         moved = _compact_live(store_dir, quiet_s, writers_stopped, problems)
         for path in span_files(store_dir):
-            if not os.path.exists(turns_path(store_dir, path)):
+            if existing_turns_path(store_dir, path) is None:
                 write_turns(store_dir, path)
     finally:
         os.close(lock)
@@ -296,7 +300,7 @@ def _finish_journals(store_dir: str, problems: list[str]) -> None:
         else:
             for directory in (COMPACTED_DIR, TURNS_DIR):
                 for path in glob.glob(os.path.join(store_dir, directory, "bucket=*",
-                                                   f"{batch}.parquet*")):
+                                                   f"{batch}.*")):
                     os.remove(path)
         os.remove(journal)
 

@@ -52,7 +52,7 @@ def _bucket_file(store, conversation_id, kind="compacted"):
     from kvobs.sources.store import bucket_of
 
     (path,) = glob.glob(str(store / kind / f"bucket={bucket_of(conversation_id):02d}"
-                            / "*.parquet"))
+                            / ("*.parquet" if kind == "compacted" else "*.arrow")))
     return path
 
 

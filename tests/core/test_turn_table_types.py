@@ -143,3 +143,19 @@ def test_turns_are_linked_to_their_previous_turn_in_any_row_order(span_sets):
                 assert not ((frame["conversation_id"] == frame["conversation_id"].iloc[row])
                             & (frame["tenant"] == frame["tenant"].iloc[row])
                             & (frame["turn"] == frame["turn"].iloc[row] - 1)).any()
+
+
+def test_previous_rows_of_runs_of_conversations_and_of_scattered_rows():
+    from kvobs.correlate import previous_rows
+
+    def previous(conversations, turns):
+        return previous_rows([np.array(conversations)], np.array(turns)).tolist()
+
+    # Each conversation in one run, runs in any order (the store's turn files).
+    assert previous([2, 2, 0, 0, 1], [1, 2, 1, 2, 1]) == [-1, 0, -1, 2, -1]
+    # Conversation 2 in two runs; a gap in conversation 0's turns.
+    assert previous([2, 0, 2, 0, 0], [1, 1, 2, 2, 4]) == [-1, -1, 0, 1, -1]
+    # Two keys (tenant, conversation): the same conversation code under two tenants.
+    assert previous_rows([np.array([0, 1, 0]), np.array([5, 5, 5])],
+                         np.array([1, 2, 2])).tolist() == [-1, -1, 0]
+    assert previous([], []) == [] and previous([3], [1]) == [-1]
