@@ -312,7 +312,7 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
     cids = labelled["conversation_id"]
     # The costs in a second thread, the verdicts and latencies here: both only read the
     # labelled table, and numpy lets go of the GIL in its sorts, partitions and takes
-    # (two cores: 0.5-1 s of a 1.35M-turn report).
+    # (two cores, 1.35M turns: 5.45 s instead of 5.82, mean of 3 alternated runs).
     with ThreadPoolExecutor(max_workers=1) as pool:
         costs = pool.submit(lambda: (memory_held(labelled), phase_sections(labelled, first),
                                      retention(labelled)))

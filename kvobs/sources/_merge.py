@@ -1,4 +1,4 @@
-"""Turn rows assembled from per-span-name parts, and the turn-key sort.
+"""Turn rows assembled from per-span-name parts, in no particular order.
 
 ClickHouse aggregates each span name on its own (one small GROUP BY per name is far
 cheaper than one GROUP BY carrying every column's aggregate over every span); the parts
@@ -6,8 +6,8 @@ are then lined up here by a 64-bit hash of (tenant, conversation, turn), checked
 a second, independent hash so that a collision is detected, never merged.
 
 ``align_parts`` is the common case, with no string work: one part (the proxy's turn span,
-in nearly every turn) brings the keys already sorted, the others only hashes. ``merge_parts`` is the general one (every part with keys; any turn may lack any
-span).
+in nearly every turn) brings the keys, the others only hashes. ``merge_parts`` is the
+general one (every part with keys; any turn may lack any span).
 """
 
 from __future__ import annotations
@@ -16,19 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs.correlate import ranked
-
 HASH, CHECK = "k", "k2"
 KEY_COLUMNS = ("tenant", "conversation_id", "turn")
-
-
-def sort_turns(table: pa.Table) -> pa.Table:
-    """Rows in (tenant, conversation_id, turn) order, as ``aggregate`` gives them."""
-    table = table.unify_dictionaries()
-    tenant, _ = ranked(table.column("tenant"))
-    cid, _ = ranked(table.column("conversation_id"))
-    turn = table.column("turn").to_numpy()
-    return table.take(pa.array(np.lexsort((turn, cid, tenant))))
 
 
 def merge_parts(parts: list[pa.Table], columns: dict[str, pa.DataType]) -> pa.Table | None:
@@ -66,12 +55,12 @@ def merge_parts(parts: list[pa.Table], columns: dict[str, pa.DataType]) -> pa.Ta
     for name, type_ in {**key_types, **columns}.items():
         out.setdefault(name, pa.nulls(n, type_))
     ordered = [*KEY_COLUMNS, *columns]
-    return sort_turns(pa.table({name: out[name] for name in ordered}))
+    return pa.table({name: out[name] for name in ordered})
 
 
 def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.DataType]
                 ) -> pa.Table | None:
-    """``keyed``'s rows (sorted by the turn key) with the columns of ``parts`` (one row per
+    """``keyed``'s rows (in its order) with the columns of ``parts`` (one row per
     (``HASH``, ``CHECK``), any order) lined up; None when a part has a turn ``keyed``
     lacks, or on a collision."""
     # One chunk per column: query results come in many batches, and takes across

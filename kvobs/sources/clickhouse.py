@@ -313,7 +313,7 @@ class ClickHouseSource:
                               f"AS {column}")
         return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
                 f"{', '.join(select)} FROM ({spans}) GROUP BY tenant, cid, turn_index "
-                f"ORDER BY tenant, cid, turn_index SETTINGS join_use_nulls = 1")
+                f"SETTINGS join_use_nulls = 1")
 
     def branch_sql(self, span: str, keys: bool = True) -> str:
         """One span name's turn rows: its columns, two hashes of the turn key and (with
@@ -343,7 +343,7 @@ class ClickHouseSource:
         if keys:
             return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
                     f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, {flags}, "
-                    f"{', '.join(select)} FROM ({spans}) GROUP BY {group} ORDER BY {group}")
+                    f"{', '.join(select)} FROM ({spans}) GROUP BY {group}")
         # Grouped by the two hashes (a fixed-size key, cheaper than strings); two keys
         # sharing the first show as two rows with one HASH. Unsorted: an ORDER BY here
         # costs more than lining the rows up in numpy.

@@ -57,6 +57,18 @@ def chdb_table(chdb_path: str, table: str, store: str, attributes: str = "map",
     return source
 
 
+def same_figures(a, b, relative: float = 1e-12) -> bool:
+    """Equal, floats to ``relative``: two sources hand the same turns in different orders,
+    and a float sum over them rounds apart."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or abs(a - b) <= relative * max(abs(a), abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_figures(a[k], b[k], relative) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_figures(x, y, relative) for x, y in zip(a, b))
+    return a == b
+
+
 def assert_one_row_per_turn(turns: pd.DataFrame) -> None:
     """One row per (tenant, conversation, turn), in whatever order the source gave
     (``SpanSource.turn_row_slices``)."""

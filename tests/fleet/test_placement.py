@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from core.test_verdicts_host import CASES, write_cases
+from fleet_cases import same_figures
 from kvobs.cli import main
 from kvobs.fleet import fleet_turns, label_turns
 from kvobs.fleet.placement import placement
@@ -114,17 +115,6 @@ def test_cli_text_and_json(host_store):
     assert missing.exit_code == 2 and "--threshold" in missing.output
 
 
-def _close(a, b) -> bool:
-    """Equal, floats to 1e-9 relative: sums over rows in another order round apart."""
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("fixture", ["device_turns", "host_store"])
 def test_placement_and_tuning_do_not_depend_on_row_order(fixture, request):
     """A turn table in a scan's order (ClickHouse's turn view) gives the same placement,
@@ -138,8 +128,8 @@ def test_placement_and_tuning_do_not_depend_on_row_order(fixture, request):
     shuffled = turns.sample(frac=1, random_state=3).reset_index(drop=True)
     assert not shuffled["turn"].equals(turns["turn"])  # the order did change
     for place in ("device", "host", "both"):
-        assert _close(placement(shuffled, ttl_s=TTL_S).places[place],
+        assert same_figures(placement(shuffled, ttl_s=TTL_S).places[place],
                       placement(turns, ttl_s=TTL_S).places[place]), place
-    assert _close(whatif(shuffled, TTL_S / 2, None).to_dict(),
+    assert same_figures(whatif(shuffled, TTL_S / 2, None).to_dict(),
                   whatif(turns, TTL_S / 2, None).to_dict())
-    assert _close(tune(shuffled).to_dict(), tune(turns).to_dict())
+    assert same_figures(tune(shuffled).to_dict(), tune(turns).to_dict())
