@@ -434,8 +434,8 @@ def previous_rows(conversation_codes: list[np.ndarray], turn: np.ndarray) -> np.
     rows come grouped by conversation, or as a ClickHouse scan hands them)."""
     n = len(turn)
     key = np.zeros(n, np.int64)
-    for codes in conversation_codes:
-        key = key * (int(codes.max()) + 1 if n else 1) + codes
+    for codes in conversation_codes:  # a missing value's code, -1, counts as one more
+        key = key * (int(codes.max()) + 2 if n else 1) + codes + 1
     order = None if _grouped(key, turn) else np.lexsort((turn, key))
     if order is not None:
         key, turn = key[order], turn[order]

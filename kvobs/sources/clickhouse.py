@@ -441,7 +441,7 @@ class ClickHouseSource:
                 table = self.query(self.view_sql(merge=False, where=where))
                 if _repeats_a_turn(table):
                     table = self.query(self.view_sql(where=where))
-                if not _repeats_a_turn(table):
+                if not _repeats_a_turn(table) or not _repeats_a_key(table):
                     yield _keyed(table.drop_columns([KEY_HASH]))
                 elif len(slices) > 1:  # slices before it are given: cannot start over
                     raise SourceError(f"{self.location}: turn view rows kept changing "
@@ -502,10 +502,18 @@ def _keyed(table: pa.Table) -> pa.Table:
 
 def _repeats_a_turn(table: pa.Table) -> bool:
     """Whether two rows share a turn key (rows in any order), by the keys' 64-bit hash
-    the query added (``KEY_HASH``): two keys sharing one only look repeated, and are
-    then read by the merging query, which is right either way."""
+    the query added (``KEY_HASH``): two keys sharing one only look repeated (then the
+    merging query is asked, and ``_repeats_a_key`` tells)."""
     hashes = np.sort(arrays.numbers(table.column(KEY_HASH)))
     return bool((hashes[1:] == hashes[:-1]).any())
+
+
+def _repeats_a_key(table: pa.Table) -> bool:
+    """Whether two rows share a turn key, compared exactly (codes of each key column)."""
+    codes = [arrays.codes(table.column(name))[0] for name in ("turn", "conversation_id",
+                                                             "tenant")]
+    key = np.stack(codes)[:, np.lexsort(codes)]
+    return bool(np.all(key[:, 1:] == key[:, :-1], axis=0).any())
 
 
 def _need_traces(parts: list[pa.Table]) -> bool:

@@ -159,3 +159,5 @@ def test_previous_rows_of_runs_of_conversations_and_of_scattered_rows():
     assert previous_rows([np.array([0, 1, 0]), np.array([5, 5, 5])],
                          np.array([1, 2, 2])).tolist() == [-1, -1, 0]
     assert previous([], []) == [] and previous([3], [1]) == [-1]
+    # A missing key (code -1, as pandas codes it) is one more conversation.
+    assert previous([-1, 0, -1], [1, 2, 2]) == [-1, -1, 0]

@@ -228,6 +228,21 @@ def test_view_rows_repeating_a_turn_are_caught_in_any_order():
     assert not _repeats_a_turn(rows(7, 1, 2)) and not _repeats_a_turn(rows(7))
 
 
+def test_a_key_hash_collision_is_told_from_a_repeated_turn():
+    import pyarrow as pa
+
+    from kvobs.sources.clickhouse import _repeats_a_key
+
+    def rows(*keys):
+        tenants, cids, turns = zip(*keys)
+        return pa.table({"tenant": pa.array(tenants).dictionary_encode(),
+                         "conversation_id": cids, "turn": turns})
+
+    # Distinct keys (what two keys sharing a hash are): not repeated; in any order.
+    assert not _repeats_a_key(rows(("t", "a", 2), ("u", "a", 1), ("t", "a", 1)))
+    assert _repeats_a_key(rows(("t", "a", 1), ("u", "a", 1), ("t", "a", 1)))
+
+
 @pytest.mark.parametrize("view", [False, True])
 def test_spans_inserted_twice_count_once(clickhouse, chdb_path, view):
     """An exporter's retry or a load run twice: the sums and counts of the turn table
