@@ -439,9 +439,11 @@ class ClickHouseSource:
                 # Rows as stored (a merged view: one per turn); a turn still split over
                 # rows repeats its key, and then the merging query is asked.
                 table = self.query(self.view_sql(merge=False, where=where))
-                if _repeats_a_turn(table):
+                repeated = _repeats_a_turn(table)
+                if repeated:
                     table = self.query(self.view_sql(where=where))
-                if not _repeats_a_turn(table) or not _repeats_a_key(table):
+                    repeated = _repeats_a_turn(table) and _repeats_a_key(table)
+                if not repeated:
                     yield _keyed(table.drop_columns([KEY_HASH]))
                 elif len(slices) > 1:  # slices before it are given: cannot start over
                     raise SourceError(f"{self.location}: turn view rows kept changing "
