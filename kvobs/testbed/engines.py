@@ -221,7 +221,8 @@ class Engine:
                                           "remote_host": self.spec.host,
                                           "remote_port": self.spec.p2p_port}}
 
-    def get(self, path: str, timeout: float = 5.0) -> str:
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        # 5 s timed out on /metrics of an engine on a slow CI machine (two busy cores)
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return r.read().decode()
 

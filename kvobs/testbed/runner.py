@@ -85,7 +85,7 @@ class _Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)  # chat: the messages
     last_response: str = ""
     next_turn: int = 1
-    due: float = 0.0
+    due: float | None = None  # None: waiting for the conversations it runs after
     results: list[TurnResult] = field(default_factory=list)
 
     @property
@@ -266,6 +266,31 @@ def _decode_load(testbed: Testbed, turn: TurnSpec, rng: random.Random,
     return _Load(testbed.engine_url("decode"), bodies, generating=True)
 
 
+def next_turn(conversations: list[_Conversation], now: float,
+              turn_estimate_s: float) -> tuple[_Conversation | None, float]:
+    """The conversation whose turn goes next, or None and when to ask again.
+
+    A conversation's later turn runs against a deadline (D's TTL counts from its previous
+    turn) while a first turn has none, so later turns go first: one that falls due before
+    a first turn sent now would end (``turn_estimate_s``, the longest turn so far) is
+    waited for. On a slow machine this keeps every gap near its ``gap_s`` instead of
+    queueing later turns behind every conversation's first turn."""
+    waiting = [c for c in conversations if not c.done and c.due is not None]
+    later = min((c for c in waiting if c.next_turn > 1), key=lambda c: c.due, default=None)
+    if later is not None and later.due <= now + turn_estimate_s:
+        return later, later.due
+    first = min((c for c in waiting if c.next_turn == 1), key=lambda c: c.due, default=None)
+    if first is not None and first.due <= now:
+        return first, first.due
+    wake = [c.due for c in (first,) if c is not None]
+    if later is not None:
+        wake.append(later.due - turn_estimate_s)
+    if not wake:
+        raise RuntimeError("no turn can become due: every conversation left waits on "
+                           "another")
+    return None, min(wake)
+
+
 class ScenarioClient:
     """A scenario's client, one turn at a time: ``step()`` waits until the next due turn
     (conversations interleave on one clock), sends it and returns what the client saw.
@@ -281,9 +306,7 @@ class ScenarioClient:
         self.conversations = [
             _Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
             for spec in scenario.conversations]
-        start = time.monotonic()
-        for conversation in self.conversations:
-            conversation.due = start + conversation.turn.gap_s
+        self._release(time.monotonic())
 
     @property
     def done(self) -> bool:
@@ -293,9 +316,21 @@ class ScenarioClient:
     def results(self) -> list[TurnResult]:
         return [r for c in self.conversations for r in c.results]
 
+    def _release(self, now: float) -> None:
+        """Make due the first turns whose ``after`` conversations have all ended."""
+        ended = {c.spec.label for c in self.conversations if c.done}
+        for conversation in self.conversations:
+            if conversation.due is None and ended.issuperset(conversation.spec.after):
+                conversation.due = now + conversation.turn.gap_s
+
     def step(self) -> TurnResult:
-        conversation = min((c for c in self.conversations if not c.done),
-                           key=lambda c: c.due)
+        while True:
+            now = time.monotonic()
+            longest = max((r.latency_s for r in self.results), default=0.0)
+            conversation, wake_at = next_turn(self.conversations, now, longest)
+            if conversation is not None:
+                break
+            time.sleep(max(0.0, wake_at - now))
         time.sleep(max(0.0, conversation.due - time.monotonic()))
         turn = conversation.turn
         for action in turn.before:
@@ -355,7 +390,9 @@ class ScenarioClient:
             conversation.history = body["prompt"] + text
         conversation.last_response = text
         conversation.next_turn += 1
-        if not conversation.done:
+        if conversation.done:
+            self._release(time.monotonic())
+        else:
             conversation.due = time.monotonic() + conversation.turn.gap_s
         return result
 

@@ -2,7 +2,8 @@
 
 A scenario is TOML: one engine configuration (engines start once per scenario) and
 conversations whose turns are scheduled on one clock: turn k of a conversation starts
-``gap_s`` after turn k-1 ended, turns of different conversations interleave while others
+``gap_s`` after turn k-1 ended (turn 1: after the start, or after the conversations it
+names in ``after`` ended), turns of different conversations interleave while others
 wait, and requests go one at a time so timings stay clean on two cores.
 """
 
@@ -23,6 +24,7 @@ ACTIONS = ("restart-proxy", "kill-decode", "restart-decode")
 # ``vllm-router``), which knows nothing of kvobs: no conversation ids, no stored params.
 KVOBS_PROXY, VLLM_ROUTER = "kvobs", "vllm-router"
 ROUTERS = (KVOBS_PROXY, VLLM_ROUTER)
+ALL_EARLIER = "*"  # ``after = ["*"]``: every conversation listed before this one
 
 
 class ScenarioError(ValueError):
@@ -92,6 +94,9 @@ class ConversationSpec:
     endpoint: str = "completions"  # completions | chat
     text_seed: str | None = None  # random text seed (default: the id); share it to fork
     tenant: str | None = None  # sent as the API key (Authorization: Bearer <tenant>)
+    # Labels of conversations listed earlier whose last turn must end before turn 1 is
+    # due (gap_s after the last of them); ALL_EARLIER: every conversation listed earlier.
+    after: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -182,7 +187,17 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
                       for i, t in enumerate(conv.pop("turns", []), 1))
         if not turns:
             raise ScenarioError(f"{where}: no turns")
-        conversations.append(_build(ConversationSpec, conv, where, turns=turns))
+        after = conv.pop("after", ())
+        after = (after,) if isinstance(after, str) else tuple(after)
+        earlier = [c.label for c in conversations]
+        if ALL_EARLIER in after:
+            after = tuple(earlier)
+        unknown = [label for label in after if label not in earlier]
+        if unknown:
+            raise ScenarioError(f"{where}.after: {unknown} not conversations listed "
+                                "earlier (their label: tenant/id, or id)")
+        conversations.append(_build(ConversationSpec, conv, where, turns=turns,
+                                    after=after))
     if not conversations:
         raise ScenarioError(f"{origin}: no conversations")
     labels = [c.label for c in conversations]

@@ -104,3 +104,57 @@ def test_host_copy_makes_ds_connector_a_multiconnector_in_the_chosen_order():
     with pytest.raises(ScenarioError, match="decode_host_copy_bytes"):
         parse(MINIMAL.replace('name = "x"', 'name = "x"\n[engines]\n'
                               'decode_host_copy_bytes = -1'))
+
+
+TWO = '''name = "x"
+[[conversations]]
+id = "a"
+[[conversations.turns]]
+max_tokens = 4
+[[conversations]]
+id = "b"
+tenant = "t"
+[[conversations.turns]]
+max_tokens = 4
+'''
+
+
+def test_after_names_earlier_conversations_by_label_or_all_of_them():
+    third = '[[conversations]]\nid = "c"\nafter = {}\n[[conversations.turns]]\n'
+    assert parse(TWO + third.format('["t/b"]')).conversations[2].after == ("t/b",)
+    assert parse(TWO + third.format('"*"')).conversations[2].after == ("a", "t/b")
+    with pytest.raises(ScenarioError, match=r"conversations\[3\]\.after: \['b'\]"):
+        parse(TWO + third.format('["b"]'))  # b's label is t/b
+    with pytest.raises(ScenarioError, match=r"conversations\[1\]\.after"):
+        parse(TWO.replace('id = "a"\n', 'id = "a"\nafter = ["t/b"]\n'))  # not earlier
+
+
+def _conversation(label_id, next_turn, due, turns=3):
+    from kvobs.testbed.runner import _Conversation
+    from kvobs.testbed.scenario import ConversationSpec, TurnSpec
+
+    spec = ConversationSpec(label_id, tuple(TurnSpec() for _ in range(turns)))
+    return _Conversation(spec, None, next_turn=next_turn, due=due)
+
+
+def test_a_later_turn_due_before_a_first_turn_would_end_goes_first():
+    from kvobs.testbed.runner import next_turn
+
+    first = _conversation("new", 1, due=0.0)
+    later = _conversation("old", 2, due=104.0)
+    # a first turn sent at 100 would end at 110, after the later turn's due time
+    assert next_turn([first, later], now=100.0, turn_estimate_s=10.0) == (later, 104.0)
+    # the later turn is far off: the first turn goes now
+    assert next_turn([first, later], now=100.0, turn_estimate_s=3.0) == (first, 0.0)
+    # the first turn is not due yet: ask again when either could be
+    first.due = 150.0
+    assert next_turn([first, later], now=100.0, turn_estimate_s=3.0) == (None, 101.0)
+
+
+def test_conversations_waiting_on_others_are_not_scheduled():
+    from kvobs.testbed.runner import next_turn
+
+    waiting = _conversation("waits", 1, due=None)
+    done = _conversation("done", 4, due=5.0)
+    with pytest.raises(RuntimeError, match="waits on another"):
+        next_turn([waiting, done], now=0.0, turn_estimate_s=1.0)
