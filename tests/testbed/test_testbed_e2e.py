@@ -469,16 +469,27 @@ def test_phase_metrics_on_metrics_endpoints(latency):
         answered
 
 
+def _waits_for_a_new_connection(run, key):
+    """Turn ``key``'s hand-off set-up (D's NIXL handshake with P) against the median of the
+    run's later turns that pulled over a known connection."""
+    diagnosed = run.diagnosed()
+    first = diagnosed[key].turn.get("handoff_setup_s")
+    others = sorted(d.turn.get("handoff_setup_s") or 0.0 for (label, turn), d in
+                    diagnosed.items() if d is not None and turn > 1 and label != key[0])
+    typical = others[len(others) // 2]
+    assert first > 0.02 and first > 10 * typical, (first, others)
+
+
 def test_first_hand_off_after_a_decode_restart_waits_for_a_new_connection(demo):
     """The restarted D knows no P: its first pull of P's KV waits for a NIXL handshake
     (connection set-up), many times any later turn's."""
-    diagnosed = demo.diagnosed()
-    restart = diagnosed[("agent-d-restart", 2)].turn.get("handoff_setup_s")
-    others = sorted(d.turn.get("handoff_setup_s") or 0.0 for (label, turn), d in
-                    diagnosed.items() if d is not None and turn > 1
-                    and label != "agent-d-restart")
-    typical = others[len(others) // 2]
-    assert restart > 0.02 and restart > 10 * typical, (restart, others)
+    _waits_for_a_new_connection(demo, ("agent-d-restart", 2))
+
+
+def test_first_hand_off_between_a_new_pair_waits_for_a_new_connection(latency):
+    """The scenario's first turn is this P and D's first transfer: its handshake is
+    measured, many times any later turn's set-up."""
+    _waits_for_a_new_connection(latency, ("lat-first-contact", 1))
 
 
 def test_vllm_own_request_spans_agree_with_the_connector(latency):
