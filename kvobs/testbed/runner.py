@@ -266,8 +266,8 @@ def _decode_load(testbed: Testbed, turn: TurnSpec, rng: random.Random,
     return _Load(testbed.engine_url("decode"), bodies, generating=True)
 
 
-def next_turn(conversations: list[_Conversation], now: float,
-              turn_estimate_s: float) -> tuple[_Conversation | None, float]:
+def next_due_turn(conversations: list[_Conversation], now: float,
+                  turn_estimate_s: float) -> tuple[_Conversation | None, float]:
     """The conversation whose turn goes next, or None and when to ask again.
 
     A conversation's later turn runs against a deadline (D's TTL counts from its previous
@@ -327,7 +327,7 @@ class ScenarioClient:
         while True:
             now = time.monotonic()
             longest = max((r.latency_s for r in self.results), default=0.0)
-            conversation, wake_at = next_turn(self.conversations, now, longest)
+            conversation, wake_at = next_due_turn(self.conversations, now, longest)
             if conversation is not None:
                 break
             time.sleep(max(0.0, wake_at - now))

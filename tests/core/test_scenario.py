@@ -138,23 +138,23 @@ def _conversation(label_id, next_turn, due, turns=3):
 
 
 def test_a_later_turn_due_before_a_first_turn_would_end_goes_first():
-    from kvobs.testbed.runner import next_turn
+    from kvobs.testbed.runner import next_due_turn
 
     first = _conversation("new", 1, due=0.0)
     later = _conversation("old", 2, due=104.0)
     # a first turn sent at 100 would end at 110, after the later turn's due time
-    assert next_turn([first, later], now=100.0, turn_estimate_s=10.0) == (later, 104.0)
+    assert next_due_turn([first, later], now=100.0, turn_estimate_s=10.0) == (later, 104.0)
     # the later turn is far off: the first turn goes now
-    assert next_turn([first, later], now=100.0, turn_estimate_s=3.0) == (first, 0.0)
+    assert next_due_turn([first, later], now=100.0, turn_estimate_s=3.0) == (first, 0.0)
     # the first turn is not due yet: ask again when either could be
     first.due = 150.0
-    assert next_turn([first, later], now=100.0, turn_estimate_s=3.0) == (None, 101.0)
+    assert next_due_turn([first, later], now=100.0, turn_estimate_s=3.0) == (None, 101.0)
 
 
 def test_conversations_waiting_on_others_are_not_scheduled():
-    from kvobs.testbed.runner import next_turn
+    from kvobs.testbed.runner import next_due_turn
 
     waiting = _conversation("waits", 1, due=None)
     done = _conversation("done", 4, due=5.0)
     with pytest.raises(RuntimeError, match="waits on another"):
-        next_turn([waiting, done], now=0.0, turn_estimate_s=1.0)
+        next_due_turn([waiting, done], now=0.0, turn_estimate_s=1.0)
