@@ -324,14 +324,11 @@ class ScenarioClient:
                 conversation.due = now + conversation.turn.gap_s
 
     def step(self) -> TurnResult:
-        while True:
-            now = time.monotonic()
+        conversation = None
+        while conversation is None:
             longest = max((r.latency_s for r in self.results), default=0.0)
-            conversation, wake_at = next_due_turn(self.conversations, now, longest)
-            if conversation is not None:
-                break
-            time.sleep(max(0.0, wake_at - now))
-        time.sleep(max(0.0, conversation.due - time.monotonic()))
+            conversation, at = next_due_turn(self.conversations, time.monotonic(), longest)
+            time.sleep(max(0.0, at - time.monotonic()))
         turn = conversation.turn
         for action in turn.before:
             self.log(f"[scenario] {action} before {conversation.spec.label} turn "

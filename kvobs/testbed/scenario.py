@@ -95,7 +95,7 @@ class ConversationSpec:
     text_seed: str | None = None  # random text seed (default: the id); share it to fork
     tenant: str | None = None  # sent as the API key (Authorization: Bearer <tenant>)
     # Labels of conversations listed earlier whose last turn must end before turn 1 is
-    # due (gap_s after the last of them); ALL_EARLIER: every conversation listed earlier.
+    # due (gap_s after the last of them); parse expands ALL_EARLIER into all of them.
     after: tuple[str, ...] = ()
 
     @property
@@ -190,12 +190,12 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         after = conv.pop("after", ())
         after = (after,) if isinstance(after, str) else tuple(after)
         earlier = [c.label for c in conversations]
-        if ALL_EARLIER in after:
-            after = tuple(earlier)
-        unknown = [label for label in after if label not in earlier]
+        unknown = [label for label in after if label not in earlier + [ALL_EARLIER]]
         if unknown:
             raise ScenarioError(f"{where}.after: {unknown} not conversations listed "
                                 "earlier (their label: tenant/id, or id)")
+        if ALL_EARLIER in after:
+            after = tuple(earlier)
         conversations.append(_build(ConversationSpec, conv, where, turns=turns,
                                     after=after))
     if not conversations:

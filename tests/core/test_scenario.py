@@ -125,6 +125,8 @@ def test_after_names_earlier_conversations_by_label_or_all_of_them():
     assert parse(TWO + third.format('"*"')).conversations[2].after == ("a", "t/b")
     with pytest.raises(ScenarioError, match=r"conversations\[3\]\.after: \['b'\]"):
         parse(TWO + third.format('["b"]'))  # b's label is t/b
+    with pytest.raises(ScenarioError, match=r"conversations\[3\]\.after: \['typo'\]"):
+        parse(TWO + third.format('["*", "typo"]'))  # "*" does not hide a wrong label
     with pytest.raises(ScenarioError, match=r"conversations\[1\]\.after"):
         parse(TWO.replace('id = "a"\n', 'id = "a"\nafter = ["t/b"]\n'))  # not earlier
 
