@@ -329,3 +329,36 @@ def test_a_chdb_result_outlives_the_queries_after_it(clickhouse):
         clickhouse.query(f"SELECT * FROM {clickhouse.table} LIMIT 5000")
         assert first.column("n").to_pylist() == list(range(rows))
         assert first.column("s").to_pylist()[-1] == str((rows - 1) * 3)
+
+
+@pytest.mark.parametrize("spill", ["room", "no file system", "unwritable"])
+def test_large_chdb_reads_map_a_file_or_fall_back_to_memory(clickhouse, viewed, spill,
+                                                             monkeypatch, tmp_path):
+    """A fleet read (``large``) is written by chdb to a file in SPILL_DIR and mapped, in
+    blocks of up to 256k rows, the file gone once mapped; without such a file system,
+    or one chdb cannot write to, the same rows come from memory."""
+    from kvobs.sources import _clickhouse_client as client
+
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    monkeypatch.setattr(client, "SPILL_DIR", str(spill_dir))
+    monkeypatch.setattr(client, "_SPILL_ROOM", 0)
+    mapped = []
+    real = client._mapped_result
+    monkeypatch.setattr(client, "_mapped_result",
+                        lambda *args: mapped.append(real(*args)) or mapped[-1])
+    if spill == "no file system":
+        monkeypatch.setattr(client, "SPILL_DIR", str(tmp_path / "absent"))
+    elif spill == "unwritable":  # chdb refuses the statement: the reader must not
+        monkeypatch.setattr(client, "_LARGE_BLOCKS", "SETTINGS no_such_setting = 1")
+    sql = viewed.view_sql(merge=False)
+    rows = viewed.query(sql, large=True)
+    assert mapped and (mapped[-1] is None) == (spill != "room")
+    assert not list(spill_dir.iterdir())
+    in_memory = viewed.query(sql)
+    key = [("conversation_id", "ascending"), ("tenant", "ascending"), ("turn", "ascending")]
+    assert rows.sort_by(key).equals(in_memory.sort_by(key))
+    if spill == "room":  # the turn view's rows: a few large chunks, not ~1k-row ones
+        assert rows.num_rows > 1000 and rows.column(0).num_chunks <= 1 + rows.num_rows // 100_000
+        turns = clickhouse.query(clickhouse.turns_sql(), large=True)  # its own SETTINGS too
+        assert mapped[-1] is not None and turns.num_rows == rows.num_rows
