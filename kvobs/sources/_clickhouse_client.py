@@ -1,7 +1,7 @@
 """How kvobs talks to ClickHouse: a ``Query``, ``query(sql, parameters=None, large=False)
 -> pyarrow.Table``, over a server (clickhouse-connect, its HTTP interface) or an embedded
-database directory (chdb). ``large`` marks a read of a fleet's rows (the turn view, the
-span branches): chdb writes those to a memory file that the table then maps. Values from the user (a conversation id, a path) are bound as
+database directory (chdb). ``large`` marks a read of a fleet's rows (the turn view): chdb
+writes those to a memory file that the table then maps. Values from the user (a conversation id, a path) are bound as
 server-side parameters (``{name:String}`` in the SQL), never pasted in; a server error
 keeps the server's own text (``Code: 516. DB::Exception: ... Authentication failed``).
 """

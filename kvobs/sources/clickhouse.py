@@ -229,8 +229,7 @@ class ClickHouseSource:
 
     def _span_table(self, where: str, parameters: dict | None = None) -> pa.Table:
         columns = ", ".join(f"{self.dialect.span_column(c)} AS `{c}`" for c in ALL_DTYPES)
-        table = self.query(f"SELECT {columns} FROM {self.table} {where}", parameters,
-                           large=not where)
+        table = self.query(f"SELECT {columns} FROM {self.table} {where}", parameters)
         # A span the exporter inserted twice (a retry) counts once, as in every source.
         return drop_duplicate_span_rows(conformed(table), self.problems)
 
@@ -453,7 +452,7 @@ class ClickHouseSource:
                     break
             else:
                 return
-        yield _keyed(self.query(self.turns_sql(), large=True) if state == "traces"
+        yield _keyed(self.query(self.turns_sql()) if state == "traces"
                      else self._turns_from_parts())
 
     def _turns_from_parts(self) -> pa.Table:
@@ -462,17 +461,16 @@ class ClickHouseSource:
         # asked with keys (merge_parts).
         proxy = sc.SPAN_PROXY_TURN.name
         others = [name for name in fleet_span_names() if name != proxy]
-        keyed = self.query(self.branch_sql(proxy), large=True)
-        parts = [self.query(self.branch_sql(name, keys=False), large=True) for name in others]
+        keyed = self.query(self.branch_sql(proxy))
+        parts = [self.query(self.branch_sql(name, keys=False)) for name in others]
         types = {name: ARROW_TYPES[column.type] for name, column in FLEET_COLUMNS.items()}
         if _need_traces([keyed, *parts]):
-            return self.query(self.turns_sql(), large=True)
+            return self.query(self.turns_sql())
         table = align_parts(keyed, parts, types) if keyed.num_rows else None
         if table is None:
-            parts = [self.query(self.branch_sql(name), large=True) for name in others]
+            parts = [self.query(self.branch_sql(name)) for name in others]
             table = merge_parts([keyed, *parts], types)
-        return (table if table is not None  # else a hash collision
-                else self.query(self.turns_sql(), large=True))
+        return table if table is not None else self.query(self.turns_sql())  # a collision
 
 
 def _exported_attributes(dialect: AttributeDialect) -> tuple[str, str]:
