@@ -1,9 +1,10 @@
 """How kvobs talks to ClickHouse: a ``Query``, ``query(sql, parameters=None, large=False)
 -> pyarrow.Table``, over a server (clickhouse-connect, its HTTP interface) or an embedded
 database directory (chdb). ``large`` marks a read of a fleet's rows (the turn view): chdb
-writes those to a memory file that the table then maps. Values from the user (a conversation id, a path) are bound as
-server-side parameters (``{name:String}`` in the SQL), never pasted in; a server error
-keeps the server's own text (``Code: 516. DB::Exception: ... Authentication failed``).
+writes those to a memory file that the table then maps. Values from the user (a
+conversation id, a path) are bound as server-side parameters (``{name:String}`` in the
+SQL), never pasted in; a server error keeps the server's own text (``Code: 516.
+DB::Exception: ... Authentication failed``).
 """
 
 from __future__ import annotations
@@ -110,16 +111,16 @@ def _mapped_result(db, sql: str, params: Mapping[str, str]) -> pa.Table | None:
     1.35M x 88 columns: 1.6-1.8 s and ~50k page faults, against 3-7 s and 540k for the
     result in chdb's memory plus 220k for the copy that buffer needs; bench/README.md).
     The file is unlinked once mapped. None when there is no such file system with room,
-    or chdb could not write there (a small /dev/shm in a container): the caller reads
-    the result from memory instead."""
+    no file can be made there, or chdb could not write it (a small /dev/shm in a
+    container): the caller reads the result from memory instead."""
     try:
         room = os.statvfs(SPILL_DIR)
+        if room.f_bavail * room.f_frsize < _SPILL_ROOM:
+            return None
+        handle, path = tempfile.mkstemp(prefix="kvobs-", suffix=".arrow", dir=SPILL_DIR)
+        os.close(handle)
     except OSError:
         return None
-    if room.f_bavail * room.f_frsize < _SPILL_ROOM:
-        return None
-    handle, path = tempfile.mkstemp(prefix="kvobs-", suffix=".arrow", dir=SPILL_DIR)
-    os.close(handle)
     try:
         db.query(f"{sql} INTO OUTFILE '{path}' TRUNCATE FORMAT Arrow {_LARGE_BLOCKS}",
                  params=params)

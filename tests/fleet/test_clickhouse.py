@@ -331,12 +331,14 @@ def test_a_chdb_result_outlives_the_queries_after_it(clickhouse):
         assert first.column("s").to_pylist()[-1] == str((rows - 1) * 3)
 
 
-@pytest.mark.parametrize("spill", ["room", "no file system", "unwritable"])
+@pytest.mark.parametrize("spill", ["room", "no file system", "a file, not a directory",
+                                   "chdb refuses"])
 def test_large_chdb_reads_map_a_file_or_fall_back_to_memory(clickhouse, viewed, spill,
                                                              monkeypatch, tmp_path):
     """A fleet read (``large``) is written by chdb to a file in SPILL_DIR and mapped, in
     blocks of up to 256k rows, the file gone once mapped; without such a file system,
-    or one chdb cannot write to, the same rows come from memory."""
+    where no file can be made, or when chdb cannot write it, the same rows come from
+    memory."""
     from kvobs.sources import _clickhouse_client as client
 
     spill_dir = tmp_path / "spill"
@@ -349,7 +351,10 @@ def test_large_chdb_reads_map_a_file_or_fall_back_to_memory(clickhouse, viewed, 
                         lambda *args: mapped.append(real(*args)) or mapped[-1])
     if spill == "no file system":
         monkeypatch.setattr(client, "SPILL_DIR", str(tmp_path / "absent"))
-    elif spill == "unwritable":  # chdb refuses the statement: the reader must not
+    elif spill == "a file, not a directory":
+        (tmp_path / "plain").write_text("")
+        monkeypatch.setattr(client, "SPILL_DIR", str(tmp_path / "plain"))
+    elif spill == "chdb refuses":  # the statement fails; the rows must come all the same
         monkeypatch.setattr(client, "_LARGE_BLOCKS", "SETTINGS no_such_setting = 1")
     sql = viewed.view_sql(merge=False)
     rows = viewed.query(sql, large=True)
@@ -359,6 +364,7 @@ def test_large_chdb_reads_map_a_file_or_fall_back_to_memory(clickhouse, viewed, 
     key = [("conversation_id", "ascending"), ("tenant", "ascending"), ("turn", "ascending")]
     assert rows.sort_by(key).equals(in_memory.sort_by(key))
     if spill == "room":  # the turn view's rows: a few large chunks, not ~1k-row ones
-        assert rows.num_rows > 1000 and rows.column(0).num_chunks <= 1 + rows.num_rows // 100_000
+        assert rows.num_rows > 1000
+        assert rows.column(0).num_chunks <= 1 + rows.num_rows // 100_000
         turns = clickhouse.query(clickhouse.turns_sql(), large=True)  # its own SETTINGS too
         assert mapped[-1] is not None and turns.num_rows == rows.num_rows
