@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import pyarrow as pa
 
+from kvobs.sources._clickhouse_sql import quote
 from kvobs.sources._errors import SourceError
 
 Query = Callable[..., pa.Table]
@@ -122,7 +123,7 @@ def _mapped_result(db, sql: str, params: Mapping[str, str]) -> pa.Table | None:
     except OSError:
         return None
     try:
-        db.query(f"{sql} INTO OUTFILE '{path}' TRUNCATE FORMAT Arrow {_LARGE_BLOCKS}",
+        db.query(f"{sql} INTO OUTFILE {quote(path)} TRUNCATE FORMAT Arrow {_LARGE_BLOCKS}",
                  params=params)
         return pa.ipc.open_file(pa.memory_map(path)).read_all()
     except Exception:  # noqa: BLE001 - chdb raises a bare RuntimeError; memory decides
