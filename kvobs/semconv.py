@@ -129,6 +129,9 @@ USER_AGENT = "user_agent.original"
 # The status code (SERVER >= 500, CLIENT >= 400), else "timeout" or the exception's class.
 ERROR_TYPE = "error.type"
 PROXY_LEG = "kvobs.proxy.leg"  # CLIENT spans: prefill | decode
+# CLIENT spans: the first attempt's connection failed before any response byte
+# (UpstreamRetryCause value); the leg was sent once more on a fresh connection.
+PROXY_LEG_RETRY = "kvobs.proxy.leg.retry_cause"
 
 # Prefill pull decision (scheduler side of P)
 PROMPT_TOKENS = _attr("gen_ai.usage.input_tokens", "int", "tokens",
@@ -538,6 +541,18 @@ class ProxyError(str, enum.Enum):
     INTERNAL = "internal-error"  # the proxy's own fault (a bug): answered 500 or SSE error
 
 
+class UpstreamRetryCause(str, enum.Enum):
+    """Why the proxy sent an engine leg a second time (``kvobs_proxy_upstream_retries_total``):
+    the first attempt's connection failed before the engine answered a byte, so the engine
+    cannot have started the request's answer."""
+
+    # The engine closed an idle pooled connection as the request went out on it
+    # (vLLM's API server: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s).
+    DISCONNECTED = "disconnected"
+    RESET = "reset"  # the connection was reset (ECONNRESET, EPIPE)
+    REFUSED = "refused"  # no connection could be opened (refused, unresolvable)
+
+
 class ParamsSource(str, enum.Enum):
     """Where the proxy got D's params for a turn (``kvobs.proxy.params_source``)."""
 
@@ -793,6 +808,11 @@ M_PROXY_PHASE = _metric("kvobs_proxy_phase_seconds", "histogram", "seconds",
                         DURATION_BUCKETS + (10, 30))
 M_PROXY_UPSTREAM_ERRORS = _metric("kvobs_proxy_upstream_errors_total", "counter", "",
                                   "Failed engine legs.", ("role", "kind"))
+M_PROXY_UPSTREAM_RETRIES = _metric(
+    "kvobs_proxy_upstream_retries_total", "counter", "",
+    "Engine legs sent a second time, on a fresh connection, because the first attempt's "
+    "connection failed before any response byte (UpstreamRetryCause). Never retried once "
+    "a response has started.", ("role", "cause"))
 M_PROXY_REJECTED = _metric("kvobs_proxy_rejected_requests_total", "counter", "",
                            "Client requests refused with a 4xx, by reason.", ("reason",))
 M_PROXY_INTERNAL_ERRORS = _metric(

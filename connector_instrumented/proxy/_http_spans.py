@@ -120,6 +120,14 @@ class ClientLeg:
             _LOG.debug("client span failed", exc_info=True)
             self.span = None
 
+    def retried(self, cause: str) -> None:
+        """The first attempt's connection failed (``cause``); the leg is sent again."""
+        try:
+            if self.span is not None and self.span.is_recording():
+                self.span.set_attribute(sc.PROXY_LEG_RETRY, cause)
+        except Exception:  # noqa: BLE001
+            _LOG.debug("client span failed", exc_info=True)
+
     def end(self, status: int | None = None, error: str | None = None) -> None:
         """``status``: the engine's HTTP status, when it answered; ``error``: why the leg
         failed (``timeout``, ``unreachable``, ``disconnected``, ``cancelled``...)."""

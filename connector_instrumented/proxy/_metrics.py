@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kvobs import semconv as sc
+from kvobs.emit.prometheus import client_name as _name
+from kvobs.emit.prometheus import counter as _counter
+from kvobs.emit.prometheus import gauge as _gauge
+from kvobs.emit.prometheus import histogram as _histogram
 
 _ROLES = ("prefill", "decode")
 _ERROR_KINDS = ("unreachable", "http-error", "disconnected", "timeout")
@@ -16,24 +20,6 @@ _REJECT_REASONS = ("body-too-large", "bad-json", "not-an-object", "bad-conversat
                    "conversation-id-too-long", "tenant-too-long", "bad-field",
                    "too-deep", "bad-unicode", "bad-header", "bad-body", "body-timeout")
 _STORE_ACTIONS = ("stored", "refreshed", "skipped")
-
-
-def _name(metric: sc.Metric) -> str:
-    # prometheus_client appends _total to counters itself.
-    return metric.name[: -len("_total")] if metric.type == "counter" else metric.name
-
-
-def _counter(metric: sc.Metric, registry: CollectorRegistry) -> Counter:
-    return Counter(_name(metric), metric.doc, metric.labels, registry=registry)
-
-
-def _gauge(metric: sc.Metric, registry: CollectorRegistry) -> Gauge:
-    return Gauge(_name(metric), metric.doc, metric.labels, registry=registry)
-
-
-def _histogram(metric: sc.Metric, registry: CollectorRegistry) -> Histogram:
-    return Histogram(_name(metric), metric.doc, metric.labels, buckets=metric.buckets,
-                     registry=registry)
 
 
 class _SpanLoss(Collector):
@@ -77,6 +63,7 @@ class ProxyMetrics:
         self.latency = _histogram(sc.M_PROXY_LATENCY, r)
         self.phase = _histogram(sc.M_PROXY_PHASE, r)
         self.upstream_errors = _counter(sc.M_PROXY_UPSTREAM_ERRORS, r)
+        self.upstream_retries = _counter(sc.M_PROXY_UPSTREAM_RETRIES, r)
         self.rejected = _counter(sc.M_PROXY_REJECTED, r)
         self.stripped = _counter(sc.M_PROXY_CLIENT_PARAMS_STRIPPED, r)
         self.internal_errors = _counter(sc.M_PROXY_INTERNAL_ERRORS, r)
@@ -115,6 +102,8 @@ class ProxyMetrics:
         for role in _ROLES:
             for kind in _ERROR_KINDS:
                 self.upstream_errors.labels(role, kind)
+            for cause in sc.UpstreamRetryCause:
+                self.upstream_retries.labels(role, cause.value)
         for reason in _REJECT_REASONS:
             self.rejected.labels(reason)
         for failure in sc.StoreFailure:

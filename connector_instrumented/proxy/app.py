@@ -156,6 +156,7 @@ class _Proxy:
         self.instance = secrets.token_hex(8)
         self.started_at = time.time()
         self.session: aiohttp.ClientSession | None = None
+        self.fresh_session: aiohttp.ClientSession | None = None  # retries: a new connection
         self._prefill = itertools.cycle(config.prefill)
         self._decode = itertools.cycle(config.decode)
         lifetime = (config.fixed_entry_lifetime_s or config.max_entry_lifetime_s
@@ -166,12 +167,17 @@ class _Proxy:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self, _app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
+                                         keepalive_timeout=self.config.upstream_keepalive_s)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=True),
+            auto_decompress=False)
 
     async def stop(self, _app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh_session):
+            if session is not None:
+                await session.close()
         for closer in (self.store.close, self.publisher.close):
             try:
                 await closer()
@@ -228,6 +234,28 @@ class _Proxy:
         connect = self.config.connect_timeout_s
         return aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect,
                                      sock_read=read_s)
+
+    async def _send(self, role: str, url: str, data: str, headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout,
+                    leg: ClientLeg) -> aiohttp.ClientResponse:
+        """POST ``data`` to an engine; the response once its headers are in.
+
+        A connection that failed before any response byte (a pooled connection the
+        engine was closing, a reset, a refused connect) cannot have started an answer:
+        the request goes once more, on a fresh connection. Nothing is retried once the
+        engine has answered, nor after a timeout (the leg's wait is spent)."""
+        try:
+            return await self.session.post(url, data=data, headers=headers, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise
+        except aiohttp.ClientConnectionError as error:
+            cause = retry_cause(error)
+            reason = str(error) or type(error).__name__
+        self.metrics.upstream_retries.labels(role, cause.value).inc()
+        leg.retried(cause.value)
+        _LOG.warning("%s engine %s: connection failed before any response (%s: %s); "
+                     "sent once more on a fresh connection", role, url, cause.value, reason)
+        return await self.fresh_session.post(url, data=data, headers=headers, timeout=timeout)
 
     def _headers(self, request_id: str, correlation: Correlation) -> dict[str, str]:
         """The legs' headers; the turn's trace context in the ``OTEL_PROPAGATORS``
@@ -458,8 +486,9 @@ class _Proxy:
         leg = self._leg("prefill", endpoint, path, state)
         status = error = None
         try:
-            async with self.session.post(endpoint.base_url + path, data=json.dumps(payload),
-                                         headers=headers, timeout=timeout) as response:
+            response = await self._send("prefill", endpoint.base_url + path,
+                                        json.dumps(payload), headers, timeout, leg)
+            async with response:
                 status = response.status
                 raw = await response.read()
         except asyncio.TimeoutError:
@@ -519,9 +548,8 @@ class _Proxy:
         """D's response, its status 200; a failure ends ``leg`` (the CLIENT span)."""
         timeout = self._timeout(self.config.decode_read_timeout_s)
         try:
-            response = await self.session.post(endpoint.base_url + path,
-                                               data=json.dumps(d_body), headers=headers,
-                                               timeout=timeout)
+            response = await self._send("decode", endpoint.base_url + path,
+                                        json.dumps(d_body), headers, timeout, leg)
         except asyncio.TimeoutError:
             leg.end(error="timeout")
             raise _UpstreamError("decode", "timeout", PE.DECODE_ERROR, 504) from None
@@ -746,6 +774,9 @@ class _Proxy:
             return web.Response(body=error.body, status=error.status,
                                 content_type="application/json")
         status = 504 if error.kind == "timeout" else 502
+        cause = f"answered {error.status}" if error.kind == "http-error" else error.kind
+        _LOG.warning("%s engine failed a turn (%s): the client got %d", error.role, cause,
+                     status)
         return _json_error(status, f"{error.role} engine {error.kind}", "upstream_error")
 
     def _end_turn(self, span: trace.Span, state: _TurnState, correlation: Correlation) -> None:
@@ -879,6 +910,15 @@ async def _id_headers(request: web.Request, response: web.StreamResponse) -> Non
     assigned = request.get(ASSIGNED_ID_KEY)
     if assigned and assigned.isascii() and assigned.isprintable():
         response.headers[request.app[PROXY_KEY].config.conversation_header] = assigned
+
+
+def retry_cause(error: aiohttp.ClientConnectionError) -> sc.UpstreamRetryCause:
+    """What failed before the engine answered a byte."""
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return sc.UpstreamRetryCause.REFUSED
+    if isinstance(error, aiohttp.ClientOSError):
+        return sc.UpstreamRetryCause.RESET
+    return sc.UpstreamRetryCause.DISCONNECTED
 
 
 def _fallback_reason(body: bytes | None) -> sc.FallbackReason:

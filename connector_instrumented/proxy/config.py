@@ -66,6 +66,11 @@ class ProxyConfig:
     # the engine's next bytes (P answers once, after the prefill; D streams, or answers
     # once after the whole decode when the client does not stream).
     connect_timeout_s: float = 5.0
+    # Idle pooled connections to the engines are closed after this long. It must stay
+    # below the engines' own keep-alive (vLLM's API server closes an idle connection after
+    # VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a request sent on a connection the server is
+    # closing fails (a leg that fails so, before any response byte, is retried once).
+    upstream_keepalive_s: float = 2.0
     prefill_read_timeout_s: float = 300.0
     decode_read_timeout_s: float = 1800.0
     # A client must have sent its whole body within this time (slow clients: 408).
@@ -120,7 +125,7 @@ class ProxyConfig:
             raise ValueError("max_entries_per_tenant, redis_pool_size, "
                              "redis_breaker_failures, redis_budget_s and "
                              "redis_breaker_cooldown_s must be positive")
-        if min(self.connect_timeout_s, self.prefill_read_timeout_s,
+        if min(self.connect_timeout_s, self.upstream_keepalive_s, self.prefill_read_timeout_s,
                self.decode_read_timeout_s, self.body_timeout_s, self.ready_timeout_s) <= 0 \
                 or self.ready_cache_s < 0:
             raise ValueError("timeouts must be positive")

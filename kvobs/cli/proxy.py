@@ -102,6 +102,10 @@ class _UpstreamFlags(click.Command):
               help="Conversations indexed for inference per tenant (the oldest go first).")
 @click.option("--connect-timeout", type=float, default=None,
               help="Seconds to open a connection to an engine (default 5).")
+@click.option("--upstream-keepalive", type=float, default=None,
+              help="Seconds an idle connection to an engine is kept for reuse (default 2). "
+                   "Keep it below the engines' keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, "
+                   "5 s).")
 @click.option("--prefill-read-timeout", type=float, default=None,
               help="Longest wait (s) for P's answer (default 300).")
 @click.option("--decode-read-timeout", type=float, default=None,
@@ -133,7 +137,7 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
                   conversation_ttl, redis_url, store_backend, params_publisher,
                   conversation_header, tenant_header, max_body_bytes, max_id_length,
                   store_dir, infer_conversations, infer_per_tenant, connect_timeout,
-                  prefill_read_timeout, decode_read_timeout, body_timeout,
+                  upstream_keepalive, prefill_read_timeout, decode_read_timeout, body_timeout,
                   max_entries_per_tenant, anonymous_tenant, redis_budget, redis_pool_size,
                   redis_breaker_failures, redis_breaker_cooldown, log_level):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
@@ -148,6 +152,7 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
         ("infer_conversations", infer_conversations),
         ("infer_per_tenant", infer_per_tenant),
         ("connect_timeout_s", connect_timeout),
+        ("upstream_keepalive_s", upstream_keepalive),
         ("prefill_read_timeout_s", prefill_read_timeout),
         ("decode_read_timeout_s", decode_read_timeout),
         ("body_timeout_s", body_timeout),

@@ -31,6 +31,11 @@ MODEL_SIZE = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVOBS_TESTBED_MODEL", ".testbed/tiny-llama-h512-l4"))
 LOGS, METRICS = "logs", "metrics"
 TELEMETRY_DRAIN_S = 1.5  # > the span export interval (0.5 s) plus the builder's (0.05 s)
+# A planned proxy restart waits this long first: > one scrape interval of the testbed's
+# Prometheus (1 s), so the last scrape of the old process holds every increment of its
+# counters. Stopped sooner, a turn counted in the second before the restart is lost to
+# Prometheus (seen in CI: the demo's one streamed turn, then no TTFT rate at all).
+SCRAPE_DRAIN_S = 2.5
 
 
 def _set_sigterm(handler):
@@ -237,6 +242,9 @@ class Stack:
 
     def act(self, action: str) -> None:
         if action == "restart-proxy":
+            # A rollout's way: the old process stops after its last spans left and its
+            # last scrape was taken (a pod's preStop hook).
+            time.sleep(max(TELEMETRY_DRAIN_S, SCRAPE_DRAIN_S))
             self.proxy.stop()
             self._start_proxy()
         elif action == "kill-decode":
