@@ -822,17 +822,23 @@ M_PROXY_INTERNAL_ERRORS = _metric(
 M_PROXY_CLIENT_PARAMS_STRIPPED = _metric(
     "kvobs_proxy_client_params_stripped_total", "counter", "",
     "Client requests whose own kv_transfer_params were removed before forwarding.")
-# ``reason`` label values of M_TELEMETRY_DROPPED.
-TELEMETRY_DROP_REASONS = ("queue-full", "export-failed")
+# ``reason`` label values of M_TELEMETRY_DROPPED. ``encoding``: the span store's writer
+# replaced a string that is not valid Unicode (lone surrogates, e.g. a User-Agent that is
+# not UTF-8) by U+FFFD, or left out a span no JSON can hold; the rest of the batch is
+# written either way.
+TELEMETRY_DROP_REASONS = ("queue-full", "export-failed", "encoding")
 M_TELEMETRY_DROPPED = _metric("kvobs_telemetry_dropped_spans_total", "counter", "",
-                              "Spans lost on the proxy: dropped by a full export queue, or "
-                              "failed to export (collector down, span store not writable).",
-                              ("reason",))
+                              "Spans lost on the proxy: dropped by a full export queue, "
+                              "failed to export (collector down, span store not "
+                              "writable), or damaged by encoding (written to the span "
+                              "store with a value that is not valid Unicode replaced, "
+                              "or left out of their batch).", ("reason",))
 M_ENGINE_TELEMETRY_DROPPED = _metric(
     "vllm:kvobs_telemetry_dropped_spans_total", "counter", "",
     "Spans the connector lost in an engine, by the same reasons as the proxy's "
     "kvobs_telemetry_dropped_spans_total: a full queue (the connector's or the export "
-    "processor's), or failed exports (collector down, span store not writable).",
+    "processor's), failed exports (collector down, span store not writable), or "
+    "encoding (a value replaced, or the span left out, by the span store's writer).",
     ("reason",))
 M_PROXY_STORE_DEGRADED = _metric(
     "kvobs_proxy_store_degraded_total", "counter", "",

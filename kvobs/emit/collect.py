@@ -16,7 +16,7 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
-from kvobs.emit.otlp_json import request_to_otlp_json
+from kvobs.emit.otlp_json import json_line, request_to_otlp_dict
 from kvobs.emit.segments import LiveSegmentWriter
 
 _LOG = logging.getLogger("kvobs.collect")
@@ -32,26 +32,52 @@ class SegmentWriter(LiveSegmentWriter):
         self.makedirs()
 
 
-def _json_line(body: bytes) -> str:
+def _json_line(body: bytes) -> tuple[str, int]:
     request = json.loads(body)
     if not isinstance(request, dict) or not isinstance(request.get("resourceSpans", []), list):
         raise ValueError("not an OTLP trace request")
-    return json.dumps(request, separators=(",", ":"))
+    return json_line(request)
+
+
+def _line(body: bytes, is_json: bool) -> tuple[str, int]:
+    """The request as one store line (the span exporter's encoding: no raw line break, a
+    string that is not valid Unicode replaced), and how many strings were replaced."""
+    if is_json:  # JSON may carry a lone surrogate ("\ud800"): json_line replaces it
+        return _json_line(body)
+    message = ExportTraceServiceRequest()
+    message.ParseFromString(body)
+    return json_line(request_to_otlp_dict(message))
+
+
+class _Replaced:
+    """Strings replaced so far; the first request with one is logged at warning."""
+
+    def __init__(self):
+        self.values = 0
+
+    def add(self, count: int, peer: str | None) -> None:
+        level = logging.DEBUG if self.values else logging.WARNING
+        self.values += count
+        _LOG.log(level, "%d string value(s) not valid Unicode (lone surrogates) replaced "
+                 "by U+FFFD in spans from %s (%d so far; later ones at debug)", count,
+                 peer or "?", self.values)
+
+
+REPLACED = web.AppKey("kvobs_replaced", _Replaced)  # app[REPLACED].values: the count
 
 
 def build_app(writer: LiveSegmentWriter) -> web.Application:
+    replaced = _Replaced()
+
     async def traces(request: web.Request) -> web.Response:
         body = await request.read()
         is_json = request.content_type == "application/json"
         try:
-            if is_json:
-                line = _json_line(body)
-            else:
-                message = ExportTraceServiceRequest()
-                message.ParseFromString(body)
-                line = request_to_otlp_json(message)
+            line, bad = _line(body, is_json)
         except Exception as error:  # noqa: BLE001 - any undecodable body is the sender's
             return web.Response(status=400, text=f"bad OTLP trace request: {error}"[:200])
+        if bad:
+            replaced.add(bad, request.remote)
         try:
             writer.append(line + "\n")
         except OSError as error:  # full disk: the sender may retry (OTLP: 503)
@@ -63,6 +89,7 @@ def build_app(writer: LiveSegmentWriter) -> web.Application:
                             content_type="application/x-protobuf")
 
     app = web.Application(client_max_size=MAX_BODY)
+    app[REPLACED] = replaced
     app.router.add_post(PATH, traces)
     app.router.add_get("/health", lambda _request: web.Response(text="ok"))
     return app

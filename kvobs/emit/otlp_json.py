@@ -30,11 +30,88 @@ except ImportError:  # pragma: no cover - orjson comes with the proxy extra
 
 
 def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> str:
-    """Encode finished SDK spans as one OTLP-JSON line (no trailing newline)."""
-    request = spans_to_otlp_dict(spans)
+    """Encode finished SDK spans as one OTLP-JSON line (no trailing newline); a string
+    that is not valid Unicode is replaced (``json_line``)."""
+    return json_line(spans_to_otlp_dict(spans))[0]
+
+
+# ------------------------------------------------------------------------- JSON lines
+# str.splitlines() also breaks at U+0085, U+2028 and U+2029, which JSON leaves raw inside
+# strings (orjson; json with ensure_ascii=False): one in a conversation id cut a line,
+# and the batch of spans it carried, in two for any reader splitting that way. (The
+# ASCII breaks it knows, \x0b \x0c \x1c-\x1e, are control characters JSON escapes.)
+# Outside its strings a JSON text is ASCII, so replacing them in the text only ever
+# rewrites a character inside a string. Looked for in the decoded text: a search for one
+# character there is a memchr (~2 us for a 100 kB batch), one for their UTF-8 bytes ~100.
+_RAW_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
+def json_line(value) -> tuple[str, int]:
+    """``value`` as one compact JSON line (no newline) with no raw line break in it, and
+    how many of its strings were replaced because they are not valid Unicode (lone
+    surrogates: a header decoded with surrogateescape, a JSON "\\ud800"), each bad code
+    point by U+FFFD; every other string round-trips (json.loads gives it back).
+
+    orjson first (the fast path), which refuses such a string; only then the slow path:
+    every string checked, the bad ones replaced. Raises only for a value no JSON can hold.
+    """
+    try:
+        data, replaced = _dumps(value), 0
+    except (TypeError, ValueError):  # orjson.JSONEncodeError, UnicodeEncodeError
+        value, replaced = valid_strings(value)
+        # json, not orjson: no nesting limit; the strings are valid now, so encode succeeds
+        data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    text = data.decode()
+    for raw, escaped in _RAW_BREAKS:
+        if raw in text:  # a scan: no copy unless one is there
+            text = text.replace(raw, escaped)
+    return text, replaced
+
+
+def _dumps(value) -> bytes:
     if _orjson_dumps is not None:
-        return _orjson_dumps(request).decode()
-    return json.dumps(request, separators=(",", ":"))
+        return _orjson_dumps(value)
+    # ensure_ascii=False as orjson: a lone surrogate fails at encode(), as orjson fails
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def valid_strings(value) -> tuple[object, int]:
+    """``value`` (JSON-like: dicts, lists, scalars) with its strings that are not valid
+    Unicode made valid, and how many were. A surrogate pair held as two code points
+    becomes its character; a lone surrogate U+FFFD."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value, 0
+        except UnicodeEncodeError:
+            utf16 = value.encode("utf-16-le", "surrogatepass")
+            return utf16.decode("utf-16-le", "replace"), 1
+    if isinstance(value, Mapping):
+        out, count = {}, 0
+        for key, item in value.items():
+            key, bad_key = valid_strings(key)
+            out[key], bad = valid_strings(item)
+            count += bad_key + bad
+        return out, count
+    if isinstance(value, (list, tuple)):
+        items = [valid_strings(item) for item in value]
+        return [item for item, _ in items], sum(bad for _, bad in items)
+    return value, 0
+
+
+def spans_with_invalid_strings(request: Mapping) -> int:
+    """Spans of an OTLP-JSON request that hold, or share through their resource or
+    scope, a string that is not valid Unicode (what ``json_line`` replaces)."""
+    count = 0
+    for resource_spans in request.get("resourceSpans", ()):
+        shared = valid_strings(resource_spans.get("resource"))[1]
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            spans = scope_spans.get("spans", ())
+            if shared or valid_strings(scope_spans.get("scope"))[1]:
+                count += len(spans)
+            else:
+                count += sum(1 for span in spans if valid_strings(span)[1])
+    return count
 
 
 def _protobuf_otlp_json(spans: Sequence[ReadableSpan]) -> str:
@@ -44,7 +121,13 @@ def _protobuf_otlp_json(spans: Sequence[ReadableSpan]) -> str:
 
 
 def request_to_otlp_json(message) -> str:
-    """An ``ExportTraceServiceRequest`` (protobuf) as one OTLP-JSON line."""
+    """An ``ExportTraceServiceRequest`` (protobuf) as one OTLP-JSON line, through the json
+    module (the reference encoding; a writer uses ``json_line(request_to_otlp_dict())``)."""
+    return json.dumps(request_to_otlp_dict(message), separators=(",", ":"))
+
+
+def request_to_otlp_dict(message) -> dict:
+    """An ``ExportTraceServiceRequest`` (protobuf) as an OTLP-JSON dict (ids in hex)."""
     request = MessageToDict(message)
     for resource_spans in request.get("resourceSpans", ()):
         for scope_spans in resource_spans.get("scopeSpans", ()):
@@ -56,7 +139,7 @@ def request_to_otlp_json(message) -> str:
                     for field in ("traceId", "spanId"):
                         if field in link:
                             link[field] = _b64_to_hex(link[field])
-    return json.dumps(request, separators=(",", ":"))
+    return request
 
 
 def _b64_to_hex(value: str) -> str:
@@ -249,11 +332,19 @@ class OtlpJsonFileExporter(SpanExporter):
     processor, which drops the batch and counts it: telemetry never raises into the host.
     A directory that cannot be created does not stop the host either: it is logged once
     (here, at start) and tried again at each export, so the store recovers when fixed.
+
+    Encoding never costs a batch: a string that is not valid Unicode is replaced, and a
+    span no JSON can hold is left out, its batch written without it. Both are counted
+    in ``encoding_losses`` (spans: ``semconv.TELEMETRY_DROP_REASONS``'s ``encoding``;
+    the strings replaced in ``replaced_values``) and logged, the first at warning.
     """
 
     def __init__(self, writer: "LiveSegmentWriter"):
         self._writer = writer
         self._dir = writer.directory
+        self.encoding_losses = 0  # written by the export thread only
+        self.replaced_values = 0
+        self._encoding_warned = False
         self._failing = not self._makedirs()
         if self._failing:
             _LOG.warning("span store %s not writable: serving without it (lost spans are "
@@ -274,20 +365,58 @@ class OtlpJsonFileExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
             return SpanExportResult.SUCCESS
+        text = self._encode(spans)
+        if not text:  # every span unencodable: each counted and logged already
+            return SpanExportResult.SUCCESS
         try:
             if self._failing:
                 self._makedirs()
-            self._writer.append(spans_to_otlp_json(spans) + "\n")
-        except Exception:  # noqa: BLE001 - the host must never see a telemetry error
+            self._writer.append(text + "\n")
+        except Exception as error:  # noqa: BLE001 - the host never sees a telemetry error
             if not self._failing:
                 self._failing = True
-                _LOG.warning("span store %s not writable: spans are dropped (counted)",
-                             self._dir)
+                _LOG.warning("span store %s not writable (%s): spans are dropped (counted)",
+                             self._dir, error)
             return SpanExportResult.FAILURE
         if self._failing:
             self._failing = False
             _LOG.warning("span store %s writable again", self._dir)
         return SpanExportResult.SUCCESS
+
+    def _encode(self, spans: Sequence[ReadableSpan]) -> str:
+        """The batch as one line; should that fail, one line per span that encodes, so
+        only a span no JSON can hold is lost."""
+        try:
+            return self._line(spans)
+        except Exception:  # noqa: BLE001 - which span? each on its own says
+            pass
+        lines = []
+        for span in spans:
+            try:
+                lines.append(self._line([span]))
+            except Exception as error:  # noqa: BLE001
+                self.encoding_losses += 1
+                self._encoding_lost("span %r not encodable, dropped (%s: %s)", span.name,
+                                    type(error).__name__, error)
+        return "\n".join(lines)
+
+    def _line(self, spans: Sequence[ReadableSpan]) -> str:
+        request = spans_to_otlp_dict(spans)
+        line, replaced = json_line(request)
+        if replaced:
+            damaged = spans_with_invalid_strings(request)
+            self.replaced_values += replaced
+            self.encoding_losses += damaged
+            self._encoding_lost("%d string value(s) not valid Unicode (lone surrogates) "
+                                "replaced by U+FFFD in %d span(s)", replaced, damaged)
+        return line
+
+    def _encoding_lost(self, message: str, *args) -> None:
+        """Logged at warning once (with the store), then at debug: counted either way."""
+        level = logging.DEBUG if self._encoding_warned else logging.WARNING
+        self._encoding_warned = True
+        _LOG.log(level, "span store %s: " + message + " (counted; later ones at debug)",
+                 self._dir, *args)
 
     def shutdown(self) -> None:
         return None

@@ -101,6 +101,10 @@ class DroppingBatchProcessor(SpanProcessor):
         self._thread = threading.Thread(target=self._run, name="kvobs-span-export", daemon=True)
         self._thread.start()
 
+    @property
+    def exporter(self) -> SpanExporter:
+        return self._exporter
+
     def on_start(self, span, parent_context=None) -> None:
         return None
 
@@ -216,14 +220,17 @@ def configure_tracing(service: Service, store_dir: str | None = None) -> trace.T
 
 def span_losses(tracer: trace.Tracer) -> dict[str, int]:
     """Spans a tracer made by ``configure_tracing`` lost so far, by reason (``queue-full``,
-    ``export-failed``: ``semconv.TELEMETRY_DROP_REASONS``); zeros for any other tracer."""
-    dropped = failed = 0
+    ``export-failed``, ``encoding``: ``semconv.TELEMETRY_DROP_REASONS``); zeros for any
+    other tracer. ``encoding`` is the span store exporter's: spans written with a value
+    replaced, or left out of their batch (``OtlpJsonFileExporter``)."""
+    dropped = failed = encoding = 0
     multi = getattr(tracer, "span_processor", None)
     for processor in getattr(multi, "_span_processors", ()) or ():
         if isinstance(processor, DroppingBatchProcessor):
             dropped += processor.dropped
             failed += processor.export_failures
-    return {"queue-full": dropped, "export-failed": failed}
+            encoding += getattr(processor.exporter, "encoding_losses", 0)
+    return {"queue-full": dropped, "export-failed": failed, "encoding": encoding}
 
 
 def flush(tracer: trace.Tracer) -> None:

@@ -98,7 +98,10 @@ def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
 
 def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
     text = data.decode("utf-8", errors="replace")
-    lines = text.splitlines()
+    # "\n" only: str.splitlines() also breaks at U+0085, U+2028, U+2029 (and \x0b, \x0c,
+    # \x1c-\x1e), which a JSON string may hold raw (older kvobs writers, orjson): that cut
+    # a line, and every span of its batch, in two. A "\r" left by CRLF is whitespace.
+    lines = text.split("\n")
     first = next((line for line in lines if line.strip()), "")
     try:
         json.loads(first)
