@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import arrays, columns as col
-from kvobs.causes import CauseFinding, causes, decode_context
+from kvobs.causes import CauseContext, CauseFinding, causes, decode_context
 from kvobs.correlate import turns_from_spans
 from kvobs import semconv as sc
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
@@ -84,20 +84,25 @@ class Diagnosis:
         return {"conversation_id": self.conversation_id, "tenant": self.tenant,
                 "turns": [t.to_dict() for t in self.turns],
                 "context": {"prefill_tokens_per_s": self.context.prefill_tokens_per_s,
+                            "decode_s_per_token": self.context.decode_s_per_token,
                             "read_slo_s": self.context.read_slo_s},
                 "problems": self.problems}
 
 
 def classify_turns(turns: col.Table, read_slo_s: float | None = None,
-                   prefill_tokens_per_s: float | None = None) -> tuple[list[TurnDiagnosis],
-                                                                       Context]:
+                   prefill_tokens_per_s: float | None = None,
+                   decode_s_per_token: float | None = None
+                   ) -> tuple[list[TurnDiagnosis], Context]:
     """Every turn of a turn table (``correlate.turns_from_spans``: its Arrow rows as
-    ``col.Columns``, or the pandas table) classified, timed and explained."""
+    ``col.Columns``, or the pandas table) classified, timed and explained. The P compute
+    rate and the typical decode time per token are measured over the table unless given
+    (the live classifier gives its fleet's); the returned context says which were used."""
     if not isinstance(turns, col.Columns):
         turns = turns.reset_index(drop=True)
     turns, marks, rate = add_timeline(turns, prefill_tokens_per_s)
-    context = Context(rate, read_slo_s)
-    cause_context = decode_context(turns)
+    cause_context = (CauseContext(decode_s_per_token) if decode_s_per_token
+                     else decode_context(turns))
+    context = Context(rate, read_slo_s, decode_s_per_token=cause_context.decode_s_per_token)
     diagnoses = []
     rows = col.records(turns)
     for i, (row, finding) in enumerate(zip(rows, findings(turns, context, rows))):
@@ -124,7 +129,8 @@ def _distinct(turns: pa.Table, column: str) -> list[str]:
 
 def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None = None,
              prefill_tokens_per_s: float | None = None,
-             tenant: str | None = None) -> Diagnosis:
+             tenant: str | None = None,
+             decode_s_per_token: float | None = None) -> Diagnosis:
     """One conversation's turns, classified. ``tenant`` (a digest, as spans carry it)
     picks one when several tenants use the id; without it that case raises
     ``AmbiguousConversation``."""
@@ -157,7 +163,8 @@ def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None 
         raise UnknownConversation(conversation_id, near, tenant)
     if len(tenants) > 1 and tenant is None:
         raise AmbiguousConversation(conversation_id, tenants)
-    diagnoses, context = classify_turns(col.Columns(turns), read_slo_s, prefill_tokens_per_s)
+    diagnoses, context = classify_turns(col.Columns(turns), read_slo_s, prefill_tokens_per_s,
+                                        decode_s_per_token)
     return Diagnosis(conversation_id, diagnoses, context, problems,
                      str(turns.column("tenant")[0].as_py()))
 

@@ -851,6 +851,56 @@ M_PROXY_STORE_CIRCUIT_OPENED = _metric(
     "kvobs_proxy_store_circuit_opened_total", "counter", "",
     "Times the metadata store's circuit breaker opened after consecutive failures.")
 
+# The live classifier (``kvobs collect``, kvobs/live/): true verdicts, causes and phases of
+# every final turn, on its own /metrics. Exemplars carry the turn's trace id
+# (EXEMPLAR_TRACE_ID). Never a conversation id as a label.
+M_TURNS = _metric(
+    "kvobs_turns_total", "counter", "",
+    "Final turns by reuse verdict (Verdict), turn and prompt-length bucket, counted once "
+    "when the classifier finalizes the turn (a later re-classification is counted in "
+    "kvobs_turns_reclassified_total, not here).",
+    ("verdict", TURN_BUCKET_LABEL, PROMPT_BUCKET_LABEL))
+M_TURN_CAUSES = _metric(
+    "kvobs_turn_causes_total", "counter", "",
+    "Latency causes (LatencyCause) named on final turns, by turn bucket; a turn may name "
+    "several.", ("cause", TURN_BUCKET_LABEL))
+M_TURN_SLOWEST_PHASE = _metric(
+    "kvobs_turn_slowest_phase_total", "counter", "",
+    "Final turns by the phase (Phase) that took most of their latency.",
+    ("phase", TURN_BUCKET_LABEL))
+M_TURN_PHASE = _metric(
+    "kvobs_turn_phase_seconds", "histogram", "seconds",
+    "Seconds final turns spent in each phase (Phase) measured alone, by turn bucket.",
+    ("phase", TURN_BUCKET_LABEL), DURATION_BUCKETS + (10, 30))
+M_TURN_LATENCY = _metric(
+    "kvobs_turn_latency_seconds", "histogram", "seconds",
+    "Latency of final turns (first to last mark of their timeline), by verdict and turn "
+    "bucket.", ("verdict", TURN_BUCKET_LABEL), TTFT_BUCKETS + (60,))
+M_TURNS_RECLASSIFIED = _metric(
+    "kvobs_turns_reclassified_total", "counter", "",
+    "Final turns whose classification changed later (a late span, a lineage resolved by "
+    "a later turn): written again as their next version.")
+M_CLASSIFIER_SPANS = _metric(
+    "kvobs_classifier_spans_total", "counter", "",
+    "Spans the classifier received, by outcome: classified (held for their turn), late "
+    "(their conversation had left the window: stored, not classified), unreadable.",
+    ("outcome",))
+M_CLASSIFIER_OPEN_TURNS = _metric(
+    "kvobs_classifier_open_turns", "gauge", "",
+    "Turns classified but not final yet (evidence may still arrive).")
+M_CLASSIFIER_HELD_SPANS = _metric(
+    "kvobs_classifier_held_spans", "gauge", "",
+    "Spans held in memory for correlation (conversations within the window).")
+M_CLASSIFIER_PASS = _metric(
+    "kvobs_classifier_pass_seconds", "histogram", "seconds",
+    "Duration of one classification pass over the conversations that got spans.", (),
+    DURATION_BUCKETS + (10, 30))
+M_CLASSIFIER_WRITE_ERRORS = _metric(
+    "kvobs_classifier_turn_write_errors_total", "counter", "",
+    "Final turn rows the classifier could not write to its turn store (full disk, "
+    "unwritable directory); the rows are kept and written with the next batch.")
+CLASSIFIER_SPAN_OUTCOMES = ("classified", "late", "unreadable")
+
 # Upstream vLLM metrics kvobs reads (dashboards, alerts, testbed cross-checks); vLLM emits
 # them, not kvobs, so they stay out of METRICS (kvobs' own catalogue). Exposed names.
 UPSTREAM_METRICS: dict[str, Metric] = {}

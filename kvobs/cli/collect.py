@@ -1,23 +1,61 @@
-"""kvobs collect: receive OTLP/HTTP traces (e.g. vLLM's own) into a kvobs store."""
+"""kvobs collect: receive OTLP/HTTP traces into a kvobs store, classifying every turn live."""
 
 from __future__ import annotations
 
+import logging
+
 import click
+
+from kvobs.settings import DECODE_TTL
 
 
 @click.command("collect")
 @click.option("--store-dir", required=True, type=click.Path(file_okay=False),
-              help="Store directory: spans are appended under its spans/ folder.")
+              help="Store directory: spans are appended under its spans/ folder, final "
+                   "classified turns under turns/.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=4318, show_default=True, type=int)
-def command(store_dir, host, port):
-    """Receive OTLP/HTTP traces (POST /v1/traces, protobuf or JSON) into STORE_DIR.
+@click.option("--classify/--no-classify", default=True, show_default=True,
+              help="Classify every turn as its spans arrive (kvobs_turns_total on "
+                   "/metrics, /conversations/ID, turn rows under turns/).")
+@click.option("--decode-kv-ttl", type=click.FloatRange(min=1), default=DECODE_TTL.default,
+              show_default=True,
+              help="decoder_kv_blocks_ttl (s) of the decode engines: a conversation is "
+                   "held for twice this after its last span (a later turn can link to it "
+                   "only within the TTL).")
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds a turn's classification must stay unchanged to be final "
+                   "(counted, written).")
+@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0,
+              show_default=True, help="Seconds between classification passes.")
+@click.option("--turn-retention", type=click.FloatRange(min=3600), default=30 * 86400.0,
+              show_default=True, help="Seconds final turn rows are kept (hourly "
+                                      "partitions dropped whole).")
+@click.option("--read-slo", type=float, default=None,
+              help="Read-latency SLO in seconds (slow-transfer above it).")
+@click.option("--log-level", default="INFO", show_default=True)
+def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, turn_retention,
+            read_slo, log_level):
+    """Receive OTLP/HTTP traces into STORE_DIR and classify every turn live.
 
-    For engines that export with OTLP and no OpenTelemetry Collector at hand, e.g.
-    vllm serve --otlp-traces-endpoint http://HOST:PORT/v1/traces with
-    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf. kvobs then correlates vLLM's own
-    request spans with the turn (docs/timeline.md).
+    Spans come in as POST /v1/traces (protobuf or JSON); every turn is classified as its
+    spans arrive, with the turn pipeline of kvobs diagnose, always on (docs/live.md).
+
+    Point the components (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://HOST:PORT/v1/traces,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; vllm serve --otlp-traces-endpoint)
+    or a Collector's otlphttp exporter here. Prometheus scrapes /metrics;
+    GET /conversations/ID answers one conversation (JSON; /html for a page).
     """
-    from kvobs.emit.collect import run
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not classify:
+        from kvobs.emit.collect import run
 
-    run(store_dir, host, port)
+        run(store_dir, host, port)
+        return
+    from kvobs.live.service import LiveSettings, run
+
+    run(store_dir, host, port, LiveSettings(window_s=2 * decode_kv_ttl, grace_s=grace,
+                                            interval_s=interval,
+                                            turn_retention_s=turn_retention,
+                                            read_slo_s=read_slo))

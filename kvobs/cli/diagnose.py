@@ -18,10 +18,13 @@ from kvobs.render import print_diagnosis, to_json
 @slo_option
 @click.option("--prefill-rate", type=float, default=None,
               help="P compute rate in tokens/s (default: measured from the conversation).")
+@click.option("--decode-token-time", "decode_token_s", type=float, default=None,
+              help="Typical decode seconds per output token (default: measured from the "
+                   "conversation). The live classifier says which rate and time it used.")
 @click.option("--tenant", default=None, metavar="DIGEST",
               help="Tenant digest (as spans carry it) when several tenants use the id.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(conversation_id, source, read_slo, prefill_rate, tenant, as_json):
+def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, tenant, as_json):
     """Classify every turn of CONVERSATION_ID and explain it.
 
     Exit status: 0 healthy, 1 a turn has a fault verdict, 2 usage/input error
@@ -29,7 +32,8 @@ def command(conversation_id, source, read_slo, prefill_rate, tenant, as_json):
     """
     span_source = load_source(source)
     try:
-        result = diagnose(span_source, conversation_id, read_slo, prefill_rate, tenant)
+        result = diagnose(span_source, conversation_id, read_slo, prefill_rate, tenant,
+                          decode_token_s)
     except UnknownConversation as unknown:
         print_source_problems(span_source.problems, machine_readable=True)
         hint = f"; near matches: {', '.join(unknown.near)}" if unknown.near else ""

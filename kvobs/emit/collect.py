@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Callable
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -66,7 +67,10 @@ class _Replaced:
 REPLACED = web.AppKey("kvobs_replaced", _Replaced)  # app[REPLACED].values: the count
 
 
-def build_app(writer: LiveSegmentWriter) -> web.Application:
+def build_app(writer: LiveSegmentWriter,
+              sink: Callable[[str], object] | None = None) -> web.Application:
+    """``sink``: called with each stored line (the live classifier reads exactly what
+    the store holds)."""
     replaced = _Replaced()
 
     async def traces(request: web.Request) -> web.Response:
@@ -83,6 +87,8 @@ def build_app(writer: LiveSegmentWriter) -> web.Application:
         except OSError as error:  # full disk: the sender may retry (OTLP: 503)
             _LOG.warning("could not append spans: %s", error)
             return web.Response(status=503, text="store not writable")
+        if sink is not None:
+            sink(line)
         if is_json:
             return web.json_response({})
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(),

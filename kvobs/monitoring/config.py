@@ -73,6 +73,10 @@ class Thresholds:
     # Recompute speed of a prefill engine (tokens/s). Reads that deliver fewer tokens per
     # second of read time than this are slower than recomputing.
     recompute_tokens_per_second: float = 20000.0
+    # Share of later turns the live classifier finds slow-transfer (a read that cost more
+    # than recomputing). The expired, missing-metadata and transfer-failed shares of
+    # later turns use expired_read_ratio, missing_metadata_ratio and failed_read_ratio.
+    slow_transfer_turn_ratio: float = 0.05
     # Proxy fallbacks (P retried without params) per second.
     fallback_rate: float = 0.01
     # Share of P's mean engine TTFT spent waiting in P's queue (not counting the wait for

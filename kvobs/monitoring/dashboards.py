@@ -24,6 +24,9 @@ from kvobs.semconv import (
     M_PROXY_LATENCY,
     M_PROXY_TTFT,
     M_PROXY_TURNS,
+    M_TURNS,
+    M_TURN_LATENCY,
+    M_TURN_PHASE,
     M_PULL_DECISIONS,
     M_READ_DURATION,
     M_READ_SETUP,
@@ -80,11 +83,13 @@ RUNBOOK_LINKS: dict[str, tuple[str, ...]] = {
     "P queue share of P's TTFT": (rules.PREFILL_QUEUEING_ALERT,),
     "Host copies evicted before reuse": (rules.HOST_EVICTED_ALERT,),
     "Prompt-only share of host copies": (rules.HOST_PROMPT_ONLY_ALERT,),
+    "Fault verdict shares of later turns": tuple(rules.VERDICT_ALERTS.values()),
+    "Later turns by verdict": tuple(rules.VERDICT_ALERTS.values()),
 }
 # Histograms the proxy exposes with exemplars (trace_id of the turn): their quantile
 # queries ask Grafana for exemplars, which link to the trace (datasource's
 # exemplarTraceIdDestinations, see kvobs.monitoring.grafana.datasource_provisioning).
-EXEMPLAR_METRICS = (M_PROXY_TTFT, M_PROXY_LATENCY)
+EXEMPLAR_METRICS = (M_PROXY_TTFT, M_PROXY_LATENCY, M_TURN_PHASE, M_TURN_LATENCY)
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,46 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
     T = Target
     return (
         now_row(s, config),
-        RowSpec("Turn outcomes (metric-side verdict proxies; turn 1 apart)", (
+        RowSpec("Turn outcomes (true verdicts, from the live classifier; turn 1 apart)", (
+            PanelSpec(
+                "Later turns by verdict",
+                "Turns after the first, by the verdict `kvobs collect` gave each when it "
+                "became final (the same rules as `kvobs diagnose`). Exemplars link to "
+                "the turns' traces.",
+                (T(q.verdicts_rate(s.keeping("verdict"), LATER_TURNS), "{{verdict}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "Fault verdict shares of later turns",
+                "Share of later turns that were expired, missing-metadata, transfer-failed "
+                "or slow-transfer; each has its alert (KvobsTurns*).",
+                tuple(T(q.verdict_share(s, verdict), verdict) for verdict in (
+                    "expired", "missing-metadata", "transfer-failed", "slow-transfer")),
+                "percentunit"),
+            PanelSpec(
+                "First turns by verdict",
+                "Turn 1 of each conversation: first-turn, or insufficient-evidence when "
+                "its spans are missing. Kept apart from every reuse figure.",
+                (T(q.verdicts_rate(s.keeping("verdict"), f'{TURN_BUCKET_LABEL}="1"'),
+                   "{{verdict}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "Latency causes",
+                "Causes named on final turns (a turn may name several): what their time "
+                "went to, independent of the reuse verdict.",
+                (T(q.turn_causes_rate(s.keeping("cause")), "{{cause}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "Slowest phase",
+                "Final turns by the phase that took most of their latency.",
+                (T(q.slowest_phase_rate(s.keeping("phase")), "{{phase}}"),),
+                "reqps", stacked=True),
+            PanelSpec(
+                "Phase p95",
+                "95th percentile of each phase's seconds over final turns.",
+                (T(q.turn_phase_quantile(s.keeping("phase"), 0.95), "{{phase}}"),),
+                "s"),
+        )),
+        RowSpec("Turn outcomes, metric side (fleets without the classifier)", (
             PanelSpec(
                 "Later turns by proxy lookup outcome",
                 "Turns after the first, by what the proxy's metadata lookup found. hit: "
@@ -634,7 +678,7 @@ def _variables():
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
-    any_kvobs = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS, M_PROXY_TURNS))}"'
+    any_kvobs = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS, M_PROXY_TURNS, M_TURNS))}"'
     engine_any = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS))}"'
 
     def query_var(name: str, label: str, selector: str):

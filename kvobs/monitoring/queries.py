@@ -24,6 +24,11 @@ from dataclasses import dataclass, replace
 
 from kvobs.monitoring.config import DIRECTION_D_TO_P, DIRECTION_P_TO_D, WAS_READ_FALSE
 from kvobs.semconv import (
+    M_TURN_CAUSES,
+    M_TURN_LATENCY,
+    M_TURN_PHASE,
+    M_TURN_SLOWEST_PHASE,
+    M_TURNS,
     M_DECLINED_EXPIRED,
     M_NIXL_BYTES,
     M_NIXL_EXPIRED,
@@ -201,6 +206,42 @@ def missing_metadata_ratio(s: Scope) -> str:
     missing = turns_rate(s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"',
                          f'lookup=~"{_any(MISSING_LOOKUPS)}"')
     return ratio(missing, later_turns_rate(s))
+
+
+# ----------------------------------------------------------- true verdicts (live classifier)
+# ``kvobs collect``'s /metrics: every final turn's verdict, causes and phases. Its series
+# are picked by the same matchers as the proxy's (kvobs's own components).
+
+
+def verdicts_rate(s: Scope, *extra: str) -> str:
+    """Final turns per second by ``s.by`` (e.g. verdict, turn_bucket)."""
+    return sum_rate(M_TURNS, s.proxy, s.window, s.by, *extra)
+
+
+def verdict_share(s: Scope, verdict: str) -> str:
+    """Share of later turns (turn 1 apart) that got ``verdict``."""
+    later = f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"'
+    return ratio(verdicts_rate(s, later, f'verdict="{verdict}"'), verdicts_rate(s, later))
+
+
+def classified_later_turns_rate(s: Scope) -> str:
+    return verdicts_rate(s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"')
+
+
+def turn_causes_rate(s: Scope, *extra: str) -> str:
+    return sum_rate(M_TURN_CAUSES, s.proxy, s.window, s.by, *extra)
+
+
+def slowest_phase_rate(s: Scope, *extra: str) -> str:
+    return sum_rate(M_TURN_SLOWEST_PHASE, s.proxy, s.window, s.by, *extra)
+
+
+def turn_phase_quantile(s: Scope, q: float, *extra: str) -> str:
+    return quantile(q, M_TURN_PHASE, s.proxy, s.window, s.by, *extra)
+
+
+def classified_latency_quantile(s: Scope, q: float, *extra: str) -> str:
+    return quantile(q, M_TURN_LATENCY, s.proxy, s.window, s.by, *extra)
 
 
 def pull_decisions_rate(s: Scope) -> str:

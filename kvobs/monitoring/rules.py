@@ -31,6 +31,7 @@ from kvobs.semconv import (
     M_PROXY_STORE_ERRORS,
     M_PROXY_TTFT,
     M_PROXY_TURNS,
+    M_TURNS,
     M_PULL_DECISIONS,
     M_READ_DURATION,
     M_READ_SETUP,
@@ -47,12 +48,18 @@ from kvobs.semconv import (
     LookupOutcome,
     Metric,
     ReadOutcome,
+    Verdict,
 )
 
 # Named here because the dashboard's panels over the same queries point at their runbooks.
 PREFILL_QUEUEING_ALERT = "KvobsPrefillQueueingDominates"
 HOST_EVICTED_ALERT = "KvobsHostCopiesEvictedBeforeReuse"
 HOST_PROMPT_ONLY_ALERT = "KvobsPromptOnlyHostCopies"
+# The true-verdict share alerts (verdict_alerts), by the verdict each watches.
+VERDICT_ALERTS = {Verdict.EXPIRED: "KvobsTurnsExpired",
+                  Verdict.MISSING_METADATA: "KvobsTurnsMissingMetadata",
+                  Verdict.TRANSFER_FAILED: "KvobsTurnsTransferFailed",
+                  Verdict.SLOW_TRANSFER: "KvobsTurnsSlowTransfer"}
 
 # --------------------------------------------------------------------------- model
 
@@ -136,6 +143,7 @@ ENGINE = {"namespace": "serving", "job": "vllm-prefill", "instance": "p0:8000",
           "model_name": "m", "engine": "0"}
 DECODE = {**ENGINE, "job": "vllm-decode", "instance": "d0:8000"}
 PROXY = {"namespace": "serving", "job": "kvobs-proxy", "instance": "proxy:9000"}
+CLASSIFIER = {"namespace": "serving", "job": "kvobs-classifier", "instance": "kvobs:4318"}
 D2P = {"direction": DIRECTION_D_TO_P}
 
 
@@ -189,6 +197,52 @@ def _turns(turn_bucket: str, lookup: LookupOutcome, n: float) -> dict[str, str]:
     labels = {**PROXY, "turn_bucket": turn_bucket, "prompt_bucket": "512-2k",
               "lookup": lookup.value}
     return {sel(M_PROXY_TURNS, labels): per_minute(n)}
+
+
+def _verdicts(turn_bucket: str, counts: dict[Verdict, float]) -> dict[str, str]:
+    """The live classifier's final turns per minute, by verdict."""
+    return {sel(M_TURNS, {**CLASSIFIER, "verdict": verdict.value, "turn_bucket": turn_bucket,
+                          "prompt_bucket": "512-2k"}): per_minute(n)
+            for verdict, n in counts.items()}
+
+
+def verdict_alerts(config: MonitoringConfig) -> list[Alert]:
+    """True-verdict share alerts: a fault verdict's share of later turns, from the live
+    classifier (``kvobs collect``). They stand next to the engine-counter alerts, which
+    fleets without the classifier keep."""
+    s, th, fl, w = _scope(config), config.thresholds, config.floors, config.windows
+    shares = (
+        (Verdict.EXPIRED, th.expired_read_ratio,
+         "reached P after D's retained KV had expired (expired)"),
+        (Verdict.MISSING_METADATA, th.missing_metadata_ratio,
+         "reached P without usable KV params (missing-metadata)"),
+        (Verdict.TRANSFER_FAILED, th.failed_read_ratio,
+         "started a D->P read that failed (transfer-failed)"),
+        (Verdict.SLOW_TRANSFER, th.slow_transfer_turn_ratio,
+         "read D's KV slower than P would have recomputed it (slow-transfer)"),
+    )
+    table = [(VERDICT_ALERTS[verdict], verdict, threshold, what)
+             for verdict, threshold, what in shares]
+    job = _kept(CLASSIFIER, config)
+    return [Alert(
+        name,
+        f"({q.verdict_share(s, verdict.value)}) > {threshold:g}\n"
+        f"and ({q.classified_later_turns_rate(s)}) > {fl.later_turns:g}",
+        w.for_ratio, "warning",
+        f"Later turns {what.split(' (')[0]} ({{{{ $labels.job }}}}).",
+        f"{{{{ $value | humanizePercentage }}}} of the turns after the first that "
+        f"{{{{ $labels.job }}}} classified {what}, above {threshold:g}. `kvobs diagnose` "
+        "names each turn's evidence and remedy; the classifier's /conversations/ID page "
+        "shows one, and the dashboard's exemplars link to the turns' traces.",
+        (Case(f"half the later turns {verdict.value}",
+              _verdicts("2", {verdict: 30, Verdict.REMOTE_HIT: 30}), True, labels=job,
+              value="50%"),
+         Case("first turns only",
+              _verdicts("1", {Verdict.FIRST_TURN: 600, verdict: 0}), False),
+         Case("later turns healthy", _verdicts("3-4", {Verdict.REMOTE_HIT: 60, verdict: 0}),
+              False),
+         Case("share high but below the rate floor", _verdicts("2", {verdict: 0.2}), False)))
+        for name, verdict, threshold, what in table]
 
 
 def _host_lookups(hit: float, evicted: float, miss: float = 0) -> dict[str, str]:
@@ -456,6 +510,7 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
              Case("copies cover the response",
                   {**_host_saves(30, 0), **_turns("2", LookupOutcome.HIT, 30)}, False))),
     ]
+    out += verdict_alerts(config)
     out += [
         absent_alert("KvobsEngineTelemetryAbsent", M_PULL_DECISIONS, config.selectors.engine,
                      config.selectors.engine_targets, "vLLM engines",

@@ -42,6 +42,9 @@ class EngineSettings:
     prefix_guard: bool = True  # connector's block-hash guard
     proxy_fixed_lifetime_s: float = 0.0  # >0: upstream-style fixed proxy entry life
     vllm_tracing: bool = False  # engines export vLLM's own request spans (OTLP) too
+    # P, D and the proxy also send their spans over OTLP to a live classifier
+    # (kvobs collect, its own store in OUT/live): verdicts on its /metrics as spans arrive.
+    live_classifier: bool = False
     router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
     proxy_infer_conversations: bool = True  # false: kvobs proxy --no-infer-conversations
     service_name: str = ""  # OTEL_SERVICE_NAME of P, D and the proxy ("": each role's default)
@@ -178,6 +181,9 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
     if engines.router != KVOBS_PROXY and not engines.proxy_infer_conversations:
         raise ScenarioError("engines.proxy_infer_conversations: a kvobs proxy setting, "
                             f"unused with router = {engines.router!r}")
+    if engines.live_classifier and engines.vllm_tracing:
+        raise ScenarioError("engines.live_classifier and engines.vllm_tracing: both set the "
+                            "engines' OTLP endpoint; choose one")
     if engines.decode_host_copy_bytes < 0 or engines.decode_kv_cache_bytes < 0:
         raise ScenarioError("engines.decode_host_copy_bytes, decode_kv_cache_bytes: >= 0")
     conversations = []

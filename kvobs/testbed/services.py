@@ -170,15 +170,23 @@ class VllmRouterProcess(FrontDoor):
 
 
 class CollectProcess(Process):
-    """``kvobs collect``: receives the engines' own OTLP traces into ``store_dir``."""
+    """``kvobs collect``: receives OTLP traces into ``store_dir`` (and classifies them)."""
 
-    def __init__(self, log_path: Path, store_dir: str, port: int | None = None):
+    def __init__(self, log_path: Path, store_dir: str, port: int | None = None,
+                 extra_args: list[str] | None = None, nice: int = 0):
         self.port = port or free_ports(1)[0]
-        super().__init__("collect", [sys.executable, "-m", "kvobs", "collect", "--store-dir",
-                                     store_dir, "--port", str(self.port)], log_path)
+        # nice: below the engines, proxy and client, whose timing the scenarios check
+        prefix = ["nice", "-n", str(nice)] if nice else []
+        super().__init__("collect", [*prefix, sys.executable, "-m", "kvobs", "collect",
+                                     "--store-dir", store_dir, "--port", str(self.port),
+                                     *(extra_args or ())], log_path)
         self.wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.port}/health"), 30,
                         "healthy")
 
     @property
     def traces_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -36,6 +36,8 @@ TELEMETRY_DRAIN_S = 1.5  # > the span export interval (0.5 s) plus the builder's
 # counters. Stopped sooner, a turn counted in the second before the restart is lost to
 # Prometheus (seen in CI: the demo's one streamed turn, then no TTFT rate at all).
 SCRAPE_DRAIN_S = 2.5
+LIVE_DIR = "live"  # the live classifier's store, inside the run's output directory
+LIVE_GRACE_S = 3.0  # its grace: a turn unchanged this long is final
 
 
 def _set_sigterm(handler):
@@ -72,6 +74,8 @@ class Stack:
         # What the client talks to: the kvobs proxy, or vllm-router (settings.router).
         self.proxy: FrontDoor | None = None
         self.collect: CollectProcess | None = None
+        self.live: CollectProcess | None = None  # the live classifier (live_classifier)
+        self._live_env: dict[str, str] = {}
         self.netns: LinkNamespace | None = None
         self.safe_token_ids: list[int] = []
         self._proxy_starts = 0
@@ -130,6 +134,9 @@ class Stack:
             tracing_args = ["--otlp-traces-endpoint", self.collect.traces_url]
             telemetry = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
                          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.collect.traces_url}
+        if s.live_classifier:
+            self._start_live_classifier()
+            telemetry = {**telemetry, **self._live_env}
         p_http, d_http, p_side, d_side = free_ports(4)
         self.pair = PDPair(
             model, self.out_dir / LOGS, prefill_port=p_http, decode_port=d_http,
@@ -176,11 +183,40 @@ class Stack:
             port=self.proxy.port if self.proxy else None,  # a restart keeps its address
             extra_args=self._proxy_args(), env=self._otel_env("proxy"))
 
+    def _start_live_classifier(self) -> None:
+        """``kvobs collect`` classifying as spans arrive, with its own store (OUT/live):
+        P, D and the proxy send it every span over OTLP, next to the span store."""
+        self.live = CollectProcess(
+            self.out_dir / LOGS / "classifier.log", str(self.out_dir / LIVE_DIR),
+            extra_args=["--decode-kv-ttl", str(self.settings.ttl_s), "--grace",
+                        str(LIVE_GRACE_S), "--interval", "0.5"], nice=10)
+        self._live_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.live.traces_url}
+
+    def live_settled(self, timeout_s: float = 60.0) -> bool:
+        """Waits until the live classifier holds no open turn (every turn final)."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.live.url + "/metrics", timeout=5) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                text = ""
+            open_turns = [line for line in text.splitlines()
+                          if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")]
+            if open_turns and float(open_turns[0].split()[1]) == 0:
+                return True
+            time.sleep(0.5)
+        return False
+
     def _otel_env(self, role: str) -> dict[str, str]:
         """The OpenTelemetry resource a deployment gives each process: its service name
         (if the scenario sets one) and its role as ``kvobs.role``, which vLLM's own spans
-        then carry too (vLLM builds its resource from the environment)."""
-        env = {"OTEL_RESOURCE_ATTRIBUTES": f"{sc.ROLE.key}={role}"}
+        then carry too (vLLM builds its resource from the environment); and the live
+        classifier's endpoint when one runs."""
+        env = {"OTEL_RESOURCE_ATTRIBUTES": f"{sc.ROLE.key}={role}", **self._live_env}
         if self.settings.service_name:
             env["OTEL_SERVICE_NAME"] = self.settings.service_name
         return env
@@ -207,12 +243,16 @@ class Stack:
                 (directory / f"{role}.prom").write_text(engine.metrics())
             except OSError as error:
                 self.log(f"[testbed] could not read {role} /metrics: {error}")
-        if self.proxy is not None and self.proxy.alive():
-            import urllib.request
+        import urllib.request
 
-            name = self.proxy.name  # proxy.prom | vllm-router.prom
+        served = []
+        if self.proxy is not None and self.proxy.alive():
+            served.append((self.proxy.name, self.proxy.metrics_url))  # proxy | vllm-router
+        if self.live is not None and self.live.alive():
+            served.append(("classifier", self.live.url + "/metrics"))
+        for name, url in served:
             try:
-                with urllib.request.urlopen(self.proxy.metrics_url, timeout=5) as answer:
+                with urllib.request.urlopen(url, timeout=5) as answer:
                     (directory / f"{name}.prom").write_bytes(answer.read())
             except OSError as error:
                 self.log(f"[testbed] could not read {name} /metrics: {error}")
@@ -222,14 +262,15 @@ class Stack:
         # the teardown short and orphan what is not stopped yet: we are stopping anyway.
         previous = _set_sigterm(signal.SIG_IGN)
         try:
-            for component in (self.proxy, self.pair, self.collect, self.redis, self.netns):
+            for component in (self.proxy, self.pair, self.collect, self.live, self.redis,
+                              self.netns):
                 if component is None:
                     continue
                 try:
                     component.stop()
                 except Exception as error:  # noqa: BLE001 - keep stopping the rest
                     self.log(f"[testbed] stopping {type(component).__name__}: {error}")
-            self.proxy = self.pair = self.collect = self.redis = self.netns = None
+            self.proxy = self.pair = self.collect = self.live = self.redis = self.netns = None
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)

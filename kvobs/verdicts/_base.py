@@ -31,6 +31,8 @@ class Context:
     prefill_tokens_per_s: float | None = None  # measured P compute rate
     read_slo_s: float | None = None  # optional read-latency SLO
     slow_transfer_factor: float = SLOW_TRANSFER_FACTOR.default
+    # Typical decode seconds per output token (the causes weigh a turn's decode by it).
+    decode_s_per_token: float | None = None
 
 
 @dataclass(frozen=True)

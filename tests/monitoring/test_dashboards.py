@@ -81,7 +81,8 @@ def test_rows(board):
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == [
         "Now",
-        "Turn outcomes (metric-side verdict proxies; turn 1 apart)",
+        "Turn outcomes (true verdicts, from the live classifier; turn 1 apart)",
+        "Turn outcomes, metric side (fleets without the classifier)",
         "D->P reads",
         "Retention and expiry (D)",
         "Proxy",

@@ -288,66 +288,45 @@ def test_collector_receives_otlp_on_the_service_ports(base):
     assert "probabilistic_sampler" not in config.get("processors", {})  # never sample
 
 
-def _otlp_request_lines(conversation: str, n: int) -> str:
-    """OTLP-JSON lines as the collector's file exporter writes them: one export request
-    (as received over OTLP, protobuf) per line, ids in hex."""
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+def test_the_collector_feeds_the_live_classifier_which_owns_the_store(base):
+    """The Collector's only exporter is OTLP/HTTP to the kvobs container of its pod, which
+    runs the live classifier on that port and writes the store on the volume (read-write:
+    it compacts and expires its own store); Prometheus scrapes the classifier's true
+    verdicts and the Collector's own metrics from the Service's ports."""
+    from urllib.parse import urlparse
 
-    from kvobs import semconv as sc
-    from kvobs.emit.otlp_json import request_to_otlp_json
-
-    memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "kvobs-proxy"}))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("test")
-    for turn in range(1, n + 1):
-        with tracer.start_as_current_span("kvobs.proxy.turn") as span:
-            span.set_attribute(sc.CONVERSATION_ID.key, conversation)
-            span.set_attribute(sc.TURN_INDEX.key, turn)
-    return "".join(request_to_otlp_json(encode_spans([s])) + "\n"
-                   for s in memory.get_finished_spans())
-
-
-def test_kvobs_reads_back_what_the_file_exporter_writes(base, tmp_path):
     config = _collector_config(base)
     (exporter_name,) = config["service"]["pipelines"]["traces"]["exporters"]
-    exporter = config["exporters"][exporter_name]
-    assert exporter_name.split("/")[0] == "file" and exporter["format"] == "json"
+    assert exporter_name.split("/")[0] == "otlphttp"
+    endpoint = urlparse(config["exporters"][exporter_name]["endpoint"])
     deployment = by_kind(base, "Deployment")["kvobs-collector"]
-    collector, kvobs = _container(deployment, "otelcol"), _container(deployment, "kvobs")
-    (store,) = [m for m in collector["volumeMounts"] if m["name"] == "store"]
-    (read,) = [m for m in kvobs["volumeMounts"] if m["name"] == "store"]
-    assert read["mountPath"] == store["mountPath"] and read.get("readOnly")
-    path = Path(exporter["path"])
-    relative = path.relative_to(store["mountPath"])
-    from kvobs import semconv as sc
-
-    assert relative.parts[0] == sc.STORE_LIVE_DIR and path.suffix == ".jsonl"
-    # the live file and a rotated backup (lumberjack: name-<timestamp>.ext)
-    local = tmp_path / "store" / relative
-    local.parent.mkdir(parents=True)
-    local.write_text(_otlp_request_lines("conv-a", 2))
-    (local.parent / f"{path.stem}-2026-01-01T00-00-00.000{path.suffix}").write_text(
-        _otlp_request_lines("conv-b", 3))
-    from kvobs.sources import open_source
-    from kvobs.sources.store import StoreSource
-
-    source = open_source(str(tmp_path / "store"))
-    assert isinstance(source, StoreSource)
-    spans = source.spans()
-    counts = spans[sc.CONVERSATION_ID.key].value_counts().to_dict()
-    assert counts == {"conv-b": 3, "conv-a": 2}
+    kvobs = _container(deployment, "kvobs")
+    command = kvobs["command"]
+    assert command[:2] == ["kvobs", "collect"]
+    options = dict(zip(command[2::2], command[3::2]))
+    ports = {p["name"]: p["containerPort"] for p in kvobs["ports"]}
+    assert endpoint.hostname == "localhost" and endpoint.port == ports["classifier"] \
+        == int(options["--port"])
+    (store,) = [m for m in kvobs["volumeMounts"] if m["name"] == "store"]
+    assert store["mountPath"] == options["--store-dir"] and not store.get("readOnly")
+    service = {p["name"]: p["targetPort"] for p in
+               by_kind(base, "Service")["kvobs-collector"]["spec"]["ports"]}
+    (monitor,) = [d for d in base if d["kind"] == "ServiceMonitor"
+                  and d["metadata"]["name"] == "kvobs-collector"]
+    scraped = {e["port"] for e in monitor["spec"]["endpoints"]}
+    assert scraped == {"classifier", "otelcol-metrics"} and scraped <= set(service)
+    otelcol = _container(deployment, "otelcol")
+    assert "otelcol-metrics" in {p["name"] for p in otelcol["ports"]}
+    (reader,) = config["service"]["telemetry"]["metrics"]["readers"]
+    assert reader["pull"]["exporter"]["prometheus"]["port"] == 8888
 
 
 def test_clickhouse_component_exports_to_clickhouse(kubectl, tmp_path):
     docs = render(kubectl, _with_component(tmp_path, "clickhouse"))
     config = _collector_config(docs)
     _check_pipelines(config)
-    assert config["service"]["pipelines"]["traces"]["exporters"] == ["clickhouse"]
+    assert config["service"]["pipelines"]["traces"]["exporters"] == [
+        "clickhouse", "otlphttp/kvobs-classifier"]
     clickhouse = config["exporters"]["clickhouse"]
     assert clickhouse["traces_table_name"] == "otel_traces"  # what kvobs' reader queries
     (variable,) = re.findall(r"\$\{env:(\w+)\}", clickhouse["endpoint"])

@@ -71,9 +71,11 @@ async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
             tracemalloc.start()
             half = WARMUP + REQUESTS // 2
             await batch(WARMUP, half)
+            await _settled()
             gc.collect()
             middle, _peak = tracemalloc.get_traced_memory()
             await batch(half, WARMUP + REQUESTS)
+            await _settled()
             gc.collect()
             current, _peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()
@@ -83,6 +85,22 @@ async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
         await decode.stop()
     evictions = registry.get_sample_value("kvobs_proxy_evictions_total")
     return middle, current, counting.ended, evictions, WARMUP + REQUESTS
+
+
+async def _settled(timeout_s: float = 30.0) -> None:
+    """Until the proxy's handlers have finished their turns: a client has its answer
+    before the handler ends its spans and keep-alive state, and on a loaded box up to a
+    batch of them (~0.7 MB in CI) were still running when memory was read."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    me = asyncio.current_task()
+    while any(t is not me and not t.done() and _is_handler(t) for t in asyncio.all_tasks()):
+        assert asyncio.get_running_loop().time() < deadline, "handlers never finished"
+        await asyncio.sleep(0.01)
+
+
+def _is_handler(task: asyncio.Task) -> bool:
+    """A request handler's task (aiohttp runs each request in its own)."""
+    return "RequestHandler._handle_request" in repr(task.get_coro())
 
 
 def test_no_memory_growth_over_10000_requests():

@@ -26,7 +26,7 @@ from kvobs.testbed.check import (NOT_FOUND, accounting_errors, cause_mismatches,
                                  diagnosed_turns, tolerance_s)
 from kvobs.testbed.runner import TurnResult, run_scenario, write_results
 from kvobs.testbed.scenario import Scenario, load
-from kvobs.testbed.stack import Stack
+from kvobs.testbed.stack import LIVE_DIR, Stack
 from span_deletion import deletion_violations
 
 pytestmark = pytest.mark.testbed
@@ -86,19 +86,28 @@ def _run(scenario_file: str, tmp_path_factory, with_prometheus: bool) -> Run:
             # One job per role: the dashboards tell P from D by job (monitoring config).
             prefill, decode = (f"{e.spec.host}:{e.spec.port}"
                                for e in (stack.pair.prefill, stack.pair.decode))
+            targets = {"vllm-prefill": [prefill], "vllm-decode": [decode],
+                       "kvobs-proxy": [stack.proxy.url.split("//")[1]]}
+            if stack.live is not None:
+                targets["kvobs-classifier"] = [stack.live.url.split("//")[1]]
             prometheus = live.start_prometheus(
-                {"vllm-prefill": [prefill], "vllm-decode": [decode],
-                 "kvobs-proxy": [stack.proxy.url.split("//")[1]]},
+                targets,
                 rule_files=_rule_files(out / "rules"), directory=out / "prometheus",
                 # Below the engines, proxy and client: its scrapes and rule evaluations
                 # must not steal the CPU of the turns whose timing is checked.
                 niceness=10)
             # Rates need a sample from before the traffic: wait for every target's scrape.
-            live.wait_for_data(prometheus.url, "count(up == 1) == 3", timeout=60)
+            live.wait_for_data(prometheus.url, f"count(up == 1) == {len(targets)}",
+                               timeout=60)
         try:
             started = time.monotonic()
             results = run_scenario(scenario, stack)
             time.sleep(2)  # spans export every 0.5 s; two more scrapes
+            if stack.live is not None:
+                # every turn final (its grace after its last span), then two more scrapes
+                assert stack.live_settled(), "the live classifier kept turns open"
+                time.sleep(2)
+                _save_live_answer(stack, out, "agent-happy")
             stack.snapshot_metrics()
             if prometheus is not None:
                 # Rates over the whole run: a panel fed by one early turn (the demo's one
@@ -112,6 +121,16 @@ def _run(scenario_file: str, tmp_path_factory, with_prometheus: bool) -> Run:
                 prometheus.stop()
     write_results(str(out), scenario, results)
     return Run(scenario, out, results, report, alerts)
+
+
+def _save_live_answer(stack: Stack, out: Path, conversation_id: str) -> None:
+    """The running classifier's answer for one conversation (JSON and page), as served."""
+    import urllib.request
+
+    for suffix, name in (("", "json"), ("/html", "html")):
+        url = f"{stack.live.url}/conversations/{conversation_id}{suffix}"
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            (out / f"live-{conversation_id}.{name}").write_bytes(answer.read())
 
 
 @pytest.fixture(scope="session")
@@ -269,6 +288,73 @@ def test_every_panel_and_recording_rule_query_runs_against_real_prometheus(demo)
     allowed_empty |= {r.name for r in report.empty if HOST_PATH.search(r.expr)}
     assert sorted(set(empty) - allowed_empty) == []
     assert len(report.with_data) >= 0.8 * len(report.results)
+
+
+def _live_turns(run: Run) -> dict[tuple, dict]:
+    """The live classifier's final turns (its turn store), latest version of each."""
+    from kvobs.live.turnstore import TurnStore
+
+    store = TurnStore(str(run.out / LIVE_DIR), 86400)
+    latest: dict[tuple, tuple[int, dict]] = {}
+    for row in store.read().to_pylist():
+        key = (row["tenant"], row["conversation_id"], row["turn"])
+        if key not in latest or row["version"] >= latest[key][0]:
+            latest[key] = (row["version"], json.loads(row["detail"]))
+    return {key: detail for key, (_, detail) in latest.items()}
+
+
+def test_live_classifier_gives_every_turn_the_batch_answer(demo):
+    """Spans went to the classifier over OTLP as they were emitted; its final turns equal
+    the batch pipeline over the span store of the same run, priced at the same fleet
+    context (turn for turn: verdict, rule, evidence, phases, causes), and every scenario
+    turn got its expected verdict live."""
+    from kvobs import columns as col
+    from kvobs.correlate import turns_from_spans
+    from kvobs.diagnose import classify_turns
+
+    live_turns = _live_turns(demo)
+    spans = open_source(str(demo.out)).span_table()
+    turns = turns_from_spans(spans, frame=False)
+    compared = 0
+    for context in {json.dumps(t["context"], sort_keys=True) for t in live_turns.values()}:
+        context = json.loads(context)
+        diagnoses, _ = classify_turns(col.Columns(turns), None,
+                                      context["prefill_tokens_per_s"],
+                                      context["decode_s_per_token"])
+        batch = {(d.tenant, d.conversation_id, d.turn.index): d.to_dict() for d in diagnoses}
+        assert set(batch) == set(live_turns)
+        for key, row in live_turns.items():
+            if row["context"] != context:
+                continue
+            fields = ("verdict", "rule", "evidence", "phases", "slowest_phase", "causes")
+            assert {f: row[f] for f in fields} == {f: batch[key][f] for f in fields}, key
+            compared += 1
+    assert compared == len(live_turns) >= len(demo.results)
+    by_trace = {row["trace_id"]: row["verdict"] for row in live_turns.values()}
+    live_verdicts = {(r.label, r.turn): by_trace.get(r.trace_id) for r in demo.results}
+    expected = demo.scenario.expectations
+    assert {k: live_verdicts[k] for k in expected} == expected
+
+
+def test_live_classifier_serves_a_conversation_and_exports_true_verdicts(demo):
+    served = json.loads((demo.out / "live-agent-happy.json").read_text())
+    assert [t["verdict"] for t in served["turns"]] == ["first-turn", "remote-hit",
+                                                         "remote-hit"]
+    assert all(t["final"] and t["trace_id"] for t in served["turns"])
+    page = (demo.out / "live-agent-happy.html").read_text()
+    assert "remote-hit" in page and "agent-happy" in page
+    metrics = (demo.out / "metrics" / "classifier.prom").read_text()
+    counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("kvobs_turns_total{"))
+    assert counted == len(_live_turns(demo))
+    assert _metric(metrics, "kvobs_turns_total", verdict="expired") >= 1
+    assert "agent-happy" not in metrics  # no conversation id as a label
+
+
+def test_expired_turns_raise_the_true_verdict_alert(demo):
+    states = {(a["metric"]["alertname"], a["metric"]["alertstate"]) for a in demo.alerts}
+    assert {("KvobsTurnsExpired", "pending"), ("KvobsTurnsExpired", "firing")} & states, \
+        states
 
 
 def test_expired_reads_alert_goes_pending_or_firing(demo):

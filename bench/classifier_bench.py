@@ -1,0 +1,111 @@
+"""Live classifier throughput against the batch pipeline, on the same synthetic spans.
+
+    python bench/classifier_bench.py [--conversations 2000] [--batch 64] [--pass-every 2.0]
+
+Synthetic fleet (``kvobs.synth.small``: every verdict scenario, ~10 spans and ~5 turns a
+conversation), spans delivered in end-time order in export requests of ``--batch`` spans,
+a classification pass every ``--pass-every`` simulated seconds (a 1 s pass interval in
+production; the simulated fleet runs faster than real time, so one pass sees more spans
+than it would). Prints, in one run:
+
+- batch: ``classify_turns(turns_from_spans(all spans))`` (what ``kvobs turns`` runs);
+- stream: the same spans through ``Classifier`` (buffer, passes, versions, finalization);
+- the OTLP decode the service adds per span (the demo spans recorded on the testbed,
+  ``kvobs.sources._rows``), measured apart;
+
+each as spans per CPU-second (process time), and whether the two give the same verdict
+to every turn. Stream's fleet context comes from its earlier final turns, so it is
+compared with the batch classified at the context each turn recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from kvobs import columns as col  # noqa: E402
+from kvobs.correlate import turns_from_spans  # noqa: E402
+from kvobs.diagnose import classify_turns  # noqa: E402
+from kvobs.live.classifier import Classifier  # noqa: E402
+from kvobs.sources._rows import rows as document_rows  # noqa: E402
+from kvobs.synth import small, spans_table  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--conversations", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--pass-every", type=float, default=2.0)
+    args = parser.parse_args()
+
+    config = small(args.conversations)
+    table, _ = spans_table(config, np.arange(config.conversations))
+    table = table.sort_by([("end_ns", "ascending")])
+    rows = [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
+    spans = len(rows)
+    print(f"synthetic fleet: {args.conversations} conversations, {spans} spans")
+
+    started = time.process_time()
+    turns = turns_from_spans(table, frame=False)
+    batch, context = classify_turns(col.Columns(turns))
+    batch_s = time.process_time() - started
+    print(f"batch:  {spans / batch_s:10.0f} spans/CPU-s ({batch_s:.2f} s, {len(batch)} turns)")
+
+    classifier = Classifier(window_s=1e9, grace_s=5.0)
+    end_s = [row["end_ns"] / 1e9 for row in rows]
+    started = time.process_time()
+    next_pass = end_s[0] + args.pass_every
+    passes = 0
+    for i in range(0, spans, args.batch):
+        chunk = rows[i:i + args.batch]
+        now = end_s[min(i + args.batch, spans) - 1]
+        classifier.buffer.add(chunk, now)
+        if now >= next_pass:
+            classifier.run_pass(now)
+            passes += 1
+            next_pass = now + args.pass_every
+    classifier.run_pass(end_s[-1] + 10)
+    stream_s = time.process_time() - started
+    print(f"stream: {spans / stream_s:10.0f} spans/CPU-s ({stream_s:.2f} s, {passes} passes, "
+          f"{len(classifier.turns)} turns); ratio stream/batch "
+          f"{(spans / stream_s) / (spans / batch_s):.2f}")
+
+    demo = os.path.join(ROOT, "tests", "data", "demo-spans.otlp.jsonl")
+    requests = [json.loads(line) for line in open(demo).read().split("\n") if line.strip()]
+    started = time.process_time()
+    decoded = 0
+    for _ in range(20):
+        for request in requests:
+            decoded += len(document_rows("otlp", request, []))
+    decode_s = time.process_time() - started
+    per_span = decode_s / decoded
+    print(f"OTLP decode: {decoded / decode_s:10.0f} spans/CPU-s; stream with decode: "
+          f"{1 / (stream_s / spans + per_span):10.0f} spans/CPU-s")
+
+    contexts = {}
+    for key, state in classifier.turns.items():
+        ctx = state.row["context"]
+        contexts.setdefault((ctx["prefill_tokens_per_s"], ctx["decode_s_per_token"]),
+                            []).append(key)
+    differ = 0
+    for (rate, per_token), keys in contexts.items():
+        diagnoses, _ = classify_turns(col.Columns(turns), None, rate, per_token)
+        by_key = {(d.tenant, d.conversation_id, d.turn.index): d.finding.verdict.value
+                  for d in diagnoses}
+        differ += sum(by_key.get(k) != classifier.turns[k].row["verdict"] for k in keys)
+    missing = len({(d.tenant, d.conversation_id, d.turn.index) for d in batch}
+                  - set(classifier.turns))
+    print(f"verdicts: {differ} of {len(classifier.turns)} turns differ, {missing} batch "
+          f"turns missing in stream")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""``kvobs collect`` as an always-on classifier: the OTLP receiver (kvobs.emit.collect)
+stores each export request and hands it to the classifier; a pass runs every
+``interval_s``; final turns go to /metrics and the turn store.
+
+Routes next to ``POST /v1/traces``:
+- ``GET /metrics``: kvobs_turns_total{verdict,...}, causes, phases (OpenMetrics with the
+  turns' trace ids as exemplars when the scraper asks for it) and the classifier's health;
+- ``GET /conversations/{id}`` (``?tenant=DIGEST``): the conversation's turns as the
+  classifier holds them (``kvobs diagnose --json``'s turn objects, each with its version,
+  whether it is final and the fleet context it was priced with), else as the turn store
+  keeps them once they left memory; 404 for an id it never saw;
+- ``GET /conversations/{id}/html``: the same as a page (``kvobs diagnose``'s table).
+
+One event loop does everything: a pass is short (the spans that arrived since the last
+one) and nothing else touches the classifier's state, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from kvobs.emit import collect
+from kvobs.live.classifier import Classifier
+from kvobs.live.metrics import TurnMetrics
+from kvobs.live.turnstore import TurnStore
+
+_LOG = logging.getLogger("kvobs.live")
+LIVE = web.AppKey("kvobs_live", object)
+
+try:  # what the store holds is read back as the classifier's input: the same spans
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - orjson comes with the proxy extra
+    _loads = json.loads
+
+
+@dataclass
+class LiveSettings:
+    window_s: float  # how long a conversation is held after its last span
+    grace_s: float = 10.0  # a turn unchanged this long is final
+    interval_s: float = 1.0  # between passes
+    turn_retention_s: float = 30 * 86400.0
+    read_slo_s: float | None = None
+
+
+class Live:
+    def __init__(self, store_dir: str, settings: LiveSettings):
+        self.settings = settings
+        self.classifier = Classifier(settings.window_s, settings.grace_s, settings.read_slo_s)
+        self.metrics = TurnMetrics()
+        self.turns = TurnStore(store_dir, settings.turn_retention_s)
+        self._task: asyncio.Task | None = None
+        self._expired_at = 0.0
+
+    def receive(self, line: str) -> None:
+        try:
+            self.classifier.add_request(_loads(line))
+        except Exception:  # noqa: BLE001 - the spans are stored; classification is extra
+            _LOG.exception("could not take spans for classification")
+
+    def run_pass(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        result = self.classifier.run_pass(now)
+        self.metrics.observe(result)
+        try:
+            self.turns.write(result.finalized, now)
+        except OSError as error:
+            self.metrics.write_errors.inc()
+            _LOG.warning("could not write final turns (%d kept for the next pass): %s",
+                         len(self.turns.pending), error)
+        if now - self._expired_at > 600:
+            self._expired_at = now
+            for partition in self.turns.expire(now):
+                _LOG.info("turn partition %s past retention: dropped", partition)
+        c = self.classifier
+        self.metrics.health(c.spans_received - c.buffer.late_spans, c.buffer.late_spans,
+                            c.spans_unreadable, c.open_turns(), len(c.buffer))
+
+    def conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
+        turns = self.classifier.conversation(conversation_id) \
+            or self.turns.latest(conversation_id)
+        return [t for t in turns if tenant is None or t["tenant"] == tenant]
+
+    # ------------------------------------------------------------------ aiohttp
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                self.run_pass()
+            except Exception:  # noqa: BLE001 - the next pass tries again
+                _LOG.exception("classification pass failed")
+
+    async def start(self, _app: web.Application) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self, _app: web.Application) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        # What is classified but not final yet is written as it stands (final or not).
+        try:
+            self.run_pass(time.time() + self.settings.grace_s)
+        except Exception:  # noqa: BLE001
+            _LOG.exception("last pass failed")
+
+    async def metrics_view(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encoder(self.metrics.registry),
+                            headers={"Content-Type": content_type})
+
+    async def conversation_view(self, request: web.Request) -> web.Response:
+        cid = request.match_info["conversation_id"]
+        turns = self.conversation(cid, request.query.get("tenant"))
+        if not turns:
+            return web.json_response({"error": f"unknown conversation id {cid!r}"},
+                                     status=404)
+        return web.json_response({"conversation_id": cid, "turns": turns},
+                                 dumps=_json_dumps)
+
+    async def conversation_page(self, request: web.Request) -> web.Response:
+        from kvobs.live.page import conversation_html
+
+        cid = request.match_info["conversation_id"]
+        turns = self.conversation(cid, request.query.get("tenant"))
+        if not turns:
+            return web.Response(status=404, text=f"unknown conversation id {cid!r}")
+        return web.Response(text=conversation_html(cid, turns), content_type="text/html")
+
+
+def _json_dumps(value) -> str:
+    return json.dumps(value, default=str)
+
+
+def build_app(store_dir: str, settings: LiveSettings) -> web.Application:
+    live = Live(store_dir, settings)
+    app = collect.build_app(collect.SegmentWriter(store_dir), sink=live.receive)
+    app[LIVE] = live
+    app.on_startup.append(live.start)
+    app.on_cleanup.append(live.stop)
+    app.router.add_get("/metrics", live.metrics_view)
+    app.router.add_get("/conversations/{conversation_id}", live.conversation_view)
+    app.router.add_get("/conversations/{conversation_id}/html", live.conversation_page)
+    return app
+
+
+def run(store_dir: str, host: str, port: int, settings: LiveSettings) -> None:
+    _LOG.info("kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s",
+              settings.window_s, settings.grace_s, store_dir)
+    web.run_app(build_app(store_dir, settings), host=host, port=port, print=None,
+                handle_signals=True)

@@ -1,0 +1,118 @@
+"""``kvobs collect`` classifying live: OTLP in (JSON and protobuf, as the SDK's and the
+Collector's otlphttp exporters send it), true verdicts out on /metrics, one
+conversation over HTTP, final turns in the turn store, the same turns as the batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+from google.protobuf.json_format import ParseDict
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvobs import semconv as sc
+from kvobs.diagnose import all_turns
+from kvobs.live.service import LIVE, LiveSettings, build_app
+from kvobs.live.turnstore import TurnStore
+from kvobs.sources import open_source
+
+DEMO = Path(__file__).resolve().parents[1] / "data" / "demo-spans.otlp.jsonl"
+
+
+def _protobuf(request: dict) -> bytes:
+    """The request as the protobuf exporters send it (ids are base64 in protobuf JSON)."""
+    import base64
+    import copy
+
+    request = copy.deepcopy(request)
+    for resource_spans in request["resourceSpans"]:
+        for scope_spans in resource_spans["scopeSpans"]:
+            for span in scope_spans["spans"]:
+                for field in ("traceId", "spanId", "parentSpanId"):
+                    if span.get(field):
+                        span[field] = base64.b64encode(bytes.fromhex(span[field])).decode()
+                for link in span.get("links", ()):
+                    for field in ("traceId", "spanId"):
+                        link[field] = base64.b64encode(bytes.fromhex(link[field])).decode()
+    return ParseDict(request, ExportTraceServiceRequest()).SerializeToString()
+
+
+def _samples(text: str, name: str) -> dict[tuple, float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_spans_in_true_verdicts_out(tmp_path):
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+
+    async def scenario():
+        app = build_app(str(tmp_path), LiveSettings(window_s=600, grace_s=0.3,
+                                                    interval_s=0.1))
+        async with TestClient(TestServer(app)) as client:
+            for i, line in enumerate(lines):
+                if i % 2:
+                    response = await client.post("/v1/traces", data=line,
+                                                 headers={"Content-Type": "application/json"})
+                else:
+                    response = await client.post(
+                        "/v1/traces", data=_protobuf(json.loads(line)),
+                        headers={"Content-Type": "application/x-protobuf"})
+                assert response.status == 200, await response.text()
+            live = app[LIVE]
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if live.classifier.turns and not live.classifier.open_turns():
+                    break
+            metrics = await (await client.get("/metrics")).text()
+            happy = await client.get("/conversations/agent-happy")
+            page = await client.get("/conversations/agent-happy/html")
+            unknown = await client.get("/conversations/nobody")
+            return (metrics, happy.status, await happy.json(), page.status,
+                    await page.text(), unknown.status, live)
+
+    metrics, status, happy, page_status, page, unknown, live = asyncio.run(scenario())
+    batch = all_turns(open_source(str(tmp_path)))
+    expected: dict[str, int] = {}
+    for diagnosis in batch:
+        expected[diagnosis.finding.verdict.value] = expected.get(
+            diagnosis.finding.verdict.value, 0) + 1
+    counted: dict[str, float] = {}
+    for labels, value in _samples(metrics, "kvobs_turns_total").items():
+        counted[dict(labels)["verdict"]] = counted.get(dict(labels)["verdict"], 0) + value
+    assert {v: n for v, n in counted.items() if n} == expected
+    assert sum(expected.values()) == 25
+    assert "conversation_id" not in metrics and "agent-happy" not in metrics
+    assert sum(_samples(metrics, "kvobs_turn_slowest_phase_total").values()) == 25
+    assert sum(_samples(metrics, "kvobs_classifier_spans_total").values()) > 300
+    assert status == 200 and [t["turn"] for t in happy["turns"]] == [1, 2, 3]
+    assert [t["verdict"] for t in happy["turns"]] == ["first-turn", "remote-hit", "remote-hit"]
+    assert all(t["final"] for t in happy["turns"])  # versions: spans came in pieces
+    assert page_status == 200 and "remote-hit" in page and "<script" not in page
+    assert unknown == 404
+    # every final turn is in the turn store, as the service serves it
+    stored = TurnStore(str(tmp_path), 86400).latest("agent-happy")
+    assert [t["verdict"] for t in stored] == ["first-turn", "remote-hit", "remote-hit"]
+    assert TurnStore(str(tmp_path), 86400).read().num_rows == 25
+
+
+def test_turns_leave_memory_for_the_turn_store(tmp_path):
+    """A conversation past the window is answered from the stored rows."""
+    lines = [json.loads(line) for line in DEMO.read_text().split("\n") if line.strip()]
+    app = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=0))
+    live = app[LIVE]
+    for request in lines:
+        live.classifier.add_request(request, now=1000)
+    live.run_pass(now=1000)
+    live.run_pass(now=1001)  # final: written
+    live.run_pass(now=2000)  # left the window
+    assert live.classifier.conversation("agent-happy") == []
+    turns = live.conversation("agent-happy", None)
+    assert [t["verdict"] for t in turns] == ["first-turn", "remote-hit", "remote-hit"]
+    assert sc.EXEMPLAR_TRACE_ID == "trace_id" and all(t["trace_id"] for t in turns)
