@@ -7,8 +7,9 @@ turn as ``kvobs diagnose --json`` gives it (ids and numbers only, never text).
 
 from __future__ import annotations
 
+import calendar
 import json
-import logging
+import math
 import os
 import shutil
 import time
@@ -19,7 +20,6 @@ from typing import Any, Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-_LOG = logging.getLogger("kvobs.live")
 TURNS_DIR = "turns"
 _PREFIX = "hour="
 _HOUR_FORMAT = "%Y%m%d%H"
@@ -39,9 +39,10 @@ def _number(value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:
-        return kind(value)
+        number = kind(value)
     except (ValueError, OverflowError):
         return None
+    return number if math.isfinite(number) else None
 
 
 def record(row: dict[str, Any], finalized_at: float) -> dict[str, Any]:
@@ -53,21 +54,19 @@ def record(row: dict[str, Any], finalized_at: float) -> dict[str, Any]:
             "latency_s": _number(row.get("latency_s"), float),
             "ttft_s": _number(row.get("ttft_s"), float),
             "prompt_tokens": _number(row.get("prompt_tokens"), int),
-            "finalized_at": finalized_at,
-            "detail": json.dumps(row, default=str, allow_nan=False, separators=(",", ":"))
-            if _finite(row) else json.dumps(_nan_free(row), default=str)}
+            "finalized_at": finalized_at, "detail": _json(row)}
 
 
-def _finite(row: dict) -> bool:
+def _json(row: dict[str, Any]) -> str:
+    """Strict JSON (a NaN or infinity, which JSON cannot hold, as null)."""
     try:
-        json.dumps(row, default=str, allow_nan=False)
-        return True
+        return json.dumps(row, default=str, allow_nan=False, separators=(",", ":"))
     except ValueError:
-        return False
+        return json.dumps(_nan_free(row), default=str, separators=(",", ":"))
 
 
 def _nan_free(value: Any) -> Any:
-    if isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _nan_free(v) for k, v in value.items()}
@@ -96,17 +95,21 @@ class TurnStore:
         by_hour: dict[str, list[dict]] = defaultdict(list)
         for item in self.pending:
             by_hour[time.strftime(_HOUR_FORMAT, time.gmtime(item["finalized_at"]))].append(item)
-        written = 0
-        for hour, items in by_hour.items():
-            partition = os.path.join(self.directory, _PREFIX + hour)
-            os.makedirs(partition, exist_ok=True)
-            path = os.path.join(partition, f"part-{int(now * 1000)}-{uuid.uuid4().hex[:8]}")
-            # Written aside, then renamed: a reader never meets half a file.
-            pq.write_table(pa.Table.from_pylist(items, schema=SCHEMA), path + ".tmp")
-            os.replace(path + ".tmp", path + ".parquet")
-            written += len(items)
-            self.pending = [item for item in self.pending if item not in items]
-        return written
+        done: list[str] = []
+        try:
+            for hour, items in by_hour.items():
+                partition = os.path.join(self.directory, _PREFIX + hour)
+                os.makedirs(partition, exist_ok=True)
+                path = os.path.join(partition,
+                                    f"part-{int(now * 1000)}-{uuid.uuid4().hex[:8]}")
+                # Written aside, then renamed: a reader never meets half a file.
+                pq.write_table(pa.Table.from_pylist(items, schema=SCHEMA), path + ".tmp")
+                os.replace(path + ".tmp", path + ".parquet")
+                done.append(hour)
+        finally:  # what was written leaves pending, also when a later hour failed
+            self.pending = [item for hour, items in by_hour.items() if hour not in done
+                            for item in items]
+        return sum(len(by_hour[hour]) for hour in done)
 
     def partitions(self) -> list[str]:
         try:
@@ -121,8 +124,7 @@ class TurnStore:
         gone = []
         for name in self.partitions():
             try:
-                start = time.mktime(time.strptime(name[len(_PREFIX):] + "+0000",
-                                                  _HOUR_FORMAT + "%z")) - time.timezone
+                start = calendar.timegm(time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))
             except ValueError:
                 continue  # not ours
             if start + 3600 < now - self.retention_s:

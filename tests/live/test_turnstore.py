@@ -1,0 +1,62 @@
+"""The classified-turn store: hourly partitions, latest version wins, retention by
+dropping partitions, nothing lost while the disk cannot be written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvobs.live.turnstore import TurnStore
+
+HOUR = 3600.0
+T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
+
+
+def _row(conversation: str, turn: int, verdict: str, version: int = 1, **extra) -> dict:
+    return {"tenant": "t", "conversation_id": conversation, "turn": turn,
+            "verdict": verdict, "version": version, "rule": verdict, "trace_id": "ab" * 16,
+            "latency_s": 0.5, "prompt_tokens": 700, **extra}
+
+
+def test_latest_version_of_each_turn_in_turn_order(tmp_path):
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    assert store.write([_row("c", 2, "miss"), _row("c", 1, "first-turn")], now=T0) == 2
+    assert store.write([_row("c", 2, "remote-hit", version=2)], now=T0 + 2 * HOUR) == 1
+    assert store.partitions() == ["hour=2026010100", "hour=2026010102"]
+    turns = store.latest("c")
+    assert [(t["turn"], t["verdict"], t["version"]) for t in turns] == [
+        (1, "first-turn", 1), (2, "remote-hit", 2)]
+    assert store.latest("other") == []
+    assert store.read().num_rows == 3
+
+
+def test_non_finite_numbers_are_stored_as_null(tmp_path):
+    store = TurnStore(str(tmp_path), 86400)
+    store.write([_row("c", 1, "first-turn", latency_s=math.nan,
+                      phases={"decode": math.inf})], now=T0)
+    (stored,) = store.read().to_pylist()
+    assert stored["latency_s"] is None
+    assert json.loads(stored["detail"])["phases"] == {"decode": None}
+
+
+def test_partitions_past_retention_are_dropped_whole(tmp_path):
+    store = TurnStore(str(tmp_path), retention_s=2 * HOUR)
+    for hour in range(5):
+        store.write([_row(f"c{hour}", 1, "first-turn")], now=T0 + hour * HOUR + 60)
+    gone = store.expire(now=T0 + 5 * HOUR + 1)  # hour 02 ended 2 h and 1 s ago
+    assert gone == ["hour=2026010100", "hour=2026010101", "hour=2026010102"]
+    assert store.partitions() == ["hour=2026010103", "hour=2026010104"]
+    assert store.latest("c0") == [] and store.latest("c4")
+
+
+def test_rows_wait_for_a_writable_disk(tmp_path):
+    (tmp_path / "turns").write_text("a file where the directory should be")
+    store = TurnStore(str(tmp_path), 86400)
+    with pytest.raises(OSError):
+        store.write([_row("c", 1, "first-turn")], now=T0)
+    assert len(store.pending) == 1
+    (tmp_path / "turns").unlink()
+    assert store.write([_row("c", 2, "remote-hit")], now=T0) == 2
+    assert store.pending == [] and [t["turn"] for t in store.latest("c")] == [1, 2]
