@@ -77,8 +77,27 @@ def turn_row(diagnosis: TurnDiagnosis, prefill_tokens_per_s: float | None,
     return row
 
 
+def superseded(row: dict[str, Any], version: int) -> dict[str, Any]:
+    """The row that retires a stored turn's key: lineage put the turn under another key
+    (its ids say which turn it was). Never counted; readers skip the key."""
+    return {"tenant": row["tenant"], "conversation_id": row["conversation_id"],
+            "turn": row["turn"], **{c: row.get(c) for c in _TURN_IDS}, "verdict": None,
+            "superseded": True, "version": version, "first_final": False}
+
+
 def _signature(row: dict[str, Any]) -> str:
-    return json.dumps(row, sort_keys=True, default=str)
+    """What makes a new version: the classification, not the fleet context it was priced
+    with (which drifts pass by pass, and starts empty after a restart)."""
+    return json.dumps({k: v for k, v in row.items() if k != "context"}, sort_keys=True,
+                      default=str)
+
+
+# What identifies one turn whatever key lineage gives it.
+_TURN_IDS = ("trace_id", "prefill_request_id", "decode_request_id")
+
+# The unit of turns a restart took from the turn store until a replay of their spans
+# finds them again (``Classifier.resume``).
+RESUMED = "\x00resumed"
 
 
 class Classifier:
@@ -96,6 +115,9 @@ class Classifier:
         self.problems: collections.deque[str] = collections.deque(maxlen=100)
         self.spans_received = 0
         self.spans_unreadable = 0
+        self._resumed_until = 0.0
+        self._counted: dict[str, float] = {}  # a turn id (_TURN_IDS) -> when counted
+        self._pruned_at = 0.0
 
     # ------------------------------------------------------------------ input
 
@@ -108,6 +130,29 @@ class Classifier:
         self.buffer.add(rows, time.time() if now is None else now)
         self.spans_received += len(rows)
         return len(rows)
+
+    def resume(self, stored: Iterable[dict[str, Any]], now: float) -> int:
+        """Take the turns a previous run finalized (the turn store's latest rows, with
+        their version) as final: a replay of their spans that classifies a turn the same
+        way neither counts nor writes it again; one that differs is a new version.
+        Returns the turns taken."""
+        taken = 0
+        for stored_row in stored:
+            row = {k: v for k, v in stored_row.items() if k not in ("version", "final",
+                                                                     "first_final")}
+            key = (row["tenant"], row["conversation_id"], row["turn"])
+            self.turns[key] = TurnState(row, _signature(row), int(stored_row["version"]),
+                                        now, RESUMED, {}, final=True, finals=1)
+            self._by_unit[RESUMED].add(key)
+            self._by_conversation[key[1]].add(key)
+            self._count_once(row, now)
+            context = row.get("context") or {}
+            if self._context == (None, None):  # the latest priced one's, until samples
+                self._context = (context.get("prefill_tokens_per_s"),
+                                 context.get("decode_s_per_token"))
+            taken += 1
+        self._resumed_until = now + self.buffer.window_s
+        return taken
 
     # ------------------------------------------------------------------ passes
 
@@ -131,13 +176,30 @@ class Classifier:
             if not state.final and now - state.changed_at >= self.grace_s:
                 state.final = True
                 state.finals += 1
-                result.reclassified += state.finals > 1
+                # A turn counted before under another key (lineage re-grouped it) is
+                # re-classified, not new: its ids say it is the same turn.
+                first = state.finals == 1 and self._count_once(state.row, now)
+                result.reclassified += not first
                 result.finalized.append({**state.row, "version": state.version,
-                                         "first_final": state.finals == 1})
+                                         "first_final": first})
                 if state.finals == 1:
                     self._samples.append(state.samples)
                     self._context_stale = True
         self._forget(self.buffer.expire(now))
+        if now - self._pruned_at >= self.buffer.window_s / 2:
+            self._pruned_at = now
+            horizon = now - 2 * self.buffer.window_s  # no turn is re-keyed that late
+            self._counted = {t: at for t, at in self._counted.items() if at >= horizon}
+        if RESUMED in self._by_unit and now >= self._resumed_until:
+            # Stored turns no replayed span touched within a window stay as stored, but
+            # for those whose trace the replay put under another key.
+            moved = {state.row.get(c) for state in self.turns.values()
+                     if state.unit != RESUMED for c in _TURN_IDS} - {None}
+            for key in self._by_unit[RESUMED]:
+                state = self.turns[key]
+                if moved & {state.row.get(c) for c in _TURN_IDS}:
+                    result.finalized.append(superseded(state.row, state.version + 1))
+            self._forget([RESUMED])
         # Id-less turns leave with their spans (the pool's next pass no longer finds
         # them); in a pool that gets no new spans, after twice the window.
         horizon = now - 2 * self.buffer.window_s
@@ -169,6 +231,7 @@ class Classifier:
             signature = _signature(row)
             state = self.turns.get(key)
             if state is not None and state.signature == signature:
+                self._move(key, state, unit)
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
             if state is None:
@@ -178,16 +241,32 @@ class Classifier:
                 state.samples = samples
                 state.version += 1
                 state.final = False
-                if state.unit != unit:
-                    self._by_unit[state.unit].discard(key)
-                    state.unit = unit
-            self._by_unit[unit].add(key)
+            self._move(key, state, unit)
             self._by_conversation[key[1]].add(key)
             result.changed.append(key)
         for unit in units:  # turns a unit no longer has (lineage re-grouped them)
             for key in self._by_unit.get(unit, set()) - seen:
+                state = self.turns[key]
+                if state.finals:  # written under this key: the store must forget it
+                    result.finalized.append(superseded(state.row, state.version + 1))
                 self._drop(key)
         return kept
+
+    def _count_once(self, row: dict[str, Any], now: float) -> bool:
+        """Whether the turn of ``row`` is counted for the first time (and note it): none
+        of its ids (trace, P's and D's request) was counted before. Any one is enough,
+        as a partial turn may lack some."""
+        ids = [row.get(column) for column in _TURN_IDS]
+        ids = [i for i in ids if isinstance(i, str) and i]
+        first = not any(i in self._counted for i in ids)
+        self._counted.update(dict.fromkeys(ids, now))
+        return first
+
+    def _move(self, key: TurnKey, state: TurnState, unit: str) -> None:
+        if state.unit != unit:
+            self._by_unit[state.unit].discard(key)
+            state.unit = unit
+        self._by_unit[unit].add(key)
 
     def _unit_lookup(self, units: list[str]) -> Callable[[str], str | None]:
         """The unit a classified turn belongs to, among those the pass classified

@@ -60,7 +60,7 @@ class TurnMetrics:
         self.pass_seconds.observe(result.seconds)
         self.reclassified.inc(result.reclassified)
         for row in result.finalized:
-            if row["first_final"]:
+            if row["first_final"] and not row.get("superseded"):
                 self._count(row)
 
     def _count(self, row: dict[str, Any]) -> None:

@@ -11,6 +11,10 @@ Routes next to ``POST /v1/traces``:
   keeps them once they left memory; 404 for an id it never saw;
 - ``GET /conversations/{id}/html``: the same as a page (``kvobs diagnose``'s table).
 
+At start it resumes from its stores (``Live.resume``: the turn store's final turns, then
+a replay of the live span segments within the window), so a restart loses no open turn
+and counts none twice.
+
 One event loop does everything: a pass is short (the spans that arrived since the last
 one) and nothing else touches the classifier's state, so no lock is needed.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -27,6 +32,8 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from kvobs.emit import collect
+from kvobs.emit.segments import SUFFIX
+from kvobs.semconv import STORE_LIVE_DIR
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
 from kvobs.live.turnstore import TurnStore
@@ -52,11 +59,44 @@ class LiveSettings:
 class Live:
     def __init__(self, store_dir: str, settings: LiveSettings):
         self.settings = settings
+        self.store_dir = store_dir
         self.classifier = Classifier(settings.window_s, settings.grace_s, settings.read_slo_s)
         self.metrics = TurnMetrics()
         self.turns = TurnStore(store_dir, settings.turn_retention_s)
         self._task: asyncio.Task | None = None
         self._expired_at = 0.0
+
+    def resume(self, now: float | None = None) -> None:
+        """After a restart: the turns the turn store has final within the window, then
+        the spans of the live segments written within it, replayed, so that turns open at
+        the stop are finished and none is counted twice. Said in the log, with what could
+        not be replayed."""
+        now = time.time() if now is None else now
+        since = now - self.classifier.buffer.window_s
+        try:
+            taken = self.classifier.resume(self.turns.finalized_since(since), now)
+        except (OSError, ValueError) as error:
+            taken = 0
+            _LOG.warning("could not read the turn store to resume from: %s", error)
+        requests = unreadable = 0
+        for path in _segments_since(self.store_dir, since):
+            try:
+                with open(path, encoding="utf-8", errors="replace") as handle:
+                    for line in handle:
+                        if not line.strip():
+                            continue
+                        try:
+                            self.classifier.add_request(_loads(line), now)
+                            requests += 1
+                        except ValueError:
+                            unreadable += 1
+            except OSError as error:
+                _LOG.warning("could not replay %s: %s", path, error)
+        if taken or requests:
+            _LOG.info("resumed: %d final turns from the turn store, %d export requests "
+                      "replayed from the live segments (%d unreadable lines skipped); "
+                      "turns whose spans left the live segments stay as stored",
+                      taken, requests, unreadable)
 
     def receive(self, line: str) -> None:
         try:
@@ -98,6 +138,7 @@ class Live:
                 _LOG.exception("classification pass failed")
 
     async def start(self, _app: web.Application) -> None:
+        self.resume()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self, _app: web.Application) -> None:
@@ -133,6 +174,22 @@ class Live:
         if not turns:
             return web.Response(status=404, text=f"unknown conversation id {cid!r}")
         return web.Response(text=conversation_html(cid, turns), content_type="text/html")
+
+
+def _segments_since(store_dir: str, since: float) -> list[str]:
+    """The store's live segments written to at or after ``since``, oldest first."""
+    directory = os.path.join(store_dir, STORE_LIVE_DIR)
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
+    except FileNotFoundError:
+        return []
+    stamped = []
+    for name in names:
+        try:
+            stamped.append((os.path.getmtime(os.path.join(directory, name)), name))
+        except OSError:
+            continue  # sealed or expired meanwhile
+    return [os.path.join(directory, n) for mtime, n in sorted(stamped) if mtime >= since]
 
 
 def _json_dumps(value) -> str:

@@ -1,8 +1,10 @@
 """Classified turns as the fleet's stored product: the live classifier's final rows in
 hourly parquet partitions, ``DIR/turns/hour=YYYYMMDDHH/part-*.parquet``, dropped whole
 when older than the retention. Every version of a turn is a row; readers keep the
-latest (``latest``). A row is a few typed columns to filter on plus ``detail``: the
-turn as ``kvobs diagnose --json`` gives it (ids and numbers only, never text).
+latest (``latest``). A key the classifier moved a turn away from (lineage re-grouped
+it) ends with a row marked ``superseded``, and readers skip it. A row is a few typed
+columns to filter on plus ``detail``: the turn as ``kvobs diagnose --json`` gives it (ids
+and numbers only, never text).
 """
 
 from __future__ import annotations
@@ -143,6 +145,24 @@ class TurnStore:
         tables = [pq.read_table(f, schema=SCHEMA, filters=filters) for f in files]
         return pa.concat_tables(tables)
 
+    def finalized_since(self, since: float) -> list[dict[str, Any]]:
+        """Every turn finalized at or after ``since``, at its latest version (what a
+        restarted classifier resumes from)."""
+        hour = time.strftime(_HOUR_FORMAT, time.gmtime(since))
+        files = [os.path.join(self.directory, p, f) for p in self.partitions()
+                 if p[len(_PREFIX):] >= hour
+                 for f in sorted(os.listdir(os.path.join(self.directory, p)))
+                 if f.endswith(".parquet")]
+        best: dict[tuple, dict] = {}
+        for path in files:
+            table = pq.read_table(path, schema=SCHEMA, filters=[("finalized_at", ">=", since)])
+            for item in table.to_pylist():
+                key = (item["tenant"], item["conversation_id"], item["turn"])
+                if key not in best or item["version"] >= best[key]["version"]:
+                    best[key] = item
+        return [detail | {"version": item["version"]} for item in best.values()
+                if not (detail := json.loads(item["detail"])).get("superseded")]
+
     def latest(self, conversation_id: str) -> list[dict[str, Any]]:
         """The conversation's turns, each at its latest version, in turn order."""
         best: dict[tuple, tuple[int, dict]] = {}
@@ -151,4 +171,4 @@ class TurnStore:
             if key not in best or item["version"] >= best[key][0]:
                 best[key] = (item["version"], json.loads(item["detail"]))
         return [best[key][1] | {"version": best[key][0], "final": True}
-                for key in sorted(best)]
+                for key in sorted(best) if not best[key][1].get("superseded")]

@@ -116,3 +116,41 @@ def test_turns_leave_memory_for_the_turn_store(tmp_path):
     turns = live.conversation("agent-happy", None)
     assert [t["verdict"] for t in turns] == ["first-turn", "remote-hit", "remote-hit"]
     assert sc.EXEMPLAR_TRACE_ID == "trace_id" and all(t["trace_id"] for t in turns)
+
+
+def test_a_restart_resumes_from_the_stores_and_counts_every_turn_once(tmp_path):
+    """The demo's export requests sent half to one classifier process and half to the
+    next, on one store (a restart between them, turns split across it). The second
+    takes the first's final turns from the turn store and replays the live segments:
+    every turn is counted on /metrics once over both runs, and the turn store's latest
+    rows give every turn the verdict the batch path gives over all the spans."""
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    halves = (lines[: len(lines) // 2], lines[len(lines) // 2:])
+
+    async def run(part):
+        app = build_app(str(tmp_path), LiveSettings(window_s=600, grace_s=0.3,
+                                                    interval_s=0.1))
+        async with TestClient(TestServer(app)) as client:
+            for line in part:
+                response = await client.post("/v1/traces", data=line,
+                                             headers={"Content-Type": "application/json"})
+                assert response.status == 200
+            live = app[LIVE]
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if live.classifier.turns and not live.classifier.open_turns():
+                    break
+            return await (await client.get("/metrics")).text()
+
+    first = asyncio.run(run(halves[0]))
+    second = asyncio.run(run(halves[1]))
+    counted = [sum(_samples(text, "kvobs_turns_total").values()) for text in (first, second)]
+    batch = all_turns(open_source(str(tmp_path)))
+    assert len(batch) == 25 and 0 < counted[0] < 25
+    assert sum(counted) == 25
+    assert sum(_samples(second, "kvobs_turns_reclassified_total").values()) > 0
+    store = TurnStore(str(tmp_path), 86400)
+    for diagnosis in batch:
+        (stored,) = [t for t in store.latest(diagnosis.conversation_id)
+                     if (t["tenant"], t["turn"]) == (diagnosis.tenant, diagnosis.turn.index)]
+        assert stored["verdict"] == diagnosis.finding.verdict.value, diagnosis.conversation_id
