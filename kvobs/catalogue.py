@@ -132,7 +132,14 @@ def verdicts_md() -> str:
     lines += ["## `insufficient-evidence`\n",
               "A rule needed a span that is missing: the evidence names the span "
               "(`missing_span`), its service (`missing_from`) and the verdict being tested "
-              f"(`needed_for`). {verdicts.INSUFFICIENT_REMEDY}\n"]
+              f"(`needed_for`). {verdicts.INSUFFICIENT_REMEDY}\n",
+              "Behind a router that sends no conversation id, the engines' prefix chains "
+              "say which turn a prompt continues (`kvobs/lineage.py`). Where they cannot, "
+              "the turn is `insufficient-evidence` too, never a guess: with `reason` "
+              f"`{sc.LineageGap.AMBIGUOUS.value}` when identical histories of different "
+              "conversations match it equally (the evidence names them, "
+              f"`lineage_candidates`; {verdicts.AMBIGUOUS_REMEDY}), and naming D's export "
+              "span when the turn it continues has none.\n"]
     return "\n".join(lines)
 
 

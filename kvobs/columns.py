@@ -93,6 +93,24 @@ def eq(turns: Table, column: str, value: str) -> np.ndarray:
     return (values == value).fillna(False).to_numpy(bool)
 
 
+def startswith(turns: Table, column: str, prefixes: tuple[str, ...],
+               rows: np.ndarray | None = None) -> np.ndarray:
+    """Rows whose string value starts with one of ``prefixes`` (only among ``rows``, a
+    mask, when given: the test is per value)."""
+    out = np.zeros(len(turns), bool)
+    if _absent(turns, column):
+        return out
+    where = np.flatnonzero(np.ones(len(turns), bool) if rows is None else rows)
+    if isinstance(turns, Columns) and column not in turns.added:
+        values = turns.arrow(column).take(arrays.array(where, pa.int64())).to_pylist()
+    elif isinstance(turns, Columns):
+        values = turns.added[column][where].tolist()
+    else:
+        values = turns[column].iloc[where].tolist()
+    out[where] = [isinstance(v, str) and v.startswith(prefixes) for v in values]
+    return out
+
+
 def isin(turns: Table, column: str, values) -> np.ndarray:
     out = np.zeros(len(turns), bool)
     for value in values:

@@ -21,11 +21,23 @@ From the links:
   that forgot the conversation numbers it 1 again) does not.
 
 Matching is tenant-scoped when spans carry a tenant, time-ordered (an export must end
-before the prompt arrives) and longest-first (the export with the most matching blocks;
-equal histories pair off in time order). A prompt that extends no export may still
-extend an earlier *prompt*: the history went on from that turn, but its output was
-rewritten or re-tokenized. It is linked to that turn's export with ``extends_fully``
-false.
+before the prompt arrives) and longest-first (the export with the most matching blocks).
+A prompt that extends no export may still extend an earlier *prompt*: the history went
+on from that turn, but its output was rewritten or re-tokenized. It is linked to that
+turn's export with ``extends_fully`` false.
+
+The rules where evidence runs out, never guessed (``semconv.LineageGap``):
+- equal matches (identical histories) in different conversations: the turn names them
+  all (``lineage_candidates``) and starts a chain of its own, which its later turns
+  continue once the histories diverge; equal matches within one conversation (a retry)
+  are that conversation's, the latest one;
+- a prompt equal to an earlier prompt is a copy of that turn (a retry, a fork, two
+  conversations that start alike): it continues what that turn continued, never that
+  turn itself;
+- an earlier turn whose prompt this one extends but whose D export is missing is still
+  its predecessor (``export-missing``), not the start of a new conversation;
+- a P request whose decision span is missing (so no prompt chain) still gets a turn: its
+  D export's chain stands in for its prompt.
 
 Arrow in, Arrow out, through ``kvobs.arrays``: real engines' spans all carry chains, so
 ``kvobs diagnose`` of one conversation links every time, and pyarrow's own numpy and
@@ -42,7 +54,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs import arrays, semconv as sc
-from kvobs.prefix_chain import grid_points, parse
+from kvobs.prefix_chain import HEX_PER_POINT, grid_points, parse
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
@@ -101,7 +113,7 @@ def _in_time(prompts: dict[str, dict]) -> list[str]:
 def _exports(spans: pa.Table) -> dict[str, dict]:
     """Per D request: its export's facts and its release (``released_ns``), if any."""
     exports = _first(spans, {sc.SPAN_EXPORT.name}, _RID, [
-        "span_id", "end_ns", _REMOTE_RID, _CHAIN, sc.EXPORT_TOKENS.key,
+        "span_id", "start_ns", "end_ns", _REMOTE_RID, _CHAIN, sc.EXPORT_TOKENS.key,
         sc.EXPORT_EXPIRES_AT.key, sc.ENGINE_ID.key, sc.ENGINE_ENDPOINT.key, _TENANT])
     released = _first(spans, {sc.SPAN_RELEASE.name}, _RID, ["end_ns", sc.RELEASE_REASON.key])
     for d_request, export in exports.items():
@@ -111,66 +123,75 @@ def _exports(spans: pa.Table) -> dict[str, dict]:
     return exports
 
 
+def _export_of(exports: dict) -> dict[str, str]:
+    """P request id -> the D request that exported its turn."""
+    return {e[_REMOTE_RID]: d for d, e in exports.items() if isinstance(e[_REMOTE_RID], str)}
+
+
 def _index(exports: dict, export_chains: dict, prompts: dict,
            prompt_chains: dict) -> dict[tuple, list]:
-    """(scope, grid point, hash) -> [(kind, time ns, D request id, tenant, blocks)].
+    """(scope, grid point, hash) -> [(kind, time ns, D request id, tenant, blocks, P
+    request id)].
 
     Two kinds of entry: an export (kind 1: a prompt that carries its key extends the KV D
     kept) and an earlier prompt (kind 0: a prompt that carries its key extends that
-    turn's prompt but not its output: a rewritten or re-tokenized history). Both name the
-    D export of their turn."""
+    turn's prompt but not its output: a rewritten or re-tokenized history). Both name
+    their turn's P request and its D export (None when that span is missing)."""
     index: dict[tuple, list] = {}
 
-    def add(chain, kind, time_ns, d_request, tenant):
-        if chain is None or _missing(time_ns) or d_request is None:
+    def add(chain, kind, time_ns, d_request, tenant, p_request):
+        if chain is None or _missing(time_ns) or not isinstance(p_request, str):
             return
         index.setdefault((chain.scope, *chain.key()), []).append(
-            (kind, int(time_ns), d_request, tenant, chain.blocks))
+            (kind, int(time_ns), d_request, tenant, chain.blocks, p_request))
 
     for d_request, export in exports.items():
-        add(export_chains.get(d_request), 1, export["end_ns"], d_request, export[_TENANT])
-    export_of = {e[_REMOTE_RID]: d for d, e in exports.items()
-                 if isinstance(e[_REMOTE_RID], str)}
+        add(export_chains.get(d_request), 1, export["end_ns"], d_request, export[_TENANT],
+            export[_REMOTE_RID])
+    export_of = _export_of(exports)
     for rid, prompt in prompts.items():
-        add(prompt_chains.get(rid), 0, prompt["start_ns"], export_of.get(rid), prompt[_TENANT])
+        if not prompt.get("ghost"):
+            add(prompt_chains.get(rid), 0, prompt["start_ns"], export_of.get(rid),
+                prompt[_TENANT], rid)
     return index
 
 
-def _extended(chain, start_ns, tenant, index, points_with_keys,
-              continued: set) -> tuple | None:
-    """(D request id, fully) of the longest match: the export or earlier prompt with the
-    most matching blocks, an export before a prompt of equal length. Equal candidates
-    are equal histories (a fork, a copied conversation): the earliest one no prompt has
-    continued yet, so that two such histories pair off in time order; when every one
-    has been continued, the latest (this prompt forks it)."""
+def _extended(chain, start_ns, tenant, index, points_with_keys, rid: str,
+              ghost: bool = False) -> tuple:
+    """([(P request, D request or None)] in time order, fully) of the longest match: the
+    exports or earlier prompts with the most matching blocks, exports before prompts of
+    equal length. Several are equal histories; ``_walk`` tells whether they are one
+    conversation's. No match: an empty list."""
     if chain is None or _missing(start_ns):
-        return None
+        return [], False
     points = grid_points(chain.blocks)
     for i in range(len(points) - 1, -1, -1):
         point = points[i]
         if point not in points_with_keys:
             continue
         # An earlier prompt counts only when this one is longer: an equal prompt is a
-        # retry or a fork of that turn, not its next turn.
+        # retry or a fork of that turn, not its next turn. A ghost's chain is its whole
+        # export (prompt and output): an export of as many blocks may be its twin.
         candidates = [c for c in index.get((chain.scope, point, chain.hash_at(i)), ())
                       if c[1] < start_ns and (tenant is None or c[3] in (None, tenant))
-                      and (c[0] == 1 or c[4] < chain.blocks)]
+                      and ((c[0] == 1 and not ghost) or c[4] < chain.blocks)
+                      and c[5] != rid]
         if candidates:
             kind = max(c[0] for c in candidates)
-            same = sorted((c[1], c[2]) for c in candidates if c[0] == kind)
-            fresh = [d_request for _, d_request in same if d_request not in continued]
-            d_request = fresh[0] if fresh else same[-1][1]
-            continued.add(d_request)
-            return d_request, kind == 1
-    return None
+            same = sorted({(c[1], c[5], c[2] or "") for c in candidates if c[0] == kind})
+            return [(p, d or None) for _, p, d in same], kind == 1
+    return [], False
+
+
+def _seconds(ns) -> float | None:
+    return None if _missing(ns) else ns / 1e9
 
 
 def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
            export_chain, engines) -> dict:
     """The lineage facts of one prompt that extends ``export``."""
-    exported_s = export["end_ns"] / 1e9
-    released = export["released_ns"]
-    released_s = None if _missing(released) else released / 1e9
+    exported_s = _seconds(export["end_ns"])
+    released_s = _seconds(export["released_ns"])
     expires = export[sc.EXPORT_EXPIRES_AT.key]
     endpoint = export[sc.ENGINE_ENDPOINT.key]
     # A restart matters only while D still held the blocks: after they expired or were
@@ -207,7 +228,7 @@ def _restarts(spans: pa.Table) -> dict[str, list[tuple[float, str]]]:
 
 
 def _restarted_at(engines, endpoint, after_s, before_s) -> float | None:
-    if _missing(endpoint):
+    if _missing(endpoint) or _missing(after_s):
         return None
     # An engine that started there after the export cannot hold it, whatever its id
     # (a restart may reuse a configured engine_id).
@@ -253,47 +274,98 @@ def link(spans: pa.Table) -> pa.Table:
                      ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN])
     if not prompts:
         return spans
-    links = _links(spans, prompts)
+    exports = _exports(spans)
+    prompts.update(_ghosts(spans, prompts, exports))
+    matches = _matches(prompts, exports)
     client_ids, anonymous_ids = _trace_ids(spans)
-    parent = {rid: p for rid, facts in links.items()
-              if isinstance(p := facts["extends_prefill_request_id"], str)
-              and p in prompts and p != rid}
     order = _in_time(prompts)
     named = {rid: anonymous_ids.get(prompt["trace_id"]) for rid, prompt in prompts.items()}
     named = {rid: cid for rid, cid in named.items() if isinstance(cid, str)}
-    facts = {rid: {**links.get(rid, {}), "lineage_conversation_id": cid, "lineage_turn": turn}
-             for rid, (cid, turn) in _walk(order, parent, {}, named).items()}
     # What the turn table uses: a client's id wins; id-less turns continue the chain.
     fixed = {}
     for rid, prompt in prompts.items():
         cid = client_ids.get(prompt["trace_id"])
         if isinstance(cid, str) and not _missing(prompt[_TURN]):
             fixed[rid] = (cid, int(prompt[_TURN]))
-    keys = _walk(order, parent, fixed, named)
+    keys, parents = _walk(order, matches, fixed, named)
+    chain_keys, _ = _walk(order, matches, {}, named)
+    engines = _restarts(spans)
+    facts = {}
+    for rid, (cid, turn) in chain_keys.items():
+        if prompts[rid].get("ghost"):
+            continue  # no decision span to carry them
+        facts[rid] = {**_link_facts(rid, prompts[rid], parents.get(rid), matches, exports,
+                                    engines, keyed_by_chain=rid not in fixed),
+                      "lineage_conversation_id": cid, "lineage_turn": turn}
     rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
     return _assign(_write_facts(spans, facts), prompts, rekeyed)
 
 
-def _links(spans: pa.Table, prompts: dict[str, dict]) -> dict[str, dict]:
-    """Per P request whose prompt extends an export, the facts of that export; prompts
-    are matched in time order (``_extended`` pairs equal histories off)."""
-    exports = _exports(spans)
+def _ghosts(spans: pa.Table, prompts: dict, exports: dict) -> dict[str, dict]:
+    """P requests that other spans show (P's own, or D's export naming them) but whose
+    decision span, and so their prompt's chain, is missing. A ghost's export chain
+    starts with its prompt, so it stands in for it: the ghost is matched like a prompt,
+    from its first span's start, and keeps a turn of its own."""
+    lacking = {p: d for p, d in _export_of(exports).items() if p not in prompts}
+    if not lacking:
+        return {}
+    theirs = spans.filter(pc.is_in(arrays.text(spans, _RID),
+                                   value_set=arrays.strings(sorted(lacking))))
+    seen = _first(theirs, _P_ROLE_SPANS - {sc.SPAN_PULL_DECISION.name}, _RID,
+                  ["start_ns", "trace_id", _TENANT, _TURN])
+    ghosts = {}
+    for p_request, d_request in lacking.items():
+        export, own = exports[d_request], seen.get(p_request, {})
+        start = own.get("start_ns")
+        ghosts[p_request] = {"start_ns": export["start_ns"] if _missing(start) else start,
+                             "trace_id": own.get("trace_id"), _CHAIN: export[_CHAIN],
+                             _TENANT: export[_TENANT], _TURN: own.get(_TURN), "ghost": True}
+    return ghosts
+
+
+def _matches(prompts: dict[str, dict], exports: dict[str, dict]) -> dict[str, tuple]:
+    """Per P request: (candidates, fully) from ``_extended``. A prompt equal to an
+    earlier one (same chain, same tenant) is a copy of that turn: it takes that turn's
+    candidates, so that two conversations that start alike both start."""
     export_chains = {d: parse(e[_CHAIN]) for d, e in exports.items()}
     prompt_chains = {rid: parse(prompt[_CHAIN]) for rid, prompt in prompts.items()}
     index = _index(exports, export_chains, prompts, prompt_chains)
     points_with_keys = {point for _, point, _ in index}
-    engines = _restarts(spans)
-    links = {}
-    continued: set[str] = set()
+    matches: dict[str, tuple] = {}
+    copies: dict[tuple, str] = {}
     for rid in _in_time(prompts):
-        chain, start_ns = prompt_chains[rid], prompts[rid]["start_ns"]
-        hit = _extended(chain, start_ns, prompts[rid][_TENANT], index, points_with_keys,
-                        continued)
-        if hit is not None:
-            d_request, fully = hit
-            links[rid] = _facts(chain, start_ns / 1e9, d_request, fully, exports[d_request],
-                                export_chains[d_request], engines)
-    return links
+        prompt, chain = prompts[rid], prompt_chains[rid]
+        whole = None
+        if chain is not None and not prompt.get("ghost"):
+            whole = (chain.scope, chain.blocks, chain.hexed[-HEX_PER_POINT:], prompt[_TENANT])
+        if whole in copies:
+            matches[rid] = matches[copies[whole]]
+            continue
+        matches[rid] = _extended(chain, prompt["start_ns"], prompt[_TENANT], index,
+                                 points_with_keys, rid, bool(prompt.get("ghost")))
+        if whole is not None:
+            copies[whole] = rid
+    return matches
+
+
+def _link_facts(rid: str, prompt: dict, parent: tuple | None, matches: dict,
+                exports: dict, engines, keyed_by_chain: bool) -> dict:
+    """The facts of the export a prompt extends (``parent``: the (P, D) request pair
+    ``_walk`` chose), or why there is none (``LineageGap``; only where the chain, not a
+    client's id, says which turn this is)."""
+    candidates, fully = matches.get(rid, ([], False))
+    if parent is None:
+        if len({p for p, _ in candidates}) < 2 or not keyed_by_chain:
+            return {}
+        return {"lineage_gap": sc.LineageGap.AMBIGUOUS.value,
+                "lineage_candidates": " ".join(d or p for p, d in candidates)}
+    p_request, d_request = parent
+    if d_request is None or d_request not in exports:
+        return {"extends_prefill_request_id": p_request} | (
+            {"lineage_gap": sc.LineageGap.EXPORT_MISSING.value} if keyed_by_chain else {})
+    export = exports[d_request]
+    return _facts(parse(prompt[_CHAIN]), prompt["start_ns"] / 1e9, d_request, fully, export,
+                  parse(export[_CHAIN]), engines)
 
 
 def _set(spans: pa.Table, column: str, values) -> pa.Table:
@@ -333,16 +405,30 @@ def conversation_name(request_id: str) -> str:
     return sc.LINEAGE_PREFIX + hashlib.sha256(str(request_id).encode()).hexdigest()[:12]
 
 
-def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str, int]]:
+def _walk(order, matches: dict, fixed: dict, named: dict) -> tuple[dict, dict]:
     """(conversation, turn) of every P request in time order (a parent always starts
-    before its children): a fixed one (a client's id) as is; else one turn after the
-    turn it extends; a first turn named as given (``named``) or ``conversation_name()``.
-    A second request extending the same turn (a fork, a retry) starts its own
-    conversation, numbered on from the turn it extends."""
+    before its children), and the (P, D) pair each one continues.
+
+    A fixed one (a client's id) keeps its key; its parent is the candidate in its own
+    conversation when there is one. Else a turn continues the conversation of its
+    candidates when they are all one conversation's (the latest of them: a retry), one
+    turn on. Candidates in different conversations continue none: the turn starts a
+    chain of its own, numbered one after the earliest candidate's turn, and
+    ``_link_facts`` names the ambiguity. A first turn is named as given (``named``) or
+    ``conversation_name()``. A second request extending the same turn (a fork, a retry)
+    starts its own conversation, numbered on from the turn it extends."""
     keys: dict[str, tuple[str, int]] = {}
+    parents: dict[str, tuple] = {}
     continued: set[str] = set()
     for rid in order:
-        p = parent.get(rid)
+        candidates = [c for c in matches.get(rid, ([], False))[0] if c[0] in keys]
+        conversations = {keys[p][0] for p, _ in candidates}
+        if rid in fixed:
+            own = [c for c in candidates if keys[c[0]][0] == fixed[rid][0]]
+            candidates = own or (candidates if len(conversations) == 1 else [])
+        parent = candidates[-1] if len(conversations) == 1 or (
+            rid in fixed and candidates) else None
+        p = parent[0] if parent else None
         if rid in fixed:
             # A client's id wins, but not a turn index that goes back in the chain: a
             # proxy that lost its state (a restart on the memory store) numbers the next
@@ -351,14 +437,16 @@ def _walk(order, parent: dict, fixed: dict, named: dict) -> dict[str, tuple[str,
             if p in keys and keys[p][0] == cid and keys[p][1] >= turn:
                 turn = keys[p][1] + 1
             keys[rid] = (cid, turn)
-        elif p in keys and p not in continued:
+        elif p is not None and p not in continued:
             keys[rid] = (keys[p][0], keys[p][1] + 1)
         else:
+            after = [keys[c][1] for c, _ in candidates]
             keys[rid] = (named.get(rid) or conversation_name(rid),
-                         keys[p][1] + 1 if p in keys else 1)
-        if p is not None:
+                         min(after) + 1 if after else 1)
+        if parent is not None:
+            parents[rid] = parent
             continued.add(p)
-    return keys
+    return keys, parents
 
 
 def _units(spans: pa.Table, prompts: dict[str, dict], keyed: list[str]) -> pa.ChunkedArray:

@@ -255,7 +255,21 @@ LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, 
     ("lineage_conversation_id", "str", "",
      "The conversation the chain of links alone puts the turn in."),
     ("lineage_turn", "int", "", "Its turn index in that chain."),
+    ("lineage_gap", "str", "",
+     "LineageGap value: why the chain cannot say which turn this one continues (null: it "
+     "can, or a client's id says it)."),
+    ("lineage_candidates", "str", "",
+     "With gap ambiguous: the D requests (space-separated) whose exports the prompt "
+     "extends equally, in different conversations."),
 )}
+
+
+class LineageGap(str, enum.Enum):
+    """Why lineage names no single earlier turn for a prompt that extends one: the turn is
+    ``insufficient-evidence`` with this reason, never a guess."""
+
+    AMBIGUOUS = "ambiguous-lineage"  # equal matches in different conversations
+    EXPORT_MISSING = "export-missing"  # the earlier turn is there, its D export is not
 
 # Proxy lookups without (or with a forgotten) conversation id
 LOOKUP_INFERRED = _attr(

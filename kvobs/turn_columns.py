@@ -203,7 +203,7 @@ _SPAN_COLUMNS = [
     _col("host_evict_end_ns", sc.SPAN_HOST_EVICT, "end_ns", carries=True, fleet=_F),
 ]
 # What the rules need behind another router (kvobs.lineage): the export a prompt extends.
-_FLEET_LINEAGE = {"extends_request_id", "extends_fully", "extends_live",
+_FLEET_LINEAGE = {"extends_request_id", "extends_fully", "extends_live", "lineage_gap",
                   "extends_ttl_left_s", "extends_engine_restarted_at"}
 _SPAN_COLUMNS += [_col(column, sc.SPAN_PULL_DECISION, attribute,
                        fleet=_F if column in _FLEET_LINEAGE else None)

@@ -1,5 +1,6 @@
 """No verdict rests on the absence of a span: delete each span of a run in turn,
-re-diagnose, and every turn keeps its verdict or becomes ``insufficient-evidence``.
+re-diagnose, and every turn keeps its verdict or becomes ``insufficient-evidence``, and
+no turn vanishes.
 
 Shared by the test on the recorded demo spans (tests/core/test_span_deletion.py) and the
 testbed's check of a fresh demo run. Turns are matched by their own span ids, not by
@@ -91,11 +92,15 @@ def _groups(spans: pd.DataFrame, turns: list[Diagnosed]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _broken(before: list[Diagnosed], after: list[Diagnosed]) -> list[tuple[Diagnosed, str]]:
+def _broken(before: list[Diagnosed], after: list[Diagnosed],
+            deleted: set[str]) -> list[tuple[Diagnosed, str]]:
     """(turn before, verdict after) for every turn whose verdict changed to anything but
-    insufficient-evidence."""
+    insufficient-evidence, and every turn that vanished: none of its spans left (the
+    ``deleted`` span ids aside) is in any turn after."""
     by_span = {span: turn for turn in before for span in turn.span_ids}
-    out = []
+    kept = {span for turn in after for span in turn.span_ids}
+    out = [(turn, "no turn (vanished)") for turn in before
+           if turn.span_ids - deleted and not (turn.span_ids - deleted) & kept]
     for turn in after:
         if turn.verdict == INSUFFICIENT:
             continue
@@ -110,18 +115,21 @@ def _broken(before: list[Diagnosed], after: list[Diagnosed]) -> list[tuple[Diagn
 
 def deletion_violations(spans: pd.DataFrame) -> list[str]:
     """One line per (span, turn) where deleting that one span changed the turn's verdict
-    to another verdict than insufficient-evidence; empty when none does."""
+    to another verdict than insufficient-evidence, or made the turn vanish; empty when
+    none does."""
     spans = spans.reset_index(drop=True)
     before = diagnosed(spans)
     groups = _groups(spans, before)
     violations = []
     for round_ in range(max(map(len, groups), default=0)):
         deleted = [group[round_] for group in groups if round_ < len(group)]
-        if not _broken(before, diagnosed(spans.drop(index=deleted))):
+        if not _broken(before, diagnosed(spans.drop(index=deleted)),
+                       set(spans["span_id"].iloc[deleted])):
             continue
         for position in deleted:
             row = spans.iloc[position]
-            for turn, verdict in _broken(before, diagnosed(spans.drop(index=[position]))):
+            for turn, verdict in _broken(before, diagnosed(spans.drop(index=[position])),
+                                         {row["span_id"]}):
                 violations.append(f"deleting {row['name']} span {row['span_id']} "
                                   f"({row['service']}) turned {turn.label} from "
                                   f"{turn.verdict} into {verdict}")

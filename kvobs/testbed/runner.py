@@ -106,6 +106,8 @@ def _text(rng: random.Random, tokens: int) -> str:
 
 
 def _new_input(conversation: _Conversation, turn: TurnSpec) -> str:
+    if conversation.next_turn == conversation.spec.own_text_from:
+        conversation.rng.seed(f"{conversation.spec.id}:{conversation.next_turn}")
     first = conversation.next_turn == 1
     return _text(conversation.rng, conversation.spec.system_tokens if first
                  else turn.append_tokens)

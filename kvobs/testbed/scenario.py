@@ -96,6 +96,9 @@ class ConversationSpec:
     system_tokens: int = 300  # the first prompt's length
     endpoint: str = "completions"  # completions | chat
     text_seed: str | None = None  # random text seed (default: the id); share it to fork
+    # With a shared text_seed: from this turn on the new input is the conversation's own
+    # (two conversations start alike and diverge here); 0: never.
+    own_text_from: int = 0
     tenant: str | None = None  # sent as the API key (Authorization: Bearer <tenant>)
     # Labels of conversations listed earlier whose last turn must end before turn 1 is
     # due (gap_s after the last of them); parse expands ALL_EARLIER into all of them.

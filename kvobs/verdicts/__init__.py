@@ -44,13 +44,13 @@ from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lack
                             host_evicted, host_hit, host_save_incomplete, local_hit, miss,
                             missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
                             transfer_failed)
-from kvobs.verdicts._base import Context, Finding, Turn
+from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
-           "INSUFFICIENT_REMEDY", "meaning"]
+           "INSUFFICIENT_REMEDY", "AMBIGUOUS_REMEDY", "meaning"]
 
 # The host-path rules apply only to turns looked up in an offloading tier that D's
 # retained KV did not serve (verdicts/_host.py); they come before missing-metadata because
@@ -69,18 +69,32 @@ def meaning(rule: ModuleType) -> str:
 
 INSUFFICIENT_REMEDY = ("Spans missing: check that the named component runs with kvobs "
                        "telemetry on and exports to this source.")
+AMBIGUOUS_REMEDY = ("Identical histories in different conversations: the engines' spans "
+                    "cannot say which one this turn continues. Send a conversation id "
+                    "(or route through kvobs proxy) so that kvobs need not tell them apart "
+                    "by content.")
+
+
+def _insufficient(needs: Needs, module: ModuleType, row: dict, rule: str) -> Finding:
+    evidence = {"missing_span": needs.span.name, "missing_from": needs.span.service.value,
+                "needed_for": module.VERDICT.value, "missing_field": needs.column}
+    if not needs.reason:
+        return Finding(Verdict.INSUFFICIENT_EVIDENCE, INSUFFICIENT_REMEDY, evidence, rule=rule)
+    evidence = {"reason": needs.reason, "needed_for": module.VERDICT.value,
+                needs.column: Turn(row).get(needs.column)}
+    return Finding(Verdict.INSUFFICIENT_EVIDENCE, AMBIGUOUS_REMEDY, evidence, rule=rule)
 _INSUFFICIENT = Verdict.INSUFFICIENT_EVIDENCE.value
 
 
 @dataclass
 class Decisions:
     """Per row of a turn table: the verdict (its position in ``VERDICT_VALUES``), the
-    deciding rule's position in ORDER and, for insufficient-evidence rows, the missing
-    (column, span)."""
+    deciding rule's position in ORDER and, for insufficient-evidence rows, what was
+    missing (``Needs``)."""
 
     code: np.ndarray
     rule: np.ndarray
-    missing: dict[int, tuple]
+    missing: dict[int, Needs]
 
     @property
     def verdict(self) -> np.ndarray:
@@ -101,7 +115,7 @@ def decide(turns: col.Table, context: Context = Context()) -> Decisions:
         for needs in getattr(module, "missing", lambda *_: ())(turns, context):
             chosen = undecided & needs.where
             code[chosen], rule[chosen] = insufficient, position
-            missing.update((int(i), (needs.column, needs.span)) for i in np.flatnonzero(chosen))
+            missing.update((int(i), needs) for i in np.flatnonzero(chosen))
             undecided &= ~chosen
         chosen = undecided & module.applies(turns, context)
         code[chosen] = VERDICT_VALUES.index(module.VERDICT.value)
@@ -135,11 +149,7 @@ def findings(turns: col.Table, context: Context = Context(),
         module = ORDER[decisions.rule[i]]
         name = module.__name__.rsplit(".", 1)[-1]
         if i in decisions.missing:
-            column, span = decisions.missing[i]
-            out.append(Finding(Verdict.INSUFFICIENT_EVIDENCE, INSUFFICIENT_REMEDY,
-                               {"missing_span": span.name, "missing_from": span.service.value,
-                                "needed_for": module.VERDICT.value, "missing_field": column},
-                               rule=name))
+            out.append(_insufficient(decisions.missing[i], module, row, name))
             continue
         finding = module.explain(Turn(row), context)
         out.append(Finding(finding.verdict, finding.remedy, finding.evidence, rule=name))

@@ -22,6 +22,9 @@ class Needs:
     where: np.ndarray
     column: str
     span: sc.SpanName
+    # Why the evidence is not enough when the span is there (``semconv.LineageGap``);
+    # empty: the span is missing.
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@ share."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvobs import columns as col
 from kvobs.semconv import PullDecision
 from kvobs.verdicts._base import Turn
@@ -21,6 +23,25 @@ def unrouted(turns):
     (``missing_metadata.missing``)."""
     return (col.null(turns, "lookup") & col.null(turns, "turn_span_id")
             & col.isin(turns, "decision", LOST) & col.present(turns, "extends_request_id"))
+
+
+def router_candidate(turns):
+    """Per row, M had a router forwarded D's params: what a read of the export the prompt
+    extends would have brought beyond P's own prefix cache (NaN: not known)."""
+    # A prompt that extends the whole export (its chain's tail included) shares all of
+    # it; else what the chain verified, to whole blocks.
+    shared = np.where(col.flag(turns, "extends_fully"), col.num(turns, "extends_tokens"),
+                      col.num(turns, "extends_verified_tokens"))
+    shared = np.fmin(shared, col.num(turns, "prompt_tokens"))
+    return shared - np.nan_to_num(col.num(turns, "local_hit_tokens"))
+
+
+def worth_reading(turns):
+    """That read would have happened: M at or above P's ``kv_recompute_threshold`` (and
+    above 0). Unknown M or threshold: assumed so, as P would decide with params."""
+    m = router_candidate(turns)
+    threshold = np.fmax(np.nan_to_num(col.num(turns, "threshold")), 1)
+    return np.isnan(m) | (m >= threshold)
 
 
 def restarted(turns):

@@ -4,7 +4,9 @@ What it means: the request had no conversation id, the proxy had no entry for it
 (never stored: a streamed turn whose D params never reached the proxy; evicted by the
 entry cap; lost with a proxy restart or kept by another replica), the params that reached
 P lacked required fields, or another router sent the turn without D's params although
-the prompt extends KV that D still held (``kvobs.lineage`` names that export).
+the prompt extends KV that D still held (``kvobs.lineage`` names that export) and P would
+have read it (M at or above ``kv_recompute_threshold``; below it, or nothing beyond P's
+own cache, the turn is below-threshold or local-hit).
 What to do: what the cause says: send ``conversation_id`` (or leave the proxy's
 conversation inference on); run proxies on the Redis backend; raise the entry cap; route
 through ``kvobs proxy`` or a router that forwards D's ``kv_transfer_params`` to P.
@@ -34,14 +36,21 @@ def missing(turns, context: Context):
     retry_only = (col.present(turns, "fallback_span_id")
                   & (col.num(turns, "decision_count") < 2)
                   & col.isin(turns, "decision", _export.LOST))
-    return [Needs(lookup_lost, "lookup", sc.SPAN_PROXY_LOOKUP),
+    # Neither the proxy's lookup nor P's decision: without P's decision nothing says
+    # whether params arrived (the turn's row comes from its other spans; kvobs.lineage).
+    blind = col.null(turns, "lookup") & col.null(turns, "decision")
+    return [Needs(blind, "decision", sc.SPAN_PULL_DECISION),
+            Needs(lookup_lost, "lookup", sc.SPAN_PROXY_LOOKUP),
             Needs(retry_only, "decision", sc.SPAN_PULL_DECISION)]
 
 
 def applies(turns, context: Context):
     lost = (col.eq(turns, "lookup", LookupOutcome.HIT.value) & col.flag(turns, "params_sent")
             & col.isin(turns, "decision", _export.LOST))
-    router = _export.unrouted(turns) & col.flag(turns, "extends_live")
+    # Behind another router, only a read P would have made counts: a prompt that adds
+    # fewer than kv_recompute_threshold tokens to P's own cache was recomputed by design.
+    router = (_export.unrouted(turns) & col.flag(turns, "extends_live")
+              & _export.worth_reading(turns))
     return col.isin(turns, "lookup", _NO_ENTRY) | lost | router
 
 

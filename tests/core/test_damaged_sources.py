@@ -158,3 +158,27 @@ def test_a_span_file_corrupt_inside_is_skipped_and_named_by_every_command(store)
     assert {t["conversation_id"] for t in json.loads(results["turns"].stdout)} == {"conv-b"}
     lost = _run("diagnose", "conv-a", "--source", store, "--json")
     assert lost.exit_code == 2 and f"{path}: skipped unreadable span file" in lost.stderr
+
+
+@pytest.mark.parametrize("bad", [None, -5, 2 ** 62])
+def test_a_missing_or_absurd_time_on_any_span_kind_never_crashes_a_reader(bad):
+    """Every span kind of a real testbed run, its start or end made missing or absurd
+    in turn: turns, verdicts and each turn's timeline still come out, one per turn."""
+    import os
+
+    from kvobs.correlate import turns_from_spans
+    from kvobs.diagnose import classify_turns
+    from kvobs.sources import open_source
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                        "demo-spans.otlp.jsonl")
+    spans = open_source(demo).spans()
+    expected = len(turns_from_spans(spans))
+    for name in sorted(spans["name"].unique()):
+        for field in ("start_ns", "end_ns"):
+            damaged = spans.copy()
+            damaged[field] = damaged[field].astype(object)
+            damaged.loc[damaged["name"] == name, field] = bad
+            turns = turns_from_spans(damaged)
+            diagnoses, _ = classify_turns(turns)
+            assert len(diagnoses) == len(turns) == expected, (name, field)

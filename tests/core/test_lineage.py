@@ -48,12 +48,15 @@ def span(name, start_s, trace, **attrs):
 def router_turns(conversation: str, turns: int, start_s: float, base: list[int],
                  step_tokens: int = 100, output_tokens: int = 40, tenant=None,
                  client_id: str | None = None, gap_s: float = 2.0,
-                 engine="d-engine-1", endpoint="d:5600") -> list[dict]:
+                 engine="d-engine-1", endpoint="d:5600",
+                 same_as: tuple[str, int] = ("", 0)) -> list[dict]:
     """Spans of ``turns`` turns of one agent conversation behind a router: each prompt
-    is the previous prompt + the previous output + new input."""
+    is the previous prompt + the previous output + new input. ``same_as`` (a
+    conversation, a turn): the tokens of that conversation's turns before that turn."""
     rows, history, t = [], list(base), start_s
-    salt = sum(map(ord, conversation))  # each conversation says something else
     for k in range(1, turns + 1):
+        # Each conversation says something else (but what ``same_as`` says before then).
+        salt = sum(map(ord, same_as[0] if k < same_as[1] else conversation))
         history = history + [1000 + salt + k * 7 + i % 5 for i in range(step_tokens)]
         p_id, d_id = f"p-{conversation}-{k}", f"d-{conversation}-{k}"
         trace = f"t-{conversation}-{k}"
@@ -211,22 +214,178 @@ def test_a_turn_index_that_goes_back_in_the_chain_is_renumbered():
     assert set(turns["conversation_id"]) == {"conv-A"}
 
 
-def test_two_identical_histories_pair_off_in_time_order():
-    """A fork that starts as a copy of another conversation (same prompt, same greedy
-    output): content cannot tell the two exports apart, so each next turn takes the
-    earliest one not yet continued."""
-    base = list(range(40))
-    rows = router_turns("a", 2, 100.0, base, gap_s=3.0)
-    copy = [dict(r, **{sc.REQUEST_ID.key: r[sc.REQUEST_ID.key].replace("-a-", "-f-"),
-                       sc.REMOTE_REQUEST_ID.key: (r.get(sc.REMOTE_REQUEST_ID.key) or "").replace(
-                           "-a-", "-f-") or None,
-                       "trace_id": r["trace_id"] + "f", "span_id": r["span_id"] + "f",
-                       "start_ns": r["start_ns"] + SECOND, "end_ns": r["end_ns"] + SECOND})
-            for r in router_turns("a", 2, 100.0, base, gap_s=3.0)]
-    # a-1 at 100, f-1 at 101, a-2 at 103 (after both exports), f-2 at 104.
-    turns = facts(frame(rows + copy))
-    assert turns.loc["p-a-2", "extends_request_id"] == "d-a-1"
-    assert turns.loc["p-f-2", "extends_request_id"] == "d-f-1"
+def _copy(rows: list[dict], name: str, shift_s: float) -> list[dict]:
+    """``rows`` as another conversation's: other request ids and traces, ``shift_s``
+    later, the same tokens (identical prompts, identical greedy outputs)."""
+    def renamed(value):
+        return value.replace("-a-", f"-{name}-") if isinstance(value, str) else value
+
+    shift = int(shift_s * SECOND)
+    return [dict(r, **{sc.REQUEST_ID.key: renamed(r[sc.REQUEST_ID.key]),
+                       sc.REMOTE_REQUEST_ID.key: renamed(r.get(sc.REMOTE_REQUEST_ID.key)),
+                       "trace_id": r["trace_id"] + name, "span_id": r["span_id"] + name,
+                       "start_ns": r["start_ns"] + shift, "end_ns": r["end_ns"] + shift})
+            for r in rows]
+
+
+def _diverged(name: str, turns: int, shift_s: float, at_turn: int) -> list[dict]:
+    """Conversation ``name``: conversation a's tokens (``router_turns("a", ...)`` from 100
+    s, 3 s apart) until ``at_turn``, its own from there on, ``shift_s`` later."""
+    return router_turns(name, turns, 100.0 + shift_s, list(range(40)), gap_s=3.0,
+                        same_as=("a", at_turn))
+
+
+def _findings(rows):
+    from kvobs.diagnose import classify_turns
+
+    diagnoses, _ = classify_turns(turns_from_spans(frame(rows)))
+    return {d.turn.get("prefill_request_id"): d.finding for d in diagnoses}
+
+
+def test_identical_first_turns_are_both_first_and_their_next_turns_say_ambiguous():
+    """Two conversations start with the same prompt and get the same greedy output:
+    content cannot tell which of the two exports each second turn extends. Each first
+    turn stays a first turn (a prompt equal to an earlier one is a copy of that turn,
+    never its next turn), and each second turn names both candidates."""
+    rows = router_turns("a", 3, 100.0, list(range(40)), gap_s=3.0)
+    rows += _diverged("b", 3, 1.0, at_turn=2)
+    turns = facts(frame(rows))
+    assert turns.loc["p-a-1", "turn"] == turns.loc["p-b-1", "turn"] == 1
+    assert turns.loc["p-a-1", "conversation_id"] != turns.loc["p-b-1", "conversation_id"]
+    for second in ("p-a-2", "p-b-2"):
+        assert turns.loc[second, "lineage_gap"] == "ambiguous-lineage"
+        assert set(turns.loc[second, "lineage_candidates"].split()) == {"d-a-1", "d-b-1"}
+        assert pd.isna(turns.loc[second, "extends_request_id"])  # none is guessed
+        assert turns.loc[second, "turn"] == 2
+    # Diverged from turn 2 on: each third turn continues its own second turn.
+    for name in ("a", "b"):
+        assert turns.loc[f"p-{name}-3", ["conversation_id", "turn"]].tolist() == [
+            turns.loc[f"p-{name}-2", "conversation_id"], 3]
+        assert turns.loc[f"p-{name}-3", "extends_request_id"] == f"d-{name}-2"
+        assert pd.isna(turns.loc[f"p-{name}-3", "lineage_gap"])
+    findings = _findings(rows)
+    ambiguous = findings["p-a-2"]
+    assert ambiguous.verdict is sc.Verdict.INSUFFICIENT_EVIDENCE
+    assert ambiguous.evidence["reason"] == "ambiguous-lineage"
+    assert set(ambiguous.evidence["lineage_candidates"].split()) == {"d-a-1", "d-b-1"}
+    assert findings["p-a-1"].verdict is findings["p-b-1"].verdict is sc.Verdict.FIRST_TURN
+    assert findings["p-a-3"].verdict is sc.Verdict.MISSING_METADATA  # D held turn 2's KV
+
+
+def test_histories_that_diverge_at_turn_five_are_grouped_right_from_there():
+    rows = router_turns("a", 6, 100.0, list(range(40)), gap_s=3.0)
+    rows += _diverged("b", 6, 1.0, at_turn=5)
+    turns = facts(frame(rows))
+    for k in (2, 3, 4, 5):  # each extends two identical exports: named, never chosen
+        for name in ("a", "b"):
+            assert turns.loc[f"p-{name}-{k}", "lineage_gap"] == "ambiguous-lineage", k
+            assert turns.loc[f"p-{name}-{k}", "turn"] == k
+    for name in ("a", "b"):
+        assert turns.loc[f"p-{name}-6", ["conversation_id", "turn"]].tolist() == [
+            turns.loc[f"p-{name}-5", "conversation_id"], 6]
+        assert turns.loc[f"p-{name}-6", "extends_request_id"] == f"d-{name}-5"
+    assert turns.loc["p-a-6", "conversation_id"] != turns.loc["p-b-6", "conversation_id"]
+
+
+def test_three_identical_starts_name_all_three_candidates():
+    rows = router_turns("a", 2, 100.0, list(range(40)), gap_s=3.0)
+    for name, shift in (("b", 0.6), ("c", 1.2)):
+        rows += _copy(router_turns("a", 2, 100.0, list(range(40)), gap_s=3.0), name, shift)
+    turns = facts(frame(rows))
+    assert (turns.loc[["p-a-1", "p-b-1", "p-c-1"], "turn"] == 1).all()
+    assert turns["conversation_id"].nunique() == 6  # nothing merged
+    for name in "abc":
+        assert set(turns.loc[f"p-{name}-2", "lineage_candidates"].split()) == {
+            "d-a-1", "d-b-1", "d-c-1"}
+
+
+def test_a_retry_of_one_conversation_is_not_ambiguous():
+    """Equal matches in one conversation (turn 1 sent twice, two equal exports) are that
+    conversation's: turn 2 continues it, from the latest of them."""
+    rows = router_turns("a", 2, 100.0, list(range(40)), gap_s=3.0, client_id="conv-A")
+    retry = [dict(r, **{sc.REQUEST_ID.key: r[sc.REQUEST_ID.key] + "r",
+                        sc.REMOTE_REQUEST_ID.key: (r.get(sc.REMOTE_REQUEST_ID.key) or "") + "r"
+                        or None, "span_id": r["span_id"] + "r",
+                        "start_ns": r["start_ns"] + SECOND, "end_ns": r["end_ns"] + SECOND})
+             for r in rows[:2]]
+    turns = facts(frame(rows + retry))
+    assert turns.loc["p-a-2", "extends_request_id"] == "d-a-1r"
+    assert pd.isna(turns.loc["p-a-2", "lineage_gap"])
+    # Without ids, the retry is a copy of turn 1 that starts its own chain: turn 2
+    # then has candidates in two conversations, and says so.
+    anonymous = [{k: v for k, v in r.items()
+                  if k not in (sc.CONVERSATION_ID.key, sc.TURN_INDEX.key)}
+                 for r in rows + retry]
+    assert facts(frame(anonymous)).loc["p-a-2", "lineage_gap"] == "ambiguous-lineage"
+
+
+def test_a_missing_export_makes_the_next_turn_insufficient_not_first():
+    rows = [r for r in router_turns("a", 3, 100.0, list(range(40)))
+            if r[sc.REQUEST_ID.key] != "d-a-2"]
+    turns = facts(frame(rows))
+    assert turns.loc["p-a-3", ["conversation_id", "turn"]].tolist() == [L("p-a-1"), 3]
+    assert turns.loc["p-a-3", "lineage_gap"] == "export-missing"
+    assert turns.loc["p-a-3", "extends_prefill_request_id"] == "p-a-2"
+    finding = _findings(rows)["p-a-3"]
+    assert finding.verdict is sc.Verdict.INSUFFICIENT_EVIDENCE
+    assert finding.evidence["missing_span"] == sc.SPAN_EXPORT.name
+
+
+def test_a_missing_decision_keeps_its_turn_and_the_chain():
+    """Without turn 2's decision span (its prompt's chain), turn 2 still has a row from
+    its other spans, D's export stands in for its prompt, and turn 3 stays turn 3."""
+    rows = router_turns("a", 3, 100.0, list(range(40)))
+    rows.append(span(sc.SPAN_PREFILL_REQUEST, 102.0, "t-a-2",
+                     **{sc.REQUEST_ID.key: "p-a-2", sc.ROLE.key: "prefill"}))
+    rows = [r for r in rows if not (r["name"] == sc.SPAN_PULL_DECISION.name
+                                    and r[sc.REQUEST_ID.key] == "p-a-2")]
+    turns = turns_from_spans(frame(rows))
+    assert list(turns["turn"]) == [1, 2, 3]
+    assert set(turns["conversation_id"]) == {L("p-a-1")}
+    assert turns.set_index("turn").loc[3, "extends_request_id"] == "d-a-2"
+    finding = _findings(rows)
+    (second,) = [f for rid, f in finding.items() if rid not in ("p-a-1", "p-a-3")]
+    assert second.verdict is sc.Verdict.INSUFFICIENT_EVIDENCE
+    assert second.evidence["missing_span"] == sc.SPAN_PULL_DECISION.name
+
+
+def test_a_prompt_that_adds_less_than_the_threshold_is_not_missing_metadata():
+    """Behind a router, a read P would have declined (M, what it would have read beyond
+    its own cache, below kv_recompute_threshold) is below-threshold, not the router's
+    fault; M = 0 (P's cache had it all) is local-hit."""
+    rows = router_turns("a", 2, 100.0, list(range(40)), step_tokens=30)
+    for r in rows:
+        if r["name"] == sc.SPAN_PULL_DECISION.name:
+            r[sc.THRESHOLD.key] = 64
+            r[sc.LOCAL_HIT_TOKENS.key] = 64
+    turns = facts(frame(rows))
+    # The prompt extends all of turn 1's export (its tail too): M = 109 - 64 = 45 < 64.
+    assert turns.loc["p-a-2", ["extends_fully", "extends_tokens"]].tolist() == [True, 109]
+    assert _findings(rows)["p-a-2"].verdict is sc.Verdict.BELOW_THRESHOLD
+    for r in rows:
+        if r["name"] == sc.SPAN_PULL_DECISION.name:
+            r[sc.LOCAL_HIT_TOKENS.key] = 112
+    assert _findings(rows)["p-a-2"].verdict is sc.Verdict.LOCAL_HIT
+    for r in rows:
+        if r["name"] == sc.SPAN_PULL_DECISION.name:
+            r[sc.THRESHOLD.key], r[sc.LOCAL_HIT_TOKENS.key] = 8, 64
+    assert _findings(rows)["p-a-2"].verdict is sc.Verdict.MISSING_METADATA
+
+
+@pytest.mark.parametrize("bad", [None, 2 ** 63 + 5, -1, float("nan"), "soon"])
+@pytest.mark.parametrize("field", ["start_ns", "end_ns"])
+@pytest.mark.parametrize("kind", [sc.SPAN_EXPORT, sc.SPAN_PULL_DECISION])
+def test_a_bad_time_on_any_span_reads_as_missing(kind, field, bad):
+    """A missing or out-of-range time never crashes a reader: the span's turn is still
+    there, and no other turn changes."""
+    rows = router_turns("a", 3, 100.0, list(range(40)))
+    for r in rows:
+        if r["name"] == kind.name and r[sc.REQUEST_ID.key].endswith("-1"):
+            r[field] = bad
+    turns = turns_from_spans(frame(rows))
+    assert len(turns) == 3
+    assert turns.set_index("prefill_request_id").loc["p-a-3", "extends_request_id"] == "d-a-2"
+    _findings(rows)
 
 
 class _RowSource(DocumentSource):

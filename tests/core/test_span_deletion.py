@@ -65,10 +65,14 @@ def test_a_proxied_turn_without_its_lookup_span_is_not_another_router(spans):
 
 
 def test_without_any_proxy_span_the_turn_is_still_named_unrouted(spans):
-    """The router case stays decided: no proxy turn and no lookup span at all."""
+    """The router case stays decided: no proxy turn and no lookup span at all. The
+    rewritten history shares 256 tokens with turn 1's export, all of them in P's own
+    cache already: params would have brought nothing, so it is not missing-metadata."""
     spans = _without(_without(spans, "kvobs.proxy.lookup", "agent-rewrite", 2),
                      "kvobs.proxy.turn", "agent-rewrite", 2)
-    assert _finding(spans, "agent-rewrite", 2).verdict is Verdict.MISSING_METADATA
+    finding = _finding(spans, "agent-rewrite", 2)
+    assert finding.verdict is Verdict.LOCAL_HIT
+    assert finding.evidence["extends_verified_tokens"] == finding.evidence["local_hit_tokens"]
 
 
 def test_the_check_finds_a_rule_that_reads_a_lost_span_as_evidence(spans, monkeypatch):

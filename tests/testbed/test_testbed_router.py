@@ -29,20 +29,33 @@ def test_router_turns_answered_and_engine_spans_readable(router_run):
     assert set(spans["service"]) == {sc.Service.PREFILL.value, sc.Service.DECODE.value}
 
 
+TWINS = "router-twin-"
+
+
+def _paired(router_run, source) -> list[tuple]:
+    """(client's result, kvobs's diagnosis) of every turn: one request at a time, so
+    time order pairs them."""
+    from kvobs.diagnose import all_turns
+
+    diagnosed = sorted(all_turns(source), key=lambda d: d.turn.get("p_arrived_at"))
+    results = sorted(router_run.results, key=lambda r: r.started_at)
+    assert len(diagnosed) == len(results)
+    return list(zip(results, diagnosed))
+
+
 def test_router_turns_diagnosed_from_engine_spans_alone(router_run):
     """Behind vllm-router kvobs rebuilds every conversation from the engines' prefix
     chains, in the right turn order; first turns are first-turn and every later turn is
     missing-metadata naming the D export it could have reused (D still held it: the
     gaps are far inside D's TTL), the router named as the cause."""
-    from kvobs.diagnose import all_turns, diagnose
+    from kvobs.diagnose import diagnose
 
     source = open_source(str(router_run.out))
-    diagnosed = sorted(all_turns(source), key=lambda d: d.turn.get("p_arrived_at"))
-    results = sorted(router_run.results, key=lambda r: r.started_at)
-    assert len(diagnosed) == len(results)  # one request at a time: time order pairs them
     conversation_of: dict[str, str] = {}
     previous_export: dict[str, str] = {}
-    for result, d in zip(results, diagnosed):
+    for result, d in _paired(router_run, source):
+        if result.conversation_id.startswith(TWINS):
+            continue  # test_identical_first_turns_are_flagged_never_guessed
         assert conversation_of.setdefault(result.conversation_id, d.conversation_id) \
             == d.conversation_id
         assert d.conversation_id.startswith(sc.LINEAGE_PREFIX)
@@ -56,8 +69,50 @@ def test_router_turns_diagnosed_from_engine_spans_alone(router_run):
             assert d.finding.evidence["extends_ttl_left_s"] > 0
             assert "router did not forward" in d.finding.remedy
         previous_export[result.conversation_id] = d.turn.get("decode_request_id")
-    assert len(set(conversation_of.values())) == len(router_run.scenario.conversations)
+    assert len(set(conversation_of.values())) == len(
+        [c for c in router_run.scenario.conversations if not c.id.startswith(TWINS)])
     # A rebuilt conversation is diagnosed by its id like any other.
     some = next(iter(conversation_of.values()))
     assert [t.turn.index for t in diagnose(source, some).turns] == list(
         range(1, len(diagnose(source, some).turns) + 1))
+
+
+def test_identical_first_turns_are_flagged_never_guessed(router_run):
+    """Two conversations that start with the same prompt: each first turn is a first
+    turn of its own; each second turn either names both first turns' exports as equal
+    candidates (insufficient-evidence, ambiguous-lineage: identical greedy answers) or,
+    if the answers differed, its own one, never the other's; each third turn continues
+    its own second turn, in one conversation with it."""
+    twins = {}
+    for result, d in _paired(router_run, open_source(str(router_run.out))):
+        if result.conversation_id.startswith(TWINS):
+            twins[(result.conversation_id, result.turn)] = d
+    names = sorted({name for name, _ in twins})
+    assert len(names) == 2 and len(twins) == 6
+    firsts = {name: twins[(name, 1)] for name in names}
+    assert [d.finding.verdict for d in firsts.values()] == [sc.Verdict.FIRST_TURN] * 2
+    assert len({d.conversation_id for d in firsts.values()}) == 2
+    exports = {name: d.turn.get("decode_request_id") for name, d in firsts.items()}
+    for name in names:
+        second, third = twins[(name, 2)], twins[(name, 3)]
+        other = exports[next(n for n in names if n != name)]
+        if second.finding.verdict is sc.Verdict.INSUFFICIENT_EVIDENCE:
+            assert second.finding.evidence["reason"] == "ambiguous-lineage"
+            assert set(second.finding.evidence["lineage_candidates"].split()) == set(
+                exports.values())
+        else:
+            assert second.finding.verdict is sc.Verdict.MISSING_METADATA, second.finding
+            assert second.finding.evidence["extends_request_id"] == exports[name] != other
+        assert second.turn.index == 2
+        assert (third.conversation_id, third.turn.index) == (second.conversation_id, 3)
+        assert third.finding.verdict is sc.Verdict.MISSING_METADATA, third.finding
+        assert third.finding.evidence["extends_request_id"] == second.turn.get(
+            "decode_request_id")
+
+
+def test_deleting_any_one_span_of_a_router_run_hides_no_turn_and_heals_no_fault(router_run):
+    """Every span of the run deleted in turn: each turn keeps its verdict or becomes
+    insufficient-evidence, and none vanishes (tests/span_deletion.py)."""
+    from span_deletion import deletion_violations
+
+    assert deletion_violations(open_source(str(router_run.out)).spans()) == []
