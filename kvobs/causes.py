@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from kvobs import columns as col
+from kvobs import columns as col, semconv as sc
 from kvobs.semconv import LatencyCause as LC
 from kvobs.semconv import Phase as P
 from kvobs.timeline import PHASES, phase_column
@@ -107,17 +107,27 @@ def decode_context(turns: col.Table) -> CauseContext:
 Explain = Callable[[Mapping[str, Any], float, CauseContext], tuple[str, dict[str, Any]]]
 
 
+def _queue_signal(phase: P) -> str:
+    """Where the queueing a cause names is measured: vLLM's own queue-time histogram
+    starts at its engine core's QUEUED event (vllm/v1/metrics/stats.py), after the step
+    the engine was running when the request arrived, so it misses that wait; the
+    classifier's phase histogram runs from vLLM's arrival time."""
+    return (f'watch {sc.M_TURN_PHASE.name}{{phase="{phase.value}"}} (kvobs collect), not '
+            f"{sc.M_VLLM_QUEUE_TIME.name}, which starts only once the engine core took the "
+            "request in, after the step it was running")
+
+
 def _queued_at_p(turn, seconds, context):
     return (f"P queued the request {_ms(seconds)} behind other work: add prefill capacity or "
-            "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); watch "
-            "vllm:request_queue_time_seconds on P.",
+            "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); "
+            f"{_queue_signal(P.P_QUEUE)}.",
             _pick(turn, "p_arrived_at", "p_scheduled_at", "prompt_tokens"))
 
 
 def _queued_at_d(turn, seconds, context):
     return (f"D held the request {_ms(seconds)} behind other work before scheduling it or "
-            "pulling P's KV: add decode capacity or lower its load; watch "
-            "vllm:request_queue_time_seconds on D.",
+            f"pulling P's KV: add decode capacity or lower its load; "
+            f"{_queue_signal(P.D_QUEUE)}.",
             _pick(turn, "d_arrived_at", "d_scheduled_at"))
 
 

@@ -32,8 +32,7 @@ The rules where evidence runs out, never guessed (``semconv.LineageGap``):
   continue once the histories diverge; equal matches within one conversation (a retry)
   are that conversation's, the latest one;
 - a prompt equal to an earlier prompt is a copy of that turn (a retry, a fork, two
-  conversations that start alike): it continues what that turn continued, never that
-  turn itself;
+  conversations that start alike), never that turn's next turn;
 - an earlier turn whose prompt this one extends but whose D export is missing is still
   its predecessor (``export-missing``), not the start of a new conversation;
 - a P request whose decision span is missing (so no prompt chain) still gets a turn: its
@@ -156,12 +155,13 @@ def _index(exports: dict, export_chains: dict, prompts: dict,
     return index
 
 
-def _extended(chain, start_ns, tenant, index, points_with_keys, rid: str,
+def _extended(chain, start_ns, tenant, index, points_with_keys, exclude: set[str],
               ghost: bool = False) -> tuple:
     """([(P request, D request or None)] in time order, fully) of the longest match: the
     exports or earlier prompts with the most matching blocks, exports before prompts of
-    equal length. Several are equal histories; ``_walk`` tells whether they are one
-    conversation's. No match: an empty list."""
+    equal length, never the turns of the P requests in ``exclude`` (the prompt's own, and
+    those of earlier prompts it equals). Several are equal histories; ``_walk`` tells
+    whether they are one conversation's. No match: an empty list."""
     if chain is None or _missing(start_ns):
         return [], False
     points = grid_points(chain.blocks)
@@ -175,7 +175,7 @@ def _extended(chain, start_ns, tenant, index, points_with_keys, rid: str,
         candidates = [c for c in index.get((chain.scope, point, chain.hash_at(i)), ())
                       if c[1] < start_ns and (tenant is None or c[3] in (None, tenant))
                       and ((c[0] == 1 and not ghost) or c[4] < chain.blocks)
-                      and c[5] != rid]
+                      and c[5] not in exclude]
         if candidates:
             kind = max(c[0] for c in candidates)
             same = sorted({(c[1], c[5], c[2] or "") for c in candidates if c[0] == kind})
@@ -288,7 +288,7 @@ def link(spans: pa.Table) -> pa.Table:
         if isinstance(cid, str) and not _missing(prompt[_TURN]):
             fixed[rid] = (cid, int(prompt[_TURN]))
     keys, parents = _walk(order, matches, fixed, named)
-    chain_keys, _ = _walk(order, matches, {}, named)
+    chain_keys, chain_parents = _walk(order, matches, {}, named)
     engines = _restarts(spans)
     facts = {}
     for rid, (cid, turn) in chain_keys.items():
@@ -296,6 +296,7 @@ def link(spans: pa.Table) -> pa.Table:
             continue  # no decision span to carry them
         facts[rid] = {**_link_facts(rid, prompts[rid], parents.get(rid), matches, exports,
                                     engines, keyed_by_chain=rid not in fixed),
+                      **_ambiguity(matches.get(rid, ([], False))[0], chain_parents.get(rid)),
                       "lineage_conversation_id": cid, "lineage_turn": turn}
     rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
     return _assign(_write_facts(spans, facts), prompts, rekeyed)
@@ -325,26 +326,24 @@ def _ghosts(spans: pa.Table, prompts: dict, exports: dict) -> dict[str, dict]:
 
 def _matches(prompts: dict[str, dict], exports: dict[str, dict]) -> dict[str, tuple]:
     """Per P request: (candidates, fully) from ``_extended``. A prompt equal to an
-    earlier one (same chain, same tenant) is a copy of that turn: it takes that turn's
-    candidates, so that two conversations that start alike both start."""
+    earlier one (same chain, same tenant) is a copy of that turn, never its next turn:
+    that turn's export is no candidate (with short outputs or large blocks its key lies
+    within the copy), so that two conversations that start alike both start."""
     export_chains = {d: parse(e[_CHAIN]) for d, e in exports.items()}
     prompt_chains = {rid: parse(prompt[_CHAIN]) for rid, prompt in prompts.items()}
     index = _index(exports, export_chains, prompts, prompt_chains)
     points_with_keys = {point for _, point, _ in index}
     matches: dict[str, tuple] = {}
-    copies: dict[tuple, str] = {}
+    copies: dict[tuple, list[str]] = {}
     for rid in _in_time(prompts):
         prompt, chain = prompts[rid], prompt_chains[rid]
         whole = None
         if chain is not None and not prompt.get("ghost"):
             whole = (chain.scope, chain.blocks, chain.hexed[-HEX_PER_POINT:], prompt[_TENANT])
-        if whole in copies:
-            matches[rid] = matches[copies[whole]]
-            continue
+        twins = copies.setdefault(whole, []) if whole is not None else []
         matches[rid] = _extended(chain, prompt["start_ns"], prompt[_TENANT], index,
-                                 points_with_keys, rid, bool(prompt.get("ghost")))
-        if whole is not None:
-            copies[whole] = rid
+                                 points_with_keys, {rid, *twins}, bool(prompt.get("ghost")))
+        twins.append(rid)
     return matches
 
 
@@ -357,8 +356,7 @@ def _link_facts(rid: str, prompt: dict, parent: tuple | None, matches: dict,
     if parent is None:
         if len({p for p, _ in candidates}) < 2 or not keyed_by_chain:
             return {}
-        return {"lineage_gap": sc.LineageGap.AMBIGUOUS.value,
-                "lineage_candidates": " ".join(d or p for p, d in candidates)}
+        return {"lineage_gap": sc.LineageGap.AMBIGUOUS.value}
     p_request, d_request = parent
     if d_request is None or d_request not in exports:
         return {"extends_prefill_request_id": p_request} | (
@@ -366,6 +364,14 @@ def _link_facts(rid: str, prompt: dict, parent: tuple | None, matches: dict,
     export = exports[d_request]
     return _facts(parse(prompt[_CHAIN]), prompt["start_ns"] / 1e9, d_request, fully, export,
                   parse(export[_CHAIN]), engines)
+
+
+def _ambiguity(candidates: list[tuple], chain_parent: tuple | None) -> dict:
+    """``lineage_candidates`` where the chain alone names no single earlier turn (even
+    when a client's id then says which)."""
+    if chain_parent is not None or len({p for p, _ in candidates}) < 2:
+        return {}
+    return {"lineage_candidates": " ".join(d or p for p, d in candidates)}
 
 
 def _set(spans: pa.Table, column: str, values) -> pa.Table:

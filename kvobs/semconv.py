@@ -259,8 +259,8 @@ LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, 
      "LineageGap value: why the chain cannot say which turn this one continues (null: it "
      "can, or a client's id says it)."),
     ("lineage_candidates", "str", "",
-     "With gap ambiguous: the D requests (space-separated) whose exports the prompt "
-     "extends equally, in different conversations."),
+     "The D requests (space-separated) whose exports the prompt extends equally, in "
+     "different conversations to the chain alone (a client's id may still say which)."),
 )}
 
 

@@ -103,6 +103,20 @@ def _first_token(c: _C) -> np.ndarray:
 _sourced(f"d_first_output_at (streamed), else {_D_FIRST_TOKEN.source}", _first_token)
 
 
+def _d_answered(c: _C) -> np.ndarray:
+    """D's whole answer at the proxy; without a proxy in front (another router), D's last
+    token: its request span's end, else vLLM's arrival plus its end-to-end time."""
+    engine = c.num("d_finished_ns") / 1e9
+    vllm = c.num("vllm_d_start_ns") / 1e9 + c.num("vllm_d_e2e_s")
+    engine = np.where(np.isnan(engine), vllm, engine)
+    proxy = c.num("d_answered_at")
+    return np.where(np.isnan(proxy), engine, proxy)
+
+
+_sourced("d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s",
+         _d_answered)
+
+
 @dataclass(frozen=True)
 class Mark:
     """A timeline instant: how to read it, which span carries it, when it applies."""
@@ -154,7 +168,7 @@ MARKS: tuple[Mark, ...] = (
     Mark("handoff-start", _ns("handoff_start_ns"), sc.SPAN_HANDOFF, _handoff_applies),
     Mark("d-kv-ready", _col("d_kv_ready_at"), sc.SPAN_DECODE_REQUEST, _handoff_applies),
     Mark("first-token", _first_token, sc.SPAN_DECODE_REQUEST),
-    Mark("d-answered", _col("d_answered_at"), sc.SPAN_PROXY_TURN),
+    Mark("d-answered", _d_answered, sc.SPAN_PROXY_TURN),
     Mark("turn-end", _ns("turn_end_ns"), sc.SPAN_PROXY_TURN),
 )
 assert len(MARKS) == len(PHASES) + 1
@@ -194,6 +208,11 @@ def read_marks(turns: _T | _C) -> Marks:
 
 
 def _missing_reason(mark: Mark, turns_row: Mapping[str, Any]) -> str:
+    proxied = any(isinstance(turns_row.get(c), str) for c in ("turn_span_id", "lookup_span_id"))
+    if mark.span is sc.SPAN_PROXY_TURN and not proxied:
+        # No kvobs proxy in front: what lies between the engines' marks is the router's
+        # (and the engines' HTTP front ends'), said as such.
+        return f"the router's time: no kvobs proxy span to split it at mark {mark.name}"
     alternative = " or vLLM's own request span" if "vllm_" in mark.read.source else ""
     if mark.name == "first-token" and not turns_row.get("stream"):
         return ("non-streamed turn: the proxy sees only the end of D's answer, and D's "
@@ -267,8 +286,10 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     for phase in pending:  # after the last known mark
         out.unmeasured[phase] = "; ".join(gaps)
     if status[0] == MISSING:
-        out.unmeasured["latency"] = ("no kvobs.proxy.turn span: latency runs from the "
-                                     "first engine mark, the router's own time unseen")
+        out.unmeasured["latency"] = (
+            "no kvobs.proxy.turn span: latency runs from the first engine mark (P's "
+            "arrival) to D's last token; the client-facing edges (the router's before "
+            "P's arrival and after D's last token) are unseen")
     return out
 
 

@@ -143,3 +143,35 @@ def test_a_handshake_is_named_at_a_lower_share_than_other_phases():
     row = {**_row(decode=0.32, **{"handoff-setup": 0.012, "p-compute": 0.15}),
            "ttft_s": 0.163}  # 7 %: not
     assert sc.LatencyCause.CONNECTION_SETUP not in [c.cause for c in causes(row)]
+
+
+def test_queueing_remedies_name_the_signal_that_holds_the_time():
+    """vLLM's queue-time histogram starts at the engine core's QUEUED event; the remedy
+    names the classifier's phase histogram, which runs from vLLM's arrival time."""
+    from kvobs import causes, semconv as sc
+
+    for cause, phase in ((sc.LatencyCause.QUEUED_AT_P, "p-queue"),
+                         (sc.LatencyCause.QUEUED_AT_D, "d-queue")):
+        remedy, _ = causes.EXPLAIN[cause]({}, 0.3, causes.CauseContext())
+        assert f'kvobs_turn_phase_seconds{{phase="{phase}"}}' in remedy
+        assert "not vllm:request_queue_time_seconds" in remedy
+
+
+def test_without_a_proxy_the_engines_bound_the_turn_and_the_router_share_is_named(tmp_path):
+    """Behind another router (no proxy span at all): the turn runs from P's arrival to
+    D's last token (its request span's end), decode is measured, and the gap between
+    P's answer and D's arrival is named as the router's."""
+    spec = TurnSpec(lookup=None, proxy=False, read="done", phases=FULL, stream=False)
+    timeline = _turn(tmp_path, spec, first=TurnSpec(lookup=None, proxy=False,
+                                                     phases={"p-compute": 0.1},
+                                                     decision="no-params")).timeline
+    engines = sum(v for k, v in FULL.items() if k not in ("proxy-in", "p-frontend",
+                                                          "proxy-out"))
+    assert timeline.latency_s == pytest.approx(engines, abs=2e-6)
+    assert timeline.phases["decode"] == pytest.approx(FULL["decode"], abs=2e-6)
+    assert timeline.slowest_phase == "decode"
+    router = "p-return+proxy-hop+d-frontend"
+    assert timeline.phases[router] == pytest.approx(
+        FULL["p-return"] + FULL["proxy-hop"] + FULL["d-frontend"], abs=2e-6)
+    assert "the router's time" in timeline.unmeasured["proxy-hop"]
+    assert "client-facing edges" in timeline.unmeasured["latency"]

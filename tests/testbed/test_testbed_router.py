@@ -116,3 +116,19 @@ def test_deleting_any_one_span_of_a_router_run_hides_no_turn_and_heals_no_fault(
     from span_deletion import deletion_violations
 
     assert deletion_violations(open_source(str(router_run.out)).spans()) == []
+
+
+def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
+    """With no proxy span, P's arrival and D's last token bound each turn: its phases
+    cover at least 90 % of the latency the client measured (only the client-facing
+    edges are unseen), the hop between the engines is named as the router's, and the
+    slowest phase is one the engines' own spans measure."""
+    for result, d in _paired(router_run, open_source(str(router_run.out))):
+        timeline = d.timeline
+        covered = sum(timeline.phases.values())
+        assert covered >= 0.9 * result.latency_s, (result.label, result.turn, covered,
+                                                   result.latency_s, timeline.phases)
+        assert covered <= result.latency_s * 1.01 + 0.005  # never more than the client saw
+        assert "the router's time" in timeline.unmeasured["proxy-hop"]
+        assert timeline.slowest_phase in {p.value for p in sc.Phase} - {
+            "proxy-in", "p-return", "proxy-hop", "d-frontend", "proxy-out"}, timeline.phases
