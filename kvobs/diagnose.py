@@ -109,7 +109,7 @@ def classify_turns(turns: col.Table, read_slo_s: float | None = None,
         turn = Turn(row)
         diagnoses.append(TurnDiagnosis(
             str(row["conversation_id"]), turn, finding, str(row["tenant"]),
-            timeline_of(marks, i, turn.as_dict()), causes(turn.as_dict(), cause_context)))
+            timeline_of(marks, i, turn), causes(turn, cause_context)))
     return diagnoses, context
 
 

@@ -213,11 +213,16 @@ class Classifier:
                   result: PassResult) -> int:
         spans = drop_duplicate_span_rows(table_from_rows(rows), [])
         turns = turns_from_spans(spans, frame=False)
+        unit_of = self._unit_lookup(units)
+        # The clean units' lineage spans came along as context (what a dirty turn's
+        # prompt may extend): their turns are correlated, never classified again.
+        ours = [unit_of(cid) is not None
+                for cid in turns.column("conversation_id").to_pylist()]
+        turns = turns.filter(pa.array(ours, pa.bool_()))
         if turns.num_rows == 0:
             return 0
         rate, per_token = self.context()
         diagnoses, used = classify_turns(col.Columns(turns), self.read_slo_s, rate, per_token)
-        unit_of = self._unit_lookup(units)
         seen: set[TurnKey] = set()
         kept = 0
         for diagnosis in diagnoses:

@@ -60,22 +60,34 @@ def _plain(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-class Turn:
-    """Read-only view of one correlated turn row; absent values read as None."""
+class Turn(Mapping):
+    """Read-only view of one correlated turn row; absent values read as None. Values are
+    made plain as they are read: a rule, the timeline and the causes read a few of a
+    row's ~200 columns."""
 
     def __init__(self, row: Mapping[str, Any]):
-        self._row = {key: _plain(value) for key, value in row.items()}
+        self._row = row
+
+    def __getitem__(self, column: str) -> Any:
+        return _plain(self._row[column])
+
+    def __iter__(self):
+        return iter(self._row)
+
+    def __len__(self) -> int:
+        return len(self._row)
 
     @property
     def index(self) -> int:
-        return int(self._row["turn"])
+        return int(self.get("turn"))
 
     def get(self, column: str) -> Any:
-        return self._row.get(column)
+        return _plain(self._row.get(column))
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""
-        return {c: self._row[c] for c in columns if self._row.get(c) is not None}
+        values = {c: self.get(c) for c in columns}
+        return {c: v for c, v in values.items() if v is not None}
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self._row)
+        return {key: _plain(value) for key, value in self._row.items()}
