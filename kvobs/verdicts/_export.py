@@ -25,6 +25,13 @@ def unrouted(turns):
             & col.isin(turns, "decision", LOST) & col.present(turns, "extends_request_id"))
 
 
+def unrouted_live(turns):
+    """Sent by another router without D's params while D still held the KV the prompt
+    extends: the turns whose M decides between missing-metadata, below-threshold and
+    local-hit."""
+    return unrouted(turns) & col.flag(turns, "extends_live")
+
+
 def router_candidate(turns):
     """Per row, M had a router forwarded D's params: what a read of the export the prompt
     extends would have brought beyond P's own prefix cache (NaN: not known)."""

@@ -21,7 +21,7 @@ def missing(turns, context: Context):
 def applies(turns, context: Context):
     # Behind another router P never had params to decide with; the export its prompt
     # extends says what it would have decided (``_export.worth_reading``).
-    router = (_export.unrouted(turns) & col.flag(turns, "extends_live")
+    router = (_export.unrouted_live(turns)
               & ~_export.worth_reading(turns) & (_export.router_candidate(turns) > 0))
     return col.eq(turns, "decision", PullDecision.BELOW_THRESHOLD.value) | router
 

@@ -15,7 +15,7 @@ VERDICT = Verdict.LOCAL_HIT
 def applies(turns, context: Context):
     # Behind another router: the export the prompt extends held nothing beyond what P's
     # cache had (``_export.router_candidate``), so params would have changed nothing.
-    router = (_export.unrouted(turns) & col.flag(turns, "extends_live")
+    router = (_export.unrouted_live(turns)
               & (_export.router_candidate(turns) <= 0)
               & (col.num(turns, "local_hit_tokens") > 0))
     return col.eq(turns, "decision", PullDecision.LOCAL_HIT.value) | router

@@ -49,7 +49,7 @@ def applies(turns, context: Context):
             & col.isin(turns, "decision", _export.LOST))
     # Behind another router, only a read P would have made counts: a prompt that adds
     # fewer than kv_recompute_threshold tokens to P's own cache was recomputed by design.
-    router = (_export.unrouted(turns) & col.flag(turns, "extends_live")
+    router = (_export.unrouted_live(turns)
               & _export.worth_reading(turns))
     return col.isin(turns, "lookup", _NO_ENTRY) | lost | router
 
