@@ -32,8 +32,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from kvobs import columns as col  # noqa: E402
-from kvobs.correlate import turns_from_spans  # noqa: E402
+from kvobs.turns import columns as col  # noqa: E402
+from kvobs.turns.correlate import turns_from_spans  # noqa: E402
 from kvobs.diagnose import classify_turns  # noqa: E402
 from kvobs.live.classifier import Classifier  # noqa: E402
 from kvobs.sources._rows import rows as document_rows  # noqa: E402

@@ -1,4 +1,4 @@
-"""Time kvobs.lineage over id-less multi-turn traffic (what engines behind another router
+"""Time kvobs.turns.lineage over id-less multi-turn traffic (what engines behind another router
 write), against the same spans carrying conversation ids (no linking needed).
 
     python bench/lineage_bench.py [--conversations 20000] [--turns 5] [--first-tokens 2000]
@@ -29,8 +29,9 @@ import pandas as pd  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from connector_instrumented import _digest  # noqa: E402
-from kvobs import lineage, semconv as sc  # noqa: E402
-from kvobs.correlate import turns_from_spans  # noqa: E402
+from kvobs import semconv as sc
+from kvobs.turns import lineage  # noqa: E402
+from kvobs.turns.correlate import turns_from_spans  # noqa: E402
 from kvobs.sources._frame import frame_from_table, table_from_rows  # noqa: E402
 
 BS = 16

@@ -5,7 +5,7 @@ a span file, and a store whose writers are running (its spans in live segments o
         [--also-rev REV]
 
 Workload: the demo run's spans (tests/data/demo-spans.otlp.jsonl, 12 conversations)
-without prefix chains (linking by chains, kvobs.lineage, still loads pandas), repeated
+without prefix chains (linking by chains, kvobs.turns.lineage, still loads pandas), repeated
 ``--copies`` times with new trace, span and conversation ids, as one OTLP JSON lines
 file; the store is a directory whose ``spans/`` holds that file. Each process runs under
 ``/usr/bin/time``, round-robin with ``python -c pass`` and ``python -c "import pandas"``

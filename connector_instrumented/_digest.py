@@ -8,7 +8,7 @@ doubling: ``checkpoints()``) plus the last full block. The grid is the same for 
 request, so two digests always share their checkpoints below the shorter one's end:
 P finds the longest prefix of its prompt that agrees with D's KV (the prefix guard),
 and kvobs finds which earlier D export a prompt extends from the two spans alone
-(``kvobs.lineage``), whatever router sits in front.
+(``kvobs.turns.lineage``), whatever router sits in front.
 
 Block hashes cover full blocks only, but D's KV usually ends inside a block, and P
 reads that partial block too. Its tokens are where re-tokenization bites: the last tokens

@@ -259,7 +259,7 @@ class SchedulerObserver:
         r.remote_request = params.get("remote_request_id")
         if r.correlation is not None or self._sink.enabled(sc.SPAN_PULL_DECISION):
             # Which earlier D export this prompt extends, whatever router sent it: the
-            # prompt's chain on the same grid as D's digest (kvobs.lineage), built by the
+            # prompt's chain on the same grid as D's digest (kvobs.turns.lineage), built by the
             # span builder: the prompt's hashes do not change while the span waits.
             r.lineage = Deferred(_digest.encode, request.block_hashes, prompt,
                                  self._hash_block_size, self._seed or self._seed_fp())

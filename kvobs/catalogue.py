@@ -2,7 +2,7 @@
 
 - ``telemetry.md``: the span and metric catalogue, from ``kvobs.semconv``;
 - ``verdicts.md``: the verdict guide, from the rule modules' docstrings in decision order;
-- ``turns.md``: the turn table's columns, from ``kvobs.turn_columns``;
+- ``turns.md``: the turn table's columns, from ``kvobs.turns.schema``;
 - ``timeline.md``: the turn's phases, where each boundary comes from, and the latency
   causes, from ``kvobs.timeline`` and ``kvobs.causes``;
 - ``settings.md``: the settings kvobs reasons with, their names and defaults, from
@@ -84,7 +84,7 @@ def _store_section() -> str:
 
 
 def turns_md() -> str:
-    from kvobs import turn_columns as tc
+    from kvobs.turns import schema as tc
 
     lines = [_GENERATED, "# Turn table columns\n", inspect.getdoc(tc) + "\n",
              "## Public columns\n",
@@ -134,7 +134,7 @@ def verdicts_md() -> str:
               "(`missing_span`), its service (`missing_from`) and the verdict being tested "
               f"(`needed_for`). {verdicts.INSUFFICIENT_REMEDY}\n",
               "Behind a router that sends no conversation id, the engines' prefix chains "
-              "say which turn a prompt continues (`kvobs/lineage.py`). Where they cannot, "
+              "say which turn a prompt continues (`kvobs/turns/lineage.py`). Where they cannot, "
               "the turn is `insufficient-evidence` too, never a guess: with `reason` "
               f"`{sc.LineageGap.AMBIGUOUS.value}` when identical histories of different "
               "conversations match it equally (the evidence names them, "

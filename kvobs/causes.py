@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from kvobs import columns as col, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import columns as col
 from kvobs.semconv import LatencyCause as LC
 from kvobs.semconv import Phase as P
 from kvobs.timeline import PHASES, phase_column

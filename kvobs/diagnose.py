@@ -9,18 +9,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, columns as col
+from kvobs.turns import arrays, columns as col
 from kvobs.causes import CauseContext, CauseFinding, causes, decode_context
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs import semconv as sc
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SpanSource
 from kvobs.timeline import Timeline, add_timeline, timeline_of
-from kvobs.turn_columns import KEYS, PUBLIC, UNKNOWN_TENANT
+from kvobs.turns.schema import KEYS, PUBLIC, UNKNOWN_TENANT
 from kvobs.verdicts import Context, Finding, Turn, findings
 
 # Shown with every turn in JSON and tables (numbers and ids only): the turn table's public
-# columns (kvobs.turn_columns, docs/turns.md) and what the timeline adds.
+# columns (kvobs.turns.schema, docs/turns.md) and what the timeline adds.
 SUMMARY_COLUMNS = (*[c for c in PUBLIC if c not in KEYS],
                    "compute_saved_tokens", "compute_saved_s", "ttft_gained_s")
 

@@ -1,7 +1,7 @@
 """The prefix chain: which block counts a block-hash digest carries, and reading one.
 
 Emitted by the connector (``connector_instrumented._digest`` builds and compares digests
-on the engines' hooks), read by ``kvobs.lineage`` to tie a prompt to the earlier D export
+on the engines' hooks), read by ``kvobs.turns.lineage`` to tie a prompt to the earlier D export
 it extends. One definition of the grid for both, so that they always agree.
 
 A digest string is ``kvobs4:<block size>:<seed>:<blocks>:<tail tokens>:<tail hex>:<hex>``

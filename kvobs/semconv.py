@@ -207,7 +207,7 @@ RELEASE_READ_COUNT = _attr("kvobs.release.read_count", "int", "", "Remote reads 
 HELD_DURATION = _attr("kvobs.release.held", "float", "s", "How long D held the blocks.")
 
 # Prefix lineage and engine identity: what lets kvobs tie turns together from engine
-# evidence alone, behind any router (kvobs/lineage.py).
+# evidence alone, behind any router (kvobs/turns/lineage.py).
 PREFIX_LINEAGE = _attr(
     "kvobs.prefix.lineage", "str", "",
     "Block-hash chain of the tokens the span is about (D's export: prompt + output it "
@@ -225,11 +225,11 @@ ENGINE_ENDPOINT = _attr(
     "kvobs.engine.endpoint", "str", "",
     "This engine's NIXL side channel host:port: the same engine across restarts.")
 
-# Derived by kvobs.lineage, never emitted: the facts of the D export a prompt extends,
+# Derived by kvobs.turns.lineage, never emitted: the facts of the D export a prompt extends,
 # written onto P's pull-decision span when spans are read or compacted, so that every
 # turn-table builder reads them like any other attribute. Turn column -> attribute.
 LINEAGE_FACTS: dict[str, Attribute] = {column: _attr("kvobs.lineage." + column, type_, unit,
-                                                     "Derived by kvobs.lineage: " + doc)
+                                                     "Derived by kvobs.turns.lineage: " + doc)
                                        for column, type_, unit, doc in (
     ("extends_request_id", "str", "", "D's request whose retained KV the prompt extends."),
     ("extends_span_id", "str", "", "That export's span."),
@@ -396,7 +396,7 @@ SPAN_DECODE_REQUEST = _span(
 SPAN_HANDOFF = _span(
     "kvobs.decode.handoff", Service.DECODE, "D reading P's KV for the turn (P->D hand-off).")
 # vLLM's request span, one name for every engine; kvobs tells P's from D's
-# (kvobs/correlate.py) and reads them under these role names.
+# (kvobs/turns/correlate.py) and reads them under these role names.
 VLLM_REQUEST_SPAN = "llm_request"
 SPAN_VLLM_PREFILL = SpanName("vllm.prefill.llm_request", Service.PREFILL,
                              "vLLM's own request span on P (role assigned by kvobs).")
@@ -668,7 +668,7 @@ KTP_BLOCK_DIGEST = "kvobs_block_hashes"
 # passes to kvobs (turns without a conversation id are listed as "anonymous:<trace id>").
 TRACE_ID_HEADER = "X-Kvobs-Trace-Id"
 ANONYMOUS_PREFIX = "anonymous:"
-# A conversation kvobs.lineage rebuilt from engine spans alone (no id anywhere).
+# A conversation kvobs.turns.lineage rebuilt from engine spans alone (no id anywhere).
 LINEAGE_PREFIX = "lineage:"
 
 CORRELATION_KEYS = (KTP_CONVERSATION_ID, KTP_TURN_INDEX, KTP_TENANT, KTP_TRACEPARENT)

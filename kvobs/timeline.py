@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs import semconv as sc
 from kvobs.semconv import Phase
 

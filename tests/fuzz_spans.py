@@ -264,7 +264,7 @@ def duplicates_reported(problems: list[str]) -> int:
 def check_batch(directory: str, cases: list[Case], raw_rows: int) -> tuple[list[str], int]:
     """The span table and both turn paths over every case of a directory at once:
     (oracle failures, duplicate spans dropped)."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.fleet import fleet_turns
     from kvobs.sources.store import StoreSource, compact
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import classify_turns
 from kvobs.semconv import Verdict
 

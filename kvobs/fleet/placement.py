@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvobs import columns as col
-from kvobs.correlate import turn_links
+from kvobs.turns import columns as col
+from kvobs.turns.correlate import turn_links
 from kvobs.fleet.replay import read_model
 from kvobs.fleet.report import prompt_tokens
 from kvobs.fleet.retention import GIB_HOUR, host_tokens_served

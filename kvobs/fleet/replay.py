@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvobs import columns as col
-from kvobs.correlate import turn_links
+from kvobs.turns import columns as col
+from kvobs.turns.correlate import turn_links
 from kvobs.semconv import (FallbackReason, LookupOutcome, PullDecision, ReadOutcome,
                            ReleaseReason)
 from kvobs.settings import entry_lifetime_s, read_declined
@@ -274,7 +274,7 @@ def _with(facts: pd.DataFrame, column: str, where: np.ndarray, table: tuple,
                          for v in table])
     out = values.cat.codes.to_numpy().copy()
     out[where] = position[np.asarray(codes)[where]]
-    # The same dtype object: its categories keep their lookup table (kvobs.columns.eq).
+    # The same dtype object: its categories keep their lookup table (kvobs.turns.columns.eq).
     return pd.Series(pd.Categorical.from_codes(out, dtype=values.dtype), index=values.index)
 
 

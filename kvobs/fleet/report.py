@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs import semconv as sc
-from kvobs.correlate import run_starts
+from kvobs.turns.correlate import run_starts
 from kvobs.fleet.retention import host_tokens_served, retention
 from kvobs.fleet.since import since_cutoff_ns
-from kvobs.turn_columns import CONVERSATION_KEYS
+from kvobs.turns.schema import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
 from kvobs.verdicts import classify_frame
 from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict

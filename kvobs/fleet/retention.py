@@ -3,7 +3,7 @@ seconds held) and in the host tier (bytes x seconds held), and what each bought 
 later turn took from it instead of computing), per conversation and fleet-wide.
 
 The per-turn costs are the turn columns ``device_block_seconds`` and ``host_byte_seconds``
-(``kvobs.turn_columns.RETENTION``, derived in ``kvobs.correlate``); this module only sums
+(``kvobs.turns.schema.RETENTION``, derived in ``kvobs.turns.correlate``); this module only sums
 them. Device block-seconds become byte-seconds with the bytes per block D's reads moved
 (no read: unknown, left out), so the two places compare in GiB-hours.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from kvobs.semconv import ReadOutcome
-from kvobs.turn_columns import CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS
+from kvobs.turns.schema import CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS
 
 GIB_HOUR = 2**30 * 3600
 # Conversations listed by name in the report: the costliest in each place.

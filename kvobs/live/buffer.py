@@ -6,7 +6,7 @@ Spans are grouped into *units*, the smallest sets the turn pipeline needs togeth
 - a conversation (``gen_ai.conversation.id``), with the untagged spans of its traces
   (vLLM's own request spans, HTTP spans), as ``diagnose`` selects them;
 - the id-less pool: spans of no known conversation (fleets behind vllm-router or
-  llm-d, whose turns ``kvobs.lineage`` links by prefix chains), kept by arrival time.
+  llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), kept by arrival time.
 
 A unit that received spans since the last pass is *dirty*; a pass re-correlates and
 re-classifies the dirty units only. A unit idle for longer than ``window_s`` (D's TTL
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvobs import semconv as sc
 
 _CID = sc.CONVERSATION_ID.key
-# What prefix lineage reads of every turn (kvobs.lineage: prompts, D's exports, releases
+# What prefix lineage reads of every turn (kvobs.turns.lineage: prompts, D's exports, releases
 # and restarts): a pass adds these spans of the clean units to the dirty ones, so a
 # prompt is matched against every export in the window, as a batch over all spans is.
 LINEAGE_SPANS = frozenset(span.name for span in (

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.causes import decode_context
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import TurnDiagnosis, classify_turns
 from kvobs.live.buffer import IDLESS, SpanBuffer
 from kvobs.sources._frame import drop_duplicate_span_rows, table_from_rows

@@ -5,7 +5,7 @@ one column per known attribute key (``semconv.ATTRIBUTES``); unknown attributes 
 dropped, absent ones are null; ``span_table()`` gives them as Arrow (what diagnose
 reads: span files and the store's live segments through ``_frame.table_from_rows``, its
 compacted spans from parquet, neither through pandas). ``turn_row_slices()`` gives the
-fleet's turn rows (``kvobs.correlate.aggregate`` over every span, before ``derive``), each
+fleet's turn rows (``kvobs.turns.correlate.aggregate`` over every span, before ``derive``), each
 backend the way it does best: the store from its turn files, ClickHouse in SQL. Problems met while
 reading (corrupt lines, unreadable files) are collected in ``problems`` as
 ``file:line: reason`` and never stop the read.
@@ -40,7 +40,7 @@ class SpanSource(Protocol):
 
     def turn_row_slices(self) -> Iterator[pa.Table]:
         """The fleet's turn rows, one Arrow row per (tenant, conversation_id, turn) with
-        the columns of ``kvobs.turn_columns.FLEET_COLUMNS`` (``correlate.aggregate``), in
+        the columns of ``kvobs.turns.schema.FLEET_COLUMNS`` (``correlate.aggregate``), in
         slices: each conversation whole in one slice, rows in any order
         (``correlate.derive`` links each turn to its previous one by key; sorting a
         fleet's rows costs more than reading them). A source slices as its storage

@@ -7,7 +7,7 @@ import re
 from typing import NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.turn_columns import FLEET_COLUMNS, span_names
+from kvobs.turns.schema import FLEET_COLUMNS, span_names
 
 ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"

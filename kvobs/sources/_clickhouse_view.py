@@ -3,7 +3,7 @@
 A materialized view writes one partial row per (tenant, conversation, turn) and insert as
 the exporter inserts spans; ``ClickHouseSource.turn_row_slices`` reads it when it holds every
 span (``view_state``). DDL and backfill are generated from
-``kvobs.turn_columns.FLEET_COLUMNS``, the same columns the span SQL pivots.
+``kvobs.turns.schema.FLEET_COLUMNS``, the same columns the span SQL pivots.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import hashlib
 from typing import NamedTuple
 
 from kvobs.sources import _clickhouse_sql as sql
-from kvobs.turn_columns import FLEET_COLUMNS, Agg
+from kvobs.turns.schema import FLEET_COLUMNS, Agg
 
 
 class _ViewColumn(NamedTuple):

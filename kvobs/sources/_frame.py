@@ -14,7 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import arrays
 from kvobs.sources._rows import INT64_MAX, UNUSABLE, coerced
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ BASE_DTYPES = {"trace_id": "string", "span_id": "string", "parent_span_id": "str
                "error": "boolean"}
 ALL_DTYPES = {**BASE_DTYPES, **ATTRIBUTE_DTYPES}
 # What each dtype is in Arrow (pandas' own mapping, without building a frame to ask it):
-# keyed by dtype, strings large, unlike the turn table's kvobs.correlate.ARROW_TYPES.
+# keyed by dtype, strings large, unlike the turn table's kvobs.turns.correlate.ARROW_TYPES.
 DTYPE_ARROW_TYPES = {"string": pa.large_string(), "Int64": pa.int64(),
                      "Float64": pa.float64(), "boolean": pa.bool_()}
 SPAN_SCHEMA = pa.schema([(column, DTYPE_ARROW_TYPES[dtype])

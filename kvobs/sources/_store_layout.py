@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvobs import arrays, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import arrays
 from kvobs.sources._decode import short
 from kvobs.sources._frame import SPAN_SCHEMA, conformed
 
@@ -102,7 +103,7 @@ def _scanned(columns: list[str]) -> tuple[pa.Schema, pa.Schema]:
 def read_conversation(files: list[str], problems: list[str], columns: list[str],
                       conversation_id: str) -> pa.Table:
     """``read_spans`` of the spans tagged with one conversation id, through
-    ``pyarrow.parquet`` alone (``pyarrow.dataset`` imports pandas: ``kvobs.arrays``):
+    ``pyarrow.parquet`` alone (``pyarrow.dataset`` imports pandas: ``kvobs.turns.arrays``):
     only the row groups whose statistics can hold the id are read."""
     schema, scanned = _scanned(columns)
     cid = sc.CONVERSATION_ID.key

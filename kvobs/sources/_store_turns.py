@@ -17,14 +17,15 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs import arrays, lineage, semconv as sc
-from kvobs.correlate import aggregate, needs_lineage, plain, ranked, span_columns
+from kvobs import semconv as sc
+from kvobs.turns import arrays, lineage
+from kvobs.turns.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import conformed, drop_duplicate_span_rows
 from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
                                          store_schema, existing_turns_path,
                                          with_renamed_keys)
-from kvobs.turn_columns import KEY_SOURCES
+from kvobs.turns.schema import KEY_SOURCES
 
 _TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
 

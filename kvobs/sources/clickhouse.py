@@ -9,7 +9,7 @@ attribute access for them (``_clickhouse_sql.AttributeDialect``). See docs/click
 for the collector configuration.
 
 Heavy work stays in SQL: ``turn_row_slices()`` pivots spans into one row per (tenant,
-conversation, turn) (``kvobs.turn_columns.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
+conversation, turn) (``kvobs.turns.schema.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
 view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
 store's turn files are to its spans) when it holds every span, else from the spans with
 one ``GROUP BY`` per span name; ``spans(cid)`` reads one conversation's traces only.
@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import arrays
 from kvobs.sources._clickhouse_sql import (
     CID_KEY,
     DEFAULT_TABLE,
@@ -60,13 +61,13 @@ from kvobs.sources._clickhouse_view import (
     view_columns,
     view_mark,
 )
-from kvobs.correlate import ARROW_TYPES
+from kvobs.turns.correlate import ARROW_TYPES
 from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import (ALL_DTYPES, KIND_DTYPES, conformed,
                                   drop_duplicate_span_rows, frame_from_table)
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
-from kvobs.turn_columns import FLEET_COLUMNS, Agg
+from kvobs.turns.schema import FLEET_COLUMNS, Agg
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterator
 import pyarrow as pa
 
 from kvobs import semconv as sc
-from kvobs.correlate import turn_rows
+from kvobs.turns.correlate import turn_rows
 from kvobs.sources._decode import documents
 from kvobs.sources._frame import (drop_duplicate_span_rows, frame_from_table,
                                   select_conversation, table_from_rows)

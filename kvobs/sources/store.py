@@ -33,8 +33,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvobs import arrays, lineage, semconv as sc
-from kvobs.correlate import aggregate, needs_lineage
+from kvobs import semconv as sc
+from kvobs.turns import arrays, lineage
+from kvobs.turns.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
 from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_rows,
                                   frame_from_table, select_conversation, table_from_rows)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import VERDICT_VALUES, Verdict
 from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lacks_response,
                             host_evicted, host_hit, host_save_incomplete, local_hit, miss,

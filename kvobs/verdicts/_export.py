@@ -1,11 +1,11 @@
-"""The D export a turn's prompt extends (``kvobs.lineage``): tests and wording the rules
+"""The D export a turn's prompt extends (``kvobs.turns.lineage``): tests and wording the rules
 share."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import PullDecision
 from kvobs.verdicts._base import Turn
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import ReadOutcome
 
 # Evidence every host-path finding carries when present.

@@ -7,7 +7,7 @@ What to do: nothing unless ``kvobs tune`` shows reads of this size pay off; then
 
 from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 

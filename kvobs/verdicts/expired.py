@@ -12,7 +12,7 @@ it; set ``kv_load_failure_policy`` so a declined read recomputes instead of fail
 from kvobs import semconv as sc
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, ReleaseReason, Verdict
 from kvobs.settings import PROXY_EXPIRY_MARGIN
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 

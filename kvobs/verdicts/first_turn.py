@@ -5,7 +5,8 @@ its own prefix cache for a shared system prompt).
 What to do: nothing; judge reuse on turns 2 and later.
 """
 
-from kvobs import columns as col, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import columns as col
 from kvobs.semconv import LineageGap, Verdict
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
@@ -15,7 +16,7 @@ VERDICT = Verdict.FIRST_TURN
 def missing(turns, context: Context):
     # Which turn this is, when the engines' chain says it and cannot say it for sure: it
     # extends an earlier turn whose D export is gone, or identical histories of several
-    # conversations (kvobs.lineage never guesses between them).
+    # conversations (kvobs.turns.lineage never guesses between them).
     # A turn 1 that only the chain numbered, without P's decision span (its prompt's
     # chain): nothing says it extends no earlier turn.
     blind = col.null(turns, "decision") & (col.num(turns, "turn") == 1)

@@ -8,7 +8,7 @@ What to do: set ``offload_prompt_only: false`` in the offloading connector's
 whose responses are dropped before the next turn, e.g. stripped reasoning).
 """
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn

@@ -8,7 +8,7 @@ keep fewer one-off requests out of it (``store_threshold``); the evidence gives 
 copy's age at eviction against the gap it had to survive.
 """
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn

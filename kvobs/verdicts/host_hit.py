@@ -9,7 +9,7 @@ connector), it serves D only: P still computed the prompt (``recomputed_tokens``
 What to do: nothing; with the copy on D, a peer tier or a longer D TTL serves P too.
 """
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import M_OFFLOAD_TIER_READ_TIME, HostTier, Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn

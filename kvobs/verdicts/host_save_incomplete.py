@@ -11,7 +11,7 @@ What to do: give the tier room for more than the KV in flight at once (its pendi
 writes and loads, bounded by the engine's own KV cache): raise ``cpu_bytes_to_use``.
 """
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.semconv import Verdict
 from kvobs.verdicts import _host
 from kvobs.verdicts._base import Context, Finding, Turn

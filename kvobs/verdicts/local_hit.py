@@ -5,7 +5,7 @@ What to do: nothing.
 """
 
 from kvobs.semconv import PullDecision, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Turn
 

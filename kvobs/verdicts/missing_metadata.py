@@ -4,7 +4,7 @@ What it means: the request had no conversation id, the proxy had no entry for it
 (never stored: a streamed turn whose D params never reached the proxy; evicted by the
 entry cap; lost with a proxy restart or kept by another replica), the params that reached
 P lacked required fields, or another router sent the turn without D's params although
-the prompt extends KV that D still held (``kvobs.lineage`` names that export) and P would
+the prompt extends KV that D still held (``kvobs.turns.lineage`` names that export) and P would
 have read it (M at or above ``kv_recompute_threshold``; below it, or nothing beyond P's
 own cache, the turn is below-threshold or local-hit).
 What to do: what the cause says: send ``conversation_id`` (or leave the proxy's
@@ -14,7 +14,7 @@ through ``kvobs proxy`` or a router that forwards D's ``kv_transfer_params`` to 
 
 from kvobs import semconv as sc
 from kvobs.semconv import LookupOutcome, MissReason, PullDecision, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
@@ -37,7 +37,7 @@ def missing(turns, context: Context):
                   & (col.num(turns, "decision_count") < 2)
                   & col.isin(turns, "decision", _export.LOST))
     # Neither the proxy's lookup nor P's decision: without P's decision nothing says
-    # whether params arrived (the turn's row comes from its other spans; kvobs.lineage).
+    # whether params arrived (the turn's row comes from its other spans; kvobs.turns.lineage).
     blind = col.null(turns, "lookup") & col.null(turns, "decision")
     return [Needs(blind, "decision", sc.SPAN_PULL_DECISION),
             Needs(lookup_lost, "lookup", sc.SPAN_PROXY_LOOKUP),

@@ -15,7 +15,7 @@ latter is no client fault: P still reads the blocks that match (with the prefix 
 """
 
 from kvobs.semconv import LookupOutcome, PullDecision, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts._base import Context, Finding, Turn
 
 VERDICT = Verdict.PREFIX_MISMATCH

@@ -11,7 +11,7 @@ start-up; when the turn was slow anyway, follow its latency causes.
 from kvobs import semconv as sc
 from kvobs.semconv import PullDecision, ReadOutcome, Verdict
 from kvobs.timeline import REUSE_PATH, phase_column
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.REMOTE_HIT

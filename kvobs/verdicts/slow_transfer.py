@@ -12,7 +12,7 @@ import numpy as np
 
 from kvobs import semconv as sc
 from kvobs.semconv import ReadOutcome, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 VERDICT = Verdict.SLOW_TRANSFER

@@ -11,7 +11,7 @@ cost of the restart.
 """
 
 from kvobs.semconv import FallbackReason, LookupOutcome, ReadOutcome, Verdict
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs.verdicts import _export
 from kvobs.verdicts._base import Context, Finding, Turn
 

@@ -1,4 +1,4 @@
-"""kvobs.arrays reads and builds what pyarrow's own conversions do (nulls, slices,
+"""kvobs.turns.arrays reads and builds what pyarrow's own conversions do (nulls, slices,
 chunks), without importing pandas."""
 
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kvobs import arrays
+from kvobs.turns import arrays
 
 
 def _chunked(values, type):
@@ -68,7 +68,7 @@ def test_codes_group_equal_values_and_nulls():
 
 def test_no_conversion_imports_pandas():
     probe = ("import sys, numpy as np, pyarrow as pa, pyarrow.compute as pc\n"
-             "from kvobs import arrays\n"
+             "from kvobs.turns import arrays\n"
              "a = arrays.array(np.arange(5), mask=np.arange(5) == 2)\n"
              "arrays.numbers(pc.cast(a, pa.float64())); arrays.numbers(a, fill=0)\n"
              "arrays.booleans(pc.equal(arrays.strings(['x', None]), "

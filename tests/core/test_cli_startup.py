@@ -90,8 +90,8 @@ def test_diagnose_json_imports_no_terminal_or_serving_stack():
 
 def test_diagnose_json_of_a_store_loads_no_pandas(tmp_path):
     """One conversation of a compacted store is read, linked by its prefix chains
-    (kvobs.lineage: real engines' spans all carry them), correlated, classified and
-    printed without pandas (pyarrow imports it on a numpy conversion: kvobs.arrays avoids
+    (kvobs.turns.lineage: real engines' spans all carry them), correlated, classified and
+    printed without pandas (pyarrow imports it on a numpy conversion: kvobs.turns.arrays avoids
     them; pyarrow.dataset imports it too: the store reads one conversation by
     pyarrow.parquet)."""
     from kvobs import semconv as sc

@@ -23,7 +23,7 @@ from spanfactory import SECOND, Tracers, TurnSpec, marks_of, write_conversation
 
 from kvobs import semconv as sc
 from kvobs._net import free_ports
-from kvobs.correlate import vllm_roles
+from kvobs.turns.correlate import vllm_roles
 from kvobs.diagnose import diagnose
 from kvobs.emit.collect import SegmentWriter, build_app
 from kvobs.emit.spans import Correlation

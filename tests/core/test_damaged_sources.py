@@ -166,7 +166,7 @@ def test_a_missing_or_absurd_time_on_any_span_kind_never_crashes_a_reader(bad):
     in turn: turns, verdicts and each turn's timeline still come out, one per turn."""
     import os
 
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.diagnose import classify_turns
     from kvobs.sources import open_source
 

@@ -14,8 +14,9 @@ import pandas as pd
 import pytest
 
 from connector_instrumented import _digest
-from kvobs import lineage, semconv as sc
-from kvobs.correlate import turns_from_spans
+from kvobs import semconv as sc
+from kvobs.turns import lineage
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.sources._frame import frame_from_rows
 from kvobs.sources.otlp_json import DocumentSource
 

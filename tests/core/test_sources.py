@@ -122,7 +122,7 @@ def test_spans_delivered_twice_count_once_and_are_reported(store_dir):
     turn's recomputed tokens; the reader says what it dropped."""
     import shutil
 
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     before = turns_from_spans(open_source(str(store_dir)).spans())
     for path in _live_files(store_dir):
@@ -218,7 +218,7 @@ def test_keys_an_older_kvobs_wrote_read_under_todays_names(store_dir, tmp_path_f
 
     import pyarrow.parquet as pq
 
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.semconv import PROMPT_TOKENS, RENAMED_KEYS
 
     (old_key,) = [old for old, new in RENAMED_KEYS.items() if new == PROMPT_TOKENS.key]

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import classify_turns
 from kvobs.semconv import Verdict
 from kvobs.sources import open_source

@@ -1,7 +1,7 @@
-"""The turn table's schema (kvobs.turn_columns) is consistent with semconv and the docs."""
+"""The turn table's schema (kvobs.turns.schema) is consistent with semconv and the docs."""
 
 from kvobs import semconv as sc
-from kvobs import turn_columns as tc
+from kvobs.turns import schema as tc
 from kvobs.catalogue import turns_md
 from kvobs.diagnose import SUMMARY_COLUMNS
 
@@ -39,11 +39,11 @@ def test_public_columns_are_what_diagnose_shows_and_what_the_docs_list():
 
 
 def test_served_by_names_the_path_that_served_each_token():
-    """One rule (kvobs.correlate.with_served_by): P's finished read is the device path,
+    """One rule (kvobs.turns.correlate.with_served_by): P's finished read is the device path,
     the host lookup's accepted tokens the host path; both in one turn say so."""
     import pyarrow as pa
 
-    from kvobs.correlate import with_served_by
+    from kvobs.turns.correlate import with_served_by
 
     rows = pa.table({
         "decision": ["pull", "pull", "no-params", "pull", None, None],

@@ -1,5 +1,5 @@
 """One implementation of the timeline, the verdict rules and the causes, two turn-table
-types: diagnose's Arrow rows (``kvobs.columns.Columns``) and the fleet's pandas table.
+types: diagnose's Arrow rows (``kvobs.turns.columns.Columns``) and the fleet's pandas table.
 Every column test and every diagnosis agrees on both; the stages import no pandas."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from kvobs import columns as col
+from kvobs.turns import columns as col
 from kvobs import synth
-from kvobs.correlate import to_frame, turns_from_spans
-from kvobs.turn_columns import ALL_COLUMNS
+from kvobs.turns.correlate import to_frame, turns_from_spans
+from kvobs.turns.schema import ALL_COLUMNS
 from kvobs.diagnose import classify_turns
 from kvobs.sources import open_source
 
@@ -92,7 +92,7 @@ def test_columns_no_turn_has_are_typed_as_converted_ones_and_stay_in_place(span_
     strings)."""
     import pyarrow as pa
 
-    from kvobs.correlate import derive, turn_rows
+    from kvobs.turns.correlate import derive, turn_rows
 
     for name, spans in span_sets.items():
         rows = derive(turn_rows(spans))
@@ -117,7 +117,7 @@ def test_turns_are_linked_to_their_previous_turn_in_any_row_order(span_sets):
     """``derive`` (and ``turn_links``) find each turn's previous turn by key: rows in a
     scan's order (a ClickHouse turn view read without ``ORDER BY``) derive the same
     previous-turn facts as rows sorted by key."""
-    from kvobs.correlate import derive, turn_links, turn_rows
+    from kvobs.turns.correlate import derive, turn_links, turn_rows
 
     for name, spans in span_sets.items():
         rows = turn_rows(spans)
@@ -146,7 +146,7 @@ def test_turns_are_linked_to_their_previous_turn_in_any_row_order(span_sets):
 
 
 def test_previous_rows_of_runs_of_conversations_and_of_scattered_rows():
-    from kvobs.correlate import previous_rows
+    from kvobs.turns.correlate import previous_rows
 
     def previous(conversations, turns):
         return previous_rows([np.array(conversations)], np.array(turns)).tolist()

@@ -114,7 +114,7 @@ def test_slow_transfer_factor_is_the_line(store):
     """The same 0.3 s read of 900 tokens (estimate 0.18 s) is slow-transfer under a factor
     below 0.3 / 0.18, a remote-hit above it: the factor decides, and the evidence says
     which factor it was."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.verdicts import slow_transfer
     from kvobs.verdicts._base import Context
 

@@ -1,4 +1,4 @@
-"""Verdicts and remedies that rest on the export a prompt extends (kvobs.lineage) and on
+"""Verdicts and remedies that rest on the export a prompt extends (kvobs.turns.lineage) and on
 the proxy's miss reasons: each case a one-row turn table, each remedy naming its cause."""
 
 from __future__ import annotations

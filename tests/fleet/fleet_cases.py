@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spanfactory import TurnSpec  # noqa: E402
 
 from kvobs import synth  # noqa: E402
-from kvobs.turn_columns import FLEET_COLUMNS, Agg  # noqa: E402
+from kvobs.turns.schema import FLEET_COLUMNS, Agg  # noqa: E402
 
 CONFIG = synth.small(250, seed=3)
 PRESENCE = {name for name, c in FLEET_COLUMNS.items() if c.agg is Agg.PRESENCE}

@@ -37,7 +37,7 @@ def test_turn_indices_of_any_size_stay_in_their_conversation():
     import pyarrow as pa
 
     from kvobs import semconv as sc
-    from kvobs.correlate import aggregate, span_columns
+    from kvobs.turns.correlate import aggregate, span_columns
     from kvobs.sources.store import store_schema
 
     turns = [("a", 1), ("a", 2_000_000), ("b", -3), ("b", 5)]

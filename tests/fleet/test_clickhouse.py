@@ -131,7 +131,7 @@ KEYLESS = {"reads": {sc.SPAN_READ.name: (sc.CONVERSATION_ID.key, sc.TURN_INDEX.k
 def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, case):
     """P's reads without conversation and turn, D's exports without tenant: the keys
     come from the trace, as correlate does it."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     source = ClickHouseSource.chdb(chdb_path, f"keyless_{case}")
     source.create_table()
@@ -151,7 +151,7 @@ def test_spans_lacking_keys_take_them_from_their_trace(clickhouse, chdb_path, ca
 
 
 def test_single_query_sql_equals_the_per_span_parts(clickhouse, factory_clickhouse):
-    from kvobs.correlate import turn_table
+    from kvobs.turns.correlate import turn_table
 
     for source in (clickhouse, factory_clickhouse):
         single = turn_table(source.query(source.turns_sql()))

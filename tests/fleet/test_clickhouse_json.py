@@ -61,7 +61,7 @@ def test_json_schema_gives_the_map_schemas_output(case, request):
 
 def test_json_turn_view_and_single_query_give_the_span_path_table(
         synthetic_store, chdb_path, clickhouse, json_clickhouse):
-    from kvobs.correlate import turn_table
+    from kvobs.turns.correlate import turn_table
 
     viewed = chdb_table(chdb_path, "json_viewed", synthetic_store[0], "json", view=True)
     assert viewed.view_state() == "turns"

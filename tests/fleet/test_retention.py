@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from kvobs import semconv as sc
 from kvobs.cli import main
-from kvobs.correlate import with_retention
+from kvobs.turns.correlate import with_retention
 from kvobs.emit.spans import Correlation, emit
 from kvobs.fleet import build_report, fleet_turns
 from kvobs.fleet.retention import GIB_HOUR, by_conversation

@@ -8,7 +8,7 @@ from fleet_cases import TENANTS, assert_same_turns
 from spanfactory import SECOND, Tracers, TurnSpec, write_conversation
 
 from kvobs import semconv as sc
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.emit.spans import Correlation, emit
 from kvobs.fleet import build_report, fleet_turns
 from kvobs.sources import open_source
@@ -61,7 +61,7 @@ def test_split_and_live_conversations_equal_the_span_table(tmp_path):
 
 
 def test_report_from_turn_files_equals_report_from_spans(tmp_path):
-    from kvobs.correlate import turn_rows, turn_table
+    from kvobs.turns.correlate import turn_rows, turn_table
 
     path = _split_store(str(tmp_path))
     source = open_source(path)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvobs import columns as col
-from kvobs.correlate import turns_from_spans
+from kvobs.turns import columns as col
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import classify_turns, diagnose
 from kvobs.live.classifier import Classifier
 from kvobs.sources import open_source

@@ -256,7 +256,7 @@ def test_failure_after_the_stream_started_ends_with_error_event_and_done(monkeyp
 
 
 def turn_table(proxy):
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.emit.otlp_json import spans_to_otlp_json
     from kvobs.sources._frame import frame_from_rows
     from kvobs.sources.otlp_json import spans_from_request

@@ -17,7 +17,7 @@ from test_proxy_span_loss import _ConfiguredTracing
 
 from connector_instrumented.proxy.app import PROXY_KEY
 from kvobs import semconv as sc
-from kvobs.correlate import turns_from_spans
+from kvobs.turns.correlate import turns_from_spans
 from kvobs.emit.setup import flush
 from kvobs.sources import open_source
 

@@ -308,8 +308,8 @@ def test_live_classifier_gives_every_turn_the_batch_answer(demo):
     the batch pipeline over the span store of the same run, priced at the same fleet
     context (turn for turn: verdict, rule, evidence, phases, causes), and every scenario
     turn got its expected verdict live."""
-    from kvobs import columns as col
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns import columns as col
+    from kvobs.turns.correlate import turns_from_spans
     from kvobs.diagnose import classify_turns
 
     live_turns = _live_turns(demo)
@@ -442,7 +442,7 @@ def test_block_digest_verifies_the_partial_tail_block_on_real_engines(demo):
     """D's KV ends inside a block (H + R - 1 tokens, CPU block 128): P's check covers
     those tail tokens too, so every pulled turn verified all of D's tokens, not only its
     full blocks (the unstable-output turn stops at its last agreeing block)."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     turns = turns_from_spans(open_source(str(demo.out)).spans())
     pulled = turns[(turns["decision"] == "pull")]
@@ -528,7 +528,7 @@ def test_non_streamed_turn_shows_ttft_and_latency_apart(latency):
 def test_engine_request_spans_time_every_request(latency):
     """Each answered turn has P's and D's request span, D's hand-off, and the marks in
     order on each engine's own clock."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     turns = turns_from_spans(open_source(str(latency.out)).spans())
     assert len(turns) == len(latency.results)
@@ -583,7 +583,7 @@ def test_vllm_own_request_spans_agree_with_the_connector(latency):
     given their roles, and time the same requests as the connector's: arrival (its span
     start) is the connector's arrival mark, first token (start + its TTFT) within a few
     ms of the connector's (vLLM stamps it in its API server, after the engine step)."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     turns = turns_from_spans(open_source(str(latency.out)).spans())
     assert turns["vllm_p_start_ns"].notna().all() and turns["vllm_d_start_ns"].notna().all()
@@ -623,7 +623,7 @@ def test_otel_service_name_names_every_process_and_roles_stay_known(latency):
 def test_lineage_agrees_with_conversation_ids_on_every_demo_turn(demo):
     """The engines' prefix chains alone rebuild the same conversations, in the same turn
     order, as the ids the client sent (or the proxy inferred)."""
-    from kvobs.correlate import turns_from_spans
+    from kvobs.turns.correlate import turns_from_spans
 
     turns = turns_from_spans(open_source(str(demo.out)).spans())
     assert turns["lineage_conversation_id"].notna().all()

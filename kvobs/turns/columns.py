@@ -5,7 +5,7 @@ Every rule decides over a whole table at once, so one definition serves one
 conversation (``kvobs diagnose``) and a million turns (``kvobs report``) alike. A table
 is either the fleet's pandas DataFrame (categorical-aware) or ``Columns``, the Arrow turn
 rows diagnose reads without building a pandas table (this module imports no pandas;
-Arrow reaches numpy through ``kvobs.arrays``, which never makes pyarrow load it). The
+Arrow reaches numpy through ``kvobs.turns.arrays``, which never makes pyarrow load it). The
 tests below are the one place that knows both. A column the table does not
 have reads as missing on every row (a fleet table carries fewer columns than
 diagnose's).
@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays
+from kvobs.turns import arrays
 
 if TYPE_CHECKING:
     import pandas as pd

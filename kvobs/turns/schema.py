@@ -4,7 +4,7 @@ One row per (tenant, conversation_id, turn). Each column comes from one span nam
 attribute (or span field such as ``span_id``), aggregated over the turn's spans of that
 name (``Agg``); some carry to the next turn as ``prev_<name>`` (facts of turn k's KV that
 turn k+1's diagnosis reads); ``gap_s`` and the ``prev_`` columns are derived after
-aggregation. ``kvobs.correlate`` builds the table in process (diagnose, turns, the fleet
+aggregation. ``kvobs.turns.correlate`` builds the table in process (diagnose, turns, the fleet
 commands, the store's turn files), ``kvobs.sources._clickhouse_view`` and
 ``kvobs.sources.clickhouse`` in SQL, all from this list.
 
@@ -203,7 +203,7 @@ _SPAN_COLUMNS = [
          fleet=_F),
     _col("host_evict_end_ns", sc.SPAN_HOST_EVICT, "end_ns", carries=True, fleet=_F),
 ]
-# What the rules need behind another router (kvobs.lineage): the export a prompt extends.
+# What the rules need behind another router (kvobs.turns.lineage): the export a prompt extends.
 _FLEET_LINEAGE = {"extends_request_id", "extends_fully", "extends_live", "lineage_gap",
                   "extends_ttl_left_s", "extends_engine_restarted_at"}
 _SPAN_COLUMNS += [_col(column, sc.SPAN_PULL_DECISION, attribute,
@@ -214,7 +214,7 @@ KEY_COLUMNS = [
     TurnColumn("tenant", "str", "Digest of the tenant (`kvobs.tenant.digest`; "
                f"{UNKNOWN_TENANT!r} when spans carry none).", fleet=_F, public=True),
     TurnColumn("conversation_id", "str", "The conversation (`kvobs.conversation.id`, or "
-               "named by kvobs.lineage for id-less turns).", fleet=_F, public=True),
+               "named by kvobs.turns.lineage for id-less turns).", fleet=_F, public=True),
     TurnColumn("turn", "int", "Turn index within the conversation.", fleet=_F, public=True),
 ]
 # Derived after aggregation, over consecutive turns of one conversation.

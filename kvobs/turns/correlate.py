@@ -4,11 +4,11 @@ Every kvobs span carries the correlation keys (tenant digest, conversation id, t
 index); spans that lack them inherit them from their trace. The tenant is part of the
 key because the proxy scopes conversations by tenant: two tenants using one conversation
 id are two conversations. Spans recorded without a tenant (no kvobs proxy in front) get
-``UNKNOWN_TENANT``. Each column is declared once in ``kvobs.turn_columns`` (span,
+``UNKNOWN_TENANT``. Each column is declared once in ``kvobs.turns.schema`` (span,
 attribute, aggregation); facts about the *previous* turn's KV (D's export and release)
 are shifted onto the turn that tried to reuse it.
 
-The first stage, ``kvobs.lineage``, gives id-less turns their conversation and turn from
+The first stage, ``kvobs.turns.lineage``, gives id-less turns their conversation and turn from
 the engines' prefix chains, and P's decision span the facts of the D export its prompt
 extends (``semconv.LINEAGE_FACTS``): columns like any other.
 
@@ -17,9 +17,9 @@ shared by every source: ``aggregate`` (spans -> one Arrow row per turn, before t
 previous-turn shifts; what the store's turn files hold and ClickHouse's SQL returns),
 ``derive`` (gap, retention costs and previous-turn facts, never across conversations)
 and ``to_frame`` (Arrow turn rows -> the fleet's pandas table, typed by the schema;
-diagnose reads the Arrow rows through ``kvobs.columns.Columns`` instead). Only
+diagnose reads the Arrow rows through ``kvobs.turns.columns.Columns`` instead). Only
 ``to_frame`` and ``turn_links`` need pandas: each imports it on use. numpy <-> Arrow goes
-through ``kvobs.arrays`` (pyarrow's own conversions import pandas), so the stages,
+through ``kvobs.turns.arrays`` (pyarrow's own conversions import pandas), so the stages,
 linking included, never load it.
 """
 
@@ -31,8 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, columns as col, lineage, semconv as sc
-from kvobs.turn_columns import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
+from kvobs import semconv as sc
+from kvobs.turns import arrays, columns as col, lineage
+from kvobs.turns.schema import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
                                 FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
                                 PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
                                 SERVED_HOST_TOKENS, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
@@ -48,7 +49,7 @@ __all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate",
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
 ARROW_TYPES = arrays.KIND_TYPES
 Spans = Union["pd.DataFrame", pa.Table]
-# Compute calls' literals, typed (a Python literal would import pandas: kvobs.arrays).
+# Compute calls' literals, typed (a Python literal would import pandas: kvobs.turns.arrays).
 _SECOND_NS = arrays.scalar(1e9, pa.float64())
 _ZERO_S = arrays.scalar(0.0, pa.float64())
 
@@ -72,7 +73,7 @@ def vllm_roles(spans: Spans) -> Spans:
                           pc.utf8_lower(arrays.text(table, "service")))
     trace, start = arrays.text(table, "trace_id"), table.column("start_ns")
     # Per row, the latest start of a vLLM span of its trace (null: none has one). By
-    # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.arrays).
+    # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.turns.arrays).
     codes, traces = arrays.codes(trace)
     counted = arrays.booleans(pc.and_(vllm, pc.is_valid(start)))
     starts = arrays.numbers(start, fill=0).astype(np.int64)
@@ -96,7 +97,7 @@ def vllm_roles(spans: Spans) -> Spans:
 
 
 def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
-    """Whether ``kvobs.lineage.link`` has work: some P request carries a chain and no id
+    """Whether ``kvobs.turns.lineage.link`` has work: some P request carries a chain and no id
     a client sent (fleet builders link only then), or, with ``facts`` (diagnose: the
     facts of the export each prompt extends), some P request carries a chain at all."""
     key = sc.PREFIX_LINEAGE.key
@@ -151,8 +152,8 @@ def _arrow(spans: Spans, columns: set[str] | None = None) -> pa.Table:
 
 def turns_from_spans(spans: Spans, frame: bool = True) -> pd.DataFrame | pa.Table:
     """One row per (tenant, conversation_id, turn), ``derive``d: every column of
-    ``kvobs.turn_columns`` (diagnose, turns). The pandas turn table, or with ``frame``
-    false the Arrow rows (diagnose reads them through ``kvobs.columns.Columns``)."""
+    ``kvobs.turns.schema`` (diagnose, turns). The pandas turn table, or with ``frame``
+    false the Arrow rows (diagnose reads them through ``kvobs.turns.columns.Columns``)."""
     rows = derive(turn_rows(spans, SPAN_COLUMNS, lineage_facts=True))
     return to_frame(rows) if frame else rows
 

@@ -38,7 +38,7 @@ The rules where evidence runs out, never guessed (``semconv.LineageGap``):
 - a P request whose decision span is missing (so no prompt chain) still gets a turn: its
   D export's chain stands in for its prompt.
 
-Arrow in, Arrow out, through ``kvobs.arrays``: real engines' spans all carry chains, so
+Arrow in, Arrow out, through ``kvobs.turns.arrays``: real engines' spans all carry chains, so
 ``kvobs diagnose`` of one conversation links every time, and pyarrow's own numpy and
 Python conversions would import pandas (~0.4 s). The matching itself is per prompt, in
 Python; the reads and writes of span columns are column-wise.
@@ -52,7 +52,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs import arrays, semconv as sc
+from kvobs import semconv as sc
+from kvobs.turns import arrays
 from kvobs.prefix_chain import HEX_PER_POINT, grid_points, parse
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
