@@ -13,6 +13,10 @@ A mark can be:
   the phases on both sides of a missing mark merge into one (``"p-queue+p-schedule"``)
   and ``unmeasured`` names each merged phase with the span that would have split it.
 
+A turn the proxy retried without params (a failed or declined read, a P error) has one
+``p-retry`` phase for its whole first attempt, that attempt's read included; the P marks
+after it are the retry's, which reads nothing.
+
 Marks come from different processes' wall clocks (the engines may run on other hosts):
 durations within a process are exact, a phase that crosses processes carries their
 clock offset. A phase more than ``SKEW_TOLERANCE_S`` below zero is reported as skew.
@@ -127,19 +131,23 @@ class Mark:
     applies: Reader = _always
 
 
-def _read_applies(c: _C) -> np.ndarray:
-    """P decided to read D's KV (or a read span exists)."""
-    return c.eq("decision", sc.PullDecision.PULL.value) | c.present("read_span_id")
-
-
-def _read_done(c: _C) -> np.ndarray:
-    """P's read of D's KV succeeded."""
-    return c.eq("read_outcome", sc.ReadOutcome.DONE.value)
-
-
 def _retried(c: _C) -> np.ndarray:
     """The proxy retried P without params."""
     return c.present("p_retry_sent_at")
+
+
+def _read_applies(c: _C) -> np.ndarray:
+    """P decided to read D's KV (or a read span exists), and the proxy did not retry P."""
+    # A retried turn's read is its failed first attempt's, before the proxy's retry: that
+    # time is `p-retry`. The retry (without params) reads nothing, and its request span
+    # gives the P marks after `p-retry-sent`; the read placed after them went negative.
+    read = c.eq("decision", sc.PullDecision.PULL.value) | c.present("read_span_id")
+    return read & ~_retried(c)
+
+
+def _read_done(c: _C) -> np.ndarray:
+    """P's read of D's KV succeeded, in the attempt P answered (no retry)."""
+    return c.eq("read_outcome", sc.ReadOutcome.DONE.value) & ~_retried(c)
 
 
 def _handoff_applies(c: _C) -> np.ndarray:
@@ -278,9 +286,10 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
             for merged in pending:
                 out.unmeasured[merged] = f"measured only as {name}: " + "; ".join(gaps)
         if seconds < -SKEW_TOLERANCE_S:
-            out.skew.append(f"{name}: {seconds * 1000:.1f} ms (clocks of "
-                            f"{MARKS[i].span.service.value} and "
-                            f"{MARKS[i + 1].span.service.value} disagree)")
+            before, after = MARKS[i].span.service.value, MARKS[i + 1].span.service.value
+            out.skew.append(f"{name}: {seconds * 1000:.1f} ms " + (
+                f"(clocks of {before} and {after} disagree)" if before != after else
+                f"(marks of {before} out of order: one clock, so not skew)"))
         out.phases[name] = seconds
         start, pending, gaps = value[i + 1], [], []
     for phase in pending:  # after the last known mark

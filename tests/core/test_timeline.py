@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from spanfactory import Tracers, TurnSpec, write_conversation
 
 from kvobs import semconv as sc
 from kvobs.causes import CauseContext, causes
-from kvobs.diagnose import diagnose
+from kvobs.diagnose import all_turns, diagnose
 from kvobs.sources import open_source
 from kvobs.timeline import PHASES, phase_column
 
@@ -175,3 +177,30 @@ def test_without_a_proxy_the_engines_bound_the_turn_and_the_router_share_is_name
         FULL["p-return"] + FULL["proxy-hop"] + FULL["d-frontend"], abs=2e-6)
     assert "the router's time" in timeline.unmeasured["proxy-hop"]
     assert "client-facing edges" in timeline.unmeasured["latency"]
+
+
+DEMO_SPANS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                          "demo-spans.otlp.jsonl")
+
+
+def test_no_turn_of_the_demo_run_has_a_negative_phase():
+    """The real testbed's spans (tests/data/demo-spans.otlp.jsonl): every phase of every
+    turn is >= 0 and no clock skew is reported (P, D and the proxy share one host's
+    clock). The retried turns (D restarted, the slow tool call past D's TTL) read D's KV
+    in their failed first attempt, before the proxy's retry: that read lies inside
+    `p-retry`, not after the retry's allocation (it made `read-wait` negative)."""
+    diagnoses = all_turns(open_source(DEMO_SPANS))
+    retried = [d for d in diagnoses if d.turn.get("p_retry_sent_at") is not None]
+    assert {d.conversation_id for d in retried} >= {"agent-d-restart", "agent-slow-tool"}
+    for d in diagnoses:
+        timeline = d.timeline
+        label = f"{d.conversation_id} turn {d.turn.index}"
+        assert timeline.skew == [], label
+        assert all(seconds >= 0 for seconds in timeline.phases.values()), (label, timeline.phases)
+        assert sum(timeline.phases.values()) == pytest.approx(timeline.latency_s, abs=1e-6)
+        for phase in PHASES:
+            seconds = d.turn.get(phase_column(phase))
+            assert seconds is None or not seconds < 0, (label, phase)
+    for d in retried:
+        assert "p-retry" in d.timeline.phases
+        assert not {"read-wait", "read-setup", "read"} & set(d.timeline.phases)
