@@ -11,7 +11,10 @@ Configured the OpenTelemetry way, through the SDK's own machinery:
   its own ``OTEL_EXPORTER_*`` variables. Unset, kvobs exports over OTLP only when an
   endpoint is set (``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``; ``http/protobuf``, port
   4318, unless ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL`` says ``grpc``), so that a bare
-  install sends nothing to a collector that is not there.
+  install sends nothing to a collector that is not there. ``otlp`` without a protocol
+  variable is gRPC by the SDK's rule, except towards an OTLP/HTTP endpoint (port 4318 or a
+  ``/v1/traces`` path), where it is http/protobuf; gRPC asked for there is an error,
+  logged at start-up (spans then go to the kvobs store only).
 - ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
   ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_EXPORT_TIMEOUT``: the batch processor's
   settings, read by the SDK's ``BatchSpanProcessor`` readers (kvobs' own defaults where
@@ -34,6 +37,7 @@ import collections
 import threading
 import time
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
@@ -45,6 +49,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Reso
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from kvobs import __version__
 from kvobs.semconv import ROLE, Service
 
 ENV_STORE = "KVOBS_STORE"
@@ -150,22 +155,51 @@ class DroppingBatchProcessor(SpanProcessor):
         self._exporter.shutdown()
 
 
-def exporter_names() -> list[str]:
-    """Entry-point names of the span exporters the environment asks for."""
-    from opentelemetry.sdk._configuration import _get_exporter_names
+def _http_only_endpoint() -> bool:
+    """The OTLP traces endpoint can only be OTLP/HTTP's: port 4318 or a ``/v1/traces``
+    path (a gRPC exporter sent there fails every export)."""
+    endpoint = (os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+                or os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT) or "").strip()
+    if not endpoint:
+        return False
+    url = urlsplit(endpoint if "//" in endpoint else "//" + endpoint)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    return port == 4318 or url.path.rstrip("/").endswith("/v1/traces")
 
-    environ = os.environ
-    if environ.get(OTEL_TRACES_EXPORTER, "").strip():
-        return _get_exporter_names("traces")
-    if not (environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
-            or environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
-        return []
+
+def exporter_names() -> list[str]:
+    """Entry-point names of the span exporters the environment asks for. ``otlp`` with
+    no protocol set is gRPC by the SDK's rule; kvobs makes it http/protobuf when the
+    endpoint is HTTP's (``_http_only_endpoint``), and refuses an explicit gRPC there."""
     from opentelemetry.sdk._configuration import _get_exporter_entry_point
 
+    environ = os.environ
     protocol = environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) \
         or environ.get(OTEL_EXPORTER_OTLP_PROTOCOL)
-    # "otlp" follows the protocol variables (the SDK's rule); without one, http/protobuf
-    return [_get_exporter_entry_point("otlp" if protocol else "otlp_proto_http", "traces")]
+    names = environ.get(OTEL_TRACES_EXPORTER, "").strip()
+    if names:
+        if names.lower() == "none":
+            return []
+        http = not protocol and _http_only_endpoint()
+        chosen = [_get_exporter_entry_point(
+            "otlp_proto_http" if http and name.strip() == "otlp" else name.strip(), "traces")
+            for name in names.split(",")]
+    elif not (environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
+              or environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
+        return []
+    else:
+        # "otlp" follows the protocol variables (the SDK's rule); without one, http/protobuf
+        chosen = [_get_exporter_entry_point("otlp" if protocol else "otlp_proto_http",
+                                            "traces")]
+    if "otlp_proto_grpc" in chosen and _http_only_endpoint():
+        raise ValueError(
+            "OTLP over gRPC to an OTLP/HTTP endpoint (port 4318 or a /v1/traces path) "
+            "fails every export: set OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, "
+            "or a gRPC endpoint (port 4317)")
+    return chosen
 
 
 def _exporters() -> list[SpanExporter]:
@@ -215,7 +249,7 @@ def configure_tracing(service: Service, store_dir: str | None = None) -> trace.T
     settings = batch_settings()
     for exporter in exporters:
         provider.add_span_processor(DroppingBatchProcessor(exporter, *settings))
-    return provider.get_tracer("kvobs", schema_url=None)
+    return provider.get_tracer("kvobs", __version__, schema_url=None)
 
 
 def span_losses(tracer: trace.Tracer) -> dict[str, int]:
