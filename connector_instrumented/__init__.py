@@ -8,7 +8,7 @@ __all__ = ["KvobsNixlConnector"]
 
 
 def __getattr__(name: str):
-    # Lazy: the proxy lives in this package too and must not import vLLM and torch.
+    # Lazy: importing the package must not import vLLM and torch.
     if name == "KvobsNixlConnector":
         from connector_instrumented.connector import KvobsNixlConnector
 

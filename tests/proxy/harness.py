@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from connector_instrumented.proxy import RUNNER_OPTIONS, Endpoint, ProxyConfig, build_app
+from kvobs.proxy import RUNNER_OPTIONS, Endpoint, ProxyConfig, build_app
 from proxy_standins import (DecodeState, LocalServer, StandInDecode, StandInPrefill,
                             free_port)
 

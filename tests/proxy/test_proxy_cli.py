@@ -5,12 +5,12 @@ from __future__ import annotations
 from click.testing import CliRunner
 
 import kvobs.cli.proxy as cli_proxy
-from connector_instrumented.proxy import Endpoint
+from kvobs.proxy import Endpoint
 
 
 def _invoke(monkeypatch, args):
     captured = {}
-    import connector_instrumented.proxy as package
+    import kvobs.proxy as package
 
     monkeypatch.setattr(package, "run_proxy", lambda config: captured.setdefault("c", config))
     result = CliRunner().invoke(cli_proxy.proxy_command, args)
@@ -49,7 +49,7 @@ def test_registered_in_kvobs_group():
 
 
 def test_conversation_inference_flag(monkeypatch):
-    from connector_instrumented.proxy import ProxyConfig
+    from kvobs.proxy import ProxyConfig
 
     result, config = _invoke(monkeypatch, [])
     assert result.exit_code == 0, result.output
@@ -65,7 +65,7 @@ def test_conversation_inference_flag(monkeypatch):
 
 
 def test_tenancy_and_redis_flags(monkeypatch):
-    from connector_instrumented.proxy import ProxyConfig
+    from kvobs.proxy import ProxyConfig
 
     result, config = _invoke(monkeypatch, [])
     assert result.exit_code == 0, result.output

@@ -4,7 +4,7 @@ import doctest
 
 import pytest
 
-from connector_instrumented.proxy import _clock, _digest, _identity, _input
+from kvobs.proxy import _clock, _digest, _identity, _input
 
 
 @pytest.mark.parametrize("module", [_clock, _digest, _identity, _input])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from harness import CLIENT_KEY, Harness, stream_text
-from connector_instrumented.proxy._identity import tenant_digest
+from kvobs.proxy._identity import tenant_digest
 from kvobs import semconv as sc
 
 LOOKUP = sc.SPAN_PROXY_LOOKUP.name

@@ -158,7 +158,7 @@ def test_client_that_gives_up_during_prefill_causes_no_decode():
 def test_timeout_flags(monkeypatch):
     from test_proxy_cli import _invoke
 
-    from connector_instrumented.proxy import ProxyConfig
+    from kvobs.proxy import ProxyConfig
 
     result, config = _invoke(monkeypatch, [])
     defaults = ProxyConfig(prefill=config.prefill, decode=config.decode)
@@ -230,7 +230,7 @@ def test_bad_input_is_400_before_any_engine():
 
 
 def test_failure_after_the_stream_started_ends_with_error_event_and_done(monkeypatch):
-    import connector_instrumented.proxy.app as app_module
+    import kvobs.proxy.app as app_module
 
     def broken(*_args, **_kw):
         raise RuntimeError("boom")

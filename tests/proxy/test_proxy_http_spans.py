@@ -15,7 +15,7 @@ from test_proxy_flow import converse, run
 from test_proxy_hardening import turn_table
 from test_proxy_span_loss import _ConfiguredTracing
 
-from connector_instrumented.proxy.app import PROXY_KEY
+from kvobs.proxy.app import PROXY_KEY
 from kvobs import semconv as sc
 from kvobs.turns.correlate import turns_from_spans
 from kvobs.emit.setup import flush

@@ -11,9 +11,9 @@ import pytest
 from harness import CLIENT_KEY, Harness
 from test_proxy_flow import LOOKUP, TURN, converse, outcomes, run
 
-from connector_instrumented.proxy._digest import Prefixes, history_digest
-from connector_instrumented.proxy.app import PROXY_KEY
-from connector_instrumented.proxy.store import MemoryStore, RedisStore
+from kvobs.proxy._digest import Prefixes, history_digest
+from kvobs.proxy.app import PROXY_KEY
+from kvobs.proxy.store import MemoryStore, RedisStore
 from kvobs import semconv as sc
 
 COMPLETIONS = "/v1/completions"
@@ -412,7 +412,7 @@ def test_store_never_infers_a_conversation_that_is_gone(redis_url):
 
 
 def test_store_remembers_evictions_boundedly(redis_url, monkeypatch):
-    from connector_instrumented.proxy import store as store_module
+    from kvobs.proxy import store as store_module
 
     monkeypatch.setattr(store_module, "EVICTED_MEMORY", 3)
 

@@ -24,7 +24,7 @@ import uvicorn
 from harness import CLIENT_KEY, ProxyUnderTest
 from test_proxy_flow import run
 
-from connector_instrumented.proxy import Endpoint, ProxyConfig
+from kvobs.proxy import Endpoint, ProxyConfig
 from kvobs import semconv as sc
 from kvobs._net import free_port
 

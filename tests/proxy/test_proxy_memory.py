@@ -12,7 +12,7 @@ from aiohttp import web
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from prometheus_client import CollectorRegistry
 
-from connector_instrumented.proxy import Endpoint, ProxyConfig, build_app
+from kvobs.proxy import Endpoint, ProxyConfig, build_app
 from harness import CLIENT_KEY
 from proxy_standins import InstantEngine, free_port
 

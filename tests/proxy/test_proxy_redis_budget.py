@@ -145,9 +145,9 @@ def test_the_loops_lag_is_not_charged_to_redis(redis_url):
     budget. A hung Redis is still bounded (the test above)."""
     from prometheus_client import CollectorRegistry
 
-    from connector_instrumented.proxy._guard import StoreGuard
-    from connector_instrumented.proxy._metrics import ProxyMetrics
-    from connector_instrumented.proxy.store import redis_client
+    from kvobs.proxy._guard import StoreGuard
+    from kvobs.proxy._metrics import ProxyMetrics
+    from kvobs.proxy.store import redis_client
 
     budget_s = 0.2
 

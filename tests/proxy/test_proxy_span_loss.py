@@ -9,8 +9,8 @@ import logging
 from harness import Harness, ProxyUnderTest
 from test_proxy_flow import run
 
-from connector_instrumented.proxy import build_app
-from connector_instrumented.proxy.app import PROXY_KEY
+from kvobs.proxy import build_app
+from kvobs.proxy.app import PROXY_KEY
 from kvobs.emit.setup import flush
 
 DROPPED = "kvobs_telemetry_dropped_spans_total"

@@ -9,8 +9,8 @@ import pytest
 from harness import Harness
 from test_proxy_flow import LOOKUP, outcomes, run
 
-from connector_instrumented.proxy.app import PROXY_KEY
-from connector_instrumented.proxy.store import MemoryStore, RedisStore
+from kvobs.proxy.app import PROXY_KEY
+from kvobs.proxy.store import MemoryStore, RedisStore
 from kvobs import semconv as sc
 
 ALICE = {"Authorization": "Bearer sk-alice"}

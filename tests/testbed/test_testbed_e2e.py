@@ -416,7 +416,7 @@ def test_two_tenants_using_one_conversation_id_never_share_kv(demo):
     two conversations apart (it asks which tenant rather than merging them)."""
     from click.testing import CliRunner
 
-    from connector_instrumented.proxy._identity import tenant_digest
+    from kvobs.proxy._identity import tenant_digest
     from kvobs.cli import main
     from kvobs.diagnose import diagnose
 

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Protocol
 
-from connector_instrumented.proxy._digest import Prefixes, extended, fingerprint
+from kvobs.proxy._digest import Prefixes, extended, fingerprint
 
 # Recently evicted keys each store remembers (a miss on one of them is "evicted").
 EVICTED_MEMORY = 4096
@@ -469,7 +469,7 @@ def redis_client(url: str, pool_size: int, socket_timeout_s: float = 30.0):
     (a saturated proxy took over 2 s to open 256 connections at once)."""
     import redis.asyncio as aioredis
 
-    from connector_instrumented.proxy._store_clock import timed_connection_class
+    from kvobs.proxy._store_clock import timed_connection_class
 
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=pool_size, timeout=None, socket_timeout=socket_timeout_s,

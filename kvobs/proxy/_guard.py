@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable
 
 from kvobs import semconv as sc
 
-from connector_instrumented.proxy._metrics import ProxyMetrics
-from connector_instrumented.proxy._store_clock import METER, CallMeter
+from kvobs.proxy._metrics import ProxyMetrics
+from kvobs.proxy._store_clock import METER, CallMeter
 
 _LOG = logging.getLogger("kvobs.proxy")
 SF = sc.StoreFailure

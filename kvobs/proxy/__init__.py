@@ -2,7 +2,7 @@
 
 Public API::
 
-    from connector_instrumented.proxy import ProxyConfig, Endpoint, build_app, run_proxy
+    from kvobs.proxy import ProxyConfig, Endpoint, build_app, run_proxy
 
     config = ProxyConfig(prefill=(Endpoint("localhost", 8100),),
                          decode=(Endpoint("localhost", 8200),))
@@ -13,11 +13,11 @@ Public API::
 See ``docs/proxy.md``.
 """
 
-from connector_instrumented.proxy.app import RUNNER_OPTIONS, build_app, run_proxy
-from connector_instrumented.proxy.config import Endpoint, ProxyConfig
-from connector_instrumented.proxy.publisher import (
+from kvobs.proxy.app import RUNNER_OPTIONS, build_app, run_proxy
+from kvobs.proxy.config import Endpoint, ProxyConfig
+from kvobs.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
-from connector_instrumented.proxy.store import Entry, MemoryStore, MetadataStore, RedisStore
+from kvobs.proxy.store import Entry, MemoryStore, MetadataStore, RedisStore
 
 __all__ = ["RUNNER_OPTIONS", "Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
            "ParamsPublisher", "ProxyConfig", "RedisParamsPublisher", "RedisStore",

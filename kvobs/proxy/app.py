@@ -34,20 +34,20 @@ from kvobs import semconv as sc
 from kvobs.emit.spans import Correlation, clean, current_traceparent, emit
 from kvobs.settings import entry_lifetime_s
 
-from connector_instrumented.proxy._clock import DecodeClock
-from connector_instrumented.proxy._digest import Prefixes, extends, history_digest
-from connector_instrumented.proxy._guard import Budget, StoreGuard
-from connector_instrumented.proxy._http_spans import ClientLeg, end_server, start_server
-from connector_instrumented.proxy._identity import (
+from kvobs.proxy._clock import DecodeClock
+from kvobs.proxy._digest import Prefixes, extends, history_digest
+from kvobs.proxy._guard import Budget, StoreGuard
+from kvobs.proxy._http_spans import ClientLeg, end_server, start_server
+from kvobs.proxy._identity import (
     ANONYMOUS, Identity, InputError, conversation_of, tenant_of)
-from connector_instrumented.proxy._input import (
+from kvobs.proxy._input import (
     UNREAD_BODY_REASONS, check_headers, parse_body, read_body)
-from connector_instrumented.proxy._metrics import ProxyMetrics
-from connector_instrumented.proxy._ready import Readiness
-from connector_instrumented.proxy.config import Endpoint, ProxyConfig
-from connector_instrumented.proxy.publisher import (
+from kvobs.proxy._metrics import ProxyMetrics
+from kvobs.proxy._ready import Readiness
+from kvobs.proxy.config import Endpoint, ProxyConfig
+from kvobs.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
-from connector_instrumented.proxy.store import (
+from kvobs.proxy.store import (
     Entry, MemoryStore, MetadataStore, RedisStore)
 
 _LOG = logging.getLogger("kvobs.proxy")

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import aiohttp
 from aiohttp import http_exceptions, web
 
-from connector_instrumented.proxy._identity import InputError
+from kvobs.proxy._identity import InputError
 
 # Deeper JSON than any OpenAI request needs (tool schemas nest a few dozen levels at most);
 # well under the interpreter's recursion limit, so the body can always be re-serialized.
@@ -63,7 +63,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     >>> parse_body(b'{"prompt": "\\\\ud800"}')
     Traceback (most recent call last):
     ...
-    connector_instrumented.proxy._identity.InputError: request body holds a lone surrogate (invalid Unicode)
+    kvobs.proxy._identity.InputError: request body holds a lone surrogate (invalid Unicode)
     """
     try:
         body = json.loads(raw)

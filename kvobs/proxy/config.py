@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvobs.settings import DECLINE_WINDOW, DECODE_TTL, PROXY_EXPIRY_MARGIN
 
-from connector_instrumented.proxy.store import INFER_PER_TENANT
+from kvobs.proxy.store import INFER_PER_TENANT
 
 
 @dataclass(frozen=True)

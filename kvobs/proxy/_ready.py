@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from connector_instrumented.proxy.config import ProxyConfig
-from connector_instrumented.proxy.store import MetadataStore
+from kvobs.proxy.config import ProxyConfig
+from kvobs.proxy.store import MetadataStore
 
 
 class Readiness:
