@@ -14,12 +14,15 @@ names the key, never a silent default.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvobs.semconv import ReadDirection
-from kvobs.settings import DECODE_TTL, PROXY_ENTRY_LIFETIME
+from kvobs.settings import DECLINE_WINDOW, DECODE_TTL, PROXY_EXPIRY_MARGIN, entry_lifetime_s
 
 RUNBOOK_BASE_URL = "https://github.com/kvobs/kvobs/blob/main/docs/runbooks"
 
@@ -126,8 +129,13 @@ class MonitoringConfig:
     windows: Windows = field(default_factory=Windows)
     # D's decoder_kv_blocks_ttl (s): reference line for gaps and remaining TTL panels.
     decode_ttl_seconds: float = DECODE_TTL.default
-    # The proxy's entry lifetime (s): must stay below decode_ttl_seconds.
-    proxy_entry_lifetime_seconds: float = PROXY_ENTRY_LIFETIME.default
+    # The proxy's --expiry-margin (s): its entries end this long before D's blocks expire.
+    proxy_expiry_margin_seconds: float = PROXY_EXPIRY_MARGIN.default
+    # The proxy's entry lifetime (s): must stay below decode_ttl_seconds. Unset (None):
+    # derived, D's TTL less the expiry margin (kvobs.settings.entry_lifetime_s, as the
+    # proxy derives it); set it only for a proxy run with --max-entry-lifetime or
+    # --fixed-entry-lifetime.
+    proxy_entry_lifetime_seconds: float | None = None
     # Prefix of every alert's runbook_url and of the dashboards' runbook links: absolute
     # (Alertmanager and Grafana cannot resolve a repository path). Point it at the place
     # that serves docs/runbooks for you (your Git web UI, an internal docs site).
@@ -152,6 +160,11 @@ class MonitoringConfig:
     dashboard_configmap_labels: dict[str, str] = field(
         default_factory=lambda: {"grafana_dashboard": "1"})
 
+    def __post_init__(self) -> None:
+        if self.proxy_entry_lifetime_seconds is None:
+            object.__setattr__(self, "proxy_entry_lifetime_seconds", float(entry_lifetime_s(
+                self.decode_ttl_seconds, self.proxy_expiry_margin_seconds)))
+
 
 DEFAULT = MonitoringConfig()
 
@@ -160,8 +173,24 @@ class ConfigError(ValueError):
     """A monitoring config file or ``--set`` flag that cannot be used as written."""
 
 
+# Prometheus' duration syntax (model.ParseDuration): units from largest to smallest.
+_DURATION = re.compile(r"(?:\d+y)?(?:\d+w)?(?:\d+d)?(?:\d+h)?(?:\d+m)?(?:\d+s)?(?:\d+ms)?")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# One PromQL label matcher: name, operator, double-quoted value (escapes allowed).
+_MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
+_MATCHERS = re.compile(rf"(?:{_MATCHER}(?:,{_MATCHER})*)?")
+# Kubernetes label keys (optional DNS prefix) and values.
+_K8S_LABEL_KEY = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                            r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_K8S_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_GRAFANA_UID = re.compile(r"[A-Za-z0-9_-]{1,40}")
+
+
 def _coerce(value, kind, key: str):
     origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [k for k in typing.get_args(kind) if k is not type(None)]
+        return None if value is None else _coerce(value, options[0], key)
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table of keys, got {value!r}")
@@ -175,14 +204,20 @@ def _coerce(value, kind, key: str):
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table of labels, got {value!r}")
+        for label, text in value.items():
+            if isinstance(text, (dict, list)) or text is None:
+                raise ConfigError(f"{key}.{label}: expected a string, got {text!r}")
         return {str(k): str(v) for k, v in value.items()}
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return number
     if not isinstance(value, str):
         raise ConfigError(f"{key}: expected a string, got {value!r}")
     return value
@@ -199,21 +234,73 @@ def _build(cls, values: dict, prefix: str = ""):
                   for name, value in values.items()})
 
 
-def check(config: MonitoringConfig) -> MonitoringConfig:
-    """``config`` if it is coherent, else :class:`ConfigError`."""
-    if not config.runbook_base_url.startswith(("https://", "http://")):
-        raise ConfigError(f"runbook_base_url must be an absolute http(s) URL, got "
-                          f"{config.runbook_base_url!r}: Alertmanager and Grafana cannot "
-                          "open a repository path")
+def _problems(config: MonitoringConfig):
+    """``(key, what is wrong)`` for every value the generated files could not use."""
+    for name, value in dataclasses.asdict(config.windows).items():
+        if not value or not _DURATION.fullmatch(value):
+            yield (f"windows.{name}", f"expected a Prometheus duration such as 5m or 1h30m, "
+                   f"got {value!r}")
+    for name, value in dataclasses.asdict(config.selectors).items():
+        if not _MATCHERS.fullmatch(value):
+            yield (f"selectors.{name}", "expected PromQL label matchers without braces, "
+                   f"e.g. 'job=~\".*prefill.*\", namespace=\"serving\"', got {value!r}")
+    for name, value in dataclasses.asdict(config.thresholds).items():
+        if value < 0:
+            yield f"thresholds.{name}", f"must not be negative, got {value:g}"
+        elif name.endswith(("_ratio", "_share")) and value > 1:
+            yield (f"thresholds.{name}", f"is a fraction (0.05 = 5 %), at most 1, "
+                   f"got {value:g}")
+        elif name in ("read_p95_seconds", "recompute_tokens_per_second") and value == 0:
+            yield f"thresholds.{name}", "must be positive"
+    for name, value in dataclasses.asdict(config.floors).items():
+        if value < 0:
+            yield f"floors.{name}", f"must not be negative, got {value:g}"
     if config.decode_ttl_seconds <= 0:
-        raise ConfigError("decode_ttl_seconds must be positive")
-    if config.proxy_entry_lifetime_seconds >= config.decode_ttl_seconds:
-        raise ConfigError(
-            f"proxy_entry_lifetime_seconds ({config.proxy_entry_lifetime_seconds:g}) must be "
-            f"below decode_ttl_seconds ({config.decode_ttl_seconds:g}): the proxy would hand "
-            "out params for blocks D already released")
+        yield "decode_ttl_seconds", "must be positive"
+    if config.proxy_expiry_margin_seconds < DECLINE_WINDOW.default:
+        yield ("proxy_expiry_margin_seconds", f"must be at least P's decline window "
+               f"({DECLINE_WINDOW}), as the proxy requires")
+    elif config.proxy_entry_lifetime_seconds <= 0:
+        yield ("proxy_entry_lifetime_seconds", f"must be positive (D's TTL "
+               f"{config.decode_ttl_seconds:g} s less the expiry margin "
+               f"{config.proxy_expiry_margin_seconds:g} s is "
+               f"{config.proxy_entry_lifetime_seconds:g} s)")
+    elif config.proxy_entry_lifetime_seconds >= config.decode_ttl_seconds:
+        yield ("proxy_entry_lifetime_seconds",
+               f"({config.proxy_entry_lifetime_seconds:g}) must be below decode_ttl_seconds "
+               f"({config.decode_ttl_seconds:g}): the proxy would hand out params for blocks "
+               "D already released")
+    if not config.runbook_base_url.startswith(("https://", "http://")):
+        yield ("runbook_base_url", f"must be an absolute http(s) URL, got "
+               f"{config.runbook_base_url!r}: Alertmanager and Grafana cannot open a "
+               "repository path")
+    if config.trace_url and not config.trace_url.startswith(("https://", "http://")):
+        yield "trace_url", f"must be empty or an http(s) URL, got {config.trace_url!r}"
     if not config.aggregation_labels:
-        raise ConfigError("aggregation_labels must name at least one label (e.g. job)")
+        yield "aggregation_labels", "must name at least one label (e.g. job)"
+    for label in config.aggregation_labels:
+        if not _LABEL_NAME.fullmatch(label):
+            yield "aggregation_labels", f"{label!r} is not a Prometheus label name"
+    if not _GRAFANA_UID.fullmatch(config.dashboard_uid):
+        yield ("dashboard_uid", "expected 1 to 40 letters, digits, '-' or '_', got "
+               f"{config.dashboard_uid!r}")
+    if not config.dashboard_title.strip():
+        yield "dashboard_title", "must not be empty"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", config.rule_group_prefix):
+        yield ("rule_group_prefix", "expected letters, digits, '.', '-' or '_', got "
+               f"{config.rule_group_prefix!r}")
+    for key in ("prometheus_rule_labels", "dashboard_configmap_labels"):
+        for label, value in getattr(config, key).items():
+            if not _K8S_LABEL_KEY.fullmatch(label) or len(label.split("/")[-1]) > 63:
+                yield f"{key}.{label}", "is not a Kubernetes label key"
+            elif len(value) > 63 or not _K8S_LABEL_VALUE.fullmatch(value):
+                yield f"{key}.{label}", f"{value!r} is not a Kubernetes label value"
+
+
+def check(config: MonitoringConfig) -> MonitoringConfig:
+    """``config`` if every value is usable, else :class:`ConfigError` naming the key."""
+    for key, problem in _problems(config):
+        raise ConfigError(f"{key}: {problem}")
     return config
 
 

@@ -225,3 +225,26 @@ def test_export_refuses_a_bad_monitoring_config(tmp_path):
     assert result.exit_code == 2
     assert "unknown key thresholds.read_p95" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_documented_ttl_flag_alone_works(tmp_path):
+    """docs/dashboards.md's `--set decode_ttl_seconds=300`: the entry lifetime follows."""
+    out = tmp_path / "out"
+    result = _run("dashboards", "export", str(out), "--set", "decode_ttl_seconds=300")
+    assert result.exit_code == 0, result.output
+    board = json.loads((out / f"{DEFAULT.dashboard_uid}.json").read_text())
+    (ttl,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
+    assert ttl["targets"][0]["legendFormat"].startswith("gap > 300 s")
+
+
+@pytest.mark.parametrize("flag, key", [
+    ("windows.rate=5 minutes", "windows.rate"),
+    ("windows.for_ratio=10", "windows.for_ratio"),
+    ("selectors.engine=namespace:serving", "selectors.engine"),
+    ("thresholds.expired_read_ratio=5", "thresholds.expired_read_ratio"),
+])
+def test_export_refuses_an_unusable_value_naming_its_key(tmp_path, flag, key):
+    result = _run("dashboards", "export", str(tmp_path / "out"), "--set", flag)
+    assert result.exit_code == 2, result.output
+    assert f"{key}:" in result.output
+    assert not (tmp_path / "out").exists()

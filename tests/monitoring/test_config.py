@@ -63,10 +63,33 @@ def test_set_flags_override_the_file(tmp_path):
     ("decode_tll_seconds: 300\n", "unknown key decode_tll_seconds"),
     ("thresholds:\n  read_p95_seconds: fast\n", "thresholds.read_p95_seconds: expected a number"),
     ("runbook_base_url: docs/runbooks\n", "absolute http(s) URL"),
-    ("decode_ttl_seconds: 300\n", "must be below decode_ttl_seconds"),
+    ("decode_ttl_seconds: 300\nproxy_entry_lifetime_seconds: 470\n",
+     "must be below decode_ttl_seconds"),
     ("selectors: job\n", "selectors: expected a table"),
     ("[1, 2]\n", "expected a table of keys at the top"),
     ("a: [\n", "m.yaml"),
+    # durations: Prometheus' syntax only (promtool would refuse `[5 minutes]`)
+    ("windows:\n  rate: 5 minutes\n", "windows.rate: expected a Prometheus duration"),
+    ("windows:\n  for_latency: 15\n", "windows.for_latency: expected a string"),
+    ("windows:\n  stuck: ''\n", "windows.stuck: expected a Prometheus duration"),
+    ("windows:\n  for_ratio: 10min\n", "windows.for_ratio: expected a Prometheus duration"),
+    # numbers: finite, not negative, fractions at most 1
+    ("thresholds:\n  expired_read_ratio: 5\n", "thresholds.expired_read_ratio: is a fraction"),
+    ("thresholds:\n  read_p95_seconds: -1\n", "thresholds.read_p95_seconds: must not be negative"),
+    ("thresholds:\n  recompute_tokens_per_second: 0\n", "recompute_tokens_per_second: must be positive"),
+    ("floors:\n  read_attempts: -0.1\n", "floors.read_attempts: must not be negative"),
+    ("decode_ttl_seconds: .inf\n", "decode_ttl_seconds: expected a finite number"),
+    ("decode_ttl_seconds: true\n", "decode_ttl_seconds: expected a number"),
+    ("proxy_expiry_margin_seconds: 1\n", "proxy_expiry_margin_seconds: must be at least"),
+    ("decode_ttl_seconds: 8\n", "proxy_entry_lifetime_seconds: must be positive"),
+    # matchers, labels, URLs, names
+    ("selectors:\n  engine: namespace=serving\n", "selectors.engine: expected PromQL label matchers"),
+    ("selectors:\n  proxy: '{job=\"p\"}'\n", "selectors.proxy: expected PromQL label matchers"),
+    ("aggregation_labels: [namespace, 'pod name']\n", "aggregation_labels: 'pod name'"),
+    ("trace_url: jaeger/trace\n", "trace_url: must be empty or an http(s) URL"),
+    ("dashboard_uid: 'my dashboard'\n", "dashboard_uid: expected 1 to 40"),
+    ("prometheus_rule_labels: {release: 'kube prometheus'}\n", "prometheus_rule_labels.release:"),
+    ("dashboard_configmap_labels: {grafana_dashboard: [1]}\n", "dashboard_configmap_labels.grafana_dashboard: expected a string"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, text, message):
     (tmp_path / "m.yaml").write_text(text)
@@ -112,3 +135,27 @@ def test_generate_refuses_a_bad_config(tmp_path, capsys):
     assert generate.main([str(tmp_path), "--config", str(tmp_path / "m.yaml")]) == 2
     assert "unknown key thresholds.read_p95" in capsys.readouterr().err
     assert not (tmp_path / "alerts").exists()  # nothing written
+
+
+def test_the_entry_lifetime_is_derived_from_the_ttl():
+    """D's TTL less the proxy's expiry margin, as the proxy derives it, unless set."""
+    from kvobs.settings import PROXY_ENTRY_LIFETIME, entry_lifetime_s
+
+    assert DEFAULT.proxy_entry_lifetime_seconds == PROXY_ENTRY_LIFETIME.default
+    config = settings.load(None, ["decode_ttl_seconds=300"])
+    assert config.proxy_entry_lifetime_seconds == entry_lifetime_s(300.0) == 290.0
+    config = settings.load(None, ["decode_ttl_seconds=300", "proxy_expiry_margin_seconds=30"])
+    assert config.proxy_entry_lifetime_seconds == 270.0
+    config = settings.load(None, ["decode_ttl_seconds=300", "proxy_entry_lifetime_seconds=200"])
+    assert config.proxy_entry_lifetime_seconds == 200.0  # a capped proxy, stated
+
+
+def test_every_valid_prometheus_duration_is_accepted():
+    for duration in ("30s", "5m", "1h30m", "1d", "2w", "500ms", "1y"):
+        assert settings.load(None, [f"windows.rate={duration}"]).windows.rate == duration
+
+
+def test_generate_exits_2_naming_the_key_and_writes_nothing(tmp_path, capsys):
+    assert generate.main([str(tmp_path), "--set", "windows.rate=5 minutes"]) == 2
+    assert "windows.rate:" in capsys.readouterr().err
+    assert not (tmp_path / "alerts").exists()
