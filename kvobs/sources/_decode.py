@@ -14,18 +14,41 @@ A file is decompressed when it starts with gzip's or zstd's magic number (the Co
 ``documents`` yields ``(where, document)`` with ``where`` a ``file:line`` (JSON lines) or
 ``file:#n`` (the n-th message); what cannot be read is reported in ``problems`` and
 skipped, the rest of the file still read.
+
+Damage a crash or a copy leaves is read past, in time linear in the file: a UTF-8 byte
+order mark is dropped; runs of NUL bytes (a file preallocated, or blocks never written
+before a crash) are skipped, wherever they sit, in one warning per file (each run used to
+be read as millions of empty messages); decompression stops at
+``MAX_DECOMPRESSED_BYTES``. The warnings one file (or one trace of a trace API) can add
+are bounded by ``bounded_problems``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import re
+import stat
 import zlib
 from typing import Iterator
 
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+UTF8_BOM = b"\xef\xbb\xbf"
 _PREFIX = 4  # bytes of the file exporter's message size
+# Beyond this a compressed file is read no further (a decompression bomb: 872 KB of
+# gzip'd NULs is 870 MB). Above what kvobs can parse anyway: a span file is read whole,
+# and its JSON takes several times its size in memory.
+MAX_DECOMPRESSED_BYTES = 1 << 30
+# Warnings kept per file (the rest counted in one line): a file of a million corrupt
+# lines must not make a million strings.
+MAX_PROBLEMS_PER_FILE = 100
+_CHUNK = 1 << 20
+_NON_NUL = re.compile(rb"[^\x00]")
+# How many frames after a NUL run must chain for the reader to resume there.
+_RESYNC_FRAMES = 4
 
 
 def documents(path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
@@ -39,6 +62,61 @@ def documents(path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
     yield from _contents(data, path, problems, depth=0)
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,
+          "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR,
+          "a directory"))
+
+
+def is_regular(path: str, problems: list[str] | None = None) -> bool:
+    """Whether ``path`` is a regular file (or a link to one): what every directory
+    listing of a source keeps. Anything else is reported and skipped: opening a FIFO
+    blocks until something writes to it (a FIFO named ``*.parquet`` in ``compacted/``
+    hung ``turns`` and ``report``). A file gone meanwhile is skipped silently."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        if problems is not None:
+            problems.append(f"{path}: cannot read ({error.strerror or error})")
+        return False
+    if stat.S_ISREG(mode):
+        return True
+    if problems is not None:
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        problem = f"{path}: skipped (not a regular file: {kind})"
+        if problem not in problems:  # a store is listed more than once per command
+            problems.append(problem)
+    return False
+
+
+class _Bounded(list):
+    """A file's problems: the first ``limit`` kept, the rest only counted."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.dropped = limit, 0
+
+    def append(self, problem: str) -> None:
+        if len(self) < self.limit:
+            super().append(problem)
+        else:
+            self.dropped += 1
+
+
+@contextlib.contextmanager
+def bounded_problems(problems: list[str], where: str) -> Iterator[list[str]]:
+    """A list for the problems of one file (or one trace) ``where``: at most
+    ``MAX_PROBLEMS_PER_FILE`` reach ``problems``, then one line counts the rest."""
+    local = _Bounded(MAX_PROBLEMS_PER_FILE)
+    try:
+        yield local
+    finally:
+        problems.extend(local)
+        if local.dropped:
+            problems.append(f"{where}: {local.dropped} more problem(s) not listed")
+
+
 def _contents(data: bytes, path: str, problems: list[str], depth: int
               ) -> Iterator[tuple[str, object]]:
     if data[:2] == GZIP_MAGIC or data[:4] == ZSTD_MAGIC:
@@ -48,13 +126,20 @@ def _contents(data: bytes, path: str, problems: list[str], depth: int
         data = _decompressed(data, path, problems)
         yield from _contents(data, path, problems, depth + 1)
         return
+    if data[:3] == UTF8_BOM:  # Windows editors and PowerShell's redirection write one
+        data = data[3:]
     start = data.lstrip()[:1]
     if not start:
         return  # an empty file (a segment just created): nothing to read, nothing lost
     if start in (b"{", b"["):
         yield from _json(data, path, problems)
         return
-    frames = _frames(data, path, problems)
+    notes: list[str] = []
+    frames = _frames(data, path, notes)
+    if frames is None and start == b"\x00" and _after_nuls(data)[:1] in (b"{", b"["):
+        yield from _json(data, path, problems)  # JSON lines after a NUL block
+        return
+    problems.extend(notes)
     if frames is not None:
         for number, payload in enumerate(frames, 1):
             document = _message(payload, f"{path}:#{number}", problems)
@@ -66,37 +151,62 @@ def _contents(data: bytes, path: str, problems: list[str], depth: int
         yield path, document
 
 
+def _after_nuls(data: bytes) -> bytes:
+    """The start of ``data`` after its leading NULs and whitespace (a few bytes)."""
+    found = _NON_NUL.search(data)
+    return data[found.start():found.start() + 64].lstrip() if found else b""
+
+
 def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
-    """Every byte that decompresses; a truncated or corrupt tail is reported."""
+    """Every byte that decompresses, up to ``MAX_DECOMPRESSED_BYTES``; a truncated or
+    corrupt tail, or the bound, is reported."""
+    limit = MAX_DECOMPRESSED_BYTES
+    out = bytearray()
     if data[:2] == GZIP_MAGIC:
-        out, rest = [], data
-        while rest[:2] == GZIP_MAGIC:  # concatenated members (gzip -c a b > c)
+        rest = data
+        while rest[:2] == GZIP_MAGIC and len(out) <= limit:  # concatenated members
             inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            pending = rest
             try:
-                out.append(inflater.decompress(rest))
+                while not inflater.eof and len(out) <= limit:
+                    chunk = inflater.decompress(pending, _CHUNK)
+                    pending = inflater.unconsumed_tail
+                    out += chunk
+                    if not chunk and not pending:
+                        break
             except zlib.error as error:
                 problems.append(f"{path}: corrupt gzip data ({error}); read what precedes")
+                break
+            if len(out) > limit:
                 break
             if not inflater.eof:
                 problems.append(f"{path}: truncated gzip data; read what precedes")
                 break
             rest = inflater.unused_data
-        return b"".join(out)
-    import zstandard
+    else:
+        import zstandard
 
-    out = io.BytesIO()
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data),
-                                                        read_across_frames=True)
-    try:
-        while chunk := reader.read(1 << 20):
-            out.write(chunk)
-    except zstandard.ZstdError as error:
-        problems.append(f"{path}: corrupt or truncated zstd data ({error}); read what "
-                        "precedes")
-    return out.getvalue()
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data),
+                                                            read_across_frames=True)
+        try:
+            while len(out) <= limit and (chunk := reader.read(_CHUNK)):
+                out += chunk
+        except zstandard.ZstdError as error:
+            problems.append(f"{path}: corrupt or truncated zstd data ({error}); read what "
+                            "precedes")
+    if len(out) > limit:
+        del out[limit:]
+        problems.append(f"{path}: decompresses to more than {limit} bytes; read the first "
+                        f"{limit} (a decompression bomb, or a file to split)")
+    return bytes(out)
 
 
 def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
+    if b"\x00" in data:  # never in JSON (a string escapes it): damage, dropped whole
+        nuls = data.count(b"\x00")
+        data = data.replace(b"\x00", b"")
+        problems.append(f"{path}: skipped {nuls} NUL byte(s) (blocks never written, or "
+                        "a preallocated file)")
     text = data.decode("utf-8", errors="replace")
     # "\n" only: str.splitlines() also breaks at U+0085, U+2028, U+2029 (and \x0b, \x0c,
     # \x1c-\x1e), which a JSON string may hold raw (older kvobs writers, orjson): that cut
@@ -134,23 +244,56 @@ def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, ob
             yield where, document
 
 
+def _size(data: bytes, offset: int) -> int | None:
+    """The message size at ``offset``, or None when no size fits the data there."""
+    if len(data) - offset < _PREFIX:
+        return None
+    size = int.from_bytes(data[offset:offset + _PREFIX], "big")
+    return size if offset + _PREFIX + size <= len(data) else None
+
+
+def _chains(data: bytes, offset: int) -> bool:
+    """Whether a message starts at ``offset``: its size, and those of the next
+    ``_RESYNC_FRAMES`` messages, fit the data up to its end or a NUL run."""
+    for _ in range(_RESYNC_FRAMES):
+        size = _size(data, offset)
+        if not size:  # no size fits, or an empty message: a NUL run, not a message
+            return False
+        offset += _PREFIX + size
+        if offset == len(data) or _size(data, offset) == 0:
+            return True
+    return True
+
+
 def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
     """Length-prefixed messages, or None when the first size does not fit the file (the
-    file is not framed). A truncated last message is reported."""
-    frames, offset = [], 0
+    file is not framed). A run of NULs where a size is due (no exporter writes an empty
+    message) is skipped to the first message that chains after it (``_chains``); one
+    line reports the NULs. A truncated last message is reported."""
+    frames, offset, nuls, runs = [], 0, 0, 0
     while offset < len(data):
-        if len(data) - offset < _PREFIX:
-            size = None
-        else:
-            size = int.from_bytes(data[offset:offset + _PREFIX], "big")
-        if size is None or offset + _PREFIX + size > len(data):
-            if not frames:
+        size = _size(data, offset)
+        if size == 0:
+            found = _NON_NUL.search(data, offset)
+            end = found.start() if found else len(data)
+            # The next message's size may begin with NULs of the run.
+            resume = next((at for at in range(max(end - _PREFIX + 1, offset), end)
+                           if _chains(data, at)), end)
+            nuls, runs, offset = nuls + resume - offset, runs + 1, resume
+            continue
+        if size is None:
+            if not frames and not runs:
                 return None
-            problems.append(f"{path}:#{len(frames) + 1}: truncated message at byte "
-                            f"{offset}; read what precedes")
+            problems.append(f"{path}:#{len(frames) + 1}: truncated message "
+                            f"at byte {offset}; read what precedes")
             break
         frames.append(data[offset + _PREFIX:offset + _PREFIX + size])
         offset += _PREFIX + size
+    if runs and not frames and offset < len(data):
+        return None  # NULs, then no message: maybe text (``_contents``)
+    if runs:
+        problems.append(f"{path}: skipped {nuls} NUL byte(s) in {runs} run(s) (blocks "
+                        "never written, or a preallocated file)")
     return frames
 
 

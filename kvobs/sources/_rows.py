@@ -1,5 +1,6 @@
 """Trace documents to span rows: OTLP JSON (a request, the Collector's lines, Tempo's
-``batches`` and v2 ``trace``) and Jaeger's trace JSON (``data``: spans, processes, tags).
+``batches`` and v2 ``trace``, Jaeger v2's ``/api/v3`` ``result``) and Jaeger's trace JSON
+(``data``: spans, processes, tags).
 
 Each row holds the span-table columns and the known attributes (``semconv.ATTRIBUTES``),
 each value coerced to its semconv type on its own: an out-of-range, non-finite or
@@ -46,27 +47,46 @@ def rows(where: str, document: object, problems: list[str]) -> list[dict]:
     return found
 
 
-def _document_rows(document: object, skipped: list[str]) -> Iterator[dict]:
+def document_kind(document: object) -> str | None:
+    """Which trace document ``document`` is (the key it is read by: ``resourceSpans``,
+    ``batches``, ``trace``, ``result``, ``data``, ``jaeger``, ``empty``, ``list``), or None
+    for a shape no producer writes."""
     if isinstance(document, list):  # several requests or traces in one array
+        return "list" if all(document_kind(item) for item in document) else None
+    if not isinstance(document, dict):
+        return None
+    if "resourceSpans" in document:  # OTLP
+        return "resourceSpans"
+    if "batches" in document:  # Tempo /api/traces/<id>
+        return "batches"
+    if isinstance(document.get("trace"), dict):  # Tempo /api/v2/traces/<id>
+        return "trace"
+    if isinstance(document.get("result"), dict):  # Jaeger v2 /api/v3 (a stream's line)
+        return "result"
+    if "data" in document:  # Jaeger /api/traces, a JSON file saved from its UI
+        return "data"
+    if "spans" in document and "processes" in document:  # one Jaeger trace
+        return "jaeger"
+    if not document:  # Tempo's empty answer, an empty OTLP request
+        return "empty"
+    return None
+
+
+def _document_rows(document: object, skipped: list[str]) -> Iterator[dict]:
+    kind = document_kind(document) if not isinstance(document, list) else "list"
+    if kind == "list":
         for item in document:
             yield from _document_rows(item, skipped)
-        return
-    if not isinstance(document, dict):
-        raise ValueError("not a trace document (OTLP, Tempo or Jaeger JSON)")
-    if "resourceSpans" in document:
-        yield from _otlp(document["resourceSpans"], skipped)
-    elif "batches" in document:  # Tempo /api/traces/<id>
-        yield from _otlp(document["batches"], skipped)
-    elif isinstance(document.get("trace"), dict):  # Tempo /api/v2/traces/<id>
-        yield from _document_rows(document["trace"], skipped)
-    elif "data" in document:  # Jaeger /api/traces, a JSON file saved from its UI
+    elif kind in ("resourceSpans", "batches"):
+        yield from _otlp(document[kind], skipped)
+    elif kind in ("trace", "result"):
+        yield from _document_rows(document[kind], skipped)
+    elif kind == "data":
         for trace in document["data"] or ():
             yield from _jaeger(trace, skipped)
-    elif "spans" in document and "processes" in document:  # one Jaeger trace
+    elif kind == "jaeger":
         yield from _jaeger(document, skipped)
-    elif not document:  # Tempo's empty answer, an empty OTLP request
-        return
-    else:
+    elif kind is None:
         raise ValueError("not a trace document (OTLP, Tempo or Jaeger JSON)")
 
 

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from kvobs import semconv as sc
 from kvobs.turns import arrays
-from kvobs.sources._decode import short
+from kvobs.sources._decode import is_regular, short
 from kvobs.sources._frame import SPAN_SCHEMA, conformed
 
 COMPACTED_DIR = sc.STORE_COMPACTED_DIR
@@ -34,16 +34,19 @@ def turns_path(store_dir: str, span_file: str, written_by_older_kvobs: bool = Fa
 
 
 def existing_turns_path(store_dir: str, span_file: str) -> str | None:
-    """The turn file a span file has (this version's, else an older one's), or None."""
+    """The turn file a span file has (this version's, else an older one's), or None. A
+    FIFO or other non-regular file is none: opening it would block; the span file's
+    turns are rebuilt from its spans."""
     for older in (False, True):
         path = turns_path(store_dir, span_file, written_by_older_kvobs=older)
-        if os.path.exists(path):
+        if os.path.isfile(path):
             return path
     return None
 
 
 def span_files(store_dir: str, bucket: int | None = None) -> list[str]:
-    """The compacted span files (of one bucket)."""
+    """The compacted span files (of one bucket), as listed: ``readable`` and
+    ``read_or_skip`` leave out (and report) those that are not regular files."""
     compacted = os.path.join(store_dir, COMPACTED_DIR)
     if not os.path.isdir(compacted):
         return []
@@ -66,6 +69,8 @@ def readable(files: list[str], problems: list[str], what: str = "span file"
     rest of the store the same way."""
     good = []
     for path in files:
+        if not is_regular(path, problems):
+            continue
         try:
             with open(path, "rb") as handle:
                 head = handle.read(len(_PARQUET_MAGIC))
@@ -163,7 +168,9 @@ def read_or_skip(files: list[str], problems: list[str], scan) -> pa.Table:
     """``scan(files)`` (a table of compacted span files; ``scan([])``: none). When that
     fails, file by file: a file that cannot be read (empty, truncated, corrupt inside)
     is reported and left out, the rest read. The one fallback of every span-file
-    reader."""
+    reader. A FIFO or other non-regular file is reported and left out first: opening it
+    would block."""
+    files = [path for path in files if is_regular(path, problems)]
     try:
         return scan(files)
     except (pa.ArrowException, OSError):

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from kvobs import semconv as sc
 from kvobs.turns.correlate import turn_rows
-from kvobs.sources._decode import documents
+from kvobs.sources._decode import bounded_problems, documents, is_regular
 from kvobs.sources._frame import (drop_duplicate_span_rows, frame_from_table,
                                   select_conversation, table_from_rows)
 from kvobs.sources._rows import rows, spans_from_request
@@ -28,27 +28,26 @@ __all__ = ["DocumentSource", "OtlpJsonSource", "otlp_files", "read_rows",
 def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
     """Every regular file of a directory (or the file itself), whatever its name: the
     file exporter's rotated files have none of ours. A FIFO or socket would block every
-    read: skipped, reported. Hidden files (editors' swap files) are left alone."""
-    if os.path.isfile(location):
-        return [location]
+    read: skipped, reported (``is_regular``), given alone too. Hidden files (editors'
+    swap files) are left alone."""
+    if not os.path.isdir(location):
+        return [location] if is_regular(location, problems) else []
     found = []
     for root, dirs, files in os.walk(location):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in files:
-            if name.startswith("."):
-                continue
             path = os.path.join(root, name)
-            if os.path.isfile(path):
+            if not name.startswith(".") and is_regular(path, problems):
                 found.append(path)
-            elif problems is not None:
-                problems.append(f"{path}: skipped (not a regular file)")
     return sorted(found)
 
 
 def read_rows(path: str, problems: list[str]) -> Iterator[dict]:
-    """Rows of one file; what cannot be read is reported and skipped."""
-    for where, document in documents(path, problems):
-        yield from rows(where, document, problems)
+    """Rows of one file; what cannot be read is reported and skipped, in at most
+    ``MAX_PROBLEMS_PER_FILE`` warnings (``bounded_problems``)."""
+    with bounded_problems(problems, path) as found:
+        for where, document in documents(path, found):
+            yield from rows(where, document, found)
 
 
 class DocumentSource:

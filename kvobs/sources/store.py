@@ -37,6 +37,7 @@ from kvobs import semconv as sc
 from kvobs.turns import arrays, lineage
 from kvobs.turns.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
+from kvobs.sources._decode import is_regular
 from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_rows,
                                   frame_from_table, select_conversation, table_from_rows)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
@@ -194,7 +195,7 @@ def compact(store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = Fa
         _finish_journals(store_dir, problems)
         moved = _compact_live(store_dir, quiet_s, writers_stopped, problems)
         for path in span_files(store_dir):
-            if existing_turns_path(store_dir, path) is None:
+            if is_regular(path, problems) and existing_turns_path(store_dir, path) is None:
                 write_turns(store_dir, path)
     finally:
         os.close(lock)
@@ -289,6 +290,8 @@ def _finish_journals(store_dir: str, problems: list[str]) -> None:
     for unfinished in glob.glob(os.path.join(store_dir, f"{_JOURNAL}*.json.tmp")):
         os.remove(unfinished)
     for journal in glob.glob(os.path.join(store_dir, f"{_JOURNAL}*.json")):
+        if not is_regular(journal, problems):
+            continue
         batch = os.path.basename(journal)[len(_JOURNAL):-len(".json")]
         try:
             with open(journal) as handle:

@@ -1,51 +1,104 @@
 """Spans from a trace store's HTTP API: Grafana Tempo or Jaeger (query service).
 
-``tempo+http://HOST:3200[/PREFIX]?...`` and ``jaeger+http://HOST:16686[/PREFIX]?...``
-(``+https`` for TLS) with, in the query string:
+``tempo+http://[USER:PASSWORD@]HOST:3200[/PREFIX]?...`` and
+``jaeger+http://[USER:PASSWORD@]HOST:16686[/PREFIX]?...`` (``+https`` for TLS) with, in
+the query string:
 
 - ``trace=ID`` (repeatable): these traces (Tempo ``GET /api/traces/ID``, Jaeger
   ``GET /api/traces/ID``);
 - else a search over a time range, each trace found then read whole: ``since=1h``
-  (default; also ``30m``, ``7d``, seconds) or ``start=``/``end=`` (Unix seconds),
-  ``limit=`` traces (default 1000); Tempo: ``q=`` a TraceQL query (default ``{}``: every
-  trace); Jaeger: ``service=`` (repeatable; default every service ``/api/services``
-  lists).
+  (default; as ``kvobs report --since``: ``30min``, ``1h30m``, ``7d``, an ISO-8601
+  instant; a bare number is seconds) or ``start=``/``end=`` (Unix seconds), ``limit=``
+  traces (default 1000); Tempo: ``q=`` a TraceQL query (default ``{}``: every trace);
+  Jaeger: ``service=`` (repeatable; default every service ``/api/services`` lists);
+- ``timeout=`` the most one answer may take, whole (default 60 s; a server that trickles
+  its answer is cut off there: ``_http``);
+- Tempo: ``tenant=`` the ``X-Scope-OrgID`` header of a multi-tenant Tempo (else
+  ``KVOBS_TEMPO_TENANT``).
 
-The answers are OTLP JSON (Tempo: ``batches``, ids in base64) and Jaeger's trace JSON
-(``data``: spans with tags, processes), read by the same rows as span files.
+Credentials: ``USER:PASSWORD@`` in the URL (basic auth; taken out of the host name), else
+a bearer token from ``KVOBS_TEMPO_TOKEN`` / ``KVOBS_JAEGER_TOKEN``, else basic auth from
+``KVOBS_TEMPO_USER`` and ``KVOBS_TEMPO_PASSWORD`` / ``KVOBS_JAEGER_USER`` and
+``KVOBS_JAEGER_PASSWORD`` (``ENV``). Never shown in messages.
+
+The answers are OTLP JSON (Tempo: ``batches``, ids in base64; Jaeger v2's ``/api/v3``:
+``{"result": {"resourceSpans": ...}}``, one per line) and Jaeger's trace JSON (``data``:
+spans with tags, processes), read by the same rows as span files. An answer of any other
+shape is a source error naming the shape it has (exit 2).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Iterator
 
+from kvobs.sources import _http
+from kvobs.sources._decode import bounded_problems
 from kvobs.sources._errors import SourceError
-from kvobs.sources._rows import rows
+from kvobs.sources._rows import document_kind, rows
 from kvobs.sources.otlp_json import DocumentSource
 
 SCHEMES = ("tempo+http://", "tempo+https://", "jaeger+http://", "jaeger+https://")
 DEFAULT_SINCE_S = 3600
 DEFAULT_LIMIT = 1000
-TIMEOUT_S = 60
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _MICROS = 1_000_000
+# The environment's credentials and tenant, per API (``ENV[kind][what]``).
+ENV = {
+    "tempo": {"user": "KVOBS_TEMPO_USER", "password": "KVOBS_TEMPO_PASSWORD",
+              "token": "KVOBS_TEMPO_TOKEN", "tenant": "KVOBS_TEMPO_TENANT"},
+    "jaeger": {"user": "KVOBS_JAEGER_USER", "password": "KVOBS_JAEGER_PASSWORD",
+               "token": "KVOBS_JAEGER_TOKEN"},
+}
+TENANT_HEADER = "X-Scope-OrgID"
 
 
 def seconds(text: str) -> float:
-    """``90``, ``90s``, ``30m``, ``24h``, ``7d`` as seconds (ValueError otherwise)."""
-    text = text.strip()
-    unit = _UNITS.get(text[-1:]) if text[-1:].isalpha() else 1
-    if unit is None:
-        raise ValueError(text)
-    value = float(text[:-1] if text[-1:].isalpha() else text)
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(text)
-    return value * unit
+    """A duration as seconds (``_parsed``); ValueError otherwise, or for an instant."""
+    parsed = _parsed(text)
+    if not isinstance(parsed, float):
+        raise ValueError(f"{text!r} is an instant, not a duration")
+    return parsed
+
+
+def _parsed(text: str):
+    """Seconds for a duration, the instant itself for an ISO-8601 instant: a bare number
+    is seconds, anything else what ``kvobs report --since`` takes
+    (``kvobs.fleet.since.parse_since``: ``30min``, ``1h30m``, ``7d``). ValueError
+    otherwise, saying what is accepted."""
+    try:
+        value = float(text)
+    except ValueError:
+        from kvobs.fleet.since import parse_since  # pandas: only for a duration's text
+
+        parsed = parse_since(text)
+        return parsed.total_seconds() if hasattr(parsed, "total_seconds") else parsed
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{text!r} is not a duration")
+    return value
+
+
+def _start(since: str, end: float) -> float:
+    """``since=``: a duration back from ``end``, or an ISO-8601 instant."""
+    parsed = _parsed(since)
+    return end - parsed if isinstance(parsed, float) else parsed.value / 1e9
+
+
+def shape(value: object) -> str:
+    """What a JSON value is, in a few words, for a message."""
+    if isinstance(value, dict):
+        keys = ", ".join(sorted(map(str, value))[:6]) + (", ..." if len(value) > 6 else "")
+        return f"an object with keys {keys}" if value else "an empty object"
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    if value is None:
+        return "null"
+    return f"{type(value).__name__} {value!r}"[:60]
 
 
 class TraceApiSource(DocumentSource):
@@ -57,45 +110,60 @@ class TraceApiSource(DocumentSource):
         self.kind, _, scheme = parsed.scheme.partition("+")
         if self.kind not in ("tempo", "jaeger") or scheme not in ("http", "https"):
             raise SourceError(f"{url}: not a tempo+http(s):// or jaeger+http(s):// URL")
+        host = parsed.netloc.rpartition("@")[2]  # credentials are no part of the name
+        shown = f"{self.kind}+{scheme}://{host}{parsed.path}"
         if not parsed.hostname:
-            raise SourceError(f"{url}: no host")
-        self.base = f"{scheme}://{parsed.netloc}{parsed.path.rstrip('/')}"
+            raise SourceError(f"{shown}: no host")
+        self.base = f"{scheme}://{host}{parsed.path.rstrip('/')}"
         self.location = f"{self.kind}+{self.base}"
         query = urllib.parse.parse_qs(parsed.query)
         self.trace_ids = query.get("trace", [])
         self.query_text = query.get("q", ["{}"])[0]
         self.services = query.get("service", [])
         try:
-            now = time.time()
-            self.end = float(query["end"][0]) if "end" in query else now
+            self.end = float(query["end"][0]) if "end" in query else time.time()
             self.start = (float(query["start"][0]) if "start" in query
-                          else self.end - seconds(query.get("since", [str(DEFAULT_SINCE_S)])[0]))
+                          else _start(query.get("since", [str(DEFAULT_SINCE_S)])[0],
+                                      self.end))
             self.limit = int(query.get("limit", [DEFAULT_LIMIT])[0])
+            self.timeout_s = (seconds(query["timeout"][0]) if "timeout" in query
+                              else _http.TOTAL_TIMEOUT_S)
         except ValueError as error:
-            raise SourceError(f"{url}: bad time range or limit ({error})") from error
+            raise SourceError(f"{shown}: bad time range, limit or timeout ({error})"
+                              ) from error
+        self.headers = {"Accept": "application/json"}
+        env = ENV[self.kind]
+        tenant = query.get("tenant", [os.environ.get(env.get("tenant", ""), "")])[0]
+        if tenant:
+            self.headers[TENANT_HEADER] = tenant
+        self.secret_headers = _auth(parsed, env)
 
     # ----------------------------------------------------------------- HTTP
 
     def _get(self, path: str, params: dict | None = None, missing_ok: bool = False):
         url = self.base + path + ("?" + urllib.parse.urlencode(params, doseq=True)
                                   if params else "")
-        request = urllib.request.Request(url, headers={"Accept": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:  # noqa: S310
-                body = response.read()
-        except urllib.error.HTTPError as error:
-            if missing_ok and error.code == 404:
-                return None
-            text = error.read().decode("utf-8", errors="replace").strip()[:300]
-            raise SourceError(f"{self.location}: {path}: HTTP {error.code} {error.reason}"
-                              f"{': ' + text if text else ''}") from error
-        except (urllib.error.URLError, OSError) as error:
+            answer = _http.get(url, self.headers, self.secret_headers, self.timeout_s)
+        except TimeoutError as error:
+            raise SourceError(f"{self.location}: {path}: {error} (timeout= in the URL "
+                              "sets it)") from error
+        except OSError as error:
             reason = getattr(error, "reason", error)
             raise SourceError(f"{self.location}: cannot connect ({reason})") from error
-        try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as error:
-            raise SourceError(f"{self.location}: {path}: not JSON ({error})") from error
+        if missing_ok and answer.status == 404:
+            return None
+        if not 200 <= answer.status < 300:
+            text = answer.body.decode("utf-8", errors="replace").strip()
+            hint = (" (credentials: USER:PASSWORD@ in the URL, or "
+                    f"{' / '.join(ENV[self.kind][k] for k in ('token', 'user'))})"
+                    if answer.status in (401, 403) else "")
+            raise SourceError(f"{self.location}: {path}: HTTP {answer.status} "
+                              f"{answer.reason}{': ' + text if text else ''}{hint}")
+        return _json(answer.body, f"{self.location}: {path}")
+
+    def _expect(self, path: str, answer: object, what: str) -> SourceError:
+        return SourceError(f"{self.location}: {path} answered {shape(answer)}, not {what}")
 
     def check(self) -> None:
         """Raise ``SourceError`` unless the API answers (commands fail with a message)."""
@@ -117,19 +185,36 @@ class TraceApiSource(DocumentSource):
     def _tempo_search(self) -> list[str]:
         answer = self._get("/api/search", {"q": self.query_text, "start": int(self.start),
                                            "end": int(self.end) + 1, "limit": self.limit})
-        return [t["traceID"] for t in (answer or {}).get("traces") or () if "traceID" in t]
+        what = 'Tempo\'s search answer ({"traces": [{"traceID": ...}]})'
+        if not isinstance(answer, dict) or not ({"traces", "metrics"} & set(answer)):
+            raise self._expect("/api/search", answer, what)
+        traces = answer.get("traces") or []
+        if not isinstance(traces, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("traceID"), str) for t in traces):
+            raise self._expect("/api/search", traces, what + ": traces")
+        return [t["traceID"] for t in traces]
+
+    def _jaeger_data(self, path: str, params: dict | None, item: type) -> list:
+        """The ``data`` list of a Jaeger answer, each item an ``item``."""
+        answer = self._get(path, params)
+        what = f"Jaeger's answer ({{\"data\": [{item.__name__} ...]}})"
+        if not isinstance(answer, dict) or "data" not in answer:
+            raise self._expect(path, answer, what)
+        data = answer["data"] or []
+        if not isinstance(data, list) or not all(isinstance(i, item) for i in data):
+            raise self._expect(path, data, what + ": data")
+        return data
 
     def _jaeger_search(self) -> list[str]:
         """Jaeger's search answers whole traces: kept, so each is fetched once."""
-        services = self.services or (self._get("/api/services") or {}).get("data") or []
+        services = self.services or self._jaeger_data("/api/services", None, str)
         self._jaeger_traces = {}
         for service in services:
-            answer = self._get("/api/traces", {
-                "service": service, "start": int(self.start * _MICROS),
-                "end": int(self.end * _MICROS), "limit": self.limit})
-            for trace in (answer or {}).get("data") or ():
-                if isinstance(trace, dict):  # a trace touching two services comes twice
-                    self._jaeger_traces.setdefault(trace.get("traceID"), trace)
+            for trace in self._jaeger_data("/api/traces", {
+                    "service": service, "start": int(self.start * _MICROS),
+                    "end": int(self.end * _MICROS), "limit": self.limit}, dict):
+                # a trace touching two services comes twice
+                self._jaeger_traces.setdefault(trace.get("traceID"), trace)
         return list(self._jaeger_traces)
 
     def _rows(self) -> Iterator[dict]:
@@ -145,4 +230,38 @@ class TraceApiSource(DocumentSource):
             if document is None:
                 self.problems.append(f"{where}: not found")
                 continue
-            yield from rows(where, document, self.problems)
+            if document_kind(document) is None:
+                raise self._expect(path, document, "a trace (OTLP, Tempo or Jaeger JSON)")
+            with bounded_problems(self.problems, where) as found:
+                yield from rows(where, document, found)
+
+
+def _auth(parsed: urllib.parse.ParseResult, env: dict[str, str]) -> dict[str, str]:
+    """The ``Authorization`` header: the URL's user and password, else the environment's
+    token, else its user and password (``ENV``); none without credentials."""
+    user = urllib.parse.unquote(parsed.username or "")
+    password = urllib.parse.unquote(parsed.password or "")
+    if not user:
+        token = os.environ.get(env["token"])
+        if token:
+            return {"Authorization": f"Bearer {token}"}
+        user, password = os.environ.get(env["user"], ""), os.environ.get(env["password"], "")
+    if not user:
+        return {}
+    basic = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    return {"Authorization": f"Basic {basic}"}
+
+
+def _json(body: bytes, where: str) -> object:
+    """One JSON document, or the lines of a stream (Jaeger's ``/api/v3``: one
+    ``{"result": ...}`` per line) as a list."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:
+        lines = [line for line in body.split(b"\n") if line.strip()]
+        if len(lines) > 1:
+            try:
+                return [json.loads(line) for line in lines]
+            except (ValueError, RecursionError):
+                pass
+        raise SourceError(f"{where}: not JSON ({error})") from error
