@@ -127,7 +127,9 @@ class MonitoringConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     floors: RateFloors = field(default_factory=RateFloors)
     windows: Windows = field(default_factory=Windows)
-    # D's decoder_kv_blocks_ttl (s): reference line for gaps and remaining TTL panels.
+    # D's decoder_kv_blocks_ttl (s), the deployment's: the proxy entry lifetime derives
+    # from it. The dashboards and rules need no copy of it: they read the TTL the proxy
+    # reports (kvobs_proxy_decode_ttl_seconds), so a TTL change regenerates nothing.
     decode_ttl_seconds: float = DECODE_TTL.default
     # The proxy's --expiry-margin (s): its entries end this long before D's blocks expire.
     proxy_expiry_margin_seconds: float = PROXY_EXPIRY_MARGIN.default

@@ -41,6 +41,14 @@ DATASOURCE_VAR = "datasource"
 VARIABLES = ("datasource", "job", "model_name", "instance", "engine")
 RATE_INTERVAL = "$__rate_interval"
 LATER_TURNS = f'{TURN_BUCKET_LABEL}!="{q.FIRST_TURN}"'
+GAP_METHOD = (
+    "The TTL is read when the query runs (`kvobs_proxy_decode_ttl_seconds`: the proxy's "
+    "--decode-kv-ttl, then what D's params carry), so a TTL change needs no regenerated "
+    "dashboard. The gap histogram's bounds are fixed "
+    f"({', '.join(f'{b:g}' for b in M_PROXY_GAP.buckets)} s): a TTL on a bound reads that "
+    "bucket; between two bounds the count at the TTL is interpolated linearly; past the "
+    f"last bound only the share above {max(M_PROXY_GAP.buckets):g} s is known, an upper "
+    "bound.")
 
 
 @dataclass(frozen=True)
@@ -313,13 +321,10 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "s"),
             PanelSpec(
                 "Gaps longer than D's TTL",
-                f"Share of inter-turn gaps above {config.decode_ttl_seconds:g} s (the "
-                "configured decoder_kv_blocks_ttl): those turns cannot reuse D's KV "
-                "whatever the proxy does. Read from the gap histogram's buckets ("
-                f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)}).",
-                (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds),
-                   f"gap > {config.decode_ttl_seconds:g} s ("
-                   f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)})"),),
+                "Share of inter-turn gaps above D's decoder_kv_blocks_ttl as the proxy "
+                "reports it: those turns cannot reuse D's KV whatever the proxy does. "
+                f"{GAP_METHOD}",
+                (T(q.gap_over_ttl_ratio(s), "gap > D's TTL"),),
                 "percentunit"),
         )),
         RowSpec("Proxy", (
@@ -487,9 +492,8 @@ def now_row(s: q.Scope, config: MonitoringConfig) -> RowSpec:
             width=4, kind="stat"),
         PanelSpec(
             "Gaps beyond D's TTL",
-            f"Share of inter-turn gaps above D's {config.decode_ttl_seconds:g} s TTL ("
-            f"{q.share_above_method(config.decode_ttl_seconds, M_PROXY_GAP.buckets)}).",
-            (T(q.gap_over_ttl_ratio(s, config.decode_ttl_seconds), "gap > TTL"),),
+            f"Share of inter-turn gaps above D's TTL as the proxy reports it. {GAP_METHOD}",
+            (T(q.gap_over_ttl_ratio(s), "gap > TTL"),),
             "percentunit", width=4, kind="stat"),
     ))
 

@@ -347,62 +347,48 @@ def gap_quantile(s: Scope, q: float) -> str:
     return quantile(q, M_PROXY_GAP, s.proxy, s.window, s.by)
 
 
-def bracket(bound: float, buckets: tuple[float, ...]) -> tuple[float, float | None]:
-    """The histogram bounds around ``bound``: ``(lo, hi)`` with ``lo <= bound <= hi``;
-    ``lo`` is 0 below the first bound (observations are >= 0), ``hi`` is None above the
-    last finite bound, and ``lo == hi`` when ``bound`` is a bound.
+def share_above(metric: Metric, selector: str, window: str, by: tuple[str, ...],
+                bound: str, buckets: tuple[float, ...]) -> str:
+    """Share of a classic histogram's observations above ``bound``, a PromQL expression
+    aggregated ``by`` the same labels, read when the query runs (not when it is written).
 
-    >>> bracket(300, (240, 360, 480)), bracket(480, (240, 360, 480)), bracket(900, (240,))
-    ((240, 360), (480, 480), (240, None))
+    Observations are taken to spread evenly inside a bucket (``histogram_quantile``'s own
+    assumption), so the count at or below ``bound`` is each bucket's count weighted by the
+    part of it below ``bound``: ``sum_i C(b_i) * (f_i - f_i+1)`` with ``C`` the cumulative
+    bucket counts and ``f_i = clamp((bound - b_i-1) / (b_i - b_i-1), 0, 1)`` (``b_0 = 0``:
+    observations are >= 0). A bound on a bucket bound reads that bucket exactly; between
+    two bounds it interpolates linearly; past the last finite bound nothing is known past
+    it, so the share above that bound (an upper bound) is returned.
+
+    >>> print(share_above(M_PROXY_GAP, 'job="x"', "5m", (), "ttl", (240, 360)))
+    1 - ((((sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"240(\\\\.0)?"}[5m]))) * (clamp(((ttl) - 0) / 240, 0, 1) - clamp(((ttl) - 240) / 120, 0, 1)) + (sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"360(\\\\.0)?"}[5m]))) * clamp(((ttl) - 240) / 120, 0, 1)) or ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) * 0)) / ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) > 0))
     """
     finite = sorted(b for b in buckets if b != float("inf"))
-    if bound in finite:
-        return bound, bound
-    lo = max((b for b in finite if b < bound), default=0)
-    hi = min((b for b in finite if b > bound), default=None)
-    return lo, hi
+    lows = (0, *finite[:-1])
 
+    def below(i: int) -> str:  # the part of bucket i below the bound, 0..1
+        return f"clamp((({bound}) - {lows[i]:g}) / {finite[i] - lows[i]:g}, 0, 1)"
 
-def share_above_method(bound: float, buckets: tuple[float, ...]) -> str:
-    """How :func:`share_above` estimates the share above ``bound``, in words (legends)."""
-    lo, hi = bracket(bound, buckets)
-    if lo == hi:
-        return f"exact: {bound:g} s is a bucket bound"
-    if hi is None:
-        return f"share above {lo:g} s, the last bucket bound: an upper bound of the share"
-    return f"interpolated between the {lo:g} s and {hi:g} s buckets"
-
-
-def share_above(metric: Metric, selector: str, window: str, by: tuple[str, ...],
-                bound: float, buckets: tuple[float, ...]) -> str:
-    """Share of a classic histogram's observations above ``bound`` for any ``bound``.
-
-    A bound that is a bucket bound reads its bucket. Between two bounds the count at
-    ``bound`` is interpolated linearly between theirs (``histogram_quantile``'s own
-    assumption: observations spread evenly inside a bucket). Above the last finite bound
-    nothing is known past it: the share above that bound (an upper bound) is returned,
-    and :func:`share_above_method` says so.
-
-    >>> print(share_above(M_PROXY_GAP, 'job="x"', "5m", (), 300, (240, 360)))
-    1 - ((((sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"240(\\\\.0)?"}[5m]))) + ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"360(\\\\.0)?"}[5m]))) - (sum (rate(kvobs_proxy_inter_turn_gap_seconds_bucket{job="x", le=~"240(\\\\.0)?"}[5m])))) * 0.5) or ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) * 0)) / ((sum (rate(kvobs_proxy_inter_turn_gap_seconds_count{job="x"}[5m]))) > 0))
-    """
-    def at(le: float) -> str:
-        return sum_rate(metric, selector, window, by, le_matcher(le), suffix="_bucket")
-
-    lo, hi = bracket(bound, buckets)
-    if hi is None or lo == hi:
-        within = at(lo)
-    elif lo == 0:
-        within = f"({at(hi)}) * {bound / hi:g}"
-    else:
-        within = f"({at(lo)}) + (({at(hi)}) - ({at(lo)})) * {(bound - lo) / (hi - lo):g}"
+    terms = []
+    for i, le in enumerate(finite):
+        weight = below(i) if i == len(finite) - 1 else f"({below(i)} - {below(i + 1)})"
+        terms.append(f"({sum_rate(metric, selector, window, by, le_matcher(le), suffix='_bucket')})"
+                     f" * {weight}")
     total = sum_rate(metric, selector, window, by, suffix="_count")
-    return f"1 - ({ratio(within, total)})"
+    return f"1 - ({ratio(' + '.join(terms), total)})"
 
 
-def gap_over_ttl_ratio(s: Scope, ttl_seconds: float) -> str:
-    """Share of inter-turn gaps longer than D's TTL (:func:`share_above` of the gaps)."""
-    return share_above(M_PROXY_GAP, s.proxy, s.window, s.by, ttl_seconds, M_PROXY_GAP.buckets)
+def gap_over_ttl_ratio(s: Scope) -> str:
+    """Share of inter-turn gaps longer than D's TTL as the proxy reports it
+    (``kvobs_proxy_decode_ttl_seconds``: its --decode-kv-ttl, then what D's params say), so
+    it follows a TTL change without regenerating anything (:func:`share_above`)."""
+    return share_above(M_PROXY_GAP, s.proxy, s.window, s.by, reported_decode_ttl(s),
+                       M_PROXY_GAP.buckets)
+
+
+def reported_decode_ttl(s: Scope) -> str:
+    """D's TTL as the proxy reports it, once it has one (0 means none seen yet)."""
+    return f"{_by(s.by, 'max')}({series(M_PROXY_DECODE_TTL, s.proxy)} > 0)"
 
 
 def decode_ttl(s: Scope) -> str:

@@ -592,13 +592,20 @@ def recordings(config: MonitoringConfig = DEFAULT) -> list[Recording]:
                   q.proxy_ttft_quantile(s.keeping("turn_bucket"), 0.95)),
         Recording(record_name(M_PROXY_GAP, f"p95_{r}", config), q.gap_quantile(s, 0.95)),
         Recording(record_name("kvobs_proxy_inter_turn_gap_over_decode_ttl", ratio, config),
-                  q.gap_over_ttl_ratio(s, config.decode_ttl_seconds),
+                  q.gap_over_ttl_ratio(s),
                   # Whatever the TTL: gaps of 0.5 s are all within it, gaps past the last
-                  # bucket bound all beyond it (a TTL that is no bucket bound once read 1).
-                  ((histogram_series(M_PROXY_GAP, PROXY, {0.5: 60}), "10m",
+                  # bucket bound all beyond it (a TTL that is no bucket bound once read 1);
+                  # at a TTL of 300 s (no bound) half of the gaps spread over 240-360 s.
+                  (({**histogram_series(M_PROXY_GAP, PROXY, {0.5: 60}),
+                     sel(M_PROXY_DECODE_TTL, PROXY): "480x40"}, "10m",
                     ((_text(_kept(PROXY, config)), 0.0),)),
-                   (histogram_series(M_PROXY_GAP, PROXY, {1e6: 60}), "10m",
-                    ((_text(_kept(PROXY, config)), 1.0),)))),
+                   ({**histogram_series(M_PROXY_GAP, PROXY, {1e6: 60}),
+                     sel(M_PROXY_DECODE_TTL, PROXY): "480x40"}, "10m",
+                    ((_text(_kept(PROXY, config)), 1.0),)),
+                   ({**histogram_series(M_PROXY_GAP, PROXY,
+                                        {240 + 2 * (i + 1): 1 for i in range(60)}),
+                     sel(M_PROXY_DECODE_TTL, PROXY): "300x40"}, "10m",
+                    ((_text(_kept(PROXY, config)), 0.5),)))),
         Recording(record_name(M_PROXY_FALLBACKS, r, config), q.fallbacks_rate(s.keeping("reason"))),
         Recording(record_name("vllm_kvobs_host_lookups_evicted", ratio, config),
                   q.host_evicted_lookup_ratio(s),

@@ -214,8 +214,6 @@ def test_export_with_a_monitoring_config_and_flags(tmp_path):
                   "--set", "dashboard_uid=my-kvobs")
     assert result.exit_code == 0, result.output
     board = json.loads((out / "my-kvobs.json").read_text())
-    (ttl,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
-    assert ttl["targets"][0]["legendFormat"].startswith("gap > 300 s (interpolated")
     assert board["links"][0]["url"] == "https://runbooks.example.test/kvobs"
 
 
@@ -233,8 +231,8 @@ def test_documented_ttl_flag_alone_works(tmp_path):
     result = _run("dashboards", "export", str(out), "--set", "decode_ttl_seconds=300")
     assert result.exit_code == 0, result.output
     board = json.loads((out / f"{DEFAULT.dashboard_uid}.json").read_text())
-    (ttl,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
-    assert ttl["targets"][0]["legendFormat"].startswith("gap > 300 s")
+    # the dashboards read D's TTL from the proxy when they run: the same for any TTL
+    assert board == dashboards.build_overview(DEFAULT)
 
 
 @pytest.mark.parametrize("flag, key", [

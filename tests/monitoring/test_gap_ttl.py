@@ -2,10 +2,12 @@
 gap histogram's bucket bounds.
 
 The histogram's bounds are fixed (``semconv.GAP_BUCKETS``) while the TTL is the
-deployment's: the share must be right whether or not the TTL is a bound (it once read the
-bucket ``le="<ttl>"``, which does not exist for TTL 300, and showed 100 %). Each case feeds
-gaps whose true share above the TTL is known and spreads them evenly inside their buckets,
-where the interpolation is exact.
+deployment's, read when the query runs from the TTL the proxy reports
+(``kvobs_proxy_decode_ttl_seconds``): the share must be right whether or not the TTL is a
+bound (it once read the bucket ``le="<ttl>"``, which does not exist for TTL 300, and
+showed 100 %). Each case feeds gaps whose true share above the TTL is known and spreads
+them evenly inside their buckets, where the interpolation is exact, next to the proxy's
+TTL gauge; the rule itself is the same for every TTL.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import yaml
 
 from kvobs.monitoring import queries, rules
 from kvobs.monitoring.config import DEFAULT
-from kvobs.semconv import GAP_BUCKETS, M_PROXY_GAP
+from kvobs.semconv import GAP_BUCKETS, M_PROXY_DECODE_TTL, M_PROXY_GAP
 
 PROXY = rules.PROXY
 
@@ -39,16 +41,11 @@ CASES = [
 ]
 
 
-def _config(ttl: float):
-    return replace(DEFAULT, decode_ttl_seconds=ttl,
-                   proxy_entry_lifetime_seconds=ttl * 0.9)
-
-
 def _truth(gaps: dict[float, float], ttl: float) -> float:
     return sum(n for v, n in gaps.items() if v > ttl) / sum(gaps.values())
 
 
-def _record(config):
+def _record(config=DEFAULT):
     name = rules.record_name("kvobs_proxy_inter_turn_gap_over_decode_ttl",
                              f"ratio_rate{config.windows.rate}", config)
     (rec,) = [r for r in rules.recordings(config) if r.record == name]
@@ -56,13 +53,15 @@ def _record(config):
 
 
 def _promtool_eval(promtool: str, tmp_path, expr: str, gaps: dict[float, float],
-                   expected: float) -> subprocess.CompletedProcess:
+                   expected: float, ttl: float) -> subprocess.CompletedProcess:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(
         {"groups": [{"name": "g", "rules": [{"record": "gap_share", "expr": expr}]}]}))
     labels = rules._text(rules._kept(PROXY, DEFAULT))
     test = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
-        "input_series": rules._series_list(rules.histogram_series(M_PROXY_GAP, PROXY, gaps)),
+        "input_series": rules._series_list({
+            **rules.histogram_series(M_PROXY_GAP, PROXY, gaps),
+            rules.sel(M_PROXY_DECODE_TTL, PROXY): f"{ttl:g}x40"}),
         "promql_expr_test": [{"expr": "gap_share", "eval_time": "10m",
                               "exp_samples": [{"labels": f"gap_share{labels}",
                                                "value": expected}]}]}]}
@@ -74,15 +73,23 @@ def _promtool_eval(promtool: str, tmp_path, expr: str, gaps: dict[float, float],
 @pytest.mark.parametrize("ttl, gaps, expected, what", CASES, ids=[c[3] for c in CASES])
 def test_share_of_gaps_above_the_ttl(promtool, tmp_path, ttl, gaps, expected, what):
     assert _truth(gaps, ttl) == expected  # the case is what it says
-    rec = _record(_config(ttl))
-    result = _promtool_eval(promtool, tmp_path, rec.expr, gaps, expected)
+    result = _promtool_eval(promtool, tmp_path, _record().expr, gaps, expected, ttl)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_rule_does_not_depend_on_the_configured_ttl():
+    """One rule for every TTL: the configured one changes nothing in it."""
+    other = replace(DEFAULT, decode_ttl_seconds=300, proxy_entry_lifetime_seconds=290)
+    assert _record(other).expr == _record().expr
+    assert M_PROXY_DECODE_TTL.name in _record().expr
 
 
 def test_a_wrong_expectation_fails(promtool, tmp_path):
     """The promtool evaluation above can fail: the every-gap-below case against 1."""
-    rec = _record(_config(300))
-    result = _promtool_eval(promtool, tmp_path, rec.expr, {30: 60}, 1.0)
+    result = _promtool_eval(promtool, tmp_path, _record().expr, {30: 60}, 1.0, 300)
+    assert result.returncode != 0
+    # and the TTL the proxy reports is what counts: the same gaps, a TTL below them
+    result = _promtool_eval(promtool, tmp_path, _record().expr, {30: 60}, 0.0, 15)
     assert result.returncode != 0
 
 
@@ -97,23 +104,22 @@ def test_ttl_beyond_the_last_bound_says_it_is_an_upper_bound(promtool, tmp_path)
     shown (an upper bound), and the legend says so."""
     ttl = 5000.0
     assert ttl > max(GAP_BUCKETS)
-    rec = _record(_config(ttl))
     gaps = {4000: 60}  # all below the TTL, all above the last bound
-    result = _promtool_eval(promtool, tmp_path, rec.expr, gaps, 1.0)
+    result = _promtool_eval(promtool, tmp_path, _record().expr, gaps, 1.0, ttl)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "upper bound" in queries.share_above_method(ttl, GAP_BUCKETS)
 
 
-def test_panel_legend_names_the_method(sdk):
+def test_panels_read_the_reported_ttl_and_say_how(sdk):
     from kvobs.monitoring import dashboards
 
-    for ttl, method in ((300, "interpolated between the 240 s and 360 s buckets"),
-                        (480, "exact")):
-        board = dashboards.build_overview(_config(ttl))
-        (panel,) = [p for p in board["panels"] if p.get("title") == "Gaps longer than D's TTL"]
-        assert method in panel["targets"][0]["legendFormat"]
+    board = dashboards.build_overview(DEFAULT)
+    for title in ("Gaps longer than D's TTL", "Gaps beyond D's TTL"):
+        (panel,) = [p for p in board["panels"] if p.get("title") == title]
         assert panel["targets"][0]["expr"] == queries.gap_over_ttl_ratio(
-            queries.Scope(*_dashboard_scope()), ttl)
+            queries.Scope(*_dashboard_scope()))
+        assert "interpolated linearly" in panel["description"]
+        assert "upper bound" in panel["description"]
+        assert f"`{M_PROXY_DECODE_TTL.name}`" in panel["description"].split("Metrics:")[-1]
 
 
 def _dashboard_scope():
