@@ -174,6 +174,11 @@ def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container.get("env", ())}
 
 
+def expand(arg: str, env: dict[str, str]) -> str:
+    """``$(VAR)`` in a container's args, as the kubelet expands it from the env."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
 def test_services_select_their_pods_and_ports(example):
     deployments = by_kind(example, "Deployment")
     for name, service in by_kind(example, "Service").items():
@@ -199,17 +204,36 @@ def test_prometheus_picks_up_monitors_and_rules(example, base):
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
 
 
-def test_engine_podmonitor_names_jobs_by_role_and_restores_colons(base):
+def _relabel(rule: dict, labels: dict[str, str]) -> str | None:
+    """Prometheus' `replace` relabeling of ``labels`` by ``rule``: the new target value."""
+    value = rule.get("separator", ";").join(labels[name] for name in rule["sourceLabels"])
+    match = re.fullmatch(rule.get("regex", "(.*)"), value)
+    if not match:
+        return None
+    return re.sub(r"\$\{?(\d+)\}?", lambda m: match.group(int(m.group(1))),
+                  rule["replacement"])
+
+
+def test_engine_podmonitor_names_jobs_by_role_and_namespace_and_restores_colons(base):
     (endpoint,) = by_kind(base, "PodMonitor")["kvobs-vllm-engines"]["spec"]["podMetricsEndpoints"]
     (job,) = endpoint["relabelings"]
     assert job["targetLabel"] == "job"
-    for role, selector in (("prefill", DEFAULT.selectors.prefill),
-                           ("decode", DEFAULT.selectors.decode)):
-        name = job["replacement"].replace("$1", role)
-        (regex,) = re.findall(r'job=~"([^"]*)"', selector)
-        assert re.fullmatch(regex, name), (name, selector)
-        (targets,) = re.findall(r'job=~"([^"]*)"', DEFAULT.selectors.engine_targets)
-        assert re.fullmatch(targets, name)
+    names = set()
+    for namespace in ("serving", "staging"):
+        for role, selector in (("prefill", DEFAULT.selectors.prefill),
+                               ("decode", DEFAULT.selectors.decode)):
+            name = _relabel(job, {"__meta_kubernetes_namespace": namespace,
+                                  "__meta_kubernetes_pod_label_kvobs_io_engine_role": role})
+            assert name == f"{namespace}/vllm-{role}"
+            (regex,) = re.findall(r'job=~"([^"]*)"', selector)
+            assert re.fullmatch(regex, name), (name, selector)
+            (other,) = re.findall(r'job=~"([^"]*)"', (DEFAULT.selectors.decode if role ==
+                                                      "prefill" else DEFAULT.selectors.prefill))
+            assert not re.fullmatch(other, name)
+            (targets,) = re.findall(r'job=~"([^"]*)"', DEFAULT.selectors.engine_targets)
+            assert re.fullmatch(targets, name)
+            names.add(name)
+    assert len(names) == 4  # two namespaces' fleets never share a job
     (colons,) = endpoint["metricRelabelings"]
     assert colons == {"sourceLabels": COLON_RESTORING_RELABEL["source_labels"],
                       "regex": COLON_RESTORING_RELABEL["regex"],
@@ -219,8 +243,11 @@ def test_engine_podmonitor_names_jobs_by_role_and_restores_colons(base):
 
 def test_proxy_matches_the_monitoring_config_and_sends_spans_to_the_collector(base):
     proxy = _container(by_kind(base, "Deployment")["kvobs-proxy"], "proxy")
-    args = dict(a.removeprefix("--").split("=", 1) for a in proxy["args"] if "=" in a)
+    env = _env(proxy)
+    args = dict(expand(a, env).removeprefix("--").split("=", 1) for a in proxy["args"]
+                if "=" in a)
     assert float(args["decode-kv-ttl"]) == DEFAULT.decode_ttl_seconds
+    assert float(args["expiry-margin"]) == DEFAULT.proxy_expiry_margin_seconds
     (proxy_targets,) = re.findall(r'job=~"([^"]*)"', DEFAULT.selectors.proxy_targets)
     assert re.fullmatch(proxy_targets, "kvobs-proxy")  # the ServiceMonitor's default job
     env = _env(proxy)
