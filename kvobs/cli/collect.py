@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from kvobs.cli._exit import fail_input
 from kvobs.settings import DECODE_TTL
 
 
@@ -31,11 +32,16 @@ from kvobs.settings import DECODE_TTL
 @click.option("--turn-retention", type=click.FloatRange(min=3600), default=30 * 86400.0,
               show_default=True, help="Seconds final turn rows are kept (hourly "
                                       "partitions dropped whole).")
+@click.option("--turn-store", metavar="URL", default=None,
+              help="Where final turn rows go instead of STORE_DIR/turns/: ClickHouse, "
+                   "clickhouse://[USER:PASSWORD@]HOST:8123/DB[?turn_table=T] or chdb:PATH "
+                   "(a ReplacingMergeTree table with a TTL of --turn-retention; default "
+                   "table kvobs_turn_rows). kvobs turns --source URL reads them.")
 @click.option("--read-slo", type=float, default=None,
               help="Read-latency SLO in seconds (slow-transfer above it).")
 @click.option("--log-level", default="INFO", show_default=True)
 def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, turn_retention,
-            read_slo, log_level):
+            turn_store, read_slo, log_level):
     """Receive OTLP/HTTP traces into STORE_DIR and classify every turn live.
 
     Spans come in as POST /v1/traces (protobuf or JSON); every turn is classified as its
@@ -55,7 +61,16 @@ def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, tur
         return
     from kvobs.live.service import LiveSettings, run
 
+    turns = None
+    if turn_store is not None:
+        from kvobs.live.turn_rows import open_turn_rows
+        from kvobs.sources import SourceError
+
+        try:
+            turns = open_turn_rows(turn_store, turn_retention)
+        except (SourceError, ImportError) as error:
+            fail_input(f"--turn-store {turn_store}: {error}")
     run(store_dir, host, port, LiveSettings(window_s=2 * decode_kv_ttl, grace_s=grace,
                                             interval_s=interval,
                                             turn_retention_s=turn_retention,
-                                            read_slo_s=read_slo))
+                                            read_slo_s=read_slo), turns)

@@ -12,7 +12,7 @@ from kvobs.cli._common import (console, fail_input, fail_on_option, fleet_exit_s
                                source_option)
 from kvobs.diagnose import all_turns
 from kvobs.render import duration, to_json
-from kvobs.semconv import VERDICT_VALUES
+from kvobs.semconv import VERDICT_VALUES, Verdict
 
 
 @click.command("turns")
@@ -26,22 +26,35 @@ from kvobs.semconv import VERDICT_VALUES
 @click.option("--min-turn", type=int, default=None, help="Only turns with index >= this.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@click.option("--from-spans", is_flag=True,
+              help="Classify the source's spans even where it holds the turns `kvobs "
+                   "collect` classified (a store's turns/, ClickHouse's turn table).")
 @fail_on_option
 def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json,
-            fail_on):
-    """All turns with their verdicts (load the CSV or JSON into pandas)."""
-    span_source = load_source(source)
-    items = all_turns(span_source, read_slo)
+            from_spans, fail_on):
+    """All turns with their verdicts (load the CSV or JSON into pandas).
+
+    Where the source holds the live classifier's turns (kvobs collect's store directory,
+    or ClickHouse with its --turn-store table) those are listed, each at its latest
+    version, linked as the classifier linked them; --from-spans classifies the spans
+    again instead."""
     fmt = "json" if as_json else fmt
-    if not items:  # an empty or unreadable source: as report and diagnose, an input error
-        print_source_problems(span_source.problems, machine_readable=fmt != "table")
+    stored = None if from_spans else _stored_turns(source)
+    problems: list[str] = []
+    if stored is not None:
+        rows = stored
+    else:
+        span_source = load_source(source)
+        rows = [t.to_dict() for t in all_turns(span_source, read_slo)]
+        problems = span_source.problems
+    if not rows:  # an empty or unreadable source: as report and diagnose, an input error
+        print_source_problems(problems, machine_readable=fmt != "table")
         fail_input(f"no turns in {source}")
-    items = [t for t in items
-             if (not verdicts or t.finding.verdict.value in verdicts)
-             and (not conversations or t.conversation_id in conversations)
-             and (not tenants or t.tenant in tenants)
-             and (min_turn is None or t.turn.index >= min_turn)]
-    rows = [t.to_dict() for t in items]
+    rows = [r for r in rows
+            if (not verdicts or r["verdict"] in verdicts)
+            and (not conversations or r["conversation_id"] in conversations)
+            and (not tenants or r["tenant"] in tenants)
+            and (min_turn is None or r["turn"] >= min_turn)]
     if fmt == "json":
         click.echo(to_json(rows))
     elif fmt == "csv":
@@ -73,5 +86,22 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
                           duration(row["ttft_s"]), duration(row["latency_s"]),
                           str(row["slowest_phase"]), str(cause))
         out.print(table)
-    print_source_problems(span_source.problems, machine_readable=fmt != "table")
-    sys.exit(fleet_exit_status([t.finding.verdict for t in items], fail_on))
+    print_source_problems(problems, machine_readable=fmt != "table")
+    sys.exit(fleet_exit_status([Verdict(r["verdict"]) for r in rows], fail_on))
+
+
+def _stored_turns(source: str) -> list[dict] | None:
+    """The live classifier's turns at ``source``, None where it holds none."""
+    from kvobs.live.turn_rows import stored_turn_rows
+    from kvobs.sources import SourceError
+
+    try:
+        turns = stored_turn_rows(source)
+        if turns is None:
+            return None
+        rows = turns.latest()
+    except (SourceError, OSError, ImportError) as error:
+        fail_input(f"{source}: cannot read its classified turns: {error}")
+    click.echo(f"{len(rows)} turns as kvobs collect classified them in {turns.location} "
+               "(--from-spans: classify the spans instead)", err=True)
+    return rows

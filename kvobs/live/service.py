@@ -36,7 +36,7 @@ from kvobs.emit.segments import SUFFIX
 from kvobs.semconv import STORE_LIVE_DIR
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
-from kvobs.live.turnstore import TurnStore
+from kvobs.live.turnstore import TurnRows, TurnStore
 
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
@@ -57,12 +57,13 @@ class LiveSettings:
 
 
 class Live:
-    def __init__(self, store_dir: str, settings: LiveSettings):
+    def __init__(self, store_dir: str, settings: LiveSettings, turns: TurnRows | None = None):
         self.settings = settings
         self.store_dir = store_dir
         self.classifier = Classifier(settings.window_s, settings.grace_s, settings.read_slo_s)
         self.metrics = TurnMetrics()
-        self.turns = TurnStore(store_dir, settings.turn_retention_s)
+        # Final turn rows: the store directory's parquet unless given (ClickHouse).
+        self.turns = turns or TurnStore(store_dir, settings.turn_retention_s)
         self._task: asyncio.Task | None = None
         self._expired_at = 0.0
 
@@ -196,8 +197,9 @@ def _json_dumps(value) -> str:
     return json.dumps(value, default=str)
 
 
-def build_app(store_dir: str, settings: LiveSettings) -> web.Application:
-    live = Live(store_dir, settings)
+def build_app(store_dir: str, settings: LiveSettings,
+              turns: TurnRows | None = None) -> web.Application:
+    live = Live(store_dir, settings, turns)
     app = collect.build_app(collect.SegmentWriter(store_dir), sink=live.receive)
     app[LIVE] = live
     app.on_startup.append(live.start)
@@ -208,8 +210,10 @@ def build_app(store_dir: str, settings: LiveSettings) -> web.Application:
     return app
 
 
-def run(store_dir: str, host: str, port: int, settings: LiveSettings) -> None:
-    _LOG.info("kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s",
-              settings.window_s, settings.grace_s, store_dir)
-    web.run_app(build_app(store_dir, settings), host=host, port=port, print=None,
+def run(store_dir: str, host: str, port: int, settings: LiveSettings,
+        turns: TurnRows | None = None) -> None:
+    _LOG.info("kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s, "
+              "final turns to %s", settings.window_s, settings.grace_s, store_dir,
+              turns.location if turns else "the store")
+    web.run_app(build_app(store_dir, settings, turns), host=host, port=port, print=None,
                 handle_signals=True, access_log=None)

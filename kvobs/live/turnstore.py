@@ -1,10 +1,13 @@
-"""Classified turns as the fleet's stored product: the live classifier's final rows in
-hourly parquet partitions, ``DIR/turns/hour=YYYYMMDDHH/part-*.parquet``, dropped whole
-when older than the retention. Every version of a turn is a row; readers keep the
-latest (``latest``). A key the classifier moved a turn away from (lineage re-grouped
-it) ends with a row marked ``superseded``, and readers skip it. A row is a few typed
-columns to filter on plus ``detail``: the turn as ``kvobs diagnose --json`` gives it (ids
-and numbers only, never text).
+"""Classified turns as the fleet's stored product: the live classifier's final rows.
+
+Embedded (``TurnStore``): hourly parquet partitions, ``DIR/turns/hour=YYYYMMDDHH/
+part-*.parquet``, dropped whole when older than the retention. ClickHouse
+(``kvobs.live.clickhouse_turns``): one MergeTree table with a TTL. Both hold the same
+rows (``SCHEMA``) and answer through ``TurnRows``. Every version of a turn is a row;
+readers keep the latest (``latest``). A key the classifier moved a turn away from
+(lineage re-grouped it) ends with a row marked ``superseded``, and readers skip it. A row
+is a few typed columns to filter on plus ``detail``: the turn as ``kvobs diagnose
+--json`` gives it (ids and numbers only, never text).
 """
 
 from __future__ import annotations
@@ -77,12 +80,17 @@ def _nan_free(value: Any) -> Any:
     return value
 
 
-class TurnStore:
-    def __init__(self, directory: str, retention_s: float):
-        self.directory = os.path.join(directory, TURNS_DIR)
+class TurnRows:
+    """What every turn row store shares: rows wait in ``pending`` while the store cannot
+    take them (a full disk, ClickHouse down), up to ``MAX_PENDING``; reads keep each
+    turn's latest version. A backend writes (``_flush``) and reads (``read``)."""
+
+    location = ""
+
+    def __init__(self, retention_s: float):
         self.retention_s = retention_s
         self.pending: list[dict[str, Any]] = []
-        self.dropped = 0  # rows lost after MAX_PENDING (a disk full for long)
+        self.dropped = 0  # rows lost after MAX_PENDING (a store down for long)
 
     def write(self, rows: Iterable[dict[str, Any]], now: float | None = None) -> int:
         """Appends final rows (with any left from a failed write); returns the rows
@@ -94,6 +102,55 @@ class TurnStore:
             del self.pending[: len(self.pending) - MAX_PENDING]
         if not self.pending:
             return 0
+        return self._flush(now)
+
+    def _flush(self, now: float) -> int:
+        """Writes ``pending``, removing what was written; ``OSError`` on failure."""
+        raise NotImplementedError
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drops what is past the retention; returns what went (a store whose engine
+        expires rows itself returns nothing)."""
+        return []
+
+    def read(self, conversation_id: str | None = None,
+             since: float | None = None) -> pa.Table:
+        """Every stored row (of one conversation; finalized at or after ``since``), all
+        versions, ``SCHEMA``'s columns."""
+        raise NotImplementedError
+
+    def finalized_since(self, since: float) -> list[dict[str, Any]]:
+        """Every turn finalized at or after ``since``, at its latest version (what a
+        restarted classifier resumes from)."""
+        return [detail for _, detail in _latest(self.read(since=since))]
+
+    def latest(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
+        """The turns (of one conversation), each at its latest version, in key order."""
+        return [detail | {"final": True} for _, detail in
+                sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])]
+
+
+def _latest(table: pa.Table) -> list[tuple[tuple, dict[str, Any]]]:
+    """(key, turn) at each key's highest version, superseded keys left out."""
+    best: dict[tuple, dict] = {}
+    for item in table.select(["tenant", "conversation_id", "turn", "version",
+                              "detail"]).to_pylist():
+        key = (item["tenant"], item["conversation_id"], item["turn"])
+        if key not in best or item["version"] >= best[key]["version"]:
+            best[key] = item
+    return [(key, detail | {"version": item["version"]}) for key, item in best.items()
+            if not (detail := json.loads(item["detail"])).get("superseded")]
+
+
+class TurnStore(TurnRows):
+    """The embedded default: hourly parquet partitions under ``DIR/turns``."""
+
+    def __init__(self, directory: str, retention_s: float):
+        super().__init__(retention_s)
+        self.directory = os.path.join(directory, TURNS_DIR)
+        self.location = self.directory
+
+    def _flush(self, now: float) -> int:
         by_hour: dict[str, list[dict]] = defaultdict(list)
         for item in self.pending:
             by_hour[time.strftime(_HOUR_FORMAT, time.gmtime(item["finalized_at"]))].append(item)
@@ -134,41 +191,16 @@ class TurnStore:
                 gone.append(name)
         return gone
 
-    def read(self, conversation_id: str | None = None) -> pa.Table:
-        """Every stored row (of one conversation), all versions."""
+    def read(self, conversation_id: str | None = None,
+             since: float | None = None) -> pa.Table:
+        first_hour = "" if since is None else time.strftime(_HOUR_FORMAT, time.gmtime(since))
         files = [os.path.join(self.directory, p, f) for p in self.partitions()
+                 if p[len(_PREFIX):] >= first_hour
                  for f in sorted(os.listdir(os.path.join(self.directory, p)))
                  if f.endswith(".parquet")]
         if not files:
             return SCHEMA.empty_table()
-        filters = None if conversation_id is None else [("conversation_id", "=", conversation_id)]
-        tables = [pq.read_table(f, schema=SCHEMA, filters=filters) for f in files]
+        filters = [] if conversation_id is None else [("conversation_id", "=", conversation_id)]
+        filters += [] if since is None else [("finalized_at", ">=", since)]
+        tables = [pq.read_table(f, schema=SCHEMA, filters=filters or None) for f in files]
         return pa.concat_tables(tables)
-
-    def finalized_since(self, since: float) -> list[dict[str, Any]]:
-        """Every turn finalized at or after ``since``, at its latest version (what a
-        restarted classifier resumes from)."""
-        hour = time.strftime(_HOUR_FORMAT, time.gmtime(since))
-        files = [os.path.join(self.directory, p, f) for p in self.partitions()
-                 if p[len(_PREFIX):] >= hour
-                 for f in sorted(os.listdir(os.path.join(self.directory, p)))
-                 if f.endswith(".parquet")]
-        best: dict[tuple, dict] = {}
-        for path in files:
-            table = pq.read_table(path, schema=SCHEMA, filters=[("finalized_at", ">=", since)])
-            for item in table.to_pylist():
-                key = (item["tenant"], item["conversation_id"], item["turn"])
-                if key not in best or item["version"] >= best[key]["version"]:
-                    best[key] = item
-        return [detail | {"version": item["version"]} for item in best.values()
-                if not (detail := json.loads(item["detail"])).get("superseded")]
-
-    def latest(self, conversation_id: str) -> list[dict[str, Any]]:
-        """The conversation's turns, each at its latest version, in turn order."""
-        best: dict[tuple, tuple[int, dict]] = {}
-        for item in self.read(conversation_id).to_pylist():
-            key = (item["tenant"], item["turn"])
-            if key not in best or item["version"] >= best[key][0]:
-                best[key] = (item["version"], json.loads(item["detail"]))
-        return [best[key][1] | {"version": best[key][0], "final": True}
-                for key in sorted(best) if not best[key][1].get("superseded")]

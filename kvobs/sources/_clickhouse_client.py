@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable, Mapping, Optional
+import urllib.parse
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from kvobs.sources._clickhouse_sql import quote
+from kvobs.sources._clickhouse_sql import ENV_PASSWORD, ENV_USER, quote
 from kvobs.sources._errors import SourceError
 
 Query = Callable[..., pa.Table]
+
+
+class Database(NamedTuple):
+    """One ClickHouse: its ``Query``, an ``insert(table, arrow_rows)``, and where it is."""
+    query: Query
+    insert: Callable[[str, pa.Table], None]
+    location: str
 # Statements that answer no rows: sent as commands, not queries.
 _COMMANDS = ("INSERT", "CREATE", "DROP", "ALTER", "TRUNCATE", "RENAME", "OPTIMIZE",
              "SYSTEM")
@@ -36,31 +45,50 @@ def server_query(host: str, port: int, database: str, user: str | None, password
     """A ``Query`` over ClickHouse's HTTP interface. It connects on its first statement
     (clickhouse-connect asks the server's version and settings then): an unreachable
     server or a refused login raises ``ClickHouseError`` there."""
+    return _server(host, port, database, user, password, secure).query
+
+
+def _server(host: str, port: int, database: str, user: str | None, password: str,
+            secure: bool) -> Database:
     import clickhouse_connect
     from clickhouse_connect.driver.exceptions import ClickHouseError as DriverError
 
     clients = []
 
+    def client():
+        if not clients:
+            clients.append(clickhouse_connect.get_client(
+                host=host, port=port, database=database, username=user or "default",
+                password=password or "", secure=secure, connect_timeout=10,
+                send_receive_timeout=_TIMEOUT_S, autogenerate_session_id=False))
+        return clients[0]
+
     def query(sql: str, parameters: Optional[Mapping[str, Any]] = None,
               large: bool = False) -> pa.Table:
         try:
-            if not clients:
-                clients.append(clickhouse_connect.get_client(
-                    host=host, port=port, database=database, username=user or "default",
-                    password=password or "", secure=secure, connect_timeout=10,
-                    send_receive_timeout=_TIMEOUT_S, autogenerate_session_id=False))
             if sql.lstrip().upper().startswith(_COMMANDS):
-                clients[0].command(sql, parameters=parameters)
+                client().command(sql, parameters=parameters)
                 return pa.table({})
-            return clients[0].query_arrow(sql, parameters=parameters)
+            return client().query_arrow(sql, parameters=parameters)
         except DriverError as error:
             raise ClickHouseError(_server_text(error)) from error
 
-    return query
+    def insert(table: str, rows: pa.Table) -> None:
+        try:
+            client().insert_arrow(table, rows)
+        except DriverError as error:
+            raise ClickHouseError(_server_text(error)) from error
+
+    scheme = "https" if secure else "http"
+    return Database(query, insert, f"{scheme}://{host}:{port}/{database}")
 
 
 def embedded_query(path: str) -> Query:
     """A ``Query`` over an embedded ClickHouse database directory (chdb)."""
+    return _embedded(path).query
+
+
+def _embedded(path: str) -> Database:
     from chdb import session
 
     db = session.Session(path)
@@ -95,7 +123,16 @@ def embedded_query(path: str) -> Query:
         np.frombuffer(owned, np.uint8)[:] = np.frombuffer(view, np.uint8)
         return pa.ipc.open_file(owned).read_all()
 
-    return query
+    def insert(table: str, rows: pa.Table) -> None:
+        # chdb reads a local file; the rows pass through one parquet file of their own.
+        with tempfile.TemporaryDirectory(prefix="kvobs-insert-") as directory:
+            staged = os.path.join(directory, "rows.parquet")
+            pq.write_table(rows, staged)
+            columns = ", ".join(f"`{name}`" for name in rows.column_names)
+            query(f"INSERT INTO {table} ({columns}) SELECT {columns} "
+                  f"FROM file({quote(staged)}, Parquet)")
+
+    return Database(query, insert, f"chdb:{path}")
 
 
 # Where a large chdb result goes: a memory file system, when it has room.
@@ -146,3 +183,34 @@ def _server_text(error: Exception) -> str:
     """The server's message, without the client's retelling of the request."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines)[:500] or type(error).__name__
+
+
+def connect(url: str, create: bool = False) -> tuple[Database, dict[str, str]]:
+    """``clickhouse://[user:password@]HOST[:PORT]/DB[?k=v]`` (HTTP interface;
+    ``clickhouses://`` for HTTPS; user/password also from ``KVOBS_CLICKHOUSE_USER`` /
+    ``KVOBS_CLICKHOUSE_PASSWORD``) or ``chdb:PATH[?k=v]`` (embedded; made when
+    ``create``, else it must exist: reading never creates a database). Returns the
+    database and the URL's query parameters. Connects on first use."""
+    parsed = urllib.parse.urlparse(url)
+    options = {key: values[0] for key, values in urllib.parse.parse_qs(parsed.query).items()}
+    if parsed.scheme == "chdb":
+        path = parsed.path or url[len("chdb:"):].split("?")[0]
+        if create:
+            os.makedirs(path, exist_ok=True)
+        elif not os.path.isdir(path):
+            what = "is not a directory" if os.path.exists(path) else "does not exist"
+            raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
+                              "directory)")
+        return _embedded(path), options
+    secure = parsed.scheme == "clickhouses"
+    try:
+        port = parsed.port or (8443 if secure else 8123)
+    except ValueError as error:
+        raise SourceError(f"{url}: {error}") from error
+    if not parsed.hostname:
+        raise SourceError(f"{url}: no host")
+    user = urllib.parse.unquote(parsed.username or "") or os.environ.get(ENV_USER)
+    password = (urllib.parse.unquote(parsed.password or "")
+                or os.environ.get(ENV_PASSWORD, ""))
+    return _server(parsed.hostname, port, parsed.path.strip("/") or "default", user,
+                   password, secure), options

@@ -52,8 +52,8 @@ from kvobs.sources._clickhouse_sql import (
 from kvobs.sources._clickhouse_client import (
     ClickHouseError,
     Query,
+    connect,
     embedded_query,
-    server_query,
 )
 from kvobs.sources._clickhouse_view import (
     backfill_sql,
@@ -119,36 +119,15 @@ class ClickHouseSource:
 
     @classmethod
     def from_url(cls, url: str) -> "ClickHouseSource":
-        """``clickhouse://[user:password@]HOST[:PORT]/DB[?table=T]`` (HTTP interface;
-        ``clickhouses://`` for HTTPS; user/password also from ``KVOBS_CLICKHOUSE_USER`` /
-        ``KVOBS_CLICKHOUSE_PASSWORD``), or ``chdb:PATH[?table=T]`` (embedded). Connects
-        on first use: ``check()`` raises ``SourceError`` with the server's own words when
-        it refuses or is not there."""
-        parsed = urllib.parse.urlparse(url)
-        table = urllib.parse.parse_qs(parsed.query).get("table", [DEFAULT_TABLE])[0]
+        """``clickhouse://[user:password@]HOST[:PORT]/DB[?table=T]`` or
+        ``chdb:PATH[?table=T]`` (``_clickhouse_client.connect``). Connects on first use:
+        ``check()`` raises ``SourceError`` with the server's own words when it refuses or
+        is not there."""
+        table = urllib.parse.parse_qs(urllib.parse.urlparse(url).query).get(
+            "table", [DEFAULT_TABLE])[0]
         check_table_name(table)  # before any connection or embedded database
-        if parsed.scheme == "chdb":
-            path = parsed.path or url[len("chdb:"):].split("?")[0]
-            if not os.path.isdir(path):  # reading must not create a database
-                what = "is not a directory" if os.path.exists(path) else "does not exist"
-                raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
-                                  "directory)")
-            return cls.chdb(path, table)
-        secure = parsed.scheme == "clickhouses"
-        scheme = "https" if secure else "http"
-        try:
-            port = parsed.port or (8443 if secure else 8123)
-        except ValueError as error:
-            raise SourceError(f"{url}: {error}") from error
-        database = parsed.path.strip("/") or "default"
-        location = f"{scheme}://{parsed.hostname}:{port}/{database}"
-        user = urllib.parse.unquote(parsed.username or "") or os.environ.get(ENV_USER)
-        password = (urllib.parse.unquote(parsed.password or "")
-                    or os.environ.get(ENV_PASSWORD, ""))
-        if not parsed.hostname:
-            raise SourceError(f"{url}: no host")
-        return cls(server_query(parsed.hostname, port, database, user, password, secure),
-                   table, location)
+        database, _ = connect(url)
+        return cls(database.query, table, database.location)
 
     @classmethod
     def chdb(cls, path: str, table: str = DEFAULT_TABLE) -> "ClickHouseSource":

@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvobs import semconv as sc
 from kvobs._proc import stop_process_group
 from kvobs.testbed.engines import REPO_ROOT, free_ports
 
@@ -186,6 +187,22 @@ class CollectProcess(Process):
     @property
     def traces_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    def settled(self, timeout_s: float = 60.0) -> bool:
+        """Waits until the classifier holds no open turn (every turn final)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/metrics", timeout=5) as answer:
+                    text = answer.read().decode()
+            except OSError:
+                text = ""
+            open_turns = [line for line in text.splitlines()
+                          if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")]
+            if open_turns and float(open_turns[0].split()[1]) == 0:
+                return True
+            time.sleep(0.5)
+        return False
 
     @property
     def url(self) -> str:

@@ -195,21 +195,7 @@ class Stack:
 
     def live_settled(self, timeout_s: float = 60.0) -> bool:
         """Waits until the live classifier holds no open turn (every turn final)."""
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.live.url + "/metrics", timeout=5) as answer:
-                    text = answer.read().decode()
-            except OSError:
-                text = ""
-            open_turns = [line for line in text.splitlines()
-                          if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")]
-            if open_turns and float(open_turns[0].split()[1]) == 0:
-                return True
-            time.sleep(0.5)
-        return False
+        return self.live is not None and self.live.settled(timeout_s)
 
     def _otel_env(self, role: str) -> dict[str, str]:
         """The OpenTelemetry resource a deployment gives each process: its service name

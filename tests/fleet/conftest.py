@@ -39,14 +39,8 @@ def factory_store(tmp_path_factory):
     return str(path)
 
 
-# ClickHouse on chdb (tests/fleet/test_clickhouse*.py): one embedded server per process,
-# so one database directory for every test, and each span table loaded once.
-
-@pytest.fixture(scope="session")
-def chdb_path(tmp_path_factory):
-    pytest.importorskip("chdb")
-    return str(tmp_path_factory.mktemp("chdb"))
-
+# ClickHouse on chdb (tests/fleet/test_clickhouse*.py; chdb_path: tests/conftest.py):
+# each span table loaded once.
 
 @pytest.fixture(scope="session")
 def compacted_factory_store(factory_store, tmp_path_factory):

@@ -66,7 +66,9 @@ def test_spans_in_true_verdicts_out(tmp_path):
                         headers={"Content-Type": "application/x-protobuf"})
                 assert response.status == 200, await response.text()
             live = app[LIVE]
-            for _ in range(100):
+            # Until every turn is final; the bound only guards against a hang (passes
+            # slow down on a loaded box: 10 s was once too short).
+            for _ in range(600):
                 await asyncio.sleep(0.1)
                 if live.classifier.turns and not live.classifier.open_turns():
                     break
@@ -136,7 +138,9 @@ def test_a_restart_resumes_from_the_stores_and_counts_every_turn_once(tmp_path):
                                              headers={"Content-Type": "application/json"})
                 assert response.status == 200
             live = app[LIVE]
-            for _ in range(100):
+            # Until every turn is final; the bound only guards against a hang (passes
+            # slow down on a loaded box: 10 s was once too short).
+            for _ in range(600):
                 await asyncio.sleep(0.1)
                 if live.classifier.turns and not live.classifier.open_turns():
                     break

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -60,3 +61,56 @@ def test_rows_wait_for_a_writable_disk(tmp_path):
     (tmp_path / "turns").unlink()
     assert store.write([_row("c", 2, "remote-hit")], now=T0) == 2
     assert store.pending == [] and [t["turn"] for t in store.latest("c")] == [1, 2]
+
+
+# ClickHouse (chdb): the same rows in a ReplacingMergeTree table with a TTL.
+
+def _clickhouse(chdb_path: str, name: str, retention_s: float = 86400.0):
+    from kvobs.live.clickhouse_turns import ClickHouseTurns
+
+    return ClickHouseTurns.from_url(f"chdb:{chdb_path}?turn_table=turns_{name}", retention_s)
+
+
+def test_clickhouse_keeps_the_latest_version_and_skips_superseded_keys(chdb_path):
+    from kvobs.live.classifier import superseded
+
+    store = _clickhouse(chdb_path, "latest")
+    now = time.time()
+    assert store.latest("c") == [] and not store.exists()
+    assert store.write([_row("c", 2, "miss"), _row("c", 1, "first-turn")], now=now - 60) == 2
+    assert store.write([_row("c", 2, "remote-hit", version=2),
+                        superseded(_row("c", 3, "miss"), 2)], now=now) == 2
+    turns = store.latest("c")
+    assert [(t["turn"], t["verdict"], t["version"]) for t in turns] == [
+        (1, "first-turn", 1), (2, "remote-hit", 2)]
+    assert [t["turn"] for t in store.finalized_since(now - 1)] == [2]
+    assert store.read().num_rows == 4
+
+
+def test_clickhouse_stores_non_finite_numbers_as_null(chdb_path):
+    store = _clickhouse(chdb_path, "nan")
+    store.write([_row("c", 1, "first-turn", latency_s=math.inf, phases={"decode": math.nan})])
+    (stored,) = store.read().to_pylist()
+    assert stored["latency_s"] is None
+    assert json.loads(stored["detail"])["phases"] == {"decode": None}
+
+
+def test_clickhouse_ttl_drops_rows_past_the_retention(chdb_path):
+    store = _clickhouse(chdb_path, "ttl", retention_s=2 * HOUR)
+    now = time.time()
+    store.write([_row("old", 1, "first-turn")], now=now - 3 * HOUR)
+    store.write([_row("new", 1, "first-turn")], now=now)
+    assert store.latest("old") == [] and [t["turn"] for t in store.latest("new")] == [1]
+
+
+def test_rows_wait_for_a_clickhouse_that_answers(tmp_path):
+    """A server that is not there: the write raises OSError (what the service logs and
+    counts) and keeps the rows for the next pass."""
+    pytest.importorskip("clickhouse_connect")
+    from kvobs.live.turn_rows import open_turn_rows
+    from kvobs._net import free_port
+
+    store = open_turn_rows(f"clickhouse://127.0.0.1:{free_port()}/default")
+    with pytest.raises(OSError, match="127.0.0.1"):
+        store.write([_row("c", 1, "first-turn")])
+    assert len(store.pending) == 1

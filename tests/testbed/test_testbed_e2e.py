@@ -294,13 +294,8 @@ def _live_turns(run: Run) -> dict[tuple, dict]:
     """The live classifier's final turns (its turn store), latest version of each."""
     from kvobs.live.turnstore import TurnStore
 
-    store = TurnStore(str(run.out / LIVE_DIR), 86400)
-    latest: dict[tuple, tuple[int, dict]] = {}
-    for row in store.read().to_pylist():
-        key = (row["tenant"], row["conversation_id"], row["turn"])
-        if key not in latest or row["version"] >= latest[key][0]:
-            latest[key] = (row["version"], json.loads(row["detail"]))
-    return {key: detail for key, (_, detail) in latest.items()}
+    return {(t["tenant"], t["conversation_id"], t["turn"]): t
+            for t in TurnStore(str(run.out / LIVE_DIR), 86400).latest()}
 
 
 def test_live_classifier_gives_every_turn_the_batch_answer(demo):

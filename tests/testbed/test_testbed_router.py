@@ -143,3 +143,56 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
             "proxy-in", "p-return", "proxy-hop", "d-frontend", "proxy-out"}, timeline.phases
     assert covered_total >= 0.9 * client_total, (covered_total, client_total)
     assert sorted(ratios)[len(ratios) // 2] >= 0.9, sorted(ratios)
+
+
+def _turns_cli(*args: str) -> dict[tuple, dict]:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvobs", "turns", "--json", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return {(t["conversation_id"], t["turn"]): t for t in json.loads(done.stdout)}
+
+
+def test_clickhouse_gets_the_classifier_s_linked_turns_behind_the_router(router_run, tmp_path):
+    """The id-less run's spans sent over OTLP to ``kvobs collect --turn-store chdb:...``
+    (the Collector's role, replayed from the run's store): once every turn is final,
+    ClickHouse holds the
+    turns the classifier linked, and ``kvobs turns`` there gives every turn of the
+    embedded store, with the same rebuilt conversation, index, verdict, rule, evidence
+    and slowest phase. (The span SQL path groups by the ids spans carry: none here.)"""
+    import glob
+    import urllib.request
+
+    from kvobs.testbed.services import CollectProcess
+
+    database = tmp_path / "clickhouse"
+    collect = CollectProcess(tmp_path / "collect.log", str(tmp_path / "store"), extra_args=[
+        "--turn-store", f"chdb:{database}", "--decode-kv-ttl", "600", "--grace", "1",
+        "--interval", "0.2"])
+    try:
+        lines = 0
+        for path in sorted(glob.glob(str(router_run.out / sc.STORE_LIVE_DIR / "*.jsonl"))):
+            with open(path, encoding="utf-8") as handle:
+                for line in filter(str.strip, handle):
+                    request = urllib.request.Request(
+                        collect.traces_url, data=line.encode(), method="POST",
+                        headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(request, timeout=30) as answer:
+                        assert answer.status == 200
+                    lines += 1
+        assert lines
+        assert collect.settled(), "the classifier kept turns open"
+    finally:
+        collect.stop(grace_s=60)
+    assert "Traceback" not in (tmp_path / "collect.log").read_text()
+    stored = _turns_cli("--source", f"chdb:{database}")
+    embedded = _turns_cli("--source", str(router_run.out))
+    assert len(embedded) == len(router_run.results)
+    assert set(stored) == set(embedded)
+    assert all(key[0].startswith(sc.LINEAGE_PREFIX) for key in stored)
+    fields = ("tenant", "verdict", "rule", "evidence", "slowest_phase", "trace_id")
+    assert {k: {f: t[f] for f in fields} for k, t in stored.items()} == \
+        {k: {f: t[f] for f in fields} for k, t in embedded.items()}

@@ -1,0 +1,93 @@
+"""Classified turn rows in ClickHouse: the live classifier's final turns in one
+``ReplacingMergeTree`` table, so that a fleet on ClickHouse reads turns the classifier
+linked (prefix lineage included), not spans regrouped by the ids they carry.
+
+The table is ``turnstore.SCHEMA`` translated once (``table_ddl``): the key columns
+(tenant, conversation, turn) order it, ``version`` replaces older rows of a turn as
+ClickHouse merges (readers still keep the latest themselves, ``TurnRows``), and a TTL on
+``finalized_at`` expires rows after the retention, a day's partition dropped whole.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from kvobs.live.turnstore import SCHEMA, TurnRows
+from kvobs.sources._clickhouse_client import ClickHouseError, Database, connect
+from kvobs.sources.clickhouse import check_table_name
+
+DEFAULT_TURN_TABLE = "kvobs_turn_rows"
+KEY = ("tenant", "conversation_id", "turn")
+# Never null: the key, the version, the time the row was made and the turn itself.
+_REQUIRED = {*KEY, "version", "finalized_at", "detail"}
+# Few distinct values: dictionary-encoded.
+_LOW_CARDINALITY = {"tenant", "verdict", "rule", "slowest_phase"}
+_TYPES = {pa.string(): "String", pa.int64(): "Int64", pa.float64(): "Float64"}
+
+
+def column_type(field: pa.Field) -> str:
+    kind = _TYPES[field.type]
+    if field.name not in _REQUIRED:
+        kind = f"Nullable({kind})"
+    return f"LowCardinality({kind})" if field.name in _LOW_CARDINALITY else kind
+
+
+def table_ddl(table: str, retention_s: float) -> str:
+    columns = ",\n    ".join(f"`{f.name}` {column_type(f)}" for f in SCHEMA)
+    stamp = "toDateTime(toUInt32(finalized_at))"
+    return (f"CREATE TABLE IF NOT EXISTS {table} (\n    {columns}\n)\n"
+            f"ENGINE = ReplacingMergeTree(version)\n"
+            f"PARTITION BY toYYYYMMDD({stamp})\n"
+            f"ORDER BY ({', '.join(KEY)})\n"
+            f"TTL {stamp} + INTERVAL {int(retention_s)} SECOND\n"
+            f"SETTINGS ttl_only_drop_parts = 1")
+
+
+class ClickHouseTurns(TurnRows):
+    def __init__(self, database: Database, table: str = DEFAULT_TURN_TABLE,
+                 retention_s: float = 30 * 86400.0):
+        super().__init__(retention_s)
+        check_table_name(table)
+        self.database = database
+        self.table = table
+        self.location = f"{database.location} table {table}"
+        self._created = False
+
+    @classmethod
+    def from_url(cls, url: str, retention_s: float = 30 * 86400.0,
+                 create: bool = True) -> ClickHouseTurns:
+        database, options = connect(url, create=create)
+        return cls(database, options.get("turn_table", DEFAULT_TURN_TABLE), retention_s)
+
+    def exists(self) -> bool:
+        return bool(self.database.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py())
+
+    def _flush(self, now: float) -> int:
+        rows = pa.Table.from_pylist(self.pending, schema=SCHEMA)
+        try:
+            if not self._created:
+                self.database.query(table_ddl(self.table, self.retention_s))
+                self._created = True
+            self.database.insert(self.table, rows)
+        except ClickHouseError as error:  # kept in pending, as a full disk keeps them
+            raise OSError(f"{self.location}: {error}") from error
+        self.pending = []
+        return rows.num_rows
+
+    def read(self, conversation_id: str | None = None,
+             since: float | None = None) -> pa.Table:
+        if not self.exists():
+            return SCHEMA.empty_table()
+        conditions, parameters = [], {}
+        if conversation_id is not None:
+            conditions.append("conversation_id = {cid:String}")
+            parameters["cid"] = conversation_id
+        if since is not None:
+            conditions.append(f"finalized_at >= {float(since)!r}")
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        names = ", ".join(f"`{f.name}`" for f in SCHEMA)
+        table = self.database.query(f"SELECT {names} FROM {self.table} {where}", parameters)
+        return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
+
+
+__all__ = ["ClickHouseTurns", "DEFAULT_TURN_TABLE", "table_ddl"]
