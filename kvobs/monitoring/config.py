@@ -54,10 +54,15 @@ class Selectors:
 
 # Matchers the dashboards use: every query is filtered by the template variables. The role
 # matchers stay those of the config (``MonitoringConfig.selectors``): the dashboard's own
-# selection ($job, $instance, ...) narrows within a role, it does not define one.
+# selection ($job, $instance, ...) narrows within a role, it does not define one. Every
+# variable is a regex whose "All" is `.*`, which also matches a series without the label
+# (a Prometheus without `cluster`, a static scrape without `namespace` or `pod`).
+# Where the series come from: the labels every scraped series may carry.
+SCRAPE_MATCHERS = ('cluster=~"$cluster", namespace=~"$namespace", job=~"$job", '
+                   'pod=~"$pod", instance=~"$instance"')
 DASHBOARD_SELECTORS = Selectors(
-    engine='job=~"$job", model_name=~"$model_name", instance=~"$instance", engine=~"$engine"',
-    proxy='job=~"$job", instance=~"$instance"',
+    engine=f'{SCRAPE_MATCHERS}, model_name=~"$model_name", engine=~"$engine"',
+    proxy=SCRAPE_MATCHERS,
 )
 
 

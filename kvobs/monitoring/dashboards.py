@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 from kvobs.monitoring import queries as q
 from kvobs.monitoring import rules
-from kvobs.monitoring.config import DASHBOARD_SELECTORS, DEFAULT, MonitoringConfig
+from kvobs.monitoring.config import (
+    DASHBOARD_SELECTORS,
+    DEFAULT,
+    SCRAPE_MATCHERS,
+    MonitoringConfig,
+)
 from kvobs.settings import DECLINE_WINDOW
 from kvobs.semconv import (
     METRICS,
@@ -38,8 +43,19 @@ from kvobs.semconv import (
 )
 
 DATASOURCE_VAR = "datasource"
-VARIABLES = ("datasource", "job", "model_name", "instance", "engine")
+VARIABLES = ("datasource", "cluster", "namespace", "job", "pod", "instance", "model_name",
+             "engine")
 RATE_INTERVAL = "$__rate_interval"
+# The oldest Grafana the dashboard is built for and checked against: the models of
+# grafana-foundation-sdk 11.6 (pyproject's dashboards extra). Stated in the JSON's
+# __requires (what Grafana's own export writes) and in docs/dashboards.md.
+GRAFANA_MIN_VERSION = "11.6.0"
+# Per-process panels keep one series per pod (per scrape target where there is no pod
+# label, e.g. a static scrape), named by job and pod: the engines' jobs are
+# <namespace>/vllm-<role> (deploy/'s PodMonitor), so "serving/vllm-decode vllm-decode-7c9"
+# instead of an address.
+PER_POD = ("namespace", "job", "pod", "instance")
+POD = "{{job}} {{pod}}"
 LATER_TURNS = f'{TURN_BUCKET_LABEL}!="{q.FIRST_TURN}"'
 GAP_METHOD = (
     "The TTL is read when the query runs (`kvobs_proxy_decode_ttl_seconds`: the proxy's "
@@ -235,7 +251,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
             PanelSpec(
                 "Bytes read per second",
                 "KV bytes P read from D per second.",
-                (T(q.read_bytes_rate(s.keeping("instance")), "{{instance}}"),),
+                (T(q.read_bytes_rate(s.keeping(*PER_POD)), POD),),
                 "Bps"),
             PanelSpec(
                 "Read duration percentiles",
@@ -250,7 +266,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "Read throughput",
                 "Bytes moved per second of read time (sum of bytes over sum of read "
                 "seconds).",
-                (T(q.read_throughput(s.keeping("instance")), "{{instance}}"),),
+                (T(q.read_throughput(s.keeping(*PER_POD)), POD),),
                 "Bps"),
             PanelSpec(
                 "Declined (expired) and failed reads",
@@ -273,19 +289,19 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
             PanelSpec(
                 "Retained blocks",
                 "Blocks each D engine currently holds for a next turn.",
-                (T(q.retained_blocks(s.keeping("instance")), "{{instance}}"),),
+                (T(q.retained_blocks(s.keeping(*PER_POD)), POD),),
                 "short"),
             PanelSpec(
                 "Retained bytes",
                 "Bytes each D engine currently holds for a next turn.",
-                (T(q.retained_bytes(s.keeping("instance")), "{{instance}}"),),
+                (T(q.retained_bytes(s.keeping(*PER_POD)), POD),),
                 "bytes"),
             PanelSpec(
                 "Average blocks held (block-seconds per second)",
                 "Rate of retained block-seconds: the average number of blocks held for "
                 "reuse, i.e. the memory cost of retention (D also keeps stepping while it "
                 "holds any).",
-                (T(q.retained_block_seconds_rate(s.keeping("instance")), "{{instance}}"),),
+                (T(q.retained_block_seconds_rate(s.keeping(*PER_POD)), POD),),
                 "short"),
             PanelSpec(
                 "Releases by reason and read",
@@ -363,7 +379,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
             PanelSpec(
                 "Entries in the store",
                 "Metadata entries currently held by each proxy.",
-                (T(q.entries(s.keeping("instance")), "{{instance}}"),),
+                (T(q.entries(s.keeping(*PER_POD)), POD),),
                 "short"),
             PanelSpec(
                 "Evictions and failed engine legs",
@@ -384,12 +400,12 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "exports: collector down, span store not writable), and telemetry failures "
                 "caught inside the connector (telemetry never blocks serving; gaps make "
                 "kvobs diagnose report insufficient-evidence).",
-                (T(q.dropped_spans_rate(s.keeping("instance", "reason")),
-                   "dropped spans {{instance}} ({{reason}})"),
-                 T(q.engine_dropped_spans_rate(s.keeping("instance", "reason")),
-                   "engine dropped spans {{instance}} ({{reason}})"),
-                 T(q.connector_telemetry_errors_rate(s.keeping("instance")),
-                   "connector telemetry errors {{instance}}")),
+                (T(q.dropped_spans_rate(s.keeping(*PER_POD, "reason")),
+                   f"dropped spans {POD} ({{{{reason}}}})"),
+                 T(q.engine_dropped_spans_rate(s.keeping(*PER_POD, "reason")),
+                   f"engine dropped spans {POD} ({{{{reason}}}})"),
+                 T(q.connector_telemetry_errors_rate(s.keeping(*PER_POD)),
+                   f"connector telemetry errors {POD}")),
                 "ops"),
         )),
         RowSpec("Recompute", (
@@ -415,7 +431,7 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "Reused tokens per second of read time",
                 "Tokens delivered per second spent reading. Below the dashed line (the "
                 "configured recompute speed) reads are slower than recomputing.",
-                (T(q.reused_tokens_per_read_second(s.keeping("instance")), "{{instance}}"),),
+                (T(q.reused_tokens_per_read_second(s.keeping(*PER_POD)), POD),),
                 "short", threshold=th.recompute_tokens_per_second),
             PanelSpec(
                 "Prefix mismatches and stuck waits",
@@ -610,8 +626,8 @@ def host_copy(s: q.Scope, config: MonitoringConfig) -> RowSpec:
             "Bytes the engines copied to their offloading tier (host memory, or a peer's) "
             "and loaded back, per second, as vLLM counts them. A store rate far above the "
             "load rate: the tier fills with copies nobody asks for again.",
-            (T(q.host_store_bytes_rate(s.keeping("instance")), "saved {{instance}}"),
-             T(q.host_load_bytes_rate(s.keeping("instance")), "loaded {{instance}}")),
+            (T(q.host_store_bytes_rate(s.keeping(*PER_POD)), f"saved {POD}"),
+             T(q.host_load_bytes_rate(s.keeping(*PER_POD)), f"loaded {POD}")),
             "Bps"),
         PanelSpec(
             "Reused prompt tokens: host tier vs device",
@@ -636,7 +652,7 @@ def host_copy(s: q.Scope, config: MonitoringConfig) -> RowSpec:
             "Share of the lookups that wanted a host copy (hit or evicted) that found it "
             "(partly) evicted. Above the dashed line for "
             f"{config.windows.for_ratio} {rules.HOST_EVICTED_ALERT} fires.",
-            (T(q.host_evicted_lookup_ratio(s.keeping("instance")), "{{instance}}"),),
+            (T(q.host_evicted_lookup_ratio(s.keeping(*PER_POD)), POD),),
             "percentunit", threshold=th.host_evicted_lookup_ratio),
         PanelSpec(
             "Age of evicted host copies",
@@ -662,7 +678,7 @@ def host_copy(s: q.Scope, config: MonitoringConfig) -> RowSpec:
             "vLLM's default, or a short answer). With later turns at the proxy "
             f"above the dashed line for {config.windows.for_ratio} "
             f"{rules.HOST_PROMPT_ONLY_ALERT} fires.",
-            (T(q.host_prompt_only_ratio(s.keeping("instance")), "{{instance}}"),),
+            (T(q.host_prompt_only_ratio(s.keeping(*PER_POD)), POD),),
             "percentunit", threshold=th.host_prompt_only_ratio),
         PanelSpec(
             "Host loads and evicted blocks",
@@ -679,25 +695,36 @@ def host_copy(s: q.Scope, config: MonitoringConfig) -> RowSpec:
 
 def _variables():
     from grafana_foundation_sdk.builders import dashboard as db
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+    from grafana_foundation_sdk.models.dashboard import (
+        DataSourceRef,
+        VariableOption,
+        VariableRefresh,
+    )
 
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
     any_kvobs = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS, M_PROXY_TURNS, M_TURNS))}"'
     engine_any = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS))}"'
 
     def query_var(name: str, label: str, selector: str):
+        # "All" is `.*`: it also matches series without the label (see SCRAPE_MATCHERS),
+        # and it is the default, so a Prometheus without the label still shows data.
         return (db.QueryVariable(name).label(label).datasource(ds)
                 .query(f"label_values({{{selector}}}, {name})")
                 .multi(True).include_all(True).all_value(".*")
+                .current(VariableOption(selected=True, text="All", value="$__all"))
                 .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
 
-    return [
-        db.DatasourceVariable(DATASOURCE_VAR).label("Data source").type("prometheus"),
-        query_var("job", "job", any_kvobs),
-        query_var("model_name", "model", f'{engine_any}, job=~"$job"'),
-        query_var("instance", "instance", f'{any_kvobs}, job=~"$job"'),
-        query_var("engine", "engine", f'{engine_any}, job=~"$job", model_name=~"$model_name"'),
-    ]
+    # Each variable's values are those within the selection of the ones before it.
+    scope = ""
+    variables = [db.DatasourceVariable(DATASOURCE_VAR).label("Data source").type("prometheus")]
+    for name, label in (("cluster", "cluster"), ("namespace", "namespace"), ("job", "job"),
+                        ("pod", "pod"), ("instance", "instance")):
+        variables.append(query_var(name, label, f"{any_kvobs}{scope}"))
+        scope += f', {name}=~"${name}"'
+    variables.append(query_var("model_name", "model", f"{engine_any}{scope}"))
+    variables.append(query_var("engine", "engine",
+                               f'{engine_any}{scope}, model_name=~"$model_name"'))
+    return variables
 
 
 def runbook_links(title: str, config: MonitoringConfig) -> list[tuple[str, str]]:
@@ -770,7 +797,11 @@ def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
 def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
     from grafana_foundation_sdk.builders import dashboard as db
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
-    from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DashboardLinkType
+    from grafana_foundation_sdk.models.dashboard import (
+        DashboardCursorSync,
+        DashboardLinkType,
+        DataSourceRef,
+    )
 
     builder = (db.Dashboard(config.dashboard_title).uid(config.dashboard_uid)
                .description("KV reuse across turns in vLLM P/D disaggregated serving with "
@@ -799,8 +830,35 @@ def build_overview(config: MonitoringConfig = DEFAULT) -> dict:
         for spec in row.panels:
             builder = builder.with_panel(_panel(spec, panel_id, config))
             panel_id += 1
+    builder = builder.annotation(
+        db.AnnotationQuery().name(ENGINE_RESTARTS).enable(True).icon_color("orange")
+        .datasource(DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}"))
+        .expr(engine_restarts(config)))
     # Round-trip through the SDK's encoder so the result is plain JSON data.
-    return json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    board = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    # What the SDK's AnnotationQuery has no builder for: the Prometheus annotation's step
+    # and texts (one annotation per restarted engine, named by job and pod).
+    (restarts,) = [a for a in board["annotations"]["list"] if a["name"] == ENGINE_RESTARTS]
+    restarts.update({"step": "60s", "titleFormat": "Engine restarted",
+                     "textFormat": POD, "tagKeys": "job,pod", "useValueForTime": False})
+    # Grafana's own export states the oldest Grafana a dashboard needs here.
+    board["__requires"] = [
+        {"type": "grafana", "id": "grafana", "name": "Grafana",
+         "version": GRAFANA_MIN_VERSION},
+        {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"}]
+    return board
+
+
+ENGINE_RESTARTS = "Engine restarts"
+
+
+def engine_restarts(config: MonitoringConfig = DEFAULT) -> str:
+    """A series for each engine process that started within the last 2 minutes: its
+    ``process_start_time_seconds`` (prometheus_client's process collector, on vLLM's
+    /metrics) changed. Engines are the scrape jobs of ``selectors.engine_targets``, in the
+    dashboard's scope; a restart loses D's retained KV, so later turns recompute."""
+    selector = ", ".join(m for m in (SCRAPE_MATCHERS, config.selectors.engine_targets) if m)
+    return f"changes(process_start_time_seconds{{{selector}}}[2m]) > 0"
 
 
 def build_dashboards(config: MonitoringConfig = DEFAULT) -> dict[str, dict]:

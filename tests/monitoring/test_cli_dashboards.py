@@ -128,8 +128,11 @@ def test_import_creates_the_folder_and_posts_the_dashboard(grafana):
     assert datasource["current"] == {"selected": True, "text": "prom-uid", "value": "prom-uid"}
     # Apart from the mapped data source, the body is the checked-in dashboard.
     expected = dashboards.build_overview(DEFAULT)
-    for variable in body["dashboard"]["templating"]["list"]:
-        variable.pop("current", None)
+    for board in (body["dashboard"], expected):
+        for variable in board["templating"]["list"]:
+            current = variable.pop("current", None)
+            if variable["name"] != "datasource":
+                assert current["value"] == "$__all"  # the other variables keep "All"
     assert body["dashboard"] == expected
 
 

@@ -18,7 +18,7 @@ from kvobs.monitoring.config import DEFAULT, Selectors
 SCHEMA = json.loads((Path(__file__).parent / "grafana_dashboard.schema.json").read_text())
 KNOWN = {**semconv.METRICS, **semconv.UPSTREAM_METRICS}
 # Labels every series may carry besides the metric's own (scrape and vLLM engine labels).
-TARGET_LABELS = {"job", "instance", "le"}
+TARGET_LABELS = {"cluster", "namespace", "job", "pod", "instance", "le"}
 VLLM_LABELS = {"model_name", "engine"}
 
 
@@ -65,16 +65,25 @@ def test_schema_subset_rejects_broken_dashboards(board):
 
 def test_variables(board):
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert list(variables) == ["datasource", "job", "model_name", "instance", "engine"]
+    assert list(variables) == ["datasource", "cluster", "namespace", "job", "pod", "instance",
+                               "model_name", "engine"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("job", "model_name", "instance", "engine"):
+    before = []
+    for name in list(variables)[1:]:
         variable = variables[name]
         assert variable["type"] == "query"
         assert variable["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
         assert variable["query"].startswith("label_values(") and variable["query"].endswith(
             f", {name})")
         assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
+        # All by default: a Prometheus without the label still shows every series
+        assert variable["current"]["value"] == "$__all"
+        # its values are those within the selection of the variables before it
+        for earlier in before:
+            assert f'{earlier}=~"${earlier}"' in variable["query"], (name, earlier)
+        if name in ("cluster", "namespace", "job", "pod", "instance"):
+            before.append(name)
 
 
 def test_rows(board):
@@ -121,18 +130,61 @@ def test_every_metric_in_a_query_is_a_semconv_name(board):
 
 
 def test_queries_filter_by_the_template_variables(board):
+    """Every series selector of every panel is scoped like the alerts (cluster, namespace)
+    and to the dashboard's pods, by regex matchers whose `.*` also matches a series without
+    the label."""
     for panel in _panels(board):
         for target in panel["targets"]:
             for name in dashboards.metrics_in(target["expr"]):
                 # each series selector of that metric carries the scope's matchers
-                for matchers in re.findall(re.escape(name) + r"(?:_bucket|_sum|_count)?\{([^}]*)\}",
-                                           target["expr"]):
-                    assert 'job=~"$job"' in matchers
-                    assert 'instance=~"$instance"' in matchers
+                found = re.findall(re.escape(name) + r"(?:_bucket|_sum|_count)?\{([^}]*)\}",
+                                   target["expr"])
+                assert found, (panel["title"], name)
+                for matchers in found:
+                    for variable in ("cluster", "namespace", "job", "pod", "instance"):
+                        assert f'{variable}=~"${variable}"' in matchers, (panel["title"],
+                                                                         variable)
                     if name.startswith("vllm:"):
                         assert 'model_name=~"$model_name"' in matchers
                         assert 'engine=~"$engine"' in matchers
             assert "[$__rate_interval]" in target["expr"] or "rate(" not in target["expr"]
+
+
+def test_legends_are_readable(board):
+    """No series is named by its scrape address: per-process panels name job and pod."""
+    legends = [t["legendFormat"] for p in _panels(board) for t in p["targets"]]
+    assert legends and all(legends)
+    assert not [l for l in legends if "{{instance}}" in l]
+    assert not [l for l in legends if l == "__auto"]
+    per_pod = [t for p in _panels(board) for t in p["targets"]
+               if dashboards.POD in t["legendFormat"]]
+    assert per_pod
+    for target in per_pod:  # what the legend names is what the query keeps
+        assert "by (namespace, job, pod, instance" in target["expr"], target["expr"]
+
+
+def test_engine_restarts_are_annotated(board):
+    (restarts,) = board["annotations"]["list"]
+    assert restarts["name"] == dashboards.ENGINE_RESTARTS and restarts["enable"]
+    assert restarts["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+    assert restarts["expr"] == dashboards.engine_restarts(DEFAULT)
+    assert "changes(process_start_time_seconds{" in restarts["expr"]
+    assert DEFAULT.selectors.engine_targets in restarts["expr"]
+    for variable in ("cluster", "namespace", "job", "pod", "instance"):
+        assert f'{variable}=~"${variable}"' in restarts["expr"]
+    assert restarts["textFormat"] == dashboards.POD and restarts["step"]
+
+
+def test_minimum_grafana_version_is_stated(board, repo):
+    (grafana,) = [r for r in board["__requires"] if r["type"] == "grafana"]
+    assert grafana["version"] == dashboards.GRAFANA_MIN_VERSION
+    # the SDK the dashboard is built with models that Grafana
+    from importlib import metadata
+
+    sdk_version = metadata.version("grafana-foundation-sdk").split("!")[-1]
+    assert sdk_version.split(".")[:2] == grafana["version"].split(".")[:2]
+    assert f"Grafana {dashboards.GRAFANA_MIN_VERSION}" in (repo / "docs" /
+                                                          "dashboards.md").read_text()
 
 
 def test_aggregation_labels_exist_on_the_metrics(board):
@@ -321,3 +373,35 @@ def test_datasource_provisioning_links_exemplars_to_traces():
         {"name": "trace_id", "url": config.trace_url, "urlDisplayLabel": "Trace"}]
     (plain,) = yaml.safe_load(grafana.datasource_provisioning("http://prom:9090"))["datasources"]
     assert "exemplarTraceIdDestinations" not in plain["jsonData"]
+
+
+def test_engine_restart_annotation_fires_on_a_restart_only(promtool, tmp_path):
+    """promtool evaluates the annotation's query (variables at "All"): an engine whose
+    process started again is marked; a steady engine and a restarted proxy are not."""
+    import subprocess
+
+    import yaml
+
+    from kvobs.monitoring import live
+
+    expr = live.substitute_variables(dashboards.engine_restarts(DEFAULT))
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(
+        {"groups": [{"name": "g", "rules": [{"record": "restarted", "expr": expr}]}]}))
+    decode = 'job="serving/vllm-decode", namespace="serving", pod="vllm-decode-0"'
+    prefill = 'job="vllm-prefill", instance="127.0.0.1:8100"'  # a static scrape
+    proxy = 'job="kvobs-proxy", namespace="serving", pod="kvobs-proxy-0"'
+    test = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [
+            {"series": f"process_start_time_seconds{{{decode}}}", "values": "100x5 460x5"},
+            {"series": f"process_start_time_seconds{{{prefill}}}", "values": "100x10"},
+            {"series": f"process_start_time_seconds{{{proxy}}}", "values": "100x5 460x5"}],
+        "promql_expr_test": [
+            {"expr": "restarted", "eval_time": "4m", "exp_samples": []},
+            {"expr": "restarted", "eval_time": "7m",
+             "exp_samples": [{"labels": f"restarted{{{decode}}}", "value": 1}]},
+            {"expr": "restarted", "eval_time": "10m", "exp_samples": []}]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
