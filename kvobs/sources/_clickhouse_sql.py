@@ -1,5 +1,7 @@
 """SQL pieces shared by the ClickHouse source and its turn view: the exporter's table,
-attribute access, span columns, value types."""
+attribute access, span columns, value types, and the turn schema's one translation
+(``turn_value``, ``turn_aggregate``): what every query that pivots spans into turn rows
+reads of ``kvobs.turns.schema.FLEET_COLUMNS``."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import re
 from typing import NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.turns.schema import FLEET_COLUMNS, span_names
+from kvobs.turns.schema import FLEET_COLUMNS, Agg, TurnColumn, span_names
 
 ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
@@ -150,3 +152,33 @@ NULLABLE = {"int": "Nullable(Int64)", "float": "Nullable(Float64)",
 
 def fleet_span_names() -> list[str]:
     return span_names(FLEET_COLUMNS)
+
+
+# Columns that mark a span's presence (counted or flagged), not a value of it.
+MARKERS = (Agg.PRESENCE, Agg.COUNT)
+
+
+def turn_value(dialect: AttributeDialect, column: TurnColumn, span: str | None = None) -> str:
+    """A turn column's value on one span row, typed: NULL where the span lacks it or is
+    of another name than the column's (``span``, when rows of several names meet); a
+    marker column's is 1."""
+    kind = "bool" if column.agg in MARKERS else column.type
+    if span is not None and span != column.span.name:
+        return f"CAST(NULL, '{NULLABLE[kind]}')"
+    value = "1" if column.agg in MARKERS else dialect.span_column(column.source)
+    return f"CAST({value}, '{NULLABLE[kind]}')"
+
+
+def turn_aggregate(name: str, column: TurnColumn) -> str:
+    """The turn's value of a column from its span rows' ``v_<name>`` (``turn_value`` on
+    rows of the column's span name, NULL on others), with pandas' semantics of
+    ``kvobs.turns.correlate.aggregate``: the first non-null value by start time, a sum,
+    a count (null for none) or "yes" (null for none)."""
+    value = f"v_{name}"
+    if column.agg is Agg.PRESENCE:
+        return f"if(countIf({value} IS NOT NULL) > 0, 'yes', NULL) AS {name}"
+    if column.agg is Agg.COUNT:
+        return f"nullIf(toInt64(countIf({value} IS NOT NULL)), 0) AS {name}"
+    if column.agg is Agg.SUM:
+        return f"sum({value}) AS {name}"
+    return f"argMinIf({value}, Timestamp, {value} IS NOT NULL) AS {name}"

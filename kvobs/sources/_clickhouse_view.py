@@ -63,10 +63,8 @@ def _view_select(table: str, dialect: sql.AttributeDialect) -> str:
     """Fleet spans of ``table`` as partial turn rows. A span lacking conversation or turn
     cannot be placed (its trace may supply them, at read time): it marks its row
     ``keyless`` so that readers take the span path."""
-    values = "".join(
-        f",\n        CAST({dialect.span_column(c.source)}, '{sql.NULLABLE[c.type]}') "
-        f"AS v_{name}"
-        for name, c in FLEET_COLUMNS.items() if c.agg not in (Agg.PRESENCE, Agg.COUNT))
+    values = "".join(f",\n        {sql.turn_value(dialect, c)} AS v_{name}"
+                     for name, c in FLEET_COLUMNS.items() if c.agg not in sql.MARKERS)
     states = "".join(f",\n    {c.insert} AS {c.name}" for c in view_columns())
     names = ", ".join(map(sql.quote, sql.fleet_span_names()))
     return (f"SELECT tenant, conversation_id, ifNull(turn_index, 0) AS turn,\n"

@@ -48,6 +48,8 @@ from kvobs.sources._clickhouse_sql import (
     dialect_of,
     fleet_span_names,
     quote,
+    turn_aggregate,
+    turn_value,
 )
 from kvobs.sources._clickhouse_client import (
     ClickHouseError,
@@ -252,17 +254,8 @@ class ClickHouseSource:
                              sql.typed(TURN_KEY, "int"))
         branches = []
         for name in fleet_span_names():
-            values = []
-            for column, turn_column in FLEET_COLUMNS.items():
-                marker = turn_column.agg in (Agg.PRESENCE, Agg.COUNT)
-                kind = "bool" if marker else turn_column.type
-                if turn_column.span.name != name:
-                    values.append(f"CAST(NULL, '{NULLABLE[kind]}') AS v_{column}")
-                elif marker:
-                    values.append(f"CAST(1, '{NULLABLE[kind]}') AS v_{column}")
-                else:
-                    values.append(f"CAST({sql.span_column(turn_column.source)}, "
-                                  f"'{NULLABLE[kind]}') AS v_{column}")
+            values = [f"{turn_value(sql, c, name)} AS v_{column}"
+                      for column, c in FLEET_COLUMNS.items()]
             branches.append(
                 f"SELECT TraceId, Timestamp, {tenant} AS tenant, {cid} AS cid, "
                 f"{turn} AS turn_index, {', '.join(values)} FROM {self._spans_named(name)}")
@@ -278,19 +271,7 @@ class ClickHouseSource:
                                     {turn} AS turn_index
                              FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
-        select = []
-        for column, turn_column in FLEET_COLUMNS.items():
-            if turn_column.agg is Agg.PRESENCE:
-                select.append(f"if(countIf(v_{column} IS NOT NULL) > 0, 'yes', NULL) "
-                              f"AS {column}")
-            elif turn_column.agg is Agg.COUNT:
-                select.append(f"nullIf(countIf(v_{column} IS NOT NULL), 0) AS {column}")
-            elif turn_column.agg is Agg.SUM:
-                select.append(f"sum(v_{column}) AS {column}")
-            else:
-                # pandas groupby.first(): the first non-null value by start time.
-                select.append(f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
-                              f"AS {column}")
+        select = [turn_aggregate(column, c) for column, c in FLEET_COLUMNS.items()]
         return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
                 f"{', '.join(select)} FROM ({spans}) GROUP BY tenant, cid, turn_index "
                 f"SETTINGS join_use_nulls = 1")
@@ -298,27 +279,14 @@ class ClickHouseSource:
     def branch_sql(self, span: str, keys: bool = True) -> str:
         """One span name's turn rows: its columns, two hashes of the turn key and (with
         ``keys``) the key itself."""
-        values, select = [], []
-        for column, turn_column in FLEET_COLUMNS.items():
-            if turn_column.span.name != span:
-                continue
-            if turn_column.agg is Agg.PRESENCE:
-                select.append(f"'yes' AS {column}")
-                continue
-            if turn_column.agg is Agg.COUNT:
-                select.append(f"toInt64(count()) AS {column}")
-                continue
-            kind = turn_column.type
-            values.append(f"CAST({self.dialect.span_column(turn_column.source)}, "
-                          f"'{NULLABLE[kind]}') AS v_{column}")
-            select.append(f"sum(v_{column}) AS {column}" if turn_column.agg is Agg.SUM else
-                          f"argMinIf(v_{column}, Timestamp, v_{column} IS NOT NULL) "
-                          f"AS {column}")
+        mine = {column: c for column, c in FLEET_COLUMNS.items() if c.span.name == span}
+        values = [f"{turn_value(self.dialect, c)} AS v_{column}" for column, c in mine.items()]
+        select = [turn_aggregate(column, c) for column, c in mine.items()]
         group = "tenant, cid, turn_index"
         sql = self.dialect
         spans = (f"SELECT Timestamp, {sql.attr(TENANT_KEY)} AS tenant, "
-                 f"{sql.attr(CID_KEY)} AS cid, {sql.typed(TURN_KEY, 'int')} AS turn_index"
-                 f"{''.join(', ' + v for v in values)} FROM {self._spans_named(span)}")
+                 f"{sql.attr(CID_KEY)} AS cid, {sql.typed(TURN_KEY, 'int')} AS turn_index, "
+                 f"{', '.join(values)} FROM {self._spans_named(span)}")
         flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
         if keys:
             return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "

@@ -4,9 +4,10 @@ One row per (tenant, conversation_id, turn). Each column comes from one span nam
 attribute (or span field such as ``span_id``), aggregated over the turn's spans of that
 name (``Agg``); some carry to the next turn as ``prev_<name>`` (facts of turn k's KV that
 turn k+1's diagnosis reads); ``gap_s`` and the ``prev_`` columns are derived after
-aggregation. ``kvobs.turns.correlate`` builds the table in process (diagnose, turns, the fleet
-commands, the store's turn files), ``kvobs.sources._clickhouse_view`` and
-``kvobs.sources.clickhouse`` in SQL, all from this list.
+aggregation. ``kvobs.turns.correlate`` builds the table in process (diagnose, turns, the
+fleet commands, the store's turn files); in SQL, ``kvobs.sources._clickhouse_sql``
+translates each column once (``turn_value``, ``turn_aggregate``) for the ClickHouse
+source's queries and its turn view; all from this list.
 
 ``fleet`` says how a column appears in the fleet's compact table (report, tune, whatif,
 the store's turn files, ClickHouse): the same aggregation, ``PRESENCE`` for a span id the
