@@ -36,7 +36,7 @@ def _load(name: str, path: Path):
 
 
 # The kustomize helpers of the deploy tests (render, by_kind, container, env, $(VAR)).
-DEPLOY = _load("kvobs_deploy_helpers", ROOT / "tests" / "monitoring" / "test_deploy.py")
+DEPLOY = _load("kvobs_deploy_helpers_one_config", ROOT / "tests" / "monitoring" / "test_deploy.py")
 
 
 @pytest.fixture(scope="module")
