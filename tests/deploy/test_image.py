@@ -40,10 +40,9 @@ def _matches(pattern: str, path: str) -> bool:
     parts = path.split("/")
     if pattern.startswith("**/"):
         return any(fnmatch.fnmatchcase(p, pattern[3:]) for p in parts)
+    # the pattern names the path, or the directory of its first parts that holds it
     depth = pattern.count("/") + 1
-    # the pattern names the path or one of its parent directories
-    return any(fnmatch.fnmatchcase("/".join(parts[:n]), pattern)
-               for n in range(depth, len(parts) + 1) if n == depth)
+    return len(parts) >= depth and fnmatch.fnmatchcase("/".join(parts[:depth]), pattern)
 
 
 def in_context(path: str) -> bool:
