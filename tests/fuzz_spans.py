@@ -58,7 +58,8 @@ BAD_TIMES = [("inf", True), ("1e30", True), (-5, False), ("abc", True), (1.5e18,
              (None, False), (str(2**64), True), ([1], True)]
 UNREADABLE_SPANS = [5, "x", [], None, {"status": "bad"}, {"attributes": 7}]
 FORMATS = ["lines"] * 10 + ["document", "proto", "zstd-lines", "zstd-proto", "gzip",
-                            "tempo", "jaeger"]
+                            "tempo", "jaeger", "jaeger-v3", "bom-lines"]
+NUL_RUNS = 0.1  # of lines and proto cases: NUL blocks (never written before a crash)
 STORE_CASES = 100  # cases of a batch also compacted into a store (compaction is slow)
 _DUPLICATE = re.compile(r"^(\d+) duplicate span\(s\)")
 
@@ -182,7 +183,7 @@ def make_case(rng: random.Random, case_id: str, directory: str) -> Case:
                 "{not json " + lines[index], "[" * 5000 + "]" * 5000,
                 json.dumps({"resourceSpans": 5}), json.dumps(["a", 1])])
             case.unreadable_wheres.add(wheres[index])
-        data = ("\n".join(lines) + "\n").encode()
+        data = _nul_runs(rng, [(line + "\n").encode() for line in lines])
         blocks = list(zip(requests, wheres))
     elif fmt in ("document", "tempo", "jaeger"):
         merged = {"resourceSpans": [rs for r in requests for rs in r["resourceSpans"]]}
@@ -191,6 +192,11 @@ def make_case(rng: random.Random, case_id: str, directory: str) -> Case:
                     "jaeger": jaeger(requests)}[fmt]
         data = json.dumps(document, indent=rng.choice([None, 2])).encode()
         blocks = [(r, f"{path}:1") for r in requests]
+    elif fmt in ("jaeger-v3", "bom-lines"):  # Jaeger v2's /api/v3 stream; an editor's BOM
+        lines = [json.dumps({"result": r} if fmt == "jaeger-v3" else r) for r in requests]
+        data = (b"\xef\xbb\xbf" if fmt == "bom-lines" else b"") + (
+            "\n".join(lines) + "\n").encode()
+        blocks = [(r, f"{path}:{n}") for n, r in enumerate(requests, 1)]
     else:
         messages = [to_proto(r) for r in requests]
         blocks = [(r, f"{path}:#{n}") for n, r in enumerate(requests, 1)]
@@ -202,7 +208,7 @@ def make_case(rng: random.Random, case_id: str, directory: str) -> Case:
         elif fmt == "gzip":
             data = gzip.compress(framed(messages))
         else:
-            data = framed(messages)
+            data = _nul_runs(rng, [framed([m]) for m in messages])
     for request, where in blocks:
         for trace, span_id in _span_ids(request):
             case.spans.append((trace, span_id, where))
@@ -221,6 +227,15 @@ def make_case(rng: random.Random, case_id: str, directory: str) -> Case:
     with open(path, "wb") as handle:
         handle.write(data)
     return case
+
+
+def _nul_runs(rng: random.Random, pieces: list[bytes]) -> bytes:
+    """The pieces (lines, framed messages), for some cases with runs of NULs before,
+    between and after them: every span must still be read."""
+    if rng.random() >= NUL_RUNS:
+        return b"".join(pieces)
+    return b"".join(b"\0" * rng.choice([0, 0, 4, 5, 7, 4096, 70_000]) + piece
+                    for piece in [*pieces, b""])
 
 
 # ---------------------------------------------------------------------- oracle

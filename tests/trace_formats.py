@@ -103,6 +103,10 @@ def file_formats(lines_text: str) -> dict[str, bytes]:
                                    ["resourceSpans"]}).encode(),
         "tempo-v2-trace": json.dumps({"trace": with_base64_ids(merged(requests))}).encode(),
         "jaeger-traces": json.dumps(jaeger(requests)).encode(),
+        # Jaeger v2's /api/v3 answer saved to a file: a stream of results, one per line
+        "jaeger-v3-results": "".join(json.dumps({"result": r}) + "\n"
+                                     for r in requests).encode(),
+        "windows-editor-lines-bom": b"\xef\xbb\xbf" + raw,
     }
 
 

@@ -29,7 +29,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import stat
 import zlib
 from typing import Iterator
@@ -46,7 +45,7 @@ MAX_DECOMPRESSED_BYTES = 1 << 30
 # lines must not make a million strings.
 MAX_PROBLEMS_PER_FILE = 100
 _CHUNK = 1 << 20
-_NON_NUL = re.compile(rb"[^\x00]")
+_ZEROS = bytes(_CHUNK)
 # How many frames after a NUL run must chain for the reader to resume there.
 _RESYNC_FRAMES = 4
 
@@ -136,7 +135,7 @@ def _contents(data: bytes, path: str, problems: list[str], depth: int
         return
     notes: list[str] = []
     frames = _frames(data, path, notes)
-    if frames is None and start == b"\x00" and _after_nuls(data)[:1] in (b"{", b"["):
+    if start == b"\x00" and not frames and _after_nuls(data)[:1] in (b"{", b"["):
         yield from _json(data, path, problems)  # JSON lines after a NUL block
         return
     problems.extend(notes)
@@ -153,15 +152,26 @@ def _contents(data: bytes, path: str, problems: list[str], depth: int
 
 def _after_nuls(data: bytes) -> bytes:
     """The start of ``data`` after its leading NULs and whitespace (a few bytes)."""
-    found = _NON_NUL.search(data)
-    return data[found.start():found.start() + 64].lstrip() if found else b""
+    end = _nuls_end(data, 0)
+    return data[end:end + 64].lstrip()
+
+
+def _nuls_end(data: bytes, offset: int) -> int:
+    """Where the run of NULs at ``offset`` ends: compared a chunk at a time (memcmp), at
+    memory speed (a regular expression scanned ~50 MB/s)."""
+    while True:
+        piece = data[offset:offset + _CHUNK]
+        if len(piece) == _CHUNK and piece == _ZEROS:
+            offset += _CHUNK
+            continue
+        return offset + len(piece) - len(piece.lstrip(b"\x00"))
 
 
 def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
     """Every byte that decompresses, up to ``MAX_DECOMPRESSED_BYTES``; a truncated or
     corrupt tail, or the bound, is reported."""
     limit = MAX_DECOMPRESSED_BYTES
-    out = bytearray()
+    out = _Output()
     if data[:2] == GZIP_MAGIC:
         rest = data
         while rest[:2] == GZIP_MAGIC and len(out) <= limit:  # concatenated members
@@ -171,7 +181,7 @@ def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
                 while not inflater.eof and len(out) <= limit:
                     chunk = inflater.decompress(pending, _CHUNK)
                     pending = inflater.unconsumed_tail
-                    out += chunk
+                    out.write(chunk)
                     if not chunk and not pending:
                         break
             except zlib.error as error:
@@ -190,15 +200,38 @@ def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
                                                             read_across_frames=True)
         try:
             while len(out) <= limit and (chunk := reader.read(_CHUNK)):
-                out += chunk
+                out.write(chunk)
         except zstandard.ZstdError as error:
             problems.append(f"{path}: corrupt or truncated zstd data ({error}); read what "
                             "precedes")
     if len(out) > limit:
-        del out[limit:]
-        problems.append(f"{path}: decompresses to more than {limit} bytes; read the first "
-                        f"{limit} (a decompression bomb, or a file to split)")
-    return bytes(out)
+        problems.append(f"{path}: decompresses to more than {limit} bytes; read what "
+                        "precedes (a decompression bomb, or a file to split)")
+    if out.dropped:
+        problems.append(f"{path}: skipped {out.dropped} NUL byte(s) while decompressing "
+                        "(whole MiB of them)")
+    return out.getvalue()[:limit]
+
+
+class _Output(io.BytesIO):
+    """Decompressed bytes; ``len`` counts every one. A whole chunk of NULs right after
+    NULs is counted, not kept: the run it extends is still a run, skipped the same way
+    (``_contents``), and a bomb of NULs costs time, not memory. (No OTLP message holds a
+    MiB of NULs.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropped = 0
+
+    def write(self, chunk) -> int:  # type: ignore[override]
+        if (len(chunk) == _CHUNK and chunk == _ZEROS and self.tell() >= _PREFIX
+                and self.getbuffer()[-_PREFIX:] == _ZEROS[:_PREFIX]):
+            self.dropped += len(chunk)
+            return len(chunk)
+        return super().write(chunk)
+
+    def __len__(self) -> int:
+        return self.tell() + self.dropped
 
 
 def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
@@ -252,17 +285,27 @@ def _size(data: bytes, offset: int) -> int | None:
     return size if offset + _PREFIX + size <= len(data) else None
 
 
-def _chains(data: bytes, offset: int) -> bool:
-    """Whether a message starts at ``offset``: its size, and those of the next
-    ``_RESYNC_FRAMES`` messages, fit the data up to its end or a NUL run."""
+# How a message the file exporter frames begins: OTLP protobuf's first field (1, a
+# length-delimited ``resource_spans``), JSON, or zstd's magic number.
+_MESSAGE_STARTS = (b"\x0a", b"{", b"[", b" ", b"\n", ZSTD_MAGIC[:1])
+
+
+def _chains(data: bytes, start: int) -> bool:
+    """Whether a message starts at ``start``: it, and the next ``_RESYNC_FRAMES``
+    messages, begin as messages do and fit the data up to its end or a NUL run, and it
+    reads as a message (parsed: once per NUL run, mostly)."""
+    offset = start
     for _ in range(_RESYNC_FRAMES):
         size = _size(data, offset)
-        if not size:  # no size fits, or an empty message: a NUL run, not a message
+        # no size fits, or an empty message (a NUL run), or bytes no message starts with
+        if not size or data[offset + _PREFIX:offset + _PREFIX + 1] not in _MESSAGE_STARTS:
             return False
         offset += _PREFIX + size
-        if offset == len(data) or _size(data, offset) == 0:
-            return True
-    return True
+        if offset == len(data) or _size(data, offset) == 0:  # the end, or a NUL run
+            break
+    # and it reads as a message: a chain can land inside a later NUL run by chance
+    size = _size(data, start)
+    return _message(data[start + _PREFIX:start + _PREFIX + size], "", []) is not None
 
 
 def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
@@ -274,8 +317,7 @@ def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
     while offset < len(data):
         size = _size(data, offset)
         if size == 0:
-            found = _NON_NUL.search(data, offset)
-            end = found.start() if found else len(data)
+            end = _nuls_end(data, offset)
             # The next message's size may begin with NULs of the run.
             resume = next((at for at in range(max(end - _PREFIX + 1, offset), end)
                            if _chains(data, at)), end)

@@ -328,7 +328,8 @@ class StoreSource:
     def _has_live(self) -> bool:
         """Whether live segments (span files) exist: a compacted store often keeps an
         empty ``spans/`` directory."""
-        return os.path.isdir(self._live.location) and bool(otlp_files(self._live.location))
+        return os.path.isdir(self._live.location) and bool(
+            otlp_files(self._live.location, self.problems))
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         return frame_from_table(self.span_table(conversation_id))

@@ -188,31 +188,35 @@ class TraceApiSource(DocumentSource):
         what = 'Tempo\'s search answer ({"traces": [{"traceID": ...}]})'
         if not isinstance(answer, dict) or not ({"traces", "metrics"} & set(answer)):
             raise self._expect("/api/search", answer, what)
-        traces = answer.get("traces") or []
+        traces = answer.get("traces")
+        traces = [] if traces is None else traces
         if not isinstance(traces, list) or not all(
                 isinstance(t, dict) and isinstance(t.get("traceID"), str) for t in traces):
             raise self._expect("/api/search", traces, what + ": traces")
         return [t["traceID"] for t in traces]
 
-    def _jaeger_data(self, path: str, params: dict | None, item: type) -> list:
-        """The ``data`` list of a Jaeger answer, each item an ``item``."""
+    def _jaeger_data(self, path: str, params: dict | None, what: str, good) -> list:
+        """The ``data`` list of a Jaeger answer, ``good(item)`` for each item."""
         answer = self._get(path, params)
-        what = f"Jaeger's answer ({{\"data\": [{item.__name__} ...]}})"
+        what = f"Jaeger's answer ({{\"data\": [{what}, ...]}})"
         if not isinstance(answer, dict) or "data" not in answer:
             raise self._expect(path, answer, what)
-        data = answer["data"] or []
-        if not isinstance(data, list) or not all(isinstance(i, item) for i in data):
+        data = [] if answer["data"] is None else answer["data"]
+        if not isinstance(data, list) or not all(good(item) for item in data):
             raise self._expect(path, data, what + ": data")
         return data
 
     def _jaeger_search(self) -> list[str]:
         """Jaeger's search answers whole traces: kept, so each is fetched once."""
-        services = self.services or self._jaeger_data("/api/services", None, str)
+        services = self.services or self._jaeger_data(
+            "/api/services", None, "SERVICE", lambda item: isinstance(item, str))
         self._jaeger_traces = {}
         for service in services:
             for trace in self._jaeger_data("/api/traces", {
                     "service": service, "start": int(self.start * _MICROS),
-                    "end": int(self.end * _MICROS), "limit": self.limit}, dict):
+                    "end": int(self.end * _MICROS), "limit": self.limit},
+                    '{"traceID": ...}', lambda item: isinstance(item, dict)
+                    and isinstance(item.get("traceID"), str)):
                 # a trace touching two services comes twice
                 self._jaeger_traces.setdefault(trace.get("traceID"), trace)
         return list(self._jaeger_traces)

@@ -182,3 +182,42 @@ def test_a_missing_or_absurd_time_on_any_span_kind_never_crashes_a_reader(bad):
             turns = turns_from_spans(damaged)
             diagnoses, _ = classify_turns(turns)
             assert len(diagnoses) == len(turns) == expected, (name, field)
+
+
+@pytest.mark.timeout(120)  # a hang guard: opening a FIFO blocks until someone writes
+@pytest.mark.parametrize("where", ["compacted", "live", "turns"])
+def test_a_fifo_anywhere_in_a_store_is_skipped_by_every_command(store, where):
+    """A FIFO named like a span or turn file (``*.parquet`` in ``compacted/`` hung
+    ``turns`` and ``report``): skipped, named in a warning where it holds spans (a turn
+    file that is none is rebuilt from its span file), the rest read as before."""
+    def outcome(results):  # each command's status and output, less its warnings
+        return {c: (r.exit_code, {k: v for k, v in json.loads(r.stdout).items()
+                                  if k != "problems"} if c == "diagnose" else r.stdout)
+                for c, r in results.items()}
+
+    healthy = outcome(_all_commands(store))
+    bucket = os.path.dirname(_bucket_file(store, "conv-a"))
+    fifo = {"compacted": os.path.join(bucket, "fifo.parquet"),
+            "live": str(store / sc.STORE_LIVE_DIR / "fifo.otlp.jsonl"),
+            "turns": _bucket_file(store, "conv-a", "turns")}[where]
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    if os.path.exists(fifo):
+        os.remove(fifo)
+    os.mkfifo(fifo)
+    results = _all_commands(store)
+    assert outcome(results) == healthy
+    if where != "turns":
+        for command in ("turns", "report"):
+            assert (f"warning: {fifo}: skipped (not a regular file: a FIFO)"
+                    in results[command].stderr)
+    compacted = _run("store", "compact", store, "--writers-stopped")
+    assert compacted.exit_code == 0, compacted.output
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_given_as_the_source_is_named(tmp_path):
+    fifo = tmp_path / "spans.otlp.jsonl"
+    os.mkfifo(fifo)
+    result = _run("turns", "--source", fifo)
+    assert result.exit_code == 2
+    assert f"{fifo}: skipped (not a regular file: a FIFO)" in result.output
