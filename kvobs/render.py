@@ -26,6 +26,44 @@ def duration(value: float | None) -> str:
     return f"{value * 1000:.0f}ms" if abs(value) >= 0.01 else f"{value * 1000:.2f}ms"
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """A count with its noun, singular for one.
+
+    >>> plural(1, "turn"), plural(1_024, "turn"), plural(0, "copy", "copies")
+    ('1 turn', '1,024 turns', '0 copies')
+    """
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
+# Inline literals of docstrings (docs are Markdown and RST): ``x`` and `x`.
+_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """Docstring text for people: inline literals without their backticks.
+
+    >>> plain("``0 < M < kv_recompute_threshold``, recomputed by design (`M`).")
+    '0 < M < kv_recompute_threshold, recomputed by design (M).'
+    """
+    return _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+def number(value: Any) -> str:
+    """Any other figure for people, never in exponent notation.
+
+    >>> number(5.655e-05), number(0.8965), number(123_456_789.0), number(None)
+    ('0.000057', '0.90', '123,456,789', '–')
+    """
+    if value is None:
+        return "–"
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    value = float(value)
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.6f}".rstrip("0").rstrip(".")
+
+
 def fault_count(mix: dict[str, int]) -> int:
     """Turns of a verdict mix with a fault verdict (neither healthy nor
     insufficient-evidence)."""

@@ -13,7 +13,8 @@ import click
 from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
                                fleet_exit_status, load_source, print_source_problems,
                                slo_option, source_option)
-from kvobs.render import byte_size, duration, fault_count, to_json, total_seconds
+from kvobs.render import (byte_size, duration, fault_count, number, plural, to_json,
+                          total_seconds)
 from kvobs.settings import MIN_CACHED_TOKEN_DELTA
 
 
@@ -74,15 +75,19 @@ def report_command(source, read_slo, prefill_rate, since, as_json, html_file, co
             import matplotlib  # noqa: F401
         except ImportError:
             fail_input("--html draws its plots with matplotlib: pip install 'kvobs[fleet]'")
+    from kvobs.fleet.report import add_trace_ids
+
     span_source, turns = _labelled(source, read_slo, prefill_rate, as_json)
     report, labelled = build_report(turns, source, since, prefill_rate, read_slo)
+    drill = report.extras["drill_down"]
+    add_trace_ids(drill, span_source)
     if html_file:
         from kvobs.fleet.html import render_html
 
         with open(html_file, "w", encoding="utf-8") as handle:
             handle.write(render_html(report, labelled, conversation))
     if as_json:
-        click.echo(to_json(report.to_dict()))
+        click.echo(to_json({**report.to_dict(), "drill_down": drill}))
     else:
         _print_report(report, html_file)
     print_source_problems(span_source.problems, machine_readable=as_json)
@@ -117,8 +122,8 @@ def _print_report(report, html_file) -> None:
 
     out = console()
     tag = " [bold yellow](SYNTHETIC data)[/]" if report.synthetic else ""
-    out.print(f"source {report.source}: {report.conversations:,} conversations, "
-              f"{report.turns:,} turns{tag}; prefill rate "
+    out.print(f"source {report.source}: {plural(report.conversations, 'conversation')}, "
+              f"{plural(report.turns, 'turn')}{tag}; prefill rate "
               f"{_num(report.prefill_tokens_per_s)} tokens/s")
     rows = [("1", "all", report.first_turn), ("2+", "all", report.later_turns)]
     rows += [(row["turn_bucket"], "all", row) for row in report.by_turn
@@ -146,27 +151,71 @@ def _print_report(report, html_file) -> None:
         out.print(_phase_table(report.phases[scope], title))
     memory = report.memory
     out.print(f"D memory held for reuse: {memory['block_seconds_held']:,.0f} block-s over "
-              f"{memory['exports']:,} exports; {_pct(memory['read_share_of_blocks'])} of "
-              f"exported blocks were ever read; "
+              f"{plural(memory['exports'], 'export')}; {_pct(memory['read_share_of_blocks'])} "
+              f"of exported blocks were ever read; "
               f"{memory['block_seconds_never_read']:,.0f} block-s held for nothing"
-              + (f"; {memory['gib_hours_held']:,.1f} GiB-h" if memory.get("gib_hours_held")
-                 else ""))
+              + (f"; {number(memory['gib_hours_held'])} GiB-h"
+                 if memory.get("gib_hours_held") else ""), highlight=False)
     out.print(_retention_line(report.retention), highlight=False)
+    _print_follow_up(out, report.extras["drill_down"])
     if html_file:
         out.print(f"HTML report written to {html_file}")
+
+
+def _print_follow_up(out, drill) -> None:
+    """The faulty and slow turns to follow up (``kvobs.fleet.report.drill_down``), then
+    the command that explains each conversation's turns."""
+    from rich.markup import escape
+
+    from kvobs.render import compact_table, widest_fitting
+
+    rows = drill["rows"]
+    out.print(f"turns to follow up: {plural(drill['fault_turns'], 'turn')} with a fault "
+              f"verdict, {plural(drill['slow_turns'], 'slow turn')} (healthy, latency at or "
+              "above its scope's p95)" + ("" if rows else ": none"), highlight=False)
+    if not rows:
+        return
+    def cause(row) -> str:
+        share = row["top_cause_share"]
+        return (row["top_cause"] or "-") + (
+            f" {share:.0%}" if row["top_cause"] and share is not None else "")
+
+    columns = [("", lambda row: row["kind"]),
+               ("conversation", lambda row: escape(row["conversation_id"])),
+               ("turn", lambda row: str(row["turn"])), ("verdict", lambda row: row["verdict"]),
+               ("latency", lambda row: duration(row["latency_s"])), ("top cause", cause),
+               ("trace id", lambda row: row["trace_id"] or "-")]
+
+    def table(shown):
+        built = compact_table("faulty and slow turns", [h for h, _ in shown],
+                              frozenset({"turn", "latency"}))
+        for row in rows:
+            built.add_row(*(cell(row) for _, cell in shown))
+        return built
+
+    # Narrow terminals: without the trace id, then without the cause too.
+    out.print(widest_fitting(out, [table(columns), table(columns[:-1]), table(columns[:-2])]))
+    hidden = (drill["fault_turns"] + drill["slow_turns"]) - len(rows)
+    if hidden:
+        out.print(f"{plural(hidden, 'more turn')} not listed: kvobs turns --source SOURCE "
+                  "--format csv lists every turn", highlight=False)
+    out.print("explain them (verdict, evidence, remedy, phases):", highlight=False)
+    for command in dict.fromkeys(row["command"] for row in rows):
+        out.print(f"  {escape(command)}", highlight=False, soft_wrap=True)
 
 
 def _retention_line(retention) -> str:
     """Retention cost in each place and what it bought, in one line."""
     device, host = retention["device"], retention["host"]
-    held = (f"{device['gib_hours']:,.3g} GiB-h" if device["gib_hours"] is not None
+    held = (f"{number(device['gib_hours'])} GiB-h" if device["gib_hours"] is not None
             else f"{device['block_seconds']:,.0f} block-s")
-    line = (f"retention cost: D {held} for {device['tokens_served']:,} tokens read later; "
-            f"host tier {host['gib_hours']:,.3g} GiB-h (evicted copies) for "
-            f"{host['tokens_served']:,} tokens loaded later")
+    line = (f"retention cost: D {held} for {plural(device['tokens_served'], 'token')} read "
+            f"later; host tier {number(host['gib_hours'])} GiB-h (evicted copies) for "
+            f"{plural(host['tokens_served'], 'token')} loaded later")
     if host["copies_still_held"]:
-        line += (f"; {host['copies_still_held']:,} host copies still held "
-                 f"(>= {host['byte_seconds_still_held_at_least'] / 2**30 / 3600:,.3g} GiB-h)")
+        line += (f"; {plural(host['copies_still_held'], 'host copy', 'host copies')} still "
+                 f"held (>= {number(host['byte_seconds_still_held_at_least'] / 2**30 / 3600)}"
+                 " GiB-h)")
     return line
 
 
@@ -175,7 +224,8 @@ def _phase_table(section, title):
     rest."""
     from rich.table import Table
 
-    table = Table(title=f"where the time went, {title}: {section['timed_turns']:,} turns "
+    table = Table(title=f"where the time went, {title}: "
+                        f"{plural(section['timed_turns'], 'turn')} "
                         f"with a latency, {total_seconds(section['latency_s'])} in all "
                         "(phases ranked by total)")
     for header in ("#", "phase", "total", "share", "p50", "p95", "slowest in"):
@@ -186,7 +236,7 @@ def _phase_table(section, title):
                       _pct(row["share"]), duration(row["p50_s"]), duration(row["p95_s"]),
                       f"{row['slowest_turns']:,}")
     if section["unmeasured_turns"]:
-        table.add_row("", f"unmeasured ({section['unmeasured_turns']:,} turns)",
+        table.add_row("", f"unmeasured ({plural(section['unmeasured_turns'], 'turn')})",
                       total_seconds(section["unmeasured_s"]),
                       _pct(section["unmeasured_share"]), "", "", "")
     return table

@@ -1,8 +1,8 @@
 """The HTML report's matplotlib figures (optional extra ``fleet``), as PNG data:
 
-- per-turn waterfall of one conversation: each turn's phases (``kvobs.timeline``) in time
-  order, each named on its segment or in the legend, its verdict and top latency cause
-  (``kvobs.causes``);
+- per-turn waterfalls of the worst conversations: each turn's phases (``kvobs.timeline``)
+  in time order, each named on its segment or in the legend, coloured by group (the
+  latency cause it counts for), its verdict and top latency cause (``kvobs.causes``);
 - the fleet's phase shares and p50/p95 per turn, turn 1 and later turns apart;
 - read time against tokens read, with the recompute line ``M / p``.
 """
@@ -15,8 +15,9 @@ import io
 import numpy as np
 import pandas as pd
 
-from kvobs.causes import causes, decode_context
+from kvobs.causes import CAUSE_OF, causes, decode_context
 from kvobs.fleet.report import FleetReport
+from kvobs.semconv import LatencyCause as LC
 from kvobs.semconv import Phase, ReadOutcome, Verdict
 from kvobs.timeline import PHASES, read_marks, timeline_of
 from kvobs.verdicts import Turn
@@ -26,21 +27,43 @@ UNMEASURED = "unmeasured"
 # read a fraction of a microsecond. Such a segment is not worth a legend entry.
 ROUNDING_S = 1e-6
 SCOPES = (("first_turn", "turn 1"), ("later_turns", "later turns"))
-# One colour per phase, by stretch of the path: the proxy in greys, P in blues, the D->P
-# read in teal and orange (its set-up), P's compute in violet, D in ambers, the first
-# token and decode in greens (decode is most turns' largest phase: never a "grey other").
-PHASE_COLOURS = {
-    Phase.PROXY_IN: "#64748b", Phase.P_RETRY: "#dc2626", Phase.P_FRONTEND: "#93c5fd",
-    Phase.P_QUEUE: "#1d4ed8", Phase.P_SCHEDULE: "#60a5fa", Phase.READ_WAIT: "#99f6e4",
-    Phase.READ_SETUP: "#f97316", Phase.READ: "#0d9488", Phase.P_COMPUTE: "#7c3aed",
-    Phase.P_RETURN: "#c4b5fd", Phase.PROXY_HOP: "#94a3b8", Phase.D_FRONTEND: "#fde68a",
-    Phase.D_QUEUE: "#b45309", Phase.HANDOFF_WAIT: "#fcd34d", Phase.HANDOFF_SETUP: "#fb923c",
-    Phase.HANDOFF: "#d97706", Phase.D_FIRST_TOKEN: "#15803d", Phase.DECODE: "#4ade80",
-    Phase.PROXY_OUT: "#cbd5e1"}
-# Phase colours light enough for black text on them.
-_LIGHT = {Phase.P_FRONTEND, Phase.P_SCHEDULE, Phase.READ_WAIT, Phase.P_RETURN,
-          Phase.PROXY_HOP, Phase.D_FRONTEND, Phase.HANDOFF_WAIT, Phase.HANDOFF_SETUP,
-          Phase.DECODE, Phase.PROXY_OUT, Phase.READ_SETUP}
+# Phases grouped by the latency cause they belong to (``kvobs.causes.CAUSE_OF``): one hue
+# per group, far apart from the others, and its phases in shades of it (the group's main
+# phase darkest). The proxy's overhead is neutral grey, the failed attempt red; decode,
+# most turns' largest phase, a plain green.
+GROUP_COLOURS: dict[LC, dict[Phase, str]] = {
+    LC.PROXY_OVERHEAD: {Phase.PROXY_IN: "#525252", Phase.PROXY_HOP: "#a3a3a3",
+                        Phase.PROXY_OUT: "#d4d4d4"},
+    LC.FAILED_ATTEMPT: {Phase.P_RETRY: "#dc2626"},
+    LC.ENGINE_API: {Phase.P_FRONTEND: "#9d174d", Phase.P_RETURN: "#db2777",
+                    Phase.D_FRONTEND: "#f9a8d4"},
+    LC.QUEUED_AT_P: {Phase.P_QUEUE: "#1d4ed8", Phase.READ_WAIT: "#93c5fd"},
+    LC.PREFILL_COMPUTE: {Phase.P_COMPUTE: "#6d28d9", Phase.P_SCHEDULE: "#c4b5fd"},
+    LC.CONNECTION_SETUP: {Phase.READ_SETUP: "#ea580c", Phase.HANDOFF_SETUP: "#fdba74"},
+    LC.SLOW_READ: {Phase.READ: "#0d9488"},
+    LC.QUEUED_AT_D: {Phase.D_QUEUE: "#ca8a04", Phase.HANDOFF_WAIT: "#fde047"},
+    LC.SLOW_HANDOFF: {Phase.HANDOFF: "#7c2d12"},
+    LC.DECODE_BUSY: {Phase.D_FIRST_TOKEN: "#65a30d"},
+    LC.LONG_OUTPUT: {Phase.DECODE: "#22c55e"},
+}
+PHASE_COLOURS = {phase: colour for shades in GROUP_COLOURS.values()
+                 for phase, colour in shades.items()}
+# Groups in the order their first phase comes in a turn (legends list them so).
+GROUPS = sorted(GROUP_COLOURS, key=lambda cause: min(PHASES.index(p)
+                                                     for p in GROUP_COLOURS[cause]))
+
+
+def group_of(phase: str) -> LC:
+    return CAUSE_OF[Phase(phase)]
+
+
+def dark_text(colour: str) -> bool:
+    """Black text reads on the colour (its relative luminance is high), else white."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+               for c in to_rgb(colour))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.3
 
 
 def png(figure) -> str:
@@ -71,6 +94,22 @@ def pick_conversation(turns: pd.DataFrame) -> str | None:
     return str((candidates if len(candidates) else sizes).idxmax())
 
 
+def worst_conversations(drill: dict, turns: pd.DataFrame, first: str | None = None,
+                        count: int = 3) -> list[tuple[str, str | None]]:
+    """(conversation id, tenant) of the conversations worth a waterfall: ``first`` when
+    given, then those of the drill-down's turns in its order (faults, slowest first, then
+    slow turns), else the longest with a fault (``pick_conversation``)."""
+    chosen: list[tuple[str, str | None]] = [(first, None)] if first else []
+    for row in drill.get("rows", ()):
+        key = (row["conversation_id"], row["tenant"])
+        if len(chosen) < count and key not in chosen and (key[0], None) not in chosen:
+            chosen.append(key)
+    if not chosen:
+        fallback = pick_conversation(turns)
+        chosen = [(fallback, None)] if fallback else []
+    return chosen
+
+
 def _unmeasured_style() -> dict:
     return {"facecolor": "white", "edgecolor": "gray", "hatch": "///", "label": UNMEASURED}
 
@@ -80,10 +119,13 @@ def _records(rows: pd.DataFrame) -> list[dict]:
     return [Turn(row).as_dict() for row in rows.to_dict("records")]
 
 
-def _conversation(turns: pd.DataFrame, conversation_id: str) -> pd.DataFrame:
+def _conversation(turns: pd.DataFrame, conversation_id: str,
+                  tenant: str | None = None) -> pd.DataFrame:
     rows = turns[turns["conversation_id"] == conversation_id]
-    # An id several tenants use is several conversations: draw the first tenant's.
-    rows = rows[rows["tenant"] == rows["tenant"].iloc[0]] if len(rows) else rows
+    # An id several tenants use is several conversations: draw the one asked for, else
+    # the first tenant's.
+    if len(rows):
+        rows = rows[rows["tenant"] == (rows["tenant"].iloc[0] if tenant is None else tenant)]
     return rows.sort_values("turn").reset_index(drop=True)
 
 
@@ -102,7 +144,7 @@ def _draw_turn(axis, y: int, phases: dict[str, float], legend: dict,
         if width > ROUNDING_S:
             legend.setdefault(style["label"], style)
         if width >= label_from_s:
-            dark = merged or Phase(name) in _LIGHT
+            dark = merged or dark_text(PHASE_COLOURS[Phase(name)])
             axis.text(left + width / 2, y, UNMEASURED if merged else name, ha="center",
                       va="center", fontsize=7, color="black" if dark else "white",
                       clip_on=True)
@@ -120,13 +162,14 @@ def _turn_note(turn: dict, context) -> str:
     return f" {turn['verdict']} | {top.cause.value}{share}"
 
 
-def waterfall(turns: pd.DataFrame, conversation_id: str):
+def waterfall(turns: pd.DataFrame, conversation_id: str, tenant: str | None = None):
     """One conversation, one bar per turn: its phases in Phase order, coloured and named
-    per phase, unmeasured time hatched, verdict and top cause at the bar's end."""
+    per phase, unmeasured time hatched, verdict and top cause at the bar's end; the
+    legend lists the phases by group (their latency cause)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = _conversation(turns, conversation_id)
+    rows = _conversation(turns, conversation_id, tenant)
     marks = read_marks(rows)
     context = decode_context(turns)  # the source's typical decode rate, as diagnose
     records = _records(rows)
@@ -147,8 +190,8 @@ def waterfall(turns: pd.DataFrame, conversation_id: str):
     axis.set_ylabel("turn")
     tenant = f" (tenant {rows['tenant'].iloc[0]})" if len(rows) and rows["tenant"].iloc[0] else ""
     axis.set_title(f"conversation {conversation_id}{tenant}")
-    order = [p.value for p in PHASES if p.value in legend] + (
-        [UNMEASURED] if UNMEASURED in legend else [])
+    order = [p.value for group in GROUPS for p in GROUP_COLOURS[group]
+             if p.value in legend] + ([UNMEASURED] if UNMEASURED in legend else [])
     below_label = 0.6 / (figure.get_figheight() * 0.77)  # ~0.6 in, in axes fraction
     axis.legend(handles=[Patch(**legend[name]) for name in order], loc="upper center",
                 bbox_to_anchor=(0.5, -below_label), ncol=6, fontsize=8)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 from typing import Mapping, Sequence
 
+from kvobs.render import plural
+
 ROW_HEIGHT = 24
 LABEL_WIDTH = 170
 BAR_WIDTH = 560
@@ -16,9 +18,9 @@ LABELLED_FROM = 38
 
 def stacked_bars(rows: Sequence[tuple[str, Mapping[str, int]]], order: Sequence[str],
                  colours: Mapping[str, str], dark_text: frozenset[str] = frozenset(),
-                 unit: str = "turns", title: str = "") -> str:
+                 noun: str = "turn", title: str = "") -> str:
     """One bar per ``(label, counts)`` row, its segments in ``order``, each as wide as
-    its share of the row; the row's total after the bar."""
+    its share of the row; the row's total (``noun`` counted) after the bar."""
     height = ROW_HEIGHT * len(rows) + 4
     width = LABEL_WIDTH + BAR_WIDTH + COUNT_WIDTH
     parts = [f'<svg class="bars" role="img" xmlns="http://www.w3.org/2000/svg" '
@@ -36,7 +38,7 @@ def stacked_bars(rows: Sequence[tuple[str, Mapping[str, int]]], order: Sequence[
                 continue
             share = count / total
             w = share * BAR_WIDTH
-            tip = f"{label}: {key} {count:,} of {total:,} {unit} ({share:.1%})"
+            tip = f"{label}: {key} {count:,} of {plural(total, noun)} ({share:.1%})"
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_HEIGHT - 4}"'
                          f' fill="{colours[key]}"><title>{html.escape(tip)}</title></rect>')
             if w >= LABELLED_FROM:
@@ -45,7 +47,7 @@ def stacked_bars(rows: Sequence[tuple[str, Mapping[str, int]]], order: Sequence[
                              f'fill="{fill}" class="in">{share:.0%}</text>')
             x += w
         parts.append(f'<text x="{LABEL_WIDTH + BAR_WIDTH + 8}" y="{y + 16}">'
-                     f"{total:,} {unit}</text>")
+                     f"{plural(total, noun)}</text>")
     parts.append("</svg>")
     return "".join(parts)
 

@@ -14,12 +14,13 @@ import pandas as pd
 
 from kvobs import __version__
 from kvobs import semconv as sc
-from kvobs.fleet._plots import (PHASE_COLOURS, SCOPES, UNMEASURED, phase_shares,
-                                pick_conversation, png, read_time_vs_tokens, taken,
-                                waterfall)
+from kvobs.fleet._plots import (GROUP_COLOURS, GROUPS, PHASE_COLOURS, SCOPES, UNMEASURED,
+                                group_of, phase_shares, png, read_time_vs_tokens, taken,
+                                waterfall, worst_conversations)
 from kvobs.fleet._svg import legend, stacked_bars
 from kvobs.fleet.report import FleetReport
-from kvobs.render import byte_size, duration, fault_count, total_seconds
+from kvobs.render import (byte_size, duration, fault_count, number, plain, plural,
+                          total_seconds)
 from kvobs.semconv import HEALTHY_VERDICTS, VERDICT_VALUES, Phase, Verdict
 from kvobs.settings import DECLINE_WINDOW
 from kvobs.timeline import MARKS, PHASES
@@ -42,7 +43,7 @@ _DARK_TEXT = frozenset({Verdict.LOCAL_HIT.value, Verdict.BELOW_THRESHOLD.value,
                         Verdict.EXPIRED.value, Verdict.SLOW_TRANSFER.value,
                         Verdict.INSUFFICIENT_EVIDENCE.value})
 # The legend's note per verdict: what it means (its rule's title, docs/verdicts.md).
-VERDICT_NOTES = {rule.VERDICT.value: meaning(rule) for rule in ORDER}
+VERDICT_NOTES = {rule.VERDICT.value: plain(meaning(rule)) for rule in ORDER}
 VERDICT_NOTES[Verdict.INSUFFICIENT_EVIDENCE.value] = "a span a rule needed is missing"
 # Inter-turn gap bins (s); D's TTL joins them so that "past the TTL" is a bin edge.
 GAP_EDGES_S = (10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -61,18 +62,6 @@ def percent(value: float | None) -> str:
 
 def count(value: Any) -> str:
     return "–" if value is None else f"{int(value):,}"
-
-
-def number(value: Any) -> str:
-    """Any other figure, never in exponent notation."""
-    if value is None:
-        return "–"
-    if isinstance(value, (int, np.integer)) or float(value).is_integer():
-        return f"{int(value):,}"
-    value = float(value)
-    if abs(value) >= 100:
-        return f"{value:,.0f}"
-    return f"{value:.2f}" if abs(value) >= 0.01 else f"{value:.6f}".rstrip("0")
 
 
 def _seconds(value: float | None) -> str:
@@ -205,7 +194,8 @@ def phase_tables(report: FleetReport) -> list[str]:
     """Per scope: the phases some turn spent time in, ranked, then the unmeasured rest
     of its latency and the phases no turn took."""
     parts = []
-    head = ("<tr><th>#</th><th>Phase</th><th>From → to (marks)</th><th>Total</th>"
+    head = ("<tr><th>#</th><th>Phase</th><th>Group (latency cause)</th>"
+            "<th>From → to (marks)</th><th>Total</th>"
             "<th>Share of latency</th><th>p50 per turn</th><th>p95 per turn</th>"
             "<th>Slowest phase in (turns)</th><th>Measured in (turns)</th></tr>")
     for scope, title in SCOPES:
@@ -213,6 +203,7 @@ def phase_tables(report: FleetReport) -> list[str]:
         spent = [row for row in section["phases"] if taken(row)]
         idle = [row["phase"] for row in section["phases"] if not taken(row)]
         body = [f"<tr><td>{rank}</td>{_phase_cell(row['phase'])}"
+                f"<td class='span'>{group_of(row['phase']).value}</td>"
                 f"<td class='span'>{html.escape(PHASE_SPAN[row['phase']])}</td>"
                 f"<td>{total_seconds(row['total_s'])}</td><td>{percent(row['share'])}</td>"
                 f"<td>{_seconds(row['p50_s'])}</td><td>{_seconds(row['p95_s'])}</td>"
@@ -220,11 +211,12 @@ def phase_tables(report: FleetReport) -> list[str]:
                 f"<td>{count(row.get('measured_turns'))}</td></tr>"
                 for rank, row in enumerate(spent, 1)]
         body.append(f"<tr class='unmeasured'><td></td><td class='phase'>{UNMEASURED} "
-                    f"({section['unmeasured_turns']:,} turns)</td><td>a missing span "
-                    f"kept phases apart</td><td>{total_seconds(section['unmeasured_s'])}</td>"
+                    f"({plural(section['unmeasured_turns'], 'turn')})</td><td></td>"
+                    "<td>a missing span kept phases apart</td>"
+                    f"<td>{total_seconds(section['unmeasured_s'])}</td>"
                     f"<td>{percent(section['unmeasured_share'])}</td>"
                     "<td></td><td></td><td></td><td></td></tr>")
-        parts += [f"<h3>{title}: {section['timed_turns']:,} turns with a latency, "
+        parts += [f"<h3>{title}: {plural(section['timed_turns'], 'turn')} with a latency, "
                   f"{total_seconds(section['latency_s'])} in all</h3>",
                   f"<table><thead>{head}</thead><tbody>{''.join(body)}</tbody></table>"]
         if idle:
@@ -241,24 +233,27 @@ def _cards(report: FleetReport) -> str:
                        for row in (report.first_turn, later))
     cards = [
         ("Remote hits, later turns", percent(later["remote_hit_ratio"]),
-         f"{later['turns']:,} later turns"),
-        ("Faults, later turns", _faults(later), "turns with a fault verdict"),
+         plural(later["turns"], "later turn")),
+        ("Faults, later turns", _faults(later), "turns with a fault verdict: listed below"),
         ("TTFT, later turns", f"{_seconds(later['ttft_p50_s'])} / "
                               f"{_seconds(later['ttft_p95_s'])}", "p50 / p95"),
         ("Latency, later turns", f"{_seconds(later['latency_p50_s'])} / "
                                  f"{_seconds(later['latency_p95_s'])}", "p50 / p95"),
         ("KV read from D", byte_size(later["bytes_read"]),
-         f"{later['reused_tokens']:,} tokens reused"),
+         f"{plural(later['reused_tokens'], 'token')} reused"),
         ("KV loaded from the host tier", byte_size(later["host_bytes_loaded"]),
-         f"{later['host_reused_tokens']:,} tokens, {later['host_path_turns']:,} "
-         "turns judged by the host path"),
+         f"{plural(later['host_reused_tokens'], 'token')}, "
+         f"{plural(later['host_path_turns'], 'turn')} judged by the host path"),
         ("D memory never read", percent(never), "share of block-seconds held"),
         ("Insufficient evidence", f"{insufficient:,}", "turns with spans missing"),
     ]
+    links = {"Faults, later turns": "#follow-up"}
     return "<div class='cards'>" + "".join(
-        f"<div class='card'><div class='label'>{html.escape(label)}</div>"
+        (f"<a class='card' href='{links[label]}'>" if label in links else "<div class='card'>")
+        + f"<div class='label'>{html.escape(label)}</div>"
         f"<div class='value'>{html.escape(value)}</div>"
-        f"<div class='sub'>{html.escape(sub)}</div></div>" for label, value, sub in cards
+        f"<div class='sub'>{html.escape(sub)}</div>"
+        + ("</a>" if label in links else "</div>") for label, value, sub in cards
     ) + "</div>"
 
 
@@ -266,22 +261,114 @@ def _memory(memory: dict[str, Any]) -> str:
     known = {key: (label, fmt) for key, label, fmt in MEMORY}
     rows = []
     for key, value in memory.items():
-        label, fmt = known.get(key, (key.replace("_", " "), number))
-        rows.append(f"<tr><th scope='row'>{html.escape(label)}</th>"
+        name, fmt = known.get(key, (key_label(key), number))
+        rows.append(f"<tr><th scope='row'>{html.escape(name)}</th>"
                     f"<td>{html.escape(fmt(value) if value is not None else '–')}</td></tr>")
     return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
+
+
+# Each retention figure (kvobs.fleet.retention) by key: its label and formatter.
+RETENTION: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "block_seconds": ("Held (block-seconds)", number),
+    "bytes_per_block": ("Bytes per block (measured from reads)", byte_size),
+    "byte_seconds": ("Held (byte-seconds, evicted copies)", number),
+    "gib_hours": ("Held (GiB-hours)", number),
+    "tokens_served": ("Tokens later turns took from it", count),
+    "tokens_per_gib_hour": ("Tokens served per GiB-hour held", number),
+    "turns_costed": ("Turns whose hold is costed", count),
+    "copies_evicted": ("Copies evicted", count),
+    "copies_still_held": ("Copies still held at the end (not costed)", count),
+    "byte_seconds_still_held_at_least": ("… their cost so far, at least (byte-seconds)",
+                                         number),
+}
+
+
+def key_label(key: str) -> str:
+    """A figure's key for people, where no label is declared: words, units spelled."""
+    words = key.replace("_s", " (s)") if key.endswith("_s") else key
+    words = words.replace("_", " ")
+    for raw, shown in (("gib hours", "GiB-hours"), ("byte seconds", "byte-seconds"),
+                       ("block seconds", "block-seconds"), ("gib", "GiB")):
+        words = words.replace(raw, shown)
+    return words[:1].upper() + words[1:]
 
 
 def _retention(retention: dict[str, Any]) -> str:
     """Each place's cost and what it bought, one row per figure (docs/fleet.md)."""
     rows = []
-    for place, title in (("device", "D"), ("host", "host tier")):
+    for place, title in (("device", "D"), ("host", "Host tier")):
         for key, value in retention.get(place, {}).items():
-            shown = number(value) if value is not None else "–"
+            name, fmt = RETENTION.get(key, (key_label(key), number))
+            shown = fmt(value) if value is not None else "–"
             rows.append(f"<tr><th scope='row'>{html.escape(title)}: "
-                        f"{html.escape(key.replace('_', ' '))}</th>"
+                        f"{html.escape(name[:1].lower() + name[1:])}</th>"
                         f"<td>{html.escape(shown)}</td></tr>")
     return f"<table class='memory'><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _anchor(conversation_id: str, tenant: str | None) -> str:
+    """The id of a conversation's waterfall on the page."""
+    return "waterfall-" + "".join(c if c.isalnum() else "-" for c in
+                                  f"{tenant or ''}-{conversation_id}")
+
+
+def follow_up(drill: dict[str, Any], drawn: set[str]) -> str:
+    """The faulty and slow turns (``kvobs.fleet.report.drill_down``), one row each, with
+    the ``kvobs diagnose`` command to run; a conversation whose waterfall is on the page
+    links to it."""
+    rows = drill.get("rows", [])
+    faults, slow = drill.get("fault_turns", 0), drill.get("slow_turns", 0)
+    listed = {kind: sum(row["kind"] == kind for row in rows) for kind in ("fault", "slow")}
+    note = (f"<p class='note'>{plural(faults, 'turn')} with a fault verdict, "
+            f"{plural(slow, 'slow turn')} (healthy, latency at or above its scope's p95: "
+            "turn 1 and later turns apart). Each row's command explains the turn in full "
+            "(verdict, evidence, remedy, phases).")
+    hidden = faults - listed["fault"] + slow - listed["slow"]
+    if hidden:
+        note += (f" {plural(hidden, 'more turn')} not listed: <code>kvobs turns --source "
+                 "SOURCE --format csv</code> lists every turn.")
+    if not rows:
+        return note + "</p><p class='none'>no faulty or slow turn</p>"
+    head = "".join(f"<th>{h}</th>" for h in (
+        "", "Conversation", "Turn", "Verdict", "Latency", "Top cause", "Trace id",
+        "Explain it"))
+    body = []
+    for row in rows:
+        anchor = _anchor(row["conversation_id"], row["tenant"])
+        name = html.escape(row["conversation_id"])
+        if anchor in drawn:
+            name = f"<a href='#{anchor}'>{name}</a>"
+        cause = row["top_cause"] or "–"
+        if row["top_cause"] and row["top_cause_share"] is not None:
+            cause += f" ({percent(row['top_cause_share'])})"
+        colour = VERDICT_COLOURS.get(row["verdict"], "#d4d4d8")
+        body.append(
+            f"<tr class='{row['kind']}'><td>{row['kind']}</td><td class='name'>{name}</td>"
+            f"<td>{row['turn']}</td><td class='id'><span class='swatch' "
+            f"style='background:{colour}'></span>{html.escape(row['verdict'])}</td>"
+            f"<td>{_seconds(row['latency_s'])}</td><td class='id'>{html.escape(cause)}</td>"
+            f"<td class='id'><code>{html.escape(row['trace_id'] or '–')}</code></td>"
+            f"<td class='command'><code class='command'>{html.escape(row['command'])}</code>"
+            "</td>"
+            "</tr>")
+    return (note + "</p><table class='follow-up'><thead><tr>" + head + "</tr></thead><tbody>"
+            + "".join(body) + "</tbody></table>")
+
+
+def phase_groups() -> str:
+    """The phase palette's key: each group (latency cause) with its phases' swatches."""
+    items = []
+    for group in GROUPS:
+        swatches = "".join(f"<span class='swatch' style='background:{colour}'></span>"
+                           f"{html.escape(phase.value)} "
+                           for phase, colour in GROUP_COLOURS[group].items())
+        items.append(f"<li><b>{html.escape(group.value)}</b>: {swatches}</li>")
+    return f"<ul class='legend groups'>{''.join(items)}</ul>"
+
+
+def _first_tenant(turns: pd.DataFrame, conversation_id: str) -> str | None:
+    tenants = turns.loc[turns["conversation_id"] == conversation_id, "tenant"]
+    return str(tenants.iloc[0]) if len(tenants) else None
 
 
 def _figure(caption: str, data: str, alt: str) -> str:
@@ -317,6 +404,14 @@ svg.bars{font-size:12px;fill:#1f2937;display:block}svg.bars text.in{font-size:11
 figure{margin:8px 0}img{max-width:100%;height:auto;background:#fff;
  border:1px solid #e2e8f0}footer{margin-top:40px;color:#94a3b8;font-size:12px}
 table.memory th{min-width:360px}
+a.card{color:inherit;text-decoration:none;border-color:#f59e0b}
+table.follow-up td.id{text-align:left}table.follow-up td.name{white-space:normal;min-width:140px;
+ overflow-wrap:anywhere;text-align:left}table.follow-up code{font-size:11px}
+table.follow-up td.command{white-space:normal;text-align:left;min-width:300px}
+table.follow-up code.command{user-select:all}
+table.follow-up tr.slow td:first-child{color:#64748b}
+ul.legend.groups{display:block;columns:2}ul.legend.groups li{margin:2px 0}
+figcaption{font-size:12px;color:#64748b}
 """
 
 
@@ -325,7 +420,10 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
     import matplotlib
 
     matplotlib.use("Agg")
-    conversation_id = conversation_id or pick_conversation(turns)
+    drill = report.extras.get("drill_down", {})
+    worst = [(cid, _first_tenant(turns, cid) if tenant is None else tenant)
+             for cid, tenant in worst_conversations(drill, turns, conversation_id)]
+    drawn = {_anchor(cid, tenant) for cid, tenant in worst}
     title = "kvobs fleet report" + (" (SYNTHETIC data)" if report.synthetic else "")
     since = f"; since {html.escape(report.since)}" if report.since else ""
     rate = (f"; prefill rate {report.prefill_tokens_per_s:,.0f} tokens/s"
@@ -337,11 +435,14 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
         "<meta name='viewport' content='width=device-width,initial-scale=1'>"
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body><main>",
         f"<h1>{html.escape(title)}</h1>",
-        f"<p class='sub'>source {html.escape(report.source)}: {report.conversations:,} "
-        f"conversations, {report.turns:,} turns{since}{rate}</p>",
+        f"<p class='sub'>source {html.escape(report.source)}: "
+        f"{plural(report.conversations, 'conversation')}, {plural(report.turns, 'turn')}"
+        f"{since}{rate}</p>",
         "<p class='banner'>SYNTHETIC data: generated, not measured</p>"
         if report.synthetic else "",
         _cards(report),
+        "<h2 id='follow-up'>Turns to follow up: faulty and slow</h2>",
+        follow_up(drill, drawn),
         "<h2>Verdict mix</h2>", _verdict_mix(report),
         "<h2>Later turns by inter-turn gap</h2>", _gap_section(turns),
         "<h2>Turn 1 and later turns</h2>",
@@ -354,12 +455,18 @@ def render_html(report: FleetReport, turns: pd.DataFrame,
                ("prompt_bucket", "Prompt (tokens)", str), METRICS),
         "<h2>Where the time went: phases ranked by total seconds</h2>",
         "<p class='note'>Each turn's latency split into consecutive phases between "
-        "timeline marks (docs/timeline.md); p50 and p95 are per turn.</p>",
+        "timeline marks (docs/timeline.md); p50 and p95 are per turn. Each phase "
+        "belongs to a group, the latency cause it counts for (docs/timeline.md), "
+        "and takes a shade of its group's colour:</p>", phase_groups(),
         *phase_tables(report)]
-    if conversation_id:
-        parts.append(_figure("Per-turn waterfall: phases, verdict and top cause",
-                             png(waterfall(turns, conversation_id)),
-                             f"phases of each turn of conversation {conversation_id}"))
+    if worst:
+        parts.append("<h2>Per-turn waterfalls of the worst conversations: phases, "
+                     "verdict and top cause</h2>")
+    for cid, tenant in worst:
+        alt = f"phases of each turn of conversation {cid}"
+        parts.append(f"<figure id='{_anchor(cid, tenant)}'><img alt='{html.escape(alt)}' "
+                     f"src='data:image/png;base64,{png(waterfall(turns, cid, tenant))}'>"
+                     f"<figcaption><code>{html.escape(cid)}</code></figcaption></figure>")
     parts.append(_figure("Phase shares of the fleet's latency, p50/p95 per turn",
                          png(phase_shares(report)), "phase shares and per-turn spread"))
     parts.append(_figure("Read time vs tokens read, against recomputing them",

@@ -5,6 +5,7 @@ of a source; turn 1 always apart."""
 
 from __future__ import annotations
 
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,7 @@ from kvobs.fleet.since import since_cutoff_ns
 from kvobs.turns.schema import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
 from kvobs.verdicts import classify_frame
-from kvobs.semconv import ReadOutcome, ReleaseReason, Verdict
-
-
+from kvobs.semconv import HEALTHY_VERDICTS, ReadOutcome, ReleaseReason, Verdict
 
 
 def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
@@ -272,6 +271,126 @@ def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- drill-down
+
+# The turns a report lists to follow up (``drill_down``): every fault up to this many, then
+# the slowest healthy turns; the rest are counted.
+LISTED_FAULTS = 50
+LISTED_SLOW = 20
+# Conversations whose trace ids are looked up in the source (one read each).
+TRACE_LOOKUPS = 40
+_NOT_FAULTS = frozenset({v.value for v in HEALTHY_VERDICTS} | {
+    Verdict.INSUFFICIENT_EVIDENCE.value})
+
+
+def diagnose_command(source: str, conversation_id: str, tenant: str | None = None,
+                     read_slo_s: float | None = None) -> str:
+    """The exact ``kvobs diagnose`` command line for a conversation, shell-quoted (an id
+    that starts with ``-`` comes after ``--``).
+
+    >>> diagnose_command("out/my demo", "agent-happy")
+    "kvobs diagnose agent-happy --source 'out/my demo'"
+    >>> diagnose_command("s", "-x;rm", "ab12", 0.5)
+    "kvobs diagnose --source s --tenant ab12 --read-slo 0.5 -- '-x;rm'"
+    """
+    options = ["--source", source]
+    if tenant:
+        options += ["--tenant", tenant]
+    if read_slo_s is not None:
+        options += ["--read-slo", f"{read_slo_s:g}"]
+    words = (options + ["--", conversation_id] if conversation_id.startswith("-")
+             else [conversation_id] + options)
+    return shlex.join(["kvobs", "diagnose", *words])
+
+
+def drill_down(labelled: pd.DataFrame, source: str, read_slo_s: float | None = None,
+               faults: int = LISTED_FAULTS, slow: int = LISTED_SLOW) -> dict[str, Any]:
+    """The turns to follow up: every turn with a fault verdict (the slowest first, up to
+    ``faults``), then healthy turns at or above their scope's latency p95 (turn 1 and
+    later turns apart; up to ``slow``). Each row: conversation, tenant, turn, verdict,
+    latency, top latency cause (``kvobs.causes``) and its share, the ``kvobs diagnose``
+    command; ``trace_id`` stays None until ``add_trace_ids`` reads the source."""
+    from kvobs.causes import causes, decode_context
+    from kvobs.verdicts import Turn
+
+    latency = labelled["latency_s"].to_numpy(float, na_value=np.nan)
+    first = (labelled["turn"] == 1).to_numpy(bool)
+    verdicts = labelled["verdict"]
+    fault = (verdicts.notna() & ~verdicts.isin(_NOT_FAULTS)).to_numpy(bool)
+    p95 = np.full(len(labelled), np.inf)
+    for scope in (first, ~first):
+        measured = latency[scope & ~np.isnan(latency)]
+        if len(measured):
+            p95[scope] = np.quantile(measured, 0.95)
+    is_slow = ~fault & (latency >= p95)  # NaN compares False
+    cids, tenants, turns = (labelled[c] for c in ("conversation_id", "tenant", "turn"))
+
+    def ranked(mask: np.ndarray, limit: int) -> list[int]:
+        """The ``limit`` slowest rows of ``mask`` (unmeasured last); ties by conversation
+        and turn, so that every source lists the same turns."""
+        rows = np.flatnonzero(mask)
+        key = np.nan_to_num(latency[rows], nan=-1.0)
+        if len(rows) > limit:  # the candidates: every row as slow as the limit-th
+            kth = np.partition(key, len(key) - limit)[len(key) - limit]
+            rows, key = rows[key >= kth], key[key >= kth]
+        order = sorted(range(len(rows)), key=lambda j: (
+            -key[j], str(cids.iat[rows[j]]), str(tenants.iat[rows[j]]),
+            int(turns.iat[rows[j]])))
+        return [int(rows[j]) for j in order[:limit]]
+
+    chosen = [(i, "fault") for i in ranked(fault, faults)] + [
+        (i, "slow") for i in ranked(is_slow, slow)]
+    rows = []
+    if chosen:
+        shared = labelled.groupby("conversation_id", observed=True)["tenant"].nunique()
+        context = decode_context(labelled)
+        records = labelled.iloc[[i for i, _ in chosen]].to_dict("records")
+        for (i, kind), record in zip(chosen, records):
+            turn = Turn(record).as_dict()
+            found = causes(turn, context)
+            cid, tenant = str(record["conversation_id"]), str(record["tenant"] or "")
+            rows.append({
+                "kind": kind, "conversation_id": cid, "tenant": tenant,
+                "turn": int(record["turn"]), "verdict": str(record["verdict"]),
+                "latency_s": None if np.isnan(latency[i]) else float(latency[i]),
+                "top_cause": found[0].cause.value if found else None,
+                "top_cause_share": found[0].share if found else None,
+                "trace_id": None,
+                "command": diagnose_command(source, cid,
+                                            tenant if shared.get(cid, 1) > 1 else None,
+                                            read_slo_s)})
+    return {"fault_turns": int(fault.sum()), "slow_turns": int(is_slow.sum()),
+            "slow_threshold": "latency at or above its scope's p95 (turn 1, later turns)",
+            "rows": rows}
+
+
+def add_trace_ids(drill: dict[str, Any], span_source, lookups: int = TRACE_LOOKUPS) -> None:
+    """Fill each listed turn's trace id (the proxy's turn span's) from the source: one
+    read per conversation, as ``kvobs diagnose`` reads it, for at most ``lookups``
+    conversations. An id-less turn's id names its trace (``anonymous:<trace id>``)."""
+    from kvobs.turns.correlate import turns_from_spans
+
+    wanted: dict[str, list[dict]] = {}
+    for row in drill["rows"]:
+        cid = row["conversation_id"]
+        if cid.startswith(sc.ANONYMOUS_PREFIX):
+            row["trace_id"] = cid[len(sc.ANONYMOUS_PREFIX):]
+        elif not cid.startswith(sc.LINEAGE_PREFIX):
+            wanted.setdefault(cid, []).append(row)
+    for cid, rows in list(wanted.items())[:lookups]:
+        try:
+            found = turns_from_spans(span_source.span_table(cid), frame=False)
+        except Exception:  # noqa: BLE001 - a trace id is a convenience, never a failure
+            continue
+        if "trace_id" not in found.column_names:
+            continue
+        keys = zip(*(found.column(c).to_pylist()
+                     for c in ("conversation_id", "tenant", "turn", "trace_id")))
+        trace = {(str(c), str(t or ""), int(n)): tid for c, t, n, tid in keys}
+        for row in rows:
+            row["trace_id"] = trace.get((cid, row["tenant"], row["turn"]))
+
+
 @dataclass
 class FleetReport:
     source: str
@@ -329,4 +448,5 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
         conversations=len(labelled[CONVERSATION_KEYS].drop_duplicates()), turns=len(labelled),
         prefill_tokens_per_s=rate, **mix, memory=memory, phases=phases, retention=retained,
         synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
+    report.extras["drill_down"] = drill_down(labelled, source, read_slo_s)
     return report, labelled

@@ -2,6 +2,7 @@
 and the same --source strings for every command."""
 
 import json
+import shlex
 import shutil
 
 import pytest
@@ -212,6 +213,10 @@ def test_clickhouse_init_prints_or_creates_the_turn_view(clickhouse, chdb_path):
     reports = [json.loads(runner.invoke(main, ["report", "--source", at, "--json"]).output)
                for at in (location, clickhouse.location)]
     assert reports[0].pop("source") != reports[1].pop("source")
+    commands = [[row.pop("command") for row in report["drill_down"]["rows"]]
+                for report in reports]
+    assert commands[0] == [c.replace(shlex.quote(clickhouse.location), shlex.quote(location))
+                           for c in commands[1]]
     # The view's report is the spans' (floats to 1e-12: each reads rows in scan order).
     assert same_figures(reports[0], reports[1])
 

@@ -22,12 +22,15 @@ from kvobs.sources.clickhouse import ClickHouseSource, turns_view_ddl  # noqa: E
 
 
 def _run(*args: str) -> tuple[int, object]:
-    """A command's exit code and JSON output, without the field naming the source."""
+    """A command's exit code and JSON output, without the fields naming the source (the
+    report's, and its drill-down's commands)."""
     result = CliRunner().invoke(main, list(args))
     assert result.output.lstrip()[:1] in ("{", "["), (args, result.output)
     output = json.loads(result.output)
     if isinstance(output, dict):
         output.pop("source", None)
+        for row in output.get("drill_down", {}).get("rows", ()):
+            assert row.pop("command").startswith("kvobs diagnose ")
     return result.exit_code, output
 
 

@@ -2,12 +2,22 @@
 formatted for people, verdict mixes as charts whose counts are the report's, gaps binned
 around D's TTL."""
 
+import doctest
+import html
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 
+from kvobs import semconv as sc
+from kvobs.causes import CAUSE_OF
 from kvobs.fleet import build_report, fleet_turns
-from kvobs.fleet.html import gap_bins, number, percent, render_html
+from kvobs.fleet._plots import GROUP_COLOURS, GROUPS, PHASE_COLOURS, worst_conversations
+from kvobs.fleet.html import RETENTION, gap_bins, number, percent, render_html
+from kvobs.fleet.report import add_trace_ids, diagnose_command
+from kvobs.render import fault_count
+from kvobs.semconv import Phase
 from kvobs.sources import open_source
 
 
@@ -87,3 +97,99 @@ def test_html_without_matplotlib_names_the_extra(synthetic_store, tmp_path, monk
                                        "--html", str(page)])
     assert result.exit_code == 2
     assert "pip install 'kvobs[fleet]'" in result.output and not page.exists()
+
+
+# --------------------------------------------------------------------------- #27: a report to
+# drill into, on the demo run's spans (tests/data/demo-spans.otlp.jsonl)
+
+DEMO_SPANS = str(Path(__file__).resolve().parents[1] / "data" / "demo-spans.otlp.jsonl")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    source = open_source(DEMO_SPANS)
+    report, labelled = build_report(fleet_turns(source), DEMO_SPANS)
+    add_trace_ids(report.extras["drill_down"], source)
+    return report, labelled, render_html(report, labelled)
+
+
+def test_render_doctests():
+    import kvobs.fleet.report
+    import kvobs.render
+
+    for module in (kvobs.render, kvobs.fleet.report):
+        failures, tried = doctest.testmod(module)
+        assert tried > 0 and failures == 0
+
+
+def test_every_fault_is_listed_with_its_trace_and_command(demo):
+    report, labelled, _ = demo
+    drill = report.extras["drill_down"]
+    faults = fault_count(report.first_turn["verdicts"]) + fault_count(
+        report.later_turns["verdicts"])
+    listed = [row for row in drill["rows"] if row["kind"] == "fault"]
+    assert drill["fault_turns"] == len(listed) == faults == 5
+    assert {(row["conversation_id"], row["verdict"]) for row in listed} == {
+        ("agent-slow-tool", "expired"), ("agent-late-id", "missing-metadata"),
+        ("agent-unstable", "prefix-mismatch"), ("agent-rewrite", "prefix-mismatch"),
+        ("agent-d-restart", "transfer-failed")}
+    latencies = [row["latency_s"] for row in listed]
+    assert latencies == sorted(latencies, reverse=True)  # the slowest first
+    for row in drill["rows"]:
+        assert re.fullmatch(r"[0-9a-f]{32}", row["trace_id"])
+        assert row["top_cause"] in {c.value for c in sc.LatencyCause}
+        assert shlex.split(row["command"]) == [
+            "kvobs", "diagnose", row["conversation_id"], "--source", DEMO_SPANS]
+    # The trace id is the turn's: the proxy's turn span in that trace.
+    spans = open_source(DEMO_SPANS).spans("agent-d-restart")
+    (row,) = [r for r in listed if r["conversation_id"] == "agent-d-restart"]
+    turn_spans = spans[(spans["name"] == sc.SPAN_PROXY_TURN.name)
+                       & (spans[sc.TURN_INDEX.key] == row["turn"])]
+    assert list(turn_spans["trace_id"]) == [row["trace_id"]]
+
+
+def test_a_shared_id_names_its_tenant_and_odd_ids_are_quoted():
+    assert diagnose_command("my dir", "agent's", "t1", None) == (
+        "kvobs diagnose 'agent'\"'\"'s' --source 'my dir' --tenant t1")
+    assert shlex.split(diagnose_command("d", "--help")) == [
+        "kvobs", "diagnose", "--source", "d", "--", "--help"]
+
+
+def test_the_worst_conversations_get_waterfalls(demo):
+    report, labelled, page = demo
+    worst = worst_conversations(report.extras["drill_down"], labelled)
+    assert [cid for cid, _ in worst] == ["agent-slow-tool", "agent-late-id",
+                                         "agent-unstable"]
+    assert page.count("<img alt='phases of each turn of conversation") == 3
+    for cid, tenant in worst:
+        assert f"id='waterfall-{tenant}-{cid}'" in page
+        assert f"<a href='#waterfall-{tenant}-{cid}'>{cid}</a>" in page
+
+
+def test_nothing_leaks_into_the_page(demo):
+    """Tooltips and alt texts included (a browser shows them only on hover)."""
+    _, _, page = demo
+    text = html.unescape(re.sub(r"<[^>]+>", " ", _text(page)))
+    titles = " ".join(html.unescape(t) for t in re.findall(r"<title>([^<]*)</title>", page))
+    for shown in (text, titles):
+        assert "`" not in shown
+        assert not re.search(r"(?<![\d.,])1 (turns|conversations|exports|tokens)\b", shown)
+        assert not re.search(r"\b(gib|byte|block) (hours|seconds)\b", shown)
+        assert not re.search(r"(?<![\w.])-\d[\d.,]*\s?(ms|s)\b", shown)
+    assert "0 < M < kv_recompute_threshold" in text  # the literal, without its markup
+    assert "D: held (GiB-hours)" in text and "Host tier: held (byte-seconds" in text
+
+
+def test_retention_keys_all_have_labels(demo):
+    report, _, _ = demo
+    for place in ("device", "host"):
+        assert set(report.retention[place]) <= set(RETENTION)
+
+
+def test_phases_take_their_groups_hue():
+    """Every phase has a colour in its latency cause's group; groups never share one."""
+    assert set(PHASE_COLOURS) == set(Phase)
+    for group, shades in GROUP_COLOURS.items():
+        assert all(CAUSE_OF[phase] is group for phase in shades)
+    assert len(set(PHASE_COLOURS.values())) == len(PHASE_COLOURS)
+    assert set(GROUPS) == set(CAUSE_OF.values())

@@ -47,7 +47,11 @@ def test_report_cli_json_and_html(synthetic_store, tmp_path):
     data = json.loads(result.output)
     assert data["later_turns"]["turns"] > 0 and data["synthetic"] is True
     text = html.read_text()
-    assert text.count("data:image/png;base64,") == 3 and "SYNTHETIC" in text
+    # three waterfalls (the worst conversations), phase shares, read time vs tokens
+    assert text.count("data:image/png;base64,") == 5 and "SYNTHETIC" in text
+    rows = data["drill_down"]["rows"]
+    assert data["drill_down"]["fault_turns"] >= len([r for r in rows if r["kind"] == "fault"])
+    assert rows and all(r["command"].startswith("kvobs diagnose synthetic-") for r in rows)
     assert "Where the time went" in text
 
 

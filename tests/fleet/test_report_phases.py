@@ -2,6 +2,7 @@
 whose phases the span factory set (so every total, share and rank is known)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_cli_prints_ranked_phases(phase_store):
     text = runner.invoke(main, ["report", "--source", phase_store]).output
     later = text[text.index("where the time went, later turns"):]
     assert later.index("p-queue") < later.index("decode") < later.index("p-compute")
-    assert "unmeasured (1 turns)" in later
+    assert "unmeasured (1 turn)" in later
     data = json.loads(runner.invoke(main, ["report", "--source", phase_store,
                                            "--json"]).output)
     assert data["phases"]["later_turns"]["phases"][0]["phase"] == "p-queue"
@@ -157,9 +158,12 @@ def test_html_has_phase_sections(built):
     report, labelled = built
     text = render_html(report, labelled, "queued")
     assert "Where the time went: phases ranked by total seconds" in text
-    assert "Per-turn waterfall: phases, verdict and top cause" in text
+    assert "Per-turn waterfalls of the worst conversations: phases" in text
     assert "Phase shares of the fleet's latency, p50/p95 per turn" in text
-    assert text.count("data:image/png;base64,") == 3
+    # the conversation asked for first, then those of the faulty and slow turns
+    waterfalls = re.findall(r"<img alt='phases of each turn of conversation (\S+)'", text)
+    assert waterfalls == ["queued", "long-output"]
+    assert text.count("data:image/png;base64,") == len(waterfalls) + 2
     first = text.index("<h3>turn 1:")
     later = text.index("<h3>later turns:")
     assert first < text.index("</span>decode</td>", first) < later

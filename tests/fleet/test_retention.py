@@ -167,7 +167,7 @@ def test_report_terminal_names_both_places(store):
     result = CliRunner().invoke(main, ["report", "--source", store])
     (line,) = [l for l in result.output.splitlines() if l.startswith("retention cost")]
     assert "900 tokens read later" in line and "80 tokens loaded later" in line
-    assert "1 host copies still held" in line
+    assert "1 host copy still held" in line
 
 
 def test_a_filtered_table_keeps_each_turn_with_its_conversation(turns):
@@ -187,5 +187,5 @@ def test_html_report_has_the_retention_table(store, tmp_path):
     assert result.exit_code == 0, result.output
     text = html.read_text()
     section = text.split("Retention cost: D vs the host tier")[1]
-    assert "D: tokens served</th><td>900" in section
-    assert "host tier: tokens served</th><td>80" in section
+    assert "D: tokens later turns took from it</th><td>900" in section
+    assert "Host tier: tokens later turns took from it</th><td>80" in section
