@@ -52,7 +52,7 @@ _DECISION_KEYS = (sc.PROMPT_TOKENS.key, sc.LOCAL_HIT_TOKENS.key, sc.REMOTE_TOKEN
 _READ_KEYS = (sc.READ_DIRECTION.key, sc.READ_OUTCOME.key, sc.READ_BYTES.key,
               sc.READ_BLOCKS.key, sc.READ_DURATION.key, sc.REMAINING_TTL_AT_READ.key,
               sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key, sc.READ_SETUP.key,
-              sc.REMOTE_REQUEST_ID.key) + _IDS
+              sc.REMOTE_REQUEST_ID.key, sc.READ_UNOBSERVED.key) + _IDS
 _REQUEST_KEYS = (sc.REQUEST_ARRIVED_AT.key, sc.REQUEST_SCHEDULED_AT.key,
                  sc.REQUEST_ALLOCATED_AT.key, sc.REQUEST_KV_READY_AT.key,
                  sc.REQUEST_FIRST_TOKEN_AT.key, sc.PROMPT_TOKENS.key,
@@ -443,10 +443,14 @@ class SchedulerObserver:
         self._waiting.pop(req_id, None)
         outcome = _FAILED if failed else _DONE
         nbytes, blocks, start, duration, ttl, error, setup = 0, 0, None, 0.0, None, None, None
+        in_flight = None  # the longest a worker's share is known to have been in flight
         for _, rec_outcome, rbytes, rblocks, rstart, rdur, rttl, rerror, *more in records:
             rsetup = more[0] if more else None
             if rsetup is not None and (setup is None or rsetup > setup):
                 setup = rsetup
+            if len(more) > 1 and more[1] is not None and rdur is not None:
+                known = max(0.0, rdur - more[1])
+                in_flight = known if in_flight is None else max(in_flight, known)
             if rec_outcome == _DECLINED_V:
                 outcome = _DECLINED
             elif rec_outcome == _FAILED_V and outcome is _DONE:
@@ -478,10 +482,12 @@ class SchedulerObserver:
             r.kv_ready = now
         if start is None:
             start = now - duration
+        unobserved = None if in_flight is None else max(0.0, duration - in_flight)
         if r.direction is _D_TO_P:
             self._emit(sc.SPAN_READ, req_id, r.correlation, _READ_KEYS, (
                 direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup, r.remote_request), start, start + duration, error=not done)
+                setup, r.remote_request, unobserved), start, start + duration,
+                error=not done)
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
                 self._recompute(req_id, r, _R_GUARDED if r.guarded else _R_SUFFIX,
@@ -491,7 +497,8 @@ class SchedulerObserver:
         else:  # D pulled P's KV: the hand-off; its first token comes next
             self._emit(sc.SPAN_HANDOFF, req_id, r.correlation, _READ_KEYS, (
                 direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup, r.remote_request), start, start + duration, error=not done)
+                setup, r.remote_request, unobserved), start, start + duration,
+                error=not done)
             if done and r.request is not None and r.first_token is None:
                 self._first_pending[req_id] = r
         if r.finished:

@@ -4,7 +4,10 @@ Per read: when it was requested and when it really started (the difference is th
 connection set-up: the NIXL handshake the first time a worker reads from an engine),
 whether it was declined as expired, how many bytes NIXL moved for it (NIXL's own
 per-transfer telemetry, the same numbers behind ``vllm:nixl_bytes_transferred``), its
-duration and the remaining TTL on this process's clock. Per release of retained blocks: expired or read. The records ride
+duration, how much of that came after the last poll that still saw it in flight (a
+completion is only seen when the worker polls, after each model step: a long prefill
+step holds it; NIXL's own ``xferDuration`` is measured at that poll too), and the
+remaining TTL on this process's clock. Per release of retained blocks: expired or read. The records ride
 to the scheduler in the connector stats (see ``_scheduler_observer``).
 
 Hooks are instance-level wraps of the upstream worker that always call the original
@@ -33,6 +36,7 @@ class _Read:
     ttl: float | None = None
     declined: bool = False
     nbytes: int = 0
+    pending_mono: float | None = None  # the last poll that saw it in flight began here
 
 
 # vLLM's ``_log_failure`` types that mean the read itself failed.
@@ -153,6 +157,7 @@ class WorkerObserver:
         return result
 
     def _completions(self, original, *args, **kwargs):
+        polled = time.perf_counter()
         try:
             handles = ({r: list(h) for r, h in self._worker._recving_transfers.items()}
                        if self._reads else {})
@@ -162,12 +167,12 @@ class WorkerObserver:
         self._expired_now = None
         results = original(*args, **kwargs)
         try:
-            self._after_results(results, handles)
+            self._after_results(results, handles, polled)
         except Exception:  # noqa: BLE001
             self.guard.failed("results")
         return results
 
-    def _after_results(self, results: Any, handles: dict) -> None:
+    def _after_results(self, results: Any, handles: dict, polled: float) -> None:
         if isinstance(results, tuple):  # legacy (finished_sending, finished_recving)
             # No failure set on this API: a read failed when the worker logged a failure
             # of the read itself for it (not of a notification or a release).
@@ -183,6 +188,10 @@ class WorkerObserver:
                 if read is not None:
                     read.nbytes += sum(self._bytes_by_handle.pop(h, 0) for h in req_handles)
             self._bytes_by_handle.clear()
+        for req_id in handles.keys() - set(recving):
+            read = self._reads.get(req_id)
+            if read is not None and read.start_mono is not None:
+                read.pending_mono = polled  # still in flight at this poll
         if recving:
             now = time.perf_counter()
             for req_id in recving:
@@ -201,9 +210,12 @@ class WorkerObserver:
                 # Set-up: from the read's request to its start (the handshake, when
                 # the holder was not connected yet); unknown when it never started.
                 setup = read.start_mono - read.first_mono if started else None
+                # Unobserved: since the read started, or since a poll last saw it.
+                seen = max(start_mono, read.pending_mono or start_mono)
                 self.raw_reads.append([
                     req_id, outcome.value, read.nbytes, read.blocks, start_wall,
-                    now - start_mono, read.ttl, self._errors.pop(req_id, None), setup])
+                    now - start_mono, read.ttl, self._errors.pop(req_id, None), setup,
+                    now - seen])
         if sending:
             expired = self._expired_now
             if expired is not None:

@@ -27,6 +27,9 @@ DOMINANT_SHARE = 0.25
 # A NIXL handshake is named at a lower share: it recurs after every engine (re)start, a
 # 30 ms one is a fifth of a short turn's TTFT, and its remedy (warm each pair) is cheap.
 SHARE_OF: dict[LC, float] = {LC.CONNECTION_SETUP: 0.10}
+# A read whose unwatched end (``read_unobserved_s``) is at least this share of it was held
+# by P's own compute step, not slowed by the link.
+HELD_READ_SHARE = 0.5
 MIN_SECONDS = 0.005
 # Decode is "busy" when its seconds per output token exceed this multiple of the
 # source's median: D was shared (other decodes, long prefills) while it generated.
@@ -140,9 +143,17 @@ def _connection_setup(turn, seconds, context):
 
 
 def _slow_read(turn, seconds, context):
+    evidence = _pick(turn, "read_span_id", "read_bytes", "read_duration_s", "read_unobserved_s")
+    held = _get(turn, "read_unobserved_s")
+    if held and seconds and held >= HELD_READ_SHARE * seconds:
+        # P polls its reads after each model step: a long step of other requests' prefill
+        # holds a finished read, whatever the link did.
+        return (f"The D->P read took {_ms(seconds)}, {_ms(held)} of it while P's own compute "
+                "step ran without looking (the transfer ended somewhere within it): P was "
+                "busy, not the link; bound P's step (max_num_batched_tokens, chunked "
+                "prefill) or its load.", evidence)
     return (f"The D->P read took {_ms(seconds)}: check the P<->D link and D's load (a busy "
-            "D serves reads late; vllm:kvobs_remote_read_duration_seconds).",
-            _pick(turn, "read_span_id", "read_bytes", "read_duration_s"))
+            "D serves reads late; vllm:kvobs_remote_read_duration_seconds).", evidence)
 
 
 def _prefill_compute(turn, seconds, context):

@@ -163,6 +163,11 @@ READ_ERROR = _attr("kvobs.read.error", "str", "", "Error class of a failed read 
 REMAINING_TTL_AT_READ = _attr(
     "kvobs.read.remaining_ttl", "float", "s", "Seconds left before D's expiry when the read began.")
 REMOTE_ENGINE_ID = _attr("kvobs.remote.engine_id", "str", "", "Engine id of the KV's holder.")
+READ_UNOBSERVED = _attr(
+    "kvobs.read.unobserved", "float", "s",
+    "Seconds at the read's end during which P's worker did not look at it (its own "
+    "compute step ran since it last saw the read in flight): the transfer finished "
+    "somewhere within them, so it took at least the read's duration minus these.")
 READ_SETUP = _attr(
     "kvobs.read.setup", "float", "s",
     "Seconds the read waited before it could start: the NIXL handshake with the KV's "

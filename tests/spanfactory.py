@@ -27,6 +27,7 @@ class TurnSpec:
     remote: int = 900
     threshold: int = 64
     read_duration_s: float = 0.005
+    read_unobserved_s: float | None = None  # of it, after P's worker last saw it in flight
     read_bytes: int = 2_000_000
     prefill_leg_s: float = 0.2
     ttft_s: float = 0.25
@@ -153,7 +154,7 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
                  {sc.READ_OUTCOME.key: spec.read, sc.READ_BYTES.key: spec.read_bytes,
                   sc.READ_DURATION.key: spec.read_duration_s, sc.READ_BLOCKS.key: 50,
                   sc.REMAINING_TTL_AT_READ.key: spec.ttl_s - spec.gap_s,
-                  sc.READ_SETUP.key: setup},
+                  sc.READ_SETUP.key: setup, sc.READ_UNOBSERVED.key: spec.read_unobserved_s},
                  read_start, read_start + int(spec.read_duration_s * SECOND),
                  error=spec.read == "failed")
         if spec.stuck:

@@ -123,6 +123,7 @@ _SPAN_COLUMNS = [
     _col("read_bytes", sc.SPAN_READ, sc.READ_BYTES, fleet=_F, public=True),
     _col("read_blocks", sc.SPAN_READ, sc.READ_BLOCKS, fleet=_F, public=True),
     _col("read_duration_s", sc.SPAN_READ, sc.READ_DURATION, fleet=_F, public=True),
+    _col("read_unobserved_s", sc.SPAN_READ, sc.READ_UNOBSERVED, fleet=_F, public=True),
     _col("read_error", sc.SPAN_READ, sc.READ_ERROR),
     _col("remaining_ttl_s", sc.SPAN_READ, sc.REMAINING_TTL_AT_READ, public=True),
     _col("recompute_span_id", sc.SPAN_RECOMPUTE, "span_id"),

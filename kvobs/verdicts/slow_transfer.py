@@ -1,9 +1,12 @@
 """slow-transfer: the read succeeded but cost more than recomputing would have.
 
-What it means: read time exceeded ``slow_transfer_factor x M / prefill rate`` (the rate
-measured from the diagnosed turns that computed without reading; the factor keeps the
-rate's own spread from turning a break-even read into a fault), or broke the read-latency
-SLO.
+What it means: the read's time in flight exceeded ``slow_transfer_factor x M / prefill
+rate`` (the rate measured from the diagnosed turns that computed without reading; the
+factor keeps the rate's own spread from turning a break-even read into a fault), or broke
+the read-latency SLO. Time in flight is the read's duration less what P's worker did not
+watch at its end (``read_unobserved_s``: a completion is seen only when the worker polls,
+after each model step, so a long prefill step of other requests can hold a 4 ms read for a
+second): a read held by P's own compute is not the link's fault.
 What to do: check the P<->D link (``vllm:kvobs_remote_read_duration_seconds``); raise
 ``kv_recompute_threshold`` to the break-even point ``kvobs tune`` reports.
 """
@@ -35,8 +38,14 @@ def recompute_estimate_s(turns, context: Context) -> np.ndarray:
     return np.where(tokens > 0, tokens / context.prefill_tokens_per_s, np.nan)
 
 
+def in_flight_s(turns) -> np.ndarray:
+    """Seconds the read is known to have been in flight (NaN: no duration)."""
+    return col.num(turns, "read_duration_s") - np.nan_to_num(
+        col.num(turns, "read_unobserved_s"), nan=0.0)
+
+
 def applies(turns, context: Context):
-    duration = col.num(turns, "read_duration_s")
+    duration = in_flight_s(turns)
     # NaN compares False: no estimate, no "slower".
     slower = duration > context.slow_transfer_factor * recompute_estimate_s(turns, context)
     over_slo = (duration > context.read_slo_s if context.read_slo_s is not None
@@ -48,7 +57,8 @@ def explain(turn: Turn, context: Context) -> Finding:
     tokens = turn.get("candidate_tokens")
     estimate = (tokens / context.prefill_tokens_per_s
                 if tokens and context.prefill_tokens_per_s else None)
-    evidence = turn.pick("read_span_id", "read_duration_s", "read_bytes", "candidate_tokens")
+    evidence = turn.pick("read_span_id", "read_duration_s", "read_unobserved_s", "read_bytes",
+                         "candidate_tokens")
     evidence.update(recompute_estimate_s=estimate, read_slo_s=context.read_slo_s,
                     prefill_tokens_per_s=context.prefill_tokens_per_s,
                     slow_transfer_factor=context.slow_transfer_factor)

@@ -93,11 +93,38 @@ def test_worker_records_a_done_read():
     worker.done.add("r1")
     results = worker.get_transfer_results()
     assert results.finished_recving == {"r1"}
-    ((req, outcome, nbytes, blocks, start, duration, ttl, error, setup),) = obs.take()[0]
+    ((req, outcome, nbytes, blocks, start, duration, ttl, error, setup, unobserved),) = \
+        obs.take()[0]
     assert (req, outcome, nbytes, blocks, error) == ("r1", "done", 3000, 3, None)
+    assert 0 <= unobserved <= duration
     assert ttl == pytest.approx(30.0, abs=0.5)  # 130 s on D's clock minus the offset
     assert 0 <= duration < 1 and start == pytest.approx(time.time(), abs=5)
     assert 0 <= setup < 0.05  # D was connected: the read started when it was asked for
+
+
+def test_worker_records_what_it_did_not_watch_at_a_read_s_end():
+    """A completion is seen only at a poll (after each model step): a read seen in
+    flight, then a 0.3 s step without a poll, then done, was unobserved for that step;
+    one polled again right before it is seen done was unobserved for almost nothing."""
+    def read_held_for(step_s: float, poll_before_done: bool) -> tuple[float, float]:
+        worker = FakeWorker()
+        obs = WorkerObserver(worker, bidirectional=True)
+        m = meta(blocks=2)
+        obs.on_start_load(SimpleNamespace(reqs_to_recv={"r1": m}))
+        worker._read_blocks_for_req("r1", m)
+        worker.get_transfer_results()  # a poll: still in flight
+        time.sleep(step_s)  # P computes; nobody looks
+        if poll_before_done:
+            worker.get_transfer_results()
+        worker.done.add("r1")
+        worker.get_transfer_results()
+        (record,) = obs.take()[0]
+        return record[5], record[9]  # duration, unobserved
+
+    duration, unobserved = read_held_for(0.3, poll_before_done=False)
+    assert unobserved >= 0.3 and duration - unobserved < 0.05
+    duration, unobserved = read_held_for(0.3, poll_before_done=True)
+    assert duration >= 0.3 and unobserved < 0.05
 
 
 def test_worker_records_connection_setup_before_a_first_read():
@@ -114,7 +141,7 @@ def test_worker_records_connection_setup_before_a_first_read():
     worker._read_blocks_for_req("r1", m)
     worker.done.add("r1")
     worker.get_transfer_results()
-    ((*_, setup),) = obs.take()[0]
+    ((*_, setup, _unobserved),) = obs.take()[0]
     assert 0.05 <= setup < 1
 
 

@@ -33,6 +33,14 @@ CASES = {
     # slow_transfer_factor (2) times slower; a 0.3 s read is slower, inside the rate's spread.
     "slow": (TurnSpec(read="done", read_duration_s=0.5), Verdict.SLOW_TRANSFER),
     "break-even": (TurnSpec(read="done", read_duration_s=0.3), Verdict.REMOTE_HIT),
+    # The same 0.5 s read, 0.49 s of it after P's worker last saw it in flight (P's own
+    # compute step held its completion): 10 ms in flight, not the link's fault.
+    "held-by-p-step": (TurnSpec(read="done", read_duration_s=0.5, read_unobserved_s=0.49,
+                                phases={"read": 0.5, "decode": 0.1}), Verdict.REMOTE_HIT),
+    "slow-though-watched": (TurnSpec(read="done", read_duration_s=0.5,
+                                     read_unobserved_s=0.01,
+                                     phases={"read": 0.5, "decode": 0.1}),
+                            Verdict.SLOW_TRANSFER),
     "miss": (TurnSpec(decision="pull", read=None, extra={}), None),
     "no-decision-span": (TurnSpec(decision=None), Verdict.INSUFFICIENT_EVIDENCE),
     "no-lookup-span": (TurnSpec(lookup=None, decision=None), Verdict.INSUFFICIENT_EVIDENCE),
@@ -130,3 +138,15 @@ def test_slow_transfer_factor_is_the_line(store):
 def test_read_slo_makes_a_fast_read_slow(store):
     assert diagnose(store, "remote-hit", read_slo_s=0.001).turns[1].finding.verdict \
         is Verdict.SLOW_TRANSFER
+
+
+def test_a_read_held_by_p_s_step_is_named_as_such(store):
+    """The held read's latency cause says P's compute held it, not the link."""
+    held = diagnose(store, "held-by-p-step").turns[1]
+    slow = diagnose(store, "slow-though-watched").turns[1]
+    (held_read,) = [c for c in held.causes if c.cause.value == "slow-read"]
+    (slow_read,) = [c for c in slow.causes if c.cause.value == "slow-read"]
+    assert "P's own compute step" in held_read.remedy
+    assert "not the link" in held_read.remedy
+    assert "check the P<->D link" in slow_read.remedy
+    assert held_read.evidence["read_unobserved_s"] == 0.49
