@@ -442,6 +442,8 @@ class MissReason(str, enum.Enum):
     ANONYMOUS = "anonymous"
     # The store gave no answer within the turn's budget, failed, or its circuit was open
     STORE_UNAVAILABLE = "store-unavailable"
+    # A tenant new to this proxy past --max-new-tenants in the window: served without reuse
+    TENANT_LIMITED = "tenant-limited"
 
 
 class StoreFailure(str, enum.Enum):
@@ -869,6 +871,27 @@ M_PROXY_STORE_CIRCUIT_OPEN = _metric(
 M_PROXY_STORE_CIRCUIT_OPENED = _metric(
     "kvobs_proxy_store_circuit_opened_total", "counter", "",
     "Times the metadata store's circuit breaker opened after consecutive failures.")
+M_PROXY_ANONYMOUS_TURNS = _metric(
+    "kvobs_proxy_anonymous_turns_total", "counter", "",
+    "Turns whose request carried no tenant credential (no API key, an empty one). With "
+    "--anonymous-tenant isolated (the default) none of them gets reuse.")
+M_PROXY_NEW_TENANTS = _metric(
+    "kvobs_proxy_new_tenants_total", "counter", "",
+    "Tenants this proxy had not seen before, admitted to the metadata store (counted while "
+    "--max-new-tenants bounds them).")
+M_PROXY_TENANT_LIMITED = _metric(
+    "kvobs_proxy_tenant_limited_turns_total", "counter", "",
+    "Turns of a tenant new to this proxy past --max-new-tenants in the window, served "
+    "without reuse (no lookup, nothing stored): invented API keys, or a burst of new "
+    "tenants.")
+M_PROXY_UPSTREAM_UP = _metric(
+    "kvobs_proxy_upstream_up", "gauge", "",
+    "1 when the engine answered the proxy's last health probe (GET /health, at a scrape "
+    "of /metrics or a call of /health, at most once a second), else 0.",
+    ("role", "endpoint"))
+# On the proxy's /metrics: which kvobs it runs.
+M_BUILD_INFO = _metric("kvobs_build_info", "gauge", "",
+                       "Always 1; the label names the running kvobs version.", ("version",))
 
 # The live classifier (``kvobs collect``, kvobs/live/): true verdicts, causes and phases of
 # every final turn, on its own /metrics. Exemplars carry the turn's trace id

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import click
 
 from kvobs.cli._common import fail_input
@@ -130,6 +128,18 @@ class _UpstreamFlags(click.Command):
               help="Redis failures in a row that open the circuit breaker (default 5).")
 @click.option("--redis-breaker-cooldown", type=float, default=None,
               help="Seconds Redis is skipped once the breaker opens (default 5).")
+@click.option("--trusted-tenant-header", default=None,
+              help="Behind a gateway that authenticates clients: the header it sets to the "
+                   "client's tenant, taken as the tenant when present (else the API key). "
+                   "Only where no client reaches the proxy but through that gateway.")
+@click.option("--max-new-tenants", type=int, default=None,
+              help="Tenants new to this proxy admitted per --new-tenant-window; a new "
+                   "tenant past it is served without reuse (against invented API keys; "
+                   "default 0: no bound).")
+@click.option("--new-tenant-window", type=float, default=None,
+              help="Seconds of the --max-new-tenants window (default 60).")
+@click.option("--access-log/--no-access-log", default=False, show_default=True,
+              help="One logfmt line per request.")
 @click.option("--log-level", default="INFO", show_default=True)
 def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, decoder_ports,
                   decode_kv_ttl, expiry_margin, max_entry_lifetime, fixed_entry_lifetime,
@@ -139,12 +149,13 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
                   store_dir, infer_conversations, infer_per_tenant, connect_timeout,
                   upstream_keepalive, prefill_read_timeout, decode_read_timeout, body_timeout,
                   max_entries_per_tenant, anonymous_tenant, redis_budget, redis_pool_size,
-                  redis_breaker_failures, redis_breaker_cooldown, log_level):
+                  redis_breaker_failures, redis_breaker_cooldown, trusted_tenant_header,
+                  max_new_tenants, new_tenant_window, access_log, log_level):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
     from kvobs.proxy import ProxyConfig, run_proxy
+    from kvobs.proxy._log import configure
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(log_level)  # logfmt, every logger
     if store_backend == "auto":
         store_backend = "redis" if redis_url else "memory"
     # Unset: ProxyConfig's own default (one default, in one place).
@@ -161,7 +172,10 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
         ("redis_budget_s", redis_budget),
         ("redis_pool_size", redis_pool_size),
         ("redis_breaker_failures", redis_breaker_failures),
-        ("redis_breaker_cooldown_s", redis_breaker_cooldown)) if value is not None}
+        ("redis_breaker_cooldown_s", redis_breaker_cooldown),
+        ("trusted_tenant_header", trusted_tenant_header),
+        ("max_new_tenants", max_new_tenants),
+        ("new_tenant_window_s", new_tenant_window)) if value is not None}
     try:
         config = ProxyConfig(
             prefill=_endpoints(prefiller_hosts, prefiller_ports, "prefiller"),
@@ -173,7 +187,7 @@ def proxy_command(host, port, prefiller_hosts, prefiller_ports, decoder_hosts, d
             redis_url=redis_url, params_publisher=params_publisher,
             conversation_header=conversation_header, tenant_header=tenant_header,
             max_body_bytes=max_body_bytes, max_id_length=max_id_length, store_dir=store_dir,
-            **optional)
+            access_log=access_log, **optional)
     except ValueError as error:
         fail_input(str(error))
     run_proxy(config)

@@ -17,7 +17,8 @@ from kvobs.proxy.app import RUNNER_OPTIONS, build_app, run_proxy
 from kvobs.proxy.config import Endpoint, ProxyConfig
 from kvobs.proxy.publisher import (
     NoPublisher, ParamsPublisher, RedisParamsPublisher)
-from kvobs.proxy.store import Entry, MemoryStore, MetadataStore, RedisStore
+from kvobs.proxy.redis_store import RedisStore
+from kvobs.proxy.store import Entry, MemoryStore, MetadataStore
 
 __all__ = ["RUNNER_OPTIONS", "Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
            "ParamsPublisher", "ProxyConfig", "RedisParamsPublisher", "RedisStore",

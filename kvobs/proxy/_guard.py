@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from kvobs import semconv as sc
 
+from kvobs.proxy._log import log
 from kvobs.proxy._metrics import ProxyMetrics
 from kvobs.proxy._store_clock import METER, CallMeter
 
@@ -93,8 +94,9 @@ class StoreGuard:
                 value = await fn(*args)
         except TimeoutError:
             failure = SF.TIMEOUT
-        except Exception:  # noqa: BLE001 - the store never breaks serving
-            _LOG.debug("metadata store call failed", exc_info=True)
+        except Exception as error:  # noqa: BLE001 - the store never breaks serving
+            log(_LOG, logging.DEBUG, "metadata store call failed", backend=self._backend,
+                error=f"{type(error).__name__}: {error}")
             failure = SF.ERROR
         finally:
             METER.reset(token)
@@ -164,13 +166,15 @@ class StoreGuard:
             if self._open_until is None:
                 self._metrics.store_circuit_opened.inc()
                 self._metrics.store_circuit_open.set(1)
-                _LOG.warning("metadata store (%s): %d failures in a row, skipping it for "
-                             "%.1f s", self._backend, self._failures, self._cooldown_s)
+                log(_LOG, logging.WARNING, "metadata store failing: circuit open, skipped "
+                    "for the cool-down", backend=self._backend, failures=self._failures,
+                    cooldown_s=self._cooldown_s)
             self._open_until = time.monotonic() + self._cooldown_s
 
     def _close(self) -> None:
         if self._open_until is not None:
-            _LOG.warning("metadata store (%s) answers again", self._backend)
+            log(_LOG, logging.WARNING, "metadata store answers again: circuit closed",
+                backend=self._backend)
             self._metrics.store_circuit_open.set(0)
         self._failures = 0
         self._open_until = None

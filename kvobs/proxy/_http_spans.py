@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -51,6 +51,12 @@ def _host_port(host: str | None) -> tuple[str | None, int | None]:
     if sep and port.isdigit():
         return name.strip("[]"), int(port)
     return host.strip("[]"), None
+
+
+def client_link(headers) -> list[trace.Link] | None:
+    """The client's own trace context (``OTEL_PROPAGATORS``' formats), as a link."""
+    context = trace.get_current_span(propagate.extract(headers)).get_span_context()
+    return [trace.Link(context)] if context.is_valid else None
 
 
 def start_server(tracer: trace.Tracer, request: Any, route: str, start_ns: int,

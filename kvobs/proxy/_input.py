@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import zlib
 from typing import Any, Mapping
 
 import aiohttp
@@ -23,17 +25,76 @@ from kvobs.proxy._identity import InputError
 MAX_DEPTH = 100
 _READ_CHUNK = 1 << 16
 # Refusals that leave the body unread: the connection is closed after the answer.
-UNREAD_BODY_REASONS = frozenset(("body-too-large", "body-timeout", "bad-body"))
+UNREAD_BODY_REASONS = frozenset(("body-too-large", "body-timeout", "bad-body",
+                                 "unsupported-encoding"))
+# Content-Encoding values the proxy decodes (the server's own decoding is off:
+# RUNNER_OPTIONS' auto_decompress=False, so a broken body is the proxy's 400, not a
+# traceback in aiohttp's log). wbits: zlib's gzip header, zlib's; raw deflate is tried
+# when a "deflate" body has no zlib header.
+_CODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 
 def _too_large(limit: int) -> InputError:
     return InputError(413, "body-too-large", f"request body larger than {limit} bytes")
 
 
+def content_encodings(value: str | None) -> list[str]:
+    """The codings applied to a body, first applied first; 415 for one the proxy cannot
+    decode.
+
+    >>> content_encodings("gzip"), content_encodings(None), content_encodings("identity")
+    (['gzip'], [], [])
+    >>> content_encodings("br")
+    Traceback (most recent call last):
+    ...
+    kvobs.proxy._identity.InputError: unsupported Content-Encoding: br (gzip and deflate are)
+    """
+    codings = [c.strip().lower() for c in (value or "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    for coding in codings:
+        if coding not in _CODINGS:
+            raise InputError(415, "unsupported-encoding",
+                             f"unsupported Content-Encoding: {coding[:40]} (gzip and "
+                             "deflate are)")
+    return codings
+
+
+def _bad_body() -> InputError:
+    return InputError(400, "bad-body", "request body is incomplete or badly encoded")
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    """One coding undone, at most ``limit`` bytes out (a bomb is a 413, not a full
+    memory); gzip members one after another are one body."""
+    out, size = [], 0
+    wbits = _CODINGS[coding]
+    while data:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            chunk = decoder.decompress(data, limit + 1 - size)
+        except zlib.error:
+            if wbits != 15 or out:
+                raise _bad_body() from None
+            wbits = -15  # "deflate" sent as raw deflate, as some clients do
+            continue
+        size += len(chunk)
+        if size > limit or decoder.unconsumed_tail:
+            raise _too_large(limit)
+        if not decoder.eof:
+            raise _bad_body()
+        out.append(chunk)
+        data = decoder.unused_data if wbits == 31 else b""
+        if data and wbits != 31:
+            raise _bad_body()
+    return b"".join(out)
+
+
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     """The whole body, however it arrives (many TCP writes, chunked, compressed): 413
-    beyond ``limit`` bytes (declared or not), 408 when it takes longer than
-    ``timeout_s``, 400 when the client's framing or encoding is broken."""
+    beyond ``limit`` bytes (declared or not, compressed or decoded), 408 when it takes
+    longer than ``timeout_s``, 415 for a Content-Encoding other than gzip or deflate,
+    400 when the client's framing or encoding is broken."""
+    codings = content_encodings(request.headers.get("Content-Encoding"))
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     chunks: list[bytes] = []
@@ -50,9 +111,24 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
                          f"request body not received within {timeout_s:g} s") from None
     except (http_exceptions.HttpProcessingError, web.RequestPayloadError,
             aiohttp.ClientError, ConnectionError):
-        raise InputError(400, "bad-body", "request body is incomplete or badly encoded") \
-            from None
-    return b"".join(chunks)
+        raise _bad_body() from None
+    raw = b"".join(chunks)
+    for coding in reversed(codings):
+        raw = _inflate(raw, coding, limit)
+    return raw
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e999: a number no JSON can carry on
+        raise _non_finite(text)
+    return value
+
+
+def _non_finite(text: str) -> InputError:
+    return InputError(400, "non-finite-number",
+                      f"request body holds a non-finite number ({text[:20]}): JSON has "
+                      "no NaN or Infinity")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -60,15 +136,22 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
     >>> parse_body(b'{"prompt": "hi", "stream": true}')
     {'prompt': 'hi', 'stream': True}
+    >>> parse_body(b'{"temperature": NaN}')
+    Traceback (most recent call last):
+    ...
+    kvobs.proxy._identity.InputError: request body holds a non-finite number (NaN): JSON has no NaN or Infinity
     >>> parse_body(b'{"prompt": "\\\\ud800"}')
     Traceback (most recent call last):
     ...
     kvobs.proxy._identity.InputError: request body holds a lone surrogate (invalid Unicode)
     """
     try:
-        body = json.loads(raw)
+        # json.loads' own decoding of bytes (UTF-8, -16 or -32), with one decoder made once
+        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except RecursionError:
         raise _too_deep() from None
+    except InputError:
+        raise
     except ValueError:  # UnicodeDecodeError included
         raise InputError(400, "bad-json", "request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -78,6 +161,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         _check_unicode(body)
     _check_fields(body)
     return body
+
+
+def _reject_constant(name: str) -> None:
+    raise _non_finite(name)  # NaN, Infinity, -Infinity: Python's JSON extensions
+
+
+# NaN, Infinity, -Infinity and numbers past a double (1e999) are refused, not parsed.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
 
 
 def check_headers(headers: Mapping[str, str], names: tuple[str | None, ...]) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from kvobs import __version__
 from kvobs import semconv as sc
 from kvobs.emit.prometheus import client_name as _name
 from kvobs.emit.prometheus import counter as _counter
@@ -18,7 +19,8 @@ _ROLES = ("prefill", "decode")
 _ERROR_KINDS = ("unreachable", "http-error", "disconnected", "timeout")
 _REJECT_REASONS = ("body-too-large", "bad-json", "not-an-object", "bad-conversation-id",
                    "conversation-id-too-long", "tenant-too-long", "bad-field",
-                   "too-deep", "bad-unicode", "bad-header", "bad-body", "body-timeout")
+                   "too-deep", "bad-unicode", "bad-header", "bad-body", "body-timeout",
+                   "unsupported-encoding", "non-finite-number")
 _STORE_ACTIONS = ("stored", "refreshed", "skipped")
 
 
@@ -70,9 +72,30 @@ class ProxyMetrics:
         self.store_degraded = _counter(sc.M_PROXY_STORE_DEGRADED, r)
         self.store_circuit_open = _gauge(sc.M_PROXY_STORE_CIRCUIT_OPEN, r)
         self.store_circuit_opened = _counter(sc.M_PROXY_STORE_CIRCUIT_OPENED, r)
+        self.anonymous_turns = _counter(sc.M_PROXY_ANONYMOUS_TURNS, r)
+        self.new_tenants = _counter(sc.M_PROXY_NEW_TENANTS, r)
+        self.tenant_limited = _counter(sc.M_PROXY_TENANT_LIMITED, r)
+        self.upstream_up = _gauge(sc.M_PROXY_UPSTREAM_UP, r)
+        _gauge(sc.M_BUILD_INFO, r).labels(__version__).set(1)
         self.span_loss = _SpanLoss()
         r.register(self.span_loss)
+        # process_* and python_gc_*: prometheus_client's default collectors, on this
+        # registry (the global one is not served).
+        try:
+            ProcessCollector(registry=r)
+            GCCollector(registry=r)
+        except ValueError:  # already there (the global registry, passed in)
+            pass
         self._zero()
+
+    def observe_phases(self, state, end: float) -> None:
+        """The phases the proxy times alone (a completed turn has every mark)."""
+        phase = self.phase
+        phase.labels("proxy-in").observe(max(0.0, state.p_sent - state.start_wall))
+        phase.labels("prefill-leg").observe(max(0.0, state.p_answered - state.p_sent))
+        phase.labels("proxy-hop").observe(max(0.0, state.d_sent - state.p_answered))
+        phase.labels("decode-leg").observe(max(0.0, state.d_answered - state.d_sent))
+        phase.labels("proxy-out").observe(max(0.0, end - state.d_answered))
 
     def watch_spans(self, tracer) -> None:
         """Count ``tracer``'s lost spans in ``kvobs_telemetry_dropped_spans_total``."""

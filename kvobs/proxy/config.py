@@ -60,6 +60,15 @@ class ProxyConfig:
     publisher_wait_s: float = 0.25
     conversation_header: str = "X-Session-ID"
     tenant_header: str | None = None  # default: the Authorization header's API key
+    # Behind a gateway that authenticates clients and sets this header: its value is the
+    # tenant when present (else the API key, as without it). Trusted: never bounded by
+    # max_new_tenants. Only safe when no client reaches the proxy but through the gateway.
+    trusted_tenant_header: str | None = None
+    # Against invented keys: at most this many tenants new to this process per window
+    # may use the store; a new tenant past it is served without reuse (0: no bound).
+    max_new_tenants: int = 0
+    new_tenant_window_s: float = 60.0
+    access_log: bool = False  # one logfmt line per request
     max_body_bytes: int = 8 * 1024 * 1024
     max_id_length: int = 256
     # Upstream legs: time to open a connection to an engine, and the longest wait for
@@ -129,6 +138,10 @@ class ProxyConfig:
                self.decode_read_timeout_s, self.body_timeout_s, self.ready_timeout_s) <= 0 \
                 or self.ready_cache_s < 0:
             raise ValueError("timeouts must be positive")
+        if self.max_new_tenants < 0 or self.new_tenant_window_s <= 0:
+            raise ValueError("max_new_tenants must be >= 0 and new_tenant_window_s positive")
+        if self.tenant_header and self.trusted_tenant_header:
+            raise ValueError("tenant_header and trusted_tenant_header exclude each other")
         if self.anonymous_tenant not in ("isolated", "shared"):
             raise ValueError("anonymous_tenant must be 'isolated' or 'shared'")
 

@@ -46,7 +46,7 @@ class RedisParamsPublisher:
     name = "redis"
 
     def __init__(self, url: str, poll_s: float = 0.01, pool_size: int = 512):
-        from kvobs.proxy.store import redis_client
+        from kvobs.proxy.redis_store import redis_client
 
         self._redis = redis_client(url, pool_size)
         self._poll_s = poll_s

@@ -81,14 +81,23 @@ def _not_stored(turn: Turn) -> str:
             "blocks or no expiry): see the previous turn's store span and D's TTL.")
 
 
+_ANONYMOUS = ("The request carried no API key, and the proxy isolates anonymous clients "
+              "(--anonymous-tenant isolated, the default: any of them could send this "
+              "id), so nothing was looked up or stored: send an API key; behind a gateway "
+              "that authenticates, run the proxy with --trusted-tenant-header <its tenant "
+              "header>; on a trusted network, --anonymous-tenant shared. "
+              "kvobs_proxy_anonymous_turns_total counts such turns.")
+
 _MISS = {MissReason.NEVER_SEEN.value: _never_seen, MissReason.NOT_STORED.value: _not_stored,
          MissReason.EVICTED.value: lambda turn: (
              "The proxy's entry cap evicted this conversation before its next turn: raise "
              "--max-entries (or the tenant's quota, --max-entries-per-tenant)."),
-         MissReason.ANONYMOUS.value: lambda turn: (
-             "The request carried no API key: anonymous clients never share reuse (any "
-             "of them could send this id). Send an API key, or run the proxy with "
-             "--anonymous-tenant shared on a trusted network."),
+         MissReason.ANONYMOUS.value: lambda turn: _ANONYMOUS,
+         MissReason.TENANT_LIMITED.value: lambda turn: (
+             "The proxy had admitted --max-new-tenants new tenants in this window already "
+             "(its bound against invented API keys), so this tenant's turn went without "
+             "reuse: raise --max-new-tenants (or --new-tenant-window) if real tenants "
+             "arrive this fast; see kvobs_proxy_tenant_limited_turns_total."),
          MissReason.STORE_UNAVAILABLE.value: lambda turn: (
              "The proxy's metadata store gave no answer within the turn's budget (or its "
              "circuit breaker was open): see kvobs_proxy_store_degraded_total and the "
@@ -102,6 +111,8 @@ def _remedy(turn: Turn) -> str:
                 f"history's KV{_held(turn)}: route through kvobs proxy, or a router that "
                 "passes D's kv_transfer_params to P on the next turn.")
     if lookup == LookupOutcome.NO_ID.value:
+        if turn.get("lookup_miss_reason") == MissReason.ANONYMOUS.value:
+            return _ANONYMOUS + _held(turn)
         return (f"Request carried no conversation id and the proxy found none it continues"
                 f"{_held(turn)}: send `conversation_id` (or X-Session-ID), or keep the "
                 "proxy's conversation inference on.")

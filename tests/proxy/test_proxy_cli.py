@@ -84,3 +84,19 @@ def test_tenancy_and_redis_flags(monkeypatch):
             config.redis_breaker_cooldown_s) == (7, "shared", 0.1, 64, 2, 3.0)
     result, config = _invoke(monkeypatch, ["--redis-budget", "0"])
     assert result.exit_code == 2 and config is None
+
+
+def test_tenant_and_log_flags(monkeypatch):
+    result, config = _invoke(monkeypatch, [])
+    assert result.exit_code == 0, result.output
+    assert (config.trusted_tenant_header, config.max_new_tenants, config.access_log) == \
+        (None, 0, False)
+    result, config = _invoke(monkeypatch, [
+        "--trusted-tenant-header", "X-Tenant", "--max-new-tenants", "3",
+        "--new-tenant-window", "10", "--access-log"])
+    assert result.exit_code == 0, result.output
+    assert (config.trusted_tenant_header, config.max_new_tenants,
+            config.new_tenant_window_s, config.access_log) == ("X-Tenant", 3, 10.0, True)
+    result, config = _invoke(monkeypatch, ["--trusted-tenant-header", "X-T",
+                                           "--tenant-header", "X-U"])
+    assert result.exit_code == 2 and config is None

@@ -1,7 +1,7 @@
 """Issue #10: the proxy in front of production. Slow, chunked and large bodies are read
 whole; upstream timeouts are settings and a client that leaves cancels its legs; bad
 input is a 400 before any engine works; a client's traceparent never merges turns;
-/ready checks the engines and the store."""
+/ready checks the store; /health reports the engines."""
 
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def test_bad_input_is_400_before_any_engine():
 
 
 def test_failure_after_the_stream_started_ends_with_error_event_and_done(monkeypatch):
-    import kvobs.proxy.app as app_module
+    import kvobs.proxy.legs as app_module
 
     def broken(*_args, **_kw):
         raise RuntimeError("boom")
@@ -300,38 +300,65 @@ async def ready(h: Harness) -> tuple[int, dict]:
         return response.status, await response.json()
 
 
-def test_ready_checks_engines_and_health_stays_liveness():
+async def health(h: Harness) -> tuple[int, dict]:
+    async with h.session.get(h.proxy.url + "/health") as response:
+        return response.status, await response.json()
+
+
+def test_ready_is_this_proxy_and_engines_are_health_detail_and_gauge():
+    """/ready: this proxy can serve (up, store usable); an engine's outage is not the
+    replica's (it would pull every replica at once): /health's detail and a gauge."""
     async def scenario():
         async with Harness(ready_cache_s=0, ready_timeout_s=0.3) as h:
             status, out = await ready(h)
             assert status == 200 and out["status"] == "ready", out
-            assert {c["check"] for c in out["checks"]} == {"prefill", "decode", "store"}
-            assert all(c["ok"] for c in out["checks"])
+            assert [c["check"] for c in out["checks"]] == ["store"]
+            status, out = await health(h)
+            assert status == 200 and out["upstreams"] == "ok"
+            assert {c["check"] for c in out["checks"]} == {"prefill", "decode"}
+            up = "kvobs_proxy_upstream_up"
+            decode = {"role": "decode", "endpoint": f"127.0.0.1:{h.decode.port}"}
+            assert h.proxy.metric(up, decode) == 1
             await h.decode.stop()
             status, out = await ready(h)
-            assert status == 503 and out["status"] == "not-ready"
+            assert status == 200 and out["status"] == "ready"  # still serves (502s)
+            status, out = await health(h)
+            assert status == 200 and out["status"] == "ok"  # liveness: the process serves
+            assert out["upstreams"] == "degraded"
             failed = [c for c in out["checks"] if not c["ok"]]
             assert [c["check"] for c in failed] == ["decode"] and failed[0]["error"]
-            async with h.session.get(h.proxy.url + "/health") as response:
-                assert response.status == 200  # liveness: the process serves
+            async with h.session.get(h.proxy.url + "/metrics") as response:
+                assert response.status == 200
+            assert h.proxy.metric(up, decode) == 0
+            assert h.proxy.metric(up, {"role": "prefill",
+                                       "endpoint": f"127.0.0.1:{h.prefill.port}"}) == 1
             # a hung engine: the probe gives up at its timeout
 
             async def hang(_request):
                 await asyncio.sleep(5)
                 return web.Response()
             h.prefill.health = hang
-            started = time.monotonic()
-            status, out = await ready(h)
-            assert status == 503 and time.monotonic() - started < 1.5
+            # liveness never waits on a hung engine: the last answer at once, the new one
+            # once the probe gave up (ready_timeout_s)
+            deadline = time.monotonic() + 3
+            while True:
+                started = time.monotonic()
+                status, out = await health(h)
+                assert status == 200 and time.monotonic() - started < 0.6
+                failed = {c["check"] for c in out["checks"] if not c["ok"]}
+                if failed == {"prefill", "decode"} or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert failed == {"prefill", "decode"}
     run(scenario())
 
 
-def test_ready_answer_is_cached():
+def test_health_answer_is_cached():
     async def scenario():
         async with Harness(ready_cache_s=30) as h:
-            assert (await ready(h))[0] == 200
+            assert (await health(h))[1]["upstreams"] == "ok"
             await h.decode.stop()
-            assert (await ready(h))[0] == 200  # within the cache window
+            assert (await health(h))[1]["upstreams"] == "ok"  # within the cache window
     run(scenario())
 
 

@@ -13,7 +13,8 @@ from test_proxy_flow import LOOKUP, TURN, converse, outcomes, run
 
 from kvobs.proxy._digest import Prefixes, history_digest
 from kvobs.proxy.app import PROXY_KEY
-from kvobs.proxy.store import MemoryStore, RedisStore
+from kvobs.proxy.redis_store import RedisStore
+from kvobs.proxy.store import MemoryStore
 from kvobs import semconv as sc
 
 COMPLETIONS = "/v1/completions"

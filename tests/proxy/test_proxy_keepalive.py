@@ -25,6 +25,7 @@ from harness import CLIENT_KEY, ProxyUnderTest
 from test_proxy_flow import run
 
 from kvobs.proxy import Endpoint, ProxyConfig
+from kvobs.proxy._log import FIELDS
 from kvobs import semconv as sc
 from kvobs._net import free_port
 
@@ -224,8 +225,9 @@ def test_a_leg_whose_pooled_connection_is_closed_unanswered_is_retried_once(capl
                     assert [s.attributes.get(sc.PROXY_LEG_RETRY) for s in legs] == \
                         [None, "disconnected"]
                     assert [s.attributes[sc.HTTP_STATUS] for s in legs] == [200, 200]
-                    assert any(f"{role} engine" in r.getMessage() and "fresh connection"
-                               in r.getMessage() for r in caplog.records)
+                    assert any(getattr(r, FIELDS, {}).get("role") == role
+                               and "fresh connection" in r.getMessage()
+                               for r in caplog.records)
                 assert proxy.metric("kvobs_proxy_upstream_errors_total",
                                     {"role": "prefill", "kind": "unreachable"}) == 0
             finally:

@@ -147,7 +147,7 @@ def test_the_loops_lag_is_not_charged_to_redis(redis_url):
 
     from kvobs.proxy._guard import StoreGuard
     from kvobs.proxy._metrics import ProxyMetrics
-    from kvobs.proxy.store import redis_client
+    from kvobs.proxy.redis_store import redis_client
 
     budget_s = 0.2
 

@@ -10,7 +10,8 @@ from harness import Harness
 from test_proxy_flow import LOOKUP, outcomes, run
 
 from kvobs.proxy.app import PROXY_KEY
-from kvobs.proxy.store import MemoryStore, RedisStore
+from kvobs.proxy.redis_store import RedisStore
+from kvobs.proxy.store import MemoryStore
 from kvobs import semconv as sc
 
 ALICE = {"Authorization": "Bearer sk-alice"}
