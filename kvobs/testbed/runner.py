@@ -365,7 +365,8 @@ class ScenarioClient:
                 timer.start()
             status, text, ttft, error, trace_id = _send(
                 self.testbed.proxy_url + path, body, stream, self.timeout_s,
-                conversation.spec.tenant or DEFAULT_API_KEY)
+                None if conversation.spec.anonymous
+                else conversation.spec.tenant or DEFAULT_API_KEY)
             latency = time.monotonic() - begin
         finally:
             gc.enable()

@@ -100,6 +100,9 @@ class ConversationSpec:
     # (two conversations start alike and diverge here); 0: never.
     own_text_from: int = 0
     tenant: str | None = None  # sent as the API key (Authorization: Bearer <tenant>)
+    # Sent without any API key (a client behind a gateway that dropped it): the kvobs
+    # proxy isolates anonymous clients unless --anonymous-tenant shared.
+    anonymous: bool = False
     # Labels of conversations listed earlier whose last turn must end before turn 1 is
     # due (gap_s after the last of them); parse expands ALL_EARLIER into all of them.
     after: tuple[str, ...] = ()
@@ -207,6 +210,8 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
             after = tuple(earlier)
         conversations.append(_build(ConversationSpec, conv, where, turns=turns,
                                     after=after))
+        if conversations[-1].anonymous and conversations[-1].tenant:
+            raise ScenarioError(f"{where}: anonymous sends no API key, so no tenant")
     if not conversations:
         raise ScenarioError(f"{origin}: no conversations")
     labels = [c.label for c in conversations]
