@@ -57,8 +57,10 @@ SOURCE_HELP = ("Span source: a kvobs store directory; span file(s) or a director
                "(OTLP JSON lines or document, OTLP protobuf, the Collector file exporter's "
                "output, Tempo or Jaeger trace JSON; gzip/zstd; the format read from the "
                "content); clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces]; "
-               "chdb:PATH[?table=T]; tempo+http://HOST:3200[?trace=ID|since=1h&q=TRACEQL]; "
-               "jaeger+http://HOST:16686[?trace=ID|since=1h&service=S].")
+               "chdb:PATH[?table=T]; tempo+http://[USER:PASSWORD@]HOST:3200"
+               "[?trace=ID|since=1h&q=TRACEQL][&tenant=T][&timeout=60]; "
+               "jaeger+http://[USER:PASSWORD@]HOST:16686[?trace=ID|since=1h&service=S] "
+               "(docs/sources.md).")
 
 
 def open_source(location: str) -> SpanSource:
