@@ -112,6 +112,10 @@ class TraceApiSource(DocumentSource):
             raise SourceError(f"{url}: not a tempo+http(s):// or jaeger+http(s):// URL")
         host = parsed.netloc.rpartition("@")[2]  # credentials are no part of the name
         shown = f"{self.kind}+{scheme}://{host}{parsed.path}"
+        try:
+            parsed.port  # noqa: B018 (raises on a port that is no number)
+        except ValueError as error:
+            raise SourceError(f"{shown}: {error}") from error
         if not parsed.hostname:
             raise SourceError(f"{shown}: no host")
         self.base = f"{scheme}://{host}{parsed.path.rstrip('/')}"
@@ -128,6 +132,8 @@ class TraceApiSource(DocumentSource):
             self.limit = int(query.get("limit", [DEFAULT_LIMIT])[0])
             self.timeout_s = (seconds(query["timeout"][0]) if "timeout" in query
                               else _http.TOTAL_TIMEOUT_S)
+            if not self.timeout_s > 0:
+                raise ValueError("timeout=0: no answer could arrive")
         except ValueError as error:
             raise SourceError(f"{shown}: bad time range, limit or timeout ({error})"
                               ) from error

@@ -196,6 +196,10 @@ def test_nothing_listening_is_a_clear_error():
         open_source("jaeger+http://127.0.0.1:9?service=x")
     with pytest.raises(SourceError, match="bad time range"):
         open_source("tempo+http://127.0.0.1:9?since=soon")
+    with pytest.raises(SourceError, match="timeout=0"):
+        open_source("tempo+http://127.0.0.1:9?timeout=0")
+    with pytest.raises(SourceError, match="^tempo\\+http://127.0.0.1:x9: Port could not"):
+        open_source("tempo+http://me:secret@127.0.0.1:x9")
 
 
 def test_jaeger_v3_stream_of_results(api, tmp_path, lines_text):
