@@ -34,21 +34,21 @@ class _Cached:
         self._answer: tuple[float, Checks] | None = None
         self._round: asyncio.Future | None = None
 
-    async def get(self, max_wait_s: float | None = None) -> Checks:
+    async def get(self, max_wait_s: float | None = None) -> Checks | None:
         """The answer; with ``max_wait_s``, the last one when a new round takes longer
-        than that (the first round is always waited for)."""
+        than that (None: no round has finished yet)."""
         answer = self._answer
         if answer is not None and time.monotonic() - answer[0] < self.cache_s:
             return answer[1]
         if self._round is None or self._round.done():
             self._round = asyncio.ensure_future(self._run())
         # shielded: one caller going away does not cancel the round others wait on
-        if max_wait_s is None or answer is None:
+        if max_wait_s is None:
             return await asyncio.shield(self._round)
         try:
             return await asyncio.wait_for(asyncio.shield(self._round), max_wait_s)
         except asyncio.TimeoutError:
-            return answer[1]
+            return answer[1] if answer is not None else None
 
     async def _run(self) -> Checks:
         result = await self.probe()
@@ -70,7 +70,7 @@ class Readiness:
         """Whether this proxy can serve: its store's check."""
         return await self._store.get()
 
-    async def upstreams(self, max_wait_s: float | None = None) -> Checks:
+    async def upstreams(self, max_wait_s: float | None = None) -> Checks | None:
         """Whether every engine answered, and each engine's check (``_Cached.get``)."""
         return await self._engines.get(max_wait_s)
 

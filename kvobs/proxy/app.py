@@ -86,11 +86,11 @@ class _Proxy(Turns):
 
     async def health(self, _request: web.Request) -> web.Response:
         """Liveness (always 200 while serving), with the engines' health as detail."""
-        engines_ok, engines = await self.readiness.upstreams(HEALTH_WAIT_S)
+        engines = await self.readiness.upstreams(HEALTH_WAIT_S)
+        state = "unknown" if engines is None else "ok" if engines[0] else "degraded"
         return web.json_response({"status": "ok", "store": self.store.backend,
-                                  "publisher": self.publisher.name,
-                                  "upstreams": "ok" if engines_ok else "degraded",
-                                  "checks": engines})
+                                  "publisher": self.publisher.name, "upstreams": state,
+                                  "checks": engines[1] if engines is not None else []})
 
     async def ready(self, _request: web.Request) -> web.Response:
         ok, checks = await self.readiness.ready()

@@ -301,8 +301,29 @@ async def ready(h: Harness) -> tuple[int, dict]:
 
 
 async def health(h: Harness) -> tuple[int, dict]:
-    async with h.session.get(h.proxy.url + "/health") as response:
-        return response.status, await response.json()
+    """/health once its first round of engine probes is in ("unknown" until then)."""
+    for _ in range(40):
+        async with h.session.get(h.proxy.url + "/health") as response:
+            status, out = response.status, await response.json()
+        if out.get("upstreams") != "unknown":
+            break
+        await asyncio.sleep(0.05)
+    return status, out
+
+
+def test_health_never_waits_on_a_hung_engine():
+    async def scenario():
+        async with Harness(ready_timeout_s=2) as h:
+            async def hang(_request):
+                await asyncio.sleep(5)
+                return web.Response()
+            h.prefill.health = hang
+            started = time.monotonic()
+            async with h.session.get(h.proxy.url + "/health") as response:
+                out = await response.json()
+            assert response.status == 200 and time.monotonic() - started < 1
+            assert out["status"] == "ok" and out["upstreams"] == "unknown"
+    run(scenario())
 
 
 def test_ready_is_this_proxy_and_engines_are_health_detail_and_gauge():
