@@ -489,6 +489,26 @@ def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
                 assert sorted(within)[len(within) // 2], errors
 
 
+def test_every_read_says_how_long_it_was_known_in_flight(any_run):
+    """Each finished D->P read and P->D hand-off on the real engines says how much of its
+    end P's (or D's) worker did not watch (``kvobs.read.unobserved``), never more than
+    the read itself. Behind the slow link the reading engine sits idle, polling at every
+    empty step: the seconds-long reads are in flight, not held, which is why they stay
+    slow-transfer (test_slow_link_turn_gets_expected_verdict)."""
+    spans = open_source(str(any_run.out)).spans()
+    reads = spans[spans["name"].isin([sc.SPAN_READ.name, sc.SPAN_HANDOFF.name])
+                  & (spans[sc.READ_OUTCOME.key] == sc.ReadOutcome.DONE.value)]
+    assert len(reads)
+    unobserved = reads[sc.READ_UNOBSERVED.key].astype(float)
+    duration = reads[sc.READ_DURATION.key].astype(float)
+    assert unobserved.notna().all()
+    assert ((unobserved >= 0) & (unobserved <= duration + 1e-6)).all()
+    if any_run.scenario.name == "slow-link":
+        slow = duration > 1.0
+        assert slow.any() and (unobserved[slow] < 0.25 * duration[slow]).all(), (
+            list(zip(duration[slow], unobserved[slow])))
+
+
 def test_latency_turns_get_their_expected_causes(latency, slow_link, demo):
     for run in (latency, slow_link, demo):
         assert cause_mismatches(run.scenario.cause_expectations, run.diagnosed()) == []
