@@ -119,6 +119,11 @@ class Live:
             self._expired_at = now
             for partition in self.turns.expire(now):
                 _LOG.info("turn partition %s past retention: dropped", partition)
+            try:
+                for partition in self.turns.compact(now):
+                    _LOG.info("turn partition %s merged into one sorted file", partition)
+            except OSError as error:  # a full disk: the parts stay, readable as they are
+                _LOG.warning("could not merge turn partitions: %s", error)
         c = self.classifier
         self.metrics.health(c.spans_received - c.buffer.late_spans, c.buffer.late_spans,
                             c.spans_unreadable, c.open_turns(), len(c.buffer))

@@ -13,6 +13,8 @@ is a few typed columns to filter on plus ``detail``: the turn as ``kvobs diagnos
 from __future__ import annotations
 
 import calendar
+import contextlib
+import hashlib
 import json
 import math
 import os
@@ -22,7 +24,9 @@ import uuid
 from collections import defaultdict
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 TURNS_DIR = "turns"
@@ -38,6 +42,18 @@ SCHEMA = pa.schema([
 # Rows kept for a later write while the directory cannot be written (full disk); past
 # this, the oldest go (counted by the caller).
 MAX_PENDING = 100_000
+# An hour's parts are merged this long after the hour ended (a pass that began inside it
+# may still be writing there).
+COMPACT_AFTER_S = 300
+_MERGED = "merged-"
+_INDEX = ".cids"  # next to each file: its conversations' sorted hashes, raw uint64 LE
+# Indexes larger than this are memory-mapped for a lookup rather than read.
+_MAPPED_INDEX_BYTES = 1 << 16
+# An open hour's parts are merged (into a file of their own) once there are this many.
+MIN_PARTS_TO_MERGE = 60
+# Row groups of a merged file: a lookup reads the one(s) whose conversation range covers
+# its id, so few rows (~1.5 KB of turn JSON each: 4,096-row groups cost 6 ms a read).
+ROW_GROUP_ROWS = 256
 
 
 def _number(value: Any, kind: type) -> Any:
@@ -113,6 +129,11 @@ class TurnRows:
         expires rows itself returns nothing)."""
         return []
 
+    def compact(self, now: float | None = None) -> list[str]:
+        """Merges what was written in pieces; returns what was merged (a store whose
+        engine merges itself returns nothing)."""
+        return []
+
     def read(self, conversation_id: str | None = None,
              since: float | None = None) -> pa.Table:
         """Every stored row (of one conversation; finalized at or after ``since``), all
@@ -159,11 +180,8 @@ class TurnStore(TurnRows):
             for hour, items in by_hour.items():
                 partition = os.path.join(self.directory, _PREFIX + hour)
                 os.makedirs(partition, exist_ok=True)
-                path = os.path.join(partition,
-                                    f"part-{int(now * 1000)}-{uuid.uuid4().hex[:8]}")
-                # Written aside, then renamed: a reader never meets half a file.
-                pq.write_table(pa.Table.from_pylist(items, schema=SCHEMA), path + ".tmp")
-                os.replace(path + ".tmp", path + ".parquet")
+                _write_indexed(os.path.join(partition, f"part-{_stamp(now)}"),
+                               pa.Table.from_pylist(items, schema=SCHEMA))
                 done.append(hour)
         finally:  # what was written leaves pending, also when a later hour failed
             self.pending = [item for hour, items in by_hour.items() if hour not in done
@@ -191,6 +209,76 @@ class TurnStore(TurnRows):
                 gone.append(name)
         return gone
 
+    def compact(self, now: float | None = None) -> list[str]:
+        """Merges the part files (one per classification pass that finalized turns: up
+        to 3,600 an hour) into files sorted by conversation, each with an index of the
+        conversations it holds (``_index``): a lookup then reads only the files, and the
+        row groups, that hold the conversation. A closed hour (``COMPACT_AFTER_S`` after
+        its end) becomes one file; an open one gets its parts merged into a file of
+        their own. Written aside and renamed before the parts go: a reader meets every
+        row at least once (twice between the rename and the removal, which the
+        latest-version rule absorbs). Returns the partitions merged."""
+        now = time.time() if now is None else now
+        merged = []
+        for name in self.partitions():
+            try:
+                start = calendar.timegm(time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))
+            except ValueError:
+                continue
+            partition = os.path.join(self.directory, name)
+            files = sorted(f for f in os.listdir(partition) if f.endswith(".parquet"))
+            closed = start + 3600 + COMPACT_AFTER_S <= now
+            chosen = files if closed else [f for f in files if not f.startswith(_MERGED)]
+            if len(chosen) < (2 if closed else MIN_PARTS_TO_MERGE):
+                continue
+            self._merge(partition, chosen, now)
+            merged.append(name)
+        return merged
+
+    def _merge(self, partition: str, names: list[str], now: float) -> None:
+        paths = [os.path.join(partition, f) for f in names]
+        table = pa.concat_tables(pq.read_table(p, schema=SCHEMA) for p in paths)
+        table = table.sort_by([("conversation_id", "ascending"), ("tenant", "ascending"),
+                               ("turn", "ascending"), ("version", "ascending")])
+        _write_indexed(os.path.join(partition, f"{_MERGED}{_stamp(now)}"), table,
+                       row_group_size=ROW_GROUP_ROWS)
+        for path in paths:
+            os.remove(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path[: -len(".parquet")] + _INDEX)
+
+    @staticmethod
+    def _conversation_rows(path: str, conversation_id: str, key: int) -> pa.Table | None:
+        """The conversation's rows of a file through its index (an empty table when it
+        holds none), None when the file has no index (an older kvobs wrote it). Nothing
+        is kept between lookups: the index is memory-mapped for one search (tens of
+        microseconds), and only a file that holds the conversation is opened, only its
+        row groups whose conversation range covers it read."""
+        index = path[: -len(".parquet")] + _INDEX
+        try:
+            with open(index, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size > _MAPPED_INDEX_BYTES:
+                    hashes = np.asarray(np.memmap(handle, dtype="<u8", mode="r"))
+                else:
+                    hashes = np.frombuffer(handle.read(), dtype="<u8")
+        except (OSError, ValueError):  # none (an older kvobs wrote the file)
+            return None
+        at = int(np.searchsorted(hashes, np.uint64(key)))
+        found = at < len(hashes) and int(hashes[at]) == key
+        del hashes  # a mapped one is unmapped now
+        if not found:
+            return SCHEMA.empty_table()
+        handle = pq.ParquetFile(path)
+        column = handle.schema_arrow.get_field_index("conversation_id")
+        groups = []
+        for group in range(handle.metadata.num_row_groups):
+            stats = handle.metadata.row_group(group).column(column).statistics
+            if (stats is None or not stats.has_min_max
+                    or stats.min <= conversation_id <= stats.max):
+                groups.append(group)
+        table = handle.read_row_groups(groups).cast(SCHEMA)
+        return table.filter(pc.equal(table.column("conversation_id"), conversation_id))
+
     def read(self, conversation_id: str | None = None,
              since: float | None = None) -> pa.Table:
         first_hour = "" if since is None else time.strftime(_HOUR_FORMAT, time.gmtime(since))
@@ -200,7 +288,51 @@ class TurnStore(TurnRows):
                  if f.endswith(".parquet")]
         if not files:
             return SCHEMA.empty_table()
+        key = None if conversation_id is None else _hashes([conversation_id])[0]
         filters = [] if conversation_id is None else [("conversation_id", "=", conversation_id)]
         filters += [] if since is None else [("finalized_at", ">=", since)]
-        tables = [pq.read_table(f, schema=SCHEMA, filters=filters or None) for f in files]
+        tables = []
+        for path in files:
+            table = None
+            if key is not None:
+                table = self._conversation_rows(path, conversation_id, key)
+                if table is not None and since is not None and table.num_rows:
+                    table = table.filter(pc.greater_equal(table.column("finalized_at"),
+                                                          since))
+            if table is None:
+                table = pq.read_table(path, schema=SCHEMA, filters=filters or None)
+            tables.append(table)
         return pa.concat_tables(tables)
+
+
+def _stamp(now: float) -> str:
+    return f"{int(now * 1000)}-{uuid.uuid4().hex[:8]}"
+
+
+def _write_indexed(base: str, table: pa.Table, **options: Any) -> None:
+    """``base.parquet`` and its conversation index ``base`` + ``_INDEX``, each written
+    aside and renamed, the index first: a reader never meets half a file, nor a file
+    without its index (a crash between the two leaves an index alone, never read)."""
+    written = []
+    try:
+        index = np.unique(_hashes(table.column("conversation_id").unique().to_pylist()))
+        index.astype("<u8").tofile(base + _INDEX + ".tmp")
+        written.append(base + _INDEX + ".tmp")
+        pq.write_table(table, base + ".tmp", **options)
+        written.append(base + ".tmp")
+        os.replace(base + _INDEX + ".tmp", base + _INDEX)
+        os.replace(base + ".tmp", base + ".parquet")
+    except OSError:
+        for path in written:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
+
+
+def _hashes(conversation_ids: list[str]) -> np.ndarray:
+    """Stable 64-bit hashes (the index outlives the process)."""
+    return np.array([int.from_bytes(hashlib.blake2b(c.encode("utf-8", "surrogatepass"),
+                                                    digest_size=8).digest(), "little")
+                     for c in conversation_ids], dtype=np.uint64)
+
+

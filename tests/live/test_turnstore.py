@@ -114,3 +114,63 @@ def test_rows_wait_for_a_clickhouse_that_answers(tmp_path):
     with pytest.raises(OSError, match="127.0.0.1"):
         store.write([_row("c", 1, "first-turn")])
     assert len(store.pending) == 1
+
+
+def test_a_closed_hour_is_merged_into_one_sorted_file(tmp_path):
+    """Three passes' parts of one hour become one file sorted by conversation once the
+    hour is over (plus the merge delay); the open hour is left as written; every row
+    reads the same before and after."""
+    from kvobs.live.turnstore import COMPACT_AFTER_S
+
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    store.write([_row("b", 1, "first-turn"), _row("a", 1, "first-turn")], now=T0 + 10)
+    store.write([_row("b", 2, "miss"), _row("c", 1, "first-turn")], now=T0 + 20)
+    store.write([_row("b", 2, "remote-hit", version=2)], now=T0 + 30)
+    store.write([_row("d", 1, "first-turn")], now=T0 + HOUR + 10)  # the next hour
+    before = {c: store.latest(c) for c in "abcd"}
+    assert store.compact(now=T0 + HOUR + COMPACT_AFTER_S - 1) == []  # too soon
+    assert store.compact(now=T0 + HOUR + COMPACT_AFTER_S + 1) == ["hour=2026010100"]
+    closed = tmp_path / "turns" / "hour=2026010100"
+    (merged,) = list(closed.glob("*.parquet"))
+    assert merged.name.startswith("merged-")
+    assert (closed / (merged.stem + ".cids")).exists()  # its conversation index
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(merged).column("conversation_id").to_pylist() == [
+        "a", "b", "b", "b", "c"]
+    assert len(list((tmp_path / "turns" / "hour=2026010101").glob("*.parquet"))) == 1
+    assert {c: store.latest(c) for c in "abcd"} == before
+    assert [(t["turn"], t["verdict"]) for t in store.latest("b")] == [
+        (1, "first-turn"), (2, "remote-hit")]
+    assert store.compact(now=T0 + 2 * HOUR + COMPACT_AFTER_S + 1) == []  # one file each
+
+
+def test_an_open_hour_s_parts_are_merged_and_lookups_stay_right(tmp_path, monkeypatch):
+    """Parts of the hour still written to are merged into files of their own once there
+    are enough of them; a conversation spread over merged files, parts and two hours
+    reads the same, and a merged file whose index is gone is read whole."""
+    from kvobs.live import turnstore
+
+    monkeypatch.setattr(turnstore, "MIN_PARTS_TO_MERGE", 3)
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    for second in range(4):
+        store.write([_row("x", second + 1, "miss"), _row(f"o{second}", 1, "first-turn")],
+                    now=T0 + second)
+    store.write([_row("x", 2, "remote-hit", version=2)], now=T0 + HOUR + 5)
+    expected = [(1, "miss", 1), (2, "remote-hit", 2), (3, "miss", 1), (4, "miss", 1)]
+
+    def seen() -> list[tuple]:
+        return [(t["turn"], t["verdict"], t["version"]) for t in store.latest("x")]
+
+    assert seen() == expected
+    assert store.compact(now=T0 + 60) == ["hour=2026010100"]  # open, 4 parts >= 3
+    assert store.compact(now=T0 + 61) == []  # one merged file, no parts left
+    store.write([_row("x", 5, "miss")], now=T0 + 70)  # a part next to the merged file
+    expected.append((5, "miss", 1))
+    assert seen() == expected and store.latest("nobody") == []
+    assert store.latest("o2")[0]["verdict"] == "first-turn"
+    hour = tmp_path / "turns" / "hour=2026010100"
+    for index in hour.glob("*.cids"):
+        index.unlink()
+    assert seen() == expected
+    assert TurnStore(str(tmp_path), 30 * 86400).latest("x") == store.latest("x")
