@@ -195,15 +195,22 @@ class TurnStore(TurnRows):
             return []
         return sorted(n for n in names if n.startswith(_PREFIX))
 
+    def _hours(self) -> list[tuple[str, float]]:
+        """(partition, when its hour began) of every partition of ours."""
+        hours = []
+        for name in self.partitions():
+            try:
+                hours.append((name, calendar.timegm(
+                    time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))))
+            except ValueError:
+                continue  # not ours
+        return hours
+
     def expire(self, now: float | None = None) -> list[str]:
         """Drops the partitions whose hour ended before the retention; returns them."""
         now = time.time() if now is None else now
         gone = []
-        for name in self.partitions():
-            try:
-                start = calendar.timegm(time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))
-            except ValueError:
-                continue  # not ours
+        for name, start in self._hours():
             if start + 3600 < now - self.retention_s:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
                 gone.append(name)
@@ -212,7 +219,7 @@ class TurnStore(TurnRows):
     def compact(self, now: float | None = None) -> list[str]:
         """Merges the part files (one per classification pass that finalized turns: up
         to 3,600 an hour) into files sorted by conversation, each with an index of the
-        conversations it holds (``_index``): a lookup then reads only the files, and the
+        conversations it holds (``_INDEX``): a lookup then reads only the files, and the
         row groups, that hold the conversation. A closed hour (``COMPACT_AFTER_S`` after
         its end) becomes one file; an open one gets its parts merged into a file of
         their own. Written aside and renamed before the parts go: a reader meets every
@@ -220,11 +227,7 @@ class TurnStore(TurnRows):
         latest-version rule absorbs). Returns the partitions merged."""
         now = time.time() if now is None else now
         merged = []
-        for name in self.partitions():
-            try:
-                start = calendar.timegm(time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))
-            except ValueError:
-                continue
+        for name, start in self._hours():
             partition = os.path.join(self.directory, name)
             files = sorted(f for f in os.listdir(partition) if f.endswith(".parquet"))
             closed = start + 3600 + COMPACT_AFTER_S <= now
