@@ -272,13 +272,8 @@ class TurnStore(TurnRows):
         if not found:
             return SCHEMA.empty_table()
         handle = pq.ParquetFile(path)
-        column = handle.schema_arrow.get_field_index("conversation_id")
-        groups = []
-        for group in range(handle.metadata.num_row_groups):
-            stats = handle.metadata.row_group(group).column(column).statistics
-            if (stats is None or not stats.has_min_max
-                    or stats.min <= conversation_id <= stats.max):
-                groups.append(group)
+        groups = _groups_holding(handle, conversation_id,
+                                 sorted_=os.path.basename(path).startswith(_MERGED))
         table = handle.read_row_groups(groups).cast(SCHEMA)
         return table.filter(pc.equal(table.column("conversation_id"), conversation_id))
 
@@ -306,6 +301,40 @@ class TurnStore(TurnRows):
                 table = pq.read_table(path, schema=SCHEMA, filters=filters or None)
             tables.append(table)
         return pa.concat_tables(tables)
+
+
+def _groups_holding(handle: pq.ParquetFile, conversation_id: str, sorted_: bool) -> list[int]:
+    """The row groups whose conversation range covers ``conversation_id``: in a merged
+    file (sorted by conversation) found by bisection, a few statistics read out of
+    hundreds; in a part, every group checked."""
+    metadata = handle.metadata
+    column = handle.schema_arrow.get_field_index("conversation_id")
+
+    def bounds(group: int) -> tuple[str, str] | None:
+        stats = metadata.row_group(group).column(column).statistics
+        return (stats.min, stats.max) if stats is not None and stats.has_min_max else None
+
+    count = metadata.num_row_groups
+    if not sorted_:
+        return [g for g in range(count)
+                if (b := bounds(g)) is None or b[0] <= conversation_id <= b[1]]
+    low, high = 0, count
+    while low < high:  # the first group whose max is at or past the id
+        middle = (low + high) // 2
+        b = bounds(middle)
+        if b is None:
+            return list(range(count))  # no statistics: read them all
+        if b[1] < conversation_id:
+            low = middle + 1
+        else:
+            high = middle
+    groups = []
+    for group in range(low, count):  # a conversation may span a few groups
+        b = bounds(group)
+        if b is None or b[0] > conversation_id:
+            break
+        groups.append(group)
+    return groups
 
 
 def _stamp(now: float) -> str:

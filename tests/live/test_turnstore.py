@@ -174,3 +174,21 @@ def test_an_open_hour_s_parts_are_merged_and_lookups_stay_right(tmp_path, monkey
         index.unlink()
     assert seen() == expected
     assert TurnStore(str(tmp_path), 30 * 86400).latest("x") == store.latest("x")
+
+
+def test_lookups_find_a_conversation_across_row_groups(tmp_path, monkeypatch):
+    """A merged file of 2-row groups, sorted by conversation: every conversation (one
+    of them spanning three groups) is found by bisection, whole."""
+    from kvobs.live import turnstore
+
+    monkeypatch.setattr(turnstore, "ROW_GROUP_ROWS", 2)
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    rows = [_row(f"c{n:02d}", 1, "first-turn") for n in range(15)]
+    rows += [_row("c07", turn, "miss") for turn in range(2, 7)]
+    for start in range(0, len(rows), 4):
+        store.write(rows[start:start + 4], now=T0 + start)
+    store.compact(now=T0 + 2 * HOUR)
+    for n in range(15):
+        turns = [t["turn"] for t in store.latest(f"c{n:02d}")]
+        assert turns == (list(range(1, 7)) if n == 7 else [1]), n
+    assert store.latest("c99") == [] and store.latest("a") == []
