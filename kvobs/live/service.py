@@ -150,9 +150,12 @@ class Live:
     async def stop(self, _app: web.Application) -> None:
         if self._task is not None:
             self._task.cancel()
-        # What is classified but not final yet is written as it stands (final or not).
+        # Every turn is written as it stands: one pass classifies what arrived since the
+        # last, a second one a grace later finds each turn unchanged, so final.
         try:
-            self.run_pass(time.time() + self.settings.grace_s)
+            now = time.time()
+            self.run_pass(now)
+            self.run_pass(now + self.settings.grace_s)
         except Exception:  # noqa: BLE001
             _LOG.exception("last pass failed")
 

@@ -188,8 +188,9 @@ class CollectProcess(Process):
     def traces_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1/traces"
 
-    def settled(self, timeout_s: float = 60.0) -> bool:
-        """Waits until the classifier holds no open turn (every turn final)."""
+    def settled(self, timeout_s: float = 60.0, turns: int = 0) -> bool:
+        """Waits until the classifier holds no open turn (every turn final) and has
+        counted at least ``turns`` final turns."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -199,7 +200,9 @@ class CollectProcess(Process):
                 text = ""
             open_turns = [line for line in text.splitlines()
                           if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")]
-            if open_turns and float(open_turns[0].split()[1]) == 0:
+            counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith(sc.M_TURNS.name + "{"))
+            if open_turns and float(open_turns[0].split()[1]) == 0 and counted >= turns:
                 return True
             time.sleep(0.5)
         return False

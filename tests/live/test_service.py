@@ -158,3 +158,18 @@ def test_a_restart_resumes_from_the_stores_and_counts_every_turn_once(tmp_path):
         (stored,) = [t for t in store.latest(diagnosis.conversation_id)
                      if (t["tenant"], t["turn"]) == (diagnosis.tenant, diagnosis.turn.index)]
         assert stored["verdict"] == diagnosis.finding.verdict.value, diagnosis.conversation_id
+
+
+def test_a_stop_writes_every_turn_as_it_stands(tmp_path):
+    """Spans that arrived just before SIGTERM, never classified by a pass: the stop
+    classifies them and writes every turn (a single last pass classified them too late
+    to call any final: nothing was written)."""
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    app = build_app(str(tmp_path), LiveSettings(window_s=600, grace_s=10))
+    live = app[LIVE]
+    for line in lines:
+        live.receive(line)
+    asyncio.run(live.stop(app))
+    assert TurnStore(str(tmp_path), 86400).read().num_rows == 25
+    assert [t["verdict"] for t in TurnStore(str(tmp_path), 86400).latest("agent-happy")] \
+        == ["first-turn", "remote-hit", "remote-hit"]
