@@ -7,8 +7,8 @@ per-transfer telemetry, the same numbers behind ``vllm:nixl_bytes_transferred``)
 duration, how much of that came after the last poll that still saw it in flight (a
 completion is only seen when the worker polls, after each model step: a long prefill
 step holds it; NIXL's own ``xferDuration`` is measured at that poll too), and the
-remaining TTL on this process's clock. Per release of retained blocks: expired or read. The records ride
-to the scheduler in the connector stats (see ``_scheduler_observer``).
+remaining TTL on this process's clock. Per release of retained blocks: expired or read.
+The records ride to the scheduler in the connector stats (see ``_scheduler_observer``).
 
 Hooks are instance-level wraps of the upstream worker that always call the original
 exactly once and return its result untouched; the wrapper's own code is guarded.

@@ -58,7 +58,8 @@ ATTRIBUTES: dict[str, Attribute] = {}
 # Correlation keys: on every kvobs span, pushed by the proxy into the engines.
 CONVERSATION_ID = _attr("gen_ai.conversation.id", "str", "", "Conversation id (client supplied).")
 TURN_INDEX = _attr("kvobs.turn.index", "int", "", "1-based turn index within the conversation.")
-TENANT_DIGEST = _attr("kvobs.tenant.digest", "str", "", "Short digest of the tenant (never the key).")
+TENANT_DIGEST = _attr("kvobs.tenant.digest", "str", "",
+                      "Short digest of the tenant (never the key).")
 REQUEST_ID = _attr("kvobs.request.id", "str", "", "Engine request id on this role.")
 # OpenTelemetry's GenAI semantic conventions where they have the fact (kvobs.* only for
 # what they lack); strings bounded by the proxy (MAX_GENAI_VALUE), never message text.
@@ -108,7 +109,8 @@ STORE_ACTION = _attr("kvobs.proxy.store.action", "str", "", "stored | refreshed 
 STORE_EXPIRES_AT = _attr(
     "kvobs.proxy.store.expires_at", "float", "unix s", "Wall-clock end of the entry's life.")
 PARAMS_SOURCE = _attr(
-    "kvobs.proxy.params_source", "str", "", "Where D's params came from: body | stream | published.")
+    "kvobs.proxy.params_source", "str", "",
+    "Where D's params came from: body | stream | published.")
 PROXY_ERROR = _attr(
     "kvobs.proxy.error", "str", "", "ProxyError value: why a turn failed or was cut short.")
 # OpenTelemetry's HTTP semantic conventions (stable) on the proxy's standard HTTP spans
@@ -391,7 +393,8 @@ SPAN_PULL_DECISION = _span(
 SPAN_READ = _span("kvobs.prefill.read", Service.PREFILL, "A D->P read: done, declined or failed.")
 SPAN_RECOMPUTE = _span("kvobs.prefill.recompute", Service.PREFILL, "Tokens P computed itself.")
 SPAN_STUCK = _span(
-    "kvobs.prefill.stuck_wait", Service.PREFILL, "A request waiting for remote KV that never comes.")
+    "kvobs.prefill.stuck_wait", Service.PREFILL,
+    "A request waiting for remote KV that never comes.")
 SPAN_PREFILL_REQUEST = _span(
     "kvobs.prefill.request", Service.PREFILL,
     "P's request from arrival to its first token: queue, schedule, read, compute marks.")

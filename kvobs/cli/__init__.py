@@ -12,7 +12,6 @@ Exit status (all commands):
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import click

@@ -9,7 +9,8 @@ and at most once a minute otherwise, the writer sweeps the directory: sealed seg
 older than ``retention_s`` are deleted, then the oldest sealed segments until all live
 segments together fit in ``max_bytes``. Active segments (any writer's) are never
 deleted: a writer's own rotation bounds them, so between sweeps the live segments may
-exceed ``max_bytes`` by up to ``segment_bytes`` per writer. Deletions are logged with what they cost.
+exceed ``max_bytes`` by up to ``segment_bytes`` per writer. Deletions are logged with
+what they cost.
 
 Limits come from the environment (one set for every kvobs process writing the store):
 

@@ -2,9 +2,9 @@
 
 ``fleet_turns(source)`` is the fleet's turn table: the source's turn rows (its
 ``turn_row_slices()``: Arrow/numpy for the embedded store, SQL for ClickHouse) with the
-derived columns (``kvobs.turns.correlate.turn_table``); ``kvobs.verdicts.classify_frame`` (the
-rules themselves, which decide over whole tables) labels it; ``build_report``, ``tune`` and ``whatif`` work
-on the labelled table.
+derived columns (``kvobs.turns.correlate.turn_table``); ``kvobs.verdicts.classify_frame``
+(the rules themselves, which decide over whole tables) labels it; ``build_report``,
+``tune`` and ``whatif`` work on the labelled table.
 """
 
 import pandas as pd

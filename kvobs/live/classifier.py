@@ -172,7 +172,7 @@ class Classifier:
         keys, rows = self.buffer.take_dirty()
         if rows:
             result.classified = self._classify(keys, rows, now, result)
-        for key, state in self.turns.items():
+        for state in self.turns.values():
             if not state.final and now - state.changed_at >= self.grace_s:
                 state.final = True
                 state.finals += 1

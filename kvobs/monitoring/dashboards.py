@@ -217,7 +217,8 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
                 "Share of later turns whose lookup was miss, stale or no-id, per turn-index "
                 "bucket. A rise at 3-4 or 5-8 but not at 2 points at the proxy's entry "
                 "lifetime or at long inter-turn gaps.",
-                (T(q.missing_metadata_ratio(s.keeping(TURN_BUCKET_LABEL)), "turn {{turn_bucket}}"),),
+                (T(q.missing_metadata_ratio(s.keeping(TURN_BUCKET_LABEL)),
+                   "turn {{turn_bucket}}"),),
                 "percentunit", threshold=th.missing_metadata_ratio),
             PanelSpec(
                 "Missing-metadata share by prompt-length bucket",
@@ -702,8 +703,9 @@ def _variables():
     )
 
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
-    any_kvobs = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS, M_PROXY_TURNS, M_TURNS))}"'
-    engine_any = f'__name__=~"{"|".join(m.name for m in (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS))}"'
+    engine_metrics = (M_PULL_DECISIONS, M_READS, M_RETAINED_BLOCKS)
+    any_kvobs = f'__name__=~"{"|".join(m.name for m in (*engine_metrics, M_PROXY_TURNS, M_TURNS))}"'
+    engine_any = f'__name__=~"{"|".join(m.name for m in engine_metrics)}"'
 
     def query_var(name: str, label: str, selector: str):
         # "All" is `.*`: it also matches series without the label (see SCRAPE_MATCHERS),

@@ -460,7 +460,8 @@ def recomputed_tokens_rate(s: Scope) -> str:
 
 def reuse_share(s: Scope) -> str:
     """Share of P's prompt tokens obtained by remote reads rather than computed."""
-    return ratio(reused_tokens_rate(s), f"({reused_tokens_rate(s)}) + ({recomputed_tokens_rate(s)})")
+    return ratio(reused_tokens_rate(s),
+                 f"({reused_tokens_rate(s)}) + ({recomputed_tokens_rate(s)})")
 
 
 def prompt_tokens_by_source_rate(s: Scope) -> str:

@@ -72,7 +72,8 @@ class StoreGuard:
         """``(fn(*args), None)``, or ``(None, why)`` when the store gave no answer.
 
         ``extra_s``: time the call waits by design (the params publisher's poll between
-        its commands): not Redis time, so not charged; it extends the wall bound. Never raises (but cancellation)."""
+        its commands): not Redis time, so not charged; it extends the wall bound. Never
+        raises (but cancellation)."""
         probe = False
         if self.bounded:
             if self._open_until is not None:

@@ -6,9 +6,9 @@ engines are not part of it: they are shared by every replica, so an engine's out
 pull every replica out of a Service at once, and a replica cannot fix it. Their health is
 probed (``GET /health``, vLLM's own route) for ``/health``'s detail and
 ``kvobs_proxy_upstream_up``; ``/health`` waits for a round at most ``HEALTH_WAIT_S`` (a
-liveness probe's timeout is short) and says the last answer when it takes longer. Each answer is reused for ``ready_cache_s``, and concurrent
-callers share one round of probes, so a caller polling many times a second costs each
-engine at most one probe per window.
+liveness probe's timeout is short) and says the last answer when it takes longer. Each
+answer is reused for ``ready_cache_s``, and concurrent callers share one round of probes,
+so a caller polling many times a second costs each engine at most one probe per window.
 """
 
 from __future__ import annotations

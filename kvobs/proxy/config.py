@@ -100,8 +100,9 @@ class ProxyConfig:
     infer_per_tenant: int = INFER_PER_TENANT
     # Redis: Redis time a turn may spend on store calls in all (a slow or hung Redis costs
     # at most this, then the turn goes on without reuse; the proxy's own lag is not
-    # counted: _store_clock), connections in the pool (callers wait for one), and the circuit breaker (after this many failures
-    # in a row Redis is skipped for the cool-down, then one call probes it).
+    # counted: _store_clock), connections in the pool (callers wait for one), and the
+    # circuit breaker (after this many failures in a row Redis is skipped for the
+    # cool-down, then one call probes it).
     redis_budget_s: float = 0.5
     redis_pool_size: int = 512
     redis_breaker_failures: int = 5

@@ -22,8 +22,9 @@ Entry caps: a global one (``max_entries``) and a per-tenant quota (``max_per_ten
 new conversation of a tenant at its quota evicts that tenant's least recently used entry
 first, so one tenant sending new conversation ids never evicts another tenant's entries
 (only the global cap, once the tenants together reach it, evicts across tenants). The
-tenant is the store key's part before the first ``:`` (``Identity.store_key``). Recently evicted keys are remembered (``EVICTED_MEMORY`` of them),
-so a lookup can tell an evicted conversation from one never seen.
+tenant is the store key's part before the first ``:`` (``Identity.store_key``). Recently
+evicted keys are remembered (``EVICTED_MEMORY`` of them), so a lookup can tell an
+evicted conversation from one never seen.
 """
 
 from __future__ import annotations

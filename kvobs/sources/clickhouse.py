@@ -9,10 +9,11 @@ attribute access for them (``_clickhouse_sql.AttributeDialect``). See docs/click
 for the collector configuration.
 
 Heavy work stays in SQL: ``turn_row_slices()`` pivots spans into one row per (tenant,
-conversation, turn) (``kvobs.turns.schema.FLEET_COLUMNS``, as the store's turn files hold them), from the turn
-view (``turns_view_ddl()``: partial aggregates written as the exporter inserts, what the
-store's turn files are to its spans) when it holds every span, else from the spans with
-one ``GROUP BY`` per span name; ``spans(cid)`` reads one conversation's traces only.
+conversation, turn) (``kvobs.turns.schema.FLEET_COLUMNS``, as the store's turn files hold
+them), from the turn view (``turns_view_ddl()``: partial aggregates written as the
+exporter inserts, what the store's turn files are to its spans) when it holds every span,
+else from the spans with one ``GROUP BY`` per span name; ``spans(cid)`` reads one
+conversation's traces only.
 Queries go through a ``query(sql, parameters=None) -> pyarrow.Table`` callable
 (``_clickhouse_client``): a server through clickhouse-connect, or chdb (embedded
 ClickHouse) for tests and local files; values from the user are bound parameters.

@@ -18,7 +18,6 @@ scale.
 from __future__ import annotations
 
 import fcntl
-import functools
 import glob
 import json
 import os
@@ -41,7 +40,7 @@ from kvobs.sources._decode import is_regular
 from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_rows,
                                   frame_from_table, select_conversation, table_from_rows)
 from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
-                                         read_conversation, read_spans, readable,
+                                         read_conversation, read_spans,
                                          span_files, store_schema, turns_path,
                                          existing_turns_path)
 from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows

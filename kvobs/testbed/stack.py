@@ -160,8 +160,9 @@ class Stack:
             prefill_host=self.netns.outer_address if self.netns else "127.0.0.1",
             decode_host=self.netns.inner_address if self.netns else "127.0.0.1",
             decode_wrapper=self.netns.wrapper if self.netns else ())
-        self.log(f"[testbed] starting P and D ({'instrumented' if self.instrumented else 'upstream'}"
-                 f" connector, TTL {s.ttl_s}s, threshold {s.threshold})")
+        connector = "instrumented" if self.instrumented else "upstream"
+        self.log(f"[testbed] starting P and D ({connector} connector, TTL {s.ttl_s}s, "
+                 f"threshold {s.threshold})")
         self.pair.start()
         self.log(f"[testbed] engines ready in {self.pair.start_s:.1f}s")
         self._start_proxy()
