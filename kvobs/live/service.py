@@ -47,6 +47,10 @@ except ImportError:  # pragma: no cover - orjson comes with the proxy extra
     _loads = json.loads
 
 
+# Seconds between two rounds of the turn store's upkeep (retention, merging parts).
+MAINTAIN_S = 600
+
+
 @dataclass
 class LiveSettings:
     window_s: float  # how long a conversation is held after its last span
@@ -65,7 +69,7 @@ class Live:
         # Final turn rows: the store directory's parquet unless given (ClickHouse).
         self.turns = turns or TurnStore(store_dir, settings.turn_retention_s)
         self._task: asyncio.Task | None = None
-        self._expired_at = 0.0
+        self._maintained_at = 0.0
 
     def resume(self, now: float | None = None) -> None:
         """After a restart: the turns the turn store has final within the window, then
@@ -115,33 +119,57 @@ class Live:
             self.metrics.write_errors.inc()
             _LOG.warning("could not write final turns (%d kept for the next pass): %s",
                          len(self.turns.pending), error)
-        if now - self._expired_at > 600:
-            self._expired_at = now
-            for partition in self.turns.expire(now):
-                _LOG.info("turn partition %s past retention: dropped", partition)
-            try:
-                for partition in self.turns.compact(now):
-                    _LOG.info("turn partition %s merged into one sorted file", partition)
-            except OSError as error:  # a full disk: the parts stay, readable as they are
-                _LOG.warning("could not merge turn partitions: %s", error)
         c = self.classifier
         self.metrics.health(c.spans_received - c.buffer.late_spans, c.buffer.late_spans,
                             c.spans_unreadable, c.open_turns(), len(c.buffer))
 
+    def maintain(self, now: float | None = None) -> None:
+        """The turn store's upkeep: partitions past the retention dropped, parts merged.
+        Run off the event loop (seconds for a fleet's hour), never alongside itself."""
+        now = time.time() if now is None else now
+        for partition in self.turns.expire(now):
+            _LOG.info("turn partition %s past retention: dropped", partition)
+        try:
+            for partition in self.turns.compact(now):
+                _LOG.info("turn partition %s merged", partition)
+        except OSError as error:  # a full disk: the parts stay, readable as they are
+            _LOG.warning("could not merge turn partitions: %s", error)
+
     def conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
         turns = self.classifier.conversation(conversation_id) \
             or self.turns.latest(conversation_id)
-        return [t for t in turns if tenant is None or t["tenant"] == tenant]
+        return _of_tenant(turns, tenant)
+
+    async def _conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
+        """``conversation`` for the routes: the store read (tens of ms at a million
+        conversations) off the event loop that takes the spans; memory read on it (the
+        passes change it there)."""
+        turns = self.classifier.conversation(conversation_id)
+        if not turns:
+            turns = await asyncio.get_running_loop().run_in_executor(
+                None, self.turns.latest, conversation_id)
+        return _of_tenant(turns, tenant)
 
     # ------------------------------------------------------------------ aiohttp
 
     async def _loop(self) -> None:
+        upkeep: asyncio.Future | None = None
         while True:
             await asyncio.sleep(self.settings.interval_s)
             try:
                 self.run_pass()
             except Exception:  # noqa: BLE001 - the next pass tries again
                 _LOG.exception("classification pass failed")
+            now = time.time()
+            if (upkeep is None or upkeep.done()) and now - self._maintained_at > MAINTAIN_S:
+                self._maintained_at = now
+                upkeep = asyncio.get_running_loop().run_in_executor(None, self._upkeep, now)
+
+    def _upkeep(self, now: float) -> None:
+        try:
+            self.maintain(now)
+        except Exception:  # noqa: BLE001 - the next round tries again
+            _LOG.exception("turn store upkeep failed")
 
     async def start(self, _app: web.Application) -> None:
         self.resume()
@@ -168,7 +196,7 @@ class Live:
 
     async def conversation_view(self, request: web.Request) -> web.Response:
         cid = request.match_info["conversation_id"]
-        turns = self.conversation(cid, request.query.get("tenant"))
+        turns = await self._conversation(cid, request.query.get("tenant"))
         if not turns:
             return web.json_response({"error": f"unknown conversation id {cid!r}"},
                                      status=404)
@@ -179,10 +207,14 @@ class Live:
         from kvobs.live.page import conversation_html
 
         cid = request.match_info["conversation_id"]
-        turns = self.conversation(cid, request.query.get("tenant"))
+        turns = await self._conversation(cid, request.query.get("tenant"))
         if not turns:
             return web.Response(status=404, text=f"unknown conversation id {cid!r}")
         return web.Response(text=conversation_html(cid, turns), content_type="text/html")
+
+
+def _of_tenant(turns: list[dict], tenant: str | None) -> list[dict]:
+    return [t for t in turns if tenant is None or t["tenant"] == tenant]
 
 
 def _segments_since(store_dir: str, since: float) -> list[str]:

@@ -250,6 +250,17 @@ class TurnStore(TurnRows):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path[: -len(".parquet")] + _INDEX)
 
+    def _rows(self, path: str, conversation_id: str | None, key: int | None,
+              since: float | None, filters: list) -> pa.Table:
+        table = None
+        if key is not None:
+            table = self._conversation_rows(path, conversation_id, key)
+            if table is not None and since is not None and table.num_rows:
+                table = table.filter(pc.greater_equal(table.column("finalized_at"), since))
+        if table is None:
+            table = pq.read_table(path, schema=SCHEMA, filters=filters or None)
+        return table
+
     @staticmethod
     def _conversation_rows(path: str, conversation_id: str, key: int) -> pa.Table | None:
         """The conversation's rows of a file through its index (an empty table when it
@@ -291,15 +302,10 @@ class TurnStore(TurnRows):
         filters += [] if since is None else [("finalized_at", ">=", since)]
         tables = []
         for path in files:
-            table = None
-            if key is not None:
-                table = self._conversation_rows(path, conversation_id, key)
-                if table is not None and since is not None and table.num_rows:
-                    table = table.filter(pc.greater_equal(table.column("finalized_at"),
-                                                          since))
-            if table is None:
-                table = pq.read_table(path, schema=SCHEMA, filters=filters or None)
-            tables.append(table)
+            try:
+                tables.append(self._rows(path, conversation_id, key, since, filters))
+            except FileNotFoundError:
+                continue  # merged meanwhile: a read after the merge finds its rows
         return pa.concat_tables(tables)
 
 

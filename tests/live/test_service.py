@@ -173,3 +173,23 @@ def test_a_stop_writes_every_turn_as_it_stands(tmp_path):
     assert TurnStore(str(tmp_path), 86400).read().num_rows == 25
     assert [t["verdict"] for t in TurnStore(str(tmp_path), 86400).latest("agent-happy")] \
         == ["first-turn", "remote-hit", "remote-hit"]
+
+
+def test_the_service_upkeep_merges_and_expires_the_turn_store(tmp_path):
+    """``Live.maintain`` (run off the event loop every MAINTAIN_S): a closed hour's parts
+    merged, partitions past the retention dropped."""
+    from kvobs.live.turnstore import COMPACT_AFTER_S
+
+    app = build_app(str(tmp_path), LiveSettings(window_s=60, turn_retention_s=2 * 3600.0))
+    live = app[LIVE]
+    t0 = 1_767_225_600.0
+    row = {"tenant": "t", "conversation_id": "c", "verdict": "first-turn", "version": 1}
+    for second in range(3):
+        live.turns.write([{**row, "turn": second + 1}], now=t0 + second)
+    live.turns.write([{**row, "turn": 9}], now=t0 + 5 * 3600)
+    live.maintain(now=t0 + 3600 + COMPACT_AFTER_S + 1)
+    hour = tmp_path / "turns" / "hour=2026010100"
+    assert [p.name.startswith("merged-") for p in hour.glob("*.parquet")] == [True]
+    live.maintain(now=t0 + 5 * 3600 + 60)
+    assert not hour.exists()
+    assert [t["turn"] for t in live.conversation("c", None)] == [9]

@@ -4,6 +4,7 @@ dropping partitions, nothing lost while the disk cannot be written."""
 from __future__ import annotations
 
 import json
+import os
 import math
 import time
 
@@ -192,3 +193,20 @@ def test_lookups_find_a_conversation_across_row_groups(tmp_path, monkeypatch):
         turns = [t["turn"] for t in store.latest(f"c{n:02d}")]
         assert turns == (list(range(1, 7)) if n == 7 else [1]), n
     assert store.latest("c99") == [] and store.latest("a") == []
+
+
+def test_a_part_merged_away_while_read_is_skipped(tmp_path, monkeypatch):
+    """A file listed but gone when opened (merged by the service meanwhile) does not
+    fail the read."""
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    store.write([_row("x", 1, "first-turn")], now=T0)
+    listdir = os.listdir
+
+    def with_a_ghost(path):
+        names = listdir(path)
+        return names + ["part-0-gone.parquet"] if str(path).endswith("hour=2026010100") \
+            else names
+
+    monkeypatch.setattr(os, "listdir", with_a_ghost)
+    assert [t["turn"] for t in store.latest("x")] == [1]
+    assert store.read().num_rows == 1
