@@ -22,16 +22,30 @@ except ImportError:  # pragma: no cover - older single-module layout
         NixlPromMetrics,
     )
 
-__all__ = ["UpstreamNixlConnector", "NixlKVConnectorStats", "NixlPromMetrics",
-           "MissingHookError", "require", "check_connector_class", "completion_method"]
+__all__ = [
+    "UpstreamNixlConnector",
+    "NixlKVConnectorStats",
+    "NixlPromMetrics",
+    "MissingHookError",
+    "require",
+    "check_connector_class",
+    "completion_method",
+]
 
 # Connector (public) methods the facade overrides: missing ones mean the scheduler or
 # model runner would never call our override.
 CONNECTOR_HOOKS = (
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "update_connector_output", "request_finished", "request_finished_all_groups",
-    "start_load_kv", "get_kv_connector_stats", "build_kv_connector_stats",
-    "build_prom_metrics", "shutdown",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "start_load_kv",
+    "get_kv_connector_stats",
+    "build_kv_connector_stats",
+    "build_prom_metrics",
+    "shutdown",
 )
 
 # Worker internals wrapped per instance (facts only the worker has).
@@ -56,8 +70,12 @@ WORKER_HOOKS_OPTIONAL = (
 )
 
 # Scheduler internals read (never written).
-SCHEDULER_HOOKS = ("kv_recompute_threshold", "is_bidirectional_kv_xfer_enabled",
-                   "use_host_buffer", "engine_id")
+SCHEDULER_HOOKS = (
+    "kv_recompute_threshold",
+    "is_bidirectional_kv_xfer_enabled",
+    "use_host_buffer",
+    "engine_id",
+)
 
 
 class MissingHookError(RuntimeError):
@@ -71,7 +89,8 @@ def require(obj, names, where: str) -> None:
             f"kvobs instrumented connector: {where} lacks {missing} in this vLLM "
             f"version, so kvobs would lose signals. Use vLLM's NixlConnector directly, "
             f"or set kv_connector_extra_config.kvobs_telemetry=false to run upstream "
-            f"behaviour through this class without observation.")
+            f"behaviour through this class without observation."
+        )
 
 
 def check_connector_class() -> None:

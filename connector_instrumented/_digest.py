@@ -64,6 +64,7 @@ def seed_fingerprint() -> str | None:
     """
     try:
         from vllm.v1.core import kv_cache_utils
+
         none_hash = kv_cache_utils.NONE_HASH
     except Exception:  # noqa: BLE001  (not initialised in this process)
         return None
@@ -81,8 +82,13 @@ def tail_fingerprint(token_ids: Sequence[int]) -> str:
     return f"{hash(tuple(token_ids)) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
-           seed: str | None, token_ids: Sequence[int] | None = None) -> str | None:
+def encode(
+    block_hashes: Sequence[bytes],
+    num_tokens: int,
+    block_size: int,
+    seed: str | None,
+    token_ids: Sequence[int] | None = None,
+) -> str | None:
     """Digest of the full blocks covering ``num_tokens`` and of the tail tokens after
     them (from ``token_ids``; no tail without them). None if there are no full blocks.
 
@@ -95,7 +101,8 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
     tail = num_tokens - num_blocks * block_size
     if tail and token_ids is not None and len(token_ids) >= num_tokens:
         head = f"{VERSION}:{block_size}:{seed}:{num_blocks}:{tail}:" + tail_fingerprint(
-            token_ids[num_blocks * block_size:num_tokens])
+            token_ids[num_blocks * block_size : num_tokens]
+        )
     else:
         head = f"{VERSION}:{block_size}:{seed}:{num_blocks}:0:"
     width = len(block_hashes[0])
@@ -106,10 +113,9 @@ def encode(block_hashes: Sequence[bytes], num_tokens: int, block_size: int,
             picked = [block_hashes[n - 1] for n in grid_points(num_blocks)]
         joined = b"".join(picked)
         if len(joined) == width * len(picked):
-            hexed = memoryview(joined).cast("Q")[::width // _PREFIX_BYTES].tobytes().hex()
+            hexed = memoryview(joined).cast("Q")[:: width // _PREFIX_BYTES].tobytes().hex()
             return f"{head}:{hexed}"
-    hexed = b"".join([block_hashes[n - 1][:_PREFIX_BYTES]
-                      for n in grid_points(num_blocks)]).hex()
+    hexed = b"".join([block_hashes[n - 1][:_PREFIX_BYTES] for n in grid_points(num_blocks)]).hex()
     return f"{head}:{hexed}"
 
 
@@ -122,9 +128,14 @@ _ABSENT, _INCOMPARABLE = PrefixEvidence.ABSENT, PrefixEvidence.INCOMPARABLE
 _MATCH, _MISMATCH = PrefixEvidence.MATCH, PrefixEvidence.MISMATCH
 
 
-def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
-            seed: str | None, limit_tokens: int,
-            token_ids: Sequence[int] | None = None) -> tuple[PrefixEvidence, int]:
+def compare(
+    digest: str | None,
+    block_hashes: Sequence[bytes],
+    block_size: int,
+    seed: str | None,
+    limit_tokens: int,
+    token_ids: Sequence[int] | None = None,
+) -> tuple[PrefixEvidence, int]:
     """Compare D's digest with P's hashes (and P's ``token_ids`` for the tail) over
     ``[0, limit_tokens)``.
 
@@ -139,15 +150,14 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
         # Runs inside P's matching hook: same version, block size and seed as ours, so
         # read the counts and the hex in place instead of splitting a copy.
         colon = digest.index(":", len(head))
-        d_count = int(digest[len(head):colon])
+        d_count = int(digest[len(head) : colon])
         tail_colon = digest.index(":", colon + 1)
-        d_tail = int(digest[colon + 1:tail_colon])
+        d_tail = int(digest[colon + 1 : tail_colon])
         base = digest.index(":", tail_colon + 1) + 1
-        d_tail_hex = digest[tail_colon + 1:base - 1]
+        d_tail_hex = digest[tail_colon + 1 : base - 1]
         hexed = digest
     else:
-        version, d_block_size, d_seed, d_blocks, d_tail, d_tail_hex, hexed = digest.split(
-            ":", 6)
+        version, d_block_size, d_seed, d_blocks, d_tail, d_tail_hex, hexed = digest.split(":", 6)
         if version != VERSION:  # another kvobs on D: its checkpoints mean other counts
             return _INCOMPARABLE, 0
         if int(d_block_size) != block_size or not seed or d_seed != seed:
@@ -172,11 +182,16 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     # So the last checkpoint alone decides the usual turn (one probe), and otherwise the
     # first disagreeing one is found by bisection, reading only the probed entries.
     at = base + (n - 1) * _HEX
-    if block_hashes[last - 1][:_PREFIX_BYTES].hex() == hexed[at:at + _HEX]:
+    if block_hashes[last - 1][:_PREFIX_BYTES].hex() == hexed[at : at + _HEX]:
         verified = last * block_size
         end = verified + d_tail
-        if (d_tail and last == d_count and token_ids is not None and limit_tokens >= end
-                and len(token_ids) >= end):
+        if (
+            d_tail
+            and last == d_count
+            and token_ids is not None
+            and limit_tokens >= end
+            and len(token_ids) >= end
+        ):
             if tail_fingerprint(token_ids[verified:end]) != d_tail_hex:
                 return _MISMATCH, verified
             return _MATCH, end
@@ -187,7 +202,7 @@ def compare(digest: str | None, block_hashes: Sequence[bytes], block_size: int,
     while lo < hi:
         mid = (lo + hi) // 2
         at = base + mid * _HEX
-        if block_hashes[counts[mid] - 1][:_PREFIX_BYTES].hex() != hexed[at:at + _HEX]:
+        if block_hashes[counts[mid] - 1][:_PREFIX_BYTES].hex() != hexed[at : at + _HEX]:
             hi = mid
         else:
             lo = mid + 1

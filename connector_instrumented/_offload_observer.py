@@ -129,19 +129,24 @@ class OffloadObserver:
         def observed_lookup(key, req_context, *args, **kwargs):
             result = lookup(key, req_context, *args, **kwargs)
             try:  # per looked-up key: a dict probe on a miss only
-                if (result == LookupResult.MISS and key in self._evicted_keys
-                        and req_context.req_id in self._sched._req_status):
+                if (
+                    result == LookupResult.MISS
+                    and key in self._evicted_keys
+                    and req_context.req_id in self._sched._req_status
+                ):
                     # this engine's own request (a peer's lookup is never admitted here)
                     self._wanted_evicted.add(req_context.req_id)
             except Exception:  # noqa: BLE001
                 guard.failed("lookup")
             return result
 
-        for name, wrapper in (("prepare_store", observed_prepare_store),
-                              ("complete_store", observed_complete_store),
-                              ("on_request_finished", observed_on_request_finished),
-                              ("reset_cache", observed_reset_cache),
-                              ("lookup", observed_lookup)):
+        for name, wrapper in (
+            ("prepare_store", observed_prepare_store),
+            ("complete_store", observed_complete_store),
+            ("on_request_finished", observed_on_request_finished),
+            ("reset_cache", observed_reset_cache),
+            ("lookup", observed_lookup),
+        ):
             # Only a method its class defines: a stand-in built per instance (upstream's
             # unit tests use a MagicMock manager and set side effects on its attributes)
             # is left exactly as it is, so those tests see upstream behaviour.
@@ -230,8 +235,13 @@ class OffloadObserver:
         if hit is None:  # the connector asked to be asked again
             return
         self._lookups[request.request_id] = _Lookup(
-            request, raw_correlation(request.kv_transfer_params), num_computed_tokens,
-            int(hit), at=time.time(), wanted_evicted=wanted_evicted)
+            request,
+            raw_correlation(request.kv_transfer_params),
+            num_computed_tokens,
+            int(hit),
+            at=time.time(),
+            wanted_evicted=wanted_evicted,
+        )
 
     def on_alloc(self, request: Any, num_external_tokens: int) -> None:
         lookup = self._lookups.get(request.request_id)
@@ -270,8 +280,9 @@ class OffloadObserver:
                 sc.HOST_HIT_OTHER.key: sum(tiers.values()),
                 sc.HOST_LOOKUP_OUTCOME.key: outcome,
             }
-            self._sink.emit_fields(sc.SPAN_HOST_LOOKUP, lookup.correlation, None, attrs,
-                                   lookup.at, lookup.at)
+            self._sink.emit_fields(
+                sc.SPAN_HOST_LOOKUP, lookup.correlation, None, attrs, lookup.at, lookup.at
+            )
 
     def on_finished(self, request: Any) -> None:
         self._lookups.pop(request.request_id, None)  # finished without admission
@@ -313,12 +324,18 @@ class OffloadObserver:
         self.stats.load(tier)
         if not self._sink.enabled(sc.SPAN_HOST_LOAD):
             return
-        attrs = {sc.REQUEST_ID.key: status.req_id, sc.HOST_BYTES.key: int(num_bytes),
-                 sc.HOST_BLOCKS.key: len(status.keys), sc.HOST_DURATION.key: float(seconds),
-                 sc.HOST_TIER.key: tier, sc.HOST_COPY_ENGINE.key: self._copy_engine}
+        attrs = {
+            sc.REQUEST_ID.key: status.req_id,
+            sc.HOST_BYTES.key: int(num_bytes),
+            sc.HOST_BLOCKS.key: len(status.keys),
+            sc.HOST_DURATION.key: float(seconds),
+            sc.HOST_TIER.key: tier,
+            sc.HOST_COPY_ENGINE.key: self._copy_engine,
+        }
         params = context.kv_transfer_params if context is not None else None
-        self._sink.emit_fields(sc.SPAN_HOST_LOAD, raw_correlation(params), None, attrs,
-                               end_at - seconds, end_at)
+        self._sink.emit_fields(
+            sc.SPAN_HOST_LOAD, raw_correlation(params), None, attrs, end_at - seconds, end_at
+        )
 
     # ------------------------------------------------------------------ save span
 
@@ -333,17 +350,29 @@ class OffloadObserver:
         if not self._sink.enabled(sc.SPAN_HOST_SAVE):
             return
         now = time.time()
-        attrs = {sc.REQUEST_ID.key: copy.req_id, sc.HOST_BLOCKS.key: copy.blocks,
-                 sc.HOST_SAVED_TOKENS.key: copy.saved_end, sc.HOST_BYTES.key: copy.bytes,
-                 sc.HOST_DURATION.key: copy.seconds, sc.HOST_COVERS_RESPONSE.key: covers,
-                 sc.HOST_SAVE_INCOMPLETE.key: incomplete,
-                 sc.HOST_REFUSED_BLOCKS.key: len(copy.refused),
-                 sc.HOST_COPY_ENGINE.key: self._copy_engine}
+        attrs = {
+            sc.REQUEST_ID.key: copy.req_id,
+            sc.HOST_BLOCKS.key: copy.blocks,
+            sc.HOST_SAVED_TOKENS.key: copy.saved_end,
+            sc.HOST_BYTES.key: copy.bytes,
+            sc.HOST_DURATION.key: copy.seconds,
+            sc.HOST_COVERS_RESPONSE.key: covers,
+            sc.HOST_SAVE_INCOMPLETE.key: incomplete,
+            sc.HOST_REFUSED_BLOCKS.key: len(copy.refused),
+            sc.HOST_COPY_ENGINE.key: self._copy_engine,
+        }
         if prompt is not None:
             attrs[sc.HOST_PROMPT_TOKENS.key] = prompt
             attrs[sc.HOST_OUTPUT_TOKENS.key] = copy.output_tokens or 0
-        self._sink.emit_fields(sc.SPAN_HOST_SAVE, copy.correlation, None, attrs,
-                               copy.first_at or now, now, error=incomplete)
+        self._sink.emit_fields(
+            sc.SPAN_HOST_SAVE,
+            copy.correlation,
+            None,
+            attrs,
+            copy.first_at or now,
+            now,
+            error=incomplete,
+        )
 
     def take_stats(self):
         return self.stats.take()

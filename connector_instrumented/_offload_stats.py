@@ -24,14 +24,22 @@ from kvobs import semconv as sc
 BOOL_LABELS = ("false", "true")
 TIERS = tuple(t.value for t in sc.HostTier)
 LOOKUP_OUTCOMES = tuple(o.value for o in sc.HostLookupOutcome)
-HOST_METRICS = (sc.M_HOST_SAVES, sc.M_HOST_SAVE_INCOMPLETE, sc.M_HOST_EVICTED_BLOCKS,
-                sc.M_HOST_EVICTED_AGE, sc.M_HOST_LOOKUPS, sc.M_HOST_LOADS,
-                sc.M_HOST_LOADED_TOKENS)
+HOST_METRICS = (
+    sc.M_HOST_SAVES,
+    sc.M_HOST_SAVE_INCOMPLETE,
+    sc.M_HOST_EVICTED_BLOCKS,
+    sc.M_HOST_EVICTED_AGE,
+    sc.M_HOST_LOOKUPS,
+    sc.M_HOST_LOADS,
+    sc.M_HOST_LOADED_TOKENS,
+)
 # Label values each metric starts with at zero.
-_INITIAL = {sc.M_HOST_SAVES.name: [(b,) for b in BOOL_LABELS],
-            sc.M_HOST_LOOKUPS.name: [(o,) for o in LOOKUP_OUTCOMES],
-            sc.M_HOST_LOADS.name: [(t,) for t in TIERS],
-            sc.M_HOST_LOADED_TOKENS.name: [(t,) for t in TIERS]}
+_INITIAL = {
+    sc.M_HOST_SAVES.name: [(b,) for b in BOOL_LABELS],
+    sc.M_HOST_LOOKUPS.name: [(o,) for o in LOOKUP_OUTCOMES],
+    sc.M_HOST_LOADS.name: [(t,) for t in TIERS],
+    sc.M_HOST_LOADED_TOKENS.name: [(t,) for t in TIERS],
+}
 
 
 def definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -40,8 +48,9 @@ def definitions() -> dict[str, OffloadingMetricMetadata]:
         if metric.type == "counter":
             out[metric.name] = OffloadingCounterMetadata(metric.doc, metric.labels)
         else:
-            out[metric.name] = OffloadingHistogramMetadata(metric.doc, metric.labels,
-                                                           metric.buckets)
+            out[metric.name] = OffloadingHistogramMetadata(
+                metric.doc, metric.labels, metric.buckets
+            )
     return out
 
 
@@ -52,8 +61,7 @@ class HostStats:
         self._stats = OffloadingConnectorStats()
 
     def saved(self, covers_response: bool, incomplete: bool) -> None:
-        self._stats.increase_counter(sc.M_HOST_SAVES.name, 1,
-                                     (BOOL_LABELS[covers_response],))
+        self._stats.increase_counter(sc.M_HOST_SAVES.name, 1, (BOOL_LABELS[covers_response],))
         if incomplete:
             self._stats.increase_counter(sc.M_HOST_SAVE_INCOMPLETE.name, 1)
 

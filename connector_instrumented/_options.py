@@ -55,8 +55,9 @@ class Options:
     params_redis_url: str | None = None  # D publishes its params here (streaming reuse)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None,
-                          environ: Mapping[str, str] | None = None) -> "Options":
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> "Options":
         extra = dict(extra or {})
         environ = os.environ if environ is None else environ
         role_name = extra.get(KEY_ROLE, environ.get(ENV_ROLE))
@@ -66,7 +67,8 @@ class Options:
             if role_name not in ROLES:
                 raise ValueError(
                     f"kvobs connector option {KEY_ROLE}={role_name!r}: expected one of "
-                    f"{sorted(ROLES)}")
+                    f"{sorted(ROLES)}"
+                )
             role = ROLES[role_name]
         telemetry = extra.get(KEY_TELEMETRY, environ.get(ENV_TELEMETRY, True))
         stuck_after = float(extra.get(KEY_STUCK_AFTER, cls.stuck_after_s))

@@ -25,13 +25,15 @@ class ParamsPublisher:
     def __init__(self, redis_url: str, max_queue: int = 1024):
         import redis  # the testbed/proxy extra; imported only when configured
 
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=1.0,
-                                           socket_connect_timeout=1.0)
+        self._redis = redis.Redis.from_url(
+            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
         self._queue: queue.Queue[tuple[str, str]] = queue.Queue(max_queue)
         self.dropped = 0
         self.failed = 0
-        self._thread = threading.Thread(target=self._run, name="kvobs-params-publisher",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="kvobs-params-publisher", daemon=True
+        )
         self._thread.start()
 
     def publish(self, request_id: str, params: dict[str, Any]) -> None:
@@ -48,5 +50,6 @@ class ParamsPublisher:
             except Exception:  # noqa: BLE001 - Redis down must not matter to serving
                 self.failed += 1
                 if self.failed == 1 or self.failed % 1000 == 0:
-                    _LOG.warning("kvobs: could not publish D params to Redis (%d failures)",
-                                 self.failed)
+                    _LOG.warning(
+                        "kvobs: could not publish D params to Redis (%d failures)", self.failed
+                    )

@@ -22,8 +22,9 @@ from . import _digest, _stats as st
 from ._options import Options
 from ._telemetry import Deferred, Guard, SpanSink, raw_correlation
 
-_REQUIRED_REMOTE = frozenset(("remote_engine_id", "remote_request_id", "remote_host",
-                              "remote_port"))
+_REQUIRED_REMOTE = frozenset(
+    ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+)
 _RECOMPUTE_FOR = {
     sc.PullDecision.NO_PARAMS: sc.RecomputeReason.NO_PARAMS,
     sc.PullDecision.INVALID: sc.RecomputeReason.INVALID,
@@ -38,29 +39,78 @@ _WATCHDOG_PERIOD_S = 1.0
 # builder thread zips them into the dict (see _telemetry).
 # Every span ends with the request id, the role and the engine's identity (which engine,
 # since when, at which side channel): a restart shows as a new id at the same endpoint.
-_IDS = (sc.REQUEST_ID.key, sc.ROLE.key, sc.ENGINE_ID.key, sc.ENGINE_STARTED_AT.key,
-        sc.ENGINE_ENDPOINT.key)
-_RECOMPUTE_KEYS = (sc.RECOMPUTE_REASON.key, sc.RECOMPUTED_TOKENS.key, sc.PROMPT_TOKENS.key,
-                   sc.LOCAL_HIT_TOKENS.key) + _IDS
-_STUCK_KEYS = (sc.STUCK_REASON.key, sc.STUCK_FIXED.key, sc.STUCK_WAITED.key,
-               sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key) + _IDS
-_DECISION_KEYS = (sc.PROMPT_TOKENS.key, sc.LOCAL_HIT_TOKENS.key, sc.REMOTE_TOKENS.key,
-                  sc.CANDIDATE_TOKENS.key, sc.THRESHOLD.key, sc.PULL_DECISION.key,
-                  sc.PREFIX_EVIDENCE.key, sc.PREFIX_MATCHED_TOKENS.key, sc.PREFIX_GUARD.key,
-                  sc.OFFERED_TOKENS.key, sc.REMOTE_ENGINE_ID.key, sc.REMOTE_REQUEST_ID.key,
-                  sc.PREFIX_LINEAGE.key) + _IDS
-_READ_KEYS = (sc.READ_DIRECTION.key, sc.READ_OUTCOME.key, sc.READ_BYTES.key,
-              sc.READ_BLOCKS.key, sc.READ_DURATION.key, sc.REMAINING_TTL_AT_READ.key,
-              sc.READ_ERROR.key, sc.REMOTE_ENGINE_ID.key, sc.READ_SETUP.key,
-              sc.REMOTE_REQUEST_ID.key, sc.READ_UNOBSERVED.key) + _IDS
-_REQUEST_KEYS = (sc.REQUEST_ARRIVED_AT.key, sc.REQUEST_SCHEDULED_AT.key,
-                 sc.REQUEST_ALLOCATED_AT.key, sc.REQUEST_KV_READY_AT.key,
-                 sc.REQUEST_FIRST_TOKEN_AT.key, sc.PROMPT_TOKENS.key,
-                 sc.OUTPUT_TOKENS.key, sc.REMOTE_REQUEST_ID.key) + _IDS
-_EXPORT_KEYS = (sc.EXPORT_BLOCKS.key, sc.EXPORT_TOKENS.key, sc.EXPORT_EXPIRES_AT.key,
-                sc.TTL.key, sc.PREFIX_LINEAGE.key, sc.REMOTE_REQUEST_ID.key) + _IDS
-_RELEASE_KEYS = (sc.RELEASE_REASON.key, sc.RELEASE_READ_COUNT.key, sc.HELD_DURATION.key,
-                 sc.EXPORT_BLOCKS.key) + _IDS
+_IDS = (
+    sc.REQUEST_ID.key,
+    sc.ROLE.key,
+    sc.ENGINE_ID.key,
+    sc.ENGINE_STARTED_AT.key,
+    sc.ENGINE_ENDPOINT.key,
+)
+_RECOMPUTE_KEYS = (
+    sc.RECOMPUTE_REASON.key,
+    sc.RECOMPUTED_TOKENS.key,
+    sc.PROMPT_TOKENS.key,
+    sc.LOCAL_HIT_TOKENS.key,
+) + _IDS
+_STUCK_KEYS = (
+    sc.STUCK_REASON.key,
+    sc.STUCK_FIXED.key,
+    sc.STUCK_WAITED.key,
+    sc.OFFERED_TOKENS.key,
+    sc.REMOTE_ENGINE_ID.key,
+) + _IDS
+_DECISION_KEYS = (
+    sc.PROMPT_TOKENS.key,
+    sc.LOCAL_HIT_TOKENS.key,
+    sc.REMOTE_TOKENS.key,
+    sc.CANDIDATE_TOKENS.key,
+    sc.THRESHOLD.key,
+    sc.PULL_DECISION.key,
+    sc.PREFIX_EVIDENCE.key,
+    sc.PREFIX_MATCHED_TOKENS.key,
+    sc.PREFIX_GUARD.key,
+    sc.OFFERED_TOKENS.key,
+    sc.REMOTE_ENGINE_ID.key,
+    sc.REMOTE_REQUEST_ID.key,
+    sc.PREFIX_LINEAGE.key,
+) + _IDS
+_READ_KEYS = (
+    sc.READ_DIRECTION.key,
+    sc.READ_OUTCOME.key,
+    sc.READ_BYTES.key,
+    sc.READ_BLOCKS.key,
+    sc.READ_DURATION.key,
+    sc.REMAINING_TTL_AT_READ.key,
+    sc.READ_ERROR.key,
+    sc.REMOTE_ENGINE_ID.key,
+    sc.READ_SETUP.key,
+    sc.REMOTE_REQUEST_ID.key,
+    sc.READ_UNOBSERVED.key,
+) + _IDS
+_REQUEST_KEYS = (
+    sc.REQUEST_ARRIVED_AT.key,
+    sc.REQUEST_SCHEDULED_AT.key,
+    sc.REQUEST_ALLOCATED_AT.key,
+    sc.REQUEST_KV_READY_AT.key,
+    sc.REQUEST_FIRST_TOKEN_AT.key,
+    sc.PROMPT_TOKENS.key,
+    sc.OUTPUT_TOKENS.key,
+    sc.REMOTE_REQUEST_ID.key,
+) + _IDS
+_EXPORT_KEYS = (
+    sc.EXPORT_BLOCKS.key,
+    sc.EXPORT_TOKENS.key,
+    sc.EXPORT_EXPIRES_AT.key,
+    sc.TTL.key,
+    sc.PREFIX_LINEAGE.key,
+    sc.REMOTE_REQUEST_ID.key,
+) + _IDS
+_RELEASE_KEYS = (
+    sc.RELEASE_REASON.key,
+    sc.RELEASE_READ_COUNT.key,
+    sc.HELD_DURATION.key,
+    sc.EXPORT_BLOCKS.key,
+) + _IDS
 # Enum members and their values as module constants: on the hook path an Enum class
 # attribute costs ~50 ns and ``.value`` ~80 ns, a global ~10 ns.
 _D_TO_P, _P_TO_D = sc.ReadDirection.D_TO_P, sc.ReadDirection.P_TO_D
@@ -74,9 +124,17 @@ _R_EXPIRED, _R_READ = sc.ReleaseReason.EXPIRED, sc.ReleaseReason.READ
 _EXPIRED = _R_EXPIRED.value
 _KTP_DIGEST, _KTP_TTL = sc.KTP_BLOCK_DIGEST, sc.KTP_DECODE_TTL
 _CORR_KEYS = sc.CORRELATION_KEYS
-_SPANS = (sc.SPAN_RECOMPUTE, sc.SPAN_STUCK, sc.SPAN_PULL_DECISION, sc.SPAN_READ,
-          sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_PREFILL_REQUEST, sc.SPAN_DECODE_REQUEST,
-          sc.SPAN_HANDOFF)
+_SPANS = (
+    sc.SPAN_RECOMPUTE,
+    sc.SPAN_STUCK,
+    sc.SPAN_PULL_DECISION,
+    sc.SPAN_READ,
+    sc.SPAN_EXPORT,
+    sc.SPAN_RELEASE,
+    sc.SPAN_PREFILL_REQUEST,
+    sc.SPAN_DECODE_REQUEST,
+    sc.SPAN_HANDOFF,
+)
 
 
 class _Req:
@@ -111,8 +169,13 @@ class _Req:
     remote_request: str | None = None  # the other role's request id (remote_request_id)
     lineage: Any = None  # P only: its prompt's block-hash chain, built off the hook
 
-    def __init__(self, correlation: tuple | None, direction: sc.ReadDirection,
-                 first_wall: float, remote_engine: str | None = None):
+    def __init__(
+        self,
+        correlation: tuple | None,
+        direction: sc.ReadDirection,
+        first_wall: float,
+        remote_engine: str | None = None,
+    ):
         self.correlation = correlation  # raw_correlation(params), parsed off the hook
         self.direction = direction
         self.first_wall = first_wall
@@ -121,8 +184,14 @@ class _Req:
 
 
 class SchedulerObserver:
-    def __init__(self, scheduler: Any, vllm_config: Any, kv_cache_config: Any,
-                 options: Options, sink: SpanSink):
+    def __init__(
+        self,
+        scheduler: Any,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        options: Options,
+        sink: SpanSink,
+    ):
         self._sched = scheduler
         self._options = options
         self._sink = sink
@@ -134,17 +203,23 @@ class SchedulerObserver:
         self._host_buffer = bool(scheduler.use_host_buffer)
         self._ttl = float(getattr(scheduler, "decoder_kv_blocks_ttl", 0) or 0)
         self._block_size = int(vllm_config.cache_config.block_size)
-        self._hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None)
-                                    or self._block_size)
-        groups = (getattr(kv_cache_config, "transfer_groups", None)
-                  or getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        self._hash_block_size = int(
+            getattr(kv_cache_config, "hash_block_size", None) or self._block_size
+        )
+        groups = (
+            getattr(kv_cache_config, "transfer_groups", None)
+            or getattr(kv_cache_config, "kv_cache_groups", None)
+            or []
+        )
         self._bytes_per_block = [_group_block_bytes(g) for g in groups]
         self._role_of = {span.name: self._role_attr(span) for span in _SPANS}
-        self._engine = (str(getattr(scheduler, "engine_id", "") or ""), time.time(),
-                        f"{getattr(scheduler, 'side_channel_host', '')}:"
-                        f"{getattr(scheduler, 'side_channel_port', '')}")
-        self._single_group = len(groups) <= 1 and not getattr(scheduler, "_is_hma_required",
-                                                               False)
+        self._engine = (
+            str(getattr(scheduler, "engine_id", "") or ""),
+            time.time(),
+            f"{getattr(scheduler, 'side_channel_host', '')}:"
+            f"{getattr(scheduler, 'side_channel_port', '')}",
+        )
+        self._single_group = len(groups) <= 1 and not getattr(scheduler, "_is_hma_required", False)
         self._seed: str | None = None
         self._reqs: dict[str, _Req] = {}
         self._unchecked: set[str] = set()  # offered async this step: read queued?
@@ -189,32 +264,59 @@ class SchedulerObserver:
         service = self._options.role or span.service
         return "prefill" if service is sc.Service.PREFILL else "decode"
 
-    def _emit(self, span: sc.SpanName, req_id: str, correlation: tuple | None,
-              keys: tuple, values: tuple, start: float, end: float,
-              error: bool = False) -> None:
+    def _emit(
+        self,
+        span: sc.SpanName,
+        req_id: str,
+        correlation: tuple | None,
+        keys: tuple,
+        values: tuple,
+        start: float,
+        end: float,
+        error: bool = False,
+    ) -> None:
         """Queue a span: ``values`` match ``keys`` less the trailing ids added here."""
         if not self._sink.enabled(span):
             return
-        self._sink.emit_fields(span, correlation, keys,
-                               values + (req_id, self._role_of[span.name]) + self._engine,
-                               start, end, error)
+        self._sink.emit_fields(
+            span,
+            correlation,
+            keys,
+            values + (req_id, self._role_of[span.name]) + self._engine,
+            start,
+            end,
+            error,
+        )
 
-    def _recompute(self, req_id: str, r: _Req, reason: sc.RecomputeReason,
-                   tokens: int) -> None:
+    def _recompute(self, req_id: str, r: _Req, reason: sc.RecomputeReason, tokens: int) -> None:
         tokens = max(0, tokens)
         self._add(st.RECOMPUTED_TOKENS, [reason._value_, tokens])
         now = time.time()
-        self._emit(sc.SPAN_RECOMPUTE, req_id, r.correlation, _RECOMPUTE_KEYS,
-                   (reason, tokens, r.prompt, r.local), now, now)
+        self._emit(
+            sc.SPAN_RECOMPUTE,
+            req_id,
+            r.correlation,
+            _RECOMPUTE_KEYS,
+            (reason, tokens, r.prompt, r.local),
+            now,
+            now,
+        )
 
     def _stuck(self, req_id: str, r: _Req, reason: sc.StuckReason, fixed: bool) -> None:
         r.stuck_reported = True
         self._add(st.STUCK_PREVENTED if fixed else st.STUCK_WAITS, 1)
         now = time.time()
         since = r.wait_since_wall or now
-        self._emit(sc.SPAN_STUCK, req_id, r.correlation, _STUCK_KEYS,
-                   (reason, fixed, now - since, r.offered, r.remote_engine), since, now,
-                   error=not fixed)
+        self._emit(
+            sc.SPAN_STUCK,
+            req_id,
+            r.correlation,
+            _STUCK_KEYS,
+            (reason, fixed, now - since, r.offered, r.remote_engine),
+            since,
+            now,
+            error=not fixed,
+        )
 
     def _gauges(self) -> None:
         data = self._stats.data
@@ -231,9 +333,12 @@ class SchedulerObserver:
         req_id = request.request_id
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
-                r = self._reqs[req_id] = _Req(self._correlation(params, sc.SPAN_STUCK),
-                                              _P_TO_D, time.time(),
-                                              params.get("remote_engine_id"))
+                r = self._reqs[req_id] = _Req(
+                    self._correlation(params, sc.SPAN_STUCK),
+                    _P_TO_D,
+                    time.time(),
+                    params.get("remote_engine_id"),
+                )
                 r.arrived = request.arrival_time
                 r.prompt = request.num_prompt_tokens
                 r.request = request  # until it finishes: its first token is watched
@@ -245,8 +350,11 @@ class SchedulerObserver:
         if r is None:
             r = self._reqs[req_id] = _Req(
                 tuple(map(params.get, _CORR_KEYS))  # raw_correlation(params), inline
-                if self._sink.enabled(sc.SPAN_PULL_DECISION) else None,
-                _D_TO_P, time.time())
+                if self._sink.enabled(sc.SPAN_PULL_DECISION)
+                else None,
+                _D_TO_P,
+                time.time(),
+            )
         if r.decided or params.get("_remote_blocks_processed"):
             return  # re-admission (failed read, preemption): decided already
         r.arrived = request.arrival_time
@@ -261,8 +369,13 @@ class SchedulerObserver:
             # Which earlier D export this prompt extends, whatever router sent it: the
             # prompt's chain on the same grid as D's digest (kvobs.turns.lineage), built by the
             # span builder: the prompt's hashes do not change while the span waits.
-            r.lineage = Deferred(_digest.encode, request.block_hashes, prompt,
-                                 self._hash_block_size, self._seed or self._seed_fp())
+            r.lineage = Deferred(
+                _digest.encode,
+                request.block_hashes,
+                prompt,
+                self._hash_block_size,
+                self._seed or self._seed_fp(),
+            )
         if not params.get("remote_block_ids"):
             r.decision = sc.PullDecision.NO_PARAMS
             return
@@ -270,8 +383,13 @@ class SchedulerObserver:
             r.decision = sc.PullDecision.INVALID
             return
         evidence, matched = _digest.compare(
-            params.get(_KTP_DIGEST), request.block_hashes, self._hash_block_size,
-            self._seed or self._seed_fp(), limit, request.prompt_token_ids)
+            params.get(_KTP_DIGEST),
+            request.block_hashes,
+            self._hash_block_size,
+            self._seed or self._seed_fp(),
+            limit,
+            request.prompt_token_ids,
+        )
         r.evidence = evidence
         if evidence is _MATCH:
             r.matched = matched
@@ -356,18 +474,41 @@ class SchedulerObserver:
             self._add(st.PULL_DECISIONS, decision._value_)
             if decision is _PREFIX_MISMATCH:
                 self._add(st.PREFIX_MISMATCHES, 1)
-            self._emit(sc.SPAN_PULL_DECISION, req_id, r.correlation, _DECISION_KEYS, (
-                r.prompt, r.local, r.remote, r.candidate, self._threshold, decision,
-                r.evidence, r.matched, r.guarded, num_external_tokens, r.remote_engine,
-                r.remote_request, r.lineage), r.first_wall, r.allocated)
+            self._emit(
+                sc.SPAN_PULL_DECISION,
+                req_id,
+                r.correlation,
+                _DECISION_KEYS,
+                (
+                    r.prompt,
+                    r.local,
+                    r.remote,
+                    r.candidate,
+                    self._threshold,
+                    decision,
+                    r.evidence,
+                    r.matched,
+                    r.guarded,
+                    num_external_tokens,
+                    r.remote_engine,
+                    r.remote_request,
+                    r.lineage,
+                ),
+                r.first_wall,
+                r.allocated,
+            )
             r.lineage = None
             if num_external_tokens == 0 and not r.prevented:
                 self._recompute(req_id, r, _RECOMPUTE_FOR[decision], r.prompt - r.local)
         if r.prevented:
             r.prevented = False
             self._stuck(req_id, r, r.stuck_reason or sc.StuckReason.NOT_QUEUED, True)
-            self._recompute(req_id, r, sc.RecomputeReason.FALLBACK,
-                            request.num_prompt_tokens - request.num_computed_tokens)
+            self._recompute(
+                req_id,
+                r,
+                sc.RecomputeReason.FALLBACK,
+                request.num_prompt_tokens - request.num_computed_tokens,
+            )
 
     # ------------------------------------------------------------------ per step
 
@@ -392,8 +533,7 @@ class SchedulerObserver:
                 if req_id in queued:
                     r.read_queued = True
                 elif not r.stuck_reported:  # offered async, nothing will ever read it
-                    self._stuck(req_id, r, r.stuck_reason or sc.StuckReason.NOT_QUEUED,
-                                False)
+                    self._stuck(req_id, r, r.stuck_reason or sc.StuckReason.NOT_QUEUED, False)
             self._unchecked.clear()
         if not self._waiting:
             return
@@ -484,21 +624,61 @@ class SchedulerObserver:
             start = now - duration
         unobserved = None if in_flight is None else max(0.0, duration - in_flight)
         if r.direction is _D_TO_P:
-            self._emit(sc.SPAN_READ, req_id, r.correlation, _READ_KEYS, (
-                direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup, r.remote_request, unobserved), start, start + duration,
-                error=not done)
+            self._emit(
+                sc.SPAN_READ,
+                req_id,
+                r.correlation,
+                _READ_KEYS,
+                (
+                    direction,
+                    outcome,
+                    nbytes,
+                    blocks,
+                    duration,
+                    ttl,
+                    error,
+                    r.remote_engine,
+                    setup,
+                    r.remote_request,
+                    unobserved,
+                ),
+                start,
+                start + duration,
+                error=not done,
+            )
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
-                self._recompute(req_id, r, _R_GUARDED if r.guarded else _R_SUFFIX,
-                                r.prompt - r.local - r.offered)
+                self._recompute(
+                    req_id,
+                    r,
+                    _R_GUARDED if r.guarded else _R_SUFFIX,
+                    r.prompt - r.local - r.offered,
+                )
             # Failed/declined: with policy "recompute" the request is re-admitted and
             # the recompute (or the stuck wait) is reported then; with "fail" it errors.
         else:  # D pulled P's KV: the hand-off; its first token comes next
-            self._emit(sc.SPAN_HANDOFF, req_id, r.correlation, _READ_KEYS, (
-                direction, outcome, nbytes, blocks, duration, ttl, error, r.remote_engine,
-                setup, r.remote_request, unobserved), start, start + duration,
-                error=not done)
+            self._emit(
+                sc.SPAN_HANDOFF,
+                req_id,
+                r.correlation,
+                _READ_KEYS,
+                (
+                    direction,
+                    outcome,
+                    nbytes,
+                    blocks,
+                    duration,
+                    ttl,
+                    error,
+                    r.remote_engine,
+                    setup,
+                    r.remote_request,
+                    unobserved,
+                ),
+                start,
+                start + duration,
+                error=not done,
+            )
             if done and r.request is not None and r.first_token is None:
                 self._first_pending[req_id] = r
         if r.finished:
@@ -518,8 +698,12 @@ class SchedulerObserver:
                 self._waiting.pop(req_id, None)
                 self._unchecked.discard(req_id)
         delay_free, out = result
-        if not (delay_free and out and out.get("do_remote_decode")
-                and out.get("remote_blocks_expiry_time") is not None):
+        if not (
+            delay_free
+            and out
+            and out.get("do_remote_decode")
+            and out.get("remote_blocks_expiry_time") is not None
+        ):
             return result
         self._export(request, out)
         return result
@@ -537,9 +721,24 @@ class SchedulerObserver:
         now = time.time()
         span = sc.SPAN_PREFILL_REQUEST if r.direction is _D_TO_P else sc.SPAN_DECODE_REQUEST
         start = r.arrived if r.arrived is not None else r.first_wall
-        self._emit(span, req_id, r.correlation, _REQUEST_KEYS, (
-            r.arrived, r.first_wall, r.allocated, r.kv_ready, r.first_token or now, r.prompt,
-            outputs, r.remote_request), start, now)
+        self._emit(
+            span,
+            req_id,
+            r.correlation,
+            _REQUEST_KEYS,
+            (
+                r.arrived,
+                r.first_wall,
+                r.allocated,
+                r.kv_ready,
+                r.first_token or now,
+                r.prompt,
+                outputs,
+                r.remote_request,
+            ),
+            start,
+            now,
+        )
 
     def _export(self, request: Any, out: dict) -> None:
         req_id = request.request_id
@@ -550,11 +749,17 @@ class SchedulerObserver:
             nbytes = blocks * per_block[0] if per_block else 0
         else:
             blocks = sum(map(len, groups))
-            nbytes = sum(len(g) * (per_block[i] if i < len(per_block) else 0)
-                         for i, g in enumerate(groups))
+            nbytes = sum(
+                len(g) * (per_block[i] if i < len(per_block) else 0) for i, g in enumerate(groups)
+            )
         tokens = int(out.get("remote_num_tokens") or 0)
-        digest = _digest.encode(request.block_hashes, tokens, self._hash_block_size,
-                                self._seed or self._seed_fp(), request.all_token_ids)
+        digest = _digest.encode(
+            request.block_hashes,
+            tokens,
+            self._hash_block_size,
+            self._seed or self._seed_fp(),
+            request.all_token_ids,
+        )
         if digest is not None:
             out[_KTP_DIGEST] = digest
         if self._ttl:
@@ -568,8 +773,7 @@ class SchedulerObserver:
         expiry_mono = float(out["remote_blocks_expiry_time"])
         spans = self._sink.enabled(sc.SPAN_EXPORT)
         correlation = raw_correlation(params) if spans and params else None
-        self._retained[req_id] = (correlation, blocks, nbytes, now_wall, now_mono,
-                                  expiry_mono)
+        self._retained[req_id] = (correlation, blocks, nbytes, now_wall, now_mono, expiry_mono)
         self._retained_blocks += blocks
         self._retained_bytes += nbytes
         data = self._stats.data  # _gauges(), inline
@@ -577,14 +781,29 @@ class SchedulerObserver:
         data[st.RETAINED_BYTES].append(self._retained_bytes)
         self._stats_dirty = True
         if spans:
-            self._sink.emit_fields(sc.SPAN_EXPORT, correlation, _EXPORT_KEYS, (
-                blocks, tokens, now_wall + (expiry_mono - now_mono), self._ttl, digest,
-                (params or {}).get("remote_request_id"), req_id,
-                self._role_of[sc.SPAN_EXPORT.name]) + self._engine, now_wall, now_wall)
+            self._sink.emit_fields(
+                sc.SPAN_EXPORT,
+                correlation,
+                _EXPORT_KEYS,
+                (
+                    blocks,
+                    tokens,
+                    now_wall + (expiry_mono - now_mono),
+                    self._ttl,
+                    digest,
+                    (params or {}).get("remote_request_id"),
+                    req_id,
+                    self._role_of[sc.SPAN_EXPORT.name],
+                )
+                + self._engine,
+                now_wall,
+                now_wall,
+            )
 
     def _release(self, req_id: str, records) -> None:
         correlation, kept_blocks, kept_bytes, export_wall, export_mono, expiry_mono = (
-            self._retained.pop(req_id))
+            self._retained.pop(req_id)
+        )
         now_wall, now_mono = time.time(), time.perf_counter()
         if records:
             expired, read_count = False, 0
@@ -602,8 +821,15 @@ class SchedulerObserver:
         self._gauges()
         self._add(st.RETAINED_BLOCK_SECONDS, kept_blocks * held)
         self._add(st.RELEASES, [reason._value_, "true" if was_read else "false"])
-        self._emit(sc.SPAN_RELEASE, req_id, correlation, _RELEASE_KEYS,
-                   (reason, read_count, held, kept_blocks), export_wall, now_wall)
+        self._emit(
+            sc.SPAN_RELEASE,
+            req_id,
+            correlation,
+            _RELEASE_KEYS,
+            (reason, read_count, held, kept_blocks),
+            export_wall,
+            now_wall,
+        )
 
     # ------------------------------------------------------------------ stats
 

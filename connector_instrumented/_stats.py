@@ -46,10 +46,26 @@ TELEMETRY_ERRORS = "kvobs_telemetry_errors"  # n
 TELEMETRY_DROPPED = "kvobs_telemetry_dropped"  # [reason, spans]
 
 RAW_KEYS = (RAW_READS, RAW_RELEASES)
-FACT_KEYS = (READS, READ_BYTES, READ_DURATION, READ_SETUP, REMAINING_TTL, DECLINED_EXPIRED,
-             PULL_DECISIONS, RETAINED_BLOCKS, RETAINED_BYTES, RETAINED_BLOCK_SECONDS,
-             RELEASES, RECOMPUTED_TOKENS, REUSED_TOKENS, STUCK_WAITS, STUCK_PREVENTED,
-             PREFIX_MISMATCHES, TELEMETRY_ERRORS, TELEMETRY_DROPPED)
+FACT_KEYS = (
+    READS,
+    READ_BYTES,
+    READ_DURATION,
+    READ_SETUP,
+    REMAINING_TTL,
+    DECLINED_EXPIRED,
+    PULL_DECISIONS,
+    RETAINED_BLOCKS,
+    RETAINED_BYTES,
+    RETAINED_BLOCK_SECONDS,
+    RELEASES,
+    RECOMPUTED_TOKENS,
+    REUSED_TOKENS,
+    STUCK_WAITS,
+    STUCK_PREVENTED,
+    PREFIX_MISMATCHES,
+    TELEMETRY_ERRORS,
+    TELEMETRY_DROPPED,
+)
 KVOBS_KEYS = RAW_KEYS + FACT_KEYS
 
 DIRECTIONS = tuple(d.value for d in sc.ReadDirection)
@@ -113,27 +129,34 @@ class KvobsPromMetrics(NixlPromMetrics):
         self.kvobs_read_setup = self._make(sc.M_READ_SETUP, [(d,) for d in DIRECTIONS])
         self.kvobs_remaining_ttl = self._make(sc.M_REMAINING_TTL)
         self.kvobs_declined = self._make(sc.M_DECLINED_EXPIRED)
-        self.kvobs_decisions = self._make(sc.M_PULL_DECISIONS,
-                                          [(d.value,) for d in sc.PullDecision])
+        self.kvobs_decisions = self._make(
+            sc.M_PULL_DECISIONS, [(d.value,) for d in sc.PullDecision]
+        )
         self.kvobs_retained_blocks = self._make(sc.M_RETAINED_BLOCKS)
         self.kvobs_retained_bytes = self._make(sc.M_RETAINED_BYTES)
         self.kvobs_block_seconds = self._make(sc.M_RETAINED_BLOCK_SECONDS)
         self.kvobs_releases = self._make(
-            sc.M_RELEASES, [(r.value, b) for r in sc.ReleaseReason for b in BOOL_LABELS])
-        self.kvobs_recomputed = self._make(sc.M_RECOMPUTED_TOKENS,
-                                           [(r.value,) for r in sc.RecomputeReason])
+            sc.M_RELEASES, [(r.value, b) for r in sc.ReleaseReason for b in BOOL_LABELS]
+        )
+        self.kvobs_recomputed = self._make(
+            sc.M_RECOMPUTED_TOKENS, [(r.value,) for r in sc.RecomputeReason]
+        )
         self.kvobs_reused = self._make(sc.M_REUSED_TOKENS)
         self.kvobs_stuck = self._make(sc.M_STUCK_WAITS)
         self.kvobs_stuck_prevented = self._make(sc.M_STUCK_PREVENTED)
         self.kvobs_prefix_mismatches = self._make(sc.M_PREFIX_MISMATCH)
         self.kvobs_errors = self._make(sc.M_TELEMETRY_ERRORS)
-        self.kvobs_dropped = self._make(sc.M_ENGINE_TELEMETRY_DROPPED,
-                                        [(r,) for r in sc.TELEMETRY_DROP_REASONS])
+        self.kvobs_dropped = self._make(
+            sc.M_ENGINE_TELEMETRY_DROPPED, [(r,) for r in sc.TELEMETRY_DROP_REASONS]
+        )
 
     def _make(self, metric: sc.Metric, values: list[tuple[str, ...]] | None = None):
         """Per engine: the child (no extra labels) or {label values: child}, all at 0."""
-        kwargs = dict(name=metric.name, documentation=metric.doc,
-                      labelnames=list(self._labelnames) + list(metric.labels))
+        kwargs = dict(
+            name=metric.name,
+            documentation=metric.doc,
+            labelnames=list(self._labelnames) + list(metric.labels),
+        )
         if metric.type == "counter":
             parent = self._counter_cls(**kwargs)
         elif metric.type == "gauge":

@@ -93,16 +93,21 @@ if hasattr(os, "register_at_fork"):
 class SpanSink:
     """Routes finished spans to per-service tracers off the hook; counts what it drops."""
 
-    def __init__(self, role: sc.Service | None, store_dir: str | None = None,
-                 tracer_factory: TracerFactory | None = None,
-                 max_queue: int | None = None):
+    def __init__(
+        self,
+        role: sc.Service | None,
+        store_dir: str | None = None,
+        tracer_factory: TracerFactory | None = None,
+        max_queue: int | None = None,
+    ):
         self._role = role
         self._store_dir = store_dir
         self._factory = tracer_factory or self._configure
         self._tracers: dict[sc.Service, trace.Tracer] = {}
         self._enabled: dict[str, bool] = {}  # by span name: asked on every hook call
-        self._max_queue = max(1, int(max_queue if max_queue is not None
-                                     else batch_settings().max_queue))
+        self._max_queue = max(
+            1, int(max_queue if max_queue is not None else batch_settings().max_queue)
+        )
         self._wake_at = max(1, self._max_queue // 2)
         # deque append/popleft are atomic under the GIL: one producer (the hook's
         # thread) and the builder thread need no lock to hand items over; the bound is
@@ -149,13 +154,18 @@ class SpanSink:
         """False when spans would be dropped anyway: skip building attributes."""
         flag = self._enabled.get(span.name)
         if flag is None:
-            flag = self._enabled[span.name] = not isinstance(self.tracer(span),
-                                                             trace.NoOpTracer)
+            flag = self._enabled[span.name] = not isinstance(self.tracer(span), trace.NoOpTracer)
         return flag
 
-    def emit(self, span: sc.SpanName, correlation: Correlation,
-             attributes: Mapping[str, Any], start_s: float | None = None,
-             end_s: float | None = None, error: bool = False) -> None:
+    def emit(
+        self,
+        span: sc.SpanName,
+        correlation: Correlation,
+        attributes: Mapping[str, Any],
+        start_s: float | None = None,
+        end_s: float | None = None,
+        error: bool = False,
+    ) -> None:
         """Queue one finished span; wall-clock seconds in, never raises or blocks.
 
         Timestamps are fixed here (a missing one is "now", in the hook), never in the
@@ -168,13 +178,26 @@ class SpanSink:
         except Exception:  # noqa: BLE001
             self._hook_errors += 1
             return
-        self.emit_fields(span, correlation, None, attributes,
-                         now if start_s is None else start_s,
-                         now if end_s is None else end_s, error)
+        self.emit_fields(
+            span,
+            correlation,
+            None,
+            attributes,
+            now if start_s is None else start_s,
+            now if end_s is None else end_s,
+            error,
+        )
 
-    def emit_fields(self, span: sc.SpanName, raw_correlation: tuple | None,
-                    keys: tuple | None, values: Any, start_s: float, end_s: float,
-                    error: bool = False) -> None:
+    def emit_fields(
+        self,
+        span: sc.SpanName,
+        raw_correlation: tuple | None,
+        keys: tuple | None,
+        values: Any,
+        start_s: float,
+        end_s: float,
+        error: bool = False,
+    ) -> None:
         """The hook-path form of ``emit``: the caller checked ``enabled(span)``.
 
         ``raw_correlation`` is ``raw_correlation(params)`` (or None); ``keys`` a constant
@@ -200,8 +223,7 @@ class SpanSink:
             self._build_lock = threading.Lock()
             self._wake = threading.Event()
         self._forked = False
-        self._thread = threading.Thread(target=self._run, name="kvobs-span-build",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvobs-span-build", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -228,8 +250,15 @@ class SpanSink:
                         values = _resolve(dict(zip(keys, values)))
                     if type(correlation) is not Correlation:
                         correlation = _correlation_of(correlation)
-                    emit(self.tracer(span), span, correlation, values, int(start_s * 1e9),
-                         int(end_s * 1e9), error)
+                    emit(
+                        self.tracer(span),
+                        span,
+                        correlation,
+                        values,
+                        int(start_s * 1e9),
+                        int(end_s * 1e9),
+                        error,
+                    )
                 except Exception:  # noqa: BLE001
                     self._build_errors += 1
 
@@ -262,6 +291,10 @@ class Guard:
         now = time.monotonic()
         if now - self._last_log > 60.0:  # at most one log line a minute
             self._last_log = now
-            _LOG.warning("kvobs %s telemetry failed in %s (%d failures so far); "
-                         "serving is unaffected", self._name, what, self.errors,
-                         exc_info=True)
+            _LOG.warning(
+                "kvobs %s telemetry failed in %s (%d failures so far); serving is unaffected",
+                self._name,
+                what,
+                self.errors,
+                exc_info=True,
+            )

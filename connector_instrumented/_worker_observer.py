@@ -40,20 +40,20 @@ class _Read:
 
 
 # vLLM's ``_log_failure`` types that mean the read itself failed.
-_READ_FAILURES = frozenset({"handshake_failed", "transfer_setup_failed", "transfer_failed",
-                            "transfer_exception"})
+_READ_FAILURES = frozenset(
+    {"handshake_failed", "transfer_setup_failed", "transfer_failed", "transfer_exception"}
+)
 
 
 class WorkerObserver:
-    def __init__(self, worker: Any, bidirectional: bool,
-                 completion: str = _compat.COMPLETION_RESULTS):
+    def __init__(
+        self, worker: Any, bidirectional: bool, completion: str = _compat.COMPLETION_RESULTS
+    ):
         _compat.require(worker, _compat.WORKER_HOOKS + (completion,), type(worker).__name__)
         if completion == _compat.COMPLETION_LEGACY:
-            _compat.require(worker, _compat.WORKER_HOOKS_LEGACY_COMPLETION,
-                            type(worker).__name__)
+            _compat.require(worker, _compat.WORKER_HOOKS_LEGACY_COMPLETION, type(worker).__name__)
         if bidirectional:
-            _compat.require(worker, _compat.WORKER_HOOKS_BIDIRECTIONAL,
-                            type(worker).__name__)
+            _compat.require(worker, _compat.WORKER_HOOKS_BIDIRECTIONAL, type(worker).__name__)
         wrapper = getattr(worker, "nixl_wrapper", None)
         _compat.require(wrapper, ("get_xfer_telemetry",), "the NIXL wrapper")
         self.guard = Guard("worker")
@@ -159,8 +159,11 @@ class WorkerObserver:
     def _completions(self, original, *args, **kwargs):
         polled = time.perf_counter()
         try:
-            handles = ({r: list(h) for r, h in self._worker._recving_transfers.items()}
-                       if self._reads else {})
+            handles = (
+                {r: list(h) for r, h in self._worker._recving_transfers.items()}
+                if self._reads
+                else {}
+            )
         except Exception:  # noqa: BLE001
             self.guard.failed("results")
             handles = {}
@@ -212,17 +215,28 @@ class WorkerObserver:
                 setup = read.start_mono - read.first_mono if started else None
                 # Unobserved: since the read started, or since a poll last saw it.
                 seen = max(start_mono, read.pending_mono or start_mono)
-                self.raw_reads.append([
-                    req_id, outcome.value, read.nbytes, read.blocks, start_wall,
-                    now - start_mono, read.ttl, self._errors.pop(req_id, None), setup,
-                    now - seen])
+                self.raw_reads.append(
+                    [
+                        req_id,
+                        outcome.value,
+                        read.nbytes,
+                        read.blocks,
+                        start_wall,
+                        now - start_mono,
+                        read.ttl,
+                        self._errors.pop(req_id, None),
+                        setup,
+                        now - seen,
+                    ]
+                )
         if sending:
             expired = self._expired_now
             if expired is not None:
                 for req_id in sending:
                     if req_id in expired:
                         self.raw_releases.append(
-                            [req_id, sc.ReleaseReason.EXPIRED.value, expired[req_id]])
+                            [req_id, sc.ReleaseReason.EXPIRED.value, expired[req_id]]
+                        )
                     else:
                         self.raw_releases.append([req_id, sc.ReleaseReason.READ.value, 1])
         if len(self._errors) > 1024:  # failures logged for requests that never read

@@ -35,8 +35,9 @@ _options_of = Options.from_vllm_config
 class KvobsNixlConnector(UpstreamNixlConnector):
     """Drop-in for ``NixlConnector`` that emits kvobs spans and ``vllm:kvobs_*`` metrics."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None,
-                 *args: Any, **kwargs: Any):
+    def __init__(
+        self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *args: Any, **kwargs: Any
+    ):
         super().__init__(vllm_config, role, kv_cache_config, *args, **kwargs)
         self.kvobs_options = _options_of(vllm_config)
         self._kvobs_sched: SchedulerObserver | None = None
@@ -47,16 +48,25 @@ class KvobsNixlConnector(UpstreamNixlConnector):
             return
         self._kvobs_sink = SpanSink(self.kvobs_options.role, self.kvobs_options.store_dir)
         if self.connector_scheduler is not None:
-            _compat.require(self.connector_scheduler, _compat.SCHEDULER_HOOKS,
-                            type(self.connector_scheduler).__name__)
+            _compat.require(
+                self.connector_scheduler,
+                _compat.SCHEDULER_HOOKS,
+                type(self.connector_scheduler).__name__,
+            )
             self._kvobs_sched = SchedulerObserver(
-                self.connector_scheduler, vllm_config, kv_cache_config,
-                self.kvobs_options, self._kvobs_sink)
+                self.connector_scheduler,
+                vllm_config,
+                kv_cache_config,
+                self.kvobs_options,
+                self._kvobs_sink,
+            )
         if self.connector_worker is not None:
-            bidirectional = bool(vllm_config.kv_transfer_config.get_from_extra_config(
-                "bidirectional_kv_xfer", False))
-            self._kvobs_worker = WorkerObserver(self.connector_worker, bidirectional,
-                                                _compat.completion_method())
+            bidirectional = bool(
+                vllm_config.kv_transfer_config.get_from_extra_config("bidirectional_kv_xfer", False)
+            )
+            self._kvobs_worker = WorkerObserver(
+                self.connector_worker, bidirectional, _compat.completion_method()
+            )
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -172,13 +182,12 @@ class KvobsNixlConnector(UpstreamNixlConnector):
         return KvobsConnectorStats(data=data) if data is not None else KvobsConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-                           per_engine_labelvalues):
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         if not _options_of(vllm_config).telemetry:
-            return super().build_prom_metrics(vllm_config, metric_types, labelnames,
-                                              per_engine_labelvalues)
-        return KvobsPromMetrics(vllm_config, metric_types, labelnames,
-                                per_engine_labelvalues)
+            return super().build_prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        return KvobsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         # vLLM's only shutdown hook for a connector (EngineCore.shutdown -> Scheduler ->

@@ -49,8 +49,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-__all__ = ["KvobsHostCopySpec", "KvobsTieringHostCopySpec", "HostCopyWorker",
-           "HOST_COPY_SPECS"]
+__all__ = ["KvobsHostCopySpec", "KvobsTieringHostCopySpec", "HostCopyWorker", "HOST_COPY_SPECS"]
 
 
 @dataclass(frozen=True)
@@ -72,53 +71,79 @@ class HostCopyWorker(OffloadingWorker):
     tensors, or ``host_chunks`` given by the spec (views of a shared region, strided).
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 num_chunks: int, host_chunks: list[torch.Tensor] | None = None,
-                 release=None):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        host_chunks: list[torch.Tensor] | None = None,
+        release=None,
+    ):
         self._blocks_per_chunk = blocks_per_chunk
         # Byte pages, as upstream's worker views them (int8: strides are bytes).
-        self._device = [entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes)
-                        for entry in kv_caches.tensors]
+        self._device = [
+            entry.tensor.view(torch.int8).view(-1, entry.page_size_bytes)
+            for entry in kv_caches.tensors
+        ]
         if host_chunks is None:
-            host_chunks = [torch.zeros((num_chunks, blocks_per_chunk * entry.page_size_bytes),
-                                       dtype=torch.int8, device="cpu")
-                           for entry in kv_caches.tensors]
+            host_chunks = [
+                torch.zeros(
+                    (num_chunks, blocks_per_chunk * entry.page_size_bytes),
+                    dtype=torch.int8,
+                    device="cpu",
+                )
+                for entry in kv_caches.tensors
+            ]
         self._host = [_pages(rows, blocks_per_chunk) for rows in host_chunks]
         self._release = release
-        self._group_tensors = [tuple(sorted({ref.tensor_idx for ref in refs}))
-                               for refs in kv_caches.group_data_refs]
-        self._group_page_bytes = [sum(ref.page_size_bytes for ref in refs)
-                                  for refs in kv_caches.group_data_refs]
+        self._group_tensors = [
+            tuple(sorted({ref.tensor_idx for ref in refs})) for refs in kv_caches.group_data_refs
+        ]
+        self._group_page_bytes = [
+            sum(ref.page_size_bytes for ref in refs) for refs in kv_caches.group_data_refs
+        ]
         self._finished: list[TransferResult] = []
 
-    def _plan(self, device_spec: GPULoadStoreSpec,
-              host_spec: BlockIDsLoadStoreSpec) -> tuple[list[_Copy], int]:
+    def _plan(
+        self, device_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec
+    ) -> tuple[list[_Copy], int]:
         per_chunk = self._blocks_per_chunk
         chunks = host_spec.block_ids.astype(np.int64)
         blocks = device_spec.block_ids.astype(np.int64)
         copies: list[_Copy] = []
         num_bytes = 0
         block_at = chunk_at = 0
-        for group, (size, first_index) in enumerate(zip(device_spec.group_sizes,
-                                                        device_spec.block_indices)):
+        for group, (size, first_index) in enumerate(
+            zip(device_spec.group_sizes, device_spec.block_indices)
+        ):
             if size == 0:
                 continue
             skip = first_index % per_chunk
             num_chunks = -(-(size + skip) // per_chunk)
-            group_chunks = chunks[chunk_at:chunk_at + num_chunks]
-            host_rows = (group_chunks[:, None] * per_chunk
-                         + np.arange(per_chunk)).ravel()[skip:skip + size]
-            copies.append(_Copy(torch.from_numpy(blocks[block_at:block_at + size]),
-                                torch.from_numpy(host_rows // per_chunk),
-                                torch.from_numpy(host_rows % per_chunk),
-                                self._group_tensors[group]))
+            group_chunks = chunks[chunk_at : chunk_at + num_chunks]
+            host_rows = (group_chunks[:, None] * per_chunk + np.arange(per_chunk)).ravel()[
+                skip : skip + size
+            ]
+            copies.append(
+                _Copy(
+                    torch.from_numpy(blocks[block_at : block_at + size]),
+                    torch.from_numpy(host_rows // per_chunk),
+                    torch.from_numpy(host_rows % per_chunk),
+                    self._group_tensors[group],
+                )
+            )
             num_bytes += size * self._group_page_bytes[group]
             block_at += size
             chunk_at += num_chunks
         return copies, num_bytes
 
-    def _run(self, job_id: int, device_spec: GPULoadStoreSpec,
-             host_spec: BlockIDsLoadStoreSpec, to_host: bool) -> bool:
+    def _run(
+        self,
+        job_id: int,
+        device_spec: GPULoadStoreSpec,
+        host_spec: BlockIDsLoadStoreSpec,
+        to_host: bool,
+    ) -> bool:
         start = time.perf_counter()
         copies, num_bytes = self._plan(device_spec, host_spec)
         for copy in copies:
@@ -129,17 +154,24 @@ class HostCopyWorker(OffloadingWorker):
                     host[at] = device.index_select(0, copy.device_rows)
                 else:
                     device.index_copy_(0, copy.device_rows, host[at])
-        self._finished.append(TransferResult(job_id=job_id, success=True,
-                                             transfer_size=num_bytes,
-                                             transfer_time=time.perf_counter() - start))
+        self._finished.append(
+            TransferResult(
+                job_id=job_id,
+                success=True,
+                transfer_size=num_bytes,
+                transfer_time=time.perf_counter() - start,
+            )
+        )
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: BlockIDsLoadStoreSpec) -> bool:
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: BlockIDsLoadStoreSpec
+    ) -> bool:
         return self._run(job_id, src_spec, dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: BlockIDsLoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: BlockIDsLoadStoreSpec, dst_spec: GPULoadStoreSpec
+    ) -> bool:
         return self._run(job_id, dst_spec, src_spec, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:
@@ -160,9 +192,11 @@ def _pages(rows: torch.Tensor, blocks_per_chunk: int) -> torch.Tensor:
     """``(chunks, blocks_per_chunk * page)`` rows (possibly strided) as a
     ``(chunks, blocks_per_chunk, page)`` view of the same memory."""
     page = rows.shape[1] // blocks_per_chunk
-    return rows.as_strided((rows.shape[0], blocks_per_chunk, page),
-                           (rows.stride(0), page * rows.stride(1), rows.stride(1)),
-                           rows.storage_offset())
+    return rows.as_strided(
+        (rows.shape[0], blocks_per_chunk, page),
+        (rows.stride(0), page * rows.stride(1), rows.stride(1)),
+        rows.storage_offset(),
+    )
 
 
 class _WholePageCopies:
@@ -172,8 +206,10 @@ class _WholePageCopies:
     def __init__(self, config):
         super().__init__(config)
         if getattr(config, "canonical_layout", False):
-            raise ValueError(f"{type(self).__name__} copies whole engine pages; the "
-                             "canonical (parallelism-free) layout is not supported")
+            raise ValueError(
+                f"{type(self).__name__} copies whole engine pages; the "
+                "canonical (parallelism-free) layout is not supported"
+            )
         self._host_worker: HostCopyWorker | None = None
 
 
@@ -185,8 +221,7 @@ class KvobsHostCopySpec(_WholePageCopies, CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyWorker:
         if self._host_worker is None:
-            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk,
-                                               self.num_chunks)
+            self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
         return self._host_worker
 
 
@@ -200,16 +235,20 @@ class KvobsTieringHostCopySpec(_WholePageCopies, TieringOffloadingSpec):
             # its p2p tier's NIXL registration) reads: upstream's create_worker, less its
             # CUDA copy handlers.
             region = SharedOffloadRegion(
-                engine_id=self._engine_id, num_chunks=self.num_chunks,
+                engine_id=self._engine_id,
+                num_chunks=self.num_chunks,
                 rank=0 if self.replicated_layout else self.config.parallel.rank,
                 kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                cpu_page_size=self.cpu_page_size_per_worker)
+                cpu_page_size=self.cpu_page_size_per_worker,
+            )
             try:
-                views = [region.create_next_worker_view(
-                    entry.page_size_bytes * self.blocks_per_chunk)
-                    for entry in kv_caches.tensors]
-                self._host_worker = HostCopyWorker(kv_caches, self.blocks_per_chunk,
-                                                   self.num_chunks, views, region.cleanup)
+                views = [
+                    region.create_next_worker_view(entry.page_size_bytes * self.blocks_per_chunk)
+                    for entry in kv_caches.tensors
+                ]
+                self._host_worker = HostCopyWorker(
+                    kv_caches, self.blocks_per_chunk, self.num_chunks, views, region.cleanup
+                )
             except Exception:
                 region.cleanup()
                 raise

@@ -51,8 +51,10 @@ class KvobsOffloadingWorkerMetadata(OffloadingWorkerMetadata):
     def aggregate(self, other):
         merged = super().aggregate(other)
         return KvobsOffloadingWorkerMetadata(
-            completed_jobs=merged.completed_jobs, transfer_stats=merged.transfer_stats,
-            kvobs_jobs=[*self.kvobs_jobs, *getattr(other, "kvobs_jobs", ())])
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            kvobs_jobs=[*self.kvobs_jobs, *getattr(other, "kvobs_jobs", ())],
+        )
 
 
 _options_of = Options.from_vllm_config
@@ -61,8 +63,9 @@ _options_of = Options.from_vllm_config
 class KvobsOffloadingConnector(OffloadingConnector):
     """Drop-in for ``OffloadingConnector`` that emits ``kvobs.host.*`` spans and metrics."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None,
-                 *args: Any, **kwargs: Any):
+    def __init__(
+        self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *args: Any, **kwargs: Any
+    ):
         super().__init__(vllm_config, role, kv_cache_config, *args, **kwargs)
         self.kvobs_options = _options_of(vllm_config)
         self._kvobs_obs: OffloadObserver | None = None
@@ -72,8 +75,9 @@ class KvobsOffloadingConnector(OffloadingConnector):
             return
         self._kvobs_sink = SpanSink(self.kvobs_options.role, self.kvobs_options.store_dir)
         if self.connector_scheduler is not None:
-            self._kvobs_obs = OffloadObserver(self.connector_scheduler, self._kvobs_sink,
-                                              _copy_engine(vllm_config))
+            self._kvobs_obs = OffloadObserver(
+                self.connector_scheduler, self._kvobs_sink, _copy_engine(vllm_config)
+            )
         if self.connector_worker is not None:
             self._kvobs_jobs = []
 
@@ -136,13 +140,14 @@ class KvobsOffloadingConnector(OffloadingConnector):
         return ours if upstream is None else upstream.aggregate(ours)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-                           per_engine_labelvalues):
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         if not _options_of(vllm_config).telemetry:
-            return super().build_prom_metrics(vllm_config, metric_types, labelnames,
-                                              per_engine_labelvalues)
-        return KvobsOffloadPromMetrics(vllm_config, metric_types, labelnames,
-                                       per_engine_labelvalues)
+            return super().build_prom_metrics(
+                vllm_config, metric_types, labelnames, per_engine_labelvalues
+            )
+        return KvobsOffloadPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # ------------------------------------------------------------------ worker side
 
@@ -161,8 +166,9 @@ class KvobsOffloadingConnector(OffloadingConnector):
                 now = time.time()
                 for r in results:
                     if r.transfer_size is not None and r.transfer_time is not None:
-                        self._kvobs_jobs.append([r.job_id, int(r.transfer_size),
-                                     float(r.transfer_time), now])
+                        self._kvobs_jobs.append(
+                            [r.job_id, int(r.transfer_size), float(r.transfer_time), now]
+                        )
             except Exception:  # noqa: BLE001
                 pass  # a lost record costs one span, never the copy
             return results
@@ -175,9 +181,9 @@ class KvobsOffloadingConnector(OffloadingConnector):
         if meta is None or not jobs:
             return meta
         self._kvobs_jobs = []
-        return KvobsOffloadingWorkerMetadata(completed_jobs=meta.completed_jobs,
-                                             transfer_stats=meta.transfer_stats,
-                                             kvobs_jobs=jobs)
+        return KvobsOffloadingWorkerMetadata(
+            completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats, kvobs_jobs=jobs
+        )
 
     def shutdown(self):
         try:

@@ -40,5 +40,6 @@ def keep_freed_memory() -> bool:
         return False
     # The threshold first: a trim threshold set alone also fixes the mmap threshold at
     # its 128 KiB default, and every array is then mapped afresh (slower than neither).
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )

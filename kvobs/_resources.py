@@ -12,8 +12,13 @@ from pathlib import Path
 
 # Repository-relative folders the wheel carries (the last: the generated PrometheusRule
 # and dashboards ConfigMap).
-SHIPPED = ("scenarios", "docs/runbooks", "dashboards", "alerts",
-           "deploy/kubernetes/base/monitoring")
+SHIPPED = (
+    "scenarios",
+    "docs/runbooks",
+    "dashboards",
+    "alerts",
+    "deploy/kubernetes/base/monitoring",
+)
 
 PACKAGED = Path(__file__).resolve().with_name("_data")
 REPO_ROOT = Path(__file__).resolve().parents[1]

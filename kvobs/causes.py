@@ -34,17 +34,28 @@ MIN_SECONDS = 0.005
 # Decode is "busy" when its seconds per output token exceed this multiple of the
 # source's median: D was shared (other decodes, long prefills) while it generated.
 DECODE_BUSY_FACTOR = 1.5
-_BEFORE_FIRST_TOKEN = frozenset(PHASES[:PHASES.index(P.DECODE)])
+_BEFORE_FIRST_TOKEN = frozenset(PHASES[: PHASES.index(P.DECODE)])
 
 CAUSE_OF: dict[P, LC] = {
-    P.PROXY_IN: LC.PROXY_OVERHEAD, P.PROXY_HOP: LC.PROXY_OVERHEAD,
-    P.PROXY_OUT: LC.PROXY_OVERHEAD, P.P_RETRY: LC.FAILED_ATTEMPT,
-    P.P_FRONTEND: LC.ENGINE_API, P.P_RETURN: LC.ENGINE_API, P.D_FRONTEND: LC.ENGINE_API,
-    P.P_QUEUE: LC.QUEUED_AT_P, P.READ_WAIT: LC.QUEUED_AT_P, P.HANDOFF_WAIT: LC.QUEUED_AT_D,
+    P.PROXY_IN: LC.PROXY_OVERHEAD,
+    P.PROXY_HOP: LC.PROXY_OVERHEAD,
+    P.PROXY_OUT: LC.PROXY_OVERHEAD,
+    P.P_RETRY: LC.FAILED_ATTEMPT,
+    P.P_FRONTEND: LC.ENGINE_API,
+    P.P_RETURN: LC.ENGINE_API,
+    P.D_FRONTEND: LC.ENGINE_API,
+    P.P_QUEUE: LC.QUEUED_AT_P,
+    P.READ_WAIT: LC.QUEUED_AT_P,
+    P.HANDOFF_WAIT: LC.QUEUED_AT_D,
     P.P_SCHEDULE: LC.PREFILL_COMPUTE,
-    P.P_COMPUTE: LC.PREFILL_COMPUTE, P.READ_SETUP: LC.CONNECTION_SETUP,
-    P.HANDOFF_SETUP: LC.CONNECTION_SETUP, P.READ: LC.SLOW_READ, P.HANDOFF: LC.SLOW_HANDOFF,
-    P.D_QUEUE: LC.QUEUED_AT_D, P.D_FIRST_TOKEN: LC.DECODE_BUSY, P.DECODE: LC.LONG_OUTPUT,
+    P.P_COMPUTE: LC.PREFILL_COMPUTE,
+    P.READ_SETUP: LC.CONNECTION_SETUP,
+    P.HANDOFF_SETUP: LC.CONNECTION_SETUP,
+    P.READ: LC.SLOW_READ,
+    P.HANDOFF: LC.SLOW_HANDOFF,
+    P.D_QUEUE: LC.QUEUED_AT_D,
+    P.D_FIRST_TOKEN: LC.DECODE_BUSY,
+    P.DECODE: LC.LONG_OUTPUT,
 }
 
 
@@ -64,8 +75,13 @@ class CauseFinding:
     evidence: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cause": self.cause.value, "seconds": self.seconds, "share": self.share,
-                "remedy": self.remedy, "evidence": self.evidence}
+        return {
+            "cause": self.cause.value,
+            "seconds": self.seconds,
+            "share": self.share,
+            "remedy": self.remedy,
+            "evidence": self.evidence,
+        }
 
 
 def _ms(seconds: float | None) -> str:
@@ -116,30 +132,38 @@ def _queue_signal(phase: P) -> str:
     starts at its engine core's QUEUED event (vllm/v1/metrics/stats.py), after the step
     the engine was running when the request arrived, so it misses that wait; the
     classifier's phase histogram runs from vLLM's arrival time."""
-    return (f'watch {sc.M_TURN_PHASE.name}{{phase="{phase.value}"}} (kvobs collect), not '
-            f"{sc.M_VLLM_QUEUE_TIME.name}, which starts only once the engine core took the "
-            "request in, after the step it was running")
+    return (
+        f'watch {sc.M_TURN_PHASE.name}{{phase="{phase.value}"}} (kvobs collect), not '
+        f"{sc.M_VLLM_QUEUE_TIME.name}, which starts only once the engine core took the "
+        "request in, after the step it was running"
+    )
 
 
 def _queued_at_p(turn, seconds, context):
-    return (f"P queued the request {_ms(seconds)} behind other work: add prefill capacity or "
-            "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); "
-            f"{_queue_signal(P.P_QUEUE)}.",
-            _pick(turn, "p_arrived_at", "p_scheduled_at", "prompt_tokens"))
+    return (
+        f"P queued the request {_ms(seconds)} behind other work: add prefill capacity or "
+        "bound concurrent long prompts (max_num_batched_tokens, max_num_seqs); "
+        f"{_queue_signal(P.P_QUEUE)}.",
+        _pick(turn, "p_arrived_at", "p_scheduled_at", "prompt_tokens"),
+    )
 
 
 def _queued_at_d(turn, seconds, context):
-    return (f"D held the request {_ms(seconds)} behind other work before scheduling it or "
-            f"pulling P's KV: add decode capacity or lower its load; "
-            f"{_queue_signal(P.D_QUEUE)}.",
-            _pick(turn, "d_arrived_at", "d_scheduled_at"))
+    return (
+        f"D held the request {_ms(seconds)} behind other work before scheduling it or "
+        f"pulling P's KV: add decode capacity or lower its load; "
+        f"{_queue_signal(P.D_QUEUE)}.",
+        _pick(turn, "d_arrived_at", "d_scheduled_at"),
+    )
 
 
 def _connection_setup(turn, seconds, context):
-    return (f"{_ms(seconds)} went to NIXL connection set-up (the handshake of the first "
-            "transfer between this P and D, e.g. after an engine (re)start): warm each P/D "
-            "pair with one request at start-up; watch vllm:kvobs_read_setup_seconds.",
-            _pick(turn, "read_setup_s", "handoff_setup_s"))
+    return (
+        f"{_ms(seconds)} went to NIXL connection set-up (the handshake of the first "
+        "transfer between this P and D, e.g. after an engine (re)start): warm each P/D "
+        "pair with one request at start-up; watch vllm:kvobs_read_setup_seconds.",
+        _pick(turn, "read_setup_s", "handoff_setup_s"),
+    )
 
 
 def _slow_read(turn, seconds, context):
@@ -148,98 +172,132 @@ def _slow_read(turn, seconds, context):
     if held and seconds and held >= HELD_READ_SHARE * seconds:
         # P polls its reads after each model step: a long step of other requests' prefill
         # holds a finished read, whatever the link did.
-        return (f"The D->P read took {_ms(seconds)}, {_ms(held)} of it while P's own compute "
-                "step ran without looking (the transfer ended somewhere within it): P was "
-                "busy, not the link; bound P's step (max_num_batched_tokens, chunked "
-                "prefill) or its load.", evidence)
-    return (f"The D->P read took {_ms(seconds)}: check the P<->D link and D's load (a busy "
-            "D serves reads late; vllm:kvobs_remote_read_duration_seconds).", evidence)
+        return (
+            f"The D->P read took {_ms(seconds)}, {_ms(held)} of it while P's own compute "
+            "step ran without looking (the transfer ended somewhere within it): P was "
+            "busy, not the link; bound P's step (max_num_batched_tokens, chunked "
+            "prefill) or its load.",
+            evidence,
+        )
+    return (
+        f"The D->P read took {_ms(seconds)}: check the P<->D link and D's load (a busy "
+        "D serves reads late; vllm:kvobs_remote_read_duration_seconds).",
+        evidence,
+    )
 
 
 def _prefill_compute(turn, seconds, context):
-    return (f"P computed for {_ms(seconds)} ({_get(turn, 'recomputed_tokens')} tokens it did "
-            "not reuse): see the verdict for why they were not reused; add prefill capacity "
-            "for long first turns.",
-            _pick(turn, "recomputed_tokens", "prompt_tokens"))
+    return (
+        f"P computed for {_ms(seconds)} ({_get(turn, 'recomputed_tokens')} tokens it did "
+        "not reuse): see the verdict for why they were not reused; add prefill capacity "
+        "for long first turns.",
+        _pick(turn, "recomputed_tokens", "prompt_tokens"),
+    )
 
 
 def _slow_handoff(turn, seconds, context):
     nbytes = _get(turn, "handoff_bytes")
     duration = _get(turn, "handoff_duration_s")
     rate = nbytes / duration / 1e6 if nbytes and duration else None
-    return (f"D pulling P's KV (the P->D hand-off) took {_ms(seconds)}"
-            + (f" at {rate:.1f} MB/s" if rate else "")
-            + ": check the P->D link (vllm:kvobs_remote_read_duration_seconds"
-              "{direction=\"p_to_d\"} on D).",
-            {"handoff_span_id": _get(turn, "handoff_span_id"), "handoff_bytes": nbytes,
-             "handoff_duration_s": duration})
+    return (
+        f"D pulling P's KV (the P->D hand-off) took {_ms(seconds)}"
+        + (f" at {rate:.1f} MB/s" if rate else "")
+        + ": check the P->D link (vllm:kvobs_remote_read_duration_seconds"
+        '{direction="p_to_d"} on D).',
+        {
+            "handoff_span_id": _get(turn, "handoff_span_id"),
+            "handoff_bytes": nbytes,
+            "handoff_duration_s": duration,
+        },
+    )
 
 
 def _decode_busy(turn, seconds, context):
     per_token = _per_token(turn)
-    return (f"D was slow to answer: {_ms(seconds)} from KV to tokens"
-            + (f", {per_token * 1000:.1f} ms per token against a typical "
-               f"{context.decode_s_per_token * 1000:.1f} ms"
-               if per_token and context.decode_s_per_token else "")
-            + ": D's steps were shared or slowed (other requests' decodes or prefills, "
-              "a cold engine, a starved API server); add decode capacity or lower "
-              "max_num_seqs if it persists.",
-            {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token,
-             "typical_decode_s_per_token": context.decode_s_per_token})
+    return (
+        f"D was slow to answer: {_ms(seconds)} from KV to tokens"
+        + (
+            f", {per_token * 1000:.1f} ms per token against a typical "
+            f"{context.decode_s_per_token * 1000:.1f} ms"
+            if per_token and context.decode_s_per_token
+            else ""
+        )
+        + ": D's steps were shared or slowed (other requests' decodes or prefills, "
+        "a cold engine, a starved API server); add decode capacity or lower "
+        "max_num_seqs if it persists.",
+        {
+            "output_tokens": _get(turn, "output_tokens"),
+            "decode_s_per_token": per_token,
+            "typical_decode_s_per_token": context.decode_s_per_token,
+        },
+    )
 
 
 def _long_output(turn, seconds, context):
     per_token = _per_token(turn)
-    return (f"Decode took {_ms(seconds)} for {_get(turn, 'output_tokens')} tokens"
-            + (f" ({per_token * 1000:.1f} ms each, typical for this source)"
-               if per_token else "")
-            + ": latency follows output length; stream the answer to see the first token "
-              "early, or cap max_tokens.",
-            {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token})
+    return (
+        f"Decode took {_ms(seconds)} for {_get(turn, 'output_tokens')} tokens"
+        + (f" ({per_token * 1000:.1f} ms each, typical for this source)" if per_token else "")
+        + ": latency follows output length; stream the answer to see the first token "
+        "early, or cap max_tokens.",
+        {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token},
+    )
 
 
 def _engine_api(turn, seconds, context):
-    return (f"The engines' API servers (HTTP, tokenization, detokenization) took "
-            f"{_ms(seconds)}: check their CPU headroom.",
-            _phases(turn, P.P_FRONTEND, P.P_RETURN, P.D_FRONTEND))
+    return (
+        f"The engines' API servers (HTTP, tokenization, detokenization) took "
+        f"{_ms(seconds)}: check their CPU headroom.",
+        _phases(turn, P.P_FRONTEND, P.P_RETURN, P.D_FRONTEND),
+    )
 
 
 def _proxy_overhead(turn, seconds, context):
-    return (f"The proxy's own work (lookup, store, relaying) took {_ms(seconds)}: check its "
-            "CPU and its metadata store (kvobs_proxy_phase_seconds).",
-            _phases(turn, P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT))
+    return (
+        f"The proxy's own work (lookup, store, relaying) took {_ms(seconds)}: check its "
+        "CPU and its metadata store (kvobs_proxy_phase_seconds).",
+        _phases(turn, P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT),
+    )
 
 
 def _failed_attempt(turn, seconds, context):
-    return (f"P's first attempt failed ({_get(turn, 'fallback_reason')}) and the proxy "
-            f"retried without params: {_ms(seconds)} lost; see the verdict.",
-            _pick(turn, "fallback_span_id", "fallback_reason"))
+    return (
+        f"P's first attempt failed ({_get(turn, 'fallback_reason')}) and the proxy "
+        f"retried without params: {_ms(seconds)} lost; see the verdict.",
+        _pick(turn, "fallback_span_id", "fallback_reason"),
+    )
 
 
 EXPLAIN: dict[LC, Explain] = {
-    LC.QUEUED_AT_P: _queued_at_p, LC.QUEUED_AT_D: _queued_at_d,
-    LC.CONNECTION_SETUP: _connection_setup, LC.SLOW_READ: _slow_read,
-    LC.PREFILL_COMPUTE: _prefill_compute, LC.SLOW_HANDOFF: _slow_handoff,
-    LC.DECODE_BUSY: _decode_busy, LC.LONG_OUTPUT: _long_output, LC.ENGINE_API: _engine_api,
-    LC.PROXY_OVERHEAD: _proxy_overhead, LC.FAILED_ATTEMPT: _failed_attempt,
+    LC.QUEUED_AT_P: _queued_at_p,
+    LC.QUEUED_AT_D: _queued_at_d,
+    LC.CONNECTION_SETUP: _connection_setup,
+    LC.SLOW_READ: _slow_read,
+    LC.PREFILL_COMPUTE: _prefill_compute,
+    LC.SLOW_HANDOFF: _slow_handoff,
+    LC.DECODE_BUSY: _decode_busy,
+    LC.LONG_OUTPUT: _long_output,
+    LC.ENGINE_API: _engine_api,
+    LC.PROXY_OVERHEAD: _proxy_overhead,
+    LC.FAILED_ATTEMPT: _failed_attempt,
 }
 assert set(EXPLAIN) == set(LC) == set(CAUSE_OF.values()) | {LC.DECODE_BUSY}
 
 # What each cause means and what to do (docs/timeline.md is generated from these).
 CAUSE_DOCS: dict[LC, str] = {
     LC.QUEUED_AT_P: "P held the request behind other work (in its waiting queue, or its "
-                    "worker finishing a step before starting the read): add prefill "
-                    "capacity, bound concurrent long prompts.",
+    "worker finishing a step before starting the read): add prefill "
+    "capacity, bound concurrent long prompts.",
     LC.QUEUED_AT_D: "D held the request behind other work (before scheduling it, or "
-                    "before starting to pull P's KV): add decode capacity.",
+    "before starting to pull P's KV): add decode capacity.",
     LC.CONNECTION_SETUP: "A NIXL handshake before the first transfer between a P and a D "
-                         "(after an engine start): warm each pair at start-up.",
+    "(after an engine start): warm each pair at start-up.",
     LC.SLOW_READ: "P's read of D's KV took long: the P<->D link, or a busy D.",
     LC.PREFILL_COMPUTE: "P computed the tokens it did not reuse: see the reuse verdict; "
-                        "prefill capacity for long prompts.",
+    "prefill capacity for long prompts.",
     LC.SLOW_HANDOFF: "D pulling P's KV (the P->D hand-off) took long: the P->D link.",
     LC.DECODE_BUSY: "D produced tokens slower than this source's typical rate, or took "
-                    "long to its first token after the KV arrived: shared or slowed steps.",
+    "long to its first token after the KV arrived: shared or slowed steps.",
     LC.LONG_OUTPUT: "Decode at the typical rate dominated: latency follows output length.",
     LC.ENGINE_API: "The engines' API servers (HTTP, tokenization, detokenization).",
     LC.PROXY_OVERHEAD: "The proxy's own work: lookup, store, relaying.",
@@ -258,8 +316,7 @@ def cause_of(phase: P, turn: Mapping[str, Any], context: CauseContext) -> LC:
     return CAUSE_OF[phase]
 
 
-def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()
-           ) -> list[CauseFinding]:
+def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()) -> list[CauseFinding]:
     """The causes of one turn (a turn-table row with timeline columns), largest first."""
     latency = _get(turn, "latency_s")
     ttft = _get(turn, "ttft_s")
@@ -282,8 +339,7 @@ def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()
         share = total / latency if latency else None
         ttft_share = before_first.get(cause, 0.0) / ttft if ttft else 0.0
         needed = SHARE_OF.get(cause, DOMINANT_SHARE)
-        dominant = total >= MIN_SECONDS and (
-            (share or 0.0) >= needed or ttft_share >= needed)
+        dominant = total >= MIN_SECONDS and ((share or 0.0) >= needed or ttft_share >= needed)
         if not (dominant or cause in holds_slowest):
             continue
         remedy, evidence = EXPLAIN[cause](turn, total, context)

@@ -21,8 +21,12 @@ from kvobs.verdicts import Context, Finding, Turn, findings
 
 # Shown with every turn in JSON and tables (numbers and ids only): the turn table's public
 # columns (kvobs.turns.schema, docs/turns.md) and what the timeline adds.
-SUMMARY_COLUMNS = (*[c for c in PUBLIC if c not in KEYS],
-                   "compute_saved_tokens", "compute_saved_s", "ttft_gained_s")
+SUMMARY_COLUMNS = (
+    *[c for c in PUBLIC if c not in KEYS],
+    "compute_saved_tokens",
+    "compute_saved_s",
+    "ttft_gained_s",
+)
 
 
 class UnknownConversation(LookupError):
@@ -55,13 +59,18 @@ class TurnDiagnosis:
     causes: list[CauseFinding] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conversation_id": self.conversation_id, "tenant": self.tenant,
-                "turn": self.turn.index,
-                "verdict": self.finding.verdict.value, "evidence": self.finding.evidence,
-                "remedy": self.finding.remedy, "rule": self.finding.rule,
-                **self.timeline.to_dict(),
-                "causes": [c.to_dict() for c in self.causes],
-                **{column: self.turn.get(column) for column in SUMMARY_COLUMNS}}
+        return {
+            "conversation_id": self.conversation_id,
+            "tenant": self.tenant,
+            "turn": self.turn.index,
+            "verdict": self.finding.verdict.value,
+            "evidence": self.finding.evidence,
+            "remedy": self.finding.remedy,
+            "rule": self.finding.rule,
+            **self.timeline.to_dict(),
+            "causes": [c.to_dict() for c in self.causes],
+            **{column: self.turn.get(column) for column in SUMMARY_COLUMNS},
+        }
 
 
 @dataclass
@@ -81,18 +90,25 @@ class Diagnosis:
         return all(v in HEALTHY_VERDICTS for v in self.verdicts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"conversation_id": self.conversation_id, "tenant": self.tenant,
-                "turns": [t.to_dict() for t in self.turns],
-                "context": {"prefill_tokens_per_s": self.context.prefill_tokens_per_s,
-                            "decode_s_per_token": self.context.decode_s_per_token,
-                            "read_slo_s": self.context.read_slo_s},
-                "problems": self.problems}
+        return {
+            "conversation_id": self.conversation_id,
+            "tenant": self.tenant,
+            "turns": [t.to_dict() for t in self.turns],
+            "context": {
+                "prefill_tokens_per_s": self.context.prefill_tokens_per_s,
+                "decode_s_per_token": self.context.decode_s_per_token,
+                "read_slo_s": self.context.read_slo_s,
+            },
+            "problems": self.problems,
+        }
 
 
-def classify_turns(turns: col.Table, read_slo_s: float | None = None,
-                   prefill_tokens_per_s: float | None = None,
-                   decode_s_per_token: float | None = None
-                   ) -> tuple[list[TurnDiagnosis], Context]:
+def classify_turns(
+    turns: col.Table,
+    read_slo_s: float | None = None,
+    prefill_tokens_per_s: float | None = None,
+    decode_s_per_token: float | None = None,
+) -> tuple[list[TurnDiagnosis], Context]:
     """Every turn of a turn table (``correlate.turns_from_spans``: its Arrow rows as
     ``col.Columns``, or the pandas table) classified, timed and explained. The P compute
     rate and the typical decode time per token are measured over the table unless given
@@ -100,16 +116,24 @@ def classify_turns(turns: col.Table, read_slo_s: float | None = None,
     if not isinstance(turns, col.Columns):
         turns = turns.reset_index(drop=True)
     turns, marks, rate = add_timeline(turns, prefill_tokens_per_s)
-    cause_context = (CauseContext(decode_s_per_token) if decode_s_per_token
-                     else decode_context(turns))
+    cause_context = (
+        CauseContext(decode_s_per_token) if decode_s_per_token else decode_context(turns)
+    )
     context = Context(rate, read_slo_s, decode_s_per_token=cause_context.decode_s_per_token)
     diagnoses = []
     rows = col.records(turns)
     for i, (row, finding) in enumerate(zip(rows, findings(turns, context, rows))):
         turn = Turn(row)
-        diagnoses.append(TurnDiagnosis(
-            str(row["conversation_id"]), turn, finding, str(row["tenant"]),
-            timeline_of(marks, i, turn), causes(turn, cause_context)))
+        diagnoses.append(
+            TurnDiagnosis(
+                str(row["conversation_id"]),
+                turn,
+                finding,
+                str(row["tenant"]),
+                timeline_of(marks, i, turn),
+                causes(turn, cause_context),
+            )
+        )
     return diagnoses, context
 
 
@@ -127,50 +151,62 @@ def _distinct(turns: pa.Table, column: str) -> list[str]:
     return sorted(str(value) for value in pc.unique(values).to_pylist())
 
 
-def diagnose(source: SpanSource, conversation_id: str, read_slo_s: float | None = None,
-             prefill_tokens_per_s: float | None = None,
-             tenant: str | None = None,
-             decode_s_per_token: float | None = None) -> Diagnosis:
+def diagnose(
+    source: SpanSource,
+    conversation_id: str,
+    read_slo_s: float | None = None,
+    prefill_tokens_per_s: float | None = None,
+    tenant: str | None = None,
+    decode_s_per_token: float | None = None,
+) -> Diagnosis:
     """One conversation's turns, classified. ``tenant`` (a digest, as spans carry it)
     picks one when several tenants use the id; without it that case raises
     ``AmbiguousConversation``."""
     # Conversations kvobs named itself (an id-less turn, a chain rebuilt from engine
     # spans) exist only once every span is correlated: no source can select them.
     derived = conversation_id.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
-    every = turns_from_spans(source.span_table(None if derived else conversation_id),
-                             frame=False)
+    every = turns_from_spans(source.span_table(None if derived else conversation_id), frame=False)
     turns = _where(every, "conversation_id", conversation_id)
     problems = list(source.problems)
     if turns.num_rows == 0 and conversation_id.startswith(sc.ANONYMOUS_PREFIX):
         # The id the proxy gave an id-less turn, which the engines' prefix chains then
         # put in an earlier turn's conversation: diagnose that one.
-        trace = conversation_id[len(sc.ANONYMOUS_PREFIX):]
+        trace = conversation_id[len(sc.ANONYMOUS_PREFIX) :]
         found = _where(every, "trace_id", trace)
         if found.num_rows:
             conversation_id = found.column("conversation_id")[0].as_py()
             turn = found.column("turn")[0].as_py()
-            problems.append(f"turn {turn} of {conversation_id}: its prompt extends that "
-                            f"conversation's history (prefix lineage)")
+            problems.append(
+                f"turn {turn} of {conversation_id}: its prompt extends that "
+                f"conversation's history (prefix lineage)"
+            )
             turns = _where(every, "conversation_id", conversation_id)
     tenants = _distinct(turns, "tenant")
     if tenant is not None:
         turns = _where(turns, "tenant", tenant)
     if turns.num_rows == 0:
-        near = difflib.get_close_matches(conversation_id, source.conversation_ids(), n=5,
-                                         cutoff=0.6)
+        near = difflib.get_close_matches(
+            conversation_id, source.conversation_ids(), n=5, cutoff=0.6
+        )
         if tenant is not None and tenants:
             near = [f"tenant {t}" for t in tenants]
         raise UnknownConversation(conversation_id, near, tenant)
     if len(tenants) > 1 and tenant is None:
         raise AmbiguousConversation(conversation_id, tenants)
-    diagnoses, context = classify_turns(col.Columns(turns), read_slo_s, prefill_tokens_per_s,
-                                        decode_s_per_token)
-    return Diagnosis(conversation_id, diagnoses, context, problems,
-                     str(turns.column("tenant")[0].as_py()))
+    diagnoses, context = classify_turns(
+        col.Columns(turns), read_slo_s, prefill_tokens_per_s, decode_s_per_token
+    )
+    return Diagnosis(
+        conversation_id, diagnoses, context, problems, str(turns.column("tenant")[0].as_py())
+    )
 
 
-def all_turns(source: SpanSource, read_slo_s: float | None = None,
-              prefill_tokens_per_s: float | None = None) -> list[TurnDiagnosis]:
-    diagnoses, _ = classify_turns(col.Columns(turns_from_spans(source.span_table(), frame=False)),
-                                  read_slo_s, prefill_tokens_per_s)
+def all_turns(
+    source: SpanSource, read_slo_s: float | None = None, prefill_tokens_per_s: float | None = None
+) -> list[TurnDiagnosis]:
+    diagnoses, _ = classify_turns(
+        col.Columns(turns_from_spans(source.span_table(), frame=False)),
+        read_slo_s,
+        prefill_tokens_per_s,
+    )
     return diagnoses

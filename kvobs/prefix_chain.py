@@ -79,7 +79,7 @@ class Chain:
 
     def hash_at(self, i: int) -> str:
         """The hash prefix (hex) of the i-th checkpoint."""
-        return self.hexed[i * HEX_PER_POINT:(i + 1) * HEX_PER_POINT]
+        return self.hexed[i * HEX_PER_POINT : (i + 1) * HEX_PER_POINT]
 
     def common_blocks(self, other: "Chain") -> int:
         """Blocks both chains agree on, to the grid: the last shared checkpoint whose

@@ -133,8 +133,9 @@ _RIGHT = {"turn", "gap", "N", "M", "L", "C", "bytes", "read time", "TTFT", "late
 
 def diagnosis_table(diagnosis: Diagnosis, console: Console) -> Table:
     """The turns' table with the wide columns when it fits ``console``, else without."""
-    return widest_fitting(console, [_table(diagnosis, _COLUMNS + _WIDE),
-                                    _table(diagnosis, _COLUMNS)])
+    return widest_fitting(
+        console, [_table(diagnosis, _COLUMNS + _WIDE), _table(diagnosis, _COLUMNS)]
+    )
 
 
 def widest_fitting(console: Console, tables: list[Table]) -> Table:
@@ -156,8 +157,7 @@ def compact_table(title: str, headers, right=frozenset()) -> Table:
 
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     for header in headers:
-        table.add_column(header, no_wrap=True,
-                         justify="right" if header in right else "left")
+        table.add_column(header, no_wrap=True, justify="right" if header in right else "left")
     return table
 
 
@@ -198,12 +198,24 @@ def _shorten(match: re.Match) -> str:
 
 # One colour per stretch of the path: proxy, P, the reuse read, D.
 _PHASE_STYLE = {
-    Phase.PROXY_IN: "white", Phase.P_RETRY: "red", Phase.P_FRONTEND: "grey50",
-    Phase.P_QUEUE: "magenta", Phase.P_SCHEDULE: "blue", Phase.READ_SETUP: "bright_red",
-    Phase.READ: "cyan", Phase.P_COMPUTE: "blue", Phase.P_RETURN: "grey50",
-    Phase.PROXY_HOP: "white", Phase.D_FRONTEND: "grey50", Phase.D_QUEUE: "bright_magenta",
-    Phase.HANDOFF_SETUP: "bright_red", Phase.HANDOFF: "yellow",
-    Phase.D_FIRST_TOKEN: "green", Phase.DECODE: "bright_green", Phase.PROXY_OUT: "white"}
+    Phase.PROXY_IN: "white",
+    Phase.P_RETRY: "red",
+    Phase.P_FRONTEND: "grey50",
+    Phase.P_QUEUE: "magenta",
+    Phase.P_SCHEDULE: "blue",
+    Phase.READ_SETUP: "bright_red",
+    Phase.READ: "cyan",
+    Phase.P_COMPUTE: "blue",
+    Phase.P_RETURN: "grey50",
+    Phase.PROXY_HOP: "white",
+    Phase.D_FRONTEND: "grey50",
+    Phase.D_QUEUE: "bright_magenta",
+    Phase.HANDOFF_SETUP: "bright_red",
+    Phase.HANDOFF: "yellow",
+    Phase.D_FIRST_TOKEN: "green",
+    Phase.DECODE: "bright_green",
+    Phase.PROXY_OUT: "white",
+}
 _BAR_WIDTH = 40
 
 
@@ -227,12 +239,18 @@ def timeline_line(timeline: Timeline, width: int = _BAR_WIDTH) -> str:
     """Bar, latency, TTFT and the three largest phases with their shares."""
     ranked = sorted(timeline.phases.items(), key=lambda item: -item[1])[:3]
     total = timeline.latency_s or 0.0
-    parts = [f"{short_phase(name)} {seconds / total:.0%}" if total > 0 else short_phase(name)
-             for name, seconds in ranked]
-    ttft = (f" ttft {duration(timeline.ttft_s)} ({timeline.ttft_source})"
-            if timeline.ttft_s is not None else " ttft -")
-    return (f"{timeline_bar(timeline, width)} {duration(timeline.latency_s)}{ttft} · "
-            + " · ".join(parts))
+    parts = [
+        f"{short_phase(name)} {seconds / total:.0%}" if total > 0 else short_phase(name)
+        for name, seconds in ranked
+    ]
+    ttft = (
+        f" ttft {duration(timeline.ttft_s)} ({timeline.ttft_source})"
+        if timeline.ttft_s is not None
+        else " ttft -"
+    )
+    return f"{timeline_bar(timeline, width)} {duration(timeline.latency_s)}{ttft} · " + " · ".join(
+        parts
+    )
 
 
 def _unmeasured(timeline: Timeline) -> list[tuple[str, str]]:
@@ -240,8 +258,10 @@ def _unmeasured(timeline: Timeline) -> list[tuple[str, str]]:
     grouped: dict[str, list[str]] = {}
     for phase, why in timeline.unmeasured.items():
         grouped.setdefault(why, []).append(phase)
-    return [(phases[0] if len(phases) == 1 else short_phase("+".join(phases)),
-             missing_spans(why)) for why, phases in grouped.items()]
+    return [
+        (phases[0] if len(phases) == 1 else short_phase("+".join(phases)), missing_spans(why))
+        for why, phases in grouped.items()
+    ]
 
 
 _MEASURED_AS = re.compile(r"^measured only as \S+: ")
@@ -261,8 +281,10 @@ def missing_spans(why: str) -> str:
         match = _FOR_MARK.match(clause)
         span, mark = (match.group(1), match.group(2)) if match else (clause, None)
         marks.setdefault(span, []).extend([mark] if mark else [])
-    return "; ".join(span + (f" for mark{'s' if len(m) > 1 else ''} {', '.join(m)}"
-                             if m else "") for span, m in marks.items())
+    return "; ".join(
+        span + (f" for mark{'s' if len(m) > 1 else ''} {', '.join(m)}" if m else "")
+        for span, m in marks.items()
+    )
 
 
 def _evidence(evidence: dict[str, Any]) -> str:
@@ -294,8 +316,11 @@ def print_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
     bar = max(10, min(_BAR_WIDTH, console.width // 3))
     for item in diagnosis.turns:
         verdict = item.finding.verdict.value
-        _wrapped(console, f"turn {item.turn.index} [{_style(item)}]{verdict}[/]: "
-                          f"{escape(item.finding.remedy)}", 0)
+        _wrapped(
+            console,
+            f"turn {item.turn.index} [{_style(item)}]{verdict}[/]: {escape(item.finding.remedy)}",
+            0,
+        )
         _wrapped(console, f"evidence: {escape(_evidence(item.finding.evidence))}", 2)
         _wrapped(console, f"time: {timeline_line(item.timeline, bar)}", 2)
         for cause in item.causes:

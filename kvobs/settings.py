@@ -33,74 +33,125 @@ class Setting:
 
 
 DECODE_TTL = Setting(
-    "decoder_kv_blocks_ttl", 480.0, "s",
+    "decoder_kv_blocks_ttl",
+    480.0,
+    "s",
     "vLLM, decode engine (kv_transfer_config extra config)",
     "How long D keeps a finished request's KV blocks for the next turn to read, counted "
     "from the end of that request and not renewed. vLLM's default.",
-    ("`kvobs proxy --decode-kv-ttl` (used when D's params do not carry it)",
-     "`kvobs whatif --ttl`", "monitoring config `decode_ttl_seconds`",
-     "testbed scenario `[engines] ttl_s` (30 s unless set, so that blocks expire within a run)",
-     "span attribute `kvobs.ttl`, `kv_transfer_params` key `kvobs_decode_ttl`",
-     "metric `kvobs_proxy_decode_ttl_seconds`", "turn columns `ttl_s`, `prev_ttl_s`"))
+    (
+        "`kvobs proxy --decode-kv-ttl` (used when D's params do not carry it)",
+        "`kvobs whatif --ttl`",
+        "monitoring config `decode_ttl_seconds`",
+        "testbed scenario `[engines] ttl_s` (30 s unless set, so that blocks expire within a run)",
+        "span attribute `kvobs.ttl`, `kv_transfer_params` key `kvobs_decode_ttl`",
+        "metric `kvobs_proxy_decode_ttl_seconds`",
+        "turn columns `ttl_s`, `prev_ttl_s`",
+    ),
+)
 
 RECOMPUTE_THRESHOLD = Setting(
-    "kv_recompute_threshold", 64, "tokens",
+    "kv_recompute_threshold",
+    64,
+    "tokens",
     "vLLM, prefill engine (kv_transfer_config extra config)",
     "P reads D's KV only when the reusable remainder M (tokens D holds beyond P's own "
     "prefix cache) is at least this; below it P recomputes them. vLLM's default.",
-    ("`kvobs whatif --threshold`", "testbed scenario `[engines] threshold`",
-     "span attribute `kvobs.recompute_threshold`", "turn column `threshold`"))
+    (
+        "`kvobs whatif --threshold`",
+        "testbed scenario `[engines] threshold`",
+        "span attribute `kvobs.recompute_threshold`",
+        "turn column `threshold`",
+    ),
+)
 
 DECLINE_WINDOW = Setting(
-    "decline window", 5.0, "s", "vLLM, prefill engine (fixed, not configurable)",
+    "decline window",
+    5.0,
+    "s",
+    "vLLM, prefill engine (fixed, not configurable)",
     "P declines a read of D's blocks that expire within this many seconds.",
-    ("read outcome `declined-expired`",))
+    ("read outcome `declined-expired`",),
+)
 
 PROXY_EXPIRY_MARGIN = Setting(
-    "expiry margin", 10.0, "s", "kvobs proxy",
+    "expiry margin",
+    10.0,
+    "s",
+    "kvobs proxy",
     "The proxy ends an entry for D's params this long before D's own expiry of the "
     "blocks; at least the decline window, or P would decline reads the proxy sent.",
-    ("`kvobs proxy --expiry-margin`", "`ProxyConfig.expiry_margin_s`"))
+    ("`kvobs proxy --expiry-margin`", "`ProxyConfig.expiry_margin_s`"),
+)
 
 PROXY_ENTRY_LIFETIME = Setting(
-    "proxy entry lifetime", DECODE_TTL.default - PROXY_EXPIRY_MARGIN.default, "s",
+    "proxy entry lifetime",
+    DECODE_TTL.default - PROXY_EXPIRY_MARGIN.default,
+    "s",
     "kvobs proxy (derived)",
     "How long the proxy hands out D's params after storing them: D's TTL less the expiry "
     "margin (``entry_lifetime_s``); `--max-entry-lifetime` caps it, "
     "`--fixed-entry-lifetime` replaces it (upstream's behaviour). Must stay below D's TTL.",
-    ("`kvobs whatif --proxy-lifetime`", "`kvobs tune` (recommended lifetime)",
-     "monitoring config `proxy_entry_lifetime_seconds`",
-     "metric `kvobs_proxy_entry_lifetime_seconds`"))
+    (
+        "`kvobs whatif --proxy-lifetime`",
+        "`kvobs tune` (recommended lifetime)",
+        "monitoring config `proxy_entry_lifetime_seconds`",
+        "metric `kvobs_proxy_entry_lifetime_seconds`",
+    ),
+)
 
 UPSTREAM_ENTRY_LIFETIME = Setting(
-    "upstream fixed entry lifetime", 450.0, "s", "vLLM's example P/D proxy",
+    "upstream fixed entry lifetime",
+    450.0,
+    "s",
+    "vLLM's example P/D proxy",
     "Upstream's example proxy keeps D's params this long whatever D's TTL. Not a kvobs "
     "default: `kvobs proxy --fixed-entry-lifetime` reproduces it (off by default), the "
     "simulation's capped proxies use it.",
-    ("`kvobs proxy --fixed-entry-lifetime`", "testbed scenario `proxy_fixed_lifetime_s`",
-     "`SyntheticConfig.proxy_lifetime_s`"))
+    (
+        "`kvobs proxy --fixed-entry-lifetime`",
+        "testbed scenario `proxy_fixed_lifetime_s`",
+        "`SyntheticConfig.proxy_lifetime_s`",
+    ),
+)
 
 MIN_CACHED_TOKEN_DELTA = Setting(
-    "minCachedTokenDelta", 2048, "tokens", "llm-d router (CPU peer-to-peer host path)",
+    "minCachedTokenDelta",
+    2048,
+    "tokens",
+    "llm-d router (CPU peer-to-peer host path)",
     "The router sends P to a peer's host copy only when that copy holds at least this "
     "many more of the prompt's tokens than P has itself; below it P recomputes. The "
     "value of llm-d's calibration guide.",
-    ("`kvobs whatif --placement --min-cached-token-delta`",))
+    ("`kvobs whatif --placement --min-cached-token-delta`",),
+)
 
 SLOW_TRANSFER_FACTOR = Setting(
-    "slow_transfer_factor", 2.0, "x", "kvobs (the slow-transfer verdict)",
+    "slow_transfer_factor",
+    2.0,
+    "x",
+    "kvobs (the slow-transfer verdict)",
     "A read that succeeded is slow-transfer when it took more than this many times the "
     "recompute estimate (its tokens at P's measured compute rate). The rate is a median "
     "of per-turn rates that spread about fourfold on a busy engine (1,451 to 6,936 "
     "tokens/s in one CI demo run), so a read within twice the estimate is inside that "
     "spread: a remote-hit, whose `ttft_gained_s` says what it gained or lost.",
-    ("evidence key `slow_transfer_factor` of a slow-transfer finding",
-     "`kvobs.verdicts.Context.slow_transfer_factor`"))
+    (
+        "evidence key `slow_transfer_factor` of a slow-transfer finding",
+        "`kvobs.verdicts.Context.slow_transfer_factor`",
+    ),
+)
 
-SETTINGS: tuple[Setting, ...] = (DECODE_TTL, RECOMPUTE_THRESHOLD, DECLINE_WINDOW,
-                                 PROXY_EXPIRY_MARGIN, PROXY_ENTRY_LIFETIME,
-                                 UPSTREAM_ENTRY_LIFETIME, MIN_CACHED_TOKEN_DELTA,
-                                 SLOW_TRANSFER_FACTOR)
+SETTINGS: tuple[Setting, ...] = (
+    DECODE_TTL,
+    RECOMPUTE_THRESHOLD,
+    DECLINE_WINDOW,
+    PROXY_EXPIRY_MARGIN,
+    PROXY_ENTRY_LIFETIME,
+    UPSTREAM_ENTRY_LIFETIME,
+    MIN_CACHED_TOKEN_DELTA,
+    SLOW_TRANSFER_FACTOR,
+)
 
 
 def entry_lifetime_s(ttl_s, expiry_margin_s: float = PROXY_EXPIRY_MARGIN.default):

@@ -35,8 +35,15 @@ import pyarrow.compute as pc
 from kvobs import semconv as sc
 from kvobs.settings import DECODE_TTL, RECOMPUTE_THRESHOLD, UPSTREAM_ENTRY_LIFETIME, read_declined
 
-__all__ = ["SyntheticConfig", "Scenario", "SYNTHETIC_PREFIX", "simulate_turns",
-           "spans_table", "write_store", "synthetic_frame"]
+__all__ = [
+    "SyntheticConfig",
+    "Scenario",
+    "SYNTHETIC_PREFIX",
+    "simulate_turns",
+    "spans_table",
+    "write_store",
+    "synthetic_frame",
+]
 
 SYNTHETIC_PREFIX = "synthetic-"
 SECOND = 1_000_000_000
@@ -64,15 +71,20 @@ class Scenario(str, enum.Enum):
 
 # The verdict each scenario must end up with (kvobs's rules, not the simulation, decide).
 EXPECTED_VERDICT = {
-    Scenario.FIRST: sc.Verdict.FIRST_TURN, Scenario.NO_ID: sc.Verdict.MISSING_METADATA,
+    Scenario.FIRST: sc.Verdict.FIRST_TURN,
+    Scenario.NO_ID: sc.Verdict.MISSING_METADATA,
     Scenario.PROXY_MISS: sc.Verdict.MISSING_METADATA,
     Scenario.PROXY_MISMATCH: sc.Verdict.PREFIX_MISMATCH,
-    Scenario.P_MISMATCH: sc.Verdict.PREFIX_MISMATCH, Scenario.STALE: sc.Verdict.EXPIRED,
+    Scenario.P_MISMATCH: sc.Verdict.PREFIX_MISMATCH,
+    Scenario.STALE: sc.Verdict.EXPIRED,
     Scenario.DECLINED: sc.Verdict.EXPIRED,
-    Scenario.RELEASED: sc.Verdict.EXPIRED, Scenario.LOCAL_HIT: sc.Verdict.LOCAL_HIT,
+    Scenario.RELEASED: sc.Verdict.EXPIRED,
+    Scenario.LOCAL_HIT: sc.Verdict.LOCAL_HIT,
     Scenario.BELOW_THRESHOLD: sc.Verdict.BELOW_THRESHOLD,
-    Scenario.FAILED: sc.Verdict.TRANSFER_FAILED, Scenario.SLOW: sc.Verdict.SLOW_TRANSFER,
-    Scenario.HIT: sc.Verdict.REMOTE_HIT, Scenario.DROPPED: sc.Verdict.INSUFFICIENT_EVIDENCE,
+    Scenario.FAILED: sc.Verdict.TRANSFER_FAILED,
+    Scenario.SLOW: sc.Verdict.SLOW_TRANSFER,
+    Scenario.HIT: sc.Verdict.REMOTE_HIT,
+    Scenario.DROPPED: sc.Verdict.INSUFFICIENT_EVIDENCE,
 }
 _SCENARIOS = list(Scenario)
 _CODE = {s: i for i, s in enumerate(_SCENARIOS)}
@@ -121,8 +133,7 @@ class SyntheticConfig:
 
 def tenant_digests(config: SyntheticConfig) -> list[str]:
     """Digest-shaped (16 hex) and marked synthetic (``5e`` like the trace ids)."""
-    return [f"5e{zlib.crc32(f'{config.seed}-{i}'.encode()):014x}"
-            for i in range(config.tenants)]
+    return [f"5e{zlib.crc32(f'{config.seed}-{i}'.encode()):014x}" for i in range(config.tenants)]
 
 
 # --------------------------------------------------------------------------- turns
@@ -130,8 +141,10 @@ def tenant_digests(config: SyntheticConfig) -> list[str]:
 
 def conversation_ids(config: SyntheticConfig) -> np.ndarray:
     width = max(8, len(str(config.conversations)))
-    return np.array([f"{SYNTHETIC_PREFIX}{config.seed}-{i:0{width}d}"
-                     for i in range(config.conversations)], dtype=object)
+    return np.array(
+        [f"{SYNTHETIC_PREFIX}{config.seed}-{i:0{width}d}" for i in range(config.conversations)],
+        dtype=object,
+    )
 
 
 def _grouped_cumsum(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -144,15 +157,17 @@ def _lognormal_int(rng, median, sigma, size, low=1):
     return np.maximum(low, rng.lognormal(np.log(median), sigma, size)).astype(np.int64)
 
 
-def simulate_turns(config: SyntheticConfig, conversations: np.ndarray | None = None
-                   ) -> dict[str, np.ndarray]:
+def simulate_turns(
+    config: SyntheticConfig, conversations: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """One entry per turn (flat arrays) for the given conversation numbers."""
     if conversations is None:
         conversations = np.arange(config.conversations)
     conversations = np.asarray(conversations, dtype=np.int64)
     # Seeded by the config and the chunk: the same config and chunking give the same set.
-    rng = np.random.default_rng([config.seed, int(conversations.sum()) % (2 ** 32),
-                                 len(conversations)])
+    rng = np.random.default_rng(
+        [config.seed, int(conversations.sum()) % (2**32), len(conversations)]
+    )
     n_conv = len(conversations)
     k = np.minimum(rng.geometric(1.0 / config.mean_turns, n_conv), config.max_turns)
     starts = np.concatenate([[0], np.cumsum(k)[:-1]])
@@ -172,10 +187,11 @@ def simulate_turns(config: SyntheticConfig, conversations: np.ndarray | None = N
     remote = np.where(first, 0, prev_prompt + prev_reply)  # C: D's H+R from last turn
 
     pause = rng.random(n) < config.gap_pause_share
-    gap = np.where(pause, rng.lognormal(np.log(config.gap_pause_median_s),
-                                        config.gap_pause_sigma, n),
-                   rng.lognormal(np.log(config.gap_active_median_s), config.gap_active_sigma,
-                                 n))
+    gap = np.where(
+        pause,
+        rng.lognormal(np.log(config.gap_pause_median_s), config.gap_pause_sigma, n),
+        rng.lognormal(np.log(config.gap_active_median_s), config.gap_active_sigma, n),
+    )
     gap = np.where(first, 0.0, gap)
     capped = (rng.random(n_conv) >= config.uncapped_proxy_share)[conv]
 
@@ -183,8 +199,9 @@ def simulate_turns(config: SyntheticConfig, conversations: np.ndarray | None = N
     floor16 = lambda x: (x // BLOCK) * BLOCK  # noqa: E731
     prev_cached = rng.random(n) < config.p_prev_prompt_cached
     sys_cached = rng.random(n) < config.p_system_cached
-    local = np.where(prev_cached & later, floor16(prev_prompt),
-                     np.where(sys_cached, floor16(system[conv]), 0))
+    local = np.where(
+        prev_cached & later, floor16(prev_prompt), np.where(sys_cached, floor16(system[conv]), 0)
+    )
     local_full = later & (rng.random(n) < config.p_local_full)
     local = np.where(local_full, np.minimum(-(-remote // BLOCK) * BLOCK, prompt), local)
     local = np.minimum(local, prompt - 1)
@@ -227,16 +244,31 @@ def simulate_turns(config: SyntheticConfig, conversations: np.ndarray | None = N
     scenario[dropped] = _CODE[Scenario.DROPPED]
 
     read_bytes = candidate * config.bytes_per_token
-    read_s = (config.read_overhead_s + read_bytes / (config.read_gbps * 1e9)) \
-        * rng.lognormal(0.0, 0.15, n)
+    read_s = (config.read_overhead_s + read_bytes / (config.read_gbps * 1e9)) * rng.lognormal(
+        0.0, 0.15, n
+    )
     recompute_rate = config.prefill_tokens_per_s * rng.lognormal(0.0, 0.1, n)
-    read_s = np.where(slow, (candidate / config.prefill_tokens_per_s) * rng.uniform(2, 6, n)
-                      + 0.05, read_s)
-    return {"conv": conversations[conv], "turn": turn, "first": first, "scenario": scenario,
-            "prompt": prompt, "local": local, "remote": remote, "candidate": candidate,
-            "reply": reply, "gap": gap, "capped": capped, "read_bytes": read_bytes,
-            "read_s": read_s, "recompute_rate": recompute_rate, "group_sizes": k,
-            "group_starts": starts}
+    read_s = np.where(
+        slow, (candidate / config.prefill_tokens_per_s) * rng.uniform(2, 6, n) + 0.05, read_s
+    )
+    return {
+        "conv": conversations[conv],
+        "turn": turn,
+        "first": first,
+        "scenario": scenario,
+        "prompt": prompt,
+        "local": local,
+        "remote": remote,
+        "candidate": candidate,
+        "reply": reply,
+        "gap": gap,
+        "capped": capped,
+        "read_bytes": read_bytes,
+        "read_s": read_s,
+        "recompute_rate": recompute_rate,
+        "group_sizes": k,
+        "group_starts": starts,
+    }
 
 
 def scenario_names(codes: np.ndarray) -> np.ndarray:
@@ -262,8 +294,9 @@ def _hex(values: np.ndarray, digits: int) -> pa.Array:
 
 
 def _prefixed(prefix: str, strings: pa.Array) -> pa.Array:
-    return pc.binary_join_element_wise(pa.scalar(prefix, pa.large_string()), strings,
-                                       pa.scalar("", pa.large_string()))
+    return pc.binary_join_element_wise(
+        pa.scalar(prefix, pa.large_string()), strings, pa.scalar("", pa.large_string())
+    )
 
 
 class _Spans:
@@ -276,18 +309,31 @@ class _Spans:
         self.trace_key = (conv << np.uint64(12)) | turn
         self.trace_hex = _prefixed("5e", _hex(self.trace_key, 30))  # 5e..: synthetic trace ids
         digests = tenant_digests(config)
-        self.tenant = pa.DictionaryArray.from_arrays(
-            pa.array(turns["conv"] % len(digests), pa.int32()),
-            pa.array(digests)).cast(pa.large_string()) if digests else pa.nulls(
-            len(turns["conv"]), pa.large_string())
+        self.tenant = (
+            pa.DictionaryArray.from_arrays(
+                pa.array(turns["conv"] % len(digests), pa.int32()), pa.array(digests)
+            ).cast(pa.large_string())
+            if digests
+            else pa.nulls(len(turns["conv"]), pa.large_string())
+        )
 
-    def add(self, span: sc.SpanName, mask: np.ndarray, start_ns, end_ns, attrs: dict,
-            kind: int, error=None, parent_root: bool = True):
+    def add(
+        self,
+        span: sc.SpanName,
+        mask: np.ndarray,
+        start_ns,
+        end_ns,
+        attrs: dict,
+        kind: int,
+        error=None,
+        parent_root: bool = True,
+    ):
         rows = np.flatnonzero(mask)
         if len(rows) == 0:
             return
         take = pa.array(rows)
         m = len(rows)
+
         def sub(value):
             if isinstance(value, np.ndarray):
                 return value[rows]
@@ -299,20 +345,24 @@ class _Spans:
         columns = {
             "trace_id": self.trace_hex.take(take),
             "span_id": _hex(span_key, 16),
-            "parent_span_id": (_hex(self.trace_key[rows] << np.uint64(4), 16)
-                               if span is not sc.SPAN_PROXY_TURN else None),
+            "parent_span_id": (
+                _hex(self.trace_key[rows] << np.uint64(4), 16)
+                if span is not sc.SPAN_PROXY_TURN
+                else None
+            ),
             "name": pa.array(np.full(m, span.name, dtype=object), pa.large_string()),
-            "service": pa.array(np.full(m, span.service.value, dtype=object),
-                                pa.large_string()),
+            "service": pa.array(np.full(m, span.service.value, dtype=object), pa.large_string()),
             "start_ns": pa.array(np.broadcast_to(sub(start_ns), m).astype(np.int64)),
             "end_ns": pa.array(np.broadcast_to(sub(end_ns), m).astype(np.int64)),
-            "error": (pa.array(np.broadcast_to(sub(error), m).astype(bool))
-                      if error is not None else pa.array(np.zeros(m, dtype=bool))),
+            "error": (
+                pa.array(np.broadcast_to(sub(error), m).astype(bool))
+                if error is not None
+                else pa.array(np.zeros(m, dtype=bool))
+            ),
             sc.CONVERSATION_ID.key: self.ids.take(pa.array(self.turns["conv_local"][rows])),
             sc.TURN_INDEX.key: pa.array(self.turns["turn"][rows].astype(np.int64)),
             sc.TENANT_DIGEST.key: self.tenant.take(take),
-            sc.ROLE.key: pa.array(np.full(m, _ROLE[span.service], dtype=object),
-                                  pa.large_string()),
+            sc.ROLE.key: pa.array(np.full(m, _ROLE[span.service], dtype=object), pa.large_string()),
         }
         for key, value in attrs.items():
             value = sub(value)
@@ -327,20 +377,19 @@ class _Spans:
         arrays = []
         for column in self.schema:
             value = columns.get(column.name)
-            arrays.append(pa.nulls(m, column.type) if value is None
-                          else value.cast(column.type))
+            arrays.append(pa.nulls(m, column.type) if value is None else value.cast(column.type))
         self.tables.append(pa.Table.from_arrays(arrays, schema=self.schema))
 
     def table(self) -> pa.Table:
         return pa.concat_tables(self.tables)
 
 
-_ROLE = {sc.Service.PROXY: "proxy", sc.Service.PREFILL: "prefill",
-         sc.Service.DECODE: "decode"}
+_ROLE = {sc.Service.PROXY: "proxy", sc.Service.PREFILL: "prefill", sc.Service.DECODE: "decode"}
 
 
-def spans_table(config: SyntheticConfig, conversations: np.ndarray,
-                schema: pa.Schema | None = None) -> tuple[pa.Table, dict]:
+def spans_table(
+    config: SyntheticConfig, conversations: np.ndarray, schema: pa.Schema | None = None
+) -> tuple[pa.Table, dict]:
     """Span table (store schema) for the given conversation numbers, and their turns."""
     from kvobs.sources.store import store_schema
 
@@ -353,7 +402,7 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     code = t["scenario"]
     is_ = lambda s: code == _CODE[s]  # noqa: E731
     first, later = t["first"], ~t["first"]
-    rng = np.random.default_rng([config.seed, 7, int(conversations.sum()) % (2 ** 32)])
+    rng = np.random.default_rng([config.seed, 7, int(conversations.sum()) % (2**32)])
 
     # --- timeline (ns). Each turn: start, P leg, decode, end; next start = end + gap.
     read_ok = is_(Scenario.HIT) | is_(Scenario.SLOW) | is_(Scenario.DROPPED)
@@ -401,11 +450,22 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     spans = _Spans(schema, t, ids, config)
     S = sc  # noqa: N806
     # Proxy turn span (root of the trace). Non-streamed: no TTFT at the proxy.
-    spans.add(S.SPAN_PROXY_TURN, np.ones(n, bool), start, end, {
-        S.STREAM.key: False, S.PREFILL_TIME.key: prefill_s,
-        S.DECODE_TIME.key: decode_s, S.PREFILL_SENT_AT.key: mark["p_sent"],
-        S.PREFILL_ANSWERED_AT.key: mark["p_answered"], S.DECODE_SENT_AT.key: mark["d_sent"],
-        S.DECODE_ANSWERED_AT.key: mark["d_answered"]}, kind=0)
+    spans.add(
+        S.SPAN_PROXY_TURN,
+        np.ones(n, bool),
+        start,
+        end,
+        {
+            S.STREAM.key: False,
+            S.PREFILL_TIME.key: prefill_s,
+            S.DECODE_TIME.key: decode_s,
+            S.PREFILL_SENT_AT.key: mark["p_sent"],
+            S.PREFILL_ANSWERED_AT.key: mark["p_answered"],
+            S.DECODE_SENT_AT.key: mark["d_sent"],
+            S.DECODE_ANSWERED_AT.key: mark["d_answered"],
+        },
+        kind=0,
+    )
     # Proxy lookup (later turns).
     lookup = np.full(n, LookupOutcome_HIT, dtype=object)
     lookup[is_(Scenario.NO_ID)] = sc.LookupOutcome.NO_ID.value
@@ -415,12 +475,22 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     params_sent = lookup == LookupOutcome_HIT
     lifetime = np.where(t["capped"], config.proxy_lifetime_s, np.nan)
     has_entry = ~(is_(Scenario.NO_ID) | is_(Scenario.PROXY_MISS))
-    spans.add(S.SPAN_PROXY_LOOKUP, later, start, start + 500_000, {
-        S.LOOKUP_OUTCOME.key: lookup, S.PARAMS_SENT.key: params_sent,
-        S.INTER_TURN_GAP.key: t["gap"],
-        S.ENTRY_AGE.key: pa.array(t["gap"], mask=~has_entry),
-        S.ENTRY_REMAINING_TTL.key: pa.array(lifetime - t["gap"],
-                                            mask=~has_entry | ~t["capped"])}, kind=1)
+    spans.add(
+        S.SPAN_PROXY_LOOKUP,
+        later,
+        start,
+        start + 500_000,
+        {
+            S.LOOKUP_OUTCOME.key: lookup,
+            S.PARAMS_SENT.key: params_sent,
+            S.INTER_TURN_GAP.key: t["gap"],
+            S.ENTRY_AGE.key: pa.array(t["gap"], mask=~has_entry),
+            S.ENTRY_REMAINING_TTL.key: pa.array(
+                lifetime - t["gap"], mask=~has_entry | ~t["capped"]
+            ),
+        },
+        kind=1,
+    )
     # P's pull decision.
     decision = np.full(n, sc.PullDecision.PULL.value, dtype=object)
     no_params = first | ~params_sent
@@ -432,83 +502,170 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     candidate = np.where(no_params, 0, t["candidate"])
     request = _prefixed("p-", spans.trace_hex)
     matched = (t["remote"] * rng.uniform(0.3, 0.95, n)).astype(np.int64)
-    spans.add(S.SPAN_PULL_DECISION, ~is_(Scenario.DROPPED), p0 + 1_000_000, p0 + 1_100_000, {
-        S.PROMPT_TOKENS.key: t["prompt"], S.LOCAL_HIT_TOKENS.key: t["local"],
-        S.REMOTE_TOKENS.key: remote, S.CANDIDATE_TOKENS.key: candidate,
-        S.THRESHOLD.key: config.threshold, S.PULL_DECISION.key: decision,
-        S.REQUEST_ID.key: request,
-        S.PREFIX_MATCHED_TOKENS.key: pa.array(matched, mask=~is_(Scenario.P_MISMATCH))},
-        kind=2)
+    spans.add(
+        S.SPAN_PULL_DECISION,
+        ~is_(Scenario.DROPPED),
+        p0 + 1_000_000,
+        p0 + 1_100_000,
+        {
+            S.PROMPT_TOKENS.key: t["prompt"],
+            S.LOCAL_HIT_TOKENS.key: t["local"],
+            S.REMOTE_TOKENS.key: remote,
+            S.CANDIDATE_TOKENS.key: candidate,
+            S.THRESHOLD.key: config.threshold,
+            S.PULL_DECISION.key: decision,
+            S.REQUEST_ID.key: request,
+            S.PREFIX_MATCHED_TOKENS.key: pa.array(matched, mask=~is_(Scenario.P_MISMATCH)),
+        },
+        kind=2,
+    )
     # The read (done, declined or failed).
     outcome = np.full(n, sc.ReadOutcome.DONE.value, dtype=object)
     outcome[declined] = sc.ReadOutcome.DECLINED_EXPIRED.value
     outcome[failed] = sc.ReadOutcome.FAILED.value
     blocks = -(-t["candidate"] // BLOCK)
-    spans.add(S.SPAN_READ, read_happens | declined, read_start, read_end, {
-        S.READ_DIRECTION.key: "d_to_p", S.READ_OUTCOME.key: outcome,
-        S.READ_BYTES.key: np.where(declined, 0, np.where(failed, t["read_bytes"] // 2,
-                                                         t["read_bytes"])),
-        S.READ_BLOCKS.key: np.where(declined, 0, blocks), S.READ_DURATION.key: read_s,
-        S.READ_ERROR.key: pa.array(np.full(n, "nixl-transfer-error", dtype=object),
-                                   mask=~failed),
-        S.REMAINING_TTL_AT_READ.key: config.ttl_s - t["gap"],
-        S.READ_SETUP.key: 0.2 * ms,
-        S.REMOTE_ENGINE_ID.key: "synthetic-decode-0"}, kind=3, error=failed)
+    spans.add(
+        S.SPAN_READ,
+        read_happens | declined,
+        read_start,
+        read_end,
+        {
+            S.READ_DIRECTION.key: "d_to_p",
+            S.READ_OUTCOME.key: outcome,
+            S.READ_BYTES.key: np.where(
+                declined, 0, np.where(failed, t["read_bytes"] // 2, t["read_bytes"])
+            ),
+            S.READ_BLOCKS.key: np.where(declined, 0, blocks),
+            S.READ_DURATION.key: read_s,
+            S.READ_ERROR.key: pa.array(
+                np.full(n, "nixl-transfer-error", dtype=object), mask=~failed
+            ),
+            S.REMAINING_TTL_AT_READ.key: config.ttl_s - t["gap"],
+            S.READ_SETUP.key: 0.2 * ms,
+            S.REMOTE_ENGINE_ID.key: "synthetic-decode-0",
+        },
+        kind=3,
+        error=failed,
+    )
     # Fallback: the proxy retries P without params; P decides again and recomputes.
-    spans.add(S.SPAN_PROXY_FALLBACK, fallback, read_end, read_end + 200_000, {
-        S.FALLBACK_REASON.key: np.where(declined, sc.FallbackReason.READ_DECLINED.value,
-                                        sc.FallbackReason.READ_FAILED.value).astype(object)},
-        kind=4)
-    spans.add(S.SPAN_PULL_DECISION, fallback, read_end + 300_000, read_end + 400_000, {
-        S.PROMPT_TOKENS.key: t["prompt"], S.LOCAL_HIT_TOKENS.key: t["local"],
-        S.REMOTE_TOKENS.key: 0, S.CANDIDATE_TOKENS.key: 0, S.THRESHOLD.key: config.threshold,
-        S.PULL_DECISION.key: sc.PullDecision.NO_PARAMS.value,
-        S.REQUEST_ID.key: _prefixed("p-retry-", spans.trace_hex)},
-        kind=5)
+    spans.add(
+        S.SPAN_PROXY_FALLBACK,
+        fallback,
+        read_end,
+        read_end + 200_000,
+        {
+            S.FALLBACK_REASON.key: np.where(
+                declined, sc.FallbackReason.READ_DECLINED.value, sc.FallbackReason.READ_FAILED.value
+            ).astype(object)
+        },
+        kind=4,
+    )
+    spans.add(
+        S.SPAN_PULL_DECISION,
+        fallback,
+        read_end + 300_000,
+        read_end + 400_000,
+        {
+            S.PROMPT_TOKENS.key: t["prompt"],
+            S.LOCAL_HIT_TOKENS.key: t["local"],
+            S.REMOTE_TOKENS.key: 0,
+            S.CANDIDATE_TOKENS.key: 0,
+            S.THRESHOLD.key: config.threshold,
+            S.PULL_DECISION.key: sc.PullDecision.NO_PARAMS.value,
+            S.REQUEST_ID.key: _prefixed("p-retry-", spans.trace_hex),
+        },
+        kind=5,
+    )
     # P computes what it did not reuse.
     reason = np.full(n, sc.RecomputeReason.SUFFIX.value, dtype=object)
     reason[no_params] = sc.RecomputeReason.NO_PARAMS.value
     reason[is_(Scenario.P_MISMATCH)] = sc.RecomputeReason.PREFIX_MISMATCH.value
     reason[is_(Scenario.BELOW_THRESHOLD)] = sc.RecomputeReason.BELOW_THRESHOLD.value
     reason[fallback] = sc.RecomputeReason.FALLBACK.value
-    spans.add(S.SPAN_RECOMPUTE, computed > 0, read_end + 500_000,
-              read_end + 500_000 + (recompute_s * SECOND).astype(np.int64), {
-                  S.RECOMPUTED_TOKENS.key: computed, S.RECOMPUTE_REASON.key: reason}, kind=6)
+    spans.add(
+        S.SPAN_RECOMPUTE,
+        computed > 0,
+        read_end + 500_000,
+        read_end + 500_000 + (recompute_s * SECOND).astype(np.int64),
+        {S.RECOMPUTED_TOKENS.key: computed, S.RECOMPUTE_REASON.key: reason},
+        kind=6,
+    )
     # P's and D's request spans (timeline marks) and D's pull of P's KV.
     read_kv = read_ok & ~is_(Scenario.DROPPED)
-    spans.add(S.SPAN_PREFILL_REQUEST, ~fallback, (mark["p_arrived"] * SECOND).astype(np.int64),
-              (mark["p_first_token"] * SECOND).astype(np.int64), {
-                  S.REQUEST_ARRIVED_AT.key: mark["p_arrived"],
-                  S.REQUEST_SCHEDULED_AT.key: mark["p_scheduled"],
-                  S.REQUEST_ALLOCATED_AT.key: mark["p_allocated"],
-                  S.REQUEST_KV_READY_AT.key: pa.array(read_end / SECOND + 0.2 * ms,
-                                                      mask=~read_kv),
-                  S.REQUEST_FIRST_TOKEN_AT.key: mark["p_first_token"],
-                  S.PROMPT_TOKENS.key: t["prompt"], S.OUTPUT_TOKENS.key: 1}, kind=10)
-    spans.add(S.SPAN_HANDOFF, np.ones(n, bool),
-              (mark["handoff_start"] * SECOND).astype(np.int64),
-              (mark["d_kv_ready"] * SECOND).astype(np.int64), {
-                  S.READ_DIRECTION.key: "p_to_d", S.READ_OUTCOME.key: "done",
-                  S.READ_BYTES.key: t["prompt"] * 512, S.READ_DURATION.key: 0.8 * ms,
-                  S.READ_SETUP.key: 0.2 * ms}, kind=11)
-    spans.add(S.SPAN_DECODE_REQUEST, np.ones(n, bool),
-              (mark["d_arrived"] * SECOND).astype(np.int64), end - 300_000, {
-                  S.REQUEST_ARRIVED_AT.key: mark["d_arrived"],
-                  S.REQUEST_SCHEDULED_AT.key: mark["d_scheduled"],
-                  S.REQUEST_KV_READY_AT.key: mark["d_kv_ready"],
-                  S.REQUEST_FIRST_TOKEN_AT.key: mark["d_first_token"],
-                  S.PROMPT_TOKENS.key: t["prompt"], S.OUTPUT_TOKENS.key: t["reply"]}, kind=12)
+    spans.add(
+        S.SPAN_PREFILL_REQUEST,
+        ~fallback,
+        (mark["p_arrived"] * SECOND).astype(np.int64),
+        (mark["p_first_token"] * SECOND).astype(np.int64),
+        {
+            S.REQUEST_ARRIVED_AT.key: mark["p_arrived"],
+            S.REQUEST_SCHEDULED_AT.key: mark["p_scheduled"],
+            S.REQUEST_ALLOCATED_AT.key: mark["p_allocated"],
+            S.REQUEST_KV_READY_AT.key: pa.array(read_end / SECOND + 0.2 * ms, mask=~read_kv),
+            S.REQUEST_FIRST_TOKEN_AT.key: mark["p_first_token"],
+            S.PROMPT_TOKENS.key: t["prompt"],
+            S.OUTPUT_TOKENS.key: 1,
+        },
+        kind=10,
+    )
+    spans.add(
+        S.SPAN_HANDOFF,
+        np.ones(n, bool),
+        (mark["handoff_start"] * SECOND).astype(np.int64),
+        (mark["d_kv_ready"] * SECOND).astype(np.int64),
+        {
+            S.READ_DIRECTION.key: "p_to_d",
+            S.READ_OUTCOME.key: "done",
+            S.READ_BYTES.key: t["prompt"] * 512,
+            S.READ_DURATION.key: 0.8 * ms,
+            S.READ_SETUP.key: 0.2 * ms,
+        },
+        kind=11,
+    )
+    spans.add(
+        S.SPAN_DECODE_REQUEST,
+        np.ones(n, bool),
+        (mark["d_arrived"] * SECOND).astype(np.int64),
+        end - 300_000,
+        {
+            S.REQUEST_ARRIVED_AT.key: mark["d_arrived"],
+            S.REQUEST_SCHEDULED_AT.key: mark["d_scheduled"],
+            S.REQUEST_KV_READY_AT.key: mark["d_kv_ready"],
+            S.REQUEST_FIRST_TOKEN_AT.key: mark["d_first_token"],
+            S.PROMPT_TOKENS.key: t["prompt"],
+            S.OUTPUT_TOKENS.key: t["reply"],
+        },
+        kind=12,
+    )
     # D retains H+R and exports its params; the proxy stores them.
     export_tokens = t["prompt"] + t["reply"]
     export_blocks = export_tokens // BLOCK
-    spans.add(S.SPAN_EXPORT, np.ones(n, bool), end - 1_000_000, end, {
-        S.EXPORT_TOKENS.key: export_tokens, S.EXPORT_BLOCKS.key: export_blocks,
-        S.EXPORT_EXPIRES_AT.key: end_s + config.ttl_s, S.TTL.key: config.ttl_s,
-        S.REQUEST_ID.key: _prefixed("d-", spans.trace_hex)}, kind=7)
-    spans.add(S.SPAN_PROXY_STORE, np.ones(n, bool), end, end + 300_000, {
-        S.STORE_ACTION.key: "stored", S.PARAMS_SOURCE.key: sc.ParamsSource.BODY.value,
-        S.STORE_EXPIRES_AT.key: pa.array(end_s + config.proxy_lifetime_s,
-                                         mask=~t["capped"])}, kind=8)
+    spans.add(
+        S.SPAN_EXPORT,
+        np.ones(n, bool),
+        end - 1_000_000,
+        end,
+        {
+            S.EXPORT_TOKENS.key: export_tokens,
+            S.EXPORT_BLOCKS.key: export_blocks,
+            S.EXPORT_EXPIRES_AT.key: end_s + config.ttl_s,
+            S.TTL.key: config.ttl_s,
+            S.REQUEST_ID.key: _prefixed("d-", spans.trace_hex),
+        },
+        kind=7,
+    )
+    spans.add(
+        S.SPAN_PROXY_STORE,
+        np.ones(n, bool),
+        end,
+        end + 300_000,
+        {
+            S.STORE_ACTION.key: "stored",
+            S.PARAMS_SOURCE.key: sc.ParamsSource.BODY.value,
+            S.STORE_EXPIRES_AT.key: pa.array(end_s + config.proxy_lifetime_s, mask=~t["capped"]),
+        },
+        kind=8,
+    )
     # D releases: when the next turn read the blocks, or at expiry.
     next_reads = np.zeros(n, bool)
     next_reads[:-1] = read_ok[1:] & later[1:]
@@ -516,12 +673,21 @@ def spans_table(config: SyntheticConfig, conversations: np.ndarray,
     next_read_end[:-1] = read_end[1:]
     release_at = np.where(next_reads, next_read_end, end + int(config.ttl_s * SECOND))
     held = (release_at - end) / SECOND
-    spans.add(S.SPAN_RELEASE, np.ones(n, bool), release_at, release_at + 100_000, {
-        S.RELEASE_REASON.key: np.where(next_reads, sc.ReleaseReason.READ.value,
-                                       sc.ReleaseReason.EXPIRED.value).astype(object),
-        S.RELEASE_READ_COUNT.key: next_reads.astype(np.int64), S.HELD_DURATION.key: held,
-        S.EXPORT_BLOCKS.key: export_blocks},
-        kind=9)
+    spans.add(
+        S.SPAN_RELEASE,
+        np.ones(n, bool),
+        release_at,
+        release_at + 100_000,
+        {
+            S.RELEASE_REASON.key: np.where(
+                next_reads, sc.ReleaseReason.READ.value, sc.ReleaseReason.EXPIRED.value
+            ).astype(object),
+            S.RELEASE_READ_COUNT.key: next_reads.astype(np.int64),
+            S.HELD_DURATION.key: held,
+            S.EXPORT_BLOCKS.key: export_blocks,
+        },
+        kind=9,
+    )
     return spans.table(), t
 
 
@@ -546,8 +712,9 @@ class WriteResult:
     scenarios: dict[str, int] = field(default_factory=dict)
 
 
-def write_store(store_dir: str, config: SyntheticConfig, buckets_per_chunk: int = 4,
-                progress=None) -> WriteResult:
+def write_store(
+    store_dir: str, config: SyntheticConfig, buckets_per_chunk: int = 4, progress=None
+) -> WriteResult:
     """Simulate ``config.conversations`` and write them into ``store_dir`` (embedded store
     layout), a group of buckets at a time so that each bucket gets one file."""
     from kvobs.sources.store import BUCKETS, COMPACTED_DIR, store_schema, write_table
@@ -555,13 +722,15 @@ def write_store(store_dir: str, config: SyntheticConfig, buckets_per_chunk: int 
     os.makedirs(os.path.join(store_dir, COMPACTED_DIR), exist_ok=True)
     schema = store_schema()
     ids = conversation_ids(config)
-    buckets = np.fromiter((zlib.crc32(cid.encode()) % BUCKETS for cid in ids),
-                          dtype=np.int32, count=len(ids))
+    buckets = np.fromiter(
+        (zlib.crc32(cid.encode()) % BUCKETS for cid in ids), dtype=np.int32, count=len(ids)
+    )
     result = WriteResult()
     counts = np.zeros(len(_SCENARIOS), np.int64)
     for first_bucket in range(0, BUCKETS, buckets_per_chunk):
-        chosen = np.flatnonzero((buckets >= first_bucket)
-                                & (buckets < first_bucket + buckets_per_chunk))
+        chosen = np.flatnonzero(
+            (buckets >= first_bucket) & (buckets < first_bucket + buckets_per_chunk)
+        )
         if len(chosen) == 0:
             continue
         table, turns = spans_table(config, chosen, schema)
@@ -577,7 +746,15 @@ def write_store(store_dir: str, config: SyntheticConfig, buckets_per_chunk: int 
 
 def small(conversations: int = 200, seed: int = 1, **overrides) -> SyntheticConfig:
     """A small config for tests, with every scenario common enough to appear."""
-    base = SyntheticConfig(conversations=conversations, seed=seed, p_no_id=0.05,
-                           p_proxy_miss=0.05, p_prefix_mismatch=0.08, p_failed=0.05,
-                           p_slow=0.08, p_local_full=0.06, p_dropped=0.02)
+    base = SyntheticConfig(
+        conversations=conversations,
+        seed=seed,
+        p_no_id=0.05,
+        p_proxy_miss=0.05,
+        p_prefix_mismatch=0.08,
+        p_failed=0.05,
+        p_slow=0.08,
+        p_local_full=0.06,
+        p_dropped=0.02,
+    )
     return replace(base, **overrides)

@@ -46,9 +46,17 @@ def phase_column(phase: Phase) -> str:
 
 PHASE_COLUMNS = tuple(phase_column(p) for p in PHASES)
 # Columns this stage adds to the turn table (public: JSON, CSV, report).
-TIMELINE_COLUMNS = ("latency_s", "ttft_s", "ttft_source", "slowest_phase", "slowest_s",
-                    "slowest_share", "compute_saved_tokens", "compute_saved_s",
-                    "ttft_gained_s") + PHASE_COLUMNS
+TIMELINE_COLUMNS = (
+    "latency_s",
+    "ttft_s",
+    "ttft_source",
+    "slowest_phase",
+    "slowest_s",
+    "slowest_share",
+    "compute_saved_tokens",
+    "compute_saved_s",
+    "ttft_gained_s",
+) + PHASE_COLUMNS
 
 _T = col.Table
 _C = col.Cached  # what mark readers get: the turn table, each column converted once
@@ -78,20 +86,24 @@ def _always(c: _C) -> np.ndarray:
 def _or_vllm(column: str, role: str, ttft: bool = False) -> Reader:
     """A connector mark, else the same instant from vLLM's own request span (its start
     is vLLM's arrival time; its first token is that plus its TTFT)."""
+
     def read(c: _C) -> np.ndarray:
         vllm = c.num(f"vllm_{role}_start_ns") / 1e9
         if ttft:
             vllm = vllm + c.num(f"vllm_{role}_ttft_s")
         own = c.num(column)
         return np.where(np.isnan(own), vllm, own)
+
     vllm = f"vllm_{role}_start_ns" + (f" + vllm_{role}_ttft_s" if ttft else "")
     return _sourced(f"{column}, else {vllm}", read)
 
 
 def _requested(prefix: str) -> Reader:
     """When the worker was asked for a read: its start less its set-up (one span)."""
-    return _sourced(f"{prefix}_start_ns - {prefix}_setup_s",
-                    lambda c: c.num(f"{prefix}_start_ns") / 1e9 - c.num(f"{prefix}_setup_s"))
+    return _sourced(
+        f"{prefix}_start_ns - {prefix}_setup_s",
+        lambda c: c.num(f"{prefix}_start_ns") / 1e9 - c.num(f"{prefix}_setup_s"),
+    )
 
 
 _D_FIRST_TOKEN = _or_vllm("d_first_token_at", "d", True)
@@ -117,8 +129,7 @@ def _d_answered(c: _C) -> np.ndarray:
     return np.where(np.isnan(proxy), engine, proxy)
 
 
-_sourced("d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s",
-         _d_answered)
+_sourced("d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s", _d_answered)
 
 
 @dataclass(frozen=True)
@@ -152,15 +163,15 @@ def _read_done(c: _C) -> np.ndarray:
 
 def _handoff_applies(c: _C) -> np.ndarray:
     """D pulled P's KV (or did not say: its request span is missing too)."""
-    return (c.present("handoff_span_id") | c.present("d_kv_ready_at")
-            | ~c.present("d_request_span_id"))
+    return (
+        c.present("handoff_span_id") | c.present("d_kv_ready_at") | ~c.present("d_request_span_id")
+    )
 
 
 MARKS: tuple[Mark, ...] = (
     Mark("turn-start", _ns("turn_start_ns"), sc.SPAN_PROXY_TURN),
     Mark("p-sent", _col("p_sent_at"), sc.SPAN_PROXY_TURN),
-    Mark("p-retry-sent", _col("p_retry_sent_at"), sc.SPAN_PROXY_TURN,
-         _retried),
+    Mark("p-retry-sent", _col("p_retry_sent_at"), sc.SPAN_PROXY_TURN, _retried),
     Mark("p-arrived", _or_vllm("p_arrived_at", "p"), sc.SPAN_PREFILL_REQUEST),
     Mark("p-scheduled", _col("p_scheduled_at"), sc.SPAN_PREFILL_REQUEST),
     Mark("p-allocated", _col("p_allocated_at"), sc.SPAN_PREFILL_REQUEST),
@@ -223,11 +234,11 @@ def _missing_reason(mark: Mark, turns_row: Mapping[str, Any]) -> str:
         return f"the router's time: no kvobs proxy span to split it at mark {mark.name}"
     alternative = " or vLLM's own request span" if "vllm_" in mark.read.source else ""
     if mark.name == "first-token" and not turns_row.get("stream"):
-        return ("non-streamed turn: the proxy sees only the end of D's answer, and D's "
-                f"first token needs the {mark.span.name} span ({mark.span.service.value})"
-                + alternative)
-    return (f"no {mark.span.name} span ({mark.span.service.value}){alternative} for mark "
-            f"{mark.name}")
+        return (
+            "non-streamed turn: the proxy sees only the end of D's answer, and D's "
+            f"first token needs the {mark.span.name} span ({mark.span.service.value})" + alternative
+        )
+    return f"no {mark.span.name} span ({mark.span.service.value}){alternative} for mark {mark.name}"
 
 
 @dataclass
@@ -250,10 +261,16 @@ class Timeline:
         return None if self.slowest_phase is None else (self.slowest_phase, self.slowest_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"latency_s": self.latency_s, "ttft_s": self.ttft_s,
-                "ttft_source": self.ttft_source, "phases": self.phases,
-                "slowest_phase": self.slowest_phase, "slowest_share": self.slowest_share,
-                "unmeasured": self.unmeasured, "clock_skew": self.skew}
+        return {
+            "latency_s": self.latency_s,
+            "ttft_s": self.ttft_s,
+            "ttft_source": self.ttft_source,
+            "phases": self.phases,
+            "slowest_phase": self.slowest_phase,
+            "slowest_share": self.slowest_share,
+            "unmeasured": self.unmeasured,
+            "clock_skew": self.skew,
+        }
 
 
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
@@ -261,9 +278,19 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     ``add_timeline`` made, whose headline numbers it carries over), with merged phases
     named and why they could not be split."""
     value, status = marks.value[:, row], marks.status[:, row]
-    out = Timeline(**{name: turn.get(name) for name in (
-        "latency_s", "ttft_s", "ttft_source", "slowest_phase", "slowest_s",
-        "slowest_share")})
+    out = Timeline(
+        **{
+            name: turn.get(name)
+            for name in (
+                "latency_s",
+                "ttft_s",
+                "ttft_source",
+                "slowest_phase",
+                "slowest_s",
+                "slowest_share",
+            )
+        }
+    )
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
@@ -287,9 +314,14 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
                 out.unmeasured[merged] = f"measured only as {name}: " + "; ".join(gaps)
         if seconds < -SKEW_TOLERANCE_S:
             before, after = MARKS[i].span.service.value, MARKS[i + 1].span.service.value
-            out.skew.append(f"{name}: {seconds * 1000:.1f} ms " + (
-                f"(clocks of {before} and {after} disagree)" if before != after else
-                f"(marks of {before} out of order: one clock, so not skew)"))
+            out.skew.append(
+                f"{name}: {seconds * 1000:.1f} ms "
+                + (
+                    f"(clocks of {before} and {after} disagree)"
+                    if before != after
+                    else f"(marks of {before} out of order: one clock, so not skew)"
+                )
+            )
         out.phases[name] = seconds
         start, pending, gaps = value[i + 1], [], []
     for phase in pending:  # after the last known mark
@@ -298,12 +330,14 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
         out.unmeasured["latency"] = (
             "no kvobs.proxy.turn span: latency runs from the first engine mark (P's "
             "arrival) to D's last token; the client-facing edges (the router's before "
-            "P's arrival and after D's last token) are unseen")
+            "P's arrival and after D's last token) are unseen"
+        )
     return out
 
 
-def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
-                 ) -> tuple[_T, Marks, float | None]:
+def add_timeline(
+    turns: _T, prefill_tokens_per_s: float | None = None
+) -> tuple[_T, Marks, float | None]:
     """The turn table with ``TIMELINE_COLUMNS`` added in place (a phase's seconds when
     measured alone, 0 for a step the turn did not take, NaN when merged or missing; in
     place because a fleet table has millions of rows), the marks for ``timeline_of`` and
@@ -341,16 +375,22 @@ def add_timeline(turns: _T, prefill_tokens_per_s: float | None = None
     with np.errstate(invalid="ignore", divide="ignore"):
         share = np.where(has_best & (latency > 0), best_s / latency, np.nan)
     # Categorical: two names (and the phases') over millions of rows.
-    col.assign(turns, {
-        **dict(zip(PHASE_COLUMNS, phase_seconds)),
-        "latency_s": latency,
-        "ttft_s": np.where(ttft_known, value[_FIRST_TOKEN] - value[0], np.nan),
-        "ttft_source": col.Categories(np.where(ttft_known, np.where(streamed, 0, 1), -1),
-                                      ["proxy-stream", "engine"]),
-        "slowest_phase": col.Categories(np.where(has_best, best, -1),
-                                        [p.value for p in PHASES]),
-        "slowest_s": np.where(has_best, best_s, np.nan),
-        "slowest_share": share})
+    col.assign(
+        turns,
+        {
+            **dict(zip(PHASE_COLUMNS, phase_seconds)),
+            "latency_s": latency,
+            "ttft_s": np.where(ttft_known, value[_FIRST_TOKEN] - value[0], np.nan),
+            "ttft_source": col.Categories(
+                np.where(ttft_known, np.where(streamed, 0, 1), -1), ["proxy-stream", "engine"]
+            ),
+            "slowest_phase": col.Categories(
+                np.where(has_best, best, -1), [p.value for p in PHASES]
+            ),
+            "slowest_s": np.where(has_best, best_s, np.nan),
+            "slowest_share": share,
+        },
+    )
     rate = prefill_tokens_per_s or prefill_rate(c)
     _reuse_gain(c, rate)
     return turns, marks, rate
@@ -365,11 +405,17 @@ def _reuse_gain(c: _C, rate: float | None) -> None:
     tokens = c.num("offered_tokens") if "offered_tokens" in c else c.num("candidate_tokens")
     tokens = np.where(done, tokens, np.where(c.present("decision"), 0, np.nan))
     saved = tokens / rate if rate else np.full(len(c), np.nan)
-    cost = (np.nan_to_num(_first_of(c, phase_column(Phase.READ_SETUP), "read_setup_s"))
-            + _first_of(c, phase_column(Phase.READ), "read_duration_s"))
-    col.assign(c.turns, {
-        "compute_saved_tokens": tokens, "compute_saved_s": saved,
-        "ttft_gained_s": np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan))})
+    cost = np.nan_to_num(_first_of(c, phase_column(Phase.READ_SETUP), "read_setup_s")) + _first_of(
+        c, phase_column(Phase.READ), "read_duration_s"
+    )
+    col.assign(
+        c.turns,
+        {
+            "compute_saved_tokens": tokens,
+            "compute_saved_s": saved,
+            "ttft_gained_s": np.where(done, saved - cost, np.where(tokens == 0, 0.0, np.nan)),
+        },
+    )
 
 
 def _first_of(c: _C, *columns: str) -> np.ndarray:

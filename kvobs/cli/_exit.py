@@ -14,6 +14,5 @@ def fail_input(message: str) -> "NoReturn":  # noqa: F821
     from rich.markup import escape
 
     # Escaped: messages carry brackets (pip install 'kvobs[fleet]', ids, paths).
-    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False,
-                               soft_wrap=True)
+    Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(EXIT_INPUT)

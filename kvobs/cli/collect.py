@@ -11,37 +11,81 @@ from kvobs.settings import DECODE_TTL
 
 
 @click.command("collect")
-@click.option("--store-dir", required=True, type=click.Path(file_okay=False),
-              help="Store directory: spans are appended under its spans/ folder, final "
-                   "classified turns under turns/.")
+@click.option(
+    "--store-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Store directory: spans are appended under its spans/ folder, final "
+    "classified turns under turns/.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=4318, show_default=True, type=int)
-@click.option("--classify/--no-classify", default=True, show_default=True,
-              help="Classify every turn as its spans arrive (kvobs_turns_total on "
-                   "/metrics, /conversations/ID, turn rows under turns/).")
-@click.option("--decode-kv-ttl", type=click.FloatRange(min=1), default=DECODE_TTL.default,
-              show_default=True,
-              help="decoder_kv_blocks_ttl (s) of the decode engines: a conversation is "
-                   "held for twice this after its last span (a later turn can link to it "
-                   "only within the TTL).")
-@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Seconds a turn's classification must stay unchanged to be final "
-                   "(counted, written).")
-@click.option("--interval", type=click.FloatRange(min=0.05), default=1.0,
-              show_default=True, help="Seconds between classification passes.")
-@click.option("--turn-retention", type=click.FloatRange(min=3600), default=30 * 86400.0,
-              show_default=True, help="Seconds final turn rows are kept (hourly "
-                                      "partitions dropped whole).")
-@click.option("--turn-store", metavar="URL", default=None,
-              help="Where final turn rows go instead of STORE_DIR/turns/: ClickHouse, "
-                   "clickhouse://[USER:PASSWORD@]HOST:8123/DB[?turn_table=T] or chdb:PATH "
-                   "(a ReplacingMergeTree table with a TTL of --turn-retention; default "
-                   "table kvobs_turn_rows). kvobs turns --source URL reads them.")
-@click.option("--read-slo", type=float, default=None,
-              help="Read-latency SLO in seconds (slow-transfer above it).")
+@click.option(
+    "--classify/--no-classify",
+    default=True,
+    show_default=True,
+    help="Classify every turn as its spans arrive (kvobs_turns_total on "
+    "/metrics, /conversations/ID, turn rows under turns/).",
+)
+@click.option(
+    "--decode-kv-ttl",
+    type=click.FloatRange(min=1),
+    default=DECODE_TTL.default,
+    show_default=True,
+    help="decoder_kv_blocks_ttl (s) of the decode engines: a conversation is "
+    "held for twice this after its last span (a later turn can link to it "
+    "only within the TTL).",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a turn's classification must stay unchanged to be final (counted, written).",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Seconds between classification passes.",
+)
+@click.option(
+    "--turn-retention",
+    type=click.FloatRange(min=3600),
+    default=30 * 86400.0,
+    show_default=True,
+    help="Seconds final turn rows are kept (hourly partitions dropped whole).",
+)
+@click.option(
+    "--turn-store",
+    metavar="URL",
+    default=None,
+    help="Where final turn rows go instead of STORE_DIR/turns/: ClickHouse, "
+    "clickhouse://[USER:PASSWORD@]HOST:8123/DB[?turn_table=T] or chdb:PATH "
+    "(a ReplacingMergeTree table with a TTL of --turn-retention; default "
+    "table kvobs_turn_rows). kvobs turns --source URL reads them.",
+)
+@click.option(
+    "--read-slo",
+    type=float,
+    default=None,
+    help="Read-latency SLO in seconds (slow-transfer above it).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
-def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, turn_retention,
-            turn_store, read_slo, log_level):
+def command(
+    store_dir,
+    host,
+    port,
+    classify,
+    decode_kv_ttl,
+    grace,
+    interval,
+    turn_retention,
+    turn_store,
+    read_slo,
+    log_level,
+):
     """Receive OTLP/HTTP traces into STORE_DIR and classify every turn live.
 
     Spans come in as POST /v1/traces (protobuf or JSON); every turn is classified as its
@@ -52,8 +96,9 @@ def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, tur
     or a Collector's otlphttp exporter here. Prometheus scrapes /metrics;
     GET /conversations/ID answers one conversation (JSON; /html for a page).
     """
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if not classify:
         from kvobs.emit.collect import run
 
@@ -70,7 +115,16 @@ def command(store_dir, host, port, classify, decode_kv_ttl, grace, interval, tur
             turns = open_turn_rows(turn_store, turn_retention)
         except (SourceError, ImportError) as error:
             fail_input(f"--turn-store {turn_store}: {error}")
-    run(store_dir, host, port, LiveSettings(window_s=2 * decode_kv_ttl, grace_s=grace,
-                                            interval_s=interval,
-                                            turn_retention_s=turn_retention,
-                                            read_slo_s=read_slo), turns)
+    run(
+        store_dir,
+        host,
+        port,
+        LiveSettings(
+            window_s=2 * decode_kv_ttl,
+            grace_s=grace,
+            interval_s=interval,
+            turn_retention_s=turn_retention,
+            read_slo_s=read_slo,
+        ),
+        turns,
+    )

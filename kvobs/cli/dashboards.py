@@ -25,11 +25,19 @@ def _config_options(command):
     """``--config FILE`` and ``--set KEY=VALUE``: the monitoring knobs (thresholds, TTL,
     runbook URL, selectors) the dashboards are generated with."""
     command = click.option(
-        "--set", "overrides", multiple=True, metavar="KEY=VALUE",
-        help="Override one monitoring knob, e.g. decode_ttl_seconds=300 (repeatable).")(command)
+        "--set",
+        "overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one monitoring knob, e.g. decode_ttl_seconds=300 (repeatable).",
+    )(command)
     return click.option(
-        "--config", "config_file", type=click.Path(exists=True, dir_okay=False), default=None,
-        help="Monitoring config, YAML or TOML (deploy/monitoring.example.yaml).")(command)
+        "--config",
+        "config_file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="Monitoring config, YAML or TOML (deploy/monitoring.example.yaml).",
+    )(command)
 
 
 def _load_config(config_file: str | None, overrides: tuple[str, ...]):
@@ -47,19 +55,44 @@ def dashboards_group() -> None:
 
 
 @dashboards_group.command("import")
-@click.option("--url", required=True, envvar=ENV_GRAFANA_URL, show_envvar=True,
-              help="Grafana base URL, e.g. http://localhost:3000.")
-@click.option("--token", envvar=ENV_GRAFANA_TOKEN, show_envvar=True, default=None,
-              help="Service-account token (or put user:password in the URL).")
+@click.option(
+    "--url",
+    required=True,
+    envvar=ENV_GRAFANA_URL,
+    show_envvar=True,
+    help="Grafana base URL, e.g. http://localhost:3000.",
+)
+@click.option(
+    "--token",
+    envvar=ENV_GRAFANA_TOKEN,
+    show_envvar=True,
+    default=None,
+    help="Service-account token (or put user:password in the URL).",
+)
 @click.option("--folder", default=None, help="Folder title; created when missing.")
-@click.option("--overwrite/--no-overwrite", default=False, show_default=True,
-              help="Replace a dashboard with the same uid.")
-@click.option("--datasource-uid", envvar=ENV_DATASOURCE_UID, show_envvar=True, default=None,
-              help="Prometheus data source uid the datasource variable defaults to.")
+@click.option(
+    "--overwrite/--no-overwrite",
+    default=False,
+    show_default=True,
+    help="Replace a dashboard with the same uid.",
+)
+@click.option(
+    "--datasource-uid",
+    envvar=ENV_DATASOURCE_UID,
+    show_envvar=True,
+    default=None,
+    help="Prometheus data source uid the datasource variable defaults to.",
+)
 @_config_options
-def import_command(url: str, token: str | None, folder: str | None, overwrite: bool,
-                   datasource_uid: str | None, config_file: str | None,
-                   overrides: tuple[str, ...]) -> None:
+def import_command(
+    url: str,
+    token: str | None,
+    folder: str | None,
+    overwrite: bool,
+    datasource_uid: str | None,
+    config_file: str | None,
+    overrides: tuple[str, ...],
+) -> None:
     """Import every kvobs dashboard into the Grafana at --url."""
     config = _load_config(config_file, overrides)
     try:
@@ -70,8 +103,9 @@ def import_command(url: str, token: str | None, folder: str | None, overwrite: b
         _needs_extra(error)
     try:
         api = grafana.connect(url, token)
-        results = grafana.import_dashboards(api, folder=folder, overwrite=overwrite,
-                                            datasource_uid=datasource_uid, config=config)
+        results = grafana.import_dashboards(
+            api, folder=folder, overwrite=overwrite, datasource_uid=datasource_uid, config=config
+        )
     except ImportError as error:
         _needs_extra(error)
     except GrafanaException as error:
@@ -80,21 +114,34 @@ def import_command(url: str, token: str | None, folder: str | None, overwrite: b
         fail_input(f"cannot reach Grafana at {url}: {error}")
     out = console()
     for result in results:
-        out.print(f"imported {result.uid} ({result.title}) {result.url}".rstrip(),
-                  highlight=False)
+        out.print(f"imported {result.uid} ({result.title}) {result.url}".rstrip(), highlight=False)
 
 
 @dashboards_group.command("export")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--datasource-uid", envvar=ENV_DATASOURCE_UID, show_envvar=True, default=None,
-              help="Prometheus data source uid the datasource variable defaults to.")
-@click.option("--provider", "provider_folder", default=None, metavar="FOLDER",
-              help="Also write kvobs-provider.yaml, a Grafana provisioning provider for "
-                   "DIRECTORY that files the dashboards under FOLDER.")
+@click.option(
+    "--datasource-uid",
+    envvar=ENV_DATASOURCE_UID,
+    show_envvar=True,
+    default=None,
+    help="Prometheus data source uid the datasource variable defaults to.",
+)
+@click.option(
+    "--provider",
+    "provider_folder",
+    default=None,
+    metavar="FOLDER",
+    help="Also write kvobs-provider.yaml, a Grafana provisioning provider for "
+    "DIRECTORY that files the dashboards under FOLDER.",
+)
 @_config_options
-def export_command(directory: str, datasource_uid: str | None,
-                   provider_folder: str | None, config_file: str | None,
-                   overrides: tuple[str, ...]) -> None:
+def export_command(
+    directory: str,
+    datasource_uid: str | None,
+    provider_folder: str | None,
+    config_file: str | None,
+    overrides: tuple[str, ...],
+) -> None:
     """Write every kvobs dashboard as JSON into DIRECTORY (Grafana file provisioning)."""
     from pathlib import Path
 

@@ -6,8 +6,15 @@ import sys
 
 import click
 
-from kvobs.cli._common import (console, exit_status, fail_input, load_source,
-                               print_source_problems, slo_option, source_option)
+from kvobs.cli._common import (
+    console,
+    exit_status,
+    fail_input,
+    load_source,
+    print_source_problems,
+    slo_option,
+    source_option,
+)
 from kvobs.diagnose import AmbiguousConversation, UnknownConversation, diagnose
 from kvobs.render import print_diagnosis, to_json
 
@@ -16,13 +23,26 @@ from kvobs.render import print_diagnosis, to_json
 @click.argument("conversation_id")
 @source_option
 @slo_option
-@click.option("--prefill-rate", type=float, default=None,
-              help="P compute rate in tokens/s (default: measured from the conversation).")
-@click.option("--decode-token-time", "decode_token_s", type=float, default=None,
-              help="Typical decode seconds per output token (default: measured from the "
-                   "conversation). The live classifier says which rate and time it used.")
-@click.option("--tenant", default=None, metavar="DIGEST",
-              help="Tenant digest (as spans carry it) when several tenants use the id.")
+@click.option(
+    "--prefill-rate",
+    type=float,
+    default=None,
+    help="P compute rate in tokens/s (default: measured from the conversation).",
+)
+@click.option(
+    "--decode-token-time",
+    "decode_token_s",
+    type=float,
+    default=None,
+    help="Typical decode seconds per output token (default: measured from the "
+    "conversation). The live classifier says which rate and time it used.",
+)
+@click.option(
+    "--tenant",
+    default=None,
+    metavar="DIGEST",
+    help="Tenant digest (as spans carry it) when several tenants use the id.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, tenant, as_json):
     """Classify every turn of CONVERSATION_ID and explain it.
@@ -32,19 +52,21 @@ def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, ten
     """
     span_source = load_source(source)
     try:
-        result = diagnose(span_source, conversation_id, read_slo, prefill_rate, tenant,
-                          decode_token_s)
+        result = diagnose(
+            span_source, conversation_id, read_slo, prefill_rate, tenant, decode_token_s
+        )
     except UnknownConversation as unknown:
         print_source_problems(span_source.problems, machine_readable=True)
         hint = f"; near matches: {', '.join(unknown.near)}" if unknown.near else ""
         scope = f" for tenant {unknown.tenant}" if unknown.tenant is not None else ""
-        fail_input(f"unknown conversation id {unknown.conversation_id!r}{scope} in "
-                   f"{source}{hint}")
+        fail_input(f"unknown conversation id {unknown.conversation_id!r}{scope} in {source}{hint}")
     except AmbiguousConversation as ambiguous:
         print_source_problems(span_source.problems, machine_readable=True)
-        fail_input(f"conversation id {ambiguous.conversation_id!r} is used by "
-                   f"{len(ambiguous.tenants)} tenants ({', '.join(ambiguous.tenants)}); "
-                   f"they are separate conversations: pass --tenant DIGEST")
+        fail_input(
+            f"conversation id {ambiguous.conversation_id!r} is used by "
+            f"{len(ambiguous.tenants)} tenants ({', '.join(ambiguous.tenants)}); "
+            f"they are separate conversations: pass --tenant DIGEST"
+        )
     if as_json:
         click.echo(to_json(result.to_dict()))
         print_source_problems(result.problems, machine_readable=True)

@@ -10,11 +10,18 @@ import sys
 
 import click
 
-from kvobs.cli._common import (EXIT_OK, console, fail_input, fail_on_option,
-                               fleet_exit_status, load_source, print_source_problems,
-                               slo_option, source_option)
-from kvobs.render import (byte_size, duration, fault_count, number, plural, to_json,
-                          total_seconds)
+from kvobs.cli._common import (
+    EXIT_OK,
+    console,
+    fail_input,
+    fail_on_option,
+    fleet_exit_status,
+    load_source,
+    print_source_problems,
+    slo_option,
+    source_option,
+)
+from kvobs.render import byte_size, duration, fault_count, number, plural, to_json, total_seconds
 from kvobs.settings import MIN_CACHED_TOKEN_DELTA
 
 
@@ -52,19 +59,33 @@ def _check_since(ctx, param, value: str | None) -> str | None:
 @click.command("report")
 @source_option
 @slo_option
-@click.option("--prefill-rate", type=float, default=None,
-              help="P compute rate in tokens/s (default: measured).")
-@click.option("--since", default=None, callback=_check_since,
-              help="Only turns since: a duration back from the newest turn (90s, 30min, "
-                   "1h30m, 7d: pandas Timedelta syntax) or an ISO-8601 instant (UTC unless "
-                   "it names a zone).")
+@click.option(
+    "--prefill-rate",
+    type=float,
+    default=None,
+    help="P compute rate in tokens/s (default: measured).",
+)
+@click.option(
+    "--since",
+    default=None,
+    callback=_check_since,
+    help="Only turns since: a duration back from the newest turn (90s, 30min, "
+    "1h30m, 7d: pandas Timedelta syntax) or an ISO-8601 instant (UTC unless "
+    "it names a zone).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False), default=None,
-              help="Also write an HTML report with plots to this file (needs matplotlib).")
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write an HTML report with plots to this file (needs matplotlib).",
+)
 @click.option("--conversation", default=None, help="Conversation for the HTML waterfall.")
 @fail_on_option
-def report_command(source, read_slo, prefill_rate, since, as_json, html_file, conversation,
-                   fail_on):
+def report_command(
+    source, read_slo, prefill_rate, since, as_json, html_file, conversation, fail_on
+):
     """Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D memory, by
     turn index and prompt length, and the phases that cost the fleet most (turn 1
     apart)."""
@@ -122,40 +143,50 @@ def _print_report(report, html_file) -> None:
 
     out = console()
     tag = " [bold yellow](SYNTHETIC data)[/]" if report.synthetic else ""
-    out.print(f"source {report.source}: {plural(report.conversations, 'conversation')}, "
-              f"{plural(report.turns, 'turn')}{tag}; prefill rate "
-              f"{_num(report.prefill_tokens_per_s)} tokens/s")
+    out.print(
+        f"source {report.source}: {plural(report.conversations, 'conversation')}, "
+        f"{plural(report.turns, 'turn')}{tag}; prefill rate "
+        f"{_num(report.prefill_tokens_per_s)} tokens/s"
+    )
     rows = [("1", "all", report.first_turn), ("2+", "all", report.later_turns)]
-    rows += [(row["turn_bucket"], "all", row) for row in report.by_turn
-             if row["turn_bucket"] != "1"]
+    rows += [
+        (row["turn_bucket"], "all", row) for row in report.by_turn if row["turn_bucket"] != "1"
+    ]
     order = {bucket: i for i, bucket in enumerate(sc.PROMPT_BUCKET_VALUES)}
-    rows += [("2+", row["prompt_bucket"], row) for row in
-             sorted(report.by_prompt, key=lambda row: order.get(row["prompt_bucket"], 99))]
+    rows += [
+        ("2+", row["prompt_bucket"], row)
+        for row in sorted(report.by_prompt, key=lambda row: order.get(row["prompt_bucket"], 99))
+    ]
 
     def table(columns):
         headers = ["turns", "prompt", *(header for header, _ in columns)]
-        built = compact_table("by turn index and prompt length", headers,
-                              frozenset(headers[2:]))
+        built = compact_table("by turn index and prompt length", headers, frozenset(headers[2:]))
         for scope, prompt, row in rows:
             built.add_row(scope, prompt, *(cell(row) for _, cell in columns))
         return built
 
     narrow = tuple(c for c in _REPORT_COLUMNS if not c[0].endswith("p95"))
-    out.print(widest_fitting(out, [table(_REPORT_COLUMNS + _REPORT_WIDE),
-                                   table(_REPORT_COLUMNS), table(narrow)]))
+    out.print(
+        widest_fitting(
+            out, [table(_REPORT_COLUMNS + _REPORT_WIDE), table(_REPORT_COLUMNS), table(narrow)]
+        )
+    )
     for scope, prompt, row in rows:
-        mix = ", ".join(f"{verdict} {n:,} ({n / row['turns']:.0%})"
-                        for verdict, n in row["verdicts"].items())
+        mix = ", ".join(
+            f"{verdict} {n:,} ({n / row['turns']:.0%})" for verdict, n in row["verdicts"].items()
+        )
         out.print(f"verdicts, turns {scope}, prompt {prompt}: {mix}", highlight=False)
     for scope, title in (("first_turn", "turn 1"), ("later_turns", "later turns")):
         out.print(_phase_table(report.phases[scope], title))
     memory = report.memory
-    out.print(f"D memory held for reuse: {memory['block_seconds_held']:,.0f} block-s over "
-              f"{plural(memory['exports'], 'export')}; {_pct(memory['read_share_of_blocks'])} "
-              f"of exported blocks were ever read; "
-              f"{memory['block_seconds_never_read']:,.0f} block-s held for nothing"
-              + (f"; {number(memory['gib_hours_held'])} GiB-h"
-                 if memory.get("gib_hours_held") else ""), highlight=False)
+    out.print(
+        f"D memory held for reuse: {memory['block_seconds_held']:,.0f} block-s over "
+        f"{plural(memory['exports'], 'export')}; {_pct(memory['read_share_of_blocks'])} "
+        f"of exported blocks were ever read; "
+        f"{memory['block_seconds_never_read']:,.0f} block-s held for nothing"
+        + (f"; {number(memory['gib_hours_held'])} GiB-h" if memory.get("gib_hours_held") else ""),
+        highlight=False,
+    )
     out.print(_retention_line(report.retention), highlight=False)
     _print_follow_up(out, report.extras["drill_down"])
     if html_file:
@@ -170,25 +201,35 @@ def _print_follow_up(out, drill) -> None:
     from kvobs.render import compact_table, widest_fitting
 
     rows = drill["rows"]
-    out.print(f"turns to follow up: {plural(drill['fault_turns'], 'turn')} with a fault "
-              f"verdict, {plural(drill['slow_turns'], 'slow turn')} (healthy, latency at or "
-              "above its scope's p95)" + ("" if rows else ": none"), highlight=False)
+    out.print(
+        f"turns to follow up: {plural(drill['fault_turns'], 'turn')} with a fault "
+        f"verdict, {plural(drill['slow_turns'], 'slow turn')} (healthy, latency at or "
+        "above its scope's p95)" + ("" if rows else ": none"),
+        highlight=False,
+    )
     if not rows:
         return
+
     def cause(row) -> str:
         share = row["top_cause_share"]
         return (row["top_cause"] or "-") + (
-            f" {share:.0%}" if row["top_cause"] and share is not None else "")
+            f" {share:.0%}" if row["top_cause"] and share is not None else ""
+        )
 
-    columns = [("", lambda row: row["kind"]),
-               ("conversation", lambda row: escape(row["conversation_id"])),
-               ("turn", lambda row: str(row["turn"])), ("verdict", lambda row: row["verdict"]),
-               ("latency", lambda row: duration(row["latency_s"])), ("top cause", cause),
-               ("trace id", lambda row: row["trace_id"] or "-")]
+    columns = [
+        ("", lambda row: row["kind"]),
+        ("conversation", lambda row: escape(row["conversation_id"])),
+        ("turn", lambda row: str(row["turn"])),
+        ("verdict", lambda row: row["verdict"]),
+        ("latency", lambda row: duration(row["latency_s"])),
+        ("top cause", cause),
+        ("trace id", lambda row: row["trace_id"] or "-"),
+    ]
 
     def table(shown):
-        built = compact_table("faulty and slow turns", [h for h, _ in shown],
-                              frozenset({"turn", "latency"}))
+        built = compact_table(
+            "faulty and slow turns", [h for h, _ in shown], frozenset({"turn", "latency"})
+        )
         for row in rows:
             built.add_row(*(cell(row) for _, cell in shown))
         return built
@@ -197,8 +238,11 @@ def _print_follow_up(out, drill) -> None:
     out.print(widest_fitting(out, [table(columns), table(columns[:-1]), table(columns[:-2])]))
     hidden = (drill["fault_turns"] + drill["slow_turns"]) - len(rows)
     if hidden:
-        out.print(f"{plural(hidden, 'more turn')} not listed: kvobs turns --source SOURCE "
-                  "--format csv lists every turn", highlight=False)
+        out.print(
+            f"{plural(hidden, 'more turn')} not listed: kvobs turns --source SOURCE "
+            "--format csv lists every turn",
+            highlight=False,
+        )
     out.print("explain them (verdict, evidence, remedy, phases):", highlight=False)
     for command in dict.fromkeys(row["command"] for row in rows):
         out.print(f"  {escape(command)}", highlight=False, soft_wrap=True)
@@ -207,15 +251,22 @@ def _print_follow_up(out, drill) -> None:
 def _retention_line(retention) -> str:
     """Retention cost in each place and what it bought, in one line."""
     device, host = retention["device"], retention["host"]
-    held = (f"{number(device['gib_hours'])} GiB-h" if device["gib_hours"] is not None
-            else f"{device['block_seconds']:,.0f} block-s")
-    line = (f"retention cost: D {held} for {plural(device['tokens_served'], 'token')} read "
-            f"later; host tier {number(host['gib_hours'])} GiB-h (evicted copies) for "
-            f"{plural(host['tokens_served'], 'token')} loaded later")
+    held = (
+        f"{number(device['gib_hours'])} GiB-h"
+        if device["gib_hours"] is not None
+        else f"{device['block_seconds']:,.0f} block-s"
+    )
+    line = (
+        f"retention cost: D {held} for {plural(device['tokens_served'], 'token')} read "
+        f"later; host tier {number(host['gib_hours'])} GiB-h (evicted copies) for "
+        f"{plural(host['tokens_served'], 'token')} loaded later"
+    )
     if host["copies_still_held"]:
-        line += (f"; {plural(host['copies_still_held'], 'host copy', 'host copies')} still "
-                 f"held (>= {number(host['byte_seconds_still_held_at_least'] / 2**30 / 3600)}"
-                 " GiB-h)")
+        line += (
+            f"; {plural(host['copies_still_held'], 'host copy', 'host copies')} still "
+            f"held (>= {number(host['byte_seconds_still_held_at_least'] / 2**30 / 3600)}"
+            " GiB-h)"
+        )
     return line
 
 
@@ -224,30 +275,53 @@ def _phase_table(section, title):
     rest."""
     from rich.table import Table
 
-    table = Table(title=f"where the time went, {title}: "
-                        f"{plural(section['timed_turns'], 'turn')} "
-                        f"with a latency, {total_seconds(section['latency_s'])} in all "
-                        "(phases ranked by total)")
+    table = Table(
+        title=f"where the time went, {title}: "
+        f"{plural(section['timed_turns'], 'turn')} "
+        f"with a latency, {total_seconds(section['latency_s'])} in all "
+        "(phases ranked by total)"
+    )
     for header in ("#", "phase", "total", "share", "p50", "p95", "slowest in"):
         table.add_column(header, justify="left" if header == "phase" else "right")
     spent = [row for row in section["phases"] if row["total_s"] or row["slowest_turns"]]
     for rank, row in enumerate(spent, 1):
-        table.add_row(str(rank), row["phase"], total_seconds(row["total_s"]),
-                      _pct(row["share"]), duration(row["p50_s"]), duration(row["p95_s"]),
-                      f"{row['slowest_turns']:,}")
+        table.add_row(
+            str(rank),
+            row["phase"],
+            total_seconds(row["total_s"]),
+            _pct(row["share"]),
+            duration(row["p50_s"]),
+            duration(row["p95_s"]),
+            f"{row['slowest_turns']:,}",
+        )
     if section["unmeasured_turns"]:
-        table.add_row("", f"unmeasured ({plural(section['unmeasured_turns'], 'turn')})",
-                      total_seconds(section["unmeasured_s"]),
-                      _pct(section["unmeasured_share"]), "", "", "")
+        table.add_row(
+            "",
+            f"unmeasured ({plural(section['unmeasured_turns'], 'turn')})",
+            total_seconds(section["unmeasured_s"]),
+            _pct(section["unmeasured_share"]),
+            "",
+            "",
+            "",
+        )
     return table
 
 
 @click.command("tune")
 @source_option
-@click.option("--prefill-rate", type=float, default=None,
-              help="P compute rate in tokens/s (default: measured).")
-@click.option("--target", type=float, default=0.95, show_default=True,
-              help="Recommended TTL reaches this share of the best hit ratio on the grid.")
+@click.option(
+    "--prefill-rate",
+    type=float,
+    default=None,
+    help="P compute rate in tokens/s (default: measured).",
+)
+@click.option(
+    "--target",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Recommended TTL reaches this share of the best hit ratio on the grid.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def tune_command(source, prefill_rate, target, as_json):
     """Recommend kv_recompute_threshold, decoder_kv_blocks_ttl and the proxy entry
@@ -269,11 +343,13 @@ def tune_command(source, prefill_rate, target, as_json):
     for line in result.arithmetic:
         out.print(line, highlight=False)
     interval = trust.break_even_interval
-    out.print(f"sample: {trust.reads:,} reads (read-cost fit), {trust.later_turns:,} later "
-              f"turns (TTL replay)"
-              + (f"; break-even {interval_text(interval)} (bootstrap over reads)"
-                 if interval else "")
-              + f"; confidence [bold]{trust.level}[/]", highlight=False)
+    out.print(
+        f"sample: {trust.reads:,} reads (read-cost fit), {trust.later_turns:,} later "
+        f"turns (TTL replay)"
+        + (f"; break-even {interval_text(interval)} (bootstrap over reads)" if interval else "")
+        + f"; confidence [bold]{trust.level}[/]",
+        highlight=False,
+    )
     for warning in trust.warnings:
         out.print(f"[yellow]warning:[/] {warning}", highlight=False)
     table = Table(title="TTL candidates (replayed over the recorded turns)")
@@ -281,36 +357,63 @@ def tune_command(source, prefill_rate, target, as_json):
         table.add_column(header, justify="right")
     for row in result.ttl_table:
         mark = " *" if row["ttl_s"] == result.recommended_ttl_s else ""
-        table.add_row(f"{row['ttl_s']:.0f}{mark}", f"{row['reuse_window_s']:.0f}",
-                      f"{row['hits']:,}", _pct(row["hit_ratio"]), f"{row['block_seconds']:,.0f}")
+        table.add_row(
+            f"{row['ttl_s']:.0f}{mark}",
+            f"{row['reuse_window_s']:.0f}",
+            f"{row['hits']:,}",
+            _pct(row["hit_ratio"]),
+            f"{row['block_seconds']:,.0f}",
+        )
     out.print(table)
     sys.exit(EXIT_OK)
 
 
 @click.command("whatif")
 @source_option
-@click.option("--ttl", type=float, default=None,
-              help="decoder_kv_blocks_ttl to replay (s); with --placement: as recorded "
-                   "unless given.")
-@click.option("--threshold", type=int, default=None,
-              help="kv_recompute_threshold to replay; with --placement: as recorded "
-                   "unless given.")
-@click.option("--placement", is_flag=True,
-              help="Compare keeping each conversation's KV on D, in the host tier "
-                   "instead, or in both: retention cost and reuse for the same turns.")
-@click.option("--min-cached-token-delta", type=int,
-              default=int(MIN_CACHED_TOKEN_DELTA.default), show_default=True,
-              help="With --placement: the router's gate for the host path (llm-d's "
-                   "minCachedTokenDelta): fewer extra tokens cached there, P recomputes.")
-@click.option("--proxy-lifetime", type=float, default=None,
-              help="Proxy entry lifetime (s) every proxy replays with (default: each as "
-                   "recorded, its entries moving with the TTL as the kvobs proxy derives "
-                   "them: TTL less its --expiry-margin).")
-@click.option("--prefill-rate", type=float, default=None,
-              help="P compute rate in tokens/s (default: measured).")
+@click.option(
+    "--ttl",
+    type=float,
+    default=None,
+    help="decoder_kv_blocks_ttl to replay (s); with --placement: as recorded unless given.",
+)
+@click.option(
+    "--threshold",
+    type=int,
+    default=None,
+    help="kv_recompute_threshold to replay; with --placement: as recorded unless given.",
+)
+@click.option(
+    "--placement",
+    is_flag=True,
+    help="Compare keeping each conversation's KV on D, in the host tier "
+    "instead, or in both: retention cost and reuse for the same turns.",
+)
+@click.option(
+    "--min-cached-token-delta",
+    type=int,
+    default=int(MIN_CACHED_TOKEN_DELTA.default),
+    show_default=True,
+    help="With --placement: the router's gate for the host path (llm-d's "
+    "minCachedTokenDelta): fewer extra tokens cached there, P recomputes.",
+)
+@click.option(
+    "--proxy-lifetime",
+    type=float,
+    default=None,
+    help="Proxy entry lifetime (s) every proxy replays with (default: each as "
+    "recorded, its entries moving with the TTL as the kvobs proxy derives "
+    "them: TTL less its --expiry-margin).",
+)
+@click.option(
+    "--prefill-rate",
+    type=float,
+    default=None,
+    help="P compute rate in tokens/s (default: measured).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def whatif_command(source, ttl, threshold, placement, min_cached_token_delta, proxy_lifetime,
-                   prefill_rate, as_json):
+def whatif_command(
+    source, ttl, threshold, placement, min_cached_token_delta, proxy_lifetime, prefill_rate, as_json
+):
     """Replay recorded turns under another TTL and threshold: predicted verdict mix, hits
     and memory against what happened. With --placement: the same turns had their KV
     been kept on D, in the host tier, or both."""
@@ -341,14 +444,20 @@ def whatif_command(source, ttl, threshold, placement, min_cached_token_delta, pr
         a, p = actual["verdicts"].get(verdict, 0), predicted["verdicts"].get(verdict, 0)
         if a or p:
             table.add_row(verdict, f"{a:,}", f"{p:,}")
-    table.add_row("remote-hit ratio", _pct(actual["remote_hit_ratio"]),
-                  _pct(predicted["remote_hit_ratio"]))
-    table.add_row("reused tokens", f"{actual['reused_tokens']:,}",
-                  f"{predicted['reused_tokens']:,}")
-    table.add_row("computed tokens", f"{actual['computed_tokens']:,}",
-                  f"{predicted['computed_tokens']:,}")
-    table.add_row("D block-s held", f"{actual['block_seconds_held']:,.0f}",
-                  f"{predicted['block_seconds_held']:,.0f}")
+    table.add_row(
+        "remote-hit ratio", _pct(actual["remote_hit_ratio"]), _pct(predicted["remote_hit_ratio"])
+    )
+    table.add_row(
+        "reused tokens", f"{actual['reused_tokens']:,}", f"{predicted['reused_tokens']:,}"
+    )
+    table.add_row(
+        "computed tokens", f"{actual['computed_tokens']:,}", f"{predicted['computed_tokens']:,}"
+    )
+    table.add_row(
+        "D block-s held",
+        f"{actual['block_seconds_held']:,.0f}",
+        f"{predicted['block_seconds_held']:,.0f}",
+    )
     out.print(table)
     out.print(f"{result.changed_turns:,} turns change verdict")
     sys.exit(EXIT_OK)
@@ -366,29 +475,43 @@ def _placement(labelled, delta, ttl, threshold, prefill_rate, as_json) -> None:
         sys.exit(EXIT_OK)
     out = console()
     columns = {"recorded": result.recorded, **result.places}
-    table = Table(title=f"where the KV waits: {result.later_turns:,} later turns "
-                        f"(host gate minCachedTokenDelta {delta:,} tokens)")
+    table = Table(
+        title=f"where the KV waits: {result.later_turns:,} later turns "
+        f"(host gate minCachedTokenDelta {delta:,} tokens)"
+    )
     for header in ("", "recorded", *(f"keep on {p}" for p in PLACES)):
         table.add_column(header, justify="right")
     for verdict in VERDICT_VALUES:
         counts = [c["verdicts"].get(verdict, 0) for c in columns.values()]
         if any(counts):
             table.add_row(verdict, *(f"{n:,}" for n in counts))
-    for key, label in (("turns_served_by_device", "turns served by D"),
-                       ("turns_served_by_host", "turns served by the host tier"),
-                       ("tokens_served_by_device", "tokens served by D"),
-                       ("tokens_served_by_host", "tokens served by the host tier")):
+    for key, label in (
+        ("turns_served_by_device", "turns served by D"),
+        ("turns_served_by_host", "turns served by the host tier"),
+        ("tokens_served_by_device", "tokens served by D"),
+        ("tokens_served_by_host", "tokens served by the host tier"),
+    ):
         table.add_row(label, *(f"{c[key]:,}" for c in columns.values()))
-    for key, label in (("device_block_seconds", "D block-s held"),
-                       ("device_gib_hours", "D GiB-h held"),
-                       ("host_byte_seconds", "host byte-s held"),
-                       ("host_gib_hours", "host GiB-h held")):
-        table.add_row(label, *(_num(c.get(key)) if "block" in key or "byte" in key
-                               else _gib(c.get(key)) for c in columns.values()))
+    for key, label in (
+        ("device_block_seconds", "D block-s held"),
+        ("device_gib_hours", "D GiB-h held"),
+        ("host_byte_seconds", "host byte-s held"),
+        ("host_gib_hours", "host GiB-h held"),
+    ):
+        table.add_row(
+            label,
+            *(
+                _num(c.get(key)) if "block" in key or "byte" in key else _gib(c.get(key))
+                for c in columns.values()
+            ),
+        )
     out.print(table)
-    out.print(f"bytes per token {_num(result.bytes_per_token)}, tokens per D block "
-              f"{_num(result.tokens_per_block)}; host-tier evictions "
-              f"{result.host_evictions}", highlight=False)
+    out.print(
+        f"bytes per token {_num(result.bytes_per_token)}, tokens per D block "
+        f"{_num(result.tokens_per_block)}; host-tier evictions "
+        f"{result.host_evictions}",
+        highlight=False,
+    )
     sys.exit(EXIT_OK)
 
 

@@ -16,13 +16,22 @@ def group():
 
 @group.command("compact")
 @click.argument("store_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--quiet-for", "quiet_s", type=click.FloatRange(min=0), default=QUIET_S,
-              show_default=True, metavar="SECONDS",
-              help="Also take a kvobs writer's active segment not written for this long "
-                   "(sealed under the writer's lock: safe while it runs).")
-@click.option("--writers-stopped", is_flag=True,
-              help="No writer runs any more (a copied store, a stopped Collector): take "
-                   "every live file, active ones included.")
+@click.option(
+    "--quiet-for",
+    "quiet_s",
+    type=click.FloatRange(min=0),
+    default=QUIET_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="Also take a kvobs writer's active segment not written for this long "
+    "(sealed under the writer's lock: safe while it runs).",
+)
+@click.option(
+    "--writers-stopped",
+    is_flag=True,
+    help="No writer runs any more (a copied store, a stopped Collector): take "
+    "every live file, active ones included.",
+)
 def compact_command(store_dir, quiet_s, writers_stopped):
     """Move the live OTLP-JSON segments of STORE_DIR no writer appends to any more
     (rotated away, or idle: see --quiet-for) into indexed parquet, each file with its

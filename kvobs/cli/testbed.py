@@ -39,18 +39,22 @@ if present:
 
 def vllm_problem() -> str | None:
     """Why the engines could not start vLLM, with the fix; None when nothing is wrong."""
-    probe = subprocess.run([sys.executable, "-c", _VLLM_PROBE, *TORCH_COMPANIONS],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", _VLLM_PROBE, *TORCH_COMPANIONS], capture_output=True, text=True
+    )
     if probe.returncode == 0:
         return None
     lines = probe.stderr.strip().splitlines() or ["no error output"]
     present = probe.stdout.split()
     if not present:
-        return (f"the testbed needs vLLM ({lines[-1]}): pip install 'kvobs[testbed]' "
-                "(README, Install)")
-    return (f"import vllm fails ({lines[-1]}) with {', '.join(present)} installed next to "
-            f"the CPU torch; the testbed does not use them: pip uninstall -y "
-            f"{' '.join(present)}")
+        return (
+            f"the testbed needs vLLM ({lines[-1]}): pip install 'kvobs[testbed]' (README, Install)"
+        )
+    return (
+        f"import vllm fails ({lines[-1]}) with {', '.join(present)} installed next to "
+        f"the CPU torch; the testbed does not use them: pip uninstall -y "
+        f"{' '.join(present)}"
+    )
 
 
 def _require_vllm() -> None:
@@ -85,29 +89,44 @@ def testbed_group():
 
 @testbed_group.command("run")
 @click.argument("scenario", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Output directory (spans, logs, metrics, results); usable as --source.")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Output directory (spans, logs, metrics, results); usable as --source.",
+)
 def run_command(scenario, out):
     """Run SCENARIO (TOML, see docs/scenarios.md) against freshly started engines."""
     _require_vllm()
     _, results = run_to_dir(scenario, out)
     failed = [r for r in results if not r.ok]
-    console().print(f"{len(results)} turns, {len(failed)} not answered; diagnose with "
-                    f"`kvobs diagnose ID --source {out}`")
+    console().print(
+        f"{len(results)} turns, {len(failed)} not answered; diagnose with "
+        f"`kvobs diagnose ID --source {out}`"
+    )
 
 
 @click.command("demo")
-@click.option("--out", "out", default=None, type=click.Path(file_okay=False),
-              help="Output directory (default: a fresh temporary folder, printed).")
-@click.option("--scenario", default=str(DEMO_SCENARIO), show_default=True,
-              type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--out",
+    "out",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Output directory (default: a fresh temporary folder, printed).",
+)
+@click.option(
+    "--scenario",
+    default=str(DEMO_SCENARIO),
+    show_default=True,
+    type=click.Path(exists=True, dir_okay=False),
+)
 def demo_command(out, scenario):
     """Bring up the testbed, run a scenario with every verdict, and diagnose it."""
     from kvobs.diagnose import diagnose
     from kvobs.render import print_diagnosis
     from kvobs.sources import open_source
-    from kvobs.testbed.check import (accounting_errors, cause_mismatches, diagnosed_turns,
-                                     mismatches)
+    from kvobs.testbed.check import accounting_errors, cause_mismatches, diagnosed_turns, mismatches
 
     _require_vllm()
     out = out or tempfile.mkdtemp(prefix="kvobs-demo-")
@@ -116,17 +135,18 @@ def demo_command(out, scenario):
     spec, results = run_to_dir(scenario, out)
     source = open_source(out)
     diagnosed = diagnosed_turns(source, results)
-    shown = sorted({(d.conversation_id, d.tenant) for d in diagnosed.values()
-                    if d is not None})
+    shown = sorted({(d.conversation_id, d.tenant) for d in diagnosed.values() if d is not None})
     for conversation_id, tenant in shown:
         print_diagnosis(terminal, diagnose(source, conversation_id, tenant=tenant))
     differ = mismatches(spec.expectations, diagnosed)
     differ_causes = cause_mismatches(spec.cause_expectations, diagnosed)
     unaccounted = accounting_errors(results, diagnosed)
     unanswered = [r for r in results if not r.ok]
-    terminal.print(f"{len(results)} turns; {len(unanswered)} not answered; "
-                   f"{len(differ)} verdicts and {len(differ_causes)} latency causes differ "
-                   "from the scenario's expectations")
+    terminal.print(
+        f"{len(results)} turns; {len(unanswered)} not answered; "
+        f"{len(differ)} verdicts and {len(differ_causes)} latency causes differ "
+        "from the scenario's expectations"
+    )
     for line in differ + differ_causes:
         terminal.print(f"  [red]{line}[/]")
     # Informative, not a failure: on a small box the client or the proxy sometimes
@@ -135,5 +155,3 @@ def demo_command(out, scenario):
         terminal.print(f"  [yellow]note:[/] {line} (time outside every span)")
     terminal.print(f"Diagnose again: kvobs diagnose ID --source {out}")
     sys.exit(EXIT_FAULT if differ or differ_causes or unanswered else EXIT_OK)
-
-

@@ -7,9 +7,16 @@ import sys
 import click
 import pandas as pd
 
-from kvobs.cli._common import (console, fail_input, fail_on_option, fleet_exit_status,
-                               load_source, print_source_problems, slo_option,
-                               source_option)
+from kvobs.cli._common import (
+    console,
+    fail_input,
+    fail_on_option,
+    fleet_exit_status,
+    load_source,
+    print_source_problems,
+    slo_option,
+    source_option,
+)
 from kvobs.diagnose import all_turns
 from kvobs.render import duration, to_json
 from kvobs.semconv import VERDICT_VALUES, Verdict
@@ -18,20 +25,34 @@ from kvobs.semconv import VERDICT_VALUES, Verdict
 @click.command("turns")
 @source_option
 @slo_option
-@click.option("--verdict", "verdicts", multiple=True,
-              type=click.Choice(VERDICT_VALUES), help="Only these verdicts.")
+@click.option(
+    "--verdict",
+    "verdicts",
+    multiple=True,
+    type=click.Choice(VERDICT_VALUES),
+    help="Only these verdicts.",
+)
 @click.option("--conversation", "conversations", multiple=True, help="Only these ids.")
-@click.option("--tenant", "tenants", multiple=True, metavar="DIGEST",
-              help="Only these tenants (digests, as spans carry them).")
+@click.option(
+    "--tenant",
+    "tenants",
+    multiple=True,
+    metavar="DIGEST",
+    help="Only these tenants (digests, as spans carry them).",
+)
 @click.option("--min-turn", type=int, default=None, help="Only turns with index >= this.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-@click.option("--from-spans", is_flag=True,
-              help="Classify the source's spans even where it holds the turns `kvobs "
-                   "collect` classified (a store's turns/, ClickHouse's turn table).")
+@click.option(
+    "--from-spans",
+    is_flag=True,
+    help="Classify the source's spans even where it holds the turns `kvobs "
+    "collect` classified (a store's turns/, ClickHouse's turn table).",
+)
 @fail_on_option
-def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json,
-            from_spans, fail_on):
+def command(
+    source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json, from_spans, fail_on
+):
     """All turns with their verdicts (load the CSV or JSON into pandas).
 
     Where the source holds the live classifier's turns (kvobs collect's store directory,
@@ -50,11 +71,14 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
     if not rows:  # an empty or unreadable source: as report and diagnose, an input error
         print_source_problems(problems, machine_readable=fmt != "table")
         fail_input(f"no turns in {source}")
-    rows = [r for r in rows
-            if (not verdicts or r["verdict"] in verdicts)
-            and (not conversations or r["conversation_id"] in conversations)
-            and (not tenants or r["tenant"] in tenants)
-            and (min_turn is None or r["turn"] >= min_turn)]
+    rows = [
+        r
+        for r in rows
+        if (not verdicts or r["verdict"] in verdicts)
+        and (not conversations or r["conversation_id"] in conversations)
+        and (not tenants or r["tenant"] in tenants)
+        and (min_turn is None or r["turn"] >= min_turn)
+    ]
     if fmt == "json":
         click.echo(to_json(rows))
     elif fmt == "csv":
@@ -68,8 +92,19 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
         from rich.table import Table
 
         table = Table()
-        for header in ("conversation", "turn", "verdict", "N", "M", "read", "host", "TTFT",
-                       "latency", "slowest", "cause"):
+        for header in (
+            "conversation",
+            "turn",
+            "verdict",
+            "N",
+            "M",
+            "read",
+            "host",
+            "TTFT",
+            "latency",
+            "slowest",
+            "cause",
+        ):
             table.add_column(header)
         for row in rows:
             cause = row["causes"][0]["cause"] if row["causes"] else None
@@ -80,11 +115,19 @@ def command(source, read_slo, verdicts, conversations, tenants, min_turn, fmt, a
             if prompt is None:
                 prompt = evidence.get("host_lookup_prompt_tokens")
             host = evidence.get("host_accepted_tokens")
-            table.add_row(row["conversation_id"], str(row["turn"]), row["verdict"],
-                          str(prompt), str(row["candidate_tokens"]),
-                          str(row["read_outcome"]), "-" if host is None else f"{host} tok",
-                          duration(row["ttft_s"]), duration(row["latency_s"]),
-                          str(row["slowest_phase"]), str(cause))
+            table.add_row(
+                row["conversation_id"],
+                str(row["turn"]),
+                row["verdict"],
+                str(prompt),
+                str(row["candidate_tokens"]),
+                str(row["read_outcome"]),
+                "-" if host is None else f"{host} tok",
+                duration(row["ttft_s"]),
+                duration(row["latency_s"]),
+                str(row["slowest_phase"]),
+                str(cause),
+            )
         out.print(table)
     print_source_problems(problems, machine_readable=fmt != "table")
     sys.exit(fleet_exit_status([Verdict(r["verdict"]) for r in rows], fail_on))
@@ -102,6 +145,9 @@ def _stored_turns(source: str) -> list[dict] | None:
         rows = turns.latest()
     except (SourceError, OSError, ImportError) as error:
         fail_input(f"{source}: cannot read its classified turns: {error}")
-    click.echo(f"{len(rows)} turns as kvobs collect classified them in {turns.location} "
-               "(--from-spans: classify the spans instead)", err=True)
+    click.echo(
+        f"{len(rows)} turns as kvobs collect classified them in {turns.location} "
+        "(--from-spans: classify the spans instead)",
+        err=True,
+    )
     return rows

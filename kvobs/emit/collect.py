@@ -15,7 +15,9 @@ from typing import Callable
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest, ExportTraceServiceResponse)
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from kvobs.emit.otlp_json import json_line, request_to_otlp_dict
 from kvobs.emit.segments import LiveSegmentWriter
@@ -59,16 +61,22 @@ class _Replaced:
     def add(self, count: int, peer: str | None) -> None:
         level = logging.DEBUG if self.values else logging.WARNING
         self.values += count
-        _LOG.log(level, "%d string value(s) not valid Unicode (lone surrogates) replaced "
-                 "by U+FFFD in spans from %s (%d so far; later ones at debug)", count,
-                 peer or "?", self.values)
+        _LOG.log(
+            level,
+            "%d string value(s) not valid Unicode (lone surrogates) replaced "
+            "by U+FFFD in spans from %s (%d so far; later ones at debug)",
+            count,
+            peer or "?",
+            self.values,
+        )
 
 
 REPLACED = web.AppKey("kvobs_replaced", _Replaced)  # app[REPLACED].values: the count
 
 
-def build_app(writer: LiveSegmentWriter,
-              sink: Callable[[str], object] | None = None) -> web.Application:
+def build_app(
+    writer: LiveSegmentWriter, sink: Callable[[str], object] | None = None
+) -> web.Application:
     """``sink``: called with each stored line (the live classifier reads exactly what
     the store holds)."""
     replaced = _Replaced()
@@ -91,8 +99,10 @@ def build_app(writer: LiveSegmentWriter,
             sink(line)
         if is_json:
             return web.json_response({})
-        return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
-                            content_type="application/x-protobuf")
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(),
+            content_type="application/x-protobuf",
+        )
 
     app = web.Application(client_max_size=MAX_BODY)
     app[REPLACED] = replaced
@@ -102,5 +112,6 @@ def build_app(writer: LiveSegmentWriter,
 
 
 def run(store_dir: str, host: str, port: int) -> None:
-    web.run_app(build_app(SegmentWriter(store_dir)), host=host, port=port,
-                print=None, handle_signals=True)
+    web.run_app(
+        build_app(SegmentWriter(store_dir)), host=host, port=port, print=None, handle_signals=True
+    )

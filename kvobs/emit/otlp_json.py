@@ -153,9 +153,13 @@ def _b64_to_hex(value: str) -> str:
 # round trip (encode_spans, then MessageToDict) cost a span-emitting process more CPU
 # than the rest of its span handling (tests/core: the two agree on every field kind).
 
-_KIND = {SpanKind.INTERNAL: "SPAN_KIND_INTERNAL", SpanKind.SERVER: "SPAN_KIND_SERVER",
-         SpanKind.CLIENT: "SPAN_KIND_CLIENT", SpanKind.PRODUCER: "SPAN_KIND_PRODUCER",
-         SpanKind.CONSUMER: "SPAN_KIND_CONSUMER"}
+_KIND = {
+    SpanKind.INTERNAL: "SPAN_KIND_INTERNAL",
+    SpanKind.SERVER: "SPAN_KIND_SERVER",
+    SpanKind.CLIENT: "SPAN_KIND_CLIENT",
+    SpanKind.PRODUCER: "SPAN_KIND_PRODUCER",
+    SpanKind.CONSUMER: "SPAN_KIND_CONSUMER",
+}
 _STATUS = {StatusCode.OK: "STATUS_CODE_OK", StatusCode.ERROR: "STATUS_CODE_ERROR"}
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
 _INT64 = 1 << 63
@@ -224,14 +228,17 @@ def _put_attributes(out: dict, attributes, dropped: int) -> None:
 
 
 def _flags(context) -> int:
-    return _HAS_IS_REMOTE | _IS_REMOTE if context is not None and context.is_remote \
-        else _HAS_IS_REMOTE
+    return (
+        _HAS_IS_REMOTE | _IS_REMOTE if context is not None and context.is_remote else _HAS_IS_REMOTE
+    )
 
 
 def _span_json(span: ReadableSpan) -> dict:
     context = span.get_span_context()
-    out: dict = {"traceId": format(context.trace_id, "032x"),
-                 "spanId": format(context.span_id, "016x")}
+    out: dict = {
+        "traceId": format(context.trace_id, "032x"),
+        "spanId": format(context.span_id, "016x"),
+    }
     if context.trace_state:
         out["traceState"] = ",".join(f"{k}={v}" for k, v in context.trace_state.items())
     parent = span.parent
@@ -261,8 +268,10 @@ def _span_json(span: ReadableSpan) -> dict:
     if span.links:
         links = []
         for link in span.links:
-            item = {"traceId": format(link.context.trace_id, "032x"),
-                    "spanId": format(link.context.span_id, "016x")}
+            item = {
+                "traceId": format(link.context.trace_id, "032x"),
+                "spanId": format(link.context.span_id, "016x"),
+            }
             _put_attributes(item, link.attributes, link.dropped_attributes)
             item["flags"] = _flags(link.context)
             links.append(item)
@@ -347,8 +356,9 @@ class OtlpJsonFileExporter(SpanExporter):
         self._encoding_warned = False
         self._failing = not self._makedirs()
         if self._failing:
-            _LOG.warning("span store %s not writable: serving without it (lost spans are "
-                         "counted)", self._dir)
+            _LOG.warning(
+                "span store %s not writable: serving without it (lost spans are counted)", self._dir
+            )
 
     @property
     def path(self) -> str:
@@ -375,8 +385,9 @@ class OtlpJsonFileExporter(SpanExporter):
         except Exception as error:  # noqa: BLE001 - the host never sees a telemetry error
             if not self._failing:
                 self._failing = True
-                _LOG.warning("span store %s not writable (%s): spans are dropped (counted)",
-                             self._dir, error)
+                _LOG.warning(
+                    "span store %s not writable (%s): spans are dropped (counted)", self._dir, error
+                )
             return SpanExportResult.FAILURE
         if self._failing:
             self._failing = False
@@ -396,8 +407,12 @@ class OtlpJsonFileExporter(SpanExporter):
                 lines.append(self._line([span]))
             except Exception as error:  # noqa: BLE001
                 self.encoding_losses += 1
-                self._encoding_lost("span %r not encodable, dropped (%s: %s)", span.name,
-                                    type(error).__name__, error)
+                self._encoding_lost(
+                    "span %r not encodable, dropped (%s: %s)",
+                    span.name,
+                    type(error).__name__,
+                    error,
+                )
         return "\n".join(lines)
 
     def _line(self, spans: Sequence[ReadableSpan]) -> str:
@@ -407,16 +422,21 @@ class OtlpJsonFileExporter(SpanExporter):
             damaged = spans_with_invalid_strings(request)
             self.replaced_values += replaced
             self.encoding_losses += damaged
-            self._encoding_lost("%d string value(s) not valid Unicode (lone surrogates) "
-                                "replaced by U+FFFD in %d span(s)", replaced, damaged)
+            self._encoding_lost(
+                "%d string value(s) not valid Unicode (lone surrogates) "
+                "replaced by U+FFFD in %d span(s)",
+                replaced,
+                damaged,
+            )
         return line
 
     def _encoding_lost(self, message: str, *args) -> None:
         """Logged at warning once (with the store), then at debug: counted either way."""
         level = logging.DEBUG if self._encoding_warned else logging.WARNING
         self._encoding_warned = True
-        _LOG.log(level, "span store %s: " + message + " (counted; later ones at debug)",
-                 self._dir, *args)
+        _LOG.log(
+            level, "span store %s: " + message + " (counted; later ones at debug)", self._dir, *args
+        )
 
     def shutdown(self) -> None:
         return None

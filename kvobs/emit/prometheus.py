@@ -23,5 +23,6 @@ def gauge(metric: sc.Metric, registry: CollectorRegistry) -> Gauge:
 
 
 def histogram(metric: sc.Metric, registry: CollectorRegistry) -> Histogram:
-    return Histogram(client_name(metric), metric.doc, metric.labels, buckets=metric.buckets,
-                     registry=registry)
+    return Histogram(
+        client_name(metric), metric.doc, metric.labels, buckets=metric.buckets, registry=registry
+    )

@@ -49,8 +49,10 @@ SUFFIX = ".otlp.jsonl"
 _SEALED = re.compile(r"\.\d{8}T\d{9}(?:-\d+)?" + re.escape(SUFFIX) + "$")
 # lumberjack's backup name, which the Collector's file exporter rotates with:
 # <name>-<UTC time>.<ext>, maybe gzip'd
-_COLLECTOR_BACKUP = re.compile(r"-\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}\.\d{3}"
-                               r"(?:\.[A-Za-z0-9]+)?(?:\.gz)?$")
+_COLLECTOR_BACKUP = re.compile(
+    r"-\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}\.\d{3}"
+    r"(?:\.[A-Za-z0-9]+)?(?:\.gz)?$"
+)
 _SWEEP_EVERY_S = 60.0
 
 ENV_SEGMENT_BYTES = "KVOBS_STORE_SEGMENT_BYTES"
@@ -72,10 +74,12 @@ class SegmentLimits:
         names the variable (a deployer's typo must not silently disable the cap)."""
         default = cls()
         values = {}
-        for field, variable, kind in (("segment_bytes", ENV_SEGMENT_BYTES, int),
-                                      ("segment_age_s", ENV_SEGMENT_AGE, float),
-                                      ("max_bytes", ENV_MAX_BYTES, int),
-                                      ("retention_s", ENV_RETENTION, float)):
+        for field, variable, kind in (
+            ("segment_bytes", ENV_SEGMENT_BYTES, int),
+            ("segment_age_s", ENV_SEGMENT_AGE, float),
+            ("max_bytes", ENV_MAX_BYTES, int),
+            ("retention_s", ENV_RETENTION, float),
+        ):
             raw = os.environ.get(variable, "").strip()
             if not raw:
                 values[field] = getattr(default, field)
@@ -136,7 +140,7 @@ def seal(path: str, now: float) -> str | None:
         _lock(handle)
         if not _names(handle, path):
             return None
-        stem = path[:-len(SUFFIX)]
+        stem = path[: -len(SUFFIX)]
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now * 1000) % 1000:03d}"
         sealed = f"{stem}.{stamp}{SUFFIX}"
         n = 0
@@ -152,8 +156,9 @@ class LiveSegmentWriter:
     caps and expires the live segments (module doc). ``append`` raises OSError when the
     store cannot be written (the caller counts the loss)."""
 
-    def __init__(self, store_dir: str, name: str, limits: SegmentLimits | None = None,
-                 clock=time.time):
+    def __init__(
+        self, store_dir: str, name: str, limits: SegmentLimits | None = None, clock=time.time
+    ):
         self.directory = os.path.join(store_dir, STORE_LIVE_DIR)
         self._stem = f"{name}-{os.getpid()}"
         self.path = os.path.join(self.directory, self._stem + SUFFIX)
@@ -180,8 +185,10 @@ class LiveSegmentWriter:
             now = self._clock()
             if self._bytes is None:
                 self._adopt(now)
-            elif self._bytes and (self._bytes + len(data) > self.limits.segment_bytes
-                                  or now - self._opened_at >= self.limits.segment_age_s):
+            elif self._bytes and (
+                self._bytes + len(data) > self.limits.segment_bytes
+                or now - self._opened_at >= self.limits.segment_age_s
+            ):
                 self._rotate(now)
             self._write(data, now)
             if now - self._swept_at >= _SWEEP_EVERY_S:
@@ -224,14 +231,17 @@ class LiveSegmentWriter:
         try:
             removed_files, removed_bytes = sweep(self.directory, self.limits, now)
         except OSError as error:
-            _LOG.warning("span store %s: could not sweep live segments: %s",
-                         self.directory, error)
+            _LOG.warning("span store %s: could not sweep live segments: %s", self.directory, error)
             return
         if removed_files:
-            _LOG.warning("span store %s: %d sealed live segment(s), %d bytes, deleted by "
-                         "retention or size cap (KVOBS_STORE_RETENTION, "
-                         "KVOBS_STORE_MAX_BYTES); compact the store to keep them",
-                         self.directory, removed_files, removed_bytes)
+            _LOG.warning(
+                "span store %s: %d sealed live segment(s), %d bytes, deleted by "
+                "retention or size cap (KVOBS_STORE_RETENTION, "
+                "KVOBS_STORE_MAX_BYTES); compact the store to keep them",
+                self.directory,
+                removed_files,
+                removed_bytes,
+            )
 
 
 def sweep(directory: str, limits: SegmentLimits, now: float) -> tuple[int, int]:

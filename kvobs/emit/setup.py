@@ -42,9 +42,16 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
 from opentelemetry.sdk.environment_variables import (
-    OTEL_BSP_EXPORT_TIMEOUT, OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_MAX_QUEUE_SIZE,
-    OTEL_BSP_SCHEDULE_DELAY, OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_PROTOCOL,
-    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_SDK_DISABLED)
+    OTEL_BSP_EXPORT_TIMEOUT,
+    OTEL_BSP_MAX_EXPORT_BATCH_SIZE,
+    OTEL_BSP_MAX_QUEUE_SIZE,
+    OTEL_BSP_SCHEDULE_DELAY,
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_SDK_DISABLED,
+)
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -74,12 +81,21 @@ def batch_settings() -> BatchSettings:
         queue = int(environ[ENV_QUEUE_SIZE])
     if environ.get(OTEL_BSP_MAX_QUEUE_SIZE):
         queue = BatchSpanProcessor._default_max_queue_size()
-    batch = BatchSpanProcessor._default_max_export_batch_size() \
-        if environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE) else default.batch
-    interval_s = BatchSpanProcessor._default_schedule_delay_millis() / 1000 \
-        if environ.get(OTEL_BSP_SCHEDULE_DELAY) else default.interval_s
-    timeout_s = BatchSpanProcessor._default_export_timeout_millis() / 1000 \
-        if environ.get(OTEL_BSP_EXPORT_TIMEOUT) else default.export_timeout_s
+    batch = (
+        BatchSpanProcessor._default_max_export_batch_size()
+        if environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)
+        else default.batch
+    )
+    interval_s = (
+        BatchSpanProcessor._default_schedule_delay_millis() / 1000
+        if environ.get(OTEL_BSP_SCHEDULE_DELAY)
+        else default.interval_s
+    )
+    timeout_s = (
+        BatchSpanProcessor._default_export_timeout_millis() / 1000
+        if environ.get(OTEL_BSP_EXPORT_TIMEOUT)
+        else default.export_timeout_s
+    )
     return BatchSettings(max(1, queue), max(1, min(batch, queue)), interval_s, timeout_s)
 
 
@@ -90,9 +106,14 @@ class DroppingBatchProcessor(SpanProcessor):
     condition cost the emitting thread more than the rest of ``on_end``. The bound is
     checked before the append, so concurrent emitters may overshoot it by a few spans."""
 
-    def __init__(self, exporter: SpanExporter, max_queue: int = BatchSettings.max_queue,
-                 batch: int = BatchSettings.batch, interval_s: float = BatchSettings.interval_s,
-                 export_timeout_s: float = BatchSettings.export_timeout_s):
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        max_queue: int = BatchSettings.max_queue,
+        batch: int = BatchSettings.batch,
+        interval_s: float = BatchSettings.interval_s,
+        export_timeout_s: float = BatchSettings.export_timeout_s,
+    ):
         self._exporter = exporter
         self._queue: collections.deque[ReadableSpan] = collections.deque()
         self._max_queue = max_queue
@@ -158,8 +179,11 @@ class DroppingBatchProcessor(SpanProcessor):
 def _http_only_endpoint() -> bool:
     """The OTLP traces endpoint can only be OTLP/HTTP's: port 4318 or a ``/v1/traces``
     path (a gRPC exporter sent there fails every export)."""
-    endpoint = (os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
-                or os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT) or "").strip()
+    endpoint = (
+        os.environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+        or os.environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
+        or ""
+    ).strip()
     if not endpoint:
         return False
     url = urlsplit(endpoint if "//" in endpoint else "//" + endpoint)
@@ -177,28 +201,33 @@ def exporter_names() -> list[str]:
     from opentelemetry.sdk._configuration import _get_exporter_entry_point
 
     environ = os.environ
-    protocol = environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) \
-        or environ.get(OTEL_EXPORTER_OTLP_PROTOCOL)
+    protocol = environ.get(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL) or environ.get(
+        OTEL_EXPORTER_OTLP_PROTOCOL
+    )
     names = environ.get(OTEL_TRACES_EXPORTER, "").strip()
     if names:
         if names.lower() == "none":
             return []
         http = not protocol and _http_only_endpoint()
-        chosen = [_get_exporter_entry_point(
-            "otlp_proto_http" if http and name.strip() == "otlp" else name.strip(), "traces")
-            for name in names.split(",")]
-    elif not (environ.get(OTEL_EXPORTER_OTLP_ENDPOINT)
-              or environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)):
+        chosen = [
+            _get_exporter_entry_point(
+                "otlp_proto_http" if http and name.strip() == "otlp" else name.strip(), "traces"
+            )
+            for name in names.split(",")
+        ]
+    elif not (
+        environ.get(OTEL_EXPORTER_OTLP_ENDPOINT) or environ.get(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)
+    ):
         return []
     else:
         # "otlp" follows the protocol variables (the SDK's rule); without one, http/protobuf
-        chosen = [_get_exporter_entry_point("otlp" if protocol else "otlp_proto_http",
-                                            "traces")]
+        chosen = [_get_exporter_entry_point("otlp" if protocol else "otlp_proto_http", "traces")]
     if "otlp_proto_grpc" in chosen and _http_only_endpoint():
         raise ValueError(
             "OTLP over gRPC to an OTLP/HTTP endpoint (port 4318 or a /v1/traces path) "
             "fails every export: set OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf, "
-            "or a gRPC endpoint (port 4317)")
+            "or a gRPC endpoint (port 4317)"
+        )
     return chosen
 
 
@@ -213,8 +242,12 @@ def _exporters() -> list[SpanExporter]:
         names = exporter_names()
         classes = _import_exporters(names, [], [])[0] if names else {}
     except Exception as error:  # noqa: BLE001
-        _LOG.error("span exporters from %s not usable, spans go to the kvobs store only: "
-                   "%s%s", OTEL_TRACES_EXPORTER, error, _grpc_hint(names))
+        _LOG.error(
+            "span exporters from %s not usable, spans go to the kvobs store only: %s%s",
+            OTEL_TRACES_EXPORTER,
+            error,
+            _grpc_hint(names),
+        )
         return exporters
     for name, exporter_class in classes.items():
         try:
@@ -236,8 +269,10 @@ def _grpc_hint(names: list[str]) -> str:
     try:
         import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
     except ImportError:
-        return (f" (OTLP over gRPC is the grpc extra: {GRPC_EXTRA}; or export "
-                "http/protobuf to port 4318, which the base install carries)")
+        return (
+            f" (OTLP over gRPC is the grpc extra: {GRPC_EXTRA}; or export "
+            "http/protobuf to port 4318, which the base install carries)"
+        )
     return ""
 
 

@@ -33,8 +33,12 @@ class Correlation(NamedTuple):
         turn = get(sc.KTP_TURN_INDEX)
         if type(turn) is not int:
             turn = int(turn) if isinstance(turn, str) and turn.isdigit() else None
-        return cls(_str_or_none(get(sc.KTP_CONVERSATION_ID)), turn,
-                   _str_or_none(get(sc.KTP_TENANT)), _str_or_none(get(sc.KTP_TRACEPARENT)))
+        return cls(
+            _str_or_none(get(sc.KTP_CONVERSATION_ID)),
+            turn,
+            _str_or_none(get(sc.KTP_TENANT)),
+            _str_or_none(get(sc.KTP_TRACEPARENT)),
+        )
 
     def to_params(self) -> dict[str, Any]:
         keys = {
@@ -82,13 +86,20 @@ def clean(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def emit(tracer: trace.Tracer, span: sc.SpanName, correlation: Correlation,
-         attributes: Mapping[str, Any], start_ns: int | None = None,
-         end_ns: int | None = None, error: bool = False) -> None:
+def emit(
+    tracer: trace.Tracer,
+    span: sc.SpanName,
+    correlation: Correlation,
+    attributes: Mapping[str, Any],
+    start_ns: int | None = None,
+    end_ns: int | None = None,
+    error: bool = False,
+) -> None:
     """Record one finished span. Never raises: telemetry must not break serving."""
     try:
-        otel_span = tracer.start_span(span.name, context=correlation.parent_context(),
-                                      start_time=start_ns)
+        otel_span = tracer.start_span(
+            span.name, context=correlation.parent_context(), start_time=start_ns
+        )
         if otel_span.is_recording():
             otel_span.set_attributes({**correlation.attributes(), **clean(attributes)})
             if error:

@@ -15,11 +15,19 @@ from kvobs.fleet.tune import Tuning, tune
 from kvobs.verdicts import classify_frame
 from kvobs.fleet.whatif import WhatIf, whatif
 
-__all__ = ["fleet_turns", "classify_frame", "FleetReport", "build_report", "label_turns",
-           "Tuning", "tune", "WhatIf", "whatif"]
+__all__ = [
+    "fleet_turns",
+    "classify_frame",
+    "FleetReport",
+    "build_report",
+    "label_turns",
+    "Tuning",
+    "tune",
+    "WhatIf",
+    "whatif",
+]
 
 
 def fleet_turns(source) -> pd.DataFrame:
     """Every turn of ``source`` (a ``kvobs.sources.SpanSource``), fleet columns."""
     return turn_table(source.turn_row_slices())
-

@@ -41,8 +41,9 @@ class Confidence:
         return dict(self.__dict__)
 
 
-def confidence(turns: pd.DataFrame, tuning: Tuning, resamples: int = RESAMPLES,
-               seed: int = 0) -> Confidence:
+def confidence(
+    turns: pd.DataFrame, tuning: Tuning, resamples: int = RESAMPLES, seed: int = 0
+) -> Confidence:
     """``turns``: the labelled turn table ``tuning`` came from."""
     reads = tuning.read.reads if tuning.read else 0
     later = int((turns["turn"] > 1).sum())
@@ -50,16 +51,23 @@ def confidence(turns: pd.DataFrame, tuning: Tuning, resamples: int = RESAMPLES,
     warnings = []
     if reads < FEW_READS:
         spread = f" (break-even {interval_text(interval)})" if interval else ""
-        warnings.append(f"the threshold rests on {reads:,} reads{spread}: collect at least "
-                        f"{FEW_READS} before changing kv_recompute_threshold")
+        warnings.append(
+            f"the threshold rests on {reads:,} reads{spread}: collect at least "
+            f"{FEW_READS} before changing kv_recompute_threshold"
+        )
     if later < FEW_LATER_TURNS:
-        warnings.append(f"the TTL rests on {later:,} later turns' gaps: collect at least "
-                        f"{FEW_LATER_TURNS} before changing decoder_kv_blocks_ttl")
+        warnings.append(
+            f"the TTL rests on {later:,} later turns' gaps: collect at least "
+            f"{FEW_LATER_TURNS} before changing decoder_kv_blocks_ttl"
+        )
     estimate = tuning.break_even_tokens
-    tight = bool(interval and interval[1] is not None and estimate and
-                 (interval[1] - interval[0]) / 2 <= TIGHT * estimate)
-    level = ("low" if warnings else
-             "high" if reads >= MANY and later >= MANY and tight else "medium")
+    tight = bool(
+        interval
+        and interval[1] is not None
+        and estimate
+        and (interval[1] - interval[0]) / 2 <= TIGHT * estimate
+    )
+    level = "low" if warnings else "high" if reads >= MANY and later >= MANY and tight else "medium"
     return Confidence(reads, later, level, interval, warnings)
 
 
@@ -70,18 +78,21 @@ def interval_text(interval: tuple[float, float | None]) -> str:
     return f"90 % interval {low:,.0f}-{high:,.0f} tokens"
 
 
-def _break_even_interval(turns: pd.DataFrame, tuning: Tuning, resamples: int,
-                         seed: int) -> tuple[float, float | None] | None:
+def _break_even_interval(
+    turns: pd.DataFrame, tuning: Tuning, resamples: int, seed: int
+) -> tuple[float, float | None] | None:
     rate = tuning.prefill_tokens_per_s
     if not rate or tuning.break_even_tokens is None:
         return None
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
-    rows = turns.loc[done, ["read_outcome", "candidate_tokens", "read_duration_s",
-                            "read_bytes"]]
+    rows = turns.loc[done, ["read_outcome", "candidate_tokens", "read_duration_s", "read_bytes"]]
     # In the order of their values: the same reads give the same interval whichever
     # order a source returned its turns in.
-    rows = rows.iloc[np.lexsort([rows[c].to_numpy(np.float64, na_value=np.nan)
-                                 for c in reversed(rows.columns[1:])])]
+    rows = rows.iloc[
+        np.lexsort(
+            [rows[c].to_numpy(np.float64, na_value=np.nan) for c in reversed(rows.columns[1:])]
+        )
+    ]
     rows = rows.reset_index(drop=True)
     random = np.random.default_rng(seed)
     if len(rows) > MAX_RESAMPLED_READS:

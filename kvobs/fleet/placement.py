@@ -40,8 +40,14 @@ from kvobs.turns.correlate import turn_links
 from kvobs.fleet.replay import read_model
 from kvobs.fleet.report import prompt_tokens
 from kvobs.fleet.retention import GIB_HOUR, host_tokens_served
-from kvobs.semconv import (VERDICT_VALUES, FallbackReason, LookupOutcome, PullDecision,
-                           ReadOutcome, ReleaseReason)
+from kvobs.semconv import (
+    VERDICT_VALUES,
+    FallbackReason,
+    LookupOutcome,
+    PullDecision,
+    ReadOutcome,
+    ReleaseReason,
+)
 from kvobs.settings import DECODE_TTL, MIN_CACHED_TOKEN_DELTA, RECOMPUTE_THRESHOLD, read_declined
 from kvobs.timeline import prefill_rate
 from kvobs.verdicts import Context, decide
@@ -85,8 +91,9 @@ def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> float | None:
 
 def _facts(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None) -> Facts:
     n = len(turns)
-    whole_copy = (col.num(turns, "host_save_prompt_tokens")
-                  + col.num(turns, "host_save_output_tokens"))
+    whole_copy = col.num(turns, "host_save_prompt_tokens") + col.num(
+        turns, "host_save_output_tokens"
+    )
     exported = col.num(turns, "export_tokens")
     kept = np.where(np.isnan(exported), whole_copy, exported)
     previous, following = turn_links(turns)
@@ -95,63 +102,109 @@ def _facts(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None) -> F
     has_next = following >= 0
     following = np.where(has_next, following, np.arange(n))
     prompt = prompt_tokens(turns)
-    local = np.where(col.present(turns, "local_hit_tokens"), col.num(turns, "local_hit_tokens"),
-                     np.nan_to_num(col.num(turns, "host_local_tokens")))
+    local = np.where(
+        col.present(turns, "local_hit_tokens"),
+        col.num(turns, "local_hit_tokens"),
+        np.nan_to_num(col.num(turns, "host_local_tokens")),
+    )
     local = np.nan_to_num(local)
     # No proxy turn spans (an engine with only the offloading connector): the gap from
     # the previous turn's copy being saved to this turn's lookup.
-    gap = np.where(col.present(turns, "gap_s"), col.num(turns, "gap_s"),
-                   (col.num(turns, "host_lookup_start_ns")
-                    - col.num(turns, "prev_host_save_end_ns")) / 1e9)
-    later = ((col.num(turns, "turn") > 1) & consecutive & np.isfinite(prev_kept)
-             & np.isfinite(prompt) & np.isfinite(gap))
+    gap = np.where(
+        col.present(turns, "gap_s"),
+        col.num(turns, "gap_s"),
+        (col.num(turns, "host_lookup_start_ns") - col.num(turns, "prev_host_save_end_ns")) / 1e9,
+    )
+    later = (
+        (col.num(turns, "turn") > 1)
+        & consecutive
+        & np.isfinite(prev_kept)
+        & np.isfinite(prompt)
+        & np.isfinite(gap)
+    )
     m = np.maximum(0, np.minimum(np.nan_to_num(prev_kept), np.nan_to_num(prompt)) - local)
     recorded_ttl = col.num(turns, "prev_ttl_s")
-    ttl = np.full(n, float(ttl_s)) if ttl_s is not None else np.where(
-        np.isnan(recorded_ttl), DECODE_TTL.default, recorded_ttl)
+    ttl = (
+        np.full(n, float(ttl_s))
+        if ttl_s is not None
+        else np.where(np.isnan(recorded_ttl), DECODE_TTL.default, recorded_ttl)
+    )
     recorded_threshold = col.num(turns, "threshold")
-    thresholds = np.full(n, float(threshold)) if threshold is not None else np.where(
-        np.isnan(recorded_threshold), RECOMPUTE_THRESHOLD.default, recorded_threshold)
-    looked_up = np.where(col.present(turns, "host_lookup_start_ns"),
-                         col.num(turns, "host_lookup_start_ns"), col.num(turns, "turn_start_ns"))
-    evicted = (col.present(turns, "prev_host_evict_span_id")
-               & (col.num(turns, "prev_host_evict_end_ns") <= looked_up))
+    thresholds = (
+        np.full(n, float(threshold))
+        if threshold is not None
+        else np.where(np.isnan(recorded_threshold), RECOMPUTE_THRESHOLD.default, recorded_threshold)
+    )
+    looked_up = np.where(
+        col.present(turns, "host_lookup_start_ns"),
+        col.num(turns, "host_lookup_start_ns"),
+        col.num(turns, "turn_start_ns"),
+    )
+    evicted = col.present(turns, "prev_host_evict_span_id") & (
+        col.num(turns, "prev_host_evict_end_ns") <= looked_up
+    )
     done = col.eq(turns, "read_outcome", ReadOutcome.DONE.value)
     per_token = _ratio(col.num(turns, "host_saved_bytes"), col.num(turns, "host_saved_tokens"))
     if per_token is None:
-        per_token = _ratio(np.where(done, col.num(turns, "read_bytes"), np.nan),
-                           col.num(turns, "candidate_tokens"))
+        per_token = _ratio(
+            np.where(done, col.num(turns, "read_bytes"), np.nan), col.num(turns, "candidate_tokens")
+        )
     per_block = _ratio(col.num(turns, "export_tokens"), col.num(turns, "export_blocks"))
     if per_block is None:
-        per_block = _ratio(col.num(turns, "host_saved_tokens"),
-                           col.num(turns, "host_saved_blocks"))
+        per_block = _ratio(col.num(turns, "host_saved_tokens"), col.num(turns, "host_saved_blocks"))
     model = read_model(turns) if "read_outcome" in turns else None
     recorded_s = np.where(done, col.num(turns, "read_duration_s"), np.nan)
     modelled_s = model.seconds(m) if model else np.zeros(n)
     read_s = np.where(np.isfinite(recorded_s), recorded_s, modelled_s)
-    return Facts(later, kept, m, prompt, local, gap, ttl, thresholds, evicted, has_next,
-                 previous, following, per_token, per_block, read_s)
+    return Facts(
+        later,
+        kept,
+        m,
+        prompt,
+        local,
+        gap,
+        ttl,
+        thresholds,
+        evicted,
+        has_next,
+        previous,
+        following,
+        per_token,
+        per_block,
+        read_s,
+    )
 
 
 def _write(frame: pd.DataFrame, updates: dict[str, Any], on: np.ndarray) -> None:
     """Each column's new values where ``on``, its recorded ones elsewhere."""
     for column, values in updates.items():
-        old = (frame[column].astype(object).to_numpy() if column in frame
-               else np.full(len(frame), None, object))
+        old = (
+            frame[column].astype(object).to_numpy()
+            if column in frame
+            else np.full(len(frame), None, object)
+        )
         new = np.broadcast_to(np.asarray(values, object), (len(frame),))
         frame[column] = pd.array(np.where(on, new, old), dtype=object)
 
 
 def _decisions(m: np.ndarray, local: np.ndarray, threshold: np.ndarray) -> np.ndarray:
     """P's pull decision on ``M`` (``connector_instrumented/_scheduler_observer.py``)."""
-    return np.where(m == 0, np.where(local > 0, PullDecision.LOCAL_HIT.value,
-                                     PullDecision.NO_PARAMS.value),
-                    np.where(m < threshold, PullDecision.BELOW_THRESHOLD.value,
-                             PullDecision.PULL.value))
+    return np.where(
+        m == 0,
+        np.where(local > 0, PullDecision.LOCAL_HIT.value, PullDecision.NO_PARAMS.value),
+        np.where(m < threshold, PullDecision.BELOW_THRESHOLD.value, PullDecision.PULL.value),
+    )
 
 
-def _device_path(frame: pd.DataFrame, f: Facts, rows: np.ndarray, threshold: np.ndarray,
-                 served: np.ndarray, on: np.ndarray, via_d: bool) -> None:
+def _device_path(
+    frame: pd.DataFrame,
+    f: Facts,
+    rows: np.ndarray,
+    threshold: np.ndarray,
+    served: np.ndarray,
+    on: np.ndarray,
+    via_d: bool,
+) -> None:
     """The proxy's params reach P, which decides on ``M`` under ``threshold``; with
     ``via_d`` D kept the KV: P reads it (``served``) or D's blocks were expiring (read
     declined; released before a turn that came after the TTL)."""
@@ -159,34 +212,56 @@ def _device_path(frame: pd.DataFrame, f: Facts, rows: np.ndarray, threshold: np.
     decision = _decisions(m, f.local[rows], threshold)
     declined = via_d & (decision == PullDecision.PULL.value) & ~served
     released = via_d & (gap >= ttl)
-    _write(frame, {
-        "lookup": LookupOutcome.HIT.value, "params_sent": True, "decision": decision,
-        "prompt_tokens": f.prompt[rows], "local_hit_tokens": f.local[rows],
-        "candidate_tokens": m, "threshold": threshold,
-        "read_outcome": np.where(served, ReadOutcome.DONE.value,
-                                 np.where(declined, ReadOutcome.DECLINED_EXPIRED.value, None)),
-        "read_duration_s": np.where(served, f.read_s[rows], np.nan),
-        "fallback_reason": np.where(declined, FallbackReason.READ_DECLINED.value, None),
-        "prev_release_reason": np.where(released, ReleaseReason.EXPIRED.value, None),
-        "prev_release_end_ns": np.where(released, col.num(frame, "turn_start_ns") - 1,
-                                        np.nan)}, on)
+    _write(
+        frame,
+        {
+            "lookup": LookupOutcome.HIT.value,
+            "params_sent": True,
+            "decision": decision,
+            "prompt_tokens": f.prompt[rows],
+            "local_hit_tokens": f.local[rows],
+            "candidate_tokens": m,
+            "threshold": threshold,
+            "read_outcome": np.where(
+                served,
+                ReadOutcome.DONE.value,
+                np.where(declined, ReadOutcome.DECLINED_EXPIRED.value, None),
+            ),
+            "read_duration_s": np.where(served, f.read_s[rows], np.nan),
+            "fallback_reason": np.where(declined, FallbackReason.READ_DECLINED.value, None),
+            "prev_release_reason": np.where(released, ReleaseReason.EXPIRED.value, None),
+            "prev_release_end_ns": np.where(released, col.num(frame, "turn_start_ns") - 1, np.nan),
+        },
+        on,
+    )
 
 
-def _host_path(frame: pd.DataFrame, f: Facts, rows: np.ndarray, served: np.ndarray,
-               on: np.ndarray) -> None:
+def _host_path(
+    frame: pd.DataFrame, f: Facts, rows: np.ndarray, served: np.ndarray, on: np.ndarray
+) -> None:
     """The turn looked up in the host tier, which held the previous turn whole (unless
     it evicted it, as recorded); ``served``: it gave ``M``."""
     accepted = np.where(served, f.m[rows], 0)
-    _write(frame, {
-        "host_lookup_span_id": _WHATIF_SPAN, "host_local_tokens": f.local[rows],
-        "host_hit_tokens": accepted, "host_accepted_tokens": accepted,
-        "host_hit_host_tokens": accepted, "host_hit_p2p_tokens": 0,
-        "prev_host_saved_tokens": np.nan_to_num(f.kept[f.previous[rows]]),
-        "prev_host_covers_response": True, "prev_host_save_incomplete": False}, on)
+    _write(
+        frame,
+        {
+            "host_lookup_span_id": _WHATIF_SPAN,
+            "host_local_tokens": f.local[rows],
+            "host_hit_tokens": accepted,
+            "host_accepted_tokens": accepted,
+            "host_hit_host_tokens": accepted,
+            "host_hit_p2p_tokens": 0,
+            "prev_host_saved_tokens": np.nan_to_num(f.kept[f.previous[rows]]),
+            "prev_host_covers_response": True,
+            "prev_host_save_incomplete": False,
+        },
+        on,
+    )
 
 
-def _verdicts(turns: pd.DataFrame, f: Facts, place: str, delta: int,
-              context: Context) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _verdicts(
+    turns: pd.DataFrame, f: Facts, place: str, delta: int, context: Context
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(verdicts, tokens served by D, tokens served by the host tier) of the compared
     rows under ``place``."""
     rows = np.flatnonzero(f.later)
@@ -200,8 +275,15 @@ def _verdicts(turns: pd.DataFrame, f: Facts, place: str, delta: int,
     _write(frame, {"host_lookup_span_id": None}, everywhere)
     if place == "host":
         # Nothing on D; the router's gate reads as the threshold it is.
-        _device_path(frame, f, rows, np.full(len(rows), float(max(delta, 1))), nowhere,
-                     everywhere, via_d=False)
+        _device_path(
+            frame,
+            f,
+            rows,
+            np.full(len(rows), float(max(delta, 1))),
+            nowhere,
+            everywhere,
+            via_d=False,
+        )
     else:
         _device_path(frame, f, rows, threshold, device, everywhere, via_d=True)
     if place != "device":
@@ -229,7 +311,8 @@ def _costs(f: Facts, place: str, device_next: np.ndarray) -> dict[str, float | N
         "device_byte_seconds": device_bytes_s,
         "device_gib_hours": device_bytes_s / GIB_HOUR if device_bytes_s is not None else None,
         "host_byte_seconds": host_bytes_s,
-        "host_gib_hours": host_bytes_s / GIB_HOUR if host_bytes_s is not None else None}
+        "host_gib_hours": host_bytes_s / GIB_HOUR if host_bytes_s is not None else None,
+    }
 
 
 @dataclass
@@ -249,19 +332,27 @@ class Placement:
         return {k: v for k, v in self.__dict__.items() if k != "verdicts"}
 
 
-def _summary(verdicts: np.ndarray, device: np.ndarray, host: np.ndarray,
-             costs: dict[str, Any]) -> dict[str, Any]:
+def _summary(
+    verdicts: np.ndarray, device: np.ndarray, host: np.ndarray, costs: dict[str, Any]
+) -> dict[str, Any]:
     counts = pd.Series(verdicts).value_counts()
-    return {"verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
-            "turns_served_by_device": int((device > 0).sum()),
-            "turns_served_by_host": int((host > 0).sum()),
-            "tokens_served_by_device": int(device.sum()),
-            "tokens_served_by_host": int(host.sum()), **costs}
+    return {
+        "verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
+        "turns_served_by_device": int((device > 0).sum()),
+        "turns_served_by_host": int((host > 0).sum()),
+        "tokens_served_by_device": int(device.sum()),
+        "tokens_served_by_host": int(host.sum()),
+        **costs,
+    }
 
 
-def placement(turns: pd.DataFrame, min_cached_token_delta: int = int(
-        MIN_CACHED_TOKEN_DELTA.default), ttl_s: float | None = None,
-        threshold: int | None = None, prefill_tokens_per_s: float | None = None) -> Placement:
+def placement(
+    turns: pd.DataFrame,
+    min_cached_token_delta: int = int(MIN_CACHED_TOKEN_DELTA.default),
+    ttl_s: float | None = None,
+    threshold: int | None = None,
+    prefill_tokens_per_s: float | None = None,
+) -> Placement:
     """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``)."""
     f = _facts(turns, ttl_s, threshold)
     context = Context(prefill_tokens_per_s or prefill_rate(turns))
@@ -277,16 +368,31 @@ def placement(turns: pd.DataFrame, min_cached_token_delta: int = int(
     recorded_device = np.where(done, np.nan_to_num(col.num(turns, "candidate_tokens")[rows]), 0)
     block_s = float(np.nansum(col.num(turns, "device_block_seconds")))
     host_bytes_s = float(np.nansum(col.num(turns, "host_byte_seconds")))
-    per_block = (f.bytes_per_token * f.tokens_per_block
-                 if f.bytes_per_token and f.tokens_per_block else None)
-    recorded = _summary(turns["verdict"].astype(object).to_numpy()[rows], recorded_device,
-                        host_tokens_served(turns)[rows], {
-        "device_block_seconds": block_s,
-        "device_byte_seconds": block_s * per_block if per_block else None,
-        "device_gib_hours": block_s * per_block / GIB_HOUR if per_block else None,
-        # the copies evicted in the recording (a copy still held has no end yet)
-        "host_byte_seconds": host_bytes_s, "host_gib_hours": host_bytes_s / GIB_HOUR})
-    return Placement(int(min_cached_token_delta), ttl_s, threshold, len(rows),
-                     f.bytes_per_token, f.tokens_per_block,
-                     "as recorded" if col.present(turns, "host_save_span_id").any()
-                     else "none recorded", recorded, places, verdicts)
+    per_block = (
+        f.bytes_per_token * f.tokens_per_block if f.bytes_per_token and f.tokens_per_block else None
+    )
+    recorded = _summary(
+        turns["verdict"].astype(object).to_numpy()[rows],
+        recorded_device,
+        host_tokens_served(turns)[rows],
+        {
+            "device_block_seconds": block_s,
+            "device_byte_seconds": block_s * per_block if per_block else None,
+            "device_gib_hours": block_s * per_block / GIB_HOUR if per_block else None,
+            # the copies evicted in the recording (a copy still held has no end yet)
+            "host_byte_seconds": host_bytes_s,
+            "host_gib_hours": host_bytes_s / GIB_HOUR,
+        },
+    )
+    return Placement(
+        int(min_cached_token_delta),
+        ttl_s,
+        threshold,
+        len(rows),
+        f.bytes_per_token,
+        f.tokens_per_block,
+        "as recorded" if col.present(turns, "host_save_span_id").any() else "none recorded",
+        recorded,
+        places,
+        verdicts,
+    )

@@ -42,18 +42,34 @@ import pandas as pd
 
 from kvobs.turns import columns as col
 from kvobs.turns.correlate import turn_links
-from kvobs.semconv import (FallbackReason, LookupOutcome, PullDecision, ReadOutcome,
-                           ReleaseReason)
+from kvobs.semconv import FallbackReason, LookupOutcome, PullDecision, ReadOutcome, ReleaseReason
 from kvobs.settings import entry_lifetime_s, read_declined
 from kvobs.verdicts import Context, decide
 
-__all__ = ["ReadModel", "read_model", "next_turn", "candidate_tokens", "block_seconds",
-           "Recorded", "Replay", "replay"]
+__all__ = [
+    "ReadModel",
+    "read_model",
+    "next_turn",
+    "candidate_tokens",
+    "block_seconds",
+    "Recorded",
+    "Replay",
+    "replay",
+]
 
 # The columns a replay rewrites: the facts the settings decide.
-FACTS = ("lookup", "params_sent", "decision", "remote_tokens", "candidate_tokens",
-         "read_outcome", "read_duration_s", "fallback_reason", "prev_release_reason",
-         "prev_release_end_ns")
+FACTS = (
+    "lookup",
+    "params_sent",
+    "decision",
+    "remote_tokens",
+    "candidate_tokens",
+    "read_outcome",
+    "read_duration_s",
+    "fallback_reason",
+    "prev_release_reason",
+    "prev_release_end_ns",
+)
 
 
 @dataclass
@@ -85,8 +101,12 @@ def read_model(turns: pd.DataFrame) -> ReadModel | None:
     intercept, slope = _fit(x, y)
     read_bytes = turns["read_bytes"].astype(float).to_numpy()[usable]
     total_s = seconds[usable].sum()
-    return ReadModel(intercept, slope, int(usable.sum()),
-                     float(np.nansum(read_bytes) / total_s) if total_s > 0 else None)
+    return ReadModel(
+        intercept,
+        slope,
+        int(usable.sum()),
+        float(np.nansum(read_bytes) / total_s) if total_s > 0 else None,
+    )
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -121,8 +141,9 @@ def candidate_tokens(turns: pd.DataFrame) -> np.ndarray:
     n_tokens = col.num(turns, "prompt_tokens")
     local = np.nan_to_num(col.num(turns, "local_hit_tokens"))
     remote = col.num(turns, "remote_tokens")
-    remote = np.where(np.isnan(remote) | (remote == 0), col.num(turns, "prev_export_tokens"),
-                      remote)
+    remote = np.where(
+        np.isnan(remote) | (remote == 0), col.num(turns, "prev_export_tokens"), remote
+    )
     return np.maximum(0, np.minimum(remote, n_tokens) - local)
 
 
@@ -161,8 +182,12 @@ def _anchored(recorded: np.ndarray, before: np.ndarray, after: np.ndarray) -> np
 
 
 # P's pull decisions a replay works out, by code.
-_DECISIONS = (PullDecision.NO_PARAMS.value, PullDecision.LOCAL_HIT.value,
-              PullDecision.BELOW_THRESHOLD.value, PullDecision.PULL.value)
+_DECISIONS = (
+    PullDecision.NO_PARAMS.value,
+    PullDecision.LOCAL_HIT.value,
+    PullDecision.BELOW_THRESHOLD.value,
+    PullDecision.PULL.value,
+)
 _NO_PARAMS, _LOCAL_HIT, _BELOW, _PULL = range(len(_DECISIONS))
 # Read outcomes a replay works out, by code (0: no read).
 _OUTCOMES = (None, ReadOutcome.DONE.value, ReadOutcome.DECLINED_EXPIRED.value)
@@ -172,8 +197,11 @@ _NO_READ, _DONE, _DECLINED = range(len(_OUTCOMES))
 def _decision(m: np.ndarray, local: np.ndarray, threshold) -> np.ndarray:
     """P's pull decision, by code (connector_instrumented/_scheduler_observer.py
     ``_decide``)."""
-    return np.where(m == 0, np.where(local > 0, _LOCAL_HIT, _NO_PARAMS),
-                    np.where((threshold > 0) & (m < threshold), _BELOW, _PULL))
+    return np.where(
+        m == 0,
+        np.where(local > 0, _LOCAL_HIT, _NO_PARAMS),
+        np.where((threshold > 0) & (m < threshold), _BELOW, _PULL),
+    )
 
 
 def _codes(turns: pd.DataFrame, column: str, values: tuple) -> np.ndarray:
@@ -198,20 +226,30 @@ class Recorded:
         outcome = _codes(turns, "read_outcome", _OUTCOMES)
         pulled = decision == _PULL
         # No setting explains a D restart, a failed read or a stuck wait.
-        unexplained = (col.present(turns, "extends_engine_restarted_at")
-                       | col.eq(turns, "read_outcome", ReadOutcome.FAILED.value)
-                       | col.eq(turns, "fallback_reason", FallbackReason.READ_FAILED.value)
-                       | col.present(turns, "stuck_span_id"))
+        unexplained = (
+            col.present(turns, "extends_engine_restarted_at")
+            | col.eq(turns, "read_outcome", ReadOutcome.FAILED.value)
+            | col.eq(turns, "fallback_reason", FallbackReason.READ_FAILED.value)
+            | col.present(turns, "stuck_span_id")
+        )
         # P decided with the proxy's params (and, when it pulled, the read is known) ...
-        p_decided = (hit & col.flag(turns, "params_sent") & (decision >= _LOCAL_HIT)
-                     & (~pulled | (outcome >= _DONE)))
+        p_decided = (
+            hit
+            & col.flag(turns, "params_sent")
+            & (decision >= _LOCAL_HIT)
+            & (~pulled | (outcome >= _DONE))
+        )
         # ... or the proxy's entry was stale and M can be rebuilt from D's export.
-        never_sent = (stale & col.present(turns, "decision")
-                      & col.present(turns, "prompt_tokens")
-                      & col.present(turns, "prev_export_tokens"))
+        never_sent = (
+            stale
+            & col.present(turns, "decision")
+            & col.present(turns, "prompt_tokens")
+            & col.present(turns, "prev_export_tokens")
+        )
         gap = col.num(turns, "gap_s")
-        rows = np.flatnonzero((col.num(turns, "turn") > 1) & ~np.isnan(gap) & ~unexplained
-                              & (p_decided | never_sent))
+        rows = np.flatnonzero(
+            (col.num(turns, "turn") > 1) & ~np.isnan(gap) & ~unexplained & (p_decided | never_sent)
+        )
         self.rows = rows
         self.gap, self.hit, self.p_decided = gap[rows], hit[rows], p_decided[rows]
         self.decision, self.outcome, self.pulled = decision[rows], outcome[rows], pulled[rows]
@@ -222,24 +260,25 @@ class Recorded:
         self.local = np.nan_to_num(col.num(turns, "local_hit_tokens")[rows])
         recorded_m = col.num(turns, "candidate_tokens")[rows]
         # M: P's own where it decided with the params, else rebuilt from D's export.
-        self.m = np.where(self.p_decided & ~np.isnan(recorded_m), recorded_m,
-                          candidate_tokens(turns)[rows])
+        self.m = np.where(
+            self.p_decided & ~np.isnan(recorded_m), recorded_m, candidate_tokens(turns)[rows]
+        )
         read_at = col.num(turns, "read_start_ns")[rows]
         self.ended = col.num(turns, "prev_turn_end_ns")[rows]
-        self.read_age = np.where(np.isnan(read_at) | np.isnan(self.ended), self.gap,
-                                 (read_at - self.ended) / 1e9)
+        self.read_age = np.where(
+            np.isnan(read_at) | np.isnan(self.ended), self.gap, (read_at - self.ended) / 1e9
+        )
         self.read_s = col.num(turns, "read_duration_s")[rows]
         self.remote = col.num(turns, "remote_tokens")[rows]
         self.exported = col.num(turns, "prev_export_tokens")[rows]
         self.release_end = col.num(turns, "prev_release_end_ns")[rows]
         self.start = col.num(turns, "turn_start_ns")[rows]
-        self.was_released = (col.eq(turns, "prev_release_reason",
-                                    ReleaseReason.EXPIRED.value)[rows]
-                             & (self.release_end <= self.start))
+        self.was_released = col.eq(turns, "prev_release_reason", ReleaseReason.EXPIRED.value)[
+            rows
+        ] & (self.release_end <= self.start)
         self.reads = col.eq(turns, "read_outcome", ReadOutcome.DONE.value)
         self.candidate = np.nan_to_num(col.num(turns, "candidate_tokens"))
-        self.verdicts = (turns["verdict"].astype(object).to_numpy()
-                         if "verdict" in turns else None)
+        self.verdicts = turns["verdict"].astype(object).to_numpy() if "verdict" in turns else None
 
 
 @dataclass
@@ -257,12 +296,12 @@ class Replay:
     proxy_lifetime_s: float | None
 
 
-def _with(facts: pd.DataFrame, column: str, where: np.ndarray, table: tuple,
-          codes: np.ndarray) -> pd.Series:
+def _with(
+    facts: pd.DataFrame, column: str, where: np.ndarray, table: tuple, codes: np.ndarray
+) -> pd.Series:
     """``column`` as a categorical, with ``table[codes]`` (``None``: missing) where
     ``where``."""
-    values = facts[column] if column in facts else pd.Series([None] * len(facts),
-                                                             index=facts.index)
+    values = facts[column] if column in facts else pd.Series([None] * len(facts), index=facts.index)
     if not isinstance(values.dtype, pd.CategoricalDtype):
         values = values.astype("category")
     if not where.any():
@@ -270,17 +309,21 @@ def _with(facts: pd.DataFrame, column: str, where: np.ndarray, table: tuple,
     added = [v for v in table if v is not None and v not in values.cat.categories]
     if added:
         values = values.cat.add_categories(added)
-    position = np.array([-1 if v is None else values.cat.categories.get_loc(v)
-                         for v in table])
+    position = np.array([-1 if v is None else values.cat.categories.get_loc(v) for v in table])
     out = values.cat.codes.to_numpy().copy()
     out[where] = position[np.asarray(codes)[where]]
     # The same dtype object: its categories keep their lookup table (kvobs.turns.columns.eq).
     return pd.Series(pd.Categorical.from_codes(out, dtype=values.dtype), index=values.index)
 
 
-def replay(turns: pd.DataFrame | Recorded, ttl_s: float | None, threshold: int | None,
-           proxy_lifetime_s: float | None = None, model: ReadModel | None = None,
-           context: Context = Context()) -> Replay:
+def replay(
+    turns: pd.DataFrame | Recorded,
+    ttl_s: float | None,
+    threshold: int | None,
+    proxy_lifetime_s: float | None = None,
+    model: ReadModel | None = None,
+    context: Context = Context(),
+) -> Replay:
     """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``), or what a
     replay reads of one (``Recorded``); ``context``: what it was labelled with (the
     measured prefill rate). A setting given as ``None`` stays as recorded, turn by turn.
@@ -289,26 +332,34 @@ def replay(turns: pd.DataFrame | Recorded, ttl_s: float | None, threshold: int |
     the same decision gave it when the table was labelled (``verdict``)."""
     r = turns if isinstance(turns, Recorded) else Recorded(turns)
     ttl_before = r.ttl if ttl_s is None else np.where(np.isnan(r.ttl), ttl_s, r.ttl)
-    threshold_before = (r.threshold if threshold is None
-                        else np.where(np.isnan(r.threshold), threshold, r.threshold))
+    threshold_before = (
+        r.threshold
+        if threshold is None
+        else np.where(np.isnan(r.threshold), threshold, r.threshold)
+    )
     ttl_after = ttl_before if ttl_s is None else ttl_s
     threshold_after = threshold_before if threshold is None else threshold
 
     # The proxy's lookup.
     if proxy_lifetime_s is None:
-        sent = _anchored(r.hit, r.age < entry_lifetime_s(ttl_before),
-                         r.age < entry_lifetime_s(ttl_after))
+        sent = _anchored(
+            r.hit, r.age < entry_lifetime_s(ttl_before), r.age < entry_lifetime_s(ttl_after)
+        )
     else:
         sent = r.age < proxy_lifetime_s
     # P's pull decision with the params.
     after = _decision(r.m, r.local, threshold_after)
-    decided = np.where(r.p_decided, _anchored(
-        r.decision, _decision(r.m, r.local, threshold_before), after), after)
+    decided = np.where(
+        r.p_decided, _anchored(r.decision, _decision(r.m, r.local, threshold_before), after), after
+    )
     decision = np.where(sent, decided, _NO_PARAMS)
     # P's read: D's blocks at the read's age (from the previous turn's end).
     alive = ~read_declined(r.read_age, ttl_after)
-    alive = np.where(r.p_decided & r.pulled, _anchored(
-        r.outcome == _DONE, ~read_declined(r.read_age, ttl_before), alive), alive)
+    alive = np.where(
+        r.p_decided & r.pulled,
+        _anchored(r.outcome == _DONE, ~read_declined(r.read_age, ttl_before), alive),
+        alive,
+    )
     reading = decision == _PULL
     done, declined = reading & alive, reading & ~alive
     outcome = np.where(done, _DONE, np.where(declined, _DECLINED, _NO_READ))
@@ -327,36 +378,52 @@ def replay(turns: pd.DataFrame | Recorded, ttl_s: float | None, threshold: int |
         return np.broadcast_to(values, r.rows.shape)[again]
 
     sent, hit, done, declined, m = on(sent), on(r.hit), on(done), on(declined), on(r.m)
-    facts["lookup"] = _with(facts, "lookup", changed,
-                            (LookupOutcome.STALE.value, LookupOutcome.HIT.value),
-                            sent.astype(int))
-    params_sent = pd.array(facts["params_sent"] if "params_sent" in facts
-                           else [None] * len(facts), dtype="boolean")
+    facts["lookup"] = _with(
+        facts,
+        "lookup",
+        changed,
+        (LookupOutcome.STALE.value, LookupOutcome.HIT.value),
+        sent.astype(int),
+    )
+    params_sent = pd.array(
+        facts["params_sent"] if "params_sent" in facts else [None] * len(facts), dtype="boolean"
+    )
     params_sent[changed] = sent[changed]
     facts["params_sent"] = params_sent
     facts["decision"] = _with(facts, "decision", changed, _DECISIONS, on(decision))
     replayed_m = np.where(sent, m, 0)
-    facts["remote_tokens"] = np.where(changed, np.where(
-        sent, np.where(hit, on(r.remote), on(r.exported)), 0), on(r.remote))
-    facts["candidate_tokens"] = np.where(changed, replayed_m,
-                                         col.num(facts, "candidate_tokens"))
+    facts["remote_tokens"] = np.where(
+        changed, np.where(sent, np.where(hit, on(r.remote), on(r.exported)), 0), on(r.remote)
+    )
+    facts["candidate_tokens"] = np.where(changed, replayed_m, col.num(facts, "candidate_tokens"))
     facts["read_outcome"] = _with(facts, "read_outcome", changed, _OUTCOMES, on(outcome))
     read_s = on(r.read_s)
     kept_s = (on(r.outcome) == _DONE) & np.isfinite(read_s)
     modelled_s = model.seconds(m) if model else np.zeros(len(m))
-    facts["read_duration_s"] = np.where(changed, np.where(
-        done, np.where(kept_s, read_s, modelled_s), np.nan), read_s)
-    facts["fallback_reason"] = _with(facts, "fallback_reason", changed,
-                                     (None, FallbackReason.READ_DECLINED.value),
-                                     declined.astype(int))
+    facts["read_duration_s"] = np.where(
+        changed, np.where(done, np.where(kept_s, read_s, modelled_s), np.nan), read_s
+    )
+    facts["fallback_reason"] = _with(
+        facts,
+        "fallback_reason",
+        changed,
+        (None, FallbackReason.READ_DECLINED.value),
+        declined.astype(int),
+    )
     released, start = on(released), on(r.start)
     expiry_ns = on(r.ended) + on(ttl_after) * 1e9
-    facts["prev_release_reason"] = _with(facts, "prev_release_reason", moved & released,
-                                         (ReleaseReason.EXPIRED.value,),
-                                         np.zeros(len(released), int))
-    facts["prev_release_end_ns"] = np.where(moved, np.where(
-        released, np.minimum(expiry_ns, start), np.maximum(expiry_ns, start + 1)),
-        on(r.release_end))
+    facts["prev_release_reason"] = _with(
+        facts,
+        "prev_release_reason",
+        moved & released,
+        (ReleaseReason.EXPIRED.value,),
+        np.zeros(len(released), int),
+    )
+    facts["prev_release_end_ns"] = np.where(
+        moved,
+        np.where(released, np.minimum(expiry_ns, start), np.maximum(expiry_ns, start + 1)),
+        on(r.release_end),
+    )
 
     positions = r.rows[again]
     reads, reused = r.reads.copy(), np.where(r.reads, r.candidate, 0)

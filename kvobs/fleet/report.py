@@ -24,24 +24,32 @@ from kvobs.verdicts import classify_frame
 from kvobs.semconv import HEALTHY_VERDICTS, ReadOutcome, ReleaseReason, Verdict
 
 
-def label_turns(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
-                read_slo_s: float | None = None) -> tuple[pd.DataFrame, float | None]:
+def label_turns(
+    turns: pd.DataFrame, prefill_tokens_per_s: float | None = None, read_slo_s: float | None = None
+) -> tuple[pd.DataFrame, float | None]:
     """Turn table plus its timeline (``kvobs.timeline``), ``verdict``, ``turn_bucket``
     and ``prompt_bucket`` columns."""
     turns, _, rate = add_timeline(turns, prefill_tokens_per_s)
     turns["verdict"] = classify_frame(turns, rate, read_slo_s).array
     turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
     prompt = np.nan_to_num(prompt_tokens(turns), nan=-1).astype(np.int64)
-    turns["prompt_bucket"] = _buckets(pd.Series(prompt, index=turns.index), sc.prompt_bucket,
-                                      sc.PROMPT_BUCKET_VALUES, known=prompt >= 0)
+    turns["prompt_bucket"] = _buckets(
+        pd.Series(prompt, index=turns.index),
+        sc.prompt_bucket,
+        sc.PROMPT_BUCKET_VALUES,
+        known=prompt >= 0,
+    )
     return turns, rate
 
 
 def prompt_tokens(turns: pd.DataFrame) -> np.ndarray:
     """Per turn, its prompt length: P's pull decision's, else (an engine with only the
     offloading connector: no P) its host lookup's; NaN when neither says."""
-    return np.where(col.present(turns, "prompt_tokens"), col.num(turns, "prompt_tokens"),
-                    col.num(turns, "host_lookup_prompt_tokens"))
+    return np.where(
+        col.present(turns, "prompt_tokens"),
+        col.num(turns, "prompt_tokens"),
+        col.num(turns, "host_lookup_prompt_tokens"),
+    )
 
 
 def _buckets(values: pd.Series, label, order, known: np.ndarray | bool = True) -> pd.Series:
@@ -50,20 +58,29 @@ def _buckets(values: pd.Series, label, order, known: np.ndarray | bool = True) -
     inverse, uniques = pd.factorize(values.to_numpy(np.int64))  # hashed: no sort
     position = {name: i for i, name in enumerate(order)}
     codes = np.array([position.get(label(int(u)), -1) for u in uniques], np.int64)
-    return pd.Series(pd.Categorical.from_codes(np.where(known, codes[inverse], -1),
-                                               categories=list(order)), index=values.index)
+    return pd.Series(
+        pd.Categorical.from_codes(np.where(known, codes[inverse], -1), categories=list(order)),
+        index=values.index,
+    )
 
 
 # Verdicts of the host path, counted apart in each scope's ``host_hit_ratio``.
-HOST_VERDICTS = [v.value for v in (Verdict.HOST_HIT, Verdict.HOST_EVICTED,
-                                   Verdict.HOST_SAVE_INCOMPLETE,
-                                   Verdict.HOST_COPY_LACKS_RESPONSE)]
+HOST_VERDICTS = [
+    v.value
+    for v in (
+        Verdict.HOST_HIT,
+        Verdict.HOST_EVICTED,
+        Verdict.HOST_SAVE_INCOMPLETE,
+        Verdict.HOST_COPY_LACKS_RESPONSE,
+    )
+]
 
 
 @dataclass
 class _Measured:
     """What each scope's metrics read, per turn, computed once for the whole table: a
     scope is then row positions into numpy arrays, never a copied frame."""
+
     verdict_codes: np.ndarray
     verdict_names: list[str]
     bytes_read: np.ndarray  # a finished read's bytes, else 0
@@ -83,11 +100,17 @@ class _Measured:
             values = turns[column].to_numpy(float, na_value=np.nan)
             return np.where(where & ~np.isnan(values), values, 0.0)
 
-        return cls(codes, [str(name) for name in names], counted("read_bytes", done),
-                   counted("candidate_tokens", done), counted("recomputed_tokens"),
-                   np.nan_to_num(col.num(turns, "host_load_bytes")),
-                   host_tokens_served(turns), turns["ttft_s"].to_numpy(float, na_value=np.nan),
-                   turns["latency_s"].to_numpy(float, na_value=np.nan))
+        return cls(
+            codes,
+            [str(name) for name in names],
+            counted("read_bytes", done),
+            counted("candidate_tokens", done),
+            counted("recomputed_tokens"),
+            np.nan_to_num(col.num(turns, "host_load_bytes")),
+            host_tokens_served(turns),
+            turns["ttft_s"].to_numpy(float, na_value=np.nan),
+            turns["latency_s"].to_numpy(float, na_value=np.nan),
+        )
 
 
 def _metrics(measured: _Measured, rows: np.ndarray) -> dict[str, Any]:
@@ -112,9 +135,11 @@ def _metrics(measured: _Measured, rows: np.ndarray) -> dict[str, Any]:
         "host_bytes_loaded": int(measured.host_load_bytes.take(rows).sum()),
         "host_reused_tokens": int(measured.host_reused_tokens.take(rows).sum()),
         # TTFT and latency apart: a turn can be slow after its first token (decode).
-        "ttft_p50_s": ttft_p50, "ttft_p95_s": ttft_p95,
+        "ttft_p50_s": ttft_p50,
+        "ttft_p95_s": ttft_p95,
         "ttft_unmeasured_turns": int(np.isnan(ttft).sum()),
-        "latency_p50_s": latency_p50, "latency_p95_s": latency_p95,
+        "latency_p50_s": latency_p50,
+        "latency_p95_s": latency_p95,
     }
 
 
@@ -135,8 +160,9 @@ def _quantiles(values: np.ndarray) -> tuple[float | None, float | None]:
     return float(p50), float(p95)
 
 
-def _grouped(measured: _Measured, turns: pd.DataFrame, keys: list[str],
-             rows: np.ndarray) -> list[dict[str, Any]]:
+def _grouped(
+    measured: _Measured, turns: pd.DataFrame, keys: list[str], rows: np.ndarray
+) -> list[dict[str, Any]]:
     """``_metrics`` per combination of ``keys`` found among ``rows``, sorted as
     ``groupby`` sorts (a categorical by category order); rows with a missing key belong
     to no group."""
@@ -164,8 +190,12 @@ def _grouped(measured: _Measured, turns: pd.DataFrame, keys: list[str],
     return out
 
 
-def phase_ranking(turns: pd.DataFrame, rows: np.ndarray, slowest: dict[str, int],
-                  unmeasured: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+def phase_ranking(
+    turns: pd.DataFrame,
+    rows: np.ndarray,
+    slowest: dict[str, int],
+    unmeasured: tuple[np.ndarray, np.ndarray],
+) -> dict[str, Any]:
     """Where the time of the turns at positions ``rows`` went: per phase its seconds
     summed over turns, its share of their summed latency, p50/p95 seconds per turn (over
     turns that measured it alone; 0 when a turn did not take the step) and
@@ -176,27 +206,41 @@ def phase_ranking(turns: pd.DataFrame, rows: np.ndarray, slowest: dict[str, int]
     latency = turns["latency_s"].to_numpy(float).take(rows)
     timed = ~np.isnan(latency)
     latency_ns = _sum_ns(latency[timed])
-    phases = [_phase_row(turns[phase_column(phase)].to_numpy(float).take(rows), phase.value,
-                         latency_ns, slowest) for phase in PHASES]
+    phases = [
+        _phase_row(
+            turns[phase_column(phase)].to_numpy(float).take(rows), phase.value, latency_ns, slowest
+        )
+        for phase in PHASES
+    ]
     phases.sort(key=lambda row: -row["total_s"])  # stable: Phase order among equals
     seconds, gaps = (values.take(rows)[timed] for values in unmeasured)
     gap_ns = _sum_ns(seconds)
-    return {"turns": len(rows), "timed_turns": int(timed.sum()),
-            "latency_s": latency_ns / 1e9, "unmeasured_s": gap_ns / 1e9,
-            "unmeasured_share": gap_ns / latency_ns if latency_ns else None,
-            "unmeasured_turns": int(gaps.sum()), "phases": phases}
+    return {
+        "turns": len(rows),
+        "timed_turns": int(timed.sum()),
+        "latency_s": latency_ns / 1e9,
+        "unmeasured_s": gap_ns / 1e9,
+        "unmeasured_share": gap_ns / latency_ns if latency_ns else None,
+        "unmeasured_turns": int(gaps.sum()),
+        "phases": phases,
+    }
 
 
-def _phase_row(seconds: np.ndarray, phase: str, latency_ns: int,
-               slowest: dict[str, int]) -> dict[str, Any]:
+def _phase_row(
+    seconds: np.ndarray, phase: str, latency_ns: int, slowest: dict[str, int]
+) -> dict[str, Any]:
     values = seconds[~np.isnan(seconds)]
     total_ns = _sum_ns(values)
-    p50, p95 = (float(q) for q in np.quantile(values, (0.5, 0.95))) if len(values) else (
-        None, None)
-    return {"phase": phase, "total_s": total_ns / 1e9,
-            "share": total_ns / latency_ns if latency_ns else None, "p50_s": p50,
-            "p95_s": p95, "slowest_turns": slowest.get(phase, 0),
-            "measured_turns": len(values)}
+    p50, p95 = (float(q) for q in np.quantile(values, (0.5, 0.95))) if len(values) else (None, None)
+    return {
+        "phase": phase,
+        "total_s": total_ns / 1e9,
+        "share": total_ns / latency_ns if latency_ns else None,
+        "p50_s": p50,
+        "p95_s": p95,
+        "slowest_turns": slowest.get(phase, 0),
+        "measured_turns": len(values),
+    }
 
 
 def _sum_ns(seconds: np.ndarray) -> int:
@@ -234,8 +278,10 @@ def phase_sections(turns: pd.DataFrame, first: np.ndarray) -> dict[str, Any]:
 
     # Row positions, not masks: 17 columns are taken per scope, and take is ~3x faster.
     scopes = {"first_turn": np.flatnonzero(first), "later_turns": np.flatnonzero(~first)}
-    return {scope: phase_ranking(turns, rows, slowest(rows), unmeasured)
-            for scope, rows in scopes.items()}
+    return {
+        scope: phase_ranking(turns, rows, slowest(rows), unmeasured)
+        for scope, rows in scopes.items()
+    }
 
 
 def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
@@ -245,13 +291,15 @@ def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
     measured = (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9
     held = held.fillna(measured)
     known = blocks.notna() & held.notna()
-    read = ((turns["release_reason"] == ReleaseReason.READ.value).fillna(False)
-            | (turns["release_read_count"].astype(float) > 0).fillna(False))
+    read = (turns["release_reason"] == ReleaseReason.READ.value).fillna(False) | (
+        turns["release_read_count"].astype(float) > 0
+    ).fillna(False)
     block_seconds = float((blocks * held)[known].sum())
     read_block_seconds = float((blocks * held)[known & read].sum())
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False)
-    per_block = (turns.loc[done, "read_bytes"].astype(float)
-                 / turns.loc[done, "read_blocks"].astype(float)).replace(np.inf, np.nan)
+    per_block = (
+        turns.loc[done, "read_bytes"].astype(float) / turns.loc[done, "read_blocks"].astype(float)
+    ).replace(np.inf, np.nan)
     bytes_per_block = float(per_block.median()) if per_block.notna().any() else None
     out = {
         "exports": int(blocks.notna().sum()),
@@ -262,8 +310,9 @@ def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
         "block_seconds_held": block_seconds,
         "block_seconds_held_then_read": read_block_seconds,
         "block_seconds_never_read": block_seconds - read_block_seconds,
-        "read_share_of_blocks": (float(blocks[known & read].sum() / blocks[known].sum())
-                                 if blocks[known].sum() else None),
+        "read_share_of_blocks": (
+            float(blocks[known & read].sum() / blocks[known].sum()) if blocks[known].sum() else None
+        ),
         "bytes_per_block": bytes_per_block,
     }
     if bytes_per_block:
@@ -279,12 +328,12 @@ LISTED_FAULTS = 50
 LISTED_SLOW = 20
 # Conversations whose trace ids are looked up in the source (one read each).
 TRACE_LOOKUPS = 40
-_NOT_FAULTS = frozenset({v.value for v in HEALTHY_VERDICTS} | {
-    Verdict.INSUFFICIENT_EVIDENCE.value})
+_NOT_FAULTS = frozenset({v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value})
 
 
-def diagnose_command(source: str, conversation_id: str, tenant: str | None = None,
-                     read_slo_s: float | None = None) -> str:
+def diagnose_command(
+    source: str, conversation_id: str, tenant: str | None = None, read_slo_s: float | None = None
+) -> str:
     """The exact ``kvobs diagnose`` command line for a conversation, shell-quoted (an id
     that starts with ``-`` comes after ``--``).
 
@@ -298,13 +347,21 @@ def diagnose_command(source: str, conversation_id: str, tenant: str | None = Non
         options += ["--tenant", tenant]
     if read_slo_s is not None:
         options += ["--read-slo", f"{read_slo_s:g}"]
-    words = (options + ["--", conversation_id] if conversation_id.startswith("-")
-             else [conversation_id] + options)
+    words = (
+        options + ["--", conversation_id]
+        if conversation_id.startswith("-")
+        else [conversation_id] + options
+    )
     return shlex.join(["kvobs", "diagnose", *words])
 
 
-def drill_down(labelled: pd.DataFrame, source: str, read_slo_s: float | None = None,
-               faults: int = LISTED_FAULTS, slow: int = LISTED_SLOW) -> dict[str, Any]:
+def drill_down(
+    labelled: pd.DataFrame,
+    source: str,
+    read_slo_s: float | None = None,
+    faults: int = LISTED_FAULTS,
+    slow: int = LISTED_SLOW,
+) -> dict[str, Any]:
     """The turns to follow up: every turn with a fault verdict (the slowest first, up to
     ``faults``), then healthy turns at or above their scope's latency p95 (turn 1 and
     later turns apart; up to ``slow``). Each row: conversation, tenant, turn, verdict,
@@ -333,13 +390,20 @@ def drill_down(labelled: pd.DataFrame, source: str, read_slo_s: float | None = N
         if len(rows) > limit:  # the candidates: every row as slow as the limit-th
             kth = np.partition(key, len(key) - limit)[len(key) - limit]
             rows, key = rows[key >= kth], key[key >= kth]
-        order = sorted(range(len(rows)), key=lambda j: (
-            -key[j], str(cids.iat[rows[j]]), str(tenants.iat[rows[j]]),
-            int(turns.iat[rows[j]])))
+        order = sorted(
+            range(len(rows)),
+            key=lambda j: (
+                -key[j],
+                str(cids.iat[rows[j]]),
+                str(tenants.iat[rows[j]]),
+                int(turns.iat[rows[j]]),
+            ),
+        )
         return [int(rows[j]) for j in order[:limit]]
 
     chosen = [(i, "fault") for i in ranked(fault, faults)] + [
-        (i, "slow") for i in ranked(is_slow, slow)]
+        (i, "slow") for i in ranked(is_slow, slow)
+    ]
     rows = []
     if chosen:
         shared = labelled.groupby("conversation_id", observed=True)["tenant"].nunique()
@@ -349,19 +413,28 @@ def drill_down(labelled: pd.DataFrame, source: str, read_slo_s: float | None = N
             turn = Turn(record).as_dict()
             found = causes(turn, context)
             cid, tenant = str(record["conversation_id"]), str(record["tenant"] or "")
-            rows.append({
-                "kind": kind, "conversation_id": cid, "tenant": tenant,
-                "turn": int(record["turn"]), "verdict": str(record["verdict"]),
-                "latency_s": None if np.isnan(latency[i]) else float(latency[i]),
-                "top_cause": found[0].cause.value if found else None,
-                "top_cause_share": found[0].share if found else None,
-                "trace_id": None,
-                "command": diagnose_command(source, cid,
-                                            tenant if shared.get(cid, 1) > 1 else None,
-                                            read_slo_s)})
-    return {"fault_turns": int(fault.sum()), "slow_turns": int(is_slow.sum()),
-            "slow_threshold": "latency at or above its scope's p95 (turn 1, later turns)",
-            "rows": rows}
+            rows.append(
+                {
+                    "kind": kind,
+                    "conversation_id": cid,
+                    "tenant": tenant,
+                    "turn": int(record["turn"]),
+                    "verdict": str(record["verdict"]),
+                    "latency_s": None if np.isnan(latency[i]) else float(latency[i]),
+                    "top_cause": found[0].cause.value if found else None,
+                    "top_cause_share": found[0].share if found else None,
+                    "trace_id": None,
+                    "command": diagnose_command(
+                        source, cid, tenant if shared.get(cid, 1) > 1 else None, read_slo_s
+                    ),
+                }
+            )
+    return {
+        "fault_turns": int(fault.sum()),
+        "slow_turns": int(is_slow.sum()),
+        "slow_threshold": "latency at or above its scope's p95 (turn 1, later turns)",
+        "rows": rows,
+    }
 
 
 def add_trace_ids(drill: dict[str, Any], span_source, lookups: int = TRACE_LOOKUPS) -> None:
@@ -374,7 +447,7 @@ def add_trace_ids(drill: dict[str, Any], span_source, lookups: int = TRACE_LOOKU
     for row in drill["rows"]:
         cid = row["conversation_id"]
         if cid.startswith(sc.ANONYMOUS_PREFIX):
-            row["trace_id"] = cid[len(sc.ANONYMOUS_PREFIX):]
+            row["trace_id"] = cid[len(sc.ANONYMOUS_PREFIX) :]
         elif not cid.startswith(sc.LINEAGE_PREFIX):
             wanted.setdefault(cid, []).append(row)
     for cid, rows in list(wanted.items())[:lookups]:
@@ -384,8 +457,12 @@ def add_trace_ids(drill: dict[str, Any], span_source, lookups: int = TRACE_LOOKU
             continue
         if "trace_id" not in found.column_names:
             continue
-        keys = zip(*(found.column(c).to_pylist()
-                     for c in ("conversation_id", "tenant", "turn", "trace_id")))
+        keys = zip(
+            *(
+                found.column(c).to_pylist()
+                for c in ("conversation_id", "tenant", "turn", "trace_id")
+            )
+        )
         trace = {(str(c), str(t or ""), int(n)): tid for c, t, n, tid in keys}
         for row in rows:
             row["trace_id"] = trace.get((cid, row["tenant"], row["turn"]))
@@ -418,9 +495,13 @@ class FleetReport:
         return [Verdict(v) for v in mix]
 
 
-def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None,
-                 prefill_tokens_per_s: float | None = None,
-                 read_slo_s: float | None = None) -> tuple[FleetReport, pd.DataFrame]:
+def build_report(
+    turns: pd.DataFrame,
+    source: str = "",
+    since: str | None = None,
+    prefill_tokens_per_s: float | None = None,
+    read_slo_s: float | None = None,
+) -> tuple[FleetReport, pd.DataFrame]:
     """The report, and the labelled turn table it was computed from (for plots)."""
     labelled, rate = label_turns(turns, prefill_tokens_per_s, read_slo_s)
     cutoff = since_cutoff_ns(labelled["turn_start_ns"].max(), since)
@@ -433,20 +514,31 @@ def build_report(turns: pd.DataFrame, source: str = "", since: str | None = None
     # labelled table, and numpy lets go of the GIL in its sorts, partitions and takes
     # (two cores, 1.35M turns: 5.45 s instead of 5.82, mean of 3 alternated runs).
     with ThreadPoolExecutor(max_workers=1) as pool:
-        costs = pool.submit(lambda: (memory_held(labelled), phase_sections(labelled, first),
-                                     retention(labelled)))
+        costs = pool.submit(
+            lambda: (memory_held(labelled), phase_sections(labelled, first), retention(labelled))
+        )
         measured = _Measured.of(labelled)
-        mix = {"first_turn": _metrics(measured, np.flatnonzero(first)),
-               "later_turns": _metrics(measured, later),
-               "by_turn": _grouped(measured, labelled, ["turn_bucket"], every),
-               "by_prompt": _grouped(measured, labelled, ["prompt_bucket"], later),
-               "by_turn_and_prompt": _grouped(measured, labelled,
-                                              ["turn_bucket", "prompt_bucket"], every)}
+        mix = {
+            "first_turn": _metrics(measured, np.flatnonzero(first)),
+            "later_turns": _metrics(measured, later),
+            "by_turn": _grouped(measured, labelled, ["turn_bucket"], every),
+            "by_prompt": _grouped(measured, labelled, ["prompt_bucket"], later),
+            "by_turn_and_prompt": _grouped(
+                measured, labelled, ["turn_bucket", "prompt_bucket"], every
+            ),
+        }
         memory, phases, retained = costs.result()
     report = FleetReport(
-        source=source, since=since,
-        conversations=len(labelled[CONVERSATION_KEYS].drop_duplicates()), turns=len(labelled),
-        prefill_tokens_per_s=rate, **mix, memory=memory, phases=phases, retention=retained,
-        synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")))
+        source=source,
+        since=since,
+        conversations=len(labelled[CONVERSATION_KEYS].drop_duplicates()),
+        turns=len(labelled),
+        prefill_tokens_per_s=rate,
+        **mix,
+        memory=memory,
+        phases=phases,
+        retention=retained,
+        synthetic=bool(len(cids) and str(cids.iloc[0]).startswith("synthetic-")),
+    )
     report.extras["drill_down"] = drill_down(labelled, source, read_slo_s)
     return report, labelled

@@ -44,8 +44,9 @@ def bytes_per_block(turns: pd.DataFrame) -> float | None:
 
 def host_tokens_served(turns: pd.DataFrame) -> np.ndarray:
     """Per turn, the prompt tokens the offloading tiers (host, p2p) served it."""
-    return (np.nan_to_num(_numbers(turns, "host_hit_host_tokens"))
-            + np.nan_to_num(_numbers(turns, "host_hit_p2p_tokens")))
+    return np.nan_to_num(_numbers(turns, "host_hit_host_tokens")) + np.nan_to_num(
+        _numbers(turns, "host_hit_p2p_tokens")
+    )
 
 
 def per_turn(turns: pd.DataFrame) -> pd.DataFrame:
@@ -56,26 +57,32 @@ def per_turn(turns: pd.DataFrame) -> pd.DataFrame:
     A turn's reuse is bought by the previous turn's retention."""
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
     host_served = host_tokens_served(turns)
-    return pd.DataFrame({
-        **{key: turns[key].array for key in CONVERSATION_KEYS},  # positional, typed
-        DEVICE_BLOCK_SECONDS.name: _numbers(turns, DEVICE_BLOCK_SECONDS.name),
-        HOST_BYTE_SECONDS.name: _numbers(turns, HOST_BYTE_SECONDS.name),
-        "device_tokens_served": np.where(done, np.nan_to_num(
-            _numbers(turns, "candidate_tokens")), 0.0),
-        "host_tokens_served": host_served,
-    })
+    return pd.DataFrame(
+        {
+            **{key: turns[key].array for key in CONVERSATION_KEYS},  # positional, typed
+            DEVICE_BLOCK_SECONDS.name: _numbers(turns, DEVICE_BLOCK_SECONDS.name),
+            HOST_BYTE_SECONDS.name: _numbers(turns, HOST_BYTE_SECONDS.name),
+            "device_tokens_served": np.where(
+                done, np.nan_to_num(_numbers(turns, "candidate_tokens")), 0.0
+            ),
+            "host_tokens_served": host_served,
+        }
+    )
 
 
 def by_conversation(turns: pd.DataFrame) -> pd.DataFrame:
     """Per conversation (tenant, conversation_id): its costs and reuse summed over turns,
     and ``device_byte_seconds`` (block-seconds x bytes per block; NaN when unknown)."""
-    rows = per_turn(turns).groupby(CONVERSATION_KEYS, observed=True, sort=True).sum(
-        min_count=1).reset_index()
+    rows = (
+        per_turn(turns)
+        .groupby(CONVERSATION_KEYS, observed=True, sort=True)
+        .sum(min_count=1)
+        .reset_index()
+    )
     for column in ("device_tokens_served", "host_tokens_served"):
         rows[column] = rows[column].fillna(0).astype(np.int64)
     weight = bytes_per_block(turns)
-    rows["device_byte_seconds"] = rows[DEVICE_BLOCK_SECONDS.name] * (
-        weight if weight else np.nan)
+    rows["device_byte_seconds"] = rows[DEVICE_BLOCK_SECONDS.name] * (weight if weight else np.nan)
     return rows
 
 
@@ -103,12 +110,17 @@ def _per_gib_hour(tokens: int, byte_seconds: float) -> float | None:
 
 def _top(rows: pd.DataFrame, column: str) -> list[dict[str, Any]]:
     ranked = rows[rows[column] > 0].nlargest(TOP_CONVERSATIONS, column)
-    return [{"tenant": str(row.tenant), "conversation_id": str(row.conversation_id),
-             "device_block_seconds": _value(row.device_block_seconds),
-             "host_byte_seconds": _value(row.host_byte_seconds),
-             "device_tokens_served": int(row.device_tokens_served),
-             "host_tokens_served": int(row.host_tokens_served)}
-            for row in ranked.itertuples()]
+    return [
+        {
+            "tenant": str(row.tenant),
+            "conversation_id": str(row.conversation_id),
+            "device_block_seconds": _value(row.device_block_seconds),
+            "host_byte_seconds": _value(row.host_byte_seconds),
+            "device_tokens_served": int(row.device_tokens_served),
+            "host_tokens_served": int(row.host_tokens_served),
+        }
+        for row in ranked.itertuples()
+    ]
 
 
 def _value(x: float) -> float | None:
@@ -139,8 +151,9 @@ def retention(turns: pd.DataFrame) -> dict[str, Any]:
             "bytes_per_block": bytes_per_block(turns),
             "gib_hours": device_gib_h,
             "tokens_served": device_tokens,
-            "tokens_per_gib_hour": (_per_gib_hour(device_tokens, float(device_byte_s))
-                                    if device_gib_h else None),
+            "tokens_per_gib_hour": (
+                _per_gib_hour(device_tokens, float(device_byte_s)) if device_gib_h else None
+            ),
             "turns_costed": int(np.isfinite(_numbers(turns, DEVICE_BLOCK_SECONDS.name)).sum()),
         },
         "host": {

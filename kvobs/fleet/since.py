@@ -21,8 +21,9 @@ def parse_since(text: str) -> pd.Timedelta | pd.Timestamp:
     >>> parse_since("2026-12-01T08:00")
     Timestamp('2026-12-01 08:00:00+0000', tz='UTC')
     """
-    accepted = ("a duration such as 90s, 30min, 1h30m, 7d, or an ISO-8601 instant such "
-                "as 2026-12-01T08:00Z")
+    accepted = (
+        "a duration such as 90s, 30min, 1h30m, 7d, or an ISO-8601 instant such as 2026-12-01T08:00Z"
+    )
     text = text.strip()
     if re.fullmatch(r"[-+]?[\d.]+", text):
         raise ValueError(f"{text!r} has no unit: {accepted}")

@@ -45,9 +45,14 @@ def reuse_window_s(ttl_s: float, proxy_lifetime_s: float | None) -> float:
     return min(ttl_s - DECLINE_WINDOW.default, lifetime)
 
 
-def replay_ttl(recorded: Recorded, ttl_s: float, threshold: int,
-               proxy_lifetime_s: float | None, model: ReadModel | None,
-               context: Context) -> dict[str, float]:
+def replay_ttl(
+    recorded: Recorded,
+    ttl_s: float,
+    threshold: int,
+    proxy_lifetime_s: float | None,
+    model: ReadModel | None,
+    context: Context,
+) -> dict[str, float]:
     """Predicted reuse and memory if D kept KV for ``ttl_s`` (``kvobs.fleet.replay``)."""
     turns = recorded.turns
     replayed = replay(recorded, ttl_s, threshold, proxy_lifetime_s, model, context)
@@ -56,9 +61,13 @@ def replay_ttl(recorded: Recorded, ttl_s: float, threshold: int,
     for verdict in READ_VERDICTS:
         read |= replayed.verdicts == verdict
     hits = int((later & read).sum())
-    return {"ttl_s": float(ttl_s), "reuse_window_s": reuse_window_s(ttl_s, proxy_lifetime_s),
-            "hits": hits, "hit_ratio": float(hits / later.sum()) if later.sum() else 0.0,
-            "block_seconds": block_seconds(turns, replayed.reads, ttl_s)}
+    return {
+        "ttl_s": float(ttl_s),
+        "reuse_window_s": reuse_window_s(ttl_s, proxy_lifetime_s),
+        "hits": hits,
+        "hit_ratio": float(hits / later.sum()) if later.sum() else 0.0,
+        "block_seconds": block_seconds(turns, replayed.reads, ttl_s),
+    }
 
 
 @dataclass
@@ -81,8 +90,9 @@ class Tuning:
         return out
 
 
-def tune(turns: pd.DataFrame, target: float = 0.95,
-         prefill_tokens_per_s: float | None = None) -> Tuning:
+def tune(
+    turns: pd.DataFrame, target: float = 0.95, prefill_tokens_per_s: float | None = None
+) -> Tuning:
     """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``)."""
     rate = prefill_tokens_per_s or prefill_rate(turns)
     model = read_model(turns)
@@ -91,28 +101,39 @@ def tune(turns: pd.DataFrame, target: float = 0.95,
     current_ttl = _mode(turns["ttl_s"])
     break_even = recommended = None
     if rate and model:
-        lines.append(f"prefill rate p = {rate:,.0f} tokens/s (median over turns that read "
-                     f"nothing: computed tokens / P leg time)")
-        lines.append(f"read time = {model.fixed_s * 1e3:.3f} ms + M x {model.s_per_token * 1e6:.3f}"
-                     f" us/token (least squares over {model.reads:,} reads"
-                     + (f"; {model.bytes_per_s / 1e9:.2f} GB/s" if model.bytes_per_s else "")
-                     + ")")
+        lines.append(
+            f"prefill rate p = {rate:,.0f} tokens/s (median over turns that read "
+            f"nothing: computed tokens / P leg time)"
+        )
+        lines.append(
+            f"read time = {model.fixed_s * 1e3:.3f} ms + M x {model.s_per_token * 1e6:.3f}"
+            f" us/token (least squares over {model.reads:,} reads"
+            + (f"; {model.bytes_per_s / 1e9:.2f} GB/s" if model.bytes_per_s else "")
+            + ")"
+        )
         per_token_gain = 1.0 / rate - model.s_per_token
         if per_token_gain > 0:
             break_even = model.fixed_s / per_token_gain
-            recommended = max(BLOCK_TOKENS,
-                              int(math.ceil(break_even / BLOCK_TOKENS)) * BLOCK_TOKENS)
-            lines.append(f"break-even M* = a / (1/p - s) = {model.fixed_s * 1e3:.3f} ms / "
-                         f"({1e6 / rate:.3f} - {model.s_per_token * 1e6:.3f}) us/token = "
-                         f"{break_even:,.1f} tokens -> kv_recompute_threshold = "
-                         f"{recommended} (rounded up to a {BLOCK_TOKENS}-token block; now "
-                         f"{current_threshold})")
+            recommended = max(
+                BLOCK_TOKENS, int(math.ceil(break_even / BLOCK_TOKENS)) * BLOCK_TOKENS
+            )
+            lines.append(
+                f"break-even M* = a / (1/p - s) = {model.fixed_s * 1e3:.3f} ms / "
+                f"({1e6 / rate:.3f} - {model.s_per_token * 1e6:.3f}) us/token = "
+                f"{break_even:,.1f} tokens -> kv_recompute_threshold = "
+                f"{recommended} (rounded up to a {BLOCK_TOKENS}-token block; now "
+                f"{current_threshold})"
+            )
         else:
-            lines.append("reading a token costs more than computing it: reads never pay "
-                         "off; fix the P<->D link before tuning the threshold")
+            lines.append(
+                "reading a token costs more than computing it: reads never pay "
+                "off; fix the P<->D link before tuning the threshold"
+            )
     else:
-        lines.append("no break-even: need turns that read (read model) and turns that "
-                     "computed without reading (prefill rate)")
+        lines.append(
+            "no break-even: need turns that read (read model) and turns that "
+            "computed without reading (prefill rate)"
+        )
     threshold = int(recommended or current_threshold or 0)
     context, recorded = Context(rate), Recorded(turns)
     grid = sorted(set(TTL_GRID) | ({float(current_ttl)} if current_ttl else set()))
@@ -122,18 +143,34 @@ def tune(turns: pd.DataFrame, target: float = 0.95,
     recommended_ttl = chosen["ttl_s"] if chosen and best > 0 else None
     proxy_lifetime = proxy_prediction = None
     if recommended_ttl:
-        lines.append(f"TTL: smallest candidate reaching {target:.0%} of the best hit ratio "
-                     f"over the grid ({best:.1%}): {recommended_ttl:.0f} s, hit ratio "
-                     f"{chosen['hit_ratio']:.1%}, {chosen['block_seconds']:,.0f} block-s held")
+        lines.append(
+            f"TTL: smallest candidate reaching {target:.0%} of the best hit ratio "
+            f"over the grid ({best:.1%}): {recommended_ttl:.0f} s, hit ratio "
+            f"{chosen['hit_ratio']:.1%}, {chosen['block_seconds']:,.0f} block-s held"
+        )
         proxy_lifetime = entry_lifetime_s(recommended_ttl)
-        proxy_prediction = replay_ttl(recorded, recommended_ttl, threshold, proxy_lifetime,
-                                      model, context)
-        lines.append(f"proxy entry lifetime = TTL - expiry margin {PROXY_EXPIRY_MARGIN} = "
-                     f"{proxy_lifetime:.0f} s (the kvobs proxy's default: it drops an entry "
-                     f"before P would decline its read): hit ratio "
-                     f"{proxy_prediction['hit_ratio']:.1%} with every proxy on it")
-    return Tuning(rate, model, break_even, recommended, current_threshold, current_ttl, table,
-                  recommended_ttl, proxy_lifetime, proxy_prediction, lines)
+        proxy_prediction = replay_ttl(
+            recorded, recommended_ttl, threshold, proxy_lifetime, model, context
+        )
+        lines.append(
+            f"proxy entry lifetime = TTL - expiry margin {PROXY_EXPIRY_MARGIN} = "
+            f"{proxy_lifetime:.0f} s (the kvobs proxy's default: it drops an entry "
+            f"before P would decline its read): hit ratio "
+            f"{proxy_prediction['hit_ratio']:.1%} with every proxy on it"
+        )
+    return Tuning(
+        rate,
+        model,
+        break_even,
+        recommended,
+        current_threshold,
+        current_ttl,
+        table,
+        recommended_ttl,
+        proxy_lifetime,
+        proxy_prediction,
+        lines,
+    )
 
 
 def _mode(values: pd.Series):

@@ -39,41 +39,60 @@ class WhatIf:
         return {key: value for key, value in self.__dict__.items() if key != "verdicts"}
 
 
-def _summary(turns: pd.DataFrame, verdicts: np.ndarray, reused: np.ndarray,
-             block_seconds: float) -> dict[str, Any]:
+def _summary(
+    turns: pd.DataFrame, verdicts: np.ndarray, reused: np.ndarray, block_seconds: float
+) -> dict[str, Any]:
     later = turns["turn"].to_numpy() > 1
     counts = pd.Series(verdicts[later]).value_counts()
     prompt = turns["prompt_tokens"].astype(float).fillna(0).to_numpy()
     local = turns["local_hit_tokens"].astype(float).fillna(0).to_numpy()
-    return {"later_turns": int(later.sum()),
-            "verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
-            "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / later.sum())
-            if later.sum() else None,
-            "reused_tokens": int(reused[later].sum()),
-            "computed_tokens": int((prompt - local - reused)[later].sum()),
-            "block_seconds_held": block_seconds}
+    return {
+        "later_turns": int(later.sum()),
+        "verdicts": {v: int(counts.get(v, 0)) for v in VERDICT_VALUES if counts.get(v, 0)},
+        "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / later.sum())
+        if later.sum()
+        else None,
+        "reused_tokens": int(reused[later].sum()),
+        "computed_tokens": int((prompt - local - reused)[later].sum()),
+        "block_seconds_held": block_seconds,
+    }
 
 
-def whatif(turns: pd.DataFrame, ttl_s: float | None, threshold: int | None,
-           proxy_lifetime_s: float | None = None,
-           prefill_tokens_per_s: float | None = None) -> WhatIf:
+def whatif(
+    turns: pd.DataFrame,
+    ttl_s: float | None,
+    threshold: int | None,
+    proxy_lifetime_s: float | None = None,
+    prefill_tokens_per_s: float | None = None,
+) -> WhatIf:
     """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``, labelled at
     ``prefill_tokens_per_s`` when given)."""
     rate = prefill_tokens_per_s or prefill_rate(turns)
-    replayed = replay(turns, ttl_s, threshold, proxy_lifetime_s, read_model(turns),
-                      Context(rate))
+    replayed = replay(turns, ttl_s, threshold, proxy_lifetime_s, read_model(turns), Context(rate))
     verdict = turns["verdict"].astype(str).to_numpy()
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
     actual_reused = np.where(done, turns["candidate_tokens"].astype(float).fillna(0), 0)
     blocks = turns["export_blocks"].astype(float).fillna(0).to_numpy()
-    held = turns["held_s"].astype(float).fillna(
-        (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9)
+    held = (
+        turns["held_s"]
+        .astype(float)
+        .fillna(
+            (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9
+        )
+    )
     return WhatIf(
         None if ttl_s is None else float(ttl_s),
-        None if threshold is None else int(threshold), proxy_lifetime_s,
-        actual=_summary(turns, verdict, actual_reused,
-                        float((blocks * held.fillna(0).to_numpy()).sum())),
-        predicted=_summary(turns, replayed.verdicts, replayed.reused_tokens,
-                           block_seconds(turns, replayed.reads, ttl_s)),
+        None if threshold is None else int(threshold),
+        proxy_lifetime_s,
+        actual=_summary(
+            turns, verdict, actual_reused, float((blocks * held.fillna(0).to_numpy()).sum())
+        ),
+        predicted=_summary(
+            turns,
+            replayed.verdicts,
+            replayed.reused_tokens,
+            block_seconds(turns, replayed.reads, ttl_s),
+        ),
         changed_turns=int((replayed.verdicts != verdict).sum()),
-        verdicts=replayed.verdicts)
+        verdicts=replayed.verdicts,
+    )

@@ -26,9 +26,16 @@ _CID = sc.CONVERSATION_ID.key
 # What prefix lineage reads of every turn (kvobs.turns.lineage: prompts, D's exports, releases
 # and restarts): a pass adds these spans of the clean units to the dirty ones, so a
 # prompt is matched against every export in the window, as a batch over all spans is.
-LINEAGE_SPANS = frozenset(span.name for span in (
-    sc.SPAN_PULL_DECISION, sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST,
-    sc.SPAN_HANDOFF))
+LINEAGE_SPANS = frozenset(
+    span.name
+    for span in (
+        sc.SPAN_PULL_DECISION,
+        sc.SPAN_EXPORT,
+        sc.SPAN_RELEASE,
+        sc.SPAN_DECODE_REQUEST,
+        sc.SPAN_HANDOFF,
+    )
+)
 IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
 
 
@@ -56,8 +63,9 @@ class SpanBuffer:
         self.late_spans = 0
 
     def __len__(self) -> int:
-        return (sum(len(u.rows) for u in self.units.values())
-                + sum(len(r) for r in self._idless.values()))
+        return sum(len(u.rows) for u in self.units.values()) + sum(
+            len(r) for r in self._idless.values()
+        )
 
     def add(self, rows: list[dict], now: float) -> None:
         """Spans as ``kvobs.sources._rows`` decodes them (coerced rows)."""

@@ -39,9 +39,16 @@ from kvobs.timeline import prefill_rate
 TurnKey = tuple[str, str, int]  # tenant, conversation id, turn
 # The turn columns the fleet context is measured from (timeline.prefill_rate,
 # causes.decode_context): kept for the recent final turns only.
-_CONTEXT_COLUMNS = ("recomputed_tokens", "prompt_tokens", "local_hit_tokens",
-                    "read_outcome", "phase_p_compute_s", "prefill_leg_s",
-                    "phase_decode_s", "output_tokens")
+_CONTEXT_COLUMNS = (
+    "recomputed_tokens",
+    "prompt_tokens",
+    "local_hit_tokens",
+    "read_outcome",
+    "phase_p_compute_s",
+    "prefill_leg_s",
+    "phase_decode_s",
+    "output_tokens",
+)
 
 
 @dataclass
@@ -66,30 +73,39 @@ class PassResult:
     seconds: float = 0.0
 
 
-def turn_row(diagnosis: TurnDiagnosis, prefill_tokens_per_s: float | None,
-             decode_s_per_token: float | None) -> dict[str, Any]:
+def turn_row(
+    diagnosis: TurnDiagnosis, prefill_tokens_per_s: float | None, decode_s_per_token: float | None
+) -> dict[str, Any]:
     """One classified turn as the service keeps, serves and stores it: ``diagnose``'s
     JSON of the turn plus its trace id and the fleet context it was classified with."""
     row = diagnosis.to_dict()
     row["trace_id"] = diagnosis.turn.get("trace_id")
-    row["context"] = {"prefill_tokens_per_s": prefill_tokens_per_s,
-                      "decode_s_per_token": decode_s_per_token}
+    row["context"] = {
+        "prefill_tokens_per_s": prefill_tokens_per_s,
+        "decode_s_per_token": decode_s_per_token,
+    }
     return row
 
 
 def superseded(row: dict[str, Any], version: int) -> dict[str, Any]:
     """The row that retires a stored turn's key: lineage put the turn under another key
     (its ids say which turn it was). Never counted; readers skip the key."""
-    return {"tenant": row["tenant"], "conversation_id": row["conversation_id"],
-            "turn": row["turn"], **{c: row.get(c) for c in _TURN_IDS}, "verdict": None,
-            "superseded": True, "version": version, "first_final": False}
+    return {
+        "tenant": row["tenant"],
+        "conversation_id": row["conversation_id"],
+        "turn": row["turn"],
+        **{c: row.get(c) for c in _TURN_IDS},
+        "verdict": None,
+        "superseded": True,
+        "version": version,
+        "first_final": False,
+    }
 
 
 def _signature(row: dict[str, Any]) -> str:
     """What makes a new version: the classification, not the fleet context it was priced
     with (which drifts pass by pass, and starts empty after a restart)."""
-    return json.dumps({k: v for k, v in row.items() if k != "context"}, sort_keys=True,
-                      default=str)
+    return json.dumps({k: v for k, v in row.items() if k != "context"}, sort_keys=True, default=str)
 
 
 # What identifies one turn whatever key lineage gives it.
@@ -101,8 +117,13 @@ RESUMED = "\x00resumed"
 
 
 class Classifier:
-    def __init__(self, window_s: float, grace_s: float, read_slo_s: float | None = None,
-                 context_turns: int = 10_000):
+    def __init__(
+        self,
+        window_s: float,
+        grace_s: float,
+        read_slo_s: float | None = None,
+        context_turns: int = 10_000,
+    ):
         self.buffer = SpanBuffer(window_s)
         self.grace_s = grace_s
         self.read_slo_s = read_slo_s
@@ -138,18 +159,29 @@ class Classifier:
         Returns the turns taken."""
         taken = 0
         for stored_row in stored:
-            row = {k: v for k, v in stored_row.items() if k not in ("version", "final",
-                                                                     "first_final")}
+            row = {
+                k: v for k, v in stored_row.items() if k not in ("version", "final", "first_final")
+            }
             key = (row["tenant"], row["conversation_id"], row["turn"])
-            self.turns[key] = TurnState(row, _signature(row), int(stored_row["version"]),
-                                        now, RESUMED, {}, final=True, finals=1)
+            self.turns[key] = TurnState(
+                row,
+                _signature(row),
+                int(stored_row["version"]),
+                now,
+                RESUMED,
+                {},
+                final=True,
+                finals=1,
+            )
             self._by_unit[RESUMED].add(key)
             self._by_conversation[key[1]].add(key)
             self._count_once(row, now)
             context = row.get("context") or {}
             if self._context == (None, None):  # the latest priced one's, until samples
-                self._context = (context.get("prefill_tokens_per_s"),
-                                 context.get("decode_s_per_token"))
+                self._context = (
+                    context.get("prefill_tokens_per_s"),
+                    context.get("decode_s_per_token"),
+                )
             taken += 1
         self._resumed_until = now + self.buffer.window_s
         return taken
@@ -180,8 +212,9 @@ class Classifier:
                 # re-classified, not new: its ids say it is the same turn.
                 first = state.finals == 1 and self._count_once(state.row, now)
                 result.reclassified += not first
-                result.finalized.append({**state.row, "version": state.version,
-                                         "first_final": first})
+                result.finalized.append(
+                    {**state.row, "version": state.version, "first_final": first}
+                )
                 if state.finals == 1:
                     self._samples.append(state.samples)
                     self._context_stale = True
@@ -193,8 +226,12 @@ class Classifier:
         if RESUMED in self._by_unit and now >= self._resumed_until:
             # Stored turns no replayed span touched within a window stay as stored, but
             # for those whose trace the replay put under another key.
-            moved = {state.row.get(c) for state in self.turns.values()
-                     if state.unit != RESUMED for c in _TURN_IDS} - {None}
+            moved = {
+                state.row.get(c)
+                for state in self.turns.values()
+                if state.unit != RESUMED
+                for c in _TURN_IDS
+            } - {None}
             for key in self._by_unit[RESUMED]:
                 state = self.turns[key]
                 if moved & {state.row.get(c) for c in _TURN_IDS}:
@@ -203,21 +240,22 @@ class Classifier:
         # Id-less turns leave with their spans (the pool's next pass no longer finds
         # them); in a pool that gets no new spans, after twice the window.
         horizon = now - 2 * self.buffer.window_s
-        for key in [k for k in self._by_unit.get(IDLESS, ()) if
-                    self.turns[k].final and self.turns[k].changed_at < horizon]:
+        for key in [
+            k
+            for k in self._by_unit.get(IDLESS, ())
+            if self.turns[k].final and self.turns[k].changed_at < horizon
+        ]:
             self._drop(key)
         result.seconds = time.perf_counter() - started
         return result
 
-    def _classify(self, units: list[str], rows: list[dict], now: float,
-                  result: PassResult) -> int:
+    def _classify(self, units: list[str], rows: list[dict], now: float, result: PassResult) -> int:
         spans = drop_duplicate_span_rows(table_from_rows(rows), [])
         turns = turns_from_spans(spans, frame=False)
         unit_of = self._unit_lookup(units)
         # The clean units' lineage spans came along as context (what a dirty turn's
         # prompt may extend): their turns are correlated, never classified again.
-        ours = [unit_of(cid) is not None
-                for cid in turns.column("conversation_id").to_pylist()]
+        ours = [unit_of(cid) is not None for cid in turns.column("conversation_id").to_pylist()]
         turns = turns.filter(pa.array(ours, pa.bool_()))
         if turns.num_rows == 0:
             return 0
@@ -283,6 +321,7 @@ class Classifier:
             if conversation_id in dirty:
                 return conversation_id
             return None if conversation_id in self.buffer.units else pool
+
         return unit_of
 
     def _drop(self, key: TurnKey) -> None:
@@ -307,8 +346,10 @@ class Classifier:
         """The conversation's turns as last classified, in turn order (each with its
         version and whether it is final)."""
         keys = sorted(self._by_conversation.get(conversation_id, ()), key=lambda k: (k[0], k[2]))
-        return [{**self.turns[k].row, "version": self.turns[k].version,
-                 "final": self.turns[k].final} for k in keys]
+        return [
+            {**self.turns[k].row, "version": self.turns[k].version, "final": self.turns[k].final}
+            for k in keys
+        ]
 
     def open_turns(self) -> int:
         return sum(1 for state in self.turns.values() if not state.final)

@@ -35,17 +35,20 @@ def column_type(field: pa.Field) -> str:
 def table_ddl(table: str, retention_s: float) -> str:
     columns = ",\n    ".join(f"`{f.name}` {column_type(f)}" for f in SCHEMA)
     stamp = "toDateTime(toUInt32(finalized_at))"
-    return (f"CREATE TABLE IF NOT EXISTS {table} (\n    {columns}\n)\n"
-            f"ENGINE = ReplacingMergeTree(version)\n"
-            f"PARTITION BY toYYYYMMDD({stamp})\n"
-            f"ORDER BY ({', '.join(KEY)})\n"
-            f"TTL {stamp} + INTERVAL {int(retention_s)} SECOND\n"
-            f"SETTINGS ttl_only_drop_parts = 1")
+    return (
+        f"CREATE TABLE IF NOT EXISTS {table} (\n    {columns}\n)\n"
+        f"ENGINE = ReplacingMergeTree(version)\n"
+        f"PARTITION BY toYYYYMMDD({stamp})\n"
+        f"ORDER BY ({', '.join(KEY)})\n"
+        f"TTL {stamp} + INTERVAL {int(retention_s)} SECOND\n"
+        f"SETTINGS ttl_only_drop_parts = 1"
+    )
 
 
 class ClickHouseTurns(TurnRows):
-    def __init__(self, database: Database, table: str = DEFAULT_TURN_TABLE,
-                 retention_s: float = 30 * 86400.0):
+    def __init__(
+        self, database: Database, table: str = DEFAULT_TURN_TABLE, retention_s: float = 30 * 86400.0
+    ):
         super().__init__(retention_s)
         check_table_name(table)
         self.database = database
@@ -54,8 +57,9 @@ class ClickHouseTurns(TurnRows):
         self._created = False
 
     @classmethod
-    def from_url(cls, url: str, retention_s: float = 30 * 86400.0,
-                 create: bool = True) -> ClickHouseTurns:
+    def from_url(
+        cls, url: str, retention_s: float = 30 * 86400.0, create: bool = True
+    ) -> ClickHouseTurns:
         database, options = connect(url, create=create)
         return cls(database, options.get("turn_table", DEFAULT_TURN_TABLE), retention_s)
 
@@ -74,8 +78,7 @@ class ClickHouseTurns(TurnRows):
         self.pending = []
         return rows.num_rows
 
-    def read(self, conversation_id: str | None = None,
-             since: float | None = None) -> pa.Table:
+    def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         if not self.exists():
             return SCHEMA.empty_table()
         conditions, parameters = [], {}

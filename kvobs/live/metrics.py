@@ -17,8 +17,12 @@ _FINITE = (int, float)
 
 
 def _seconds(value: Any) -> float | None:
-    if isinstance(value, _FINITE) and not isinstance(value, bool) and math.isfinite(value) \
-            and value >= 0:
+    if (
+        isinstance(value, _FINITE)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    ):
         return float(value)
     return None
 
@@ -82,8 +86,9 @@ class TurnMetrics:
         if latency is not None:
             self.latency.labels(verdict, turn).observe(latency, exemplar)
 
-    def health(self, classified: int, late: int, unreadable: int, open_turns: int,
-               held_spans: int) -> None:
+    def health(
+        self, classified: int, late: int, unreadable: int, open_turns: int, held_spans: int
+    ) -> None:
         """Totals since start, as the classifier counts them."""
         for outcome, total in zip(sc.CLASSIFIER_SPAN_OUTCOMES, (classified, late, unreadable)):
             self.spans.labels(outcome).inc(max(0, total - self._span_totals[outcome]))

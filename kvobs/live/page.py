@@ -16,8 +16,7 @@ text-align:left;vertical-align:top}.bar{display:flex;height:1.1em;min-width:1px}
 .proxy{background:#9e9e9e}.p{background:#1f77b4}.read{background:#ff7f0e}
 .d{background:#2ca02c}.decode{background:#98df8a}small{color:#666}"""
 # Phase groups, coloured apart (a phase's own name is in its tooltip).
-_GROUPS = {"proxy": "proxy", "p": "p", "read": "read", "handoff": "d", "d": "d",
-           "decode": "decode"}
+_GROUPS = {"proxy": "proxy", "p": "p", "read": "read", "handoff": "d", "d": "d", "decode": "decode"}
 
 
 def _group(phase: str) -> str:
@@ -36,8 +35,9 @@ def _waterfall(turn: dict[str, Any], scale: float) -> str:
             continue
         width = 100.0 * seconds / scale
         title = html.escape(f"{phase}: {duration(seconds)}")
-        parts.append(f'<span class="{_group(phase)}" style="width:{width:.3f}%" '
-                     f'title="{title}"></span>')
+        parts.append(
+            f'<span class="{_group(phase)}" style="width:{width:.3f}%" title="{title}"></span>'
+        )
     return f'<div class="bar">{"".join(parts)}</div>'
 
 
@@ -53,16 +53,19 @@ def conversation_html(conversation_id: str, turns: list[dict[str, Any]]) -> str:
         state = "final" if turn.get("final") else "open"
         rows.append(
             f"<tr><td>{html.escape(str(turn.get('turn')))}</td>"
-            f"<td class=\"{'ok' if verdict in healthy else 'fault'}\">{html.escape(verdict)}"
+            f'<td class="{"ok" if verdict in healthy else "fault"}">{html.escape(verdict)}'
             f"</td><td>{html.escape(duration(turn.get('latency_s')))}</td>"
             f"<td>{html.escape(str(turn.get('slowest_phase') or '-'))}</td>"
-            f"<td>{causes or '-'}</td><td style=\"width:30%\">{_waterfall(turn, scale)}</td>"
+            f'<td>{causes or "-"}</td><td style="width:30%">{_waterfall(turn, scale)}</td>'
             f"<td>{html.escape(str(turn.get('remedy') or ''))}<br><small>trace "
             f"{html.escape(str(turn.get('trace_id') or '-'))} · v{turn.get('version', 1)} "
-            f"{state}</small></td></tr>")
+            f"{state}</small></td></tr>"
+        )
     title = html.escape(f"kvobs: {conversation_id}")
-    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>{title}</h1>"
-            "<table><tr><th>turn</th><th>verdict</th><th>latency</th><th>slowest phase</th>"
-            "<th>causes</th><th>where the time went</th><th>remedy</th></tr>"
-            f"{''.join(rows)}</table></body></html>")
+    return (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>'
+        f"<style>{_STYLE}</style></head><body><h1>{title}</h1>"
+        "<table><tr><th>turn</th><th>verdict</th><th>latency</th><th>slowest phase</th>"
+        "<th>causes</th><th>where the time went</th><th>remedy</th></tr>"
+        f"{''.join(rows)}</table></body></html>"
+    )

@@ -98,10 +98,14 @@ class Live:
             except OSError as error:
                 _LOG.warning("could not replay %s: %s", path, error)
         if taken or requests:
-            _LOG.info("resumed: %d final turns from the turn store, %d export requests "
-                      "replayed from the live segments (%d unreadable lines skipped); "
-                      "turns whose spans left the live segments stay as stored",
-                      taken, requests, unreadable)
+            _LOG.info(
+                "resumed: %d final turns from the turn store, %d export requests "
+                "replayed from the live segments (%d unreadable lines skipped); "
+                "turns whose spans left the live segments stay as stored",
+                taken,
+                requests,
+                unreadable,
+            )
 
     def receive(self, line: str) -> None:
         try:
@@ -117,11 +121,19 @@ class Live:
             self.turns.write(result.finalized, now)
         except OSError as error:
             self.metrics.write_errors.inc()
-            _LOG.warning("could not write final turns (%d kept for the next pass): %s",
-                         len(self.turns.pending), error)
+            _LOG.warning(
+                "could not write final turns (%d kept for the next pass): %s",
+                len(self.turns.pending),
+                error,
+            )
         c = self.classifier
-        self.metrics.health(c.spans_received - c.buffer.late_spans, c.buffer.late_spans,
-                            c.spans_unreadable, c.open_turns(), len(c.buffer))
+        self.metrics.health(
+            c.spans_received - c.buffer.late_spans,
+            c.buffer.late_spans,
+            c.spans_unreadable,
+            c.open_turns(),
+            len(c.buffer),
+        )
 
     def maintain(self, now: float | None = None) -> None:
         """The turn store's upkeep: partitions past the retention dropped, parts merged.
@@ -136,8 +148,7 @@ class Live:
             _LOG.warning("could not merge turn partitions: %s", error)
 
     def conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
-        turns = self.classifier.conversation(conversation_id) \
-            or self.turns.latest(conversation_id)
+        turns = self.classifier.conversation(conversation_id) or self.turns.latest(conversation_id)
         return _of_tenant(turns, tenant)
 
     async def _conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
@@ -147,7 +158,8 @@ class Live:
         turns = self.classifier.conversation(conversation_id)
         if not turns:
             turns = await asyncio.get_running_loop().run_in_executor(
-                None, self.turns.latest, conversation_id)
+                None, self.turns.latest, conversation_id
+            )
         return _of_tenant(turns, tenant)
 
     # ------------------------------------------------------------------ aiohttp
@@ -191,17 +203,16 @@ class Live:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         # Rendering ~2,000 series takes tens of ms: off the loop that takes the spans.
         body = await asyncio.get_running_loop().run_in_executor(
-            None, encoder, self.metrics.registry)
+            None, encoder, self.metrics.registry
+        )
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def conversation_view(self, request: web.Request) -> web.Response:
         cid = request.match_info["conversation_id"]
         turns = await self._conversation(cid, request.query.get("tenant"))
         if not turns:
-            return web.json_response({"error": f"unknown conversation id {cid!r}"},
-                                     status=404)
-        return web.json_response({"conversation_id": cid, "turns": turns},
-                                 dumps=_json_dumps)
+            return web.json_response({"error": f"unknown conversation id {cid!r}"}, status=404)
+        return web.json_response({"conversation_id": cid, "turns": turns}, dumps=_json_dumps)
 
     async def conversation_page(self, request: web.Request) -> web.Response:
         from kvobs.live.page import conversation_html
@@ -237,8 +248,9 @@ def _json_dumps(value) -> str:
     return json.dumps(value, default=str)
 
 
-def build_app(store_dir: str, settings: LiveSettings,
-              turns: TurnRows | None = None) -> web.Application:
+def build_app(
+    store_dir: str, settings: LiveSettings, turns: TurnRows | None = None
+) -> web.Application:
     live = Live(store_dir, settings, turns)
     app = collect.build_app(collect.SegmentWriter(store_dir), sink=live.receive)
     app[LIVE] = live
@@ -250,10 +262,22 @@ def build_app(store_dir: str, settings: LiveSettings,
     return app
 
 
-def run(store_dir: str, host: str, port: int, settings: LiveSettings,
-        turns: TurnRows | None = None) -> None:
-    _LOG.info("kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s, "
-              "final turns to %s", settings.window_s, settings.grace_s, store_dir,
-              turns.location if turns else "the store")
-    web.run_app(build_app(store_dir, settings, turns), host=host, port=port, print=None,
-                handle_signals=True, access_log=None)
+def run(
+    store_dir: str, host: str, port: int, settings: LiveSettings, turns: TurnRows | None = None
+) -> None:
+    _LOG.info(
+        "kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s, "
+        "final turns to %s",
+        settings.window_s,
+        settings.grace_s,
+        store_dir,
+        turns.location if turns else "the store",
+    )
+    web.run_app(
+        build_app(store_dir, settings, turns),
+        host=host,
+        port=port,
+        print=None,
+        handle_signals=True,
+        access_log=None,
+    )

@@ -32,13 +32,23 @@ import pyarrow.parquet as pq
 TURNS_DIR = "turns"
 _PREFIX = "hour="
 _HOUR_FORMAT = "%Y%m%d%H"
-SCHEMA = pa.schema([
-    ("tenant", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int64()),
-    ("version", pa.int64()), ("verdict", pa.string()), ("rule", pa.string()),
-    ("trace_id", pa.string()), ("slowest_phase", pa.string()),
-    ("latency_s", pa.float64()), ("ttft_s", pa.float64()),
-    ("prompt_tokens", pa.int64()), ("finalized_at", pa.float64()), ("detail", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("tenant", pa.string()),
+        ("conversation_id", pa.string()),
+        ("turn", pa.int64()),
+        ("version", pa.int64()),
+        ("verdict", pa.string()),
+        ("rule", pa.string()),
+        ("trace_id", pa.string()),
+        ("slowest_phase", pa.string()),
+        ("latency_s", pa.float64()),
+        ("ttft_s", pa.float64()),
+        ("prompt_tokens", pa.int64()),
+        ("finalized_at", pa.float64()),
+        ("detail", pa.string()),
+    ]
+)
 # Rows kept for a later write while the directory cannot be written (full disk); past
 # this, the oldest go (counted by the caller).
 MAX_PENDING = 100_000
@@ -68,14 +78,21 @@ def _number(value: Any, kind: type) -> Any:
 
 def record(row: dict[str, Any], finalized_at: float) -> dict[str, Any]:
     """A classifier row as the store's columns."""
-    return {"tenant": str(row.get("tenant")), "conversation_id": str(row["conversation_id"]),
-            "turn": int(row["turn"]), "version": int(row.get("version") or 1),
-            "verdict": row.get("verdict"), "rule": row.get("rule"),
-            "trace_id": row.get("trace_id"), "slowest_phase": row.get("slowest_phase"),
-            "latency_s": _number(row.get("latency_s"), float),
-            "ttft_s": _number(row.get("ttft_s"), float),
-            "prompt_tokens": _number(row.get("prompt_tokens"), int),
-            "finalized_at": finalized_at, "detail": _json(row)}
+    return {
+        "tenant": str(row.get("tenant")),
+        "conversation_id": str(row["conversation_id"]),
+        "turn": int(row["turn"]),
+        "version": int(row.get("version") or 1),
+        "verdict": row.get("verdict"),
+        "rule": row.get("rule"),
+        "trace_id": row.get("trace_id"),
+        "slowest_phase": row.get("slowest_phase"),
+        "latency_s": _number(row.get("latency_s"), float),
+        "ttft_s": _number(row.get("ttft_s"), float),
+        "prompt_tokens": _number(row.get("prompt_tokens"), int),
+        "finalized_at": finalized_at,
+        "detail": _json(row),
+    }
 
 
 def _json(row: dict[str, Any]) -> str:
@@ -134,8 +151,7 @@ class TurnRows:
         engine merges itself returns nothing)."""
         return []
 
-    def read(self, conversation_id: str | None = None,
-             since: float | None = None) -> pa.Table:
+    def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         """Every stored row (of one conversation; finalized at or after ``since``), all
         versions, ``SCHEMA``'s columns."""
         raise NotImplementedError
@@ -147,20 +163,26 @@ class TurnRows:
 
     def latest(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
         """The turns (of one conversation), each at its latest version, in key order."""
-        return [detail | {"final": True} for _, detail in
-                sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])]
+        return [
+            detail | {"final": True}
+            for _, detail in sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])
+        ]
 
 
 def _latest(table: pa.Table) -> list[tuple[tuple, dict[str, Any]]]:
     """(key, turn) at each key's highest version, superseded keys left out."""
     best: dict[tuple, dict] = {}
-    for item in table.select(["tenant", "conversation_id", "turn", "version",
-                              "detail"]).to_pylist():
+    for item in table.select(
+        ["tenant", "conversation_id", "turn", "version", "detail"]
+    ).to_pylist():
         key = (item["tenant"], item["conversation_id"], item["turn"])
         if key not in best or item["version"] >= best[key]["version"]:
             best[key] = item
-    return [(key, detail | {"version": item["version"]}) for key, item in best.items()
-            if not (detail := json.loads(item["detail"])).get("superseded")]
+    return [
+        (key, detail | {"version": item["version"]})
+        for key, item in best.items()
+        if not (detail := json.loads(item["detail"])).get("superseded")
+    ]
 
 
 class TurnStore(TurnRows):
@@ -180,12 +202,15 @@ class TurnStore(TurnRows):
             for hour, items in by_hour.items():
                 partition = os.path.join(self.directory, _PREFIX + hour)
                 os.makedirs(partition, exist_ok=True)
-                _write_indexed(os.path.join(partition, f"part-{_stamp(now)}"),
-                               pa.Table.from_pylist(items, schema=SCHEMA))
+                _write_indexed(
+                    os.path.join(partition, f"part-{_stamp(now)}"),
+                    pa.Table.from_pylist(items, schema=SCHEMA),
+                )
                 done.append(hour)
         finally:  # what was written leaves pending, also when a later hour failed
-            self.pending = [item for hour, items in by_hour.items() if hour not in done
-                            for item in items]
+            self.pending = [
+                item for hour, items in by_hour.items() if hour not in done for item in items
+            ]
         return sum(len(by_hour[hour]) for hour in done)
 
     def partitions(self) -> list[str]:
@@ -200,8 +225,9 @@ class TurnStore(TurnRows):
         hours = []
         for name in self.partitions():
             try:
-                hours.append((name, calendar.timegm(
-                    time.strptime(name[len(_PREFIX):], _HOUR_FORMAT))))
+                hours.append(
+                    (name, calendar.timegm(time.strptime(name[len(_PREFIX) :], _HOUR_FORMAT)))
+                )
             except ValueError:
                 continue  # not ours
         return hours
@@ -241,17 +267,30 @@ class TurnStore(TurnRows):
     def _merge(self, partition: str, names: list[str], now: float) -> None:
         paths = [os.path.join(partition, f) for f in names]
         table = pa.concat_tables(pq.read_table(p, schema=SCHEMA) for p in paths)
-        table = table.sort_by([("conversation_id", "ascending"), ("tenant", "ascending"),
-                               ("turn", "ascending"), ("version", "ascending")])
-        _write_indexed(os.path.join(partition, f"{_MERGED}{_stamp(now)}"), table,
-                       row_group_size=ROW_GROUP_ROWS)
+        table = table.sort_by(
+            [
+                ("conversation_id", "ascending"),
+                ("tenant", "ascending"),
+                ("turn", "ascending"),
+                ("version", "ascending"),
+            ]
+        )
+        _write_indexed(
+            os.path.join(partition, f"{_MERGED}{_stamp(now)}"), table, row_group_size=ROW_GROUP_ROWS
+        )
         for path in paths:
             os.remove(path)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path[: -len(".parquet")] + _INDEX)
 
-    def _rows(self, path: str, conversation_id: str | None, key: int | None,
-              since: float | None, filters: list) -> pa.Table:
+    def _rows(
+        self,
+        path: str,
+        conversation_id: str | None,
+        key: int | None,
+        since: float | None,
+        filters: list,
+    ) -> pa.Table:
         table = None
         if key is not None:
             table = self._conversation_rows(path, conversation_id, key)
@@ -283,18 +322,21 @@ class TurnStore(TurnRows):
         if not found:
             return SCHEMA.empty_table()
         handle = pq.ParquetFile(path)
-        groups = _groups_holding(handle, conversation_id,
-                                 sorted_=os.path.basename(path).startswith(_MERGED))
+        groups = _groups_holding(
+            handle, conversation_id, sorted_=os.path.basename(path).startswith(_MERGED)
+        )
         table = handle.read_row_groups(groups).cast(SCHEMA)
         return table.filter(pc.equal(table.column("conversation_id"), conversation_id))
 
-    def read(self, conversation_id: str | None = None,
-             since: float | None = None) -> pa.Table:
+    def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         first_hour = "" if since is None else time.strftime(_HOUR_FORMAT, time.gmtime(since))
-        files = [os.path.join(self.directory, p, f) for p in self.partitions()
-                 if p[len(_PREFIX):] >= first_hour
-                 for f in sorted(os.listdir(os.path.join(self.directory, p)))
-                 if f.endswith(".parquet")]
+        files = [
+            os.path.join(self.directory, p, f)
+            for p in self.partitions()
+            if p[len(_PREFIX) :] >= first_hour
+            for f in sorted(os.listdir(os.path.join(self.directory, p)))
+            if f.endswith(".parquet")
+        ]
         if not files:
             return SCHEMA.empty_table()
         key = None if conversation_id is None else _hashes([conversation_id])[0]
@@ -322,8 +364,9 @@ def _groups_holding(handle: pq.ParquetFile, conversation_id: str, sorted_: bool)
 
     count = metadata.num_row_groups
     if not sorted_:
-        return [g for g in range(count)
-                if (b := bounds(g)) is None or b[0] <= conversation_id <= b[1]]
+        return [
+            g for g in range(count) if (b := bounds(g)) is None or b[0] <= conversation_id <= b[1]
+        ]
     low, high = 0, count
     while low < high:  # the first group whose max is at or past the id
         middle = (low + high) // 2
@@ -369,8 +412,13 @@ def _write_indexed(base: str, table: pa.Table, **options: Any) -> None:
 
 def _hashes(conversation_ids: list[str]) -> np.ndarray:
     """Stable 64-bit hashes (the index outlives the process)."""
-    return np.array([int.from_bytes(hashlib.blake2b(c.encode("utf-8", "surrogatepass"),
-                                                    digest_size=8).digest(), "little")
-                     for c in conversation_ids], dtype=np.uint64)
-
-
+    return np.array(
+        [
+            int.from_bytes(
+                hashlib.blake2b(c.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                "little",
+            )
+            for c in conversation_ids
+        ],
+        dtype=np.uint64,
+    )

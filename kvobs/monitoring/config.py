@@ -58,8 +58,9 @@ class Selectors:
 # variable is a regex whose "All" is `.*`, which also matches a series without the label
 # (a Prometheus without `cluster`, a static scrape without `namespace` or `pod`).
 # Where the series come from: the labels every scraped series may carry.
-SCRAPE_MATCHERS = ('cluster=~"$cluster", namespace=~"$namespace", job=~"$job", '
-                   'pod=~"$pod", instance=~"$instance"')
+SCRAPE_MATCHERS = (
+    'cluster=~"$cluster", namespace=~"$namespace", job=~"$job", pod=~"$pod", instance=~"$instance"'
+)
 DASHBOARD_SELECTORS = Selectors(
     engine=f'{SCRAPE_MATCHERS}, model_name=~"$model_name", engine=~"$engine"',
     proxy=SCRAPE_MATCHERS,
@@ -161,16 +162,21 @@ class MonitoringConfig:
     # Labels of the PrometheusRule manifest: kube-prometheus-stack's Prometheus selects
     # rules by `release: <its Helm release name>` (ruleSelector); set yours.
     prometheus_rule_labels: dict[str, str] = field(
-        default_factory=lambda: {"release": "kube-prometheus-stack"})
+        default_factory=lambda: {"release": "kube-prometheus-stack"}
+    )
     # Labels of the dashboards' ConfigMap: the Grafana sidecar (kube-prometheus-stack's
     # grafana.sidecar.dashboards) loads ConfigMaps labelled `grafana_dashboard`.
     dashboard_configmap_labels: dict[str, str] = field(
-        default_factory=lambda: {"grafana_dashboard": "1"})
+        default_factory=lambda: {"grafana_dashboard": "1"}
+    )
 
     def __post_init__(self) -> None:
         if self.proxy_entry_lifetime_seconds is None:
-            object.__setattr__(self, "proxy_entry_lifetime_seconds", float(entry_lifetime_s(
-                self.decode_ttl_seconds, self.proxy_expiry_margin_seconds)))
+            object.__setattr__(
+                self,
+                "proxy_entry_lifetime_seconds",
+                float(entry_lifetime_s(self.decode_ttl_seconds, self.proxy_expiry_margin_seconds)),
+            )
 
 
 DEFAULT = MonitoringConfig()
@@ -187,8 +193,10 @@ _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 _MATCHERS = re.compile(rf"(?:{_MATCHER}(?:,{_MATCHER})*)?")
 # Kubernetes label keys (optional DNS prefix) and values.
-_K8S_LABEL_KEY = re.compile(r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
-                            r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_K8S_LABEL_KEY = re.compile(
+    r"(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
 _K8S_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 _GRAFANA_UID = re.compile(r"[A-Za-z0-9_-]{1,40}")
 
@@ -235,28 +243,34 @@ def _build(cls, values: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (known: "
-                          f"{', '.join(prefix + n for n in names)})")
-    return cls(**{name: _coerce(value, hints[name], prefix + name)
-                  for name, value in values.items()})
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]} (known: {', '.join(prefix + n for n in names)})"
+        )
+    return cls(
+        **{name: _coerce(value, hints[name], prefix + name) for name, value in values.items()}
+    )
 
 
 def _problems(config: MonitoringConfig):
     """``(key, what is wrong)`` for every value the generated files could not use."""
     for name, value in dataclasses.asdict(config.windows).items():
         if not value or not _DURATION.fullmatch(value):
-            yield (f"windows.{name}", f"expected a Prometheus duration such as 5m or 1h30m, "
-                   f"got {value!r}")
+            yield (
+                f"windows.{name}",
+                f"expected a Prometheus duration such as 5m or 1h30m, got {value!r}",
+            )
     for name, value in dataclasses.asdict(config.selectors).items():
         if not _MATCHERS.fullmatch(value):
-            yield (f"selectors.{name}", "expected PromQL label matchers without braces, "
-                   f"e.g. 'job=~\".*prefill.*\", namespace=\"serving\"', got {value!r}")
+            yield (
+                f"selectors.{name}",
+                "expected PromQL label matchers without braces, "
+                f'e.g. \'job=~".*prefill.*", namespace="serving"\', got {value!r}',
+            )
     for name, value in dataclasses.asdict(config.thresholds).items():
         if value < 0:
             yield f"thresholds.{name}", f"must not be negative, got {value:g}"
         elif name.endswith(("_ratio", "_share")) and value > 1:
-            yield (f"thresholds.{name}", f"is a fraction (0.05 = 5 %), at most 1, "
-                   f"got {value:g}")
+            yield (f"thresholds.{name}", f"is a fraction (0.05 = 5 %), at most 1, got {value:g}")
         elif name in ("read_p95_seconds", "recompute_tokens_per_second") and value == 0:
             yield f"thresholds.{name}", "must be positive"
     for name, value in dataclasses.asdict(config.floors).items():
@@ -265,22 +279,32 @@ def _problems(config: MonitoringConfig):
     if config.decode_ttl_seconds <= 0:
         yield "decode_ttl_seconds", "must be positive"
     if config.proxy_expiry_margin_seconds < DECLINE_WINDOW.default:
-        yield ("proxy_expiry_margin_seconds", f"must be at least P's decline window "
-               f"({DECLINE_WINDOW}), as the proxy requires")
+        yield (
+            "proxy_expiry_margin_seconds",
+            f"must be at least P's decline window ({DECLINE_WINDOW}), as the proxy requires",
+        )
     elif config.proxy_entry_lifetime_seconds <= 0:
-        yield ("proxy_entry_lifetime_seconds", f"must be positive (D's TTL "
-               f"{config.decode_ttl_seconds:g} s less the expiry margin "
-               f"{config.proxy_expiry_margin_seconds:g} s is "
-               f"{config.proxy_entry_lifetime_seconds:g} s)")
+        yield (
+            "proxy_entry_lifetime_seconds",
+            f"must be positive (D's TTL "
+            f"{config.decode_ttl_seconds:g} s less the expiry margin "
+            f"{config.proxy_expiry_margin_seconds:g} s is "
+            f"{config.proxy_entry_lifetime_seconds:g} s)",
+        )
     elif config.proxy_entry_lifetime_seconds >= config.decode_ttl_seconds:
-        yield ("proxy_entry_lifetime_seconds",
-               f"({config.proxy_entry_lifetime_seconds:g}) must be below decode_ttl_seconds "
-               f"({config.decode_ttl_seconds:g}): the proxy would hand out params for blocks "
-               "D already released")
+        yield (
+            "proxy_entry_lifetime_seconds",
+            f"({config.proxy_entry_lifetime_seconds:g}) must be below decode_ttl_seconds "
+            f"({config.decode_ttl_seconds:g}): the proxy would hand out params for blocks "
+            "D already released",
+        )
     if not config.runbook_base_url.startswith(("https://", "http://")):
-        yield ("runbook_base_url", f"must be an absolute http(s) URL, got "
-               f"{config.runbook_base_url!r}: Alertmanager and Grafana cannot open a "
-               "repository path")
+        yield (
+            "runbook_base_url",
+            f"must be an absolute http(s) URL, got "
+            f"{config.runbook_base_url!r}: Alertmanager and Grafana cannot open a "
+            "repository path",
+        )
     if config.trace_url and not config.trace_url.startswith(("https://", "http://")):
         yield "trace_url", f"must be empty or an http(s) URL, got {config.trace_url!r}"
     if not config.aggregation_labels:
@@ -289,13 +313,17 @@ def _problems(config: MonitoringConfig):
         if not _LABEL_NAME.fullmatch(label):
             yield "aggregation_labels", f"{label!r} is not a Prometheus label name"
     if not _GRAFANA_UID.fullmatch(config.dashboard_uid):
-        yield ("dashboard_uid", "expected 1 to 40 letters, digits, '-' or '_', got "
-               f"{config.dashboard_uid!r}")
+        yield (
+            "dashboard_uid",
+            f"expected 1 to 40 letters, digits, '-' or '_', got {config.dashboard_uid!r}",
+        )
     if not config.dashboard_title.strip():
         yield "dashboard_title", "must not be empty"
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", config.rule_group_prefix):
-        yield ("rule_group_prefix", "expected letters, digits, '.', '-' or '_', got "
-               f"{config.rule_group_prefix!r}")
+        yield (
+            "rule_group_prefix",
+            f"expected letters, digits, '.', '-' or '_', got {config.rule_group_prefix!r}",
+        )
     for key in ("prometheus_rule_labels", "dashboard_configmap_labels"):
         for label, value in getattr(config, key).items():
             if not _K8S_LABEL_KEY.fullmatch(label) or len(label.split("/")[-1]) > 63:
@@ -358,6 +386,7 @@ def load(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -
     for assignment in overrides:
         _set(values, assignment)
     return from_mapping(values)
+
 
 # prometheus_client (0.2x, seen with 0.26) answers a Prometheus 2.x scrape, which negotiates
 # OpenMetrics without an `escaping` parameter, with `escaping=underscores`: the sample lines

@@ -26,13 +26,17 @@ def map_datasource(dashboard: dict, datasource_uid: str | None) -> dict:
         return board
     for variable in board.get("templating", {}).get("list", []):
         if variable.get("name") == DATASOURCE_VAR and variable.get("type") == "datasource":
-            variable["current"] = {"selected": True, "text": datasource_uid,
-                                   "value": datasource_uid}
+            variable["current"] = {
+                "selected": True,
+                "text": datasource_uid,
+                "value": datasource_uid,
+            }
     return board
 
 
-def export_dashboards(directory: str | Path, datasource_uid: str | None = None,
-                      config: MonitoringConfig = DEFAULT) -> list[Path]:
+def export_dashboards(
+    directory: str | Path, datasource_uid: str | None = None, config: MonitoringConfig = DEFAULT
+) -> list[Path]:
     """Write every dashboard as JSON into ``directory`` (for Grafana file provisioning)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,18 +63,25 @@ def provisioning_provider(directory: str | Path, folder: str = "kvobs") -> str:
     )
 
 
-def datasource_provisioning(prometheus_url: str, config: MonitoringConfig = DEFAULT,
-                            name: str = "Prometheus (kvobs)") -> str:
+def datasource_provisioning(
+    prometheus_url: str, config: MonitoringConfig = DEFAULT, name: str = "Prometheus (kvobs)"
+) -> str:
     """A Grafana datasource provisioning file for the Prometheus the dashboards query,
     with exemplar trace links: an exemplar's ``trace_id`` label (the proxy sets it on its
     TTFT and latency histograms) opens ``config.trace_url``."""
     import yaml
 
-    source: dict = {"name": name, "type": "prometheus", "access": "proxy",
-                    "url": prometheus_url, "jsonData": {}}
+    source: dict = {
+        "name": name,
+        "type": "prometheus",
+        "access": "proxy",
+        "url": prometheus_url,
+        "jsonData": {},
+    }
     if config.trace_url:
         source["jsonData"]["exemplarTraceIdDestinations"] = [
-            {"name": EXEMPLAR_TRACE_ID, "url": config.trace_url, "urlDisplayLabel": "Trace"}]
+            {"name": EXEMPLAR_TRACE_ID, "url": config.trace_url, "urlDisplayLabel": "Trace"}
+        ]
     return yaml.safe_dump({"apiVersion": 1, "datasources": [source]}, sort_keys=False)
 
 
@@ -91,21 +102,35 @@ def ensure_folder(api, title: str) -> str:
     return api.folder.create_folder(title)["uid"]
 
 
-def import_dashboards(api, *, folder: str | None = None, overwrite: bool = False,
-                      datasource_uid: str | None = None,
-                      config: MonitoringConfig = DEFAULT) -> list[Imported]:
+def import_dashboards(
+    api,
+    *,
+    folder: str | None = None,
+    overwrite: bool = False,
+    datasource_uid: str | None = None,
+    config: MonitoringConfig = DEFAULT,
+) -> list[Imported]:
     """POST every dashboard to ``/api/dashboards/db`` through a ``GrafanaApi``."""
     folder_uid = ensure_folder(api, folder) if folder else None
     results = []
     for board in build_dashboards(config).values():
-        body = {"dashboard": map_datasource(board, datasource_uid), "overwrite": overwrite,
-                "message": "kvobs dashboards import"}
+        body = {
+            "dashboard": map_datasource(board, datasource_uid),
+            "overwrite": overwrite,
+            "message": "kvobs dashboards import",
+        }
         if folder_uid:
             body["folderUid"] = folder_uid
         answer = api.dashboard.update_dashboard(body)
-        results.append(Imported(answer.get("uid", board["uid"]), board["title"],
-                                answer.get("url", ""), answer.get("status", ""),
-                                answer.get("version")))
+        results.append(
+            Imported(
+                answer.get("uid", board["uid"]),
+                board["title"],
+                answer.get("url", ""),
+                answer.get("status", ""),
+                answer.get("version"),
+            )
+        )
     return results
 
 

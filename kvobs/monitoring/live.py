@@ -39,6 +39,7 @@ def substitute_variables(expr: str, interval: str = "1m") -> str:
     >>> substitute_variables('rate(x{job=~"$job", engine=~"${engine}"}[$__rate_interval])')
     'rate(x{job=~".*", engine=~".*"}[1m])'
     """
+
     def replace(match: re.Match) -> str:
         name = match.group(1) or match.group(2)
         return interval if name in _INTERVAL_VARS else ".*"
@@ -80,8 +81,10 @@ class LiveReport:
         return self.by_status("error")
 
     def to_dict(self) -> dict:
-        return {"results": [r.__dict__ for r in self.results],
-                "counts": {s: len(self.by_status(s)) for s in ("data", "empty", "error")}}
+        return {
+            "results": [r.__dict__ for r in self.results],
+            "counts": {s: len(self.by_status(s)) for s in ("data", "empty", "error")},
+        }
 
 
 def instant_query(base_url: str, expr: str, timeout: float = 10.0) -> list[dict]:
@@ -110,17 +113,20 @@ def _evaluate(base_url: str, source: str, name: str, expr: str) -> QueryResult:
     return QueryResult(source, name, expr, "data" if samples else "empty", len(samples))
 
 
-def check_live(base_url: str, config: MonitoringConfig = DEFAULT,
-               interval: str = "1m") -> LiveReport:
+def check_live(
+    base_url: str, config: MonitoringConfig = DEFAULT, interval: str = "1m"
+) -> LiveReport:
     """Evaluate every dashboard panel query and every recording rule expression."""
     report = LiveReport()
     for board in dashboards.build_dashboards(config).values():
         for title, ref_id, expr in dashboards.panel_queries(board):
-            report.results.append(_evaluate(base_url, "panel", f"{title} [{ref_id}]",
-                                            substitute_variables(expr, interval)))
+            report.results.append(
+                _evaluate(
+                    base_url, "panel", f"{title} [{ref_id}]", substitute_variables(expr, interval)
+                )
+            )
     for recording in rules.recordings(config):
-        report.results.append(_evaluate(base_url, "recording", recording.record,
-                                        recording.expr))
+        report.results.append(_evaluate(base_url, "recording", recording.record, recording.expr))
     return report
 
 
@@ -153,14 +159,18 @@ class PrometheusProcess:
         self.stop()
 
 
-def prometheus_config(targets: dict[str, list[str]], scrape_interval: str = "1s",
-                      rule_files: list[str] | tuple[str, ...] = (),
-                      restore_colons: bool = True) -> dict:
+def prometheus_config(
+    targets: dict[str, list[str]],
+    scrape_interval: str = "1s",
+    rule_files: list[str] | tuple[str, ...] = (),
+    restore_colons: bool = True,
+) -> dict:
     """A minimal Prometheus config: one scrape job per key, static targets ``host:port``.
 
     ``restore_colons`` adds :data:`~kvobs.monitoring.config.COLON_RESTORING_RELABEL` to
     every job, so ``vllm:*`` names survive prometheus_client's underscore escaping.
     """
+
     def job_config(job: str, hosts: list[str]) -> dict:
         config = {"job_name": job, "static_configs": [{"targets": list(hosts)}]}
         if restore_colons:
@@ -174,11 +184,18 @@ def prometheus_config(targets: dict[str, list[str]], scrape_interval: str = "1s"
     }
 
 
-def start_prometheus(targets: dict[str, list[str]], *, binary: str = "prometheus",
-                     scrape_interval: str = "1s", rule_files: tuple[str, ...] = (),
-                     port: int | None = None, directory: str | Path | None = None,
-                     ready_timeout: float = 30.0, restore_colons: bool = True,
-                     niceness: int = 0) -> PrometheusProcess:
+def start_prometheus(
+    targets: dict[str, list[str]],
+    *,
+    binary: str = "prometheus",
+    scrape_interval: str = "1s",
+    rule_files: tuple[str, ...] = (),
+    port: int | None = None,
+    directory: str | Path | None = None,
+    ready_timeout: float = 30.0,
+    restore_colons: bool = True,
+    niceness: int = 0,
+) -> PrometheusProcess:
     """Start ``prometheus`` scraping ``{job: ["host:port", ...]}``; wait until it is ready.
     ``niceness`` > 0 runs it below what it watches (a small box measuring latency)."""
     executable = shutil.which(binary)
@@ -189,15 +206,25 @@ def start_prometheus(targets: dict[str, list[str]], *, binary: str = "prometheus
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "prometheus.yml"
     # JSON is valid YAML: no YAML dependency needed here.
-    config_path.write_text(json.dumps(prometheus_config(targets, scrape_interval, rule_files,
-                                                     restore_colons)))
+    config_path.write_text(
+        json.dumps(prometheus_config(targets, scrape_interval, rule_files, restore_colons))
+    )
     port = port or free_port()
     log = open(workdir / "prometheus.log", "wb")
     process = subprocess.Popen(
-        [executable, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
-        start_new_session=True)
+        [
+            executable,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--web.enable-lifecycle",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        start_new_session=True,
+    )
     log.close()
     if niceness:
         yield_cpu(process.pid, niceness)

@@ -137,8 +137,14 @@ def _by(labels: tuple[str, ...], op: str = "sum") -> str:
     return f"{op} by ({', '.join(labels)}) " if labels else f"{op} "
 
 
-def sum_rate(metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
-             *extra: str, suffix: str = "") -> str:
+def sum_rate(
+    metric: Metric,
+    selector: str,
+    window: str,
+    by: tuple[str, ...] = (),
+    *extra: str,
+    suffix: str = "",
+) -> str:
     return f"{_by(by)}(rate({series(metric, selector, *extra, suffix=suffix)}[{window}]))"
 
 
@@ -151,17 +157,19 @@ def ratio(numerator: str, denominator: str) -> str:
     return f"(({numerator}) or (({denominator}) * 0)) / (({denominator}) > 0)"
 
 
-def quantile(q: float, metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
-             *extra: str) -> str:
+def quantile(
+    q: float, metric: Metric, selector: str, window: str, by: tuple[str, ...] = (), *extra: str
+) -> str:
     inner = sum_rate(metric, selector, window, tuple(by) + ("le",), *extra, suffix="_bucket")
     return f"histogram_quantile({q}, {inner})"
 
 
-def mean(metric: Metric, selector: str, window: str, by: tuple[str, ...] = (),
-         *extra: str) -> str:
+def mean(metric: Metric, selector: str, window: str, by: tuple[str, ...] = (), *extra: str) -> str:
     """Mean of a histogram's observations: ``rate(_sum) / rate(_count)``."""
-    return ratio(sum_rate(metric, selector, window, by, *extra, suffix="_sum"),
-                 sum_rate(metric, selector, window, by, *extra, suffix="_count"))
+    return ratio(
+        sum_rate(metric, selector, window, by, *extra, suffix="_sum"),
+        sum_rate(metric, selector, window, by, *extra, suffix="_count"),
+    )
 
 
 def minus(total: str, *parts: str) -> str:
@@ -203,8 +211,9 @@ def later_turns_rate(s: Scope) -> str:
 
 def missing_metadata_ratio(s: Scope) -> str:
     """Share of later turns whose proxy lookup yielded no usable params."""
-    missing = turns_rate(s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"',
-                         f'lookup=~"{_any(MISSING_LOOKUPS)}"')
+    missing = turns_rate(
+        s, f'{TURN_BUCKET_LABEL}!="{FIRST_TURN}"', f'lookup=~"{_any(MISSING_LOOKUPS)}"'
+    )
     return ratio(missing, later_turns_rate(s))
 
 
@@ -347,8 +356,14 @@ def gap_quantile(s: Scope, q: float) -> str:
     return quantile(q, M_PROXY_GAP, s.proxy, s.window, s.by)
 
 
-def share_above(metric: Metric, selector: str, window: str, by: tuple[str, ...],
-                bound: str, buckets: tuple[float, ...]) -> str:
+def share_above(
+    metric: Metric,
+    selector: str,
+    window: str,
+    by: tuple[str, ...],
+    bound: str,
+    buckets: tuple[float, ...],
+) -> str:
     """Share of a classic histogram's observations above ``bound``, a PromQL expression
     aggregated ``by`` the same labels, read when the query runs (not when it is written).
 
@@ -372,8 +387,10 @@ def share_above(metric: Metric, selector: str, window: str, by: tuple[str, ...],
     terms = []
     for i, le in enumerate(finite):
         weight = below(i) if i == len(finite) - 1 else f"({below(i)} - {below(i + 1)})"
-        terms.append(f"({sum_rate(metric, selector, window, by, le_matcher(le), suffix='_bucket')})"
-                     f" * {weight}")
+        terms.append(
+            f"({sum_rate(metric, selector, window, by, le_matcher(le), suffix='_bucket')})"
+            f" * {weight}"
+        )
     total = sum_rate(metric, selector, window, by, suffix="_count")
     return f"1 - ({ratio(' + '.join(terms), total)})"
 
@@ -382,8 +399,9 @@ def gap_over_ttl_ratio(s: Scope) -> str:
     """Share of inter-turn gaps longer than D's TTL as the proxy reports it
     (``kvobs_proxy_decode_ttl_seconds``: its --decode-kv-ttl, then what D's params say), so
     it follows a TTL change without regenerating anything (:func:`share_above`)."""
-    return share_above(M_PROXY_GAP, s.proxy, s.window, s.by, reported_decode_ttl(s),
-                       M_PROXY_GAP.buckets)
+    return share_above(
+        M_PROXY_GAP, s.proxy, s.window, s.by, reported_decode_ttl(s), M_PROXY_GAP.buckets
+    )
 
 
 def reported_decode_ttl(s: Scope) -> str:
@@ -460,8 +478,9 @@ def recomputed_tokens_rate(s: Scope) -> str:
 
 def reuse_share(s: Scope) -> str:
     """Share of P's prompt tokens obtained by remote reads rather than computed."""
-    return ratio(reused_tokens_rate(s),
-                 f"({reused_tokens_rate(s)}) + ({recomputed_tokens_rate(s)})")
+    return ratio(
+        reused_tokens_rate(s), f"({reused_tokens_rate(s)}) + ({recomputed_tokens_rate(s)})"
+    )
 
 
 def prompt_tokens_by_source_rate(s: Scope) -> str:
@@ -605,8 +624,9 @@ def _role(s: Scope, direction: str) -> str:
 
 def requests_rate(s: Scope, direction: str) -> str:
     """Requests per second the role reading in ``direction`` finished (P: D_TO_P)."""
-    return sum_rate(M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction),
-                    suffix="_count")
+    return sum_rate(
+        M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction), suffix="_count"
+    )
 
 
 def prefill_requests_rate(s: Scope) -> str:
@@ -645,10 +665,14 @@ def queue_quantile(s: Scope, q: float, direction: str) -> str:
 def queue_waiting_per_request(s: Scope, direction: str) -> str:
     """Mean seconds a request waited in the queue of the role reading in ``direction``,
     not counting the wait for its remote KV (set-up and read)."""
-    queued = sum_rate(M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction),
-                      suffix="_sum")
-    waiting = minus(queued, transfer_seconds_rate(s, M_READ_DURATION, direction),
-                    transfer_seconds_rate(s, M_READ_SETUP, direction))
+    queued = sum_rate(
+        M_VLLM_QUEUE_TIME, s.engine, s.window, s.by, _role(s, direction), suffix="_sum"
+    )
+    waiting = minus(
+        queued,
+        transfer_seconds_rate(s, M_READ_DURATION, direction),
+        transfer_seconds_rate(s, M_READ_SETUP, direction),
+    )
     return ratio(waiting, requests_rate(s, direction))
 
 
@@ -711,5 +735,7 @@ def absent_per_job(metric: Metric, selector: str, targets: str, by: tuple[str, .
     """
     scraped = f"{_by(by, 'count')}({series('up', targets)})"
     exposing = f"{_by(by, 'count')}({series(metric, selector)})"
-    return (f"({scraped} unless {exposing})\n"
-            f"or (absent({series(metric, selector)}) unless on() count({series('up', targets)}))")
+    return (
+        f"({scraped} unless {exposing})\n"
+        f"or (absent({series(metric, selector)}) unless on() count({series('up', targets)}))"
+    )

@@ -15,11 +15,21 @@ See ``docs/proxy.md``.
 
 from kvobs.proxy.app import RUNNER_OPTIONS, build_app, run_proxy
 from kvobs.proxy.config import Endpoint, ProxyConfig
-from kvobs.proxy.publisher import (
-    NoPublisher, ParamsPublisher, RedisParamsPublisher)
+from kvobs.proxy.publisher import NoPublisher, ParamsPublisher, RedisParamsPublisher
 from kvobs.proxy.redis_store import RedisStore
 from kvobs.proxy.store import Entry, MemoryStore, MetadataStore
 
-__all__ = ["RUNNER_OPTIONS", "Endpoint", "Entry", "MemoryStore", "MetadataStore", "NoPublisher",
-           "ParamsPublisher", "ProxyConfig", "RedisParamsPublisher", "RedisStore",
-           "build_app", "run_proxy"]
+__all__ = [
+    "RUNNER_OPTIONS",
+    "Endpoint",
+    "Entry",
+    "MemoryStore",
+    "MetadataStore",
+    "NoPublisher",
+    "ParamsPublisher",
+    "ProxyConfig",
+    "RedisParamsPublisher",
+    "RedisStore",
+    "build_app",
+    "run_proxy",
+]

@@ -24,8 +24,9 @@ class DecodeClock:
         self._offsets: OrderedDict[str, float] = OrderedDict()
         self._max = max_engines
 
-    def expiry_wall(self, engine_id: str, expiry_d: float, ttl_s: float, sent_wall: float,
-                    answered_wall: float) -> float:
+    def expiry_wall(
+        self, engine_id: str, expiry_d: float, ttl_s: float, sent_wall: float, answered_wall: float
+    ) -> float:
         """Wall-clock instant at or before which D's blocks expire.
 
         >>> clock = DecodeClock()

@@ -52,8 +52,12 @@ def _message_repr(message: Any) -> bytes:
     if not isinstance(message, dict):
         return json.dumps(message, sort_keys=True, ensure_ascii=False).encode()
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
-    item = [message.get("role"), str(reasoning) + _content_text(message.get("content")),
-            _tool_calls(message.get("tool_calls")), message.get("tool_call_id")]
+    item = [
+        message.get("role"),
+        str(reasoning) + _content_text(message.get("content")),
+        _tool_calls(message.get("tool_calls")),
+        message.get("tool_call_id"),
+    ]
     return json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -125,8 +129,9 @@ def _token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
 
 
-def history_digest(body: dict[str, Any], response_message: dict[str, Any] | None,
-                   response_text: str | None) -> Digest | None:
+def history_digest(
+    body: dict[str, Any], response_message: dict[str, Any] | None, response_text: str | None
+) -> Digest | None:
     """Digest of what D's KV covers after this turn, or None when it cannot be told.
 
     >>> d = history_digest({"messages": [{"role": "user", "content": "hi"}]},
@@ -207,5 +212,8 @@ def extended(prefixes: Prefixes, fingerprints: Iterable[str]) -> list[str]:
         if kind == prefixes.kind and count.isdigit() and int(count) <= prefixes.size:
             wanted.setdefault(int(count), set()).add(sha)
     hashes = prefixes.hashes(wanted)
-    return [f"{prefixes.kind}:{n}:{hashes[n]}" for n in sorted(wanted, reverse=True)
-            if hashes[n] in wanted[n]]
+    return [
+        f"{prefixes.kind}:{n}:{hashes[n]}"
+        for n in sorted(wanted, reverse=True)
+        if hashes[n] in wanted[n]
+    ]

@@ -48,8 +48,15 @@ class Budget:
 
 
 class StoreGuard:
-    def __init__(self, metrics: ProxyMetrics, backend: str, bounded: bool,
-                 budget_s: float, failures: int, cooldown_s: float):
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        backend: str,
+        bounded: bool,
+        budget_s: float,
+        failures: int,
+        cooldown_s: float,
+    ):
         self._metrics = metrics
         self._backend = backend
         self.bounded = bounded
@@ -67,8 +74,9 @@ class StoreGuard:
     def open(self) -> bool:
         return self._open_until is not None
 
-    async def call(self, budget: Budget, fn: Callable[..., Awaitable[Any]], *args: Any,
-                   extra_s: float = 0.0) -> tuple[Any, sc.StoreFailure | None]:
+    async def call(
+        self, budget: Budget, fn: Callable[..., Awaitable[Any]], *args: Any, extra_s: float = 0.0
+    ) -> tuple[Any, sc.StoreFailure | None]:
         """``(fn(*args), None)``, or ``(None, why)`` when the store gave no answer.
 
         ``extra_s``: time the call waits by design (the params publisher's poll between
@@ -96,8 +104,13 @@ class StoreGuard:
         except TimeoutError:
             failure = SF.TIMEOUT
         except Exception as error:  # noqa: BLE001 - the store never breaks serving
-            log(_LOG, logging.DEBUG, "metadata store call failed", backend=self._backend,
-                error=f"{type(error).__name__}: {error}")
+            log(
+                _LOG,
+                logging.DEBUG,
+                "metadata store call failed",
+                backend=self._backend,
+                error=f"{type(error).__name__}: {error}",
+            )
             failure = SF.ERROR
         finally:
             METER.reset(token)
@@ -115,8 +128,14 @@ class StoreGuard:
             self._failed(probe)
         return None, failure
 
-    async def _bounded(self, meter: CallMeter, left: float, extra_s: float,
-                       fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    async def _bounded(
+        self,
+        meter: CallMeter,
+        left: float,
+        extra_s: float,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+    ) -> Any:
         """``await fn(*args)``, ended (TimeoutError) once ``meter`` reaches ``left`` or
         the wall time ``WALL_FACTOR * budget_s + extra_s``.
 
@@ -167,15 +186,24 @@ class StoreGuard:
             if self._open_until is None:
                 self._metrics.store_circuit_opened.inc()
                 self._metrics.store_circuit_open.set(1)
-                log(_LOG, logging.WARNING, "metadata store failing: circuit open, skipped "
-                    "for the cool-down", backend=self._backend, failures=self._failures,
-                    cooldown_s=self._cooldown_s)
+                log(
+                    _LOG,
+                    logging.WARNING,
+                    "metadata store failing: circuit open, skipped for the cool-down",
+                    backend=self._backend,
+                    failures=self._failures,
+                    cooldown_s=self._cooldown_s,
+                )
             self._open_until = time.monotonic() + self._cooldown_s
 
     def _close(self) -> None:
         if self._open_until is not None:
-            log(_LOG, logging.WARNING, "metadata store answers again: circuit closed",
-                backend=self._backend)
+            log(
+                _LOG,
+                logging.WARNING,
+                "metadata store answers again: circuit closed",
+                backend=self._backend,
+            )
             self._metrics.store_circuit_open.set(0)
         self._failures = 0
         self._open_until = None

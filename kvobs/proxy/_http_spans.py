@@ -59,18 +59,33 @@ def client_link(headers) -> list[trace.Link] | None:
     return [trace.Link(context)] if context.is_valid else None
 
 
-def start_server(tracer: trace.Tracer, request: Any, route: str, start_ns: int,
-                 context: Context, links: Sequence[trace.Link] | None = None) -> trace.Span:
+def start_server(
+    tracer: trace.Tracer,
+    request: Any,
+    route: str,
+    start_ns: int,
+    context: Context,
+    links: Sequence[trace.Link] | None = None,
+) -> trace.Span:
     """The SERVER span of ``request`` (an aiohttp request), started at ``start_ns``."""
     try:
-        span = tracer.start_span(f"{request.method} {route}", context=context,
-                                 kind=SpanKind.SERVER, links=links, start_time=start_ns)
+        span = tracer.start_span(
+            f"{request.method} {route}",
+            context=context,
+            kind=SpanKind.SERVER,
+            links=links,
+            start_time=start_ns,
+        )
         if span.is_recording():
             address, port = _host_port(request.host)
             version = request.version
-            attributes = {sc.HTTP_REQUEST_METHOD: request.method, sc.HTTP_ROUTE: route,
-                          sc.URL_PATH: request.path, sc.URL_SCHEME: request.scheme,
-                          sc.NETWORK_PROTOCOL_VERSION: f"{version.major}.{version.minor}"}
+            attributes = {
+                sc.HTTP_REQUEST_METHOD: request.method,
+                sc.HTTP_ROUTE: route,
+                sc.URL_PATH: request.path,
+                sc.URL_SCHEME: request.scheme,
+                sc.NETWORK_PROTOCOL_VERSION: f"{version.major}.{version.minor}",
+            }
             if address:
                 attributes[sc.SERVER_ADDRESS] = address
             if port is not None:
@@ -113,14 +128,28 @@ class ClientLeg:
 
     __slots__ = ("span",)
 
-    def __init__(self, tracer: trace.Tracer, context: Context | None, leg: str, host: str,
-                 port: int, url: str):
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        context: Context | None,
+        leg: str,
+        host: str,
+        port: int,
+        url: str,
+    ):
         try:
             span = tracer.start_span("POST", context=context, kind=SpanKind.CLIENT)
             if span.is_recording():
-                span.set_attributes({sc.HTTP_REQUEST_METHOD: "POST", sc.SERVER_ADDRESS: host,
-                                     sc.SERVER_PORT: port, sc.URL_FULL: url,
-                                     sc.NETWORK_PROTOCOL_VERSION: "1.1", sc.PROXY_LEG: leg})
+                span.set_attributes(
+                    {
+                        sc.HTTP_REQUEST_METHOD: "POST",
+                        sc.SERVER_ADDRESS: host,
+                        sc.SERVER_PORT: port,
+                        sc.URL_FULL: url,
+                        sc.NETWORK_PROTOCOL_VERSION: "1.1",
+                        sc.PROXY_LEG: leg,
+                    }
+                )
             self.span: trace.Span | None = span
         except Exception:  # noqa: BLE001
             _LOG.debug("client span failed", exc_info=True)

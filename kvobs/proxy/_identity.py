@@ -47,8 +47,7 @@ def tenant_digest(secret: str) -> str:
     return hashlib.sha256(b"kvobs-tenant\0" + secret.encode()).hexdigest()[:16]
 
 
-def tenant_of(headers: Mapping[str, str], tenant_header: str | None,
-              max_len: int = 4096) -> str:
+def tenant_of(headers: Mapping[str, str], tenant_header: str | None, max_len: int = 4096) -> str:
     """The tenant digest, or ``ANONYMOUS`` for no credential: no header, an empty one, or
     a bare ``Bearer`` scheme (HTTP strips the trailing space of ``Bearer ``).
 
@@ -70,8 +69,9 @@ def tenant_of(headers: Mapping[str, str], tenant_header: str | None,
     return tenant_digest(raw) if raw else ANONYMOUS
 
 
-def conversation_of(body: dict[str, Any], headers: Mapping[str, str], header: str,
-                    max_len: int) -> str | None:
+def conversation_of(
+    body: dict[str, Any], headers: Mapping[str, str], header: str, max_len: int
+) -> str | None:
     """Pop ``conversation_id`` from the body (vLLM would only ignore it) or read the header.
 
     >>> conversation_of({"conversation_id": "c1", "x": 1}, {}, "X-Session-ID", 8)
@@ -89,6 +89,7 @@ def conversation_of(body: dict[str, Any], headers: Mapping[str, str], header: st
     if not isinstance(value, str):
         raise InputError(400, "bad-conversation-id", "conversation_id must be a string")
     if len(value) > max_len:
-        raise InputError(400, "conversation-id-too-long",
-                         f"conversation id longer than {max_len} characters")
+        raise InputError(
+            400, "conversation-id-too-long", f"conversation id longer than {max_len} characters"
+        )
     return value

@@ -25,8 +25,9 @@ from kvobs.proxy._identity import InputError
 MAX_DEPTH = 100
 _READ_CHUNK = 1 << 16
 # Refusals that leave the body unread: the connection is closed after the answer.
-UNREAD_BODY_REASONS = frozenset(("body-too-large", "body-timeout", "bad-body",
-                                 "unsupported-encoding"))
+UNREAD_BODY_REASONS = frozenset(
+    ("body-too-large", "body-timeout", "bad-body", "unsupported-encoding")
+)
 # Content-Encoding values the proxy decodes (the server's own decoding is off:
 # RUNNER_OPTIONS' auto_decompress=False, so a broken body is the proxy's 400, not a
 # traceback in aiohttp's log). wbits: zlib's gzip header, zlib's; raw deflate is tried
@@ -53,9 +54,11 @@ def content_encodings(value: str | None) -> list[str]:
     codings = [c for c in codings if c and c != "identity"]
     for coding in codings:
         if coding not in _CODINGS:
-            raise InputError(415, "unsupported-encoding",
-                             f"unsupported Content-Encoding: {coding[:40]} (gzip and "
-                             "deflate are)")
+            raise InputError(
+                415,
+                "unsupported-encoding",
+                f"unsupported Content-Encoding: {coding[:40]} (gzip and deflate are)",
+            )
     return codings
 
 
@@ -107,10 +110,15 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
                     raise _too_large(limit)
                 chunks.append(chunk)
     except TimeoutError:
-        raise InputError(408, "body-timeout",
-                         f"request body not received within {timeout_s:g} s") from None
-    except (http_exceptions.HttpProcessingError, web.RequestPayloadError,
-            aiohttp.ClientError, ConnectionError):
+        raise InputError(
+            408, "body-timeout", f"request body not received within {timeout_s:g} s"
+        ) from None
+    except (
+        http_exceptions.HttpProcessingError,
+        web.RequestPayloadError,
+        aiohttp.ClientError,
+        ConnectionError,
+    ):
         raise _bad_body() from None
     raw = b"".join(chunks)
     for coding in reversed(codings):
@@ -126,9 +134,11 @@ def _finite(text: str) -> float:
 
 
 def _non_finite(text: str) -> InputError:
-    return InputError(400, "non-finite-number",
-                      f"request body holds a non-finite number ({text[:20]}): JSON has "
-                      "no NaN or Infinity")
+    return InputError(
+        400,
+        "non-finite-number",
+        f"request body holds a non-finite number ({text[:20]}): JSON has no NaN or Infinity",
+    )
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -189,7 +199,7 @@ def _check_depth(body: Any) -> None:
     for _ in range(MAX_DEPTH):
         below = []
         for value in level:
-            for child in (value.values() if type(value) is dict else value):
+            for child in value.values() if type(value) is dict else value:
                 if type(child) is dict or type(child) is list:
                     below.append(child)
         if not below:
@@ -214,8 +224,9 @@ def _check_unicode(body: Any) -> None:
         value = stack.pop()
         if isinstance(value, str):
             if not _encodable(value):
-                raise InputError(400, "bad-unicode",
-                                 "request body holds a lone surrogate (invalid Unicode)")
+                raise InputError(
+                    400, "bad-unicode", "request body holds a lone surrogate (invalid Unicode)"
+                )
         elif isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())
@@ -243,8 +254,7 @@ def _check_fields(body: dict[str, Any]) -> None:
     if "prompt" in body:
         prompt = body["prompt"]
         if isinstance(prompt, list):
-            if not all(isinstance(p, (str, int, list)) and not isinstance(p, bool)
-                       for p in prompt):
+            if not all(isinstance(p, (str, int, list)) and not isinstance(p, bool) for p in prompt):
                 raise _bad("prompt", "a string, or an array of strings or token ids")
         elif not isinstance(prompt, str):
             raise _bad("prompt", "a string, or an array of strings or token ids")
@@ -253,8 +263,9 @@ def _check_fields(body: dict[str, Any]) -> None:
 def _check_message(message: Any, where: str) -> None:
     if not isinstance(message, dict):
         raise _bad(where, "an object")
-    _check_strings(message, ("role", "tool_call_id", "reasoning_content", "reasoning",
-                             "name"), where)
+    _check_strings(
+        message, ("role", "tool_call_id", "reasoning_content", "reasoning", "name"), where
+    )
     content = message.get("content")
     if not (_optional_str(content) or isinstance(content, list)):
         raise _bad(f"{where}.content", "a string or an array of content parts")

@@ -25,12 +25,18 @@ def log(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
 
 
 def _value(value: Any) -> str:
-    text = value if isinstance(value, str) else \
-        ("true" if value else "false") if isinstance(value, bool) else str(value)
+    text = (
+        value
+        if isinstance(value, str)
+        else ("true" if value else "false")
+        if isinstance(value, bool)
+        else str(value)
+    )
     if text and not any(c in text for c in ' ="\\\n\t') and text.isprintable():
         return text
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") \
-        .replace("\t", "\\t")
+    escaped = (
+        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    )
     return f'"{escaped}"'
 
 
@@ -40,16 +46,19 @@ def logfmt(fields: dict[str, Any]) -> str:
     >>> logfmt({"msg": "engine failed", "role": "decode", "status": 502, "x": None})
     'msg="engine failed" role=decode status=502'
     """
-    return " ".join(f"{key}={_value(value)}" for key, value in fields.items()
-                    if value is not None)
+    return " ".join(f"{key}={_value(value)}" for key, value in fields.items() if value is not None)
 
 
 class LogfmtFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         created = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        fields = {"time": f"{created}.{int(record.msecs):03d}Z",
-                  "level": record.levelname.lower(), "logger": record.name,
-                  "msg": record.getMessage(), **getattr(record, FIELDS, {})}
+        fields = {
+            "time": f"{created}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+            **getattr(record, FIELDS, {}),
+        }
         if record.exc_info and record.exc_info[0] is not None:
             kind, error, _ = record.exc_info
             fields["error"] = f"{kind.__name__}: {error}"

@@ -17,10 +17,22 @@ from kvobs.emit.prometheus import histogram as _histogram
 
 _ROLES = ("prefill", "decode")
 _ERROR_KINDS = ("unreachable", "http-error", "disconnected", "timeout")
-_REJECT_REASONS = ("body-too-large", "bad-json", "not-an-object", "bad-conversation-id",
-                   "conversation-id-too-long", "tenant-too-long", "bad-field",
-                   "too-deep", "bad-unicode", "bad-header", "bad-body", "body-timeout",
-                   "unsupported-encoding", "non-finite-number")
+_REJECT_REASONS = (
+    "body-too-large",
+    "bad-json",
+    "not-an-object",
+    "bad-conversation-id",
+    "conversation-id-too-long",
+    "tenant-too-long",
+    "bad-field",
+    "too-deep",
+    "bad-unicode",
+    "bad-header",
+    "bad-body",
+    "body-timeout",
+    "unsupported-encoding",
+    "non-finite-number",
+)
 _STORE_ACTIONS = ("stored", "refreshed", "skipped")
 
 

@@ -78,16 +78,22 @@ class Readiness:
         async def probe() -> str | None:
             await asyncio.wait_for(self.store.size(), self.config.ready_timeout_s)
             return None
+
         check = await self._outcome("store", self.store.backend, probe())
         return check["ok"], [check]
 
     async def _probe_engines(self) -> Checks:
         config = self.config
-        targets = [(role, endpoint) for role, endpoints in (("prefill", config.prefill),
-                                                            ("decode", config.decode))
-                   for endpoint in endpoints]
-        checks = list(await asyncio.gather(*(self._engine(role, endpoint.base_url)
-                                             for role, endpoint in targets)))
+        targets = [
+            (role, endpoint)
+            for role, endpoints in (("prefill", config.prefill), ("decode", config.decode))
+            for endpoint in endpoints
+        ]
+        checks = list(
+            await asyncio.gather(
+                *(self._engine(role, endpoint.base_url) for role, endpoint in targets)
+            )
+        )
         for (role, endpoint), check in zip(targets, checks):
             self._on_upstream(role, f"{endpoint.host}:{endpoint.port}", check["ok"])
         return all(c["ok"] for c in checks), checks
@@ -99,10 +105,12 @@ class Readiness:
         timeout = aiohttp.ClientTimeout(total=self.config.ready_timeout_s)
 
         async def probe() -> str | None:
-            async with self.session.get(base_url + "/health", headers=headers,
-                                        timeout=timeout) as response:
+            async with self.session.get(
+                base_url + "/health", headers=headers, timeout=timeout
+            ) as response:
                 await response.read()
                 return None if response.status == 200 else f"HTTP {response.status}"
+
         return await self._outcome(role, base_url, probe())
 
     @staticmethod
@@ -114,8 +122,12 @@ class Readiness:
             error = "timeout"
         except Exception as failure:  # noqa: BLE001 - any failure is "not ready"
             error = type(failure).__name__
-        result = {"check": check, "target": target, "ok": error is None,
-                  "latency_s": round(time.perf_counter() - started, 4)}
+        result = {
+            "check": check,
+            "target": target,
+            "ok": error is None,
+            "latency_s": round(time.perf_counter() - started, 4),
+        }
         if error is not None:
             result["error"] = error
         return result

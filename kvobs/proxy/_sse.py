@@ -37,8 +37,17 @@ def answer_facts(answer: Any, state: TurnState) -> None:
 class StreamCollector:
     """Parses SSE lines as they pass: assembles the answer, lifts out D's params."""
 
-    __slots__ = ("params", "_content", "_reasoning", "_text", "_tools", "single", "_chat",
-                 "has_output", "facts")
+    __slots__ = (
+        "params",
+        "_content",
+        "_reasoning",
+        "_text",
+        "_tools",
+        "single",
+        "_chat",
+        "has_output",
+        "facts",
+    )
 
     def __init__(self, facts: "TurnState"):
         self.facts = facts  # the turn's GenAI facts (answer_facts) land there
@@ -86,9 +95,11 @@ class StreamCollector:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 self._chat = True
-                for key, sink in (("content", self._content),
-                                  ("reasoning_content", self._reasoning),
-                                  ("reasoning", self._reasoning)):
+                for key, sink in (
+                    ("content", self._content),
+                    ("reasoning_content", self._reasoning),
+                    ("reasoning", self._reasoning),
+                ):
                     value = delta.get(key)
                     if isinstance(value, str):
                         sink.append(value)
@@ -110,8 +121,10 @@ class StreamCollector:
         if self._reasoning:
             message["reasoning_content"] = "".join(self._reasoning)
         if self._tools:
-            message["tool_calls"] = [{"function": {"name": n, "arguments": a}}
-                                     for _, (n, a) in sorted(self._tools.items())]
+            message["tool_calls"] = [
+                {"function": {"name": n, "arguments": a}}
+                for _, (n, a) in sorted(self._tools.items())
+            ]
         return message
 
     def text(self) -> str:

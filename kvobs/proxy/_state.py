@@ -16,8 +16,14 @@ from kvobs.proxy._guard import Budget
 class UpstreamError(Exception):
     """An engine leg failed before the client got any byte of its answer."""
 
-    def __init__(self, role: str, kind: str, error: sc.ProxyError, status: int = 502,
-                 body: bytes | None = None):
+    def __init__(
+        self,
+        role: str,
+        kind: str,
+        error: sc.ProxyError,
+        status: int = 502,
+        body: bytes | None = None,
+    ):
         super().__init__(f"{role} {kind}")
         self.role, self.kind, self.error, self.status, self.body = role, kind, error, status, body
 

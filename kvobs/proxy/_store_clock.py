@@ -32,7 +32,8 @@ import time
 from typing import Any, Callable
 
 METER: contextvars.ContextVar["CallMeter | None"] = contextvars.ContextVar(
-    "kvobs_store_meter", default=None)
+    "kvobs_store_meter", default=None
+)
 
 
 class CallMeter:
@@ -84,8 +85,7 @@ def _kernel_clock(sock: Any, offset: int) -> Callable[[], float]:
     For TCP on Linux, from ``TCP_INFO``'s ms-since fields: neither the loop's queue nor
     the proxy process being descheduled (a busy host) is counted. Elsewhere (a Unix
     socket), the time of the call, which includes whatever lag the caller had."""
-    if (_TCP_INFO is None or sock is None
-            or sock.family not in (socket.AF_INET, socket.AF_INET6)):
+    if _TCP_INFO is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return time.perf_counter
 
     def received_at() -> float:

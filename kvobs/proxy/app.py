@@ -42,8 +42,7 @@ PROXY_KEY = web.AppKey("kvobs_proxy", object)
 # the connection closes (aiohttp's default waits 10 s on a client that stalls).
 # Request bodies are decoded by the proxy (_input: gzip, deflate; 415 for others, 400 for
 # a broken one), not by aiohttp, which answers those in plain text and logs tracebacks.
-RUNNER_OPTIONS = {"handler_cancellation": True, "lingering_time": 1.0,
-                  "auto_decompress": False}
+RUNNER_OPTIONS = {"handler_cancellation": True, "lingering_time": 1.0, "auto_decompress": False}
 
 
 class _Proxy(Turns):
@@ -51,14 +50,27 @@ class _Proxy(Turns):
 
     def __init__(self, config, tracer, metrics, store, publisher):
         # Redis (store and publisher) is bounded per turn and behind one breaker.
-        guard = StoreGuard(metrics, store.backend, store.backend == "redis"
-                           or publisher.name == "redis", config.redis_budget_s,
-                           config.redis_breaker_failures, config.redis_breaker_cooldown_s)
+        guard = StoreGuard(
+            metrics,
+            store.backend,
+            store.backend == "redis" or publisher.name == "redis",
+            config.redis_budget_s,
+            config.redis_breaker_failures,
+            config.redis_breaker_cooldown_s,
+        )
         super().__init__(config, tracer, metrics, store, publisher, guard)
-        self.readiness = Readiness(config, store, lambda role, endpoint, ok: metrics
-                                   .upstream_up.labels(role, endpoint).set(1 if ok else 0))
-        lifetime = (config.fixed_entry_lifetime_s or config.max_entry_lifetime_s
-                    or entry_lifetime_s(config.decode_kv_ttl_s, config.expiry_margin_s))
+        self.readiness = Readiness(
+            config,
+            store,
+            lambda role, endpoint, ok: metrics.upstream_up.labels(role, endpoint).set(
+                1 if ok else 0
+            ),
+        )
+        lifetime = (
+            config.fixed_entry_lifetime_s
+            or config.max_entry_lifetime_s
+            or entry_lifetime_s(config.decode_kv_ttl_s, config.expiry_margin_s)
+        )
         metrics.entry_lifetime.set(lifetime)
         metrics.decode_ttl.set(config.decode_kv_ttl_s)
 
@@ -66,15 +78,28 @@ class _Proxy(Turns):
         await self.legs.start()
         self.readiness.session = self.legs.session
         config = self.config
-        log(_LOG, logging.INFO, "kvobs proxy starting", version=__version__,
-            instance=self.instance, store=self.store.backend, publisher=self.publisher.name,
-            **effective_config(config))
+        log(
+            _LOG,
+            logging.INFO,
+            "kvobs proxy starting",
+            version=__version__,
+            instance=self.instance,
+            store=self.store.backend,
+            publisher=self.publisher.name,
+            **effective_config(config),
+        )
         if config.anonymous_tenant == "isolated":
-            log(_LOG, logging.WARNING, "requests without an API key get no KV reuse "
+            log(
+                _LOG,
+                logging.WARNING,
+                "requests without an API key get no KV reuse "
                 "(anonymous clients are isolated); behind a gateway that authenticates, "
                 "set --trusted-tenant-header, or on a trusted network "
-                "--anonymous-tenant shared", flag="--anonymous-tenant",
-                anonymous_tenant="isolated", counter=sc.M_PROXY_ANONYMOUS_TURNS.name)
+                "--anonymous-tenant shared",
+                flag="--anonymous-tenant",
+                anonymous_tenant="isolated",
+                counter=sc.M_PROXY_ANONYMOUS_TURNS.name,
+            )
 
     async def stop(self, _app: web.Application) -> None:
         await self.legs.stop()
@@ -88,14 +113,21 @@ class _Proxy(Turns):
         """Liveness (always 200 while serving), with the engines' health as detail."""
         engines = await self.readiness.upstreams(HEALTH_WAIT_S)
         state = "unknown" if engines is None else "ok" if engines[0] else "degraded"
-        return web.json_response({"status": "ok", "store": self.store.backend,
-                                  "publisher": self.publisher.name, "upstreams": state,
-                                  "checks": engines[1] if engines is not None else []})
+        return web.json_response(
+            {
+                "status": "ok",
+                "store": self.store.backend,
+                "publisher": self.publisher.name,
+                "upstreams": state,
+                "checks": engines[1] if engines is not None else [],
+            }
+        )
 
     async def ready(self, _request: web.Request) -> web.Response:
         ok, checks = await self.readiness.ready()
-        return web.json_response({"status": "ready" if ok else "not-ready",
-                                  "checks": checks}, status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ready" if ok else "not-ready", "checks": checks}, status=200 if ok else 503
+        )
 
     async def metrics_view(self, request: web.Request) -> web.Response:
         size, _failure = await self.guard.call(self.guard.budget(), self.store.size)
@@ -108,7 +140,8 @@ class _Proxy(Turns):
         # Rendering every series takes milliseconds (tens on a busy box): off the event
         # loop, so a scrape never holds back the turns being relayed.
         body = await asyncio.get_running_loop().run_in_executor(
-            None, encoder, self.metrics.registry)
+            None, encoder, self.metrics.registry
+        )
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -148,9 +181,17 @@ async def _access_log(request: web.Request, handler):
         status = 499  # the client left
         raise
     finally:
-        log(_ACCESS, logging.INFO, "request", method=request.method, path=request.path,
-            status=status, duration_ms=round((time.perf_counter() - started) * 1e3, 3),
-            client=request.remote, trace_id=request.get(TRACE_ID_KEY))
+        log(
+            _ACCESS,
+            logging.INFO,
+            "request",
+            method=request.method,
+            path=request.path,
+            status=status,
+            duration_ms=round((time.perf_counter() - started) * 1e3, 3),
+            client=request.remote,
+            trace_id=request.get(TRACE_ID_KEY),
+        )
 
 
 def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
@@ -158,13 +199,22 @@ def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
     if config.store_backend == "redis":
         from kvobs.proxy.redis_store import RedisStore
 
-        return RedisStore(config.redis_url, config.max_entries, config.conversation_ttl_s,
-                          on_evict, infer_per_tenant=config.infer_per_tenant,
-                          max_per_tenant=config.max_entries_per_tenant,
-                          pool_size=config.redis_pool_size)
-    return MemoryStore(config.max_entries, config.conversation_ttl_s, on_evict,
-                       infer_per_tenant=config.infer_per_tenant,
-                       max_per_tenant=config.max_entries_per_tenant)
+        return RedisStore(
+            config.redis_url,
+            config.max_entries,
+            config.conversation_ttl_s,
+            on_evict,
+            infer_per_tenant=config.infer_per_tenant,
+            max_per_tenant=config.max_entries_per_tenant,
+            pool_size=config.redis_pool_size,
+        )
+    return MemoryStore(
+        config.max_entries,
+        config.conversation_ttl_s,
+        on_evict,
+        infer_per_tenant=config.infer_per_tenant,
+        max_per_tenant=config.max_entries_per_tenant,
+    )
 
 
 def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
@@ -173,9 +223,14 @@ def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
     return NoPublisher()
 
 
-def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
-              registry: CollectorRegistry | None = None, store: MetadataStore | None = None,
-              publisher: ParamsPublisher | None = None) -> web.Application:
+def build_app(
+    config: ProxyConfig,
+    *,
+    tracer: trace.Tracer | None = None,
+    registry: CollectorRegistry | None = None,
+    store: MetadataStore | None = None,
+    publisher: ParamsPublisher | None = None,
+) -> web.Application:
     """The proxy as an aiohttp application (tests and embedders pass their own sinks)."""
     if tracer is None:
         from kvobs.emit.setup import configure_tracing
@@ -183,10 +238,17 @@ def build_app(config: ProxyConfig, *, tracer: trace.Tracer | None = None,
         tracer = configure_tracing(sc.Service.PROXY, store_dir=config.store_dir)
     metrics = ProxyMetrics(registry)
     metrics.watch_spans(tracer)
-    proxy = _Proxy(config, tracer, metrics, store or _make_store(config, metrics),
-                   publisher or _make_publisher(config))
-    app = web.Application(client_max_size=config.max_body_bytes + 1,
-                          middlewares=[_access_log] if config.access_log else [])
+    proxy = _Proxy(
+        config,
+        tracer,
+        metrics,
+        store or _make_store(config, metrics),
+        publisher or _make_publisher(config),
+    )
+    app = web.Application(
+        client_max_size=config.max_body_bytes + 1,
+        middlewares=[_access_log] if config.access_log else [],
+    )
     app[PROXY_KEY] = proxy
     app.on_response_prepare.append(_id_headers)
     app.on_startup.append(proxy.start)
@@ -207,5 +269,11 @@ def run_proxy(config: ProxyConfig) -> None:
     # makes each full collection stall the event loop (49 ms on a quiet 2-core box).
     gc.collect()
     gc.freeze()
-    web.run_app(app, host=config.host, port=config.port, access_log=None,
-                **RUNNER_OPTIONS, print=lambda *_: None)
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        access_log=None,
+        **RUNNER_OPTIONS,
+        print=lambda *_: None,
+    )

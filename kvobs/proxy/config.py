@@ -89,7 +89,8 @@ class ProxyConfig:
     ready_cache_s: float = 1.0
     # Engines' own API key (upstream's proxy reads OPENAI_API_KEY the same way).
     engine_api_key: str | None = field(
-        default_factory=lambda: os.environ.get("OPENAI_API_KEY"), repr=False)
+        default_factory=lambda: os.environ.get("OPENAI_API_KEY"), repr=False
+    )
     # Upstream rewrites remote_host in P's and D's params to the engine's HTTP host.
     rewrite_remote_host: bool = True
     store_dir: str | None = None  # kvobs span store (else KVOBS_STORE / OTEL_* env)
@@ -114,7 +115,8 @@ class ProxyConfig:
         if self.expiry_margin_s < DECLINE_WINDOW.default:
             raise ValueError(
                 f"expiry_margin_s must be >= {DECLINE_WINDOW} (P declines reads "
-                "that close to D's expiry)")
+                "that close to D's expiry)"
+            )
         if self.decode_kv_ttl_s <= self.expiry_margin_s:
             raise ValueError("decode_kv_ttl_s must exceed expiry_margin_s")
         if self.store_backend not in ("memory", "redis"):
@@ -125,19 +127,34 @@ class ProxyConfig:
             raise ValueError("params_publisher must be auto, redis or none")
         if self.params_publisher == "redis" and not self.redis_url:
             raise ValueError("the redis params publisher needs redis_url")
-        if min(self.max_entries, self.max_id_length, self.max_body_bytes,
-               self.infer_per_tenant) < 1:
-            raise ValueError("max_entries, max_id_length, max_body_bytes and "
-                             "infer_per_tenant must be positive")
-        if min(self.max_entries_per_tenant, self.redis_pool_size,
-               self.redis_breaker_failures) < 1 or min(self.redis_budget_s,
-                                                       self.redis_breaker_cooldown_s) <= 0:
-            raise ValueError("max_entries_per_tenant, redis_pool_size, "
-                             "redis_breaker_failures, redis_budget_s and "
-                             "redis_breaker_cooldown_s must be positive")
-        if min(self.connect_timeout_s, self.upstream_keepalive_s, self.prefill_read_timeout_s,
-               self.decode_read_timeout_s, self.body_timeout_s, self.ready_timeout_s) <= 0 \
-                or self.ready_cache_s < 0:
+        if (
+            min(self.max_entries, self.max_id_length, self.max_body_bytes, self.infer_per_tenant)
+            < 1
+        ):
+            raise ValueError(
+                "max_entries, max_id_length, max_body_bytes and infer_per_tenant must be positive"
+            )
+        if (
+            min(self.max_entries_per_tenant, self.redis_pool_size, self.redis_breaker_failures) < 1
+            or min(self.redis_budget_s, self.redis_breaker_cooldown_s) <= 0
+        ):
+            raise ValueError(
+                "max_entries_per_tenant, redis_pool_size, "
+                "redis_breaker_failures, redis_budget_s and "
+                "redis_breaker_cooldown_s must be positive"
+            )
+        if (
+            min(
+                self.connect_timeout_s,
+                self.upstream_keepalive_s,
+                self.prefill_read_timeout_s,
+                self.decode_read_timeout_s,
+                self.body_timeout_s,
+                self.ready_timeout_s,
+            )
+            <= 0
+            or self.ready_cache_s < 0
+        ):
             raise ValueError("timeouts must be positive")
         if self.max_new_tenants < 0 or self.new_tenant_window_s <= 0:
             raise ValueError("max_new_tenants must be >= 0 and new_tenant_window_s positive")

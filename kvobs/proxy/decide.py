@@ -105,14 +105,25 @@ class Lookup:
         return self.outcome is LO.HIT
 
     def attributes(self) -> dict[str, Any]:
-        return {sc.LOOKUP_OUTCOME.key: self.outcome, sc.PARAMS_SENT.key: self.params_sent,
-                sc.LOOKUP_MISS_REASON.key: self.miss_reason,
-                sc.INTER_TURN_GAP.key: self.gap_s, sc.ENTRY_AGE.key: self.age_s,
-                sc.ENTRY_REMAINING_TTL.key: self.remaining_s}
+        return {
+            sc.LOOKUP_OUTCOME.key: self.outcome,
+            sc.PARAMS_SENT.key: self.params_sent,
+            sc.LOOKUP_MISS_REASON.key: self.miss_reason,
+            sc.INTER_TURN_GAP.key: self.gap_s,
+            sc.ENTRY_AGE.key: self.age_s,
+            sc.ENTRY_REMAINING_TTL.key: self.remaining_s,
+        }
 
 
-def lookup(body: dict[str, Any], now: float, *, has_id: bool,
-           refused: sc.MissReason | None, asked: bool, begun: Begun | None) -> Lookup:
+def lookup(
+    body: dict[str, Any],
+    now: float,
+    *,
+    has_id: bool,
+    refused: sc.MissReason | None,
+    asked: bool,
+    begun: Begun | None,
+) -> Lookup:
     """The turn's outcome, index and miss reason.
 
     ``has_id``: the turn has a conversation (sent, or inferred); ``refused``: why the
@@ -134,8 +145,13 @@ def lookup(body: dict[str, Any], now: float, *, has_id: bool,
     if previous is not None and previous.ended_at is not None:
         gap = max(0.0, now - previous.ended_at)
     if previous is None or previous.params is None:
-        reason = MR.NOT_STORED if previous is not None else \
-            MR.EVICTED if begun.evicted else MR.NEVER_SEEN
+        reason = (
+            MR.NOT_STORED
+            if previous is not None
+            else MR.EVICTED
+            if begun.evicted
+            else MR.NEVER_SEEN
+        )
         return Lookup(LO.MISS, turn, reason, gap)
     age = max(0.0, now - previous.stored_at) if previous.stored_at is not None else None
     remaining = previous.expires_at - now if previous.expires_at is not None else None
@@ -157,9 +173,14 @@ def prefill_params(params: dict[str, Any] | None, keys: dict[str, Any]) -> dict[
     if params:
         ktp = {**params, "do_remote_decode": True, "do_remote_prefill": False}
     else:
-        ktp = {"do_remote_decode": True, "do_remote_prefill": False,
-               "remote_engine_id": None, "remote_block_ids": None,
-               "remote_host": None, "remote_port": None}
+        ktp = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
     ktp.update(keys)
     return ktp
 
@@ -209,8 +230,7 @@ def upstream_answer(kind: str, status: int, has_body: bool) -> tuple[bool, int]:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def has_blocks(params: dict[str, Any]) -> bool:
@@ -239,9 +259,14 @@ def decode_expiry(params: dict[str, Any], default_ttl_s: float) -> tuple[float, 
     return expiry_d, _number(params.get(sc.KTP_DECODE_TTL)) or default_ttl_s
 
 
-def entry_expiry(answered_wall: float, d_expiry_wall: float | None, *, margin_s: float,
-                 max_lifetime_s: float | None,
-                 fixed_lifetime_s: float | None) -> float | None:
+def entry_expiry(
+    answered_wall: float,
+    d_expiry_wall: float | None,
+    *,
+    margin_s: float,
+    max_lifetime_s: float | None,
+    fixed_lifetime_s: float | None,
+) -> float | None:
     """When the entry stops being offered: ``margin_s`` before D's blocks expire (on the
     proxy's clock), capped by ``max_lifetime_s``; upstream's fixed life when set. None:
     nothing usable (no expiry, or already within the margin).

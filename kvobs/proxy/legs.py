@@ -37,8 +37,7 @@ _PREFILL_DROP = ("max_completion_tokens", "min_tokens", "stream_options")
 KTP = "kv_transfer_params"
 PE = sc.ProxyError
 # finish(params, digest, sent_wall, answered_wall): store D's params (``turn``).
-Finish = Callable[[dict[str, Any] | None, dict[str, Any] | None, float, float],
-                  Awaitable[None]]
+Finish = Callable[[dict[str, Any] | None, dict[str, Any] | None, float, float], Awaitable[None]]
 
 
 def sse_error(message: str, type_: str = "upstream_error", code: int = 502) -> bytes:
@@ -72,8 +71,11 @@ def _first_choice(result: Any) -> tuple[dict[str, Any] | None, str | None, bool]
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None, None, False
     message, text = choices[0].get("message"), choices[0].get("text")
-    return (message if isinstance(message, dict) else None,
-            text if isinstance(text, str) else None, len(choices) == 1)
+    return (
+        message if isinstance(message, dict) else None,
+        text if isinstance(text, str) else None,
+        len(choices) == 1,
+    )
 
 
 class Legs:
@@ -85,12 +87,14 @@ class Legs:
         self._decode = itertools.cycle(config.decode)
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
-                                         keepalive_timeout=self.config.upstream_keepalive_s)
+        connector = aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, keepalive_timeout=self.config.upstream_keepalive_s
+        )
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.fresh_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=True),
-            auto_decompress=False)
+            auto_decompress=False,
+        )
 
     async def stop(self) -> None:
         for session in (self.session, self.fresh_session):
@@ -102,16 +106,29 @@ class Legs:
 
     def _timeout(self, read_s: float) -> aiohttp.ClientTimeout:
         connect = self.config.connect_timeout_s
-        return aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect,
-                                     sock_read=read_s)
+        return aiohttp.ClientTimeout(
+            total=None, connect=connect, sock_connect=connect, sock_read=read_s
+        )
 
     def _leg(self, role: str, endpoint: Endpoint, path: str, state: TurnState) -> ClientLeg:
-        return ClientLeg(self.tracer, state.http_context, role, endpoint.host, endpoint.port,
-                         endpoint.base_url + path)
+        return ClientLeg(
+            self.tracer,
+            state.http_context,
+            role,
+            endpoint.host,
+            endpoint.port,
+            endpoint.base_url + path,
+        )
 
-    async def _send(self, role: str, url: str, data: str, headers: dict[str, str],
-                    timeout: aiohttp.ClientTimeout,
-                    leg: ClientLeg) -> aiohttp.ClientResponse:
+    async def _send(
+        self,
+        role: str,
+        url: str,
+        data: str,
+        headers: dict[str, str],
+        timeout: aiohttp.ClientTimeout,
+        leg: ClientLeg,
+    ) -> aiohttp.ClientResponse:
         """POST ``data`` to an engine; the response once its headers are in.
 
         A connection that failed before any response byte (a pooled connection the
@@ -127,15 +144,22 @@ class Legs:
             reason = str(error) or type(error).__name__
         self.metrics.upstream_retries.labels(role, cause.value).inc()
         leg.retried(cause.value)
-        log(_LOG, logging.WARNING, "engine connection failed before any response; sent "
-            "once more on a fresh connection", role=role, url=url, cause=cause.value,
-            error=reason)
+        log(
+            _LOG,
+            logging.WARNING,
+            "engine connection failed before any response; sent once more on a fresh connection",
+            role=role,
+            url=url,
+            cause=cause.value,
+            error=reason,
+        )
         return await self.fresh_session.post(url, data=data, headers=headers, timeout=timeout)
 
     # ------------------------------------------------------------------ prefill
 
-    def _prefill_body(self, body: dict[str, Any], params: dict[str, Any] | None,
-                      keys: dict[str, Any]) -> dict[str, Any]:
+    def _prefill_body(
+        self, body: dict[str, Any], params: dict[str, Any] | None, keys: dict[str, Any]
+    ) -> dict[str, Any]:
         p_body = dict(body)
         p_body["stream"] = False
         p_body["max_tokens"] = 1
@@ -144,14 +168,21 @@ class Legs:
         p_body[KTP] = decide.prefill_params(params, keys)
         return p_body
 
-    async def _post_prefill(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
-                            headers: dict[str, str], state: TurnState) -> dict[str, Any]:
+    async def _post_prefill(
+        self,
+        endpoint: Endpoint,
+        path: str,
+        payload: dict[str, Any],
+        headers: dict[str, str],
+        state: TurnState,
+    ) -> dict[str, Any]:
         timeout = self._timeout(self.config.prefill_read_timeout_s)
         leg = self._leg("prefill", endpoint, path, state)
         status = error = None
         try:
-            response = await self._send("prefill", endpoint.base_url + path,
-                                        json.dumps(payload), headers, timeout, leg)
+            response = await self._send(
+                "prefill", endpoint.base_url + path, json.dumps(payload), headers, timeout, leg
+            )
             async with response:
                 status = response.status
                 raw = await response.read()
@@ -173,9 +204,16 @@ class Legs:
         except ValueError:
             raise UpstreamError("prefill", "http-error", PE.PREFILL_ERROR) from None
 
-    async def prefill(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
-                      keys: dict[str, Any], headers: dict[str, str], state: TurnState,
-                      correlation: Correlation) -> tuple[Any, Endpoint]:
+    async def prefill(
+        self,
+        path: str,
+        body: dict[str, Any],
+        params: dict[str, Any] | None,
+        keys: dict[str, Any],
+        headers: dict[str, str],
+        state: TurnState,
+        correlation: Correlation,
+    ) -> tuple[Any, Endpoint]:
         """P's answer and the endpoint that gave it. P failing a read of ``params`` (a
         5xx) is retried once without them: P recomputes."""
         endpoint = next(self._prefill)
@@ -184,26 +222,38 @@ class Legs:
         try:
             try:
                 response = await self._post_prefill(
-                    endpoint, path, self._prefill_body(body, params, keys), headers, state)
+                    endpoint, path, self._prefill_body(body, params, keys), headers, state
+                )
             except UpstreamError as error:
                 if not decide.falls_back(bool(params), error.kind, error.status):
                     raise
                 reason = state.fallback = decide.fallback_reason(error.body)
                 self.metrics.upstream_errors.labels("prefill", error.kind).inc()
                 self.metrics.fallbacks.labels(reason.value).inc()
-                log(_LOG, logging.WARNING, "engine failed a read; retried without params",
-                    role="prefill", cause=f"answered {error.status}", reason=reason.value,
-                    request_id=state.request_id)
+                log(
+                    _LOG,
+                    logging.WARNING,
+                    "engine failed a read; retried without params",
+                    role="prefill",
+                    cause=f"answered {error.status}",
+                    reason=reason.value,
+                    request_id=state.request_id,
+                )
                 fallback_start = time.time_ns()
                 state.p_retry_sent = fallback_start / 1e9
                 state.params_sent = False
                 try:
                     response = await self._post_prefill(
-                        endpoint, path, self._prefill_body(body, None, keys), headers, state)
+                        endpoint, path, self._prefill_body(body, None, keys), headers, state
+                    )
                 finally:
-                    emit(self.tracer, sc.SPAN_PROXY_FALLBACK, correlation,
-                         {sc.FALLBACK_REASON.key: reason, sc.HTTP_STATUS: error.status},
-                         start_ns=fallback_start)
+                    emit(
+                        self.tracer,
+                        sc.SPAN_PROXY_FALLBACK,
+                        correlation,
+                        {sc.FALLBACK_REASON.key: reason, sc.HTTP_STATUS: error.status},
+                        start_ns=fallback_start,
+                    )
             return response, endpoint
         finally:
             state.p_answered = time.time()
@@ -215,8 +265,9 @@ class Legs:
         """D's response, its status 200; a failure ends ``leg`` (the CLIENT span)."""
         timeout = self._timeout(self.config.decode_read_timeout_s)
         try:
-            response = await self._send("decode", endpoint.base_url + path,
-                                        json.dumps(d_body), headers, timeout, leg)
+            response = await self._send(
+                "decode", endpoint.base_url + path, json.dumps(d_body), headers, timeout, leg
+            )
         except asyncio.TimeoutError:
             leg.end(error="timeout")
             raise UpstreamError("decode", "timeout", PE.DECODE_ERROR, 504) from None
@@ -234,9 +285,16 @@ class Legs:
             raise UpstreamError("decode", "http-error", PE.DECODE_ERROR, response.status, raw)
         return response
 
-    async def decode(self, request: web.Request, path: str, d_body: dict[str, Any],
-                     endpoint: Endpoint, headers: dict[str, str], state: TurnState,
-                     finish: Finish) -> web.StreamResponse:
+    async def decode(
+        self,
+        request: web.Request,
+        path: str,
+        d_body: dict[str, Any],
+        endpoint: Endpoint,
+        headers: dict[str, str],
+        state: TurnState,
+        finish: Finish,
+    ) -> web.StreamResponse:
         leg = self._leg("decode", endpoint, path, state)
         started = time.perf_counter()
         state.d_sent = time.time()
@@ -247,15 +305,23 @@ class Legs:
                 state.decode_s = time.perf_counter() - started
                 raise
             if state.stream:
-                return await self._relay_stream(request, response, d_body, state, finish,
-                                                leg, started)
-            return await self._relay_whole(request, response, d_body, state, finish, leg,
-                                           started)
+                return await self._relay_stream(
+                    request, response, d_body, state, finish, leg, started
+                )
+            return await self._relay_whole(request, response, d_body, state, finish, leg, started)
         finally:
             leg.end(error="cancelled")  # ended already, unless the turn was cut short
 
-    async def _relay_whole(self, request, response, d_body, state: TurnState,
-                           finish: Finish, leg: ClientLeg, started: float):
+    async def _relay_whole(
+        self,
+        request,
+        response,
+        d_body,
+        state: TurnState,
+        finish: Finish,
+        leg: ClientLeg,
+        started: float,
+    ):
         try:
             raw = await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -277,10 +343,12 @@ class Legs:
         digest = history_digest(d_body, message, text) if single else None
         if isinstance(params, dict):
             state.source = sc.ParamsSource.BODY
-        await finish(params if isinstance(params, dict) else None, digest, state.d_sent,
-                     answered_wall)
-        answer = web.Response(body=json.dumps(result).encode(), status=200,
-                              content_type="application/json")
+        await finish(
+            params if isinstance(params, dict) else None, digest, state.d_sent, answered_wall
+        )
+        answer = web.Response(
+            body=json.dumps(result).encode(), status=200, content_type="application/json"
+        )
         # Sent here, not after the handler returns: the turn's span (proxy-out) holds the
         # write, so a proxy busy elsewhere at that moment is time kvobs accounts.
         try:
@@ -290,10 +358,19 @@ class Legs:
             state.error = PE.CLIENT_DISCONNECTED
         return answer
 
-    async def _relay_stream(self, request, response, d_body, state: TurnState,
-                            finish: Finish, leg: ClientLeg, started: float):
-        client = state.client = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _relay_stream(
+        self,
+        request,
+        response,
+        d_body,
+        state: TurnState,
+        finish: Finish,
+        leg: ClientLeg,
+        started: float,
+    ):
+        client = state.client = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         collector = StreamCollector(state)
         done = False
         try:
@@ -323,9 +400,15 @@ class Legs:
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
             state.error = PE.DECODE_DISCONNECTED
             self.metrics.upstream_errors.labels("decode", "disconnected").inc()
-            log(_LOG, logging.WARNING, "engine failed mid-stream; the client got an error "
-                "event", role="decode", cause="disconnected", error=type(error).__name__,
-                request_id=state.request_id)
+            log(
+                _LOG,
+                logging.WARNING,
+                "engine failed mid-stream; the client got an error event",
+                role="decode",
+                cause="disconnected",
+                error=type(error).__name__,
+                request_id=state.request_id,
+            )
             response.close()
             leg.end(200, "disconnected")
             state.decode_s = time.perf_counter() - started
@@ -340,8 +423,11 @@ class Legs:
         leg.end(200)
         answered_wall = state.d_answered = time.time()
         state.decode_s = time.perf_counter() - started
-        digest = history_digest(d_body, collector.message(), collector.text()) \
-            if collector.single else None
+        digest = (
+            history_digest(d_body, collector.message(), collector.text())
+            if collector.single
+            else None
+        )
         if collector.params is not None:
             state.source = sc.ParamsSource.STREAM
         await finish(collector.params, digest, state.d_sent, answered_wall)

@@ -70,7 +70,8 @@ class RedisParamsPublisher:
         await self._redis.aclose()
 
 
-async def publish(url_or_client: Any, request_id: str, params: dict[str, Any],
-                  ttl_s: int = 60) -> None:
+async def publish(
+    url_or_client: Any, request_id: str, params: dict[str, Any], ttl_s: int = 60
+) -> None:
     """Reference publisher (what a decode-side component does), used by the stand-ins."""
     await url_or_client.set(PUBLISHED_PARAMS_PREFIX + request_id, json.dumps(params), ex=ttl_s)

@@ -99,7 +99,9 @@ end
 
 # KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key,
 # tenant quota
-_BEGIN = _LIB + """
+_BEGIN = (
+    _LIB
+    + """
 local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('HINCRBY', KEYS[1], 't', 1)
 local v = redis.call('HMGET', KEYS[1], 'p', 'x', 's', 'e', 'd', 'st')
@@ -114,11 +116,14 @@ if t == 1 then
 end
 return {t, v[1], v[2], v[3], v[4], v[5], v[6], evicted, was_evicted}
 """
+)
 
 # KEYS[1] conversation; ARGV: prefix, idle, now, max entries, evicted memory, key, turn,
 # params, expires at, digest, fingerprint, tenant, conversation id, fingerprints a tenant,
 # tenant quota
-_FINISH = _LIB + """
+_FINISH = (
+    _LIB
+    + """
 local p, idle, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local created = redis.call('HSETNX', KEYS[1], 't', ARGV[7])
 redis.call('HSET', KEYS[1], 'e', ARGV[3])
@@ -142,6 +147,7 @@ if created == 1 then
 end
 return evicted
 """
+)
 
 # ARGV: prefix, tenant, candidate fingerprints longest first. The first whose conversation
 # still exists; index entries of conversations that are gone are dropped on the way.
@@ -176,10 +182,17 @@ class RedisStore:
 
     backend = "redis"
 
-    def __init__(self, url: str, max_entries: int, conversation_ttl_s: float,
-                 on_evict: EvictCallback | None = None, prefix: str = "kvobs:",
-                 infer_per_tenant: int = INFER_PER_TENANT,
-                 max_per_tenant: int | None = None, pool_size: int = 512):
+    def __init__(
+        self,
+        url: str,
+        max_entries: int,
+        conversation_ttl_s: float,
+        on_evict: EvictCallback | None = None,
+        prefix: str = "kvobs:",
+        infer_per_tenant: int = INFER_PER_TENANT,
+        max_per_tenant: int | None = None,
+        pool_size: int = 512,
+    ):
         self._redis = redis_client(url, pool_size)
         self._max = max_entries
         self._quota = max_per_tenant or max_entries
@@ -200,29 +213,44 @@ class RedisStore:
 
     async def begin_turn(self, key: str, now: float) -> Begun:
         t, p, x, s, e, d, st, evicted, was_evicted = await self._begin(
-            keys=[self._key(key)], args=[*self._common(key, now), self._quota])
+            keys=[self._key(key)], args=[*self._common(key, now), self._quota]
+        )
         if evicted:
             self._on_evict(int(evicted))
         turn = int(t)
         if turn == 1:
             return Begun(1, None, bool(was_evicted))
-        previous = Entry(turn=turn - 1, params=_json(p), expires_at=_float(x),
-                         stored_at=_float(s), ended_at=_float(e), digest=_json(d),
-                         stored_turn=int(st or 0), touched=now)
+        previous = Entry(
+            turn=turn - 1,
+            params=_json(p),
+            expires_at=_float(x),
+            stored_at=_float(s),
+            ended_at=_float(e),
+            digest=_json(d),
+            stored_turn=int(st or 0),
+            touched=now,
+        )
         return Begun(turn, previous)
 
-    async def finish_turn(self, key, turn, now, params, expires_at, digest, tenant=None,
-                          conversation_id=None) -> None:
-        fp = fingerprint(digest) if tenant is not None and conversation_id is not None \
-            else None
+    async def finish_turn(
+        self, key, turn, now, params, expires_at, digest, tenant=None, conversation_id=None
+    ) -> None:
+        fp = fingerprint(digest) if tenant is not None and conversation_id is not None else None
         evicted = await self._finish(
             keys=[self._key(key)],
-            args=[*self._common(key, now), turn,
-                  json.dumps(params) if params is not None else "",
-                  expires_at if expires_at is not None else "",
-                  json.dumps(digest) if digest is not None else "",
-                  fp or "", tenant or "", conversation_id or "", self._per_tenant,
-                  self._quota])
+            args=[
+                *self._common(key, now),
+                turn,
+                json.dumps(params) if params is not None else "",
+                expires_at if expires_at is not None else "",
+                json.dumps(digest) if digest is not None else "",
+                fp or "",
+                tenant or "",
+                conversation_id or "",
+                self._per_tenant,
+                self._quota,
+            ],
+        )
         if evicted:
             self._on_evict(int(evicted))
 
@@ -256,8 +284,12 @@ def redis_client(url: str, pool_size: int, socket_timeout_s: float = 30.0):
     from kvobs.proxy._store_clock import timed_connection_class
 
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=pool_size, timeout=None, socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s)
+        url,
+        max_connections=pool_size,
+        timeout=None,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+    )
     # The URL chose the class (TCP, TLS, Unix socket); its Redis time goes to the guard.
     pool.connection_class = timed_connection_class(pool.connection_class)
     return aioredis.Redis.from_pool(pool)  # closes the pool with the client

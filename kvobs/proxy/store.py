@@ -75,10 +75,17 @@ class MetadataStore(Protocol):
     async def begin_turn(self, key: str, now: float) -> Begun:
         """Start a turn: this turn's index and the previous state; takes the params."""
 
-    async def finish_turn(self, key: str, turn: int, now: float,
-                          params: dict[str, Any] | None, expires_at: float | None,
-                          digest: dict[str, Any] | None, tenant: str | None = None,
-                          conversation_id: str | None = None) -> None:
+    async def finish_turn(
+        self,
+        key: str,
+        turn: int,
+        now: float,
+        params: dict[str, Any] | None,
+        expires_at: float | None,
+        digest: dict[str, Any] | None,
+        tenant: str | None = None,
+        conversation_id: str | None = None,
+    ) -> None:
         """End a turn; store D's params when there are any (and index the conversation
         by ``digest`` for ``infer`` when ``tenant`` and ``conversation_id`` are given)."""
 
@@ -107,10 +114,14 @@ def tenant_of_key(key: str) -> str:
 class MemoryStore:
     backend = "memory"
 
-    def __init__(self, max_entries: int, conversation_ttl_s: float,
-                 on_evict: EvictCallback | None = None,
-                 infer_per_tenant: int = INFER_PER_TENANT,
-                 max_per_tenant: int | None = None):
+    def __init__(
+        self,
+        max_entries: int,
+        conversation_ttl_s: float,
+        on_evict: EvictCallback | None = None,
+        infer_per_tenant: int = INFER_PER_TENANT,
+        max_per_tenant: int | None = None,
+    ):
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._max = max_entries
         self._quota = max_per_tenant or max_entries
@@ -195,8 +206,9 @@ class MemoryStore:
         self._insert(key, entry, now)
         return Begun(entry.turn, previous, evicted)
 
-    async def finish_turn(self, key, turn, now, params, expires_at, digest, tenant=None,
-                          conversation_id=None) -> None:
+    async def finish_turn(
+        self, key, turn, now, params, expires_at, digest, tenant=None, conversation_id=None
+    ) -> None:
         entry = self._live(key, now)
         if entry is None:
             entry = Entry(turn=turn)

@@ -27,7 +27,13 @@ from kvobs.proxy._digest import Prefixes
 from kvobs.proxy._guard import StoreGuard
 from kvobs.proxy._http_spans import client_link, end_server, start_server
 from kvobs.proxy._identity import (
-    ANONYMOUS, Identity, InputError, conversation_of, tenant_digest, tenant_of)
+    ANONYMOUS,
+    Identity,
+    InputError,
+    conversation_of,
+    tenant_digest,
+    tenant_of,
+)
 from kvobs.proxy._input import UNREAD_BODY_REASONS, check_headers, parse_body, read_body
 from kvobs.proxy._log import FIELDS, log
 from kvobs.proxy._metrics import ProxyMetrics
@@ -54,20 +60,29 @@ def json_error(status: int, message: str, type_: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
-def _with_turn(correlation: Correlation, conversation_id: str | None,
-               turn: int | None) -> Correlation:
+def _with_turn(
+    correlation: Correlation, conversation_id: str | None, turn: int | None
+) -> Correlation:
     return Correlation(conversation_id, turn, correlation.tenant, correlation.traceparent)
 
 
 class Turns:
-    def __init__(self, config: ProxyConfig, tracer: trace.Tracer, metrics: ProxyMetrics,
-                 store: MetadataStore, publisher: ParamsPublisher, guard: StoreGuard):
+    def __init__(
+        self,
+        config: ProxyConfig,
+        tracer: trace.Tracer,
+        metrics: ProxyMetrics,
+        store: MetadataStore,
+        publisher: ParamsPublisher,
+        guard: StoreGuard,
+    ):
         self.config, self.tracer, self.metrics = config, tracer, metrics
         self.store, self.publisher, self.guard = store, publisher, guard
         self.legs = Legs(config, tracer, metrics)
         self.clock = DecodeClock()
-        self.tenants = NewTenants(config.max_new_tenants, config.new_tenant_window_s,
-                                  config.max_entries)
+        self.tenants = NewTenants(
+            config.max_new_tenants, config.new_tenant_window_s, config.max_entries
+        )
         # This process, on every lookup span: a restart shows as a new id and a later start.
         self.instance = secrets.token_hex(8)
         self.started_at = time.time()
@@ -86,8 +101,9 @@ class Turns:
                 tenant, trusted = tenant_digest("gateway\0" + value), True
         if not trusted:
             tenant = tenant_of(headers, config.tenant_header)
-        conversation = conversation_of(body, headers, config.conversation_header,
-                                       config.max_id_length)
+        conversation = conversation_of(
+            body, headers, config.conversation_header, config.max_id_length
+        )
         return Identity(tenant, conversation), trusted
 
     def _headers(self, request_id: str, correlation: Correlation) -> dict[str, str]:
@@ -108,11 +124,17 @@ class Turns:
         start_ns = time.time_ns()
         links = client_link(request.headers)
         try:
-            check_headers(request.headers, (config.conversation_header,
-                                            config.tenant_header or "Authorization",
-                                            config.trusted_tenant_header))
-            body = parse_body(await read_body(request, config.max_body_bytes,
-                                              config.body_timeout_s))
+            check_headers(
+                request.headers,
+                (
+                    config.conversation_header,
+                    config.tenant_header or "Authorization",
+                    config.trusted_tenant_header,
+                ),
+            )
+            body = parse_body(
+                await read_body(request, config.max_body_bytes, config.body_timeout_s)
+            )
             identity, trusted = self._identity(request, body)
         except InputError as error:
             self.metrics.rejected.labels(error.reason).inc()
@@ -120,29 +142,37 @@ class Turns:
             if error.reason in UNREAD_BODY_REASONS:
                 response.force_close()  # the rest of the body is not waited for
             # Refused before its turn: the SERVER span alone, root of its own trace.
-            end_server(start_server(self.tracer, request, path, start_ns, _NEW_TRACE, links),
-                       response.status)
+            end_server(
+                start_server(self.tracer, request, path, start_ns, _NEW_TRACE, links),
+                response.status,
+            )
             return response
         if body.pop(KTP, None) is not None:
             self.metrics.stripped.inc()
-        state = TurnState(stream=bool(body.get("stream")), request_id=uuid.uuid4().hex,
-                          start_wall=start_ns / 1e9, start_perf=time.perf_counter(),
-                          conversation_id=identity.conversation_id,
-                          store_budget=self.guard.budget())
-        span = self.tracer.start_span(sc.SPAN_PROXY_TURN.name, context=_NEW_TRACE,
-                                      links=links, start_time=start_ns)
-        server = start_server(self.tracer, request, path, start_ns,
-                              trace.set_span_in_context(span), links)
+        state = TurnState(
+            stream=bool(body.get("stream")),
+            request_id=uuid.uuid4().hex,
+            start_wall=start_ns / 1e9,
+            start_perf=time.perf_counter(),
+            conversation_id=identity.conversation_id,
+            store_budget=self.guard.budget(),
+        )
+        span = self.tracer.start_span(
+            sc.SPAN_PROXY_TURN.name, context=_NEW_TRACE, links=links, start_time=start_ns
+        )
+        server = start_server(
+            self.tracer, request, path, start_ns, trace.set_span_in_context(span), links
+        )
         state.http_context = trace.set_span_in_context(server)
         with trace.use_span(span, end_on_exit=False):
-            traceparent = current_traceparent() or \
-                f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+            traceparent = (
+                current_traceparent() or f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+            )
         request[TRACE_ID_KEY] = traceparent.split("-")[1]
         correlation = Correlation(identity.conversation_id, None, identity.tenant, traceparent)
         response = None
         try:
-            response = await self._turn(request, path, body, identity, trusted, state,
-                                        correlation)
+            response = await self._turn(request, path, body, identity, trusted, state, correlation)
             return response
         except asyncio.CancelledError:  # the client left (RUNNER_OPTIONS): legs cancelled
             state.error = state.error or PE.CLIENT_DISCONNECTED
@@ -153,10 +183,12 @@ class Turns:
             response = await self._internal_error(state)
             return response
         finally:
-            end_server(server, response.status if response is not None else None,
-                       state.error.value if state.error is not None else None)
-            self._end_turn(span, state, _with_turn(correlation, state.conversation_id,
-                                                   state.turn))
+            end_server(
+                server,
+                response.status if response is not None else None,
+                state.error.value if state.error is not None else None,
+            )
+            self._end_turn(span, state, _with_turn(correlation, state.conversation_id, state.turn))
 
     def _refusal(self, identity: Identity, trusted: bool, now: float) -> sc.MissReason | None:
         """The tenant and anonymous policy: why this turn may not use the store."""
@@ -171,9 +203,16 @@ class Turns:
                 self.metrics.tenant_limited.inc()
         return decide.refusal(identity.tenant, self.config.anonymous_tenant, admitted)
 
-    async def _turn(self, request: web.Request, path: str, body: dict[str, Any],
-                    identity: Identity, trusted: bool, state: TurnState,
-                    correlation: Correlation) -> web.StreamResponse:
+    async def _turn(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        identity: Identity,
+        trusted: bool,
+        state: TurnState,
+        correlation: Correlation,
+    ) -> web.StreamResponse:
         refused = self._refusal(identity, trusted, time.time())
         assigned, previous = await self._lookup(identity, body, refused, state, correlation)
         if assigned is not identity:
@@ -184,8 +223,9 @@ class Turns:
         headers = self._headers(state.request_id, correlation)
         params = previous.params if state.params_sent and previous is not None else None
         try:
-            p_response, p_endpoint = await self.legs.prefill(path, body, params, keys,
-                                                             headers, state, correlation)
+            p_response, p_endpoint = await self.legs.prefill(
+                path, body, params, keys, headers, state, correlation
+            )
             p_params = p_response.get(KTP) if isinstance(p_response, dict) else None
             usage = p_response.get("usage") if isinstance(p_response, dict) else None
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
@@ -202,41 +242,56 @@ class Turns:
 
             async def finish(new_params, digest, sent_wall, answered_wall):
                 if refused is None:
-                    await self._store(identity, state, correlation, previous, new_params,
-                                      digest, sent_wall, answered_wall)
-            return await self.legs.decode(request, path, d_body, d_endpoint, headers, state,
-                                          finish)
+                    await self._store(
+                        identity,
+                        state,
+                        correlation,
+                        previous,
+                        new_params,
+                        digest,
+                        sent_wall,
+                        answered_wall,
+                    )
+
+            return await self.legs.decode(request, path, d_body, d_endpoint, headers, state, finish)
         except UpstreamError as error:
             return self._upstream_failure(error, state)
 
     # ------------------------------------------------------------------ lookup
 
-    async def _lookup(self, identity: Identity, body: dict[str, Any],
-                      refused: sc.MissReason | None, state: TurnState,
-                      correlation: Correlation) -> tuple[Identity, Entry | None]:
+    async def _lookup(
+        self,
+        identity: Identity,
+        body: dict[str, Any],
+        refused: sc.MissReason | None,
+        state: TurnState,
+        correlation: Correlation,
+    ) -> tuple[Identity, Entry | None]:
         """The turn's index, outcome and D's previous params. A request without an id
         comes back with the conversation it continues (inferred) or a new id."""
         now = time.time()
         start_ns = time.time_ns()
-        attributes: dict[str, Any] = {sc.PROXY_INSTANCE.key: self.instance,
-                                      sc.PROXY_STARTED_AT.key: self.started_at}
+        attributes: dict[str, Any] = {
+            sc.PROXY_INSTANCE.key: self.instance,
+            sc.PROXY_STARTED_AT.key: self.started_at,
+        }
         sent_id = identity.conversation_id is not None
         inferred = False
         if decide.should_infer(sent_id, self.config.infer_conversations, refused):
-            identity, inferred = await self._infer(identity, body, now,
-                                                   correlation.traceparent, state,
-                                                   attributes)
+            identity, inferred = await self._infer(
+                identity, body, now, correlation.traceparent, state, attributes
+            )
             attributes[sc.LOOKUP_INFERRED.key] = inferred
         state.conversation_id = identity.conversation_id
         has_id = sent_id or inferred
         begun = None
         asked = refused is None and has_id
         if asked:
-            begun, failure = await self.guard.call(state.store_budget, self.store.begin_turn,
-                                                   identity.store_key, now)
+            begun, failure = await self.guard.call(
+                state.store_budget, self.store.begin_turn, identity.store_key, now
+            )
             attributes[sc.STORE_FAILURE.key] = failure
-        result = decide.lookup(body, now, has_id=has_id, refused=refused, asked=asked,
-                               begun=begun)
+        result = decide.lookup(body, now, has_id=has_id, refused=refused, asked=asked, begun=begun)
         state.turn, state.outcome = result.turn, result.outcome
         state.miss_reason, state.params_sent = result.miss_reason, result.params_sent
         if result.gap_s is not None:
@@ -244,37 +299,58 @@ class Turns:
         if result.age_s is not None:
             self.metrics.entry_age.observe(result.age_s)
         self.metrics.lookups.labels(result.outcome.value).inc()
-        emit(self.tracer, sc.SPAN_PROXY_LOOKUP,
-             _with_turn(correlation, state.conversation_id, state.turn),
-             {**result.attributes(), **attributes}, start_ns=start_ns)
+        emit(
+            self.tracer,
+            sc.SPAN_PROXY_LOOKUP,
+            _with_turn(correlation, state.conversation_id, state.turn),
+            {**result.attributes(), **attributes},
+            start_ns=start_ns,
+        )
         return identity, begun.previous if begun is not None else None
 
-    async def _infer(self, identity: Identity, body: dict[str, Any], now: float,
-                     traceparent: str, state: TurnState,
-                     attributes: dict[str, Any]) -> tuple[Identity, bool]:
+    async def _infer(
+        self,
+        identity: Identity,
+        body: dict[str, Any],
+        now: float,
+        traceparent: str,
+        state: TurnState,
+        attributes: dict[str, Any],
+    ) -> tuple[Identity, bool]:
         """The tenant's live conversation whose covered history this request extends
         (longest match), else a new id (``decide.new_conversation_id``)."""
         prefixes = Prefixes.of(body)
         found = None
         if prefixes is not None:
-            found, failure = await self.guard.call(state.store_budget, self.store.infer,
-                                                   identity.tenant, prefixes, now)
+            found, failure = await self.guard.call(
+                state.store_budget, self.store.infer, identity.tenant, prefixes, now
+            )
             if failure is not None:
                 attributes[sc.STORE_FAILURE.key] = failure
         if found is not None:
             return Identity(identity.tenant, found.conversation_id), True
-        return Identity(identity.tenant,
-                        decide.new_conversation_id(traceparent.split("-")[1])), False
+        return Identity(
+            identity.tenant, decide.new_conversation_id(traceparent.split("-")[1])
+        ), False
 
     # ------------------------------------------------------------------ store
 
-    async def _store(self, identity, state: TurnState, correlation, previous, params, digest,
-                     sent_wall, answered_wall) -> None:
+    async def _store(
+        self,
+        identity,
+        state: TurnState,
+        correlation,
+        previous,
+        params,
+        digest,
+        sent_wall,
+        answered_wall,
+    ) -> None:
         if params is None and state.stream:  # not in the stream: the params publisher
             wait = self.config.publisher_wait_s
             params, state.store_failure = await self.guard.call(
-                state.store_budget, self.publisher.fetch, state.request_id, wait,
-                extra_s=wait)
+                state.store_budget, self.publisher.fetch, state.request_id, wait, extra_s=wait
+            )
             if params is not None:
                 state.source = sc.ParamsSource.PUBLISHED
         key = identity.store_key
@@ -285,36 +361,57 @@ class Turns:
         expires_at = None
         if params is not None:
             params = decide.stored_params(
-                params, state.decode_host if config.rewrite_remote_host else None)
+                params, state.decode_host if config.rewrite_remote_host else None
+            )
             found = decide.decode_expiry(params, config.decode_kv_ttl_s)
             wall = None
             if found is not None:
                 expiry_d, ttl = found
                 self.metrics.decode_ttl.set(ttl)
-                wall = answered_wall if config.fixed_entry_lifetime_s is not None else \
-                    self.clock.expiry_wall(str(params.get("remote_engine_id")), expiry_d,
-                                           ttl, sent_wall, answered_wall)
+                wall = (
+                    answered_wall
+                    if config.fixed_entry_lifetime_s is not None
+                    else self.clock.expiry_wall(
+                        str(params.get("remote_engine_id")), expiry_d, ttl, sent_wall, answered_wall
+                    )
+                )
             expires_at = decide.entry_expiry(
-                answered_wall, wall, margin_s=config.expiry_margin_s,
+                answered_wall,
+                wall,
+                margin_s=config.expiry_margin_s,
                 max_lifetime_s=config.max_entry_lifetime_s,
-                fixed_lifetime_s=config.fixed_entry_lifetime_s)
+                fixed_lifetime_s=config.fixed_entry_lifetime_s,
+            )
         usable = params is not None and expires_at is not None and digest is not None
         action = decide.store_action(usable, previous)
         indexed = config.infer_conversations
         _, failure = await self.guard.call(
-            state.store_budget, self.store.finish_turn, key, state.turn, time.time(),
-            params if usable else None, expires_at if usable else None,
-            digest if usable else None, identity.tenant if indexed else None,
-            identity.conversation_id if indexed else None)
+            state.store_budget,
+            self.store.finish_turn,
+            key,
+            state.turn,
+            time.time(),
+            params if usable else None,
+            expires_at if usable else None,
+            digest if usable else None,
+            identity.tenant if indexed else None,
+            identity.conversation_id if indexed else None,
+        )
         if failure is not None:
             action = "skipped"
         self.metrics.stores.labels(action, state.source.value).inc()
-        emit(self.tracer, sc.SPAN_PROXY_STORE,
-             _with_turn(correlation, state.conversation_id, state.turn),
-             {sc.STORE_ACTION.key: action, sc.PARAMS_SOURCE.key: state.source,
-              sc.STORE_EXPIRES_AT.key: expires_at if usable else None,
-              sc.STORE_FAILURE.key: failure or state.store_failure},
-             start_ns=start_ns)
+        emit(
+            self.tracer,
+            sc.SPAN_PROXY_STORE,
+            _with_turn(correlation, state.conversation_id, state.turn),
+            {
+                sc.STORE_ACTION.key: action,
+                sc.PARAMS_SOURCE.key: state.source,
+                sc.STORE_EXPIRES_AT.key: expires_at if usable else None,
+                sc.STORE_FAILURE.key: failure or state.store_failure,
+            },
+            start_ns=start_ns,
+        )
 
     # ------------------------------------------------------------------ endings
 
@@ -336,15 +433,19 @@ class Turns:
     def _upstream_failure(self, error: UpstreamError, state: TurnState) -> web.Response:
         state.error = error.error
         self.metrics.upstream_errors.labels(error.role, error.kind).inc()
-        passthrough, status = decide.upstream_answer(error.kind, error.status,
-                                                     bool(error.body))
+        passthrough, status = decide.upstream_answer(error.kind, error.status, bool(error.body))
         cause = f"answered {error.status}" if error.kind == "http-error" else error.kind
-        log(_LOG, logging.INFO if passthrough else logging.WARNING,
-            "engine failed a turn", role=error.role, cause=cause, status=status,
-            request_id=state.request_id)
+        log(
+            _LOG,
+            logging.INFO if passthrough else logging.WARNING,
+            "engine failed a turn",
+            role=error.role,
+            cause=cause,
+            status=status,
+            request_id=state.request_id,
+        )
         if passthrough:  # the engine refused the client's request: its answer as it is
-            return web.Response(body=error.body, status=status,
-                                content_type="application/json")
+            return web.Response(body=error.body, status=status, content_type="application/json")
         return json_error(status, f"{error.role} engine {error.kind}", "upstream_error")
 
     def _end_turn(self, span: trace.Span, state: TurnState, correlation: Correlation) -> None:
@@ -354,40 +455,50 @@ class Turns:
         if state.error is None and state.d_answered is not None:
             # The turn's trace id as exemplar: a dashboard point opens the turn's trace.
             context = span.get_span_context()
-            exemplar = ({sc.EXEMPLAR_TRACE_ID: trace.format_trace_id(context.trace_id)}
-                        if context.is_valid else None)
+            exemplar = (
+                {sc.EXEMPLAR_TRACE_ID: trace.format_trace_id(context.trace_id)}
+                if context.is_valid
+                else None
+            )
             if state.ttft_s is not None:
-                self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(
-                    state.ttft_s, exemplar)
+                self.metrics.ttft.labels(turn_bucket, prompt_bucket).observe(state.ttft_s, exemplar)
             self.metrics.latency.labels(turn_bucket, prompt_bucket).observe(
-                time.perf_counter() - state.start_perf, exemplar)
+                time.perf_counter() - state.start_perf, exemplar
+            )
             self.metrics.observe_phases(state, time.time())
         try:
             if span.is_recording():
-                span.set_attributes({**correlation.attributes(), **clean({
-                    sc.STREAM.key: state.stream,
-                    sc.TTFT.key: state.ttft_s,
-                    sc.PREFILL_TIME.key: state.prefill_s,
-                    sc.DECODE_TIME.key: state.decode_s,
-                    sc.LOOKUP_OUTCOME.key: state.outcome,
-                    sc.LOOKUP_MISS_REASON.key: state.miss_reason,
-                    sc.PARAMS_SENT.key: state.params_sent,
-                    sc.PARAMS_SOURCE.key: state.source,
-                    sc.PROMPT_TOKENS.key: state.prompt_tokens,
-                    sc.OUTPUT_TOKENS.key: state.output_tokens,
-                    sc.REQUEST_MODEL.key: state.model,
-                    sc.RESPONSE_ID.key: state.response_id,
-                    sc.REQUEST_ID.key: state.request_id,
-                    sc.ROLE.key: "proxy",
-                    sc.PROXY_ERROR.key: state.error,
-                    sc.FALLBACK_REASON.key: state.fallback,
-                    sc.PREFILL_SENT_AT.key: state.p_sent,
-                    sc.PREFILL_RETRY_SENT_AT.key: state.p_retry_sent,
-                    sc.PREFILL_ANSWERED_AT.key: state.p_answered,
-                    sc.DECODE_SENT_AT.key: state.d_sent,
-                    sc.DECODE_FIRST_OUTPUT_AT.key: state.d_first_output,
-                    sc.DECODE_ANSWERED_AT.key: state.d_answered,
-                })})
+                span.set_attributes(
+                    {
+                        **correlation.attributes(),
+                        **clean(
+                            {
+                                sc.STREAM.key: state.stream,
+                                sc.TTFT.key: state.ttft_s,
+                                sc.PREFILL_TIME.key: state.prefill_s,
+                                sc.DECODE_TIME.key: state.decode_s,
+                                sc.LOOKUP_OUTCOME.key: state.outcome,
+                                sc.LOOKUP_MISS_REASON.key: state.miss_reason,
+                                sc.PARAMS_SENT.key: state.params_sent,
+                                sc.PARAMS_SOURCE.key: state.source,
+                                sc.PROMPT_TOKENS.key: state.prompt_tokens,
+                                sc.OUTPUT_TOKENS.key: state.output_tokens,
+                                sc.REQUEST_MODEL.key: state.model,
+                                sc.RESPONSE_ID.key: state.response_id,
+                                sc.REQUEST_ID.key: state.request_id,
+                                sc.ROLE.key: "proxy",
+                                sc.PROXY_ERROR.key: state.error,
+                                sc.FALLBACK_REASON.key: state.fallback,
+                                sc.PREFILL_SENT_AT.key: state.p_sent,
+                                sc.PREFILL_RETRY_SENT_AT.key: state.p_retry_sent,
+                                sc.PREFILL_ANSWERED_AT.key: state.p_answered,
+                                sc.DECODE_SENT_AT.key: state.d_sent,
+                                sc.DECODE_FIRST_OUTPUT_AT.key: state.d_first_output,
+                                sc.DECODE_ANSWERED_AT.key: state.d_answered,
+                            }
+                        ),
+                    }
+                )
                 if state.error is not None:
                     span.set_status(trace.Status(trace.StatusCode.ERROR))
             span.end()

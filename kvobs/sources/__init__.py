@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import SPAN_COLUMNS, empty_spans
 
-__all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS",
-           "empty_spans"]
+__all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS", "empty_spans"]
 
 
 class SpanSource(Protocol):
@@ -53,14 +52,16 @@ class SpanSource(Protocol):
 
 CLICKHOUSE_SCHEMES = ("clickhouse://", "clickhouses://", "chdb:")
 TRACE_API_SCHEMES = ("tempo+http://", "tempo+https://", "jaeger+http://", "jaeger+https://")
-SOURCE_HELP = ("Span source: a kvobs store directory; span file(s) or a directory of them "
-               "(OTLP JSON lines or document, OTLP protobuf, the Collector file exporter's "
-               "output, Tempo or Jaeger trace JSON; gzip/zstd; the format read from the "
-               "content); clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces]; "
-               "chdb:PATH[?table=T]; tempo+http://[USER:PASSWORD@]HOST:3200"
-               "[?trace=ID|since=1h&q=TRACEQL][&tenant=T][&timeout=60]; "
-               "jaeger+http://[USER:PASSWORD@]HOST:16686[?trace=ID|since=1h&service=S] "
-               "(docs/sources.md).")
+SOURCE_HELP = (
+    "Span source: a kvobs store directory; span file(s) or a directory of them "
+    "(OTLP JSON lines or document, OTLP protobuf, the Collector file exporter's "
+    "output, Tempo or Jaeger trace JSON; gzip/zstd; the format read from the "
+    "content); clickhouse://[USER:PASSWORD@]HOST:8123/DB[?table=otel_traces]; "
+    "chdb:PATH[?table=T]; tempo+http://[USER:PASSWORD@]HOST:3200"
+    "[?trace=ID|since=1h&q=TRACEQL][&tenant=T][&timeout=60]; "
+    "jaeger+http://[USER:PASSWORD@]HOST:16686[?trace=ID|since=1h&service=S] "
+    "(docs/sources.md)."
+)
 
 
 def open_source(location: str) -> SpanSource:

@@ -26,12 +26,14 @@ Query = Callable[..., pa.Table]
 
 class Database(NamedTuple):
     """One ClickHouse: its ``Query``, an ``insert(table, arrow_rows)``, and where it is."""
+
     query: Query
     insert: Callable[[str, pa.Table], None]
     location: str
+
+
 # Statements that answer no rows: sent as commands, not queries.
-_COMMANDS = ("INSERT", "CREATE", "DROP", "ALTER", "TRUNCATE", "RENAME", "OPTIMIZE",
-             "SYSTEM")
+_COMMANDS = ("INSERT", "CREATE", "DROP", "ALTER", "TRUNCATE", "RENAME", "OPTIMIZE", "SYSTEM")
 _TIMEOUT_S = 300
 
 
@@ -40,16 +42,18 @@ class ClickHouseError(SourceError):
     (an input error for the commands: exit 2, never a traceback)."""
 
 
-def server_query(host: str, port: int, database: str, user: str | None, password: str,
-                 secure: bool) -> Query:
+def server_query(
+    host: str, port: int, database: str, user: str | None, password: str, secure: bool
+) -> Query:
     """A ``Query`` over ClickHouse's HTTP interface. It connects on its first statement
     (clickhouse-connect asks the server's version and settings then): an unreachable
     server or a refused login raises ``ClickHouseError`` there."""
     return _server(host, port, database, user, password, secure).query
 
 
-def _server(host: str, port: int, database: str, user: str | None, password: str,
-            secure: bool) -> Database:
+def _server(
+    host: str, port: int, database: str, user: str | None, password: str, secure: bool
+) -> Database:
     import clickhouse_connect
     from clickhouse_connect.driver.exceptions import ClickHouseError as DriverError
 
@@ -57,14 +61,24 @@ def _server(host: str, port: int, database: str, user: str | None, password: str
 
     def client():
         if not clients:
-            clients.append(clickhouse_connect.get_client(
-                host=host, port=port, database=database, username=user or "default",
-                password=password or "", secure=secure, connect_timeout=10,
-                send_receive_timeout=_TIMEOUT_S, autogenerate_session_id=False))
+            clients.append(
+                clickhouse_connect.get_client(
+                    host=host,
+                    port=port,
+                    database=database,
+                    username=user or "default",
+                    password=password or "",
+                    secure=secure,
+                    connect_timeout=10,
+                    send_receive_timeout=_TIMEOUT_S,
+                    autogenerate_session_id=False,
+                )
+            )
         return clients[0]
 
-    def query(sql: str, parameters: Optional[Mapping[str, Any]] = None,
-              large: bool = False) -> pa.Table:
+    def query(
+        sql: str, parameters: Optional[Mapping[str, Any]] = None, large: bool = False
+    ) -> pa.Table:
         try:
             if sql.lstrip().upper().startswith(_COMMANDS):
                 client().command(sql, parameters=parameters)
@@ -96,8 +110,9 @@ def _embedded(path: str) -> Database:
     # view's 1.35M rows came back in 1.7-1.8 s instead of 2.3-2.8 (4.3-4.9 CPU-s -> 2.7).
     db.query("SET output_format_arrow_compression_method = 'none'")
 
-    def query(sql: str, parameters: Optional[Mapping[str, Any]] = None,
-              large: bool = False) -> pa.Table:
+    def query(
+        sql: str, parameters: Optional[Mapping[str, Any]] = None, large: bool = False
+    ) -> pa.Table:
         params = {name: _escaped(value) for name, value in (parameters or {}).items()}
         if large:
             table = _mapped_result(db, sql, params)
@@ -129,8 +144,10 @@ def _embedded(path: str) -> Database:
             staged = os.path.join(directory, "rows.parquet")
             pq.write_table(rows, staged)
             columns = ", ".join(f"`{name}`" for name in rows.column_names)
-            query(f"INSERT INTO {table} ({columns}) SELECT {columns} "
-                  f"FROM file({quote(staged)}, Parquet)")
+            query(
+                f"INSERT INTO {table} ({columns}) SELECT {columns} "
+                f"FROM file({quote(staged)}, Parquet)"
+            )
 
     return Database(query, insert, f"chdb:{path}")
 
@@ -160,8 +177,9 @@ def _mapped_result(db, sql: str, params: Mapping[str, str]) -> pa.Table | None:
     except OSError:
         return None
     try:
-        db.query(f"{sql} INTO OUTFILE {quote(path)} TRUNCATE FORMAT Arrow {_LARGE_BLOCKS}",
-                 params=params)
+        db.query(
+            f"{sql} INTO OUTFILE {quote(path)} TRUNCATE FORMAT Arrow {_LARGE_BLOCKS}", params=params
+        )
         return pa.ipc.open_file(pa.memory_map(path)).read_all()
     except Exception:  # noqa: BLE001 - chdb raises a bare RuntimeError; memory decides
         return None
@@ -169,8 +187,9 @@ def _mapped_result(db, sql: str, params: Mapping[str, str]) -> pa.Table | None:
         os.unlink(path)
 
 
-_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r",
-                          "\0": "\\0", "\b": "\\b", "\f": "\\f"})
+_ESCAPES = str.maketrans(
+    {"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r", "\0": "\\0", "\b": "\\b", "\f": "\\f"}
+)
 
 
 def _escaped(value: Any) -> str:
@@ -194,13 +213,12 @@ def connect(url: str, create: bool = False) -> tuple[Database, dict[str, str]]:
     parsed = urllib.parse.urlparse(url)
     options = {key: values[0] for key, values in urllib.parse.parse_qs(parsed.query).items()}
     if parsed.scheme == "chdb":
-        path = parsed.path or url[len("chdb:"):].split("?")[0]
+        path = parsed.path or url[len("chdb:") :].split("?")[0]
         if create:
             os.makedirs(path, exist_ok=True)
         elif not os.path.isdir(path):
             what = "is not a directory" if os.path.exists(path) else "does not exist"
-            raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database "
-                              "directory)")
+            raise SourceError(f"chdb:{path}: {what} (an embedded ClickHouse database directory)")
         return _embedded(path), options
     secure = parsed.scheme == "clickhouses"
     try:
@@ -210,7 +228,7 @@ def connect(url: str, create: bool = False) -> tuple[Database, dict[str, str]]:
     if not parsed.hostname:
         raise SourceError(f"{url}: no host")
     user = urllib.parse.unquote(parsed.username or "") or os.environ.get(ENV_USER)
-    password = (urllib.parse.unquote(parsed.password or "")
-                or os.environ.get(ENV_PASSWORD, ""))
-    return _server(parsed.hostname, port, parsed.path.strip("/") or "default", user,
-                   password, secure), options
+    password = urllib.parse.unquote(parsed.password or "") or os.environ.get(ENV_PASSWORD, "")
+    return _server(
+        parsed.hostname, port, parsed.path.strip("/") or "default", user, password, secure
+    ), options

@@ -45,8 +45,17 @@ PARTITION BY toDate(Timestamp)
 ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
 """
 # The columns kvobs reads besides the attributes (``span_column``).
-SPAN_TABLE_COLUMNS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "SpanName",
-                      "ServiceName", "Duration", "StatusCode", "SpanAttributes")
+SPAN_TABLE_COLUMNS = (
+    "Timestamp",
+    "TraceId",
+    "SpanId",
+    "ParentSpanId",
+    "SpanName",
+    "ServiceName",
+    "Duration",
+    "StatusCode",
+    "SpanAttributes",
+)
 
 
 def quote(value: str) -> str:
@@ -83,16 +92,24 @@ class AttributeDialect(NamedTuple):
             number = f"toFloat64OrNull({raw})"
             return f"if(isFinite({number}), {number}, NULL)"
         if type_ == "bool":
-            return (f"multiIf({raw} IN ('true', 'True', '1'), true, "
-                    f"{raw} IN ('false', 'False', '0'), false, NULL)")
+            return (
+                f"multiIf({raw} IN ('true', 'True', '1'), true, "
+                f"{raw} IN ('false', 'False', '0'), false, NULL)"
+            )
         return f"nullIf({raw}, '')"
 
     def span_column(self, column: str) -> str:
         """SQL for a span-table column."""
-        base = {"trace_id": "TraceId", "span_id": "SpanId",
-                "parent_span_id": "nullIf(ParentSpanId, '')", "name": "SpanName",
-                "service": "ServiceName", "start_ns": _START, "end_ns": _END,
-                "error": f"StatusCode IN ({', '.join(map(quote, ERROR_STATUS))})"}
+        base = {
+            "trace_id": "TraceId",
+            "span_id": "SpanId",
+            "parent_span_id": "nullIf(ParentSpanId, '')",
+            "name": "SpanName",
+            "service": "ServiceName",
+            "start_ns": _START,
+            "end_ns": _END,
+            "error": f"StatusCode IN ({', '.join(map(quote, ERROR_STATUS))})",
+        }
         if column in base:
             return base[column]
         return self.typed(column, sc.ATTRIBUTES[column].type)
@@ -106,12 +123,14 @@ class AttributeDialect(NamedTuple):
 
     def ddl(self, table: str) -> str:
         """The exporter's span table in this dialect (abridged)."""
-        return _OTEL_TRACES_DDL.format(table=table, attributes=self.column_type,
-                                       indexes=self.indexes)
+        return _OTEL_TRACES_DDL.format(
+            table=table, attributes=self.column_type, indexes=self.indexes
+        )
 
 
 MAP = AttributeDialect(
-    "map", "Map(LowCardinality(String), String)",
+    "map",
+    "Map(LowCardinality(String), String)",
     # Same value as SpanAttributes[key] ('' when absent), ~25% less CPU: the key is
     # looked up in the LowCardinality key array instead of through the map.
     "SpanAttributes.values[indexOf(SpanAttributes.keys, {key})]",
@@ -121,13 +140,17 @@ MAP = AttributeDialect(
     "    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) "
     "GRANULARITY 1,\n"
     "    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) "
-    "GRANULARITY 1")
+    "GRANULARITY 1",
+)
 JSON = AttributeDialect(
-    "json", "JSON",
+    "json",
+    "JSON",
     # A Dynamic value (Int64, Float64, Bool, String; a date-like string inferred as Date
     # or DateTime at insert) as text; toString gives '' for an absent path.
     "toString(getSubcolumn(SpanAttributes, {key}))",
-    "", "")
+    "",
+    "",
+)
 DIALECTS = {dialect.name: dialect for dialect in (MAP, JSON)}
 
 
@@ -146,8 +169,12 @@ def dialect_of(column_type: str) -> AttributeDialect | None:
 
 
 # Semconv type -> ClickHouse type of a turn value (NULL when the span lacks it).
-NULLABLE = {"int": "Nullable(Int64)", "float": "Nullable(Float64)",
-             "bool": "Nullable(Bool)", "str": "Nullable(String)"}
+NULLABLE = {
+    "int": "Nullable(Int64)",
+    "float": "Nullable(Float64)",
+    "bool": "Nullable(Bool)",
+    "str": "Nullable(String)",
+}
 
 
 def fleet_span_names() -> list[str]:

@@ -61,9 +61,13 @@ def documents(path: str, problems: list[str]) -> Iterator[tuple[str, object]]:
     yield from _contents(data, path, problems, depth=0)
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR,
-          "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR,
-          "a directory"))
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def is_regular(path: str, problems: list[str] | None = None) -> bool:
@@ -116,8 +120,9 @@ def bounded_problems(problems: list[str], where: str) -> Iterator[list[str]]:
             problems.append(f"{where}: {local.dropped} more problem(s) not listed")
 
 
-def _contents(data: bytes, path: str, problems: list[str], depth: int
-              ) -> Iterator[tuple[str, object]]:
+def _contents(
+    data: bytes, path: str, problems: list[str], depth: int
+) -> Iterator[tuple[str, object]]:
     if data[:2] == GZIP_MAGIC or data[:4] == ZSTD_MAGIC:
         if depth:  # compressed twice: not what any exporter writes (a zip bomb, maybe)
             problems.append(f"{path}: skipped (compressed twice)")
@@ -153,14 +158,14 @@ def _contents(data: bytes, path: str, problems: list[str], depth: int
 def _after_nuls(data: bytes) -> bytes:
     """The start of ``data`` after its leading NULs and whitespace (a few bytes)."""
     end = _nuls_end(data, 0)
-    return data[end:end + 64].lstrip()
+    return data[end : end + 64].lstrip()
 
 
 def _nuls_end(data: bytes, offset: int) -> int:
     """Where the run of NULs at ``offset`` ends: compared a chunk at a time (memcmp), at
     memory speed (a regular expression scanned ~50 MB/s)."""
     while True:
-        piece = data[offset:offset + _CHUNK]
+        piece = data[offset : offset + _CHUNK]
         if len(piece) == _CHUNK and piece == _ZEROS:
             offset += _CHUNK
             continue
@@ -196,20 +201,23 @@ def _decompressed(data: bytes, path: str, problems: list[str]) -> bytes:
     else:
         import zstandard
 
-        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data),
-                                                            read_across_frames=True)
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            io.BytesIO(data), read_across_frames=True
+        )
         try:
             while len(out) <= limit and (chunk := reader.read(_CHUNK)):
                 out.write(chunk)
         except zstandard.ZstdError as error:
-            problems.append(f"{path}: corrupt or truncated zstd data ({error}); read what "
-                            "precedes")
+            problems.append(f"{path}: corrupt or truncated zstd data ({error}); read what precedes")
     if len(out) > limit:
-        problems.append(f"{path}: decompresses to more than {limit} bytes; read what "
-                        "precedes (a decompression bomb, or a file to split)")
+        problems.append(
+            f"{path}: decompresses to more than {limit} bytes; read what "
+            "precedes (a decompression bomb, or a file to split)"
+        )
     if out.dropped:
-        problems.append(f"{path}: skipped {out.dropped} NUL byte(s) while decompressing "
-                        "(whole MiB of them)")
+        problems.append(
+            f"{path}: skipped {out.dropped} NUL byte(s) while decompressing (whole MiB of them)"
+        )
     return out.getvalue()[:limit]
 
 
@@ -224,8 +232,12 @@ class _Output(io.BytesIO):
         self.dropped = 0
 
     def write(self, chunk) -> int:  # type: ignore[override]
-        if (len(chunk) == _CHUNK and chunk == _ZEROS and self.tell() >= _PREFIX
-                and self.getbuffer()[-_PREFIX:] == _ZEROS[:_PREFIX]):
+        if (
+            len(chunk) == _CHUNK
+            and chunk == _ZEROS
+            and self.tell() >= _PREFIX
+            and self.getbuffer()[-_PREFIX:] == _ZEROS[:_PREFIX]
+        ):
             self.dropped += len(chunk)
             return len(chunk)
         return super().write(chunk)
@@ -238,8 +250,9 @@ def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, ob
     if b"\x00" in data:  # never in JSON (a string escapes it): damage, dropped whole
         nuls = data.count(b"\x00")
         data = data.translate(None, b"\x00")  # 25x faster than replace()
-        problems.append(f"{path}: skipped {nuls} NUL byte(s) (blocks never written, or "
-                        "a preallocated file)")
+        problems.append(
+            f"{path}: skipped {nuls} NUL byte(s) (blocks never written, or a preallocated file)"
+        )
     text = data.decode("utf-8", errors="replace")
     # "\n" only: str.splitlines() also breaks at U+0085, U+2028, U+2029 (and \x0b, \x0c,
     # \x1c-\x1e), which a JSON string may hold raw (older kvobs writers, orjson): that cut
@@ -265,8 +278,7 @@ def _json(data: bytes, path: str, problems: list[str]) -> Iterator[tuple[str, ob
             found.append((f"{path}:{number}", json.loads(line)))
         except (ValueError, RecursionError) as error:
             found.append((f"{path}:{number}", error))
-    if not as_lines and len(found) > 1 and not any(isinstance(d, (dict, list))
-                                                   for _, d in found):
+    if not as_lines and len(found) > 1 and not any(isinstance(d, (dict, list)) for _, d in found):
         # not one line is a document: a damaged document, said once, not line by line
         problems.append(f"{path}: skipped corrupt JSON document ({short(whole)})")
         return
@@ -281,7 +293,7 @@ def _size(data: bytes, offset: int) -> int | None:
     """The message size at ``offset``, or None when no size fits the data there."""
     if len(data) - offset < _PREFIX:
         return None
-    size = int.from_bytes(data[offset:offset + _PREFIX], "big")
+    size = int.from_bytes(data[offset : offset + _PREFIX], "big")
     return size if offset + _PREFIX + size <= len(data) else None
 
 
@@ -298,14 +310,14 @@ def _chains(data: bytes, start: int) -> bool:
     for _ in range(_RESYNC_FRAMES):
         size = _size(data, offset)
         # no size fits, or an empty message (a NUL run), or bytes no message starts with
-        if not size or data[offset + _PREFIX:offset + _PREFIX + 1] not in _MESSAGE_STARTS:
+        if not size or data[offset + _PREFIX : offset + _PREFIX + 1] not in _MESSAGE_STARTS:
             return False
         offset += _PREFIX + size
         if offset == len(data) or _size(data, offset) == 0:  # the end, or a NUL run
             break
     # and it reads as a message: a chain can land inside a later NUL run by chance
     size = _size(data, start)
-    return _message(data[start + _PREFIX:start + _PREFIX + size], "", []) is not None
+    return _message(data[start + _PREFIX : start + _PREFIX + size], "", []) is not None
 
 
 def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
@@ -319,23 +331,27 @@ def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
         if size == 0:
             end = _nuls_end(data, offset)
             # The next message's size may begin with NULs of the run.
-            resume = next((at for at in range(max(end - _PREFIX + 1, offset), end)
-                           if _chains(data, at)), end)
+            resume = next(
+                (at for at in range(max(end - _PREFIX + 1, offset), end) if _chains(data, at)), end
+            )
             nuls, runs, offset = nuls + resume - offset, runs + 1, resume
             continue
         if size is None:
             if not frames and not runs:
                 return None
-            problems.append(f"{path}:#{len(frames) + 1}: truncated message "
-                            f"at byte {offset}; read what precedes")
+            problems.append(
+                f"{path}:#{len(frames) + 1}: truncated message at byte {offset}; read what precedes"
+            )
             break
-        frames.append(data[offset + _PREFIX:offset + _PREFIX + size])
+        frames.append(data[offset + _PREFIX : offset + _PREFIX + size])
         offset += _PREFIX + size
     if runs and not frames and offset < len(data):
         return None  # NULs, then no message: maybe text (``_contents``)
     if runs:
-        problems.append(f"{path}: skipped {nuls} NUL byte(s) in {runs} run(s) (blocks "
-                        "never written, or a preallocated file)")
+        problems.append(
+            f"{path}: skipped {nuls} NUL byte(s) in {runs} run(s) (blocks "
+            "never written, or a preallocated file)"
+        )
     return frames
 
 
@@ -367,8 +383,9 @@ def _proto(payload: bytes, where: str, problems: list[str]) -> dict | None:
     try:
         message.ParseFromString(payload)
     except (DecodeError, RecursionError, ValueError) as error:
-        problems.append(f"{where}: skipped (neither JSON, OTLP protobuf, gzip nor zstd: "
-                        f"{short(error)})")
+        problems.append(
+            f"{where}: skipped (neither JSON, OTLP protobuf, gzip nor zstd: {short(error)})"
+        )
         return None
     if not message.resource_spans:
         problems.append(f"{where}: skipped (no spans: not an OTLP traces message)")

@@ -21,22 +21,44 @@ from kvobs.sources._rows import INT64_MAX, UNUSABLE, coerced
 if TYPE_CHECKING:
     import pandas as pd
 
-SPAN_COLUMNS = ("trace_id", "span_id", "parent_span_id", "name", "service",
-                "start_ns", "end_ns", "error")
+SPAN_COLUMNS = (
+    "trace_id",
+    "span_id",
+    "parent_span_id",
+    "name",
+    "service",
+    "start_ns",
+    "end_ns",
+    "error",
+)
 KIND_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "str": "string"}
 ATTRIBUTE_DTYPES = {a.key: KIND_DTYPES[a.type] for a in sc.ATTRIBUTES.values()}
-BASE_DTYPES = {"trace_id": "string", "span_id": "string", "parent_span_id": "string",
-               "name": "string", "service": "string", "start_ns": "Int64", "end_ns": "Int64",
-               "error": "boolean"}
+BASE_DTYPES = {
+    "trace_id": "string",
+    "span_id": "string",
+    "parent_span_id": "string",
+    "name": "string",
+    "service": "string",
+    "start_ns": "Int64",
+    "end_ns": "Int64",
+    "error": "boolean",
+}
 ALL_DTYPES = {**BASE_DTYPES, **ATTRIBUTE_DTYPES}
 # What each dtype is in Arrow (pandas' own mapping, without building a frame to ask it):
 # keyed by dtype, strings large, unlike the turn table's kvobs.turns.correlate.ARROW_TYPES.
-DTYPE_ARROW_TYPES = {"string": pa.large_string(), "Int64": pa.int64(),
-                     "Float64": pa.float64(), "boolean": pa.bool_()}
-SPAN_SCHEMA = pa.schema([(column, DTYPE_ARROW_TYPES[dtype])
-                         for column, dtype in ALL_DTYPES.items()])
-_KINDS = {column: next(kind for kind, d in KIND_DTYPES.items() if d == dtype)
-          for column, dtype in ALL_DTYPES.items()}
+DTYPE_ARROW_TYPES = {
+    "string": pa.large_string(),
+    "Int64": pa.int64(),
+    "Float64": pa.float64(),
+    "boolean": pa.bool_(),
+}
+SPAN_SCHEMA = pa.schema(
+    [(column, DTYPE_ARROW_TYPES[dtype]) for column, dtype in ALL_DTYPES.items()]
+)
+_KINDS = {
+    column: next(kind for kind, d in KIND_DTYPES.items() if d == dtype)
+    for column, dtype in ALL_DTYPES.items()
+}
 _NUMPY_KINDS = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _PYTHON_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -65,12 +87,15 @@ def table_from_rows(rows: Iterable[dict]) -> pa.Table:
             if slot is not None and value is not None:
                 slot[0].append(index)
                 slot[1].append(value)
-    usable = {column: _usable(at, values, _KINDS[column])
-              for column, (at, values) in found.items()}
+    usable = {column: _usable(at, values, _KINDS[column]) for column, (at, values) in found.items()}
     _name_anonymous(usable)
-    return pa.Table.from_arrays([_column(*usable[column], _KINDS[column], count)
-                                 .cast(SPAN_SCHEMA.field(column).type)
-                                 for column in ALL_DTYPES], schema=SPAN_SCHEMA)
+    return pa.Table.from_arrays(
+        [
+            _column(*usable[column], _KINDS[column], count).cast(SPAN_SCHEMA.field(column).type)
+            for column in ALL_DTYPES
+        ],
+        schema=SPAN_SCHEMA,
+    )
 
 
 def conformed(table: pa.Table, schema: pa.Schema = SPAN_SCHEMA) -> pa.Table:
@@ -79,9 +104,15 @@ def conformed(table: pa.Table, schema: pa.Schema = SPAN_SCHEMA) -> pa.Table:
     column cast to its type, a column it lacks all null, others dropped. The typing
     ``table_from_rows`` gives span files, for every other reader."""
     names = set(table.column_names)  # built anew at each call: 0.2 ms for 87 columns
-    return pa.table([table.column(field.name).cast(field.type) if field.name in names
-                     else pa.nulls(table.num_rows, field.type) for field in schema],
-                    schema=schema)
+    return pa.table(
+        [
+            table.column(field.name).cast(field.type)
+            if field.name in names
+            else pa.nulls(table.num_rows, field.type)
+            for field in schema
+        ],
+        schema=schema,
+    )
 
 
 def _usable(at: list[int], values: list, kind: str) -> tuple[list[int], list]:
@@ -135,8 +166,11 @@ def _name_anonymous(usable: dict[str, tuple[list[int], list]]) -> None:
     if not turns:
         return
     tagged = set(usable[cid][0])
-    named = [(row, sc.ANONYMOUS_PREFIX + trace) for row, trace in zip(*usable["trace_id"])
-             if row in turns and row not in tagged]
+    named = [
+        (row, sc.ANONYMOUS_PREFIX + trace)
+        for row, trace in zip(*usable["trace_id"])
+        if row in turns and row not in tagged
+    ]
     if named:
         merged = sorted([*zip(*usable[cid]), *named])
         usable[cid] = ([row for row, _ in merged], [value for _, value in merged])
@@ -148,12 +182,16 @@ def frame_from_table(table: pa.Table) -> pd.DataFrame:
 
     # Straight to the span table's dtypes: through pd.ArrowDtype and astype, column by
     # column, it cost ~20 ms of a one-conversation read (~130 columns); 4 ms this way.
-    dtypes = {arrow: pd.api.types.pandas_dtype(dtype)
-              for dtype, arrow in DTYPE_ARROW_TYPES.items()}
+    dtypes = {arrow: pd.api.types.pandas_dtype(dtype) for dtype, arrow in DTYPE_ARROW_TYPES.items()}
     dtypes[pa.string()] = dtypes[pa.large_string()]
     frame = table.to_pandas(types_mapper=lambda arrow: dtypes.get(arrow, pd.ArrowDtype(arrow)))
-    return frame.astype({column: ALL_DTYPES[column] for column in frame.columns
-                         if column in ALL_DTYPES and frame[column].dtype != ALL_DTYPES[column]})
+    return frame.astype(
+        {
+            column: ALL_DTYPES[column]
+            for column in frame.columns
+            if column in ALL_DTYPES and frame[column].dtype != ALL_DTYPES[column]
+        }
+    )
 
 
 def repeated_spans(trace_ids, span_ids) -> np.ndarray:
@@ -161,9 +199,10 @@ def repeated_spans(trace_ids, span_ids) -> np.ndarray:
     delivered twice (an exporter's retry, a copied file) would otherwise count twice
     (recomputed tokens are summed per turn). Rows without span id are never repeats."""
     key = pc.binary_join_element_wise(
-        pc.fill_null(pa.chunked_array(trace_ids).cast(pa.string()),
-                     arrays.scalar("", pa.string())),
-        pa.chunked_array(span_ids).cast(pa.string()), arrays.scalar("/", pa.string()))
+        pc.fill_null(pa.chunked_array(trace_ids).cast(pa.string()), arrays.scalar("", pa.string())),
+        pa.chunked_array(span_ids).cast(pa.string()),
+        arrays.scalar("/", pa.string()),
+    )
     codes = arrays.numbers(key.combine_chunks().dictionary_encode().indices, fill=-1)
     order = np.argsort(codes, kind="stable")
     ordered = codes[order]
@@ -178,8 +217,9 @@ def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
         return table
     repeated = repeated_spans(table.column("trace_id"), table.column("span_id"))
     if repeated.any():
-        problems.append(f"{int(repeated.sum())} duplicate span(s) (same trace and span "
-                        "id) read once")
+        problems.append(
+            f"{int(repeated.sum())} duplicate span(s) (same trace and span id) read once"
+        )
         return table.filter(arrays.array(~repeated))
     return table
 
@@ -189,6 +229,5 @@ def select_conversation(table: pa.Table, conversation_id: str) -> pa.Table:
     ids = table.column(sc.CONVERSATION_ID.key)
     tagged = arrays.equal(ids, conversation_id)
     traces = pc.unique(table.column("trace_id").filter(tagged)).drop_null()
-    in_trace = pc.and_(pc.is_in(table.column("trace_id"), value_set=traces),
-                       pc.is_null(ids))
+    in_trace = pc.and_(pc.is_in(table.column("trace_id"), value_set=traces), pc.is_null(ids))
     return table.filter(pc.or_(tagged, in_trace))

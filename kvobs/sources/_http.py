@@ -97,13 +97,17 @@ class _HttpsHandler(urllib.request.HTTPSHandler):
         self.deadline = deadline
 
     def https_open(self, req):
-        return self.do_open(_watched(http.client.HTTPSConnection, self.deadline), req,
-                            context=self._context)
+        return self.do_open(
+            _watched(http.client.HTTPSConnection, self.deadline), req, context=self._context
+        )
 
 
-def get(url: str, headers: dict[str, str] | None = None,
-        secret_headers: dict[str, str] | None = None,
-        total_s: float = TOTAL_TIMEOUT_S) -> Answer:
+def get(
+    url: str,
+    headers: dict[str, str] | None = None,
+    secret_headers: dict[str, str] | None = None,
+    total_s: float = TOTAL_TIMEOUT_S,
+) -> Answer:
     """GET ``url``, the whole answer within ``total_s`` seconds. An error status is an
     ``Answer`` too. ``secret_headers`` (credentials) are not sent on to a redirect's
     target. Raises ``TimeoutError`` when the total runs out, ``OSError`` (``URLError``)
@@ -118,8 +122,9 @@ def get(url: str, headers: dict[str, str] | None = None,
             with opener.open(request, timeout=deadline.left()) as response:
                 answer = Answer(response.status, response.reason, response.read())
         except urllib.error.HTTPError as error:
-            answer = Answer(error.code, str(error.reason),
-                            error.read(ERROR_TEXT_BYTES) if error.fp else b"")
+            answer = Answer(
+                error.code, str(error.reason), error.read(ERROR_TEXT_BYTES) if error.fp else b""
+            )
     except (OSError, http.client.HTTPException) as error:
         if deadline.expired:
             raise TimeoutError(f"no whole answer within {total_s:g} s") from error

@@ -58,8 +58,9 @@ def merge_parts(parts: list[pa.Table], columns: dict[str, pa.DataType]) -> pa.Ta
     return pa.table({name: out[name] for name in ordered})
 
 
-def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.DataType]
-                ) -> pa.Table | None:
+def align_parts(
+    keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.DataType]
+) -> pa.Table | None:
     """``keyed``'s rows (in its order) with the columns of ``parts`` (one row per
     (``HASH``, ``CHECK``), any order) lined up; None when a part has a turn ``keyed``
     lacks, or on a collision."""
@@ -96,5 +97,9 @@ def align_parts(keyed: pa.Table, parts: list[pa.Table], columns: dict[str, pa.Da
                 out[name] = part.column(name).take(index)
     for name, type_ in columns.items():
         out[name] = out[name].cast(type_) if name in out else pa.nulls(n, type_)
-    return pa.table({**{name: keyed.column(name) for name in KEY_COLUMNS}, **{
-        name: out[name] for name in columns}})
+    return pa.table(
+        {
+            **{name: keyed.column(name) for name in KEY_COLUMNS},
+            **{name: out[name] for name in columns},
+        }
+    )

@@ -22,8 +22,16 @@ _ERROR_STATUS = (2, "STATUS_CODE_ERROR")
 _TRACE_ID_BYTES, _SPAN_ID_BYTES = 16, 8
 INT64_MAX = 2**63 - 1
 _TYPES = {key: attribute.type for key, attribute in sc.ATTRIBUTES.items()}
-_TYPES.update(start_ns="int", end_ns="int", trace_id="str", span_id="str",
-              parent_span_id="str", name="str", service="str", error="bool")
+_TYPES.update(
+    start_ns="int",
+    end_ns="int",
+    trace_id="str",
+    span_id="str",
+    parent_span_id="str",
+    name="str",
+    service="str",
+    error="bool",
+)
 _NANOS_PER_MICRO = 1000
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
@@ -42,8 +50,10 @@ def rows(where: str, document: object, problems: list[str]) -> list[dict]:
     for row in found:
         bad = coerce(row)
         if bad:
-            problems.append(f"{where}: span {row.get('span_id')}: {', '.join(bad)} out of "
-                            "range or ill-typed, read as null")
+            problems.append(
+                f"{where}: span {row.get('span_id')}: {', '.join(bad)} out of "
+                "range or ill-typed, read as null"
+            )
     return found
 
 
@@ -92,6 +102,7 @@ def _document_rows(document: object, skipped: list[str]) -> Iterator[dict]:
 
 # ---------------------------------------------------------------------- OTLP
 
+
 def _value(any_value: dict):
     for key in _VALUE_KEYS:
         if key in any_value:
@@ -102,8 +113,13 @@ def _value(any_value: dict):
 def _attributes(items) -> dict:
     """Key -> value; an item without a string key is no known attribute: dropped, as
     unknown attributes are."""
-    return renamed({item["key"]: _value(item.get("value") or {}) for item in items or ()
-                    if isinstance(item, dict) and isinstance(item.get("key"), str)})
+    return renamed(
+        {
+            item["key"]: _value(item.get("value") or {})
+            for item in items or ()
+            if isinstance(item, dict) and isinstance(item.get("key"), str)
+        }
+    )
 
 
 def renamed(attributes: dict) -> dict:
@@ -124,8 +140,11 @@ def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dic
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
         # the process's role (kvobs.role), whatever its service name
         context = (resource.get("service.name"), resource.get(sc.ROLE.key))
-        scopes = (resource_spans.get("scopeSpans")
-                  or resource_spans.get("instrumentationLibrarySpans") or ())  # OTLP < 0.19
+        scopes = (
+            resource_spans.get("scopeSpans")
+            or resource_spans.get("instrumentationLibrarySpans")
+            or ()
+        )  # OTLP < 0.19
         for scope_spans in scopes:
             for span in scope_spans.get("spans") or ():
                 yield from _one(_otlp_span, span, context, skipped)
@@ -144,17 +163,23 @@ def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
 
 def _otlp_span(span: dict, context: tuple) -> dict:
     service, role = context
-    row = {key: value for key, value in _attributes(span.get("attributes")).items()
-           if key in sc.ATTRIBUTES}
+    row = {
+        key: value
+        for key, value in _attributes(span.get("attributes")).items()
+        if key in sc.ATTRIBUTES
+    }
     if role is not None:
         row.setdefault(sc.ROLE.key, role)
     row.update(
         trace_id=hex_id(span.get("traceId"), _TRACE_ID_BYTES),
         span_id=hex_id(span.get("spanId"), _SPAN_ID_BYTES),
         parent_span_id=hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None,
-        name=span.get("name"), service=service,
-        start_ns=span.get("startTimeUnixNano"), end_ns=span.get("endTimeUnixNano"),
-        error=(span.get("status") or {}).get("code") in _ERROR_STATUS)
+        name=span.get("name"),
+        service=service,
+        start_ns=span.get("startTimeUnixNano"),
+        end_ns=span.get("endTimeUnixNano"),
+        error=(span.get("status") or {}).get("code") in _ERROR_STATUS,
+    )
     return row
 
 
@@ -183,6 +208,7 @@ def _is_hex(value: str) -> bool:
 
 # ---------------------------------------------------------------------- Jaeger
 
+
 def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
     processes = trace.get("processes") or {}
     for span in trace.get("spans") or ():
@@ -192,23 +218,37 @@ def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
 def _jaeger_span(span: dict, processes: dict) -> dict:
     tags = renamed({tag["key"]: tag.get("value") for tag in span.get("tags") or ()})
     process = processes.get(span.get("processID")) or span.get("process") or {}
-    parent = next((ref.get("spanID") for ref in span.get("references") or ()
-                   if ref.get("refType") == "CHILD_OF"), None)
+    parent = next(
+        (
+            ref.get("spanID")
+            for ref in span.get("references") or ()
+            if ref.get("refType") == "CHILD_OF"
+        ),
+        None,
+    )
     start = _scaled(span.get("startTime"), _NANOS_PER_MICRO)
     duration = _scaled(span.get("duration"), _NANOS_PER_MICRO)
     row = {key: value for key, value in tags.items() if key in sc.ATTRIBUTES}
-    role = next((tag.get("value") for tag in process.get("tags") or ()
-                 if isinstance(tag, dict) and tag.get("key") == sc.ROLE.key), None)
+    role = next(
+        (
+            tag.get("value")
+            for tag in process.get("tags") or ()
+            if isinstance(tag, dict) and tag.get("key") == sc.ROLE.key
+        ),
+        None,
+    )
     if role is not None:  # the resource's kvobs.role: a process tag in Jaeger
         row.setdefault(sc.ROLE.key, role)
     row.update(
         trace_id=hex_id(span.get("traceID"), _TRACE_ID_BYTES),
         span_id=hex_id(span.get("spanID"), _SPAN_ID_BYTES),
         parent_span_id=hex_id(parent, _SPAN_ID_BYTES) or None,
-        name=span.get("operationName"), service=process.get("serviceName"),
+        name=span.get("operationName"),
+        service=process.get("serviceName"),
         start_ns=start,
         end_ns=start + duration if _is_number(start) and _is_number(duration) else None,
-        error=tags.get("error") in (True, "true") or tags.get("otel.status_code") == "ERROR")
+        error=tags.get("error") in (True, "true") or tags.get("otel.status_code") == "ERROR",
+    )
     return row
 
 
@@ -222,6 +262,7 @@ def _scaled(value, factor: int):
 
 
 # ---------------------------------------------------------------------- coercion
+
 
 def coerced(value, type_: str):
     """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""

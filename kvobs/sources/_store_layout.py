@@ -29,8 +29,9 @@ def turns_path(store_dir: str, span_file: str, written_by_older_kvobs: bool = Fa
     wrote parquet (``written_by_older_kvobs``); a store may have neither."""
     bucket = os.path.basename(os.path.dirname(span_file))
     name = os.path.splitext(os.path.basename(span_file))[0]
-    return os.path.join(store_dir, TURNS_DIR, bucket,
-                        name + (".parquet" if written_by_older_kvobs else ".arrow"))
+    return os.path.join(
+        store_dir, TURNS_DIR, bucket, name + (".parquet" if written_by_older_kvobs else ".arrow")
+    )
 
 
 def existing_turns_path(store_dir: str, span_file: str) -> str | None:
@@ -50,19 +51,20 @@ def span_files(store_dir: str, bucket: int | None = None) -> list[str]:
     compacted = os.path.join(store_dir, COMPACTED_DIR)
     if not os.path.isdir(compacted):
         return []
-    buckets = (os.listdir(compacted) if bucket is None else [f"bucket={bucket:02d}"])
-    return sorted(os.path.join(compacted, directory, name)
-                  for directory in buckets if directory.startswith("bucket=")
-                  and os.path.isdir(os.path.join(compacted, directory))
-                  for name in os.listdir(os.path.join(compacted, directory))
-                  if name.endswith(".parquet"))
+    buckets = os.listdir(compacted) if bucket is None else [f"bucket={bucket:02d}"]
+    return sorted(
+        os.path.join(compacted, directory, name)
+        for directory in buckets
+        if directory.startswith("bucket=") and os.path.isdir(os.path.join(compacted, directory))
+        for name in os.listdir(os.path.join(compacted, directory))
+        if name.endswith(".parquet")
+    )
 
 
 _PARQUET_MAGIC = b"PAR1"
 
 
-def readable(files: list[str], problems: list[str], what: str = "span file"
-             ) -> list[str]:
+def readable(files: list[str], problems: list[str], what: str = "span file") -> list[str]:
     """The files that look like whole parquet files (magic number at both ends: an empty,
     truncated or foreign file fails it; a read costs ~7 ms of footer per file, this
     microseconds). Each other one is reported and left out: every command reads the
@@ -101,12 +103,14 @@ def _scanned(columns: list[str]) -> tuple[pa.Schema, pa.Schema]:
     schema = store_schema()
     schema = pa.schema([schema.field(c) for c in columns])
     legacy = {old: new for old, new in sc.RENAMED_KEYS.items() if new in columns}
-    return schema, pa.schema([*schema, *(pa.field(old, schema.field(new).type)
-                                          for old, new in legacy.items())])
+    return schema, pa.schema(
+        [*schema, *(pa.field(old, schema.field(new).type) for old, new in legacy.items())]
+    )
 
 
-def read_conversation(files: list[str], problems: list[str], columns: list[str],
-                      conversation_id: str) -> pa.Table:
+def read_conversation(
+    files: list[str], problems: list[str], columns: list[str], conversation_id: str
+) -> pa.Table:
     """``read_spans`` of the spans tagged with one conversation id, through
     ``pyarrow.parquet`` alone (``pyarrow.dataset`` imports pandas: ``kvobs.turns.arrays``):
     only the row groups whose statistics can hold the id are read."""
@@ -122,9 +126,13 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
         picked = []
         for group in range(parquet.num_row_groups):
             stats = parquet.metadata.row_group(group).column(index).statistics
-            if (stats is None or not stats.has_min_max
-                    or not isinstance(stats.min, str) or not isinstance(stats.max, str)
-                    or stats.min <= conversation_id <= stats.max):
+            if (
+                stats is None
+                or not stats.has_min_max
+                or not isinstance(stats.min, str)
+                or not isinstance(stats.max, str)
+                or stats.min <= conversation_id <= stats.max
+            ):
                 picked.append(group)
         return picked
 
@@ -137,17 +145,22 @@ def read_conversation(files: list[str], problems: list[str], columns: list[str],
             if not groups:
                 continue
             read = parquet.read_row_groups(groups, columns=present, use_threads=False)
-            read = read.filter(arrays.equal(read.column(cid).cast(wanted.type),
-                                            conversation_id))
+            read = read.filter(arrays.equal(read.column(cid).cast(wanted.type), conversation_id))
             tables.append(conformed(read, scanned))
         if not tables:
             return arrays.empty(schema)
         return with_renamed_keys(pa.concat_tables(tables), columns)
+
     return read_or_skip(files, problems, scan)
 
 
-def read_spans(files: list[str], problems: list[str], columns: list[str],
-               expression=None, file_format="parquet") -> pa.Table:
+def read_spans(
+    files: list[str],
+    problems: list[str],
+    columns: list[str],
+    expression=None,
+    file_format="parquet",
+) -> pa.Table:
     """Columns of compacted span files (today's schema: segments written by an older
     kvobs lack newer attributes, read as null). One dataset when every file reads; else
     file by file, an unreadable one (corrupt, empty, truncated) reported and left out."""
@@ -159,8 +172,10 @@ def read_spans(files: list[str], problems: list[str], columns: list[str],
         if not paths:
             return arrays.empty(schema)
         dataset = ds.dataset(paths, format=file_format, schema=scanned)
-        return with_renamed_keys(dataset.to_table(columns=scanned.names, filter=expression),
-                                 columns)
+        return with_renamed_keys(
+            dataset.to_table(columns=scanned.names, filter=expression), columns
+        )
+
     return read_or_skip(files, problems, scan)
 
 
@@ -189,7 +204,8 @@ def with_renamed_keys(table: pa.Table, columns: list[str]) -> pa.Table:
     (``semconv.RENAMED_KEYS``) where that column is null."""
     for old, new in sc.RENAMED_KEYS.items():
         if old in table.column_names and new in columns:
-            filled = pc.coalesce(table.column(new), table.column(old).cast(
-                table.schema.field(new).type))
+            filled = pc.coalesce(
+                table.column(new), table.column(old).cast(table.schema.field(new).type)
+            )
             table = table.set_column(table.column_names.index(new), new, filled)
     return table.select(columns)

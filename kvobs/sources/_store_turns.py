@@ -22,9 +22,15 @@ from kvobs.turns import arrays, lineage
 from kvobs.turns.correlate import aggregate, needs_lineage, plain, ranked, span_columns
 from kvobs.sources._decode import short
 from kvobs.sources._frame import conformed, drop_duplicate_span_rows
-from kvobs.sources._store_layout import (note, read_or_skip, readable, span_files,
-                                         store_schema, existing_turns_path,
-                                         with_renamed_keys)
+from kvobs.sources._store_layout import (
+    note,
+    read_or_skip,
+    readable,
+    span_files,
+    store_schema,
+    existing_turns_path,
+    with_renamed_keys,
+)
 from kvobs.turns.schema import KEY_SOURCES
 
 _TENANT, _CID = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"]
@@ -44,11 +50,13 @@ def _live_spans(live, columns: list[str]) -> pa.Table | None:
     return table.select(columns).cast(pa.schema([schema.field(c) for c in columns]))
 
 
-def _compacted_spans(files: list[str], columns: list[str], cids: pa.Array | None,
-                     problems: list[str]) -> pa.Table:
+def _compacted_spans(
+    files: list[str], columns: list[str], cids: pa.Array | None, problems: list[str]
+) -> pa.Table:
     """``_scan_spans``, unreadable files reported and left out (``read_or_skip``)."""
-    return read_or_skip(files, problems,
-                        lambda paths: _scan_spans(paths, columns, cids)).unify_dictionaries()
+    return read_or_skip(
+        files, problems, lambda paths: _scan_spans(paths, columns, cids)
+    ).unify_dictionaries()
 
 
 def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> pa.Table:
@@ -56,18 +64,22 @@ def _scan_spans(files: list[str], columns: list[str], cids: pa.Array | None) -> 
     if not files:
         return arrays.empty(schema)
     # Keys and names as dictionaries straight from parquet: never 10M separate strings.
-    file_format = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
-        dictionary_columns={_TENANT, _CID, "name"}))
+    file_format = ds.ParquetFileFormat(
+        read_options=ds.ParquetReadOptions(dictionary_columns={_TENANT, _CID, "name"})
+    )
     dataset = ds.dataset(files, format=file_format)
-    legacy = [old for old, new in sc.RENAMED_KEYS.items()
-              if new in columns and old in dataset.schema.names]
+    legacy = [
+        old
+        for old, new in sc.RENAMED_KEYS.items()
+        if new in columns and old in dataset.schema.names
+    ]
     present = [c for c in columns if c in dataset.schema.names]
-    table = dataset.to_table(columns=present + legacy, filter=None if cids is None
-                             else ds.field(_CID).isin(cids))
+    table = dataset.to_table(
+        columns=present + legacy, filter=None if cids is None else ds.field(_CID).isin(cids)
+    )
     for column in columns:
         if column not in present:
-            table = table.append_column(column, pa.nulls(table.num_rows,
-                                                         schema.field(column).type))
+            table = table.append_column(column, pa.nulls(table.num_rows, schema.field(column).type))
     return with_renamed_keys(table, columns).unify_dictionaries()
 
 
@@ -97,9 +109,11 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     for path, table in zip(indexed, turns):
         by_bucket.setdefault(os.path.dirname(path), []).append(table)
     rebuild.extend(_split(tables) for tables in by_bucket.values() if len(tables) > 1)
-    cids = pc.unique(pa.chunked_array([chunk for c in rebuild
-                                       for chunk in c.cast(pa.string()).chunks],
-                                      pa.string()).combine_chunks())
+    cids = pc.unique(
+        pa.chunked_array(
+            [chunk for c in rebuild for chunk in c.cast(pa.string()).chunks], pa.string()
+        ).combine_chunks()
+    )
     kept = [_without(t, cids) for t in turns] if len(cids) else turns
     if len(cids):
         spans = _compacted_spans(files, columns, cids, problems)
@@ -127,8 +141,10 @@ def _turn_file(path: str, problems: list[str]) -> pa.Table | None:
         with pa.OSFile(path) as source:
             return pa.ipc.open_file(source).read_all()
     except (pa.ArrowException, OSError) as error:
-        note(problems, f"{path}: unreadable turn file ({short(error)}); its turns "
-                       "rebuilt from its span file")
+        note(
+            problems,
+            f"{path}: unreadable turn file ({short(error)}); its turns rebuilt from its span file",
+        )
         return None
 
 

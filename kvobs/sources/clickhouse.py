@@ -66,8 +66,13 @@ from kvobs.sources._clickhouse_view import (
 )
 from kvobs.turns.correlate import ARROW_TYPES
 from kvobs.sources._errors import SourceError
-from kvobs.sources._frame import (ALL_DTYPES, KIND_DTYPES, conformed,
-                                  drop_duplicate_span_rows, frame_from_table)
+from kvobs.sources._frame import (
+    ALL_DTYPES,
+    KIND_DTYPES,
+    conformed,
+    drop_duplicate_span_rows,
+    frame_from_table,
+)
 from kvobs.sources._merge import CHECK, HASH, align_parts, merge_parts
 from kvobs.sources._store_layout import COMPACTED_DIR
 from kvobs.turns.schema import FLEET_COLUMNS, Agg
@@ -75,12 +80,21 @@ from kvobs.turns.schema import FLEET_COLUMNS, Agg
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ClickHouseSource", "DIALECTS", "ENV_USER", "ENV_PASSWORD",
-           "DEFAULT_TABLE", "TURNS_SUFFIX", "turns_view_ddl", "backfill_sql"]
+__all__ = [
+    "ClickHouseSource",
+    "DIALECTS",
+    "ENV_USER",
+    "ENV_PASSWORD",
+    "DEFAULT_TABLE",
+    "TURNS_SUFFIX",
+    "turns_view_ddl",
+    "backfill_sql",
+]
 
 # Span names some fleet column sums or counts: where a repeated span would be counted.
-_COUNTED_SPANS = {column.span.name for column in FLEET_COLUMNS.values()
-                  if column.agg in (Agg.SUM, Agg.COUNT)}
+_COUNTED_SPANS = {
+    column.span.name for column in FLEET_COLUMNS.values() if column.agg in (Agg.SUM, Agg.COUNT)
+}
 # Turn view rows read per query by a fleet command (``view_slices``): a slice's Arrow
 # rows and their conversion need ~2 KiB a turn, so a 100M-span fleet's 9.5M turns are
 # never all in memory at once next to the table built from them.
@@ -94,23 +108,24 @@ _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 # The store's columns as ClickHouse reads them: segments an older kvobs wrote lack newer
 # attributes, and without the structure given those are unknown identifiers.
 _KIND_OF_DTYPE = {dtype: kind for kind, dtype in KIND_DTYPES.items()}
-_STORE_STRUCTURE = ", ".join(f"`{column}` {NULLABLE[_KIND_OF_DTYPE[dtype]]}"
-                             for column, dtype in ALL_DTYPES.items())
+_STORE_STRUCTURE = ", ".join(
+    f"`{column}` {NULLABLE[_KIND_OF_DTYPE[dtype]]}" for column, dtype in ALL_DTYPES.items()
+)
 
 
 def check_table_name(table: str) -> None:
     """Raise ``SourceError`` unless ``table`` is a plain ``[db.]name`` (it goes into SQL
     text: a table name cannot be a bound parameter)."""
     if not _TABLE_NAME.fullmatch(table or ""):
-        raise SourceError(f"table {table!r}: not a table name ([db.]name, letters, "
-                          "digits, underscores)")
+        raise SourceError(
+            f"table {table!r}: not a table name ([db.]name, letters, digits, underscores)"
+        )
 
 
 class ClickHouseSource:
     """A ``SpanSource`` over an ``otel_traces`` table, its ``turn_row_slices()`` in SQL."""
 
-    def __init__(self, query: Query, table: str = DEFAULT_TABLE,
-                 location: str = "clickhouse"):
+    def __init__(self, query: Query, table: str = DEFAULT_TABLE, location: str = "clickhouse"):
         check_table_name(table)
         self.query = query
         self.table = table
@@ -127,7 +142,8 @@ class ClickHouseSource:
         ``check()`` raises ``SourceError`` with the server's own words when it refuses or
         is not there."""
         table = urllib.parse.parse_qs(urllib.parse.urlparse(url).query).get(
-            "table", [DEFAULT_TABLE])[0]
+            "table", [DEFAULT_TABLE]
+        )[0]
         check_table_name(table)  # before any connection or embedded database
         database, _ = connect(url)
         return cls(database.query, table, database.location)
@@ -190,18 +206,23 @@ class ClickHouseSource:
                 described = self.query(f"DESCRIBE TABLE {self.table}")
             except ClickHouseError as error:
                 raise SourceError(f"{self.location}: {error}") from error
-            types = dict(zip(described.column("name").to_pylist(),
-                             described.column("type").to_pylist()))
+            types = dict(
+                zip(described.column("name").to_pylist(), described.column("type").to_pylist())
+            )
             missing = [c for c in SPAN_TABLE_COLUMNS if c not in types]
             dialect = dialect_of(types.get("SpanAttributes", ""))
             if missing or dialect is None:
-                what = (f"no column {', '.join(missing)}" if missing else
-                        f"SpanAttributes is {types['SpanAttributes']}")
+                what = (
+                    f"no column {', '.join(missing)}"
+                    if missing
+                    else f"SpanAttributes is {types['SpanAttributes']}"
+                )
                 raise SourceError(
                     f"{self.location}: table {self.table} is not the OpenTelemetry "
                     f"Collector ClickHouse exporter's span table ({what}; kvobs reads "
                     f"SpanAttributes as {MAP.column_type}, or JSON with the exporter's "
-                    f"json option)")
+                    f"json option)"
+                )
             self._dialect = dialect
         return self._dialect
 
@@ -225,12 +246,15 @@ class ClickHouseSource:
         # Spans of the conversation's traces (untagged spans included).
         return self._span_table(
             f"WHERE TraceId IN (SELECT TraceId FROM {self.table} "
-            f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})", {"cid": conversation_id})
+            f"WHERE {self.dialect.with_value(CID_KEY, 'cid')})",
+            {"cid": conversation_id},
+        )
 
     def conversation_ids(self) -> list[str]:
         cid = self.dialect.attr(CID_KEY)
-        table = self.query(f"SELECT DISTINCT {cid} AS cid FROM {self.table} "
-                           f"WHERE cid != '' ORDER BY cid")
+        table = self.query(
+            f"SELECT DISTINCT {cid} AS cid FROM {self.table} WHERE cid != '' ORDER BY cid"
+        )
         return table.column("cid").to_pylist()
 
     # ----------------------------------------------------------------- fleet
@@ -251,15 +275,16 @@ class ClickHouseSource:
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up only on rows of its own span.
         sql = self.dialect
-        tenant, cid, turn = (sql.attr(TENANT_KEY), sql.attr(CID_KEY),
-                             sql.typed(TURN_KEY, "int"))
+        tenant, cid, turn = (sql.attr(TENANT_KEY), sql.attr(CID_KEY), sql.typed(TURN_KEY, "int"))
         branches = []
         for name in fleet_span_names():
-            values = [f"{turn_value(sql, c, name)} AS v_{column}"
-                      for column, c in FLEET_COLUMNS.items()]
+            values = [
+                f"{turn_value(sql, c, name)} AS v_{column}" for column, c in FLEET_COLUMNS.items()
+            ]
             branches.append(
                 f"SELECT TraceId, Timestamp, {tenant} AS tenant, {cid} AS cid, "
-                f"{turn} AS turn_index, {', '.join(values)} FROM {self._spans_named(name)}")
+                f"{turn} AS turn_index, {', '.join(values)} FROM {self._spans_named(name)}"
+            )
         spans = f"""
             SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
                                 if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
@@ -273,9 +298,11 @@ class ClickHouseSource:
                              FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = [turn_aggregate(column, c) for column, c in FLEET_COLUMNS.items()]
-        return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
-                f"{', '.join(select)} FROM ({spans}) GROUP BY tenant, cid, turn_index "
-                f"SETTINGS join_use_nulls = 1")
+        return (
+            f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
+            f"{', '.join(select)} FROM ({spans}) GROUP BY tenant, cid, turn_index "
+            f"SETTINGS join_use_nulls = 1"
+        )
 
     def branch_sql(self, span: str, keys: bool = True) -> str:
         """One span name's turn rows: its columns, two hashes of the turn key and (with
@@ -285,21 +312,27 @@ class ClickHouseSource:
         select = [turn_aggregate(column, c) for column, c in mine.items()]
         group = "tenant, cid, turn_index"
         sql = self.dialect
-        spans = (f"SELECT Timestamp, {sql.attr(TENANT_KEY)} AS tenant, "
-                 f"{sql.attr(CID_KEY)} AS cid, {sql.typed(TURN_KEY, 'int')} AS turn_index, "
-                 f"{', '.join(values)} FROM {self._spans_named(span)}")
+        spans = (
+            f"SELECT Timestamp, {sql.attr(TENANT_KEY)} AS tenant, "
+            f"{sql.attr(CID_KEY)} AS cid, {sql.typed(TURN_KEY, 'int')} AS turn_index, "
+            f"{', '.join(values)} FROM {self._spans_named(span)}"
+        )
         flags = "cid = '' OR turn_index IS NULL AS keyless, tenant = '' AS no_tenant"
         if keys:
-            return (f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
-                    f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, {flags}, "
-                    f"{', '.join(select)} FROM ({spans}) GROUP BY {group}")
+            return (
+                f"SELECT tenant, cid AS conversation_id, turn_index AS turn, "
+                f"cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, {flags}, "
+                f"{', '.join(select)} FROM ({spans}) GROUP BY {group}"
+            )
         # Grouped by the two hashes (a fixed-size key, cheaper than strings); two keys
         # sharing the first show as two rows with one HASH. Unsorted: an ORDER BY here
         # costs more than lining the rows up in numpy.
-        return (f"SELECT {HASH}, {CHECK}, any(keyless) AS keyless, "
-                f"any(no_tenant) AS no_tenant, {', '.join(select)} "
-                f"FROM (SELECT *, cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
-                f"{flags} FROM ({spans})) GROUP BY {HASH}, {CHECK}")
+        return (
+            f"SELECT {HASH}, {CHECK}, any(keyless) AS keyless, "
+            f"any(no_tenant) AS no_tenant, {', '.join(select)} "
+            f"FROM (SELECT *, cityHash64({group}) AS {HASH}, xxHash64({group}) AS {CHECK}, "
+            f"{flags} FROM ({spans})) GROUP BY {HASH}, {CHECK}"
+        )
 
     def view_sql(self, merge: bool = True, where: str = "") -> str:
         """The turn rows from the turn view, in no particular order (``derive`` links
@@ -317,13 +350,16 @@ class ClickHouseSource:
         hashed = f"cityHash64({keys}) AS {KEY_HASH}"
         if not merge:
             return f"SELECT {keys}, {hashed}, {whole} FROM {target} {scope}"
-        split = (f"({keys}) IN (SELECT {keys} FROM {target} {scope} GROUP BY {keys} "
-                 f"HAVING count() > 1)")
+        split = (
+            f"({keys}) IN (SELECT {keys} FROM {target} {scope} GROUP BY {keys} HAVING count() > 1)"
+        )
         merged = ", ".join(f"{c.value(grouped=True)} AS {c.name}" for c in columns)
         within = f"({where}) AND " if where else ""
-        return (f"SELECT {keys}, {hashed}, {whole} FROM {target} WHERE {within}NOT {split} "
-                f"UNION ALL SELECT {keys}, {hashed}, {merged} FROM {target} "
-                f"WHERE {within}{split} GROUP BY {keys}")
+        return (
+            f"SELECT {keys}, {hashed}, {whole} FROM {target} WHERE {within}NOT {split} "
+            f"UNION ALL SELECT {keys}, {hashed}, {merged} FROM {target} "
+            f"WHERE {within}{split} GROUP BY {keys}"
+        )
 
     def view_slices(self) -> list[str]:
         """Conditions that split the turn view into ranges of conversation ids (each
@@ -335,13 +371,20 @@ class ClickHouseSource:
         slices = -(-rows // VIEW_SLICE_TURNS)
         if slices <= 1:
             return [""]
-        sample = self.query(
-            f"SELECT arraySort(groupArraySample({100 * slices}, 1)(conversation_id)) AS ids "
-            f"FROM {target}").column(0)[0].as_py()
+        sample = (
+            self.query(
+                f"SELECT arraySort(groupArraySample({100 * slices}, 1)(conversation_id)) AS ids "
+                f"FROM {target}"
+            )
+            .column(0)[0]
+            .as_py()
+        )
         bounds = sorted({sample[len(sample) * k // slices] for k in range(1, slices)})
         ranges = [f"conversation_id < {quote(bounds[0])}"]
-        ranges += [f"conversation_id >= {quote(low)} AND conversation_id < {quote(high)}"
-                   for low, high in zip(bounds, bounds[1:])]
+        ranges += [
+            f"conversation_id >= {quote(low)} AND conversation_id < {quote(high)}"
+            for low, high in zip(bounds, bounds[1:])
+        ]
         return ranges + [f"conversation_id >= {quote(bounds[-1])}"]
 
     def view_state(self) -> str:
@@ -362,7 +405,8 @@ class ClickHouseSource:
             f"SELECT sum(spans) = (SELECT count() FROM {self.table} WHERE SpanName IN "
             f"({names})) AS complete, max(keyless) AS keyless, "
             f"countIf(tenant = '') > 0 AND countIf(tenant != '') > 0 AS partial_tenant "
-            f"FROM {target}").to_pylist()[0]
+            f"FROM {target}"
+        ).to_pylist()[0]
         if not row["complete"] or self._has_repeated_counted_spans():
             return "incomplete"
         return "traces" if row["keyless"] or row["partial_tenant"] else "turns"
@@ -376,7 +420,8 @@ class ClickHouseSource:
         return not self.query(
             f"SELECT count() = uniqExact(cityHash64(TraceId, SpanId)) AS once "
             f"FROM {self.table} "
-            f"WHERE SpanName IN ({names})").to_pylist()[0]["once"]
+            f"WHERE SpanName IN ({names})"
+        ).to_pylist()[0]["once"]
 
     def turn_row_slices(self) -> Iterator[pa.Table]:
         """From the turn view a range of conversation ids at a time (``view_slices``)
@@ -395,14 +440,17 @@ class ClickHouseSource:
                 if not repeated:
                     yield _keyed(table.drop_columns([KEY_HASH]))
                 elif len(slices) > 1:  # slices before it are given: cannot start over
-                    raise SourceError(f"{self.location}: turn view rows kept changing "
-                                      f"while read ({where}); read it again")
+                    raise SourceError(
+                        f"{self.location}: turn view rows kept changing "
+                        f"while read ({where}); read it again"
+                    )
                 else:  # repeated: rows inserted meanwhile
                     break
             else:
                 return
-        yield _keyed(self.query(self.turns_sql()) if state == "traces"
-                     else self._turns_from_parts())
+        yield _keyed(
+            self.query(self.turns_sql()) if state == "traces" else self._turns_from_parts()
+        )
 
     def _turns_from_parts(self) -> pa.Table:
         # The proxy's turn span is in (almost) every turn: its part brings the key strings,
@@ -430,22 +478,32 @@ def _exported_attributes(dialect: AttributeDialect) -> tuple[str, str]:
         pairs = []
         for key, type_ in ((a.key, a.type) for a in sc.ATTRIBUTES.values()):
             value = f"`{key}`"
-            text = (f"if(isNull({value}), NULL, if({value}, 'true', 'false'))"
-                    if type_ == "bool" else f"toString({value})")
+            text = (
+                f"if(isNull({value}), NULL, if({value}, 'true', 'false'))"
+                if type_ == "bool"
+                else f"toString({value})"
+            )
             pairs.append(f"{quote(key)}, ifNull({text}, '')")
-        return (f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))",
-                "map('service.name', service)")
+        return (
+            f"mapFilter((k, v) -> v != '', map({', '.join(pairs)}))",
+            "map('service.name', service)",
+        )
     members = ", ".join(
         f"if(isNull(`{key}`), '', concat({quote(json.dumps(key) + ':')}, "
-        f"toJSONString(assumeNotNull(`{key}`))))" for key in sc.ATTRIBUTES)
-    return (f"concat('{{', arrayStringConcat(arrayFilter(m -> m != '', [{members}]), ','), "
-            f"'}}')", "concat('{\"service.name\":', toJSONString(service), '}')")
+        f"toJSONString(assumeNotNull(`{key}`))))"
+        for key in sc.ATTRIBUTES
+    )
+    return (
+        f"concat('{{', arrayStringConcat(arrayFilter(m -> m != '', [{members}]), ','), '}}')",
+        "concat('{\"service.name\":', toJSONString(service), '}')",
+    )
 
 
 def _keyed(table: pa.Table) -> pa.Table:
     """Turn rows with a conversation id and a turn index."""
-    keyed = pc.and_(pc.not_equal(table.column("conversation_id"), ""),
-                    pc.is_valid(table.column("turn")))
+    keyed = pc.and_(
+        pc.not_equal(table.column("conversation_id"), ""), pc.is_valid(table.column("turn"))
+    )
     if keyed.null_count == 0 and pc.all(keyed).as_py():
         return table  # a filter copies every column (1-3 CPU-s over 1.35M turns)
     return table.filter(keyed)
@@ -461,8 +519,7 @@ def _repeats_a_turn(table: pa.Table) -> bool:
 
 def _repeats_a_key(table: pa.Table) -> bool:
     """Whether two rows share a turn key, compared exactly (codes of each key column)."""
-    codes = [arrays.codes(table.column(name))[0] for name in ("turn", "conversation_id",
-                                                             "tenant")]
+    codes = [arrays.codes(table.column(name))[0] for name in ("turn", "conversation_id", "tenant")]
     key = np.stack(codes)[:, np.lexsort(codes)]
     return bool(np.all(key[:, 1:] == key[:, :-1], axis=0).any())
 

@@ -14,15 +14,18 @@ import pyarrow as pa
 from kvobs import semconv as sc
 from kvobs.turns.correlate import turn_rows
 from kvobs.sources._decode import bounded_problems, documents, is_regular
-from kvobs.sources._frame import (drop_duplicate_span_rows, frame_from_table,
-                                  select_conversation, table_from_rows)
+from kvobs.sources._frame import (
+    drop_duplicate_span_rows,
+    frame_from_table,
+    select_conversation,
+    table_from_rows,
+)
 from kvobs.sources._rows import rows, spans_from_request
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DocumentSource", "OtlpJsonSource", "otlp_files", "read_rows",
-           "spans_from_request"]
+__all__ = ["DocumentSource", "OtlpJsonSource", "otlp_files", "read_rows", "spans_from_request"]
 
 
 def otlp_files(location: str, problems: list[str] | None = None) -> list[str]:
@@ -65,8 +68,7 @@ class DocumentSource:
 
     def _all(self) -> pa.Table:
         if self._table is None:
-            self._table = drop_duplicate_span_rows(table_from_rows(self._rows()),
-                                                   self.problems)
+            self._table = drop_duplicate_span_rows(table_from_rows(self._rows()), self.problems)
         return self._table
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
@@ -80,8 +82,7 @@ class DocumentSource:
         yield turn_rows(self._all())  # spans already in memory: one slice
 
     def conversation_ids(self) -> list[str]:
-        return sorted(self._all().column(sc.CONVERSATION_ID.key).unique().drop_null()
-                      .to_pylist())
+        return sorted(self._all().column(sc.CONVERSATION_ID.key).unique().drop_null().to_pylist())
 
 
 class OtlpJsonSource(DocumentSource):

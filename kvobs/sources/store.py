@@ -37,12 +37,25 @@ from kvobs.turns import arrays, lineage
 from kvobs.turns.correlate import aggregate, needs_lineage
 from kvobs.emit import segments
 from kvobs.sources._decode import is_regular
-from kvobs.sources._frame import (ALL_DTYPES, conformed, drop_duplicate_span_rows,
-                                  frame_from_table, select_conversation, table_from_rows)
-from kvobs.sources._store_layout import (COMPACTED_DIR, TURNS_DIR, note,
-                                         read_conversation, read_spans,
-                                         span_files, store_schema, turns_path,
-                                         existing_turns_path)
+from kvobs.sources._frame import (
+    ALL_DTYPES,
+    conformed,
+    drop_duplicate_span_rows,
+    frame_from_table,
+    select_conversation,
+    table_from_rows,
+)
+from kvobs.sources._store_layout import (
+    COMPACTED_DIR,
+    TURNS_DIR,
+    note,
+    read_conversation,
+    read_spans,
+    span_files,
+    store_schema,
+    turns_path,
+    existing_turns_path,
+)
 from kvobs.sources.otlp_json import OtlpJsonSource, otlp_files, read_rows
 
 if TYPE_CHECKING:
@@ -53,9 +66,21 @@ if TYPE_CHECKING:
 # conversation (``span_table``, what ``kvobs diagnose`` reads) needs neither
 # (bench/README.md, issue 12).
 
-__all__ = ["StoreSource", "is_store", "bucket_of", "compact", "write_parquet", "write_table",
-           "write_turns", "store_schema", "span_files", "turns_path", "COMPACTED_DIR",
-           "TURNS_DIR", "BUCKETS"]
+__all__ = [
+    "StoreSource",
+    "is_store",
+    "bucket_of",
+    "compact",
+    "write_parquet",
+    "write_table",
+    "write_turns",
+    "store_schema",
+    "span_files",
+    "turns_path",
+    "COMPACTED_DIR",
+    "TURNS_DIR",
+    "BUCKETS",
+]
 
 BUCKETS = 64
 # How long a kvobs writer's active segment must go unwritten before a compaction seals
@@ -83,23 +108,27 @@ def _inherit_conversation(table: pa.Table) -> pa.Table:
         return table
     tagged = np.flatnonzero(~untagged)
     traces = table.column("trace_id")
-    first = arrays.numbers(pc.index_in(traces, value_set=traces.take(tagged).combine_chunks(),
-                                       skip_nulls=True), fill=-1)
+    first = arrays.numbers(
+        pc.index_in(traces, value_set=traces.take(tagged).combine_chunks(), skip_nulls=True),
+        fill=-1,
+    )
     inherits = untagged & (first >= 0)
     if not inherits.any():
         return table
     # Each inheriting row takes both keys from its trace's tagged row, the others their own.
-    source = pa.array(np.where(inherits, tagged[np.maximum(first, 0)],
-                               np.arange(table.num_rows)))
+    source = pa.array(np.where(inherits, tagged[np.maximum(first, 0)], np.arange(table.num_rows)))
     for key in (_CID, sc.TURN_INDEX.key):
-        table = table.set_column(table.column_names.index(key), key,
-                                 table.column(key).take(source))
+        table = table.set_column(table.column_names.index(key), key, table.column(key).take(source))
     return table
 
 
-def write_parquet(store_dir: str, table: pa.Table, name: str | None = None,
-                  context: pa.Table | None = None,
-                  problems: list[str] | None = None) -> int:
+def write_parquet(
+    store_dir: str,
+    table: pa.Table,
+    name: str | None = None,
+    context: pa.Table | None = None,
+    problems: list[str] | None = None,
+) -> int:
     """Append a span table (``SPAN_SCHEMA``) to the compacted segments (files named
     ``name``, else new names); returns rows written. ``context``: spans not written but
     read for the conversation of an untagged span (its trace's) or an id-less turn (its
@@ -113,8 +142,9 @@ def write_parquet(store_dir: str, table: pa.Table, name: str | None = None,
     table = _inherit_conversation(table).slice(0, written)  # the rows given, not the context
     untagged = table.column(_CID).null_count
     if untagged and problems is not None:
-        problems.append(f"{untagged} span(s) without conversation id, in no trace with "
-                        "one, not stored")
+        problems.append(
+            f"{untagged} span(s) without conversation id, in no trace with one, not stored"
+        )
     return write_table(store_dir, table, name)
 
 
@@ -130,8 +160,9 @@ def write_table(store_dir: str, table: pa.Table, name: str | None = None) -> int
         return 0
     ids = table.column(_CID).combine_chunks().dictionary_encode()
     names = ids.dictionary
-    id_buckets = np.fromiter((bucket_of(cid) for cid in names.to_pylist()),
-                             dtype=np.int64, count=len(names))
+    id_buckets = np.fromiter(
+        (bucket_of(cid) for cid in names.to_pylist()), dtype=np.int64, count=len(names)
+    )
     id_rank = pc.rank(names, sort_keys="ascending", tiebreaker="first").to_numpy() - 1
     codes = ids.indices.to_numpy(zero_copy_only=False)
     # One stable sort by (bucket, conversation id), then one contiguous slice per bucket.
@@ -146,8 +177,7 @@ def write_table(store_dir: str, table: pa.Table, name: str | None = None) -> int
         directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"{name or uuid.uuid4().hex}.parquet")
-        pq.write_table(part, path + ".tmp", row_group_size=ROW_GROUP_SIZE,
-                       compression="zstd")
+        pq.write_table(part, path + ".tmp", row_group_size=ROW_GROUP_SIZE, compression="zstd")
         os.replace(path + ".tmp", path)
         write_turns(store_dir, path, part)
     return table.num_rows
@@ -161,14 +191,19 @@ def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -
     path = turns_path(store_dir, span_file)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     turns = aggregate(spans)
-    with pa.OSFile(path + ".tmp", "wb") as sink, pa.ipc.new_file(
-            sink, turns.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")) as writer:
+    with (
+        pa.OSFile(path + ".tmp", "wb") as sink,
+        pa.ipc.new_file(
+            sink, turns.schema, options=pa.ipc.IpcWriteOptions(compression="lz4")
+        ) as writer,
+    ):
         writer.write_table(turns)
     os.replace(path + ".tmp", path)
 
 
-def compact(store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = False
-            ) -> tuple[int, list[str]]:
+def compact(
+    store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = False
+) -> tuple[int, list[str]]:
     """Move the live segments no writer appends to any more into parquet (and their turn
     files). Returns (spans moved, problems). Also writes turn files that older
     compactions did not.
@@ -201,8 +236,9 @@ def compact(store_dir: str, quiet_s: float = QUIET_S, writers_stopped: bool = Fa
     return moved, problems
 
 
-def _compact_live(store_dir: str, quiet_s: float, writers_stopped: bool,
-                  problems: list[str]) -> int:
+def _compact_live(
+    store_dir: str, quiet_s: float, writers_stopped: bool, problems: list[str]
+) -> int:
     live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
     if not os.path.isdir(live_dir):
         return 0
@@ -230,8 +266,13 @@ def _compact_live(store_dir: str, quiet_s: float, writers_stopped: bool,
     _write_journal(journal, {"sources": sources, "written": False})
     # The segments left live are read too: a span untagged here takes its conversation
     # from its trace's tagged spans, wherever they sit.
-    moved = write_parquet(store_dir, _spans_of(taken, problems), batch,
-                          _spans_of(left, []) if left else None, problems)
+    moved = write_parquet(
+        store_dir,
+        _spans_of(taken, problems),
+        batch,
+        _spans_of(left, []) if left else None,
+        problems,
+    )
     _write_journal(journal, {"sources": sources, "written": True})
     _remove_sources(live_dir, sources)
     os.remove(journal)
@@ -246,16 +287,21 @@ def _quiet(path: str, now: float, quiet_s: float) -> bool:
 
 
 def _spans_of(paths: list[str], problems: list[str]) -> pa.Table:
-    return drop_duplicate_span_rows(table_from_rows(
-        row for path in paths for row in read_rows(path, problems)), problems)
+    return drop_duplicate_span_rows(
+        table_from_rows(row for path in paths for row in read_rows(path, problems)), problems
+    )
 
 
 def _identity(live_dir: str, path: str) -> dict:
     """What a journal keeps of a segment: recovery deletes that very file, never a new
     one given the same name."""
     stat = os.stat(path)
-    return {"path": os.path.relpath(path, live_dir), "inode": stat.st_ino,
-            "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {
+        "path": os.path.relpath(path, live_dir),
+        "inode": stat.st_ino,
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
 
 
 def _remove_sources(live_dir: str, sources: list[dict]) -> None:
@@ -266,7 +312,10 @@ def _remove_sources(live_dir: str, sources: list[dict]) -> None:
         except FileNotFoundError:
             continue
         if (stat.st_ino, stat.st_size, stat.st_mtime_ns) == (
-                source["inode"], source["size"], source["mtime_ns"]):
+            source["inode"],
+            source["size"],
+            source["mtime_ns"],
+        ):
             os.remove(path)
 
 
@@ -291,7 +340,7 @@ def _finish_journals(store_dir: str, problems: list[str]) -> None:
     for journal in glob.glob(os.path.join(store_dir, f"{_JOURNAL}*.json")):
         if not is_regular(journal, problems):
             continue
-        batch = os.path.basename(journal)[len(_JOURNAL):-len(".json")]
+        batch = os.path.basename(journal)[len(_JOURNAL) : -len(".json")]
         try:
             with open(journal) as handle:
                 entry = json.load(handle)
@@ -302,8 +351,7 @@ def _finish_journals(store_dir: str, problems: list[str]) -> None:
             _remove_sources(live_dir, entry["sources"])
         else:
             for directory in (COMPACTED_DIR, TURNS_DIR):
-                for path in glob.glob(os.path.join(store_dir, directory, "bucket=*",
-                                                   f"{batch}.*")):
+                for path in glob.glob(os.path.join(store_dir, directory, "bucket=*", f"{batch}.*")):
                     os.remove(path)
         os.remove(journal)
 
@@ -321,14 +369,19 @@ class StoreSource:
         if conversation_id is None:
             return read_spans(span_files(self.store_dir), self.problems, columns)
         # Buckets partition conversation ids: one bucket's files.
-        return read_conversation(span_files(self.store_dir, bucket_of(conversation_id)),
-                                 self.problems, columns, conversation_id)
+        return read_conversation(
+            span_files(self.store_dir, bucket_of(conversation_id)),
+            self.problems,
+            columns,
+            conversation_id,
+        )
 
     def _has_live(self) -> bool:
         """Whether live segments (span files) exist: a compacted store often keeps an
         empty ``spans/`` directory."""
         return os.path.isdir(self._live.location) and bool(
-            otlp_files(self._live.location, self.problems))
+            otlp_files(self._live.location, self.problems)
+        )
 
     def spans(self, conversation_id: str | None = None) -> pd.DataFrame:
         return frame_from_table(self.span_table(conversation_id))
@@ -341,8 +394,7 @@ class StoreSource:
         if live is None or live.num_rows == 0:
             return drop_duplicate_span_rows(compacted, self.problems)
         table = drop_duplicate_span_rows(pa.concat_tables([compacted, live]), self.problems)
-        return (table if conversation_id is None
-                else select_conversation(table, conversation_id))
+        return table if conversation_id is None else select_conversation(table, conversation_id)
 
     def turn_row_slices(self) -> Iterator[pa.Table]:
         """Mostly from the turn files written at compaction (``_store_turns``), in one

@@ -48,10 +48,17 @@ DEFAULT_LIMIT = 1000
 _MICROS = 1_000_000
 # The environment's credentials and tenant, per API (``ENV[kind][what]``).
 ENV = {
-    "tempo": {"user": "KVOBS_TEMPO_USER", "password": "KVOBS_TEMPO_PASSWORD",
-              "token": "KVOBS_TEMPO_TOKEN", "tenant": "KVOBS_TEMPO_TENANT"},
-    "jaeger": {"user": "KVOBS_JAEGER_USER", "password": "KVOBS_JAEGER_PASSWORD",
-               "token": "KVOBS_JAEGER_TOKEN"},
+    "tempo": {
+        "user": "KVOBS_TEMPO_USER",
+        "password": "KVOBS_TEMPO_PASSWORD",
+        "token": "KVOBS_TEMPO_TOKEN",
+        "tenant": "KVOBS_TEMPO_TENANT",
+    },
+    "jaeger": {
+        "user": "KVOBS_JAEGER_USER",
+        "password": "KVOBS_JAEGER_PASSWORD",
+        "token": "KVOBS_JAEGER_TOKEN",
+    },
 }
 TENANT_HEADER = "X-Scope-OrgID"
 
@@ -126,17 +133,19 @@ class TraceApiSource(DocumentSource):
         self.services = query.get("service", [])
         try:
             self.end = float(query["end"][0]) if "end" in query else time.time()
-            self.start = (float(query["start"][0]) if "start" in query
-                          else _start(query.get("since", [str(DEFAULT_SINCE_S)])[0],
-                                      self.end))
+            self.start = (
+                float(query["start"][0])
+                if "start" in query
+                else _start(query.get("since", [str(DEFAULT_SINCE_S)])[0], self.end)
+            )
             self.limit = int(query.get("limit", [DEFAULT_LIMIT])[0])
-            self.timeout_s = (seconds(query["timeout"][0]) if "timeout" in query
-                              else _http.TOTAL_TIMEOUT_S)
+            self.timeout_s = (
+                seconds(query["timeout"][0]) if "timeout" in query else _http.TOTAL_TIMEOUT_S
+            )
             if not self.timeout_s > 0:
                 raise ValueError("timeout=0: no answer could arrive")
         except ValueError as error:
-            raise SourceError(f"{shown}: bad time range, limit or timeout ({error})"
-                              ) from error
+            raise SourceError(f"{shown}: bad time range, limit or timeout ({error})") from error
         self.headers = {"Accept": "application/json"}
         env = ENV[self.kind]
         tenant = query.get("tenant", [os.environ.get(env.get("tenant", ""), "")])[0]
@@ -147,13 +156,15 @@ class TraceApiSource(DocumentSource):
     # ----------------------------------------------------------------- HTTP
 
     def _get(self, path: str, params: dict | None = None, missing_ok: bool = False):
-        url = self.base + path + ("?" + urllib.parse.urlencode(params, doseq=True)
-                                  if params else "")
+        url = (
+            self.base + path + ("?" + urllib.parse.urlencode(params, doseq=True) if params else "")
+        )
         try:
             answer = _http.get(url, self.headers, self.secret_headers, self.timeout_s)
         except TimeoutError as error:
-            raise SourceError(f"{self.location}: {path}: {error} (timeout= in the URL "
-                              "sets it)") from error
+            raise SourceError(
+                f"{self.location}: {path}: {error} (timeout= in the URL sets it)"
+            ) from error
         except OSError as error:
             reason = getattr(error, "reason", error)
             raise SourceError(f"{self.location}: cannot connect ({reason})") from error
@@ -161,11 +172,16 @@ class TraceApiSource(DocumentSource):
             return None
         if not 200 <= answer.status < 300:
             text = answer.body.decode("utf-8", errors="replace").strip()
-            hint = (" (credentials: USER:PASSWORD@ in the URL, or "
-                    f"{' / '.join(ENV[self.kind][k] for k in ('token', 'user'))})"
-                    if answer.status in (401, 403) else "")
-            raise SourceError(f"{self.location}: {path}: HTTP {answer.status} "
-                              f"{answer.reason}{': ' + text if text else ''}{hint}")
+            hint = (
+                " (credentials: USER:PASSWORD@ in the URL, or "
+                f"{' / '.join(ENV[self.kind][k] for k in ('token', 'user'))})"
+                if answer.status in (401, 403)
+                else ""
+            )
+            raise SourceError(
+                f"{self.location}: {path}: HTTP {answer.status} "
+                f"{answer.reason}{': ' + text if text else ''}{hint}"
+            )
         return _json(answer.body, f"{self.location}: {path}")
 
     def _expect(self, path: str, answer: object, what: str) -> SourceError:
@@ -181,30 +197,37 @@ class TraceApiSource(DocumentSource):
         if self.trace_ids:
             return list(self.trace_ids)
         if self._ids is None:
-            self._ids = (self._tempo_search() if self.kind == "tempo"
-                         else self._jaeger_search())
+            self._ids = self._tempo_search() if self.kind == "tempo" else self._jaeger_search()
         return self._ids
 
     _ids: list[str] | None = None
     _jaeger_traces: dict | None = None
 
     def _tempo_search(self) -> list[str]:
-        answer = self._get("/api/search", {"q": self.query_text, "start": int(self.start),
-                                           "end": int(self.end) + 1, "limit": self.limit})
+        answer = self._get(
+            "/api/search",
+            {
+                "q": self.query_text,
+                "start": int(self.start),
+                "end": int(self.end) + 1,
+                "limit": self.limit,
+            },
+        )
         what = 'Tempo\'s search answer ({"traces": [{"traceID": ...}]})'
         if not isinstance(answer, dict) or not ({"traces", "metrics"} & set(answer)):
             raise self._expect("/api/search", answer, what)
         traces = answer.get("traces")
         traces = [] if traces is None else traces
         if not isinstance(traces, list) or not all(
-                isinstance(t, dict) and isinstance(t.get("traceID"), str) for t in traces):
+            isinstance(t, dict) and isinstance(t.get("traceID"), str) for t in traces
+        ):
             raise self._expect("/api/search", traces, what + ": traces")
         return [t["traceID"] for t in traces]
 
     def _jaeger_data(self, path: str, params: dict | None, what: str, good) -> list:
         """The ``data`` list of a Jaeger answer, ``good(item)`` for each item."""
         answer = self._get(path, params)
-        what = f"Jaeger's answer ({{\"data\": [{what}, ...]}})"
+        what = f'Jaeger\'s answer ({{"data": [{what}, ...]}})'
         if not isinstance(answer, dict) or "data" not in answer:
             raise self._expect(path, answer, what)
         data = [] if answer["data"] is None else answer["data"]
@@ -215,14 +238,21 @@ class TraceApiSource(DocumentSource):
     def _jaeger_search(self) -> list[str]:
         """Jaeger's search answers whole traces: kept, so each is fetched once."""
         services = self.services or self._jaeger_data(
-            "/api/services", None, "SERVICE", lambda item: isinstance(item, str))
+            "/api/services", None, "SERVICE", lambda item: isinstance(item, str)
+        )
         self._jaeger_traces = {}
         for service in services:
-            for trace in self._jaeger_data("/api/traces", {
-                    "service": service, "start": int(self.start * _MICROS),
-                    "end": int(self.end * _MICROS), "limit": self.limit},
-                    '{"traceID": ...}', lambda item: isinstance(item, dict)
-                    and isinstance(item.get("traceID"), str)):
+            for trace in self._jaeger_data(
+                "/api/traces",
+                {
+                    "service": service,
+                    "start": int(self.start * _MICROS),
+                    "end": int(self.end * _MICROS),
+                    "limit": self.limit,
+                },
+                '{"traceID": ...}',
+                lambda item: isinstance(item, dict) and isinstance(item.get("traceID"), str),
+            ):
                 # a trace touching two services comes twice
                 self._jaeger_traces.setdefault(trace.get("traceID"), trace)
         return list(self._jaeger_traces)
@@ -234,8 +264,11 @@ class TraceApiSource(DocumentSource):
                 document = {"data": [self._jaeger_traces[trace_id]]}
             else:
                 path = f"/api/traces/{urllib.parse.quote(str(trace_id), safe='')}"
-                params = ({"start": int(self.start), "end": int(self.end) + 1}
-                          if self.kind == "tempo" and not self.trace_ids else None)
+                params = (
+                    {"start": int(self.start), "end": int(self.end) + 1}
+                    if self.kind == "tempo" and not self.trace_ids
+                    else None
+                )
                 document = self._get(path, params, missing_ok=True)
             if document is None:
                 self.problems.append(f"{where}: not found")

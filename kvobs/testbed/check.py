@@ -13,14 +13,16 @@ from kvobs.testbed.runner import TurnResult
 NOT_FOUND = "not-found"
 
 
-def diagnosed_turns(source: SpanSource,
-                    results: list[TurnResult]) -> dict[tuple[str, int], TurnDiagnosis | None]:
+def diagnosed_turns(
+    source: SpanSource, results: list[TurnResult]
+) -> dict[tuple[str, int], TurnDiagnosis | None]:
     by_trace = {d.turn.get("trace_id"): d for d in all_turns(source)}
     return {(r.label, r.turn): by_trace.get(r.trace_id) for r in results}
 
 
-def mismatches(expectations: dict[tuple[str, int], str],
-               diagnosed: dict[tuple[str, int], TurnDiagnosis | None]) -> list[str]:
+def mismatches(
+    expectations: dict[tuple[str, int], str], diagnosed: dict[tuple[str, int], TurnDiagnosis | None]
+) -> list[str]:
     lines = []
     for key, expected in sorted(expectations.items()):
         found = diagnosed.get(key)
@@ -30,8 +32,10 @@ def mismatches(expectations: dict[tuple[str, int], str],
     return lines
 
 
-def cause_mismatches(expectations: dict[tuple[str, int], str | tuple[str, ...]],
-                     diagnosed: dict[tuple[str, int], TurnDiagnosis | None]) -> list[str]:
+def cause_mismatches(
+    expectations: dict[tuple[str, int], str | tuple[str, ...]],
+    diagnosed: dict[tuple[str, int], TurnDiagnosis | None],
+) -> list[str]:
     """Turns where kvobs diagnosed none of the latency causes the scenario expects."""
     lines = []
     for key, expected in sorted(expectations.items()):
@@ -39,8 +43,10 @@ def cause_mismatches(expectations: dict[tuple[str, int], str | tuple[str, ...]],
         found = diagnosed.get(key)
         got = [c.cause.value for c in found.causes] if found is not None else [NOT_FOUND]
         if not set(wanted) & set(got):
-            lines.append(f"{key[0]} turn {key[1]}: expected cause {' or '.join(wanted)}, "
-                         f"got {', '.join(got) or 'none'}")
+            lines.append(
+                f"{key[0]} turn {key[1]}: expected cause {' or '.join(wanted)}, "
+                f"got {', '.join(got) or 'none'}"
+            )
     return lines
 
 
@@ -50,8 +56,9 @@ def tolerance_s(seconds: float) -> float:
     return max(0.1 * seconds, 0.005)
 
 
-def accounting_errors(results: list[TurnResult],
-                      diagnosed: dict[tuple[str, int], TurnDiagnosis | None]) -> list[str]:
+def accounting_errors(
+    results: list[TurnResult], diagnosed: dict[tuple[str, int], TurnDiagnosis | None]
+) -> list[str]:
     """Answered turns whose phases do not add up to what the client measured: the whole
     latency, and for streamed turns the TTFT (phases before the first token)."""
     lines = []
@@ -63,11 +70,14 @@ def accounting_errors(results: list[TurnResult],
         where = f"{result.label} turn {result.turn}"
         total = sum(timeline.phases.values())
         if abs(total - result.latency_s) > tolerance_s(result.latency_s):
-            lines.append(f"{where}: phases add up to {total:.4f} s, client saw "
-                         f"{result.latency_s:.4f} s")
+            lines.append(
+                f"{where}: phases add up to {total:.4f} s, client saw {result.latency_s:.4f} s"
+            )
         if result.ttft_s is not None and (
-                timeline.ttft_s is None
-                or abs(timeline.ttft_s - result.ttft_s) > tolerance_s(result.ttft_s)):
-            lines.append(f"{where}: TTFT accounted {timeline.ttft_s} s, client saw "
-                         f"{result.ttft_s:.4f} s")
+            timeline.ttft_s is None
+            or abs(timeline.ttft_s - result.ttft_s) > tolerance_s(result.ttft_s)
+        ):
+            lines.append(
+                f"{where}: TTFT accounted {timeline.ttft_s} s, client saw {result.ttft_s:.4f} s"
+            )
     return lines

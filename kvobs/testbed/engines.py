@@ -91,19 +91,24 @@ OFFLOADING_CONNECTOR = "KvobsOffloadingConnector"
 OFFLOADING_MODULE = "connector_instrumented.offloading"
 
 
-def host_copy_config(host_bytes: int, *, prompt_only: bool = False,
-                     extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+def host_copy_config(
+    host_bytes: int, *, prompt_only: bool = False, extra_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The instrumented offloading connector with kvobs's CPU host-copy spec
     (``docs/host_copy.md``): a host tier of ``host_bytes`` saving whole turns unless
     ``prompt_only`` (vLLM's default, ``offload_prompt_only=true``)."""
-    return {"kv_connector": OFFLOADING_CONNECTOR,
-            "kv_connector_module_path": OFFLOADING_MODULE,
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "spec_name": "KvobsHostCopySpec",
-                "spec_module_path": "connector_instrumented.host_copy",
-                "cpu_bytes_to_use": host_bytes, "offload_prompt_only": prompt_only,
-                **(extra_config or {})}}
+    return {
+        "kv_connector": OFFLOADING_CONNECTOR,
+        "kv_connector_module_path": OFFLOADING_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvobsHostCopySpec",
+            "spec_module_path": "connector_instrumented.host_copy",
+            "cpu_bytes_to_use": host_bytes,
+            "offload_prompt_only": prompt_only,
+            **(extra_config or {}),
+        },
+    }
 
 
 def kv_transfer_config(
@@ -147,27 +152,39 @@ def kv_transfer_config(
     if kv_connector_module_path:
         cfg["kv_connector_module_path"] = kv_connector_module_path
     if host_copy_bytes > 0:
-        cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-               "kv_buffer_device": "cpu", "kv_load_failure_policy": kv_load_failure_policy,
-               "kv_connector_extra_config": {"connectors": (
-                   [host_copy_config(host_copy_bytes), cfg] if host_copy_first
-                   else [cfg, host_copy_config(host_copy_bytes)])}}
+        cfg = {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": kv_load_failure_policy,
+            "kv_connector_extra_config": {
+                "connectors": (
+                    [host_copy_config(host_copy_bytes), cfg]
+                    if host_copy_first
+                    else [cfg, host_copy_config(host_copy_bytes)]
+                )
+            },
+        }
     if engine_id:
         cfg["engine_id"] = engine_id
     return cfg
 
 
-def p2p_host_tier_config(*, host_bytes: int, host: str, port: int,
-                         prompt_only: bool = False) -> dict[str, Any]:
+def p2p_host_tier_config(
+    *, host_bytes: int, host: str, port: int, prompt_only: bool = False
+) -> dict[str, Any]:
     """``kv_connector_extra_config`` of configuration (b), llm-d's peer-to-peer host path:
     vLLM's tiering spec (kvobs's host copy as the primary, host, tier; the CPU stand-in
     for the copy engine) with a ``p2p`` secondary tier whose control socket listens on
     ``host:port``. A request naming a peer's socket in ``remote_kv_source`` has the
     prefix that peer holds in its host tier pulled over NIXL."""
-    return {"spec_name": "KvobsTieringHostCopySpec",
-            "spec_module_path": "connector_instrumented.host_copy",
-            "cpu_bytes_to_use": int(host_bytes), "offload_prompt_only": prompt_only,
-            "secondary_tiers": [{"type": "p2p", "host": host, "port": int(port)}]}
+    return {
+        "spec_name": "KvobsTieringHostCopySpec",
+        "spec_module_path": "connector_instrumented.host_copy",
+        "cpu_bytes_to_use": int(host_bytes),
+        "offload_prompt_only": prompt_only,
+        "secondary_tiers": [{"type": "p2p", "host": host, "port": int(port)}],
+    }
 
 
 def offload_region_path(engine_id: str) -> Path:
@@ -217,9 +234,13 @@ class Engine:
         prefix over the p2p tier (vLLM's symmetric P2P: ``remote_kv_source``)."""
         if not self.spec.p2p_port:
             raise ValueError(f"{self.role} engine has no p2p host tier")
-        return {sc.KTP_REMOTE_KV_SOURCE: {"kv_request_id": kv_request_id,
-                                          "remote_host": self.spec.host,
-                                          "remote_port": self.spec.p2p_port}}
+        return {
+            sc.KTP_REMOTE_KV_SOURCE: {
+                "kv_request_id": kv_request_id,
+                "remote_host": self.spec.host,
+                "remote_port": self.spec.p2p_port,
+            }
+        }
 
     def get(self, path: str, timeout: float = 30.0) -> str:
         # 5 s timed out on /metrics of an engine on a slow CI machine (two busy cores)
@@ -454,20 +475,29 @@ class PDPair:
         )  # fmt: skip
 
     def kv_config(self, role: str = "prefill") -> dict[str, Any]:
-        extra, connector, module = self.extra_config, self.kv_connector, \
-            self.kv_connector_module_path
+        extra, connector, module = (
+            self.extra_config,
+            self.kv_connector,
+            self.kv_connector_module_path,
+        )
         if self.p2p_host_bytes and self.decode_host_copy_bytes:
-            raise ValueError("p2p_host_bytes (configuration (b)) and decode_host_copy_bytes "
-                             "(configuration (a)) are two configurations: choose one")
+            raise ValueError(
+                "p2p_host_bytes (configuration (b)) and decode_host_copy_bytes "
+                "(configuration (a)) are two configurations: choose one"
+            )
         if self.p2p_host_bytes:
             is_p = role == "prefill"
             tier = p2p_host_tier_config(
                 host_bytes=self.p2p_host_bytes,
                 host=self.prefill_host if is_p else self.decode_host,
                 port=self.prefill_p2p_port if is_p else self.decode_p2p_port,
-                prompt_only=self.p2p_prompt_only)
-            extra, connector, module = ({**tier, **(extra or {})}, OFFLOADING_CONNECTOR,
-                                        OFFLOADING_MODULE)
+                prompt_only=self.p2p_prompt_only,
+            )
+            extra, connector, module = (
+                {**tier, **(extra or {})},
+                OFFLOADING_CONNECTOR,
+                OFFLOADING_MODULE,
+            )
         return kv_transfer_config(
             kv_connector=connector,
             kv_connector_module_path=module,
@@ -490,24 +520,30 @@ class PDPair:
             ),
             core=self.prefill_core if is_p else self.decode_core,
             # The p2p host tier's region is named after the engine id: one per start.
-            engine_id=engine_id or (f"kvobs-{role}-{uuid.uuid4().hex[:8]}"
-                                    if self.p2p_host_bytes else f"kvobs-{role}"),
+            engine_id=engine_id
+            or (f"kvobs-{role}-{uuid.uuid4().hex[:8]}" if self.p2p_host_bytes else f"kvobs-{role}"),
             host=self.prefill_host if is_p else self.decode_host,
             wrapper=() if is_p else tuple(self.decode_wrapper),
             p2p_port=(self.prefill_p2p_port if is_p else self.decode_p2p_port)
-            if self.p2p_host_bytes else 0,
+            if self.p2p_host_bytes
+            else 0,
         )
         return start_engine(
             spec,
             self.model_path,
             self.out_dir,
             kv_config=self.kv_config(role),
-            kv_cache_bytes=(self.kv_cache_bytes if is_p or self.decode_kv_cache_bytes is None
-                            else self.decode_kv_cache_bytes),
+            kv_cache_bytes=(
+                self.kv_cache_bytes
+                if is_p or self.decode_kv_cache_bytes is None
+                else self.decode_kv_cache_bytes
+            ),
             pthr_delay_us=self.pthr_delay_us,
             log_level=self.log_level,
-            extra_args=[*(self.extra_args or []),
-                        *((self.prefill_args if is_p else self.decode_args) or [])],
+            extra_args=[
+                *(self.extra_args or []),
+                *((self.prefill_args if is_p else self.decode_args) or []),
+            ],
             extra_env=self.prefill_env if is_p else self.decode_env,
         )
 

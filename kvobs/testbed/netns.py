@@ -32,17 +32,20 @@ class LinkNamespace:
     def create(cls) -> "LinkNamespace":
         suffix = os.getpid() % 100000
         subnet = 16 + suffix % 200
-        link = cls(f"kvobs-d-{suffix}", f"kvo{suffix}", f"kvi{suffix}",
-                   f"10.213.{subnet}.1", f"10.213.{subnet}.2")
+        link = cls(
+            f"kvobs-d-{suffix}",
+            f"kvo{suffix}",
+            f"kvi{suffix}",
+            f"10.213.{subnet}.1",
+            f"10.213.{subnet}.2",
+        )
         try:
             _ip("ip", "netns", "add", link.name)
-            _ip("ip", "link", "add", link.outer_if, "type", "veth", "peer", "name",
-                link.inner_if)
+            _ip("ip", "link", "add", link.outer_if, "type", "veth", "peer", "name", link.inner_if)
             _ip("ip", "link", "set", link.inner_if, "netns", link.name)
             _ip("ip", "addr", "add", f"{link.outer_address}/30", "dev", link.outer_if)
             _ip("ip", "link", "set", link.outer_if, "up")
-            _ip("ip", "addr", "add", f"{link.inner_address}/30", "dev", link.inner_if,
-                ns=link.name)
+            _ip("ip", "addr", "add", f"{link.inner_address}/30", "dev", link.inner_if, ns=link.name)
             _ip("ip", "link", "set", link.inner_if, "up", ns=link.name)
             _ip("ip", "link", "set", "lo", "up", ns=link.name)
         except (NetnsError, OSError, subprocess.TimeoutExpired):
@@ -67,8 +70,15 @@ class LinkNamespace:
                 qdisc += ["rate", f"{rate_mbit}mbit"]
         elif rate_mbit > 0:
             burst_kbit = max(32, int(rate_mbit * 1000 / 100))  # 10 ms worth of bytes
-            qdisc = ["tbf", "rate", f"{rate_mbit}mbit", "burst", f"{burst_kbit}kbit",
-                     "latency", "2s"]
+            qdisc = [
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                f"{burst_kbit}kbit",
+                "latency",
+                "2s",
+            ]
         else:
             qdisc = ["pfifo"]
         for device, ns in ((self.outer_if, None), (self.inner_if, self.name)):
@@ -76,8 +86,10 @@ class LinkNamespace:
                 _ip("tc", "qdisc", "replace", "dev", device, "root", *qdisc, ns=ns)
             except NetnsError as error:
                 if "unknown" in str(error) and qdisc[0] == "netem":
-                    raise NetnsError("link_delay_ms needs the kernel's netem qdisc, which "
-                                     "this machine lacks; use link_rate_mbit (tbf)") from None
+                    raise NetnsError(
+                        "link_delay_ms needs the kernel's netem qdisc, which "
+                        "this machine lacks; use link_rate_mbit (tbf)"
+                    ) from None
                 raise
 
     def stop(self) -> None:

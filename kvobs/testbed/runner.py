@@ -29,9 +29,15 @@ from kvobs.testbed.scenario import (
 
 RESULTS_FILE = "results.json"
 # What a misbehaving client might send: another engine's blocks. The proxy must drop it.
-INJECTED_PARAMS = {"do_remote_decode": True, "remote_engine_id": "not-yours",
-                   "remote_block_ids": [[0, 1, 2]], "remote_request_id": "forged",
-                   "remote_host": "127.0.0.1", "remote_port": 1, "remote_num_tokens": 384}
+INJECTED_PARAMS = {
+    "do_remote_decode": True,
+    "remote_engine_id": "not-yours",
+    "remote_block_ids": [[0, 1, 2]],
+    "remote_request_id": "forged",
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+    "remote_num_tokens": 384,
+}
 MODEL_NAME = "tiny"
 
 
@@ -109,8 +115,7 @@ def _new_input(conversation: _Conversation, turn: TurnSpec) -> str:
     if conversation.next_turn == conversation.spec.own_text_from:
         conversation.rng.seed(f"{conversation.spec.id}:{conversation.next_turn}")
     first = conversation.next_turn == 1
-    return _text(conversation.rng, conversation.spec.system_tokens if first
-                 else turn.append_tokens)
+    return _text(conversation.rng, conversation.spec.system_tokens if first else turn.append_tokens)
 
 
 def _prompt(conversation: _Conversation, turn: TurnSpec, new_input: str) -> str:
@@ -118,12 +123,11 @@ def _prompt(conversation: _Conversation, turn: TurnSpec, new_input: str) -> str:
     if turn.rewrite_history == "strip-last-response" and conversation.last_response:
         history = history[: len(history) - len(conversation.last_response)]
     elif turn.rewrite_history == "truncate-head":
-        history = history[len(history) // 4:]
+        history = history[len(history) // 4 :]
     return history + new_input
 
 
-def _messages(conversation: _Conversation, turn: TurnSpec,
-              new_input: str) -> list[dict[str, str]]:
+def _messages(conversation: _Conversation, turn: TurnSpec, new_input: str) -> list[dict[str, str]]:
     messages = [dict(m) for m in conversation.messages]
     if turn.rewrite_history == "strip-last-response" and messages:
         messages[-1]["content"] = ""  # e.g. reasoning stripped from the last answer
@@ -132,14 +136,23 @@ def _messages(conversation: _Conversation, turn: TurnSpec,
     return messages + [{"role": "user", "content": new_input}]
 
 
-def _request(conversation: _Conversation, turn: TurnSpec, new_input: str,
-             safe_ids: list[int], conversation_id: bool = True
-             ) -> tuple[str, dict[str, Any], bool, int]:
+def _request(
+    conversation: _Conversation,
+    turn: TurnSpec,
+    new_input: str,
+    safe_ids: list[int],
+    conversation_id: bool = True,
+) -> tuple[str, dict[str, Any], bool, int]:
     """(path, body, stream, prompt characters) of the next turn; ``conversation_id``
     False: never a conversation id (behind a router that knows none)."""
     stream = conversation.spec.stream if turn.stream is None else turn.stream
-    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": turn.max_tokens,
-                            "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": turn.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if not turn.unstable_output:
         body["allowed_token_ids"] = safe_ids
     if conversation.spec.endpoint == "chat":
@@ -163,9 +176,9 @@ def _completion_text(payload: dict[str, Any]) -> str:
     return message.get("content") or ""
 
 
-def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
-          api_key: str | None = None
-          ) -> tuple[int, str, float | None, str | None, str | None]:
+def _send(
+    url: str, body: dict[str, Any], stream: bool, timeout_s: float, api_key: str | None = None
+) -> tuple[int, str, float | None, str | None, str | None]:
     """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -196,8 +209,13 @@ def _send(url: str, body: dict[str, Any], stream: bool, timeout_s: float,
                 text.append(piece)
             return response.status, "".join(text), ttft, error, trace_id
     except urllib.error.HTTPError as http_error:
-        return (http_error.code, "", None, http_error.read().decode(errors="replace")[:200],
-                http_error.headers.get(TRACE_ID_HEADER))
+        return (
+            http_error.code,
+            "",
+            None,
+            http_error.read().decode(errors="replace")[:200],
+            http_error.headers.get(TRACE_ID_HEADER),
+        )
     except (urllib.error.URLError, OSError, ValueError) as error:
         return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
 
@@ -210,13 +228,17 @@ class _Load:
 
     def __init__(self, url: str, bodies: list[dict[str, Any]], generating: bool):
         self.started = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._run, args=(url, body, generating),
-                                         daemon=True) for body in bodies]
+        self.threads = [
+            threading.Thread(target=self._run, args=(url, body, generating), daemon=True)
+            for body in bodies
+        ]
 
     def _run(self, url: str, body: dict[str, Any], generating: bool) -> None:
         request = urllib.request.Request(
-            url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
-            headers={"Content-Type": "application/json"})
+            url + "/v1/completions",
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         released = False
         try:
             with urllib.request.urlopen(request, timeout=300) as response:
@@ -252,24 +274,40 @@ def _prefill_load(testbed: Testbed, turn: TurnSpec, rng: random.Random) -> list[
     """Long prompts sent to P right before the turn: it queues behind their prefills."""
     if not turn.prefill_load:
         return []
-    bodies = [{"model": MODEL_NAME, "prompt": _text(rng, turn.prefill_load_tokens),
-               "max_tokens": 1, "temperature": 0.0} for _ in range(turn.prefill_load)]
+    bodies = [
+        {
+            "model": MODEL_NAME,
+            "prompt": _text(rng, turn.prefill_load_tokens),
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        for _ in range(turn.prefill_load)
+    ]
     return [_Load(testbed.engine_url("prefill"), bodies, generating=False).start()]
 
 
-def _decode_load(testbed: Testbed, turn: TurnSpec, rng: random.Random,
-                 safe_ids: list[int]) -> _Load | None:
+def _decode_load(
+    testbed: Testbed, turn: TurnSpec, rng: random.Random, safe_ids: list[int]
+) -> _Load | None:
     if not turn.decode_load:
         return None
-    bodies = [{"model": MODEL_NAME, "prompt": _text(rng, turn.decode_load_prompt_tokens),
-               "max_tokens": turn.decode_load_tokens, "ignore_eos": True,
-               "temperature": 0.0, "allowed_token_ids": safe_ids}
-              for _ in range(turn.decode_load)]
+    bodies = [
+        {
+            "model": MODEL_NAME,
+            "prompt": _text(rng, turn.decode_load_prompt_tokens),
+            "max_tokens": turn.decode_load_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "allowed_token_ids": safe_ids,
+        }
+        for _ in range(turn.decode_load)
+    ]
     return _Load(testbed.engine_url("decode"), bodies, generating=True)
 
 
-def next_due_turn(conversations: list[_Conversation], now: float,
-                  turn_estimate_s: float) -> tuple[_Conversation | None, float]:
+def next_due_turn(
+    conversations: list[_Conversation], now: float, turn_estimate_s: float
+) -> tuple[_Conversation | None, float]:
     """The conversation whose turn goes next, or None and when to ask again.
 
     A conversation's later turn runs against a deadline (D's TTL counts from its previous
@@ -288,8 +326,7 @@ def next_due_turn(conversations: list[_Conversation], now: float,
     if later is not None:
         wake.append(later.due - turn_estimate_s)
     if not wake:
-        raise RuntimeError("no turn can become due: every conversation left waits on "
-                           "another")
+        raise RuntimeError("no turn can become due: every conversation left waits on another")
     return None, min(wake)
 
 
@@ -299,15 +336,15 @@ class ScenarioClient:
     ``run_scenario`` steps it to the end; a caller that needs to act between turns
     (watch, measure, interleave) steps it itself."""
 
-    def __init__(self, scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
-                 log=print):
+    def __init__(self, scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0, log=print):
         self.testbed, self.timeout_s, self.log = testbed, timeout_s, log
         # Conversation ids are a kvobs proxy field: behind another router (vllm-router)
         # the client sends none, as a client of that router would; kvobs must cope.
         self.conversation_ids = scenario.engines.router == KVOBS_PROXY
         self.conversations = [
             _Conversation(spec, random.Random(f"{scenario.seed}:{spec.text_seed or spec.id}"))
-            for spec in scenario.conversations]
+            for spec in scenario.conversations
+        ]
         self._release(time.monotonic())
 
     @property
@@ -333,22 +370,26 @@ class ScenarioClient:
             time.sleep(max(0.0, at - time.monotonic()))
         turn = conversation.turn
         for action in turn.before:
-            self.log(f"[scenario] {action} before {conversation.spec.label} turn "
-                     f"{conversation.next_turn}")
+            self.log(
+                f"[scenario] {action} before {conversation.spec.label} turn "
+                f"{conversation.next_turn}"
+            )
             self.testbed.act(action)
         new_input = _new_input(conversation, turn)
-        path, body, stream, size = _request(conversation, turn, new_input,
-                                            self.testbed.safe_token_ids,
-                                            self.conversation_ids)
+        path, body, stream, size = _request(
+            conversation, turn, new_input, self.testbed.safe_token_ids, self.conversation_ids
+        )
         loads = _prefill_load(self.testbed, turn, conversation.rng)
-        decode_load = _decode_load(self.testbed, turn, conversation.rng,
-                                   self.testbed.safe_token_ids)
+        decode_load = _decode_load(
+            self.testbed, turn, conversation.rng, self.testbed.safe_token_ids
+        )
         timer = None
         if decode_load is not None:
             loads.append(decode_load)
             if turn.decode_load_delay_s:  # lands while D decodes this turn
-                timer = threading.Timer(turn.decode_load_delay_s, decode_load.start,
-                                        kwargs={"wait": False})
+                timer = threading.Timer(
+                    turn.decode_load_delay_s, decode_load.start, kwargs={"wait": False}
+                )
             else:
                 decode_load.start(settle_s=0.2)
         # The client is the instrument the timeline is checked against: no collection of
@@ -364,9 +405,14 @@ class ScenarioClient:
             if timer is not None:
                 timer.start()
             status, text, ttft, error, trace_id = _send(
-                self.testbed.proxy_url + path, body, stream, self.timeout_s,
-                None if conversation.spec.anonymous
-                else conversation.spec.tenant or DEFAULT_API_KEY)
+                self.testbed.proxy_url + path,
+                body,
+                stream,
+                self.timeout_s,
+                None
+                if conversation.spec.anonymous
+                else conversation.spec.tenant or DEFAULT_API_KEY,
+            )
             latency = time.monotonic() - begin
         finally:
             gc.enable()
@@ -374,16 +420,29 @@ class ScenarioClient:
             timer.join()  # the load starts even after a short turn, then ends with it
         for load in loads:
             load.join()
-        result = TurnResult(conversation.spec.id, conversation.next_turn, status,
-                            status == 200 and error is None, stream,
-                            "conversation_id" in body, size, len(text), ttft,
-                            latency, started_at, turn.expect, error,
-                            trace_id, conversation.spec.tenant)
+        result = TurnResult(
+            conversation.spec.id,
+            conversation.next_turn,
+            status,
+            status == 200 and error is None,
+            stream,
+            "conversation_id" in body,
+            size,
+            len(text),
+            ttft,
+            latency,
+            started_at,
+            turn.expect,
+            error,
+            trace_id,
+            conversation.spec.tenant,
+        )
         conversation.results.append(result)
-        self.log(f"[scenario] {result.label} turn {result.turn}: status {status} "
-                 f"ttft {ttft if ttft is None else round(ttft * 1000)} ms latency "
-                 f"{round(latency * 1000)} ms"
-                 + (f" error {error}" if error else ""))
+        self.log(
+            f"[scenario] {result.label} turn {result.turn}: status {status} "
+            f"ttft {ttft if ttft is None else round(ttft * 1000)} ms latency "
+            f"{round(latency * 1000)} ms" + (f" error {error}" if error else "")
+        )
         if "messages" in body:
             conversation.messages = body["messages"] + [{"role": "assistant", "content": text}]
         else:
@@ -397,8 +456,9 @@ class ScenarioClient:
         return result
 
 
-def run_scenario(scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0,
-                 log=print) -> list[TurnResult]:
+def run_scenario(
+    scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0, log=print
+) -> list[TurnResult]:
     """Run every turn; conversations interleave on one clock, one request at a time."""
     client = ScenarioClient(scenario, testbed, timeout_s, log)
     while not client.done:
@@ -411,6 +471,7 @@ def write_results(out_dir: str, scenario: Scenario, results: list[TurnResult]) -
 
     path = os.path.join(out_dir, RESULTS_FILE)
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump({"scenario": scenario.name, "turns": [asdict(r) for r in results]},
-                  handle, indent=2)
+        json.dump(
+            {"scenario": scenario.name, "turns": [asdict(r) for r in results]}, handle, indent=2
+        )
     return path

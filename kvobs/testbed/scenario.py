@@ -122,13 +122,21 @@ class Scenario:
 
     @property
     def expectations(self) -> dict[tuple[str, int], str]:
-        return {(c.label, i): t.expect for c in self.conversations
-                for i, t in enumerate(c.turns, 1) if t.expect}
+        return {
+            (c.label, i): t.expect
+            for c in self.conversations
+            for i, t in enumerate(c.turns, 1)
+            if t.expect
+        }
 
     @property
     def cause_expectations(self) -> dict[tuple[str, int], str | tuple[str, ...]]:
-        return {(c.label, i): t.expect_cause for c in self.conversations
-                for i, t in enumerate(c.turns, 1) if t.expect_cause}
+        return {
+            (c.label, i): t.expect_cause
+            for c in self.conversations
+            for i, t in enumerate(c.turns, 1)
+            if t.expect_cause
+        }
 
 
 def _build(cls, raw: dict[str, Any], where: str, **overrides):
@@ -147,8 +155,13 @@ def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
     before = raw.get("before", ())
     before = (before,) if isinstance(before, str) else tuple(before)
     cause = raw.get("expect_cause")
-    turn = _build(TurnSpec, raw, where, before=before,
-                  expect_cause=tuple(cause) if isinstance(cause, list) else cause)
+    turn = _build(
+        TurnSpec,
+        raw,
+        where,
+        before=before,
+        expect_cause=tuple(cause) if isinstance(cause, list) else cause,
+    )
     for action in turn.before:
         if action not in ACTIONS:
             raise ScenarioError(f"{where}.before: {action!r} not one of {ACTIONS}")
@@ -157,14 +170,19 @@ def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
     if turn.expect is not None and turn.expect not in {v.value for v in Verdict}:
         raise ScenarioError(f"{where}.expect: {turn.expect!r} is not a verdict")
     causes = {c.value for c in LatencyCause}
-    expected = (turn.expect_cause,) if isinstance(turn.expect_cause, str) else (
-        turn.expect_cause or ())
+    expected = (
+        (turn.expect_cause,) if isinstance(turn.expect_cause, str) else (turn.expect_cause or ())
+    )
     if not set(expected) <= causes or (turn.expect_cause is not None and not expected):
-        raise ScenarioError(f"{where}.expect_cause: {turn.expect_cause!r} is not one of "
-                            f"{sorted(causes)}")
-    if min(turn.prefill_load, turn.decode_load) < 0 or min(
-            turn.prefill_load_tokens, turn.decode_load_tokens,
-            turn.decode_load_prompt_tokens) < 1 or turn.decode_load_delay_s < 0:
+        raise ScenarioError(
+            f"{where}.expect_cause: {turn.expect_cause!r} is not one of {sorted(causes)}"
+        )
+    if (
+        min(turn.prefill_load, turn.decode_load) < 0
+        or min(turn.prefill_load_tokens, turn.decode_load_tokens, turn.decode_load_prompt_tokens)
+        < 1
+        or turn.decode_load_delay_s < 0
+    ):
         raise ScenarioError(f"{where}: loads >= 0 and their token counts >= 1")
     if turn.append_tokens < 1 or turn.max_tokens < 1 or turn.gap_s < 0:
         raise ScenarioError(f"{where}: append_tokens, max_tokens >= 1 and gap_s >= 0")
@@ -182,21 +200,28 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
     if engines.router not in ROUTERS:
         raise ScenarioError(f"engines.router: {engines.router!r} not one of {ROUTERS}")
     if engines.router != KVOBS_PROXY and engines.proxy_fixed_lifetime_s > 0:
-        raise ScenarioError("engines.proxy_fixed_lifetime_s: a kvobs proxy setting, "
-                            f"unused with router = {engines.router!r}")
+        raise ScenarioError(
+            "engines.proxy_fixed_lifetime_s: a kvobs proxy setting, "
+            f"unused with router = {engines.router!r}"
+        )
     if engines.router != KVOBS_PROXY and not engines.proxy_infer_conversations:
-        raise ScenarioError("engines.proxy_infer_conversations: a kvobs proxy setting, "
-                            f"unused with router = {engines.router!r}")
+        raise ScenarioError(
+            "engines.proxy_infer_conversations: a kvobs proxy setting, "
+            f"unused with router = {engines.router!r}"
+        )
     if engines.live_classifier and engines.vllm_tracing:
-        raise ScenarioError("engines.live_classifier and engines.vllm_tracing: both set the "
-                            "engines' OTLP endpoint; choose one")
+        raise ScenarioError(
+            "engines.live_classifier and engines.vllm_tracing: both set the "
+            "engines' OTLP endpoint; choose one"
+        )
     if engines.decode_host_copy_bytes < 0 or engines.decode_kv_cache_bytes < 0:
         raise ScenarioError("engines.decode_host_copy_bytes, decode_kv_cache_bytes: >= 0")
     conversations = []
     for n, conv in enumerate(raw.pop("conversations", []), 1):
         where = f"conversations[{n}]"
-        turns = tuple(_turn(t, f"{where}.turns[{i}]")
-                      for i, t in enumerate(conv.pop("turns", []), 1))
+        turns = tuple(
+            _turn(t, f"{where}.turns[{i}]") for i, t in enumerate(conv.pop("turns", []), 1)
+        )
         if not turns:
             raise ScenarioError(f"{where}: no turns")
         after = conv.pop("after", ())
@@ -204,12 +229,13 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         earlier = [c.label for c in conversations]
         unknown = [label for label in after if label not in earlier + [ALL_EARLIER]]
         if unknown:
-            raise ScenarioError(f"{where}.after: {unknown} not conversations listed "
-                                "earlier (their label: tenant/id, or id)")
+            raise ScenarioError(
+                f"{where}.after: {unknown} not conversations listed "
+                "earlier (their label: tenant/id, or id)"
+            )
         if ALL_EARLIER in after:
             after = tuple(earlier)
-        conversations.append(_build(ConversationSpec, conv, where, turns=turns,
-                                    after=after))
+        conversations.append(_build(ConversationSpec, conv, where, turns=turns, after=after))
         if conversations[-1].anonymous and conversations[-1].tenant:
             raise ScenarioError(f"{where}: anonymous sends no API key, so no tenant")
     if not conversations:

@@ -31,10 +31,15 @@ class Process:
         with open(log_path, "ab") as log:
             log.write(f"# cmd: {' '.join(cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, cwd=str(REPO_ROOT),
-                                         env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=str(REPO_ROOT),
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -90,10 +95,25 @@ class RedisServer(Process):
             raise ServiceError("redis-server not installed (scripts/setup.sh installs it)")
         self.port = port or free_ports(1)[0]
         directory.mkdir(parents=True, exist_ok=True)
-        super().__init__("redis", [binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                                   "--dir", str(directory), "--save", "", "--appendonly",
-                                   "no", "--protected-mode", "no"],
-                         directory / "redis.log")
+        super().__init__(
+            "redis",
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(directory),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            directory / "redis.log",
+        )
         self.wait_until(lambda: _port_open("127.0.0.1", self.port), 10, "listening")
 
     @property
@@ -107,8 +127,9 @@ class FrontDoor(Process):
 
     port: int
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, timeout_s: float,
-                 env: dict | None = None):
+    def __init__(
+        self, name: str, cmd: list[str], log_path: Path, timeout_s: float, env: dict | None = None
+    ):
         super().__init__(name, cmd, log_path, env)
         self.wait_until(lambda: _http_ok(f"{self.url}/health"), timeout_s, "healthy")
 
@@ -124,15 +145,40 @@ class FrontDoor(Process):
 class ProxyProcess(FrontDoor):
     """``kvobs proxy`` as a child process writing spans to ``store_dir``."""
 
-    def __init__(self, log_path: Path, *, prefill: str, decode: str, store_dir: str,
-                 port: int | None = None, redis_url: str | None = None,
-                 extra_args: list[str] | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        log_path: Path,
+        *,
+        prefill: str,
+        decode: str,
+        store_dir: str,
+        port: int | None = None,
+        redis_url: str | None = None,
+        extra_args: list[str] | None = None,
+        env: dict | None = None,
+    ):
         self.port = port or free_ports(1)[0]
-        cmd = [sys.executable, "-m", "kvobs", "proxy", "--host", "127.0.0.1",
-               "--port", str(self.port), "--prefiller-hosts", prefill.split(":")[0],
-               "--prefiller-ports", prefill.split(":")[1],
-               "--decoder-hosts", decode.split(":")[0], "--decoder-ports", decode.split(":")[1],
-               "--store-dir", store_dir, *(extra_args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvobs",
+            "proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prefiller-hosts",
+            prefill.split(":")[0],
+            "--prefiller-ports",
+            prefill.split(":")[1],
+            "--decoder-hosts",
+            decode.split(":")[0],
+            "--decoder-ports",
+            decode.split(":")[1],
+            "--store-dir",
+            store_dir,
+            *(extra_args or []),
+        ]
         if redis_url:
             cmd += ["--redis-url", redis_url]
         super().__init__("proxy", cmd, log_path, timeout_s=30, env=env)
@@ -148,21 +194,40 @@ class VllmRouterProcess(FrontDoor):
     No retries and no circuit breaker: one turn is one P and one D request, and a failed
     turn cannot make the router refuse the next ones."""
 
-    def __init__(self, log_path: Path, *, prefill_url: str, decode_url: str,
-                 port: int | None = None):
+    def __init__(
+        self, log_path: Path, *, prefill_url: str, decode_url: str, port: int | None = None
+    ):
         if importlib.util.find_spec("vllm_router_rs") is None:
             raise ServiceError("vllm-router not installed (scripts/setup.sh installs it)")
         fresh, self.metrics_port = free_ports(2)
         self.port = port or fresh
-        cmd = [sys.executable, "-m", "vllm_router.launch_router",
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-               "--prefill", prefill_url, "--decode", decode_url, "--policy", "round_robin",
-               "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(self.metrics_port),
-               # The engines are up already: check them at once, not every 30 s.
-               "--worker-startup-check-interval", "1",
-               "--disable-retries", "--disable-circuit-breaker"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--vllm-pd-disaggregation",
+            "--kv-connector",
+            "nixl",
+            "--prefill",
+            prefill_url,
+            "--decode",
+            decode_url,
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.metrics_port),
+            # The engines are up already: check them at once, not every 30 s.
+            "--worker-startup-check-interval",
+            "1",
+            "--disable-retries",
+            "--disable-circuit-breaker",
+        ]
         super().__init__("vllm-router", cmd, log_path, timeout_s=60)
 
     @property
@@ -173,16 +238,34 @@ class VllmRouterProcess(FrontDoor):
 class CollectProcess(Process):
     """``kvobs collect``: receives OTLP traces into ``store_dir`` (and classifies them)."""
 
-    def __init__(self, log_path: Path, store_dir: str, port: int | None = None,
-                 extra_args: list[str] | None = None, nice: int = 0):
+    def __init__(
+        self,
+        log_path: Path,
+        store_dir: str,
+        port: int | None = None,
+        extra_args: list[str] | None = None,
+        nice: int = 0,
+    ):
         self.port = port or free_ports(1)[0]
         # nice: below the engines, proxy and client, whose timing the scenarios check
         prefix = ["nice", "-n", str(nice)] if nice else []
-        super().__init__("collect", [*prefix, sys.executable, "-m", "kvobs", "collect",
-                                     "--store-dir", store_dir, "--port", str(self.port),
-                                     *(extra_args or ())], log_path)
-        self.wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.port}/health"), 30,
-                        "healthy")
+        super().__init__(
+            "collect",
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "kvobs",
+                "collect",
+                "--store-dir",
+                store_dir,
+                "--port",
+                str(self.port),
+                *(extra_args or ()),
+            ],
+            log_path,
+        )
+        self.wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.port}/health"), 30, "healthy")
 
     @property
     def traces_url(self) -> str:
@@ -198,10 +281,16 @@ class CollectProcess(Process):
                     text = answer.read().decode()
             except OSError:
                 text = ""
-            open_turns = [line for line in text.splitlines()
-                          if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")]
-            counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                          if line.startswith(sc.M_TURNS.name + "{"))
+            open_turns = [
+                line
+                for line in text.splitlines()
+                if line.startswith(sc.M_CLASSIFIER_OPEN_TURNS.name + " ")
+            ]
+            counted = sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(sc.M_TURNS.name + "{")
+            )
             if open_turns and float(open_turns[0].split()[1]) == 0 and counted >= turns:
                 return True
             time.sleep(0.5)

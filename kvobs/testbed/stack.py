@@ -19,8 +19,13 @@ from kvobs.testbed.engines import PDPair, free_ports
 from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
 from kvobs.testbed.scenario import VLLM_ROUTER, EngineSettings
-from kvobs.testbed.services import (CollectProcess, FrontDoor, ProxyProcess, RedisServer,
-                                    VllmRouterProcess)
+from kvobs.testbed.services import (
+    CollectProcess,
+    FrontDoor,
+    ProxyProcess,
+    RedisServer,
+    VllmRouterProcess,
+)
 
 CONNECTOR_CLASS = "KvobsNixlConnector"
 CONNECTOR_MODULE = "connector_instrumented"
@@ -61,9 +66,14 @@ def _stop_on_sigterm():
 class Stack:
     """Implements ``kvobs.testbed.runner.Testbed`` on real processes."""
 
-    def __init__(self, settings: EngineSettings, out_dir: str | os.PathLike,
-                 model_dir: Path = DEFAULT_MODEL_DIR, instrumented: bool = True,
-                 log=print):
+    def __init__(
+        self,
+        settings: EngineSettings,
+        out_dir: str | os.PathLike,
+        model_dir: Path = DEFAULT_MODEL_DIR,
+        instrumented: bool = True,
+        log=print,
+    ):
         self.settings = settings
         self.out_dir = Path(out_dir).resolve()
         self.model_dir = model_dir
@@ -129,21 +139,27 @@ class Stack:
             # puts its endpoint in the engine's environment, where the connector's spans
             # follow it (the standard OTEL_* route): they too reach the store that way,
             # once, instead of also being written there directly.
-            self.collect = CollectProcess(self.out_dir / LOGS / "collect.log",
-                                          str(self.out_dir))
+            self.collect = CollectProcess(self.out_dir / LOGS / "collect.log", str(self.out_dir))
             tracing_args = ["--otlp-traces-endpoint", self.collect.traces_url]
-            telemetry = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.collect.traces_url}
+            telemetry = {
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.collect.traces_url,
+            }
         if s.live_classifier:
             self._start_live_classifier()
             telemetry = {**telemetry, **self._live_env}
         p_http, d_http, p_side, d_side = free_ports(4)
         self.pair = PDPair(
-            model, self.out_dir / LOGS, prefill_port=p_http, decode_port=d_http,
-            prefill_side_channel_port=p_side, decode_side_channel_port=d_side,
+            model,
+            self.out_dir / LOGS,
+            prefill_port=p_http,
+            decode_port=d_http,
+            prefill_side_channel_port=p_side,
+            decode_side_channel_port=d_side,
             kv_connector=CONNECTOR_CLASS if self.instrumented else "NixlConnector",
             kv_connector_module_path=CONNECTOR_MODULE if self.instrumented else None,
-            decoder_kv_blocks_ttl=s.ttl_s, kv_recompute_threshold=s.threshold,
+            decoder_kv_blocks_ttl=s.ttl_s,
+            kv_recompute_threshold=s.threshold,
             kv_load_failure_policy=s.failure_policy,
             extra_config=self._connector_config() if self.instrumented else None,
             decode_host_copy_bytes=s.decode_host_copy_bytes,
@@ -151,18 +167,29 @@ class Stack:
             decode_kv_cache_bytes=s.decode_kv_cache_bytes or None,
             extra_args=tracing_args,
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
-            prefill_env={**telemetry, **transport, **self._otel_env("prefill"),
-                         "KVOBS_ROLE": "prefill"},
-            decode_env={**telemetry, **transport, **self._otel_env("decode"),
-                        "KVOBS_ROLE": "decode"},
+            prefill_env={
+                **telemetry,
+                **transport,
+                **self._otel_env("prefill"),
+                "KVOBS_ROLE": "prefill",
+            },
+            decode_env={
+                **telemetry,
+                **transport,
+                **self._otel_env("decode"),
+                "KVOBS_ROLE": "decode",
+            },
             # With D in a namespace each side must reach the other's side channel, so P
             # listens on the link's outer address instead of loopback.
             prefill_host=self.netns.outer_address if self.netns else "127.0.0.1",
             decode_host=self.netns.inner_address if self.netns else "127.0.0.1",
-            decode_wrapper=self.netns.wrapper if self.netns else ())
+            decode_wrapper=self.netns.wrapper if self.netns else (),
+        )
         connector = "instrumented" if self.instrumented else "upstream"
-        self.log(f"[testbed] starting P and D ({connector} connector, TTL {s.ttl_s}s, "
-                 f"threshold {s.threshold})")
+        self.log(
+            f"[testbed] starting P and D ({connector} connector, TTL {s.ttl_s}s, "
+            f"threshold {s.threshold})"
+        )
         self.pair.start()
         self.log(f"[testbed] engines ready in {self.pair.start_s:.1f}s")
         self._start_proxy()
@@ -173,26 +200,42 @@ class Stack:
         if self.settings.router == VLLM_ROUTER:
             self.proxy = VllmRouterProcess(
                 self.out_dir / LOGS / f"vllm-router-{self._proxy_starts}.log",
-                prefill_url=pair.prefill.url, decode_url=pair.decode.url,
-                port=self.proxy.port if self.proxy else None)
+                prefill_url=pair.prefill.url,
+                decode_url=pair.decode.url,
+                port=self.proxy.port if self.proxy else None,
+            )
             return
         self.proxy = ProxyProcess(
             self.out_dir / LOGS / f"proxy-{self._proxy_starts}.log",
             prefill=f"{pair.prefill.spec.host}:{pair.prefill.spec.port}",
             decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
-            store_dir=str(self.out_dir), redis_url=self.redis.url,
+            store_dir=str(self.out_dir),
+            redis_url=self.redis.url,
             port=self.proxy.port if self.proxy else None,  # a restart keeps its address
-            extra_args=self._proxy_args(), env=self._otel_env("proxy"))
+            extra_args=self._proxy_args(),
+            env=self._otel_env("proxy"),
+        )
 
     def _start_live_classifier(self) -> None:
         """``kvobs collect`` classifying as spans arrive, with its own store (OUT/live):
         P, D and the proxy send it every span over OTLP, next to the span store."""
         self.live = CollectProcess(
-            self.out_dir / LOGS / "classifier.log", str(self.out_dir / LIVE_DIR),
-            extra_args=["--decode-kv-ttl", str(self.settings.ttl_s), "--grace",
-                        str(LIVE_GRACE_S), "--interval", "0.5"], nice=10)
-        self._live_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-                          "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.live.traces_url}
+            self.out_dir / LOGS / "classifier.log",
+            str(self.out_dir / LIVE_DIR),
+            extra_args=[
+                "--decode-kv-ttl",
+                str(self.settings.ttl_s),
+                "--grace",
+                str(LIVE_GRACE_S),
+                "--interval",
+                "0.5",
+            ],
+            nice=10,
+        )
+        self._live_env = {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.live.traces_url,
+        }
 
     def live_settled(self, timeout_s: float = 60.0) -> bool:
         """Waits until the live classifier holds no open turn (every turn final)."""
@@ -223,8 +266,11 @@ class Stack:
         directory.mkdir(exist_ok=True)
         sources = {}
         if self.pair is not None:
-            sources = {e.role: e for e in (self.pair.prefill, self.pair.decode)
-                       if e is not None and e.alive()}
+            sources = {
+                e.role: e
+                for e in (self.pair.prefill, self.pair.decode)
+                if e is not None and e.alive()
+            }
         for role, engine in sources.items():
             try:
                 (directory / f"{role}.prom").write_text(engine.metrics())
@@ -249,8 +295,14 @@ class Stack:
         # the teardown short and orphan what is not stopped yet: we are stopping anyway.
         previous = _set_sigterm(signal.SIG_IGN)
         try:
-            for component in (self.proxy, self.pair, self.collect, self.live, self.redis,
-                              self.netns):
+            for component in (
+                self.proxy,
+                self.pair,
+                self.collect,
+                self.live,
+                self.redis,
+                self.netns,
+            ):
                 if component is None:
                     continue
                 try:

@@ -17,16 +17,37 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["array", "strings", "scalar", "equal", "empty", "numbers", "booleans", "values",
-           "from_values", "text", "codes", "KIND_TYPES", "FALSE"]
+__all__ = [
+    "array",
+    "strings",
+    "scalar",
+    "equal",
+    "empty",
+    "numbers",
+    "booleans",
+    "values",
+    "from_values",
+    "text",
+    "codes",
+    "KIND_TYPES",
+    "FALSE",
+]
 
 # The Arrow type of each value kind of kvobs.semconv's attributes and the turn columns.
 KIND_TYPES = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string()}
 
-_NUMPY_TYPES = {pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32,
-                pa.int64(): np.int64, pa.uint8(): np.uint8, pa.uint16(): np.uint16,
-                pa.uint32(): np.uint32, pa.uint64(): np.uint64, pa.float32(): np.float32,
-                pa.float64(): np.float64}
+_NUMPY_TYPES = {
+    pa.int8(): np.int8,
+    pa.int16(): np.int16,
+    pa.int32(): np.int32,
+    pa.int64(): np.int64,
+    pa.uint8(): np.uint8,
+    pa.uint16(): np.uint16,
+    pa.uint32(): np.uint32,
+    pa.uint64(): np.uint64,
+    pa.float32(): np.float32,
+    pa.float64(): np.float64,
+}
 _ARROW_TYPES = {np.dtype(numpy): arrow for arrow, numpy in _NUMPY_TYPES.items()}
 
 
@@ -34,14 +55,18 @@ def _bits(flags: np.ndarray) -> pa.Buffer:
     return pa.py_buffer(np.packbits(np.asarray(flags, bool), bitorder="little"))
 
 
-def array(values: np.ndarray, type: pa.DataType | None = None,
-          mask: np.ndarray | None = None) -> pa.Array:
+def array(
+    values: np.ndarray, type: pa.DataType | None = None, mask: np.ndarray | None = None
+) -> pa.Array:
     """A numeric or boolean numpy array as Arrow (``type``: its own dtype's when not
     given), null where ``mask`` is true. Object arrays of strings: ``strings``."""
     values = np.asarray(values)
     if values.dtype == object:
-        return strings(values.tolist() if mask is None else
-                       [None if m else v for v, m in zip(values.tolist(), mask)])
+        return strings(
+            values.tolist()
+            if mask is None
+            else [None if m else v for v, m in zip(values.tolist(), mask)]
+        )
     n = len(values)
     validity, nulls = None, 0
     if mask is not None and np.any(mask):
@@ -58,16 +83,19 @@ def array(values: np.ndarray, type: pa.DataType | None = None,
 def strings(items: Iterable[str | None]) -> pa.Array:
     """Python strings (None: null) as an Arrow string array."""
     items = list(items)
-    encoded = [b"" if item is None else str(item).encode("utf-8", "surrogatepass")
-               for item in items]
+    encoded = [
+        b"" if item is None else str(item).encode("utf-8", "surrogatepass") for item in items
+    ]
     offsets = np.zeros(len(items) + 1, np.int32)
     np.cumsum([len(item) for item in encoded], out=offsets[1:])
     missing = np.array([item is None for item in items], bool)
     validity = _bits(~missing) if missing.any() else None
-    return pa.Array.from_buffers(pa.string(), len(items),
-                                 [validity, pa.py_buffer(offsets),
-                                  pa.py_buffer(b"".join(encoded))],
-                                 null_count=int(missing.sum()))
+    return pa.Array.from_buffers(
+        pa.string(),
+        len(items),
+        [validity, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))],
+        null_count=int(missing.sum()),
+    )
 
 
 def from_values(items: Iterable[Any], type: pa.DataType) -> pa.Array:
@@ -115,16 +143,15 @@ def _valid(values: pa.Array) -> np.ndarray | None:
         return None
     bitmap = values.buffers()[0]
     bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), bitorder="little")
-    return bits[values.offset:values.offset + len(values)].astype(bool)
+    return bits[values.offset : values.offset + len(values)].astype(bool)
 
 
-def numbers(values: pa.Array | pa.ChunkedArray, fill: float | int | None = None
-            ) -> np.ndarray:
+def numbers(values: pa.Array | pa.ChunkedArray, fill: float | int | None = None) -> np.ndarray:
     """A numeric column as numpy in its own dtype; null rows read ``fill`` (when not
     given and some row is null: float64 with NaN, as ``to_numpy`` reads it)."""
     values = _one(values)
     dtype = _NUMPY_TYPES[values.type]
-    data = np.frombuffer(values.buffers()[1], dtype)[values.offset:values.offset + len(values)]
+    data = np.frombuffer(values.buffers()[1], dtype)[values.offset : values.offset + len(values)]
     valid = _valid(values)
     if valid is None:
         return data.copy()
@@ -141,7 +168,7 @@ def booleans(values: pa.Array | pa.ChunkedArray, fill: bool = False) -> np.ndarr
     """A boolean column as numpy; null rows read ``fill``."""
     values = _one(values)
     bits = np.unpackbits(np.frombuffer(values.buffers()[1], np.uint8), bitorder="little")
-    out = bits[values.offset:values.offset + len(values)].astype(bool)
+    out = bits[values.offset : values.offset + len(values)].astype(bool)
     valid = _valid(values)
     if valid is not None:
         out[~valid] = fill

@@ -93,8 +93,9 @@ def eq(turns: Table, column: str, value: str) -> np.ndarray:
     return (values == value).fillna(False).to_numpy(bool)
 
 
-def startswith(turns: Table, column: str, prefixes: tuple[str, ...],
-               rows: np.ndarray | None = None) -> np.ndarray:
+def startswith(
+    turns: Table, column: str, prefixes: tuple[str, ...], rows: np.ndarray | None = None
+) -> np.ndarray:
     """Rows whose string value starts with one of ``prefixes`` (only among ``rows``, a
     mask, when given: the test is per value)."""
     out = np.zeros(len(turns), bool)
@@ -141,8 +142,11 @@ def num(turns: Table, column: str) -> np.ndarray:
             values = turns.added[column]
             return np.full(len(turns), np.nan) if _is_object(values) else values
         values = turns.arrow(column)
-        if not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)
-                or pa.types.is_boolean(values.type)):
+        if not (
+            pa.types.is_integer(values.type)
+            or pa.types.is_floating(values.type)
+            or pa.types.is_boolean(values.type)
+        ):
             return np.full(len(turns), np.nan)
         return arrays.numbers(pc.cast(values, pa.float64(), safe=False))
     import pandas as pd  # a DataFrame's: pandas is loaded already
@@ -192,9 +196,11 @@ def assign(turns: Table, columns: dict[str, np.ndarray | Categories]) -> None:
         # fleet table would copy all of it.
         warnings.simplefilter("ignore", pd.errors.PerformanceWarning)
         for name, values in columns.items():
-            turns[name] = (pd.Categorical.from_codes(values.codes, values.names)
-                           if isinstance(values, Categories)
-                           else pd.Series(values, index=turns.index, copy=False))
+            turns[name] = (
+                pd.Categorical.from_codes(values.codes, values.names)
+                if isinstance(values, Categories)
+                else pd.Series(values, index=turns.index, copy=False)
+            )
 
 
 def records(turns: Table) -> list[dict[str, Any]]:

@@ -33,18 +33,42 @@ import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.turns import arrays, columns as col, lineage
-from kvobs.turns.schema import (ALL_COLUMNS, CONVERSATION_KEYS, DEVICE_BLOCK_SECONDS,
-                                FLEET_COLUMNS, GAP, HOST_BYTE_SECONDS, KEY_SOURCES, KEYS,
-                                PREVIOUS, PREVIOUS_PREFIX, SERVED_BY, SERVED_DEVICE_TOKENS,
-                                SERVED_HOST_TOKENS, SPAN_COLUMNS, UNKNOWN_TENANT, Agg,
-                                TurnColumn)
+from kvobs.turns.schema import (
+    ALL_COLUMNS,
+    CONVERSATION_KEYS,
+    DEVICE_BLOCK_SECONDS,
+    FLEET_COLUMNS,
+    GAP,
+    HOST_BYTE_SECONDS,
+    KEY_SOURCES,
+    KEYS,
+    PREVIOUS,
+    PREVIOUS_PREFIX,
+    SERVED_BY,
+    SERVED_DEVICE_TOKENS,
+    SERVED_HOST_TOKENS,
+    SPAN_COLUMNS,
+    UNKNOWN_TENANT,
+    Agg,
+    TurnColumn,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["turns_from_spans", "turn_rows", "turn_table", "aggregate",
-           "to_frame", "derive", "span_columns", "vllm_roles", "needs_lineage", "KEYS",
-           "UNKNOWN_TENANT"]
+__all__ = [
+    "turns_from_spans",
+    "turn_rows",
+    "turn_table",
+    "aggregate",
+    "to_frame",
+    "derive",
+    "span_columns",
+    "vllm_roles",
+    "needs_lineage",
+    "KEYS",
+    "UNKNOWN_TENANT",
+]
 
 _TENANT, _CID, _TURN = KEY_SOURCES["tenant"], KEY_SOURCES["conversation_id"], KEY_SOURCES["turn"]
 ARROW_TYPES = arrays.KIND_TYPES
@@ -69,8 +93,9 @@ def vllm_roles(spans: Spans) -> Spans:
     vllm = arrays.equal(name, sc.VLLM_REQUEST_SPAN)
     if not pc.any(vllm).as_py():
         return spans
-    service = pc.coalesce(pc.utf8_lower(arrays.text(table, sc.ROLE.key)),
-                          pc.utf8_lower(arrays.text(table, "service")))
+    service = pc.coalesce(
+        pc.utf8_lower(arrays.text(table, sc.ROLE.key)), pc.utf8_lower(arrays.text(table, "service"))
+    )
     trace, start = arrays.text(table, "trace_id"), table.column("start_ns")
     # Per row, the latest start of a vLLM span of its trace (null: none has one). By
     # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.turns.arrays).
@@ -86,11 +111,15 @@ def vllm_roles(spans: Spans) -> Spans:
     last = pc.if_else(pc.is_valid(trace), pc.equal(start, latest_start), arrays.FALSE)
     decode = pc.or_kleene(
         pc.fill_null(pc.match_substring(service, "decode"), arrays.FALSE),
-        pc.and_kleene(pc.invert(pc.fill_null(pc.match_substring(service, "prefill"),
-                                             arrays.FALSE)),
-                      last))
-    renamed = pc.if_else(vllm, pc.if_else(decode, _text(sc.SPAN_VLLM_DECODE.name),
-                                          _text(sc.SPAN_VLLM_PREFILL.name)), name)
+        pc.and_kleene(
+            pc.invert(pc.fill_null(pc.match_substring(service, "prefill"), arrays.FALSE)), last
+        ),
+    )
+    renamed = pc.if_else(
+        vllm,
+        pc.if_else(decode, _text(sc.SPAN_VLLM_DECODE.name), _text(sc.SPAN_VLLM_PREFILL.name)),
+        name,
+    )
     if isinstance(spans, pa.Table):
         return spans.set_column(spans.column_names.index("name"), "name", renamed)
     return spans.assign(name=renamed.to_pylist()).astype({"name": spans["name"].dtype})
@@ -103,28 +132,36 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     key = sc.PREFIX_LINEAGE.key
     if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
         return False
-    decisions = pc.and_(arrays.equal(arrays.text(spans, "name"), sc.SPAN_PULL_DECISION.name),
-                        pc.is_valid(spans.column(key)))
+    decisions = pc.and_(
+        arrays.equal(arrays.text(spans, "name"), sc.SPAN_PULL_DECISION.name),
+        pc.is_valid(spans.column(key)),
+    )
     if not pc.any(decisions).as_py():
         return False
     if facts:
         return True
     cid = arrays.text(spans, sc.CONVERSATION_ID.key).filter(decisions)
-    return bool(pc.any(pc.or_(pc.is_null(cid), pc.fill_null(
-        pc.starts_with(cid, sc.ANONYMOUS_PREFIX), arrays.FALSE))).as_py())
+    return bool(
+        pc.any(
+            pc.or_(
+                pc.is_null(cid),
+                pc.fill_null(pc.starts_with(cid, sc.ANONYMOUS_PREFIX), arrays.FALSE),
+            )
+        ).as_py()
+    )
 
 
 def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
     """Span-table columns ``aggregate`` reads for ``columns`` (``trace_id`` is needed
     too when ``needs_traces``)."""
     needed = {"name", "start_ns", *KEY_SOURCES.values()}
-    needed.update(c.source for c in columns.values()
-                  if c.agg not in (Agg.PRESENCE, Agg.COUNT))
+    needed.update(c.source for c in columns.values() if c.agg not in (Agg.PRESENCE, Agg.COUNT))
     return sorted(needed)
 
 
-def turn_rows(spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
-              lineage_facts: bool = False) -> pa.Table:
+def turn_rows(
+    spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS, lineage_facts: bool = False
+) -> pa.Table:
     """A span table (any source's ``spans()``, or Arrow) to ``aggregate``'s turn
     rows. Lineage links id-less turns always; ``lineage_facts`` also gives id'd turns the
     facts of the export they extend (diagnose: one conversation; the fleet skips that
@@ -137,8 +174,15 @@ def turn_rows(spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS,
 
 
 # What ``vllm_roles`` and ``needs_lineage`` read.
-_ROLE_AND_CHAIN = ("name", "service", sc.ROLE.key, "start_ns", "trace_id",
-                   sc.PREFIX_LINEAGE.key, sc.CONVERSATION_ID.key)
+_ROLE_AND_CHAIN = (
+    "name",
+    "service",
+    sc.ROLE.key,
+    "start_ns",
+    "trace_id",
+    sc.PREFIX_LINEAGE.key,
+    sc.CONVERSATION_ID.key,
+)
 
 
 def _arrow(spans: Spans, columns: set[str] | None = None) -> pa.Table:
@@ -163,8 +207,10 @@ def turn_table(rows: pa.Table | Iterable[pa.Table]) -> pd.DataFrame:
     each holding whole conversations) to the table the rules read."""
     # A slice at a time, derived and converted, so that neither's copies ever span a
     # fleet: its Arrow rows are freed before the next slice is read.
-    frames = [to_frame(derive(_large_chunks(piece)))
-              for piece in ([rows] if isinstance(rows, pa.Table) else rows)]
+    frames = [
+        to_frame(derive(_large_chunks(piece)))
+        for piece in ([rows] if isinstance(rows, pa.Table) else rows)
+    ]
     return frames[0] if len(frames) == 1 else _stacked(frames)
 
 
@@ -189,9 +235,12 @@ def _stacked(frames: list[pd.DataFrame]) -> pd.DataFrame:
         if isinstance(parts[0].dtype, pd.CategoricalDtype):
             # A slice without values has no categories, typed apart (``_all_missing``).
             kinds = [p.cat.categories[:0] for p in parts if len(p.cat.categories)]
-            values = union_categoricals([p.cat.set_categories(kinds[0])
-                                         if kinds and not len(p.cat.categories) else p
-                                         for p in parts])
+            values = union_categoricals(
+                [
+                    p.cat.set_categories(kinds[0]) if kinds and not len(p.cat.categories) else p
+                    for p in parts
+                ]
+            )
         else:
             values = pd.concat(parts, ignore_index=True).array
         col.assign(out, {name: values})
@@ -202,15 +251,23 @@ def needs_traces(table: pa.Table) -> bool:
     """Whether some span must take a key from its trace: it lacks conversation or turn,
     or lacks a tenant that other spans carry."""
     tenant = table.column(_TENANT).null_count
-    return bool(table.column(_CID).null_count or table.column(_TURN).null_count
-                or 0 < tenant < table.num_rows)
+    return bool(
+        table.column(_CID).null_count
+        or table.column(_TURN).null_count
+        or 0 < tenant < table.num_rows
+    )
 
 
 def plain(table: pa.Table) -> pa.Table:
     """``table`` with dictionary columns decoded."""
-    return table.cast(pa.schema([pa.field(f.name, f.type.value_type)
-                                 if pa.types.is_dictionary(f.type) else f
-                                 for f in table.schema]))
+    return table.cast(
+        pa.schema(
+            [
+                pa.field(f.name, f.type.value_type) if pa.types.is_dictionary(f.type) else f
+                for f in table.schema
+            ]
+        )
+    )
 
 
 def _inherit_keys(table: pa.Table) -> pa.Table:
@@ -230,8 +287,7 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
         source[traced] = has[first]
         index = source[codes]
         inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
-        table = table.set_column(table.column_names.index(key), key,
-                                 pc.coalesce(column, inherited))
+        table = table.set_column(table.column_names.index(key), key, pc.coalesce(column, inherited))
     return table
 
 
@@ -245,8 +301,9 @@ def _dictionary(column: pa.ChunkedArray) -> pa.DictionaryArray:
             return pa.DictionaryArray.from_arrays(indices, first)
         column = column.cast(column.type.value_type)
     if not len(column):
-        return pa.DictionaryArray.from_arrays(arrays.array(np.zeros(0, np.int32)),
-                                              arrays.strings([]))
+        return pa.DictionaryArray.from_arrays(
+            arrays.array(np.zeros(0, np.int32)), arrays.strings([])
+        )
     return column.combine_chunks().dictionary_encode()
 
 
@@ -257,8 +314,7 @@ def _same_buffer(a: pa.Array, b: pa.Array) -> bool:
     return x is not None and y is not None and x.address == y.address and len(a) == len(b)
 
 
-def ranked(column: pa.ChunkedArray, null_as: str | None = None
-           ) -> tuple[np.ndarray, np.ndarray]:
+def ranked(column: pa.ChunkedArray, null_as: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-row codes in sorted string order, and the sorted distinct strings. Works on
     dictionary codes: the common one-tenant column never becomes 10M strings."""
     encoded = _dictionary(column)
@@ -276,7 +332,7 @@ def ranked(column: pa.ChunkedArray, null_as: str | None = None
 
 def run_starts(sorted_keys: np.ndarray) -> np.ndarray:
     """Per element of sorted keys: whether it starts a run of equal keys."""
-    return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[:len(sorted_keys)]
+    return np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])[: len(sorted_keys)]
 
 
 def _turn_order(keys: np.ndarray, start: np.ndarray) -> np.ndarray:
@@ -299,8 +355,9 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
     time as ``TurnColumn.agg`` says (``FIRST``: the first non-null value)."""
     table = _inherit_keys(table)
     if table.column(_CID).null_count or table.column(_TURN).null_count:
-        table = table.filter(pc.and_(pc.is_valid(table.column(_CID)),
-                                     pc.is_valid(table.column(_TURN))))
+        table = table.filter(
+            pc.and_(pc.is_valid(table.column(_CID)), pc.is_valid(table.column(_TURN)))
+        )
     tenant_codes, tenants = ranked(table.column(_TENANT), UNKNOWN_TENANT)
     cid_codes, cids = ranked(table.column(_CID))
     conversation = tenant_codes * max(len(cids), 1) + cid_codes
@@ -339,12 +396,13 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
     conversation_of = turn_keys >> bits
     out: dict[str, pa.Array] = {
         "tenant": pa.DictionaryArray.from_arrays(
-            arrays.array(conversation_of // max(len(cids), 1), pa.int32()),
-            arrays.strings(tenants)),
+            arrays.array(conversation_of // max(len(cids), 1), pa.int32()), arrays.strings(tenants)
+        ),
         "conversation_id": pa.DictionaryArray.from_arrays(
-            arrays.array(conversation_of % max(len(cids), 1), pa.int32()),
-            arrays.strings(cids)),
-        "turn": arrays.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64())}
+            arrays.array(conversation_of % max(len(cids), 1), pa.int32()), arrays.strings(cids)
+        ),
+        "turn": arrays.array((turn_keys & ((1 << bits) - 1)) + lowest, pa.int64()),
+    }
     for name, column in columns.items():
         arrow_type = ARROW_TYPES[column.type]
         if column.span.name not in by_name:
@@ -355,8 +413,11 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
         if column.agg in (Agg.PRESENCE, Agg.COUNT):
             count = np.zeros(n, np.int64)
             count[position] = np.bincount(group, minlength=len(keys))
-            out[name] = (arrays.strings(np.where(count > 0, "yes", None))
-                         if column.agg is Agg.PRESENCE else arrays.array(count, mask=count == 0))
+            out[name] = (
+                arrays.strings(np.where(count > 0, "yes", None))
+                if column.agg is Agg.PRESENCE
+                else arrays.array(count, mask=count == 0)
+            )
             continue
         values = source_column(column.source).take(arrays.array(rows))
         if column.agg is Agg.SUM:
@@ -370,8 +431,7 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
     return pa.table(out)
 
 
-def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray,
-            n: int) -> pa.Array:
+def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray, n: int) -> pa.Array:
     """Sum per turn, null when no span of the turn has a value (``min_count=1``)."""
     numbers = arrays.numbers(pc.cast(values, pa.int64()), fill=0)
     valid = arrays.booleans(values.is_valid())
@@ -408,7 +468,8 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
         columns.append(values)
     frame = pa.table(columns, names=names).to_pandas(
         types_mapper={pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}.get,
-        split_blocks=True)
+        split_blocks=True,
+    )
     for position, (name, kind) in missing.items():  # in order: each lands at its place
         frame.insert(position, name, _all_missing(kind, len(frame)))
     frame["turn"] = frame["turn"].astype(np.int64)
@@ -468,9 +529,12 @@ def turn_links(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     previous turn and of its next turn, -1 when there is none."""
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
-    codes = [turns[key].cat.codes.to_numpy(np.int64)
-             if isinstance(turns[key].dtype, pd.CategoricalDtype)
-             else pd.factorize(turns[key])[0] for key in CONVERSATION_KEYS]
+    codes = [
+        turns[key].cat.codes.to_numpy(np.int64)
+        if isinstance(turns[key].dtype, pd.CategoricalDtype)
+        else pd.factorize(turns[key])[0]
+        for key in CONVERSATION_KEYS
+    ]
     previous = previous_rows(codes, turns["turn"].to_numpy(np.int64))
     following = np.full(len(previous), -1, np.int64)
     linked = previous >= 0
@@ -494,11 +558,12 @@ def derive(rows: pa.Table) -> pa.Table:
     rows = rows.append_column(GAP.name, gap)
     rows = with_served_by(with_retention(rows))
     for name in PREVIOUS:
-        carried = name[len(PREVIOUS_PREFIX):]
+        carried = name[len(PREVIOUS_PREFIX) :]
         if carried in rows.column_names:
             values = rows.column(carried)
-            rows = rows.append_column(name, values.take(previous)
-                                      if values.null_count < len(values) else values)
+            rows = rows.append_column(
+                name, values.take(previous) if values.null_count < len(values) else values
+            )
     return rows
 
 
@@ -514,32 +579,44 @@ def with_served_by(rows: pa.Table) -> pa.Table:
     the tokens P read from D's device blocks (a finished read's offered, else candidate,
     tokens; 0 when P decided without reading), the tokens an offloading tier loaded (the
     host lookup's accepted tokens), and the path(s) that served any."""
-    offered = pc.coalesce(_column(rows, "offered_tokens", pa.int64()),
-                          _column(rows, "candidate_tokens", pa.int64()))
+    offered = pc.coalesce(
+        _column(rows, "offered_tokens", pa.int64()), _column(rows, "candidate_tokens", pa.int64())
+    )
     read = arrays.equal(_column(rows, "read_outcome", pa.string()), sc.ReadOutcome.DONE.value)
     decided = pc.is_valid(_column(rows, "decision", pa.string()))
     zero = arrays.scalar(0, pa.int64())
-    device = pc.if_else(decided, pc.if_else(read, pc.fill_null(offered, zero), zero),
-                        pa.nulls(rows.num_rows, pa.int64()))
+    device = pc.if_else(
+        decided,
+        pc.if_else(read, pc.fill_null(offered, zero), zero),
+        pa.nulls(rows.num_rows, pa.int64()),
+    )
     host = _column(rows, "host_accepted_tokens", pa.int64())
     by_device = pc.greater(pc.fill_null(device, zero), zero)
     by_host = pc.greater(pc.fill_null(host, zero), zero)
     known = pc.or_(pc.is_valid(device), pc.is_valid(host))
     served = pc.if_else(
-        by_device, pc.if_else(by_host, _text(sc.ServedBy.DEVICE_AND_HOST.value),
-                              _text(sc.ServedBy.DEVICE.value)),
-        pc.if_else(by_host, _text(sc.ServedBy.HOST.value),
-                   pc.if_else(known, _text(sc.ServedBy.NONE.value),
-                              pa.nulls(1, pa.string())[0])))
-    return (rows.append_column(SERVED_DEVICE_TOKENS.name, device)
-            .append_column(SERVED_HOST_TOKENS.name, host)
-            .append_column(SERVED_BY.name, served))
+        by_device,
+        pc.if_else(
+            by_host, _text(sc.ServedBy.DEVICE_AND_HOST.value), _text(sc.ServedBy.DEVICE.value)
+        ),
+        pc.if_else(
+            by_host,
+            _text(sc.ServedBy.HOST.value),
+            pc.if_else(known, _text(sc.ServedBy.NONE.value), pa.nulls(1, pa.string())[0]),
+        ),
+    )
+    return (
+        rows.append_column(SERVED_DEVICE_TOKENS.name, device)
+        .append_column(SERVED_HOST_TOKENS.name, host)
+        .append_column(SERVED_BY.name, served)
+    )
 
 
 def with_retention(rows: pa.Table) -> pa.Table:
     """``rows`` with each turn's retention costs (``turn_columns.RETENTION``): D's blocks
     x seconds held, the host copy's bytes x seconds until evicted; null where a fact is
     missing (turn files of an older kvobs lack the host ones) or the hold had not ended."""
+
     def number(name: str) -> pa.ChunkedArray | pa.Array:
         if name not in rows.column_names:
             return pa.nulls(rows.num_rows, pa.float64())
@@ -551,7 +628,7 @@ def with_retention(rows: pa.Table) -> pa.Table:
 
     held = pc.coalesce(number("held_s"), seconds("release_end_ns", "export_end_ns"))
     device = pc.multiply(number("export_blocks"), held)
-    host = pc.multiply(number("host_saved_bytes"),
-                       seconds("host_evict_end_ns", "host_save_end_ns"))
-    return (rows.append_column(DEVICE_BLOCK_SECONDS.name, device)
-            .append_column(HOST_BYTE_SECONDS.name, host))
+    host = pc.multiply(number("host_saved_bytes"), seconds("host_evict_end_ns", "host_save_end_ns"))
+    return rows.append_column(DEVICE_BLOCK_SECONDS.name, device).append_column(
+        HOST_BYTE_SECONDS.name, host
+    )

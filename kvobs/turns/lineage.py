@@ -59,11 +59,19 @@ from kvobs.prefix_chain import HEX_PER_POINT, grid_points, parse
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
 _CHAIN = sc.PREFIX_LINEAGE.key
-_P_ROLE_SPANS = {span.name for span in (
-    sc.SPAN_PULL_DECISION, sc.SPAN_READ, sc.SPAN_RECOMPUTE, sc.SPAN_STUCK,
-    sc.SPAN_PREFILL_REQUEST)}
-_D_ROLE_SPANS = {span.name for span in (
-    sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)}
+_P_ROLE_SPANS = {
+    span.name
+    for span in (
+        sc.SPAN_PULL_DECISION,
+        sc.SPAN_READ,
+        sc.SPAN_RECOMPUTE,
+        sc.SPAN_STUCK,
+        sc.SPAN_PREFILL_REQUEST,
+    )
+}
+_D_ROLE_SPANS = {
+    span.name for span in (sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)
+}
 _LAST = np.iinfo(np.int64).max  # a row without start sorts after every other
 
 
@@ -106,15 +114,30 @@ def _first(spans: pa.Table, names: set[str], by: str, columns: list[str]) -> dic
 
 def _in_time(prompts: dict[str, dict]) -> list[str]:
     """P request ids by start (stable: ties in id order; no start last)."""
-    return sorted(prompts, key=lambda rid: (prompts[rid]["start_ns"] is None,
-                                            prompts[rid]["start_ns"] or 0))
+    return sorted(
+        prompts, key=lambda rid: (prompts[rid]["start_ns"] is None, prompts[rid]["start_ns"] or 0)
+    )
 
 
 def _exports(spans: pa.Table) -> dict[str, dict]:
     """Per D request: its export's facts and its release (``released_ns``), if any."""
-    exports = _first(spans, {sc.SPAN_EXPORT.name}, _RID, [
-        "span_id", "start_ns", "end_ns", _REMOTE_RID, _CHAIN, sc.EXPORT_TOKENS.key,
-        sc.EXPORT_EXPIRES_AT.key, sc.ENGINE_ID.key, sc.ENGINE_ENDPOINT.key, _TENANT])
+    exports = _first(
+        spans,
+        {sc.SPAN_EXPORT.name},
+        _RID,
+        [
+            "span_id",
+            "start_ns",
+            "end_ns",
+            _REMOTE_RID,
+            _CHAIN,
+            sc.EXPORT_TOKENS.key,
+            sc.EXPORT_EXPIRES_AT.key,
+            sc.ENGINE_ID.key,
+            sc.ENGINE_ENDPOINT.key,
+            _TENANT,
+        ],
+    )
     released = _first(spans, {sc.SPAN_RELEASE.name}, _RID, ["end_ns", sc.RELEASE_REASON.key])
     for d_request, export in exports.items():
         release = released.get(d_request, {})
@@ -128,8 +151,9 @@ def _export_of(exports: dict) -> dict[str, str]:
     return {e[_REMOTE_RID]: d for d, e in exports.items() if isinstance(e[_REMOTE_RID], str)}
 
 
-def _index(exports: dict, export_chains: dict, prompts: dict,
-           prompt_chains: dict) -> dict[tuple, list]:
+def _index(
+    exports: dict, export_chains: dict, prompts: dict, prompt_chains: dict
+) -> dict[tuple, list]:
     """(scope, grid point, hash) -> [(kind, time ns, D request id, tenant, blocks, P
     request id)].
 
@@ -143,21 +167,35 @@ def _index(exports: dict, export_chains: dict, prompts: dict,
         if chain is None or _missing(time_ns) or not isinstance(p_request, str):
             return
         index.setdefault((chain.scope, *chain.key()), []).append(
-            (kind, int(time_ns), d_request, tenant, chain.blocks, p_request))
+            (kind, int(time_ns), d_request, tenant, chain.blocks, p_request)
+        )
 
     for d_request, export in exports.items():
-        add(export_chains.get(d_request), 1, export["end_ns"], d_request, export[_TENANT],
-            export[_REMOTE_RID])
+        add(
+            export_chains.get(d_request),
+            1,
+            export["end_ns"],
+            d_request,
+            export[_TENANT],
+            export[_REMOTE_RID],
+        )
     export_of = _export_of(exports)
     for rid, prompt in prompts.items():
         if not prompt.get("ghost"):
-            add(prompt_chains.get(rid), 0, prompt["start_ns"], export_of.get(rid),
-                prompt[_TENANT], rid)
+            add(
+                prompt_chains.get(rid),
+                0,
+                prompt["start_ns"],
+                export_of.get(rid),
+                prompt[_TENANT],
+                rid,
+            )
     return index
 
 
-def _extended(chain, start_ns, tenant, index, points_with_keys, exclude: set[str],
-              ghost: bool = False) -> tuple:
+def _extended(
+    chain, start_ns, tenant, index, points_with_keys, exclude: set[str], ghost: bool = False
+) -> tuple:
     """([(P request, D request or None)] in time order, fully) of the longest match: the
     exports or earlier prompts with the most matching blocks, exports before prompts of
     equal length, never the turns of the P requests in ``exclude`` (the prompt's own, and
@@ -173,10 +211,14 @@ def _extended(chain, start_ns, tenant, index, points_with_keys, exclude: set[str
         # An earlier prompt counts only when this one is longer: an equal prompt is a
         # retry or a fork of that turn, not its next turn. A ghost's chain is its whole
         # export (prompt and output): an export of as many blocks may be its twin.
-        candidates = [c for c in index.get((chain.scope, point, chain.hash_at(i)), ())
-                      if c[1] < start_ns and (tenant is None or c[3] in (None, tenant))
-                      and ((c[0] == 1 and not ghost) or c[4] < chain.blocks)
-                      and c[5] not in exclude]
+        candidates = [
+            c
+            for c in index.get((chain.scope, point, chain.hash_at(i)), ())
+            if c[1] < start_ns
+            and (tenant is None or c[3] in (None, tenant))
+            and ((c[0] == 1 and not ghost) or c[4] < chain.blocks)
+            and c[5] not in exclude
+        ]
         if candidates:
             kind = max(c[0] for c in candidates)
             same = sorted({(c[1], c[5], c[2] or "") for c in candidates if c[0] == kind})
@@ -188,8 +230,9 @@ def _seconds(ns) -> float | None:
     return None if _missing(ns) else ns / 1e9
 
 
-def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
-           export_chain, engines) -> dict:
+def _facts(
+    chain, prompt_s: float, d_request: str, fully: bool, export: dict, export_chain, engines
+) -> dict:
     """The lineage facts of one prompt that extends ``export``."""
     exported_s = _seconds(export["end_ns"])
     released_s = _seconds(export["released_ns"])
@@ -199,17 +242,22 @@ def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
     # released, the restart took nothing.
     held_until = min(t for t in (prompt_s, expires, released_s) if not _missing(t))
     facts = {
-        "extends_request_id": d_request, "extends_span_id": export["span_id"],
+        "extends_request_id": d_request,
+        "extends_span_id": export["span_id"],
         "extends_prefill_request_id": export[_REMOTE_RID],
         "extends_tokens": export[sc.EXPORT_TOKENS.key],
-        "extends_verified_tokens": (chain.common_blocks(export_chain) * chain.block_size
-                                    if export_chain is not None else 0),
-        "extends_fully": fully, "extends_exported_at": exported_s,
-        "extends_expires_at": expires, "extends_released_at": released_s,
+        "extends_verified_tokens": (
+            chain.common_blocks(export_chain) * chain.block_size if export_chain is not None else 0
+        ),
+        "extends_fully": fully,
+        "extends_exported_at": exported_s,
+        "extends_expires_at": expires,
+        "extends_released_at": released_s,
         "extends_release_reason": export[sc.RELEASE_REASON.key],
-        "extends_engine_id": export[sc.ENGINE_ID.key], "extends_endpoint": endpoint,
-        "extends_engine_restarted_at": _restarted_at(engines, endpoint, exported_s,
-                                                     held_until)}
+        "extends_engine_id": export[sc.ENGINE_ID.key],
+        "extends_endpoint": endpoint,
+        "extends_engine_restarted_at": _restarted_at(engines, endpoint, exported_s, held_until),
+    }
     facts.update(_liveness(facts, prompt_s))
     return facts
 
@@ -217,10 +265,13 @@ def _facts(chain, prompt_s: float, d_request: str, fully: bool, export: dict,
 def _restarts(spans: pa.Table) -> dict[str, list[tuple[float, str]]]:
     """Per D endpoint: (engine start, engine id) of every engine seen there."""
     endpoint = sc.ENGINE_ENDPOINT.key
-    rows = _rows(pc.and_(_named(spans, _D_ROLE_SPANS),
-                         pc.is_valid(arrays.text(spans, endpoint))))
-    seen = zip(*(_take(spans, column, rows)
-                 for column in (endpoint, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ID.key)))
+    rows = _rows(pc.and_(_named(spans, _D_ROLE_SPANS), pc.is_valid(arrays.text(spans, endpoint))))
+    seen = zip(
+        *(
+            _take(spans, column, rows)
+            for column in (endpoint, sc.ENGINE_STARTED_AT.key, sc.ENGINE_ID.key)
+        )
+    )
     by_endpoint: dict[str, list] = {}
     for at, started, engine in set(seen):
         if not _missing(started):
@@ -241,8 +292,12 @@ def _liveness(row: dict, prompt_s: float) -> dict:
     expires = row["extends_expires_at"]
     left = None if _missing(expires) else float(expires) - prompt_s
     released = row["extends_released_at"]
-    live = (left is not None and left > 0 and row["extends_engine_restarted_at"] is None
-            and (released is None or released > prompt_s))
+    live = (
+        left is not None
+        and left > 0
+        and row["extends_engine_restarted_at"] is None
+        and (released is None or released > prompt_s)
+    )
     return {"extends_ttl_left_s": left, "extends_live": live}
 
 
@@ -260,19 +315,25 @@ def _trace_ids(spans: pa.Table) -> tuple[dict, dict]:
     cid = arrays.text(spans, _CID)
     anonymous = arrays.booleans(pc.starts_with(cid, sc.ANONYMOUS_PREFIX))
     sent = arrays.booleans(pc.is_valid(cid)) & ~anonymous
-    return (_first_per_trace(spans, np.flatnonzero(sent)),
-            _first_per_trace(spans, np.flatnonzero(anonymous)))
+    return (
+        _first_per_trace(spans, np.flatnonzero(sent)),
+        _first_per_trace(spans, np.flatnonzero(anonymous)),
+    )
 
 
 def link(spans: pa.Table) -> pa.Table:
     """``spans`` (Arrow) with conversation and turn filled for id-less turns and the
     lineage facts (``semconv.LINEAGE_FACTS``) on every P decision span that carries a
     chain. Facts already there (written when a store compacted the spans) are kept."""
-    if spans.num_rows == 0 or _CHAIN not in spans.column_names \
-            or spans.column(_CHAIN).null_count == spans.num_rows:
+    if (
+        spans.num_rows == 0
+        or _CHAIN not in spans.column_names
+        or spans.column(_CHAIN).null_count == spans.num_rows
+    ):
         return spans
-    prompts = _first(spans, {sc.SPAN_PULL_DECISION.name}, _RID,
-                     ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN])
+    prompts = _first(
+        spans, {sc.SPAN_PULL_DECISION.name}, _RID, ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN]
+    )
     if not prompts:
         return spans
     exports = _exports(spans)
@@ -295,10 +356,20 @@ def link(spans: pa.Table) -> pa.Table:
     for rid, (cid, turn) in chain_keys.items():
         if prompts[rid].get("ghost"):
             continue  # no decision span to carry them
-        facts[rid] = {**_link_facts(rid, prompts[rid], parents.get(rid), matches, exports,
-                                    engines, keyed_by_chain=rid not in fixed),
-                      **_ambiguity(matches.get(rid, ([], False))[0], chain_parents.get(rid)),
-                      "lineage_conversation_id": cid, "lineage_turn": turn}
+        facts[rid] = {
+            **_link_facts(
+                rid,
+                prompts[rid],
+                parents.get(rid),
+                matches,
+                exports,
+                engines,
+                keyed_by_chain=rid not in fixed,
+            ),
+            **_ambiguity(matches.get(rid, ([], False))[0], chain_parents.get(rid)),
+            "lineage_conversation_id": cid,
+            "lineage_turn": turn,
+        }
     rekeyed = {rid: key for rid, key in keys.items() if fixed.get(rid) != key}
     return _assign(_write_facts(spans, facts), prompts, rekeyed)
 
@@ -311,17 +382,27 @@ def _ghosts(spans: pa.Table, prompts: dict, exports: dict) -> dict[str, dict]:
     lacking = {p: d for p, d in _export_of(exports).items() if p not in prompts}
     if not lacking:
         return {}
-    theirs = spans.filter(pc.is_in(arrays.text(spans, _RID),
-                                   value_set=arrays.strings(sorted(lacking))))
-    seen = _first(theirs, _P_ROLE_SPANS - {sc.SPAN_PULL_DECISION.name}, _RID,
-                  ["start_ns", "trace_id", _TENANT, _TURN])
+    theirs = spans.filter(
+        pc.is_in(arrays.text(spans, _RID), value_set=arrays.strings(sorted(lacking)))
+    )
+    seen = _first(
+        theirs,
+        _P_ROLE_SPANS - {sc.SPAN_PULL_DECISION.name},
+        _RID,
+        ["start_ns", "trace_id", _TENANT, _TURN],
+    )
     ghosts = {}
     for p_request, d_request in lacking.items():
         export, own = exports[d_request], seen.get(p_request, {})
         start = own.get("start_ns")
-        ghosts[p_request] = {"start_ns": export["start_ns"] if _missing(start) else start,
-                             "trace_id": own.get("trace_id"), _CHAIN: export[_CHAIN],
-                             _TENANT: export[_TENANT], _TURN: own.get(_TURN), "ghost": True}
+        ghosts[p_request] = {
+            "start_ns": export["start_ns"] if _missing(start) else start,
+            "trace_id": own.get("trace_id"),
+            _CHAIN: export[_CHAIN],
+            _TENANT: export[_TENANT],
+            _TURN: own.get(_TURN),
+            "ghost": True,
+        }
     return ghosts
 
 
@@ -342,14 +423,28 @@ def _matches(prompts: dict[str, dict], exports: dict[str, dict]) -> dict[str, tu
         if chain is not None and not prompt.get("ghost"):
             whole = (chain.scope, chain.blocks, chain.hexed[-HEX_PER_POINT:], prompt[_TENANT])
         twins = copies.setdefault(whole, []) if whole is not None else []
-        matches[rid] = _extended(chain, prompt["start_ns"], prompt[_TENANT], index,
-                                 points_with_keys, {rid, *twins}, bool(prompt.get("ghost")))
+        matches[rid] = _extended(
+            chain,
+            prompt["start_ns"],
+            prompt[_TENANT],
+            index,
+            points_with_keys,
+            {rid, *twins},
+            bool(prompt.get("ghost")),
+        )
         twins.append(rid)
     return matches
 
 
-def _link_facts(rid: str, prompt: dict, parent: tuple | None, matches: dict,
-                exports: dict, engines, keyed_by_chain: bool) -> dict:
+def _link_facts(
+    rid: str,
+    prompt: dict,
+    parent: tuple | None,
+    matches: dict,
+    exports: dict,
+    engines,
+    keyed_by_chain: bool,
+) -> dict:
     """The facts of the export a prompt extends (``parent``: the (P, D) request pair
     ``_walk`` chose), or why there is none (``LineageGap``; only where the chain, not a
     client's id, says which turn this is)."""
@@ -361,10 +456,18 @@ def _link_facts(rid: str, prompt: dict, parent: tuple | None, matches: dict,
     p_request, d_request = parent
     if d_request is None or d_request not in exports:
         return {"extends_prefill_request_id": p_request} | (
-            {"lineage_gap": sc.LineageGap.EXPORT_MISSING.value} if keyed_by_chain else {})
+            {"lineage_gap": sc.LineageGap.EXPORT_MISSING.value} if keyed_by_chain else {}
+        )
     export = exports[d_request]
-    return _facts(parse(prompt[_CHAIN]), prompt["start_ns"] / 1e9, d_request, fully, export,
-                  parse(export[_CHAIN]), engines)
+    return _facts(
+        parse(prompt[_CHAIN]),
+        prompt["start_ns"] / 1e9,
+        d_request,
+        fully,
+        export,
+        parse(export[_CHAIN]),
+        engines,
+    )
 
 
 def _ambiguity(candidates: list[tuple], chain_parent: tuple | None) -> dict:
@@ -381,8 +484,7 @@ def _set(spans: pa.Table, column: str, values) -> pa.Table:
     return spans.append_column(column, values)
 
 
-def _lookup(values: pa.ChunkedArray, keys: list[str], rows: np.ndarray | None = None
-            ) -> pa.Array:
+def _lookup(values: pa.ChunkedArray, keys: list[str], rows: np.ndarray | None = None) -> pa.Array:
     """Per row, the position of its value in ``keys`` (null: not there, or not one of
     ``rows`` when given): what a ``take`` maps row by row."""
     position = arrays.numbers(pc.index_in(values, value_set=arrays.strings(keys)), fill=-1)
@@ -395,8 +497,9 @@ def _lookup(values: pa.ChunkedArray, keys: list[str], rows: np.ndarray | None = 
 
 def _write_facts(spans: pa.Table, facts: dict[str, dict]) -> pa.Table:
     """Each fact on its P request's decision span(s), typed as semconv declares it."""
-    decisions = _rows(pc.and_(_named(spans, {sc.SPAN_PULL_DECISION.name}),
-                              pc.is_valid(arrays.text(spans, _RID))))
+    decisions = _rows(
+        pc.and_(_named(spans, {sc.SPAN_PULL_DECISION.name}), pc.is_valid(arrays.text(spans, _RID)))
+    )
     position = _lookup(arrays.text(spans, _RID), list(facts), decisions)
     for column, attribute in sc.LINEAGE_FACTS.items():
         kind = arrays.KIND_TYPES[attribute.type]
@@ -433,8 +536,9 @@ def _walk(order, matches: dict, fixed: dict, named: dict) -> tuple[dict, dict]:
         if rid in fixed:
             own = [c for c in candidates if keys[c[0]][0] == fixed[rid][0]]
             candidates = own or (candidates if len(conversations) == 1 else [])
-        parent = candidates[-1] if len(conversations) == 1 or (
-            rid in fixed and candidates) else None
+        parent = (
+            candidates[-1] if len(conversations) == 1 or (rid in fixed and candidates) else None
+        )
         p = parent[0] if parent else None
         if rid in fixed:
             # A client's id wins, but not a turn index that goes back in the chain: a
@@ -448,8 +552,7 @@ def _walk(order, matches: dict, fixed: dict, named: dict) -> tuple[dict, dict]:
             keys[rid] = (keys[p][0], keys[p][1] + 1)
         else:
             after = [keys[c][1] for c, _ in candidates]
-            keys[rid] = (named.get(rid) or conversation_name(rid),
-                         min(after) + 1 if after else 1)
+            keys[rid] = (named.get(rid) or conversation_name(rid), min(after) + 1 if after else 1)
         if parent is not None:
             parents[rid] = parent
             continued.add(p)
@@ -464,28 +567,32 @@ def _units(spans: pa.Table, prompts: dict[str, dict], keyed: list[str]) -> pa.Ch
     d_role = _named(spans, _D_ROLE_SPANS)
     # Each D request's first span that names its P request.
     naming = _rows(pc.and_(d_role, pc.is_valid(remote)))
-    _, first = np.unique(arrays.codes(rid.take(arrays.array(naming, pa.int64())))[0],
-                         return_index=True)
+    _, first = np.unique(
+        arrays.codes(rid.take(arrays.array(naming, pa.int64())))[0], return_index=True
+    )
     firsts = arrays.array(naming[np.sort(first)], pa.int64())
     # index_in pairs nulls: D spans without a request id take what the first of them
     # names.
-    p_of_d = remote.take(firsts).take(
-        pc.index_in(rid, value_set=rid.take(firsts).combine_chunks()))
-    unit = pc.if_else(_named(spans, _P_ROLE_SPANS), rid,
-                      pc.if_else(d_role, pc.coalesce(remote, p_of_d),
-                                 pa.nulls(spans.num_rows, pa.string())))
+    p_of_d = remote.take(firsts).take(pc.index_in(rid, value_set=rid.take(firsts).combine_chunks()))
+    unit = pc.if_else(
+        _named(spans, _P_ROLE_SPANS),
+        rid,
+        pc.if_else(d_role, pc.coalesce(remote, p_of_d), pa.nulls(spans.num_rows, pa.string())),
+    )
     by_trace: dict[str, str] = {}
     for request in keyed:  # time order: a trace's earliest keyed prompt
         trace = prompts[request]["trace_id"]
         if trace is not None:
             by_trace.setdefault(trace, request)
     traced = arrays.strings(list(by_trace.values())).take(
-        _lookup(arrays.text(spans, "trace_id"), list(by_trace)))
+        _lookup(arrays.text(spans, "trace_id"), list(by_trace))
+    )
     return pc.coalesce(unit, traced)
 
 
-def _assign(spans: pa.Table, prompts: dict[str, dict],
-            keys: dict[str, tuple[str, int]]) -> pa.Table:
+def _assign(
+    spans: pa.Table, prompts: dict[str, dict], keys: dict[str, tuple[str, int]]
+) -> pa.Table:
     """Write the lineage keys onto every span of the turns they change (id-less ones,
     renumbered ones)."""
     if not keys:
@@ -496,6 +603,9 @@ def _assign(spans: pa.Table, prompts: dict[str, dict],
     cids = arrays.strings([cid for cid, _ in keys.values()]).take(position)
     turns = arrays.array(np.array([turn for _, turn in keys.values()], np.int64)).take(position)
     spans = _set(spans, _CID, pc.coalesce(cids, arrays.text(spans, _CID)))
-    old_turns = (spans.column(_TURN).cast(pa.int64()) if _TURN in spans.column_names
-                 else pa.nulls(spans.num_rows, pa.int64()))
+    old_turns = (
+        spans.column(_TURN).cast(pa.int64())
+        if _TURN in spans.column_names
+        else pa.nulls(spans.num_rows, pa.int64())
+    )
     return _set(spans, _TURN, pc.coalesce(turns, old_turns))

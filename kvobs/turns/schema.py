@@ -46,25 +46,46 @@ class TurnColumn:
 
 
 # Span fields a column may read instead of an attribute, with their types.
-SPAN_FIELDS = {"trace_id": "str", "span_id": "str", "start_ns": "int", "end_ns": "int",
-               "error": "bool"}
+SPAN_FIELDS = {
+    "trace_id": "str",
+    "span_id": "str",
+    "start_ns": "int",
+    "end_ns": "int",
+    "error": "bool",
+}
 KEYS = ["tenant", "conversation_id", "turn"]
 CONVERSATION_KEYS = KEYS[:2]
 # Spans recorded without a tenant (no kvobs proxy in front).
 UNKNOWN_TENANT = ""
 PREVIOUS_PREFIX = "prev_"
 # Key column -> the span attribute it is read from.
-KEY_SOURCES = {"tenant": sc.TENANT_DIGEST.key, "conversation_id": sc.CONVERSATION_ID.key,
-               "turn": sc.TURN_INDEX.key}
+KEY_SOURCES = {
+    "tenant": sc.TENANT_DIGEST.key,
+    "conversation_id": sc.CONVERSATION_ID.key,
+    "turn": sc.TURN_INDEX.key,
+}
 
-_FIELD_DOCS = {"trace_id": "trace id", "span_id": "span id", "start_ns": "start (unix ns)",
-               "end_ns": "end (unix ns)", "error": "error status"}
+_FIELD_DOCS = {
+    "trace_id": "trace id",
+    "span_id": "span id",
+    "start_ns": "start (unix ns)",
+    "end_ns": "end (unix ns)",
+    "error": "error status",
+}
 _F, _P = Agg.FIRST, Agg.PRESENCE
 
 
-def _col(name: str, span: sc.SpanName, source: str | sc.Attribute, *, agg: Agg = Agg.FIRST,
-         carries: bool = False, fleet: Agg | None = None, public: bool = False,
-         type_: str | None = None) -> TurnColumn:
+def _col(
+    name: str,
+    span: sc.SpanName,
+    source: str | sc.Attribute,
+    *,
+    agg: Agg = Agg.FIRST,
+    carries: bool = False,
+    fleet: Agg | None = None,
+    public: bool = False,
+    type_: str | None = None,
+) -> TurnColumn:
     if isinstance(source, sc.Attribute):
         key, kind, doc = source.key, source.type, f"`{source.key}`: {source.doc}"
     else:
@@ -102,17 +123,14 @@ _SPAN_COLUMNS = [
     _col("store_span_id", sc.SPAN_PROXY_STORE, "span_id", carries=True),
     _col("store_action", sc.SPAN_PROXY_STORE, sc.STORE_ACTION, carries=True),
     _col("fallback_span_id", sc.SPAN_PROXY_FALLBACK, "span_id"),
-    _col("fallback_reason", sc.SPAN_PROXY_FALLBACK, sc.FALLBACK_REASON, fleet=_F,
-         public=True),
+    _col("fallback_reason", sc.SPAN_PROXY_FALLBACK, sc.FALLBACK_REASON, fleet=_F, public=True),
     _col("decision_span_id", sc.SPAN_PULL_DECISION, "span_id"),
     _col("decision_count", sc.SPAN_PULL_DECISION, "span_id", agg=Agg.COUNT),
     _col("prefill_request_id", sc.SPAN_PULL_DECISION, sc.REQUEST_ID, public=True),
     _col("prompt_tokens", sc.SPAN_PULL_DECISION, sc.PROMPT_TOKENS, fleet=_F, public=True),
-    _col("local_hit_tokens", sc.SPAN_PULL_DECISION, sc.LOCAL_HIT_TOKENS, fleet=_F,
-         public=True),
+    _col("local_hit_tokens", sc.SPAN_PULL_DECISION, sc.LOCAL_HIT_TOKENS, fleet=_F, public=True),
     _col("remote_tokens", sc.SPAN_PULL_DECISION, sc.REMOTE_TOKENS, fleet=_F, public=True),
-    _col("candidate_tokens", sc.SPAN_PULL_DECISION, sc.CANDIDATE_TOKENS, fleet=_F,
-         public=True),
+    _col("candidate_tokens", sc.SPAN_PULL_DECISION, sc.CANDIDATE_TOKENS, fleet=_F, public=True),
     _col("threshold", sc.SPAN_PULL_DECISION, sc.THRESHOLD, fleet=_F, public=True),
     _col("decision", sc.SPAN_PULL_DECISION, sc.PULL_DECISION, fleet=_F, public=True),
     _col("prefix_matched_tokens", sc.SPAN_PULL_DECISION, sc.PREFIX_MATCHED_TOKENS),
@@ -127,8 +145,14 @@ _SPAN_COLUMNS = [
     _col("read_error", sc.SPAN_READ, sc.READ_ERROR),
     _col("remaining_ttl_s", sc.SPAN_READ, sc.REMAINING_TTL_AT_READ, public=True),
     _col("recompute_span_id", sc.SPAN_RECOMPUTE, "span_id"),
-    _col("recomputed_tokens", sc.SPAN_RECOMPUTE, sc.RECOMPUTED_TOKENS, agg=Agg.SUM,
-         fleet=Agg.SUM, public=True),
+    _col(
+        "recomputed_tokens",
+        sc.SPAN_RECOMPUTE,
+        sc.RECOMPUTED_TOKENS,
+        agg=Agg.SUM,
+        fleet=Agg.SUM,
+        public=True,
+    ),
     _col("recompute_reason", sc.SPAN_RECOMPUTE, sc.RECOMPUTE_REASON),
     _col("stuck_span_id", sc.SPAN_STUCK, "span_id", fleet=_P),
     _col("p_request_span_id", sc.SPAN_PREFILL_REQUEST, "span_id"),
@@ -184,97 +208,146 @@ _SPAN_COLUMNS = [
     _col("host_load_tier", sc.SPAN_HOST_LOAD, sc.HOST_TIER, fleet=_F),
     _col("host_copy_engine", sc.SPAN_HOST_LOAD, sc.HOST_COPY_ENGINE),
     _col("host_save_span_id", sc.SPAN_HOST_SAVE, "span_id", carries=True, fleet=_P),
-    _col("host_saved_tokens", sc.SPAN_HOST_SAVE, sc.HOST_SAVED_TOKENS, carries=True,
-         fleet=_F),
+    _col("host_saved_tokens", sc.SPAN_HOST_SAVE, sc.HOST_SAVED_TOKENS, carries=True, fleet=_F),
     _col("host_saved_blocks", sc.SPAN_HOST_SAVE, sc.HOST_BLOCKS, fleet=_F),
     _col("host_saved_bytes", sc.SPAN_HOST_SAVE, sc.HOST_BYTES, fleet=_F),
-    _col("host_covers_response", sc.SPAN_HOST_SAVE, sc.HOST_COVERS_RESPONSE, carries=True,
-         fleet=_F),
-    _col("host_save_incomplete", sc.SPAN_HOST_SAVE, sc.HOST_SAVE_INCOMPLETE, carries=True,
-         fleet=_F),
-    _col("host_refused_blocks", sc.SPAN_HOST_SAVE, sc.HOST_REFUSED_BLOCKS, carries=True,
-         fleet=_F),
-    _col("host_save_prompt_tokens", sc.SPAN_HOST_SAVE, sc.HOST_PROMPT_TOKENS, carries=True,
-         fleet=_F),
-    _col("host_save_output_tokens", sc.SPAN_HOST_SAVE, sc.HOST_OUTPUT_TOKENS, carries=True,
-         fleet=_F),
+    _col(
+        "host_covers_response", sc.SPAN_HOST_SAVE, sc.HOST_COVERS_RESPONSE, carries=True, fleet=_F
+    ),
+    _col(
+        "host_save_incomplete", sc.SPAN_HOST_SAVE, sc.HOST_SAVE_INCOMPLETE, carries=True, fleet=_F
+    ),
+    _col("host_refused_blocks", sc.SPAN_HOST_SAVE, sc.HOST_REFUSED_BLOCKS, carries=True, fleet=_F),
+    _col(
+        "host_save_prompt_tokens", sc.SPAN_HOST_SAVE, sc.HOST_PROMPT_TOKENS, carries=True, fleet=_F
+    ),
+    _col(
+        "host_save_output_tokens", sc.SPAN_HOST_SAVE, sc.HOST_OUTPUT_TOKENS, carries=True, fleet=_F
+    ),
     _col("host_save_end_ns", sc.SPAN_HOST_SAVE, "end_ns", carries=True, fleet=_F),
     _col("host_evict_span_id", sc.SPAN_HOST_EVICT, "span_id", carries=True, fleet=_P),
     _col("host_evicted_blocks", sc.SPAN_HOST_EVICT, sc.HOST_BLOCKS, carries=True, fleet=_F),
-    _col("host_evicted_age_s", sc.SPAN_HOST_EVICT, sc.HOST_EVICTED_AGE_MAX, carries=True,
-         fleet=_F),
+    _col("host_evicted_age_s", sc.SPAN_HOST_EVICT, sc.HOST_EVICTED_AGE_MAX, carries=True, fleet=_F),
     _col("host_evict_end_ns", sc.SPAN_HOST_EVICT, "end_ns", carries=True, fleet=_F),
 ]
 # What the rules need behind another router (kvobs.turns.lineage): the export a prompt extends.
-_FLEET_LINEAGE = {"extends_request_id", "extends_fully", "extends_live", "lineage_gap",
-                  "extends_ttl_left_s", "extends_engine_restarted_at"}
-_SPAN_COLUMNS += [_col(column, sc.SPAN_PULL_DECISION, attribute,
-                       fleet=_F if column in _FLEET_LINEAGE else None)
-                  for column, attribute in sc.LINEAGE_FACTS.items()]
+_FLEET_LINEAGE = {
+    "extends_request_id",
+    "extends_fully",
+    "extends_live",
+    "lineage_gap",
+    "extends_ttl_left_s",
+    "extends_engine_restarted_at",
+}
+_SPAN_COLUMNS += [
+    _col(column, sc.SPAN_PULL_DECISION, attribute, fleet=_F if column in _FLEET_LINEAGE else None)
+    for column, attribute in sc.LINEAGE_FACTS.items()
+]
 
 KEY_COLUMNS = [
-    TurnColumn("tenant", "str", "Digest of the tenant (`kvobs.tenant.digest`; "
-               f"{UNKNOWN_TENANT!r} when spans carry none).", fleet=_F, public=True),
-    TurnColumn("conversation_id", "str", "The conversation (`kvobs.conversation.id`, or "
-               "named by kvobs.turns.lineage for id-less turns).", fleet=_F, public=True),
+    TurnColumn(
+        "tenant",
+        "str",
+        f"Digest of the tenant (`kvobs.tenant.digest`; {UNKNOWN_TENANT!r} when spans carry none).",
+        fleet=_F,
+        public=True,
+    ),
+    TurnColumn(
+        "conversation_id",
+        "str",
+        "The conversation (`kvobs.conversation.id`, or "
+        "named by kvobs.turns.lineage for id-less turns).",
+        fleet=_F,
+        public=True,
+    ),
     TurnColumn("turn", "int", "Turn index within the conversation.", fleet=_F, public=True),
 ]
 # Derived after aggregation, over consecutive turns of one conversation.
-GAP = TurnColumn("gap_s", "float", "Seconds from the previous turn's end to this turn's "
-                 "start (null unless the previous turn is turn - 1).", fleet=_F, public=True)
+GAP = TurnColumn(
+    "gap_s",
+    "float",
+    "Seconds from the previous turn's end to this turn's "
+    "start (null unless the previous turn is turn - 1).",
+    fleet=_F,
+    public=True,
+)
 # Derived after aggregation from the turn's own columns: what keeping its KV for a later
 # turn cost in each place (``kvobs report``'s ``retention`` sums them). Null while the
 # hold had not ended in the spans read, or without the facts.
 DEVICE_BLOCK_SECONDS = TurnColumn(
-    "device_block_seconds", "float",
+    "device_block_seconds",
+    "float",
     "D's retention cost: the blocks D kept for the next turn (`kvobs.export.blocks`) x the "
     "seconds it held them, until a read released them or they expired "
     "(`kvobs.release.held`, else the release's end less the export's). Null while D still "
-    "held them.", fleet=_F, public=True)
+    "held them.",
+    fleet=_F,
+    public=True,
+)
 HOST_BYTE_SECONDS = TurnColumn(
-    "host_byte_seconds", "float",
+    "host_byte_seconds",
+    "float",
     "The host tier's retention cost: the bytes this turn's copy added to the offloading "
     "tier (`kvobs.host.bytes` of its save) x the seconds from the save's end until the "
     "tier first evicted them (its evict span's end). Null while the copy was still in "
-    "the tier.", fleet=_F, public=True)
+    "the tier.",
+    fleet=_F,
+    public=True,
+)
 RETENTION = {c.name: c for c in (DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS)}
 # Derived from the turn's own columns: which retention path served which of its tokens.
 # D with a host copy (vLLM's MultiConnector) has two: P reading D's device blocks, and an
 # engine loading a copy from its offloading tier (docs/host_copy.md).
 SERVED_DEVICE_TOKENS = TurnColumn(
-    "served_device_tokens", "int",
+    "served_device_tokens",
+    "int",
     "Prompt tokens P read from D's retained KV over NIXL (the device path): the offered "
     "(else candidate) tokens of a read that finished, 0 when the turn read nothing. Null "
-    "without P's pull decision.", public=True)
+    "without P's pull decision.",
+    public=True,
+)
 SERVED_HOST_TOKENS = TurnColumn(
-    "served_host_tokens", "int",
+    "served_host_tokens",
+    "int",
     "Prompt tokens an engine loaded from an offloading tier, host or p2p (the host path): "
     "`kvobs.host.accepted_tokens` of the turn's lookup. Null without a lookup span.",
-    public=True)
+    public=True,
+)
 SERVED_BY = TurnColumn(
-    "served_by", "str",
+    "served_by",
+    "str",
     "Which path served the turn's earlier KV (`ServedBy`: `device`, `host`, `device+host`, "
     "`none`) from `served_device_tokens` and `served_host_tokens`; null when neither path "
-    "was observed.", public=True)
+    "was observed.",
+    public=True,
+)
 SERVED = {c.name: c for c in (SERVED_DEVICE_TOKENS, SERVED_HOST_TOKENS, SERVED_BY)}
 
 COLUMNS: dict[str, TurnColumn] = {c.name: c for c in [*KEY_COLUMNS, *_SPAN_COLUMNS]}
 SPAN_COLUMNS: dict[str, TurnColumn] = {c.name: c for c in _SPAN_COLUMNS}
 # The fleet's compact table: name -> its column as the fleet aggregates it.
 FLEET_COLUMNS: dict[str, TurnColumn] = {
-    c.name: TurnColumn(c.name, c.type, c.doc, c.span, c.source, c.fleet, c.carries, c.fleet,
-                       c.public)
-    for c in _SPAN_COLUMNS if c.fleet is not None}
+    c.name: TurnColumn(
+        c.name, c.type, c.doc, c.span, c.source, c.fleet, c.carries, c.fleet, c.public
+    )
+    for c in _SPAN_COLUMNS
+    if c.fleet is not None
+}
 
 
 def previous(column: TurnColumn) -> TurnColumn:
     """The ``prev_`` column a carried column derives on the next turn."""
-    return TurnColumn(PREVIOUS_PREFIX + column.name, column.type,
-                      f"`{column.name}` of the previous turn (turn - 1).", fleet=column.fleet)
+    return TurnColumn(
+        PREVIOUS_PREFIX + column.name,
+        column.type,
+        f"`{column.name}` of the previous turn (turn - 1).",
+        fleet=column.fleet,
+    )
 
 
 PREVIOUS: dict[str, TurnColumn] = {
-    PREVIOUS_PREFIX + c.name: previous(c) for c in _SPAN_COLUMNS if c.carries}
+    PREVIOUS_PREFIX + c.name: previous(c) for c in _SPAN_COLUMNS if c.carries
+}
 DERIVED: dict[str, TurnColumn] = {GAP.name: GAP, **RETENTION, **SERVED, **PREVIOUS}
 ALL_COLUMNS: dict[str, TurnColumn] = {**COLUMNS, **DERIVED}
 PUBLIC = [c.name for c in ALL_COLUMNS.values() if c.public]

@@ -40,25 +40,60 @@ import numpy as np
 
 from kvobs.turns import columns as col
 from kvobs.semconv import VERDICT_VALUES, Verdict
-from kvobs.verdicts import (below_threshold, expired, first_turn, host_copy_lacks_response,
-                            host_evicted, host_hit, host_save_incomplete, local_hit, miss,
-                            missing_metadata, prefix_mismatch, remote_hit, slow_transfer,
-                            transfer_failed)
+from kvobs.verdicts import (
+    below_threshold,
+    expired,
+    first_turn,
+    host_copy_lacks_response,
+    host_evicted,
+    host_hit,
+    host_save_incomplete,
+    local_hit,
+    miss,
+    missing_metadata,
+    prefix_mismatch,
+    remote_hit,
+    slow_transfer,
+    transfer_failed,
+)
 from kvobs.verdicts._base import Context, Finding, Needs, Turn
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ORDER", "Context", "Finding", "Turn", "decide", "classify_frame", "findings",
-           "INSUFFICIENT_REMEDY", "AMBIGUOUS_REMEDY", "meaning"]
+__all__ = [
+    "ORDER",
+    "Context",
+    "Finding",
+    "Turn",
+    "decide",
+    "classify_frame",
+    "findings",
+    "INSUFFICIENT_REMEDY",
+    "AMBIGUOUS_REMEDY",
+    "meaning",
+]
 
 # The host-path rules apply only to turns looked up in an offloading tier that D's
 # retained KV did not serve (verdicts/_host.py); they come before missing-metadata because
 # a host-only engine has no proxy params to miss.
-ORDER: tuple[ModuleType, ...] = (first_turn, host_evicted, host_save_incomplete,
-                                 host_copy_lacks_response, host_hit, missing_metadata,
-                                 prefix_mismatch, expired, transfer_failed, below_threshold,
-                                 local_hit, slow_transfer, remote_hit, miss)
+ORDER: tuple[ModuleType, ...] = (
+    first_turn,
+    host_evicted,
+    host_save_incomplete,
+    host_copy_lacks_response,
+    host_hit,
+    missing_metadata,
+    prefix_mismatch,
+    expired,
+    transfer_failed,
+    below_threshold,
+    local_hit,
+    slow_transfer,
+    remote_hit,
+    miss,
+)
+
 
 def meaning(rule: ModuleType) -> str:
     """A rule's one-line meaning: its docstring's title, less the verdict's name (the
@@ -67,22 +102,35 @@ def meaning(rule: ModuleType) -> str:
     return title.removeprefix(f"{rule.VERDICT.value}:").strip()
 
 
-INSUFFICIENT_REMEDY = ("Spans missing: check that the named component runs with kvobs "
-                       "telemetry on and exports to this source.")
-AMBIGUOUS_REMEDY = ("Identical histories in different conversations: the engines' spans "
-                    "cannot say which one this turn continues. Send a conversation id "
-                    "(or route through kvobs proxy) so that kvobs need not tell them apart "
-                    "by content.")
+INSUFFICIENT_REMEDY = (
+    "Spans missing: check that the named component runs with kvobs "
+    "telemetry on and exports to this source."
+)
+AMBIGUOUS_REMEDY = (
+    "Identical histories in different conversations: the engines' spans "
+    "cannot say which one this turn continues. Send a conversation id "
+    "(or route through kvobs proxy) so that kvobs need not tell them apart "
+    "by content."
+)
 
 
 def _insufficient(needs: Needs, module: ModuleType, row: dict, rule: str) -> Finding:
-    evidence = {"missing_span": needs.span.name, "missing_from": needs.span.service.value,
-                "needed_for": module.VERDICT.value, "missing_field": needs.column}
+    evidence = {
+        "missing_span": needs.span.name,
+        "missing_from": needs.span.service.value,
+        "needed_for": module.VERDICT.value,
+        "missing_field": needs.column,
+    }
     if not needs.reason:
         return Finding(Verdict.INSUFFICIENT_EVIDENCE, INSUFFICIENT_REMEDY, evidence, rule=rule)
-    evidence = {"reason": needs.reason, "needed_for": module.VERDICT.value,
-                needs.column: Turn(row).get(needs.column)}
+    evidence = {
+        "reason": needs.reason,
+        "needed_for": module.VERDICT.value,
+        needs.column: Turn(row).get(needs.column),
+    }
     return Finding(Verdict.INSUFFICIENT_EVIDENCE, AMBIGUOUS_REMEDY, evidence, rule=rule)
+
+
 _INSUFFICIENT = Verdict.INSUFFICIENT_EVIDENCE.value
 
 
@@ -125,8 +173,9 @@ def decide(turns: col.Table, context: Context = Context()) -> Decisions:
     return Decisions(code, rule, missing)
 
 
-def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = None,
-                   read_slo_s: float | None = None) -> pd.Series:
+def classify_frame(
+    turns: pd.DataFrame, prefill_tokens_per_s: float | None = None, read_slo_s: float | None = None
+) -> pd.Series:
     """The verdict value of every row of a turn table (fleet scale)."""
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
@@ -134,13 +183,16 @@ def classify_frame(turns: pd.DataFrame, prefill_tokens_per_s: float | None = Non
     # Categorical, from the codes: as strings, pandas stores 1.35M of them as Arrow and
     # converts them back at every comparison (0.5 s of a fleet report), and coding them
     # again costs as much.
-    return pd.Series(pd.Categorical.from_codes(decisions.code,
-                                                categories=list(VERDICT_VALUES)),
-                     index=turns.index, name="verdict")
+    return pd.Series(
+        pd.Categorical.from_codes(decisions.code, categories=list(VERDICT_VALUES)),
+        index=turns.index,
+        name="verdict",
+    )
 
 
-def findings(turns: col.Table, context: Context = Context(),
-             rows: list[dict] | None = None) -> list[Finding]:
+def findings(
+    turns: col.Table, context: Context = Context(), rows: list[dict] | None = None
+) -> list[Finding]:
     """The finding (verdict, evidence, remedy, rule) of every row of a turn table
     (``rows``: the table as records, when the caller has them already)."""
     decisions = decide(turns, context)

@@ -46,8 +46,12 @@ class Finding:
     rule: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict.value, "evidence": self.evidence,
-                "remedy": self.remedy, "rule": self.rule}
+        return {
+            "verdict": self.verdict.value,
+            "evidence": self.evidence,
+            "remedy": self.remedy,
+            "rule": self.rule,
+        }
 
 
 def _plain(value: Any) -> Any:

@@ -11,9 +11,16 @@ from kvobs.verdicts._base import Turn
 
 # Decisions that mean P had no usable params.
 LOST = (PullDecision.INVALID.value, PullDecision.NO_PARAMS.value)
-EVIDENCE = ("extends_request_id", "extends_span_id", "extends_engine_id", "extends_endpoint",
-            "extends_tokens", "extends_verified_tokens", "extends_ttl_left_s",
-            "extends_engine_restarted_at")
+EVIDENCE = (
+    "extends_request_id",
+    "extends_span_id",
+    "extends_engine_id",
+    "extends_endpoint",
+    "extends_tokens",
+    "extends_verified_tokens",
+    "extends_ttl_left_s",
+    "extends_engine_restarted_at",
+)
 
 
 def unrouted(turns):
@@ -21,8 +28,12 @@ def unrouted(turns):
     though the prompt extends an export: another router (or none) sent the turn. A proxy
     turn without its lookup span is a lost span, not another router
     (``missing_metadata.missing``)."""
-    return (col.null(turns, "lookup") & col.null(turns, "turn_span_id")
-            & col.isin(turns, "decision", LOST) & col.present(turns, "extends_request_id"))
+    return (
+        col.null(turns, "lookup")
+        & col.null(turns, "turn_span_id")
+        & col.isin(turns, "decision", LOST)
+        & col.present(turns, "extends_request_id")
+    )
 
 
 def unrouted_live(turns):
@@ -37,8 +48,11 @@ def router_candidate(turns):
     extends would have brought beyond P's own prefix cache (NaN: not known)."""
     # A prompt that extends the whole export (its chain's tail included) shares all of
     # it; else what the chain verified, to whole blocks.
-    shared = np.where(col.flag(turns, "extends_fully"), col.num(turns, "extends_tokens"),
-                      col.num(turns, "extends_verified_tokens"))
+    shared = np.where(
+        col.flag(turns, "extends_fully"),
+        col.num(turns, "extends_tokens"),
+        col.num(turns, "extends_verified_tokens"),
+    )
     shared = np.fmin(shared, col.num(turns, "prompt_tokens"))
     return shared - np.nan_to_num(col.num(turns, "local_hit_tokens"))
 
@@ -56,12 +70,17 @@ def restarted(turns):
 
 
 def named(turn: Turn) -> str:
-    """"D engine <id> (<endpoint>) request <id> held <n> tokens (<s> s of TTL left)"."""
+    """ "D engine <id> (<endpoint>) request <id> held <n> tokens (<s> s of TTL left)"."""
     left = turn.get("extends_ttl_left_s")
-    ttl = f", {left:.1f}s of TTL left" if left is not None and left > 0 else (
-        f", expired {-left:.1f}s earlier" if left is not None else "")
+    ttl = (
+        f", {left:.1f}s of TTL left"
+        if left is not None and left > 0
+        else (f", expired {-left:.1f}s earlier" if left is not None else "")
+    )
     tokens = turn.get("extends_tokens")
     held = f"{int(tokens):,}" if tokens is not None else "some"
-    return (f"D engine {turn.get('extends_engine_id')} ({turn.get('extends_endpoint')}) "
-            f"request {turn.get('extends_request_id')} held {held} tokens of this "
-            f"history{ttl}")
+    return (
+        f"D engine {turn.get('extends_engine_id')} ({turn.get('extends_endpoint')}) "
+        f"request {turn.get('extends_request_id')} held {held} tokens of this "
+        f"history{ttl}"
+    )

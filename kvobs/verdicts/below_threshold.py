@@ -21,14 +21,27 @@ def missing(turns, context: Context):
 def applies(turns, context: Context):
     # Behind another router P never had params to decide with; the export its prompt
     # extends says what it would have decided (``_export.worth_reading``).
-    router = (_export.unrouted_live(turns)
-              & ~_export.worth_reading(turns) & (_export.router_candidate(turns) > 0))
+    router = (
+        _export.unrouted_live(turns)
+        & ~_export.worth_reading(turns)
+        & (_export.router_candidate(turns) > 0)
+    )
     return col.eq(turns, "decision", PullDecision.BELOW_THRESHOLD.value) | router
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    return Finding(VERDICT, "Remote remainder below kv_recompute_threshold: recomputed by "
-                            "design; see `kvobs tune` before lowering the threshold.",
-                   turn.pick("decision_span_id", "prompt_tokens", "local_hit_tokens",
-                             "remote_tokens", "candidate_tokens", "threshold",
-                             "extends_request_id", "extends_verified_tokens"))
+    return Finding(
+        VERDICT,
+        "Remote remainder below kv_recompute_threshold: recomputed by "
+        "design; see `kvobs tune` before lowering the threshold.",
+        turn.pick(
+            "decision_span_id",
+            "prompt_tokens",
+            "local_hit_tokens",
+            "remote_tokens",
+            "candidate_tokens",
+            "threshold",
+            "extends_request_id",
+            "extends_verified_tokens",
+        ),
+    )

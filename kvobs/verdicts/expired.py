@@ -29,9 +29,12 @@ def _refused(turns):
     """P declined the read, or the proxy judged its entry stale, or no router sent the
     params of an export D no longer held."""
     lapsed = _export.unrouted(turns) & ~col.flag(turns, "extends_live")
-    return (col.eq(turns, "read_outcome", ReadOutcome.DECLINED_EXPIRED.value)
-            | col.eq(turns, "fallback_reason", FallbackReason.READ_DECLINED.value)
-            | col.eq(turns, "lookup", LookupOutcome.STALE.value) | lapsed)
+    return (
+        col.eq(turns, "read_outcome", ReadOutcome.DECLINED_EXPIRED.value)
+        | col.eq(turns, "fallback_reason", FallbackReason.READ_DECLINED.value)
+        | col.eq(turns, "lookup", LookupOutcome.STALE.value)
+        | lapsed
+    )
 
 
 def missing(turns, context: Context):
@@ -42,11 +45,17 @@ def missing(turns, context: Context):
     # turn whose previous export is absent lost that span. D's own expiry release
     # needs no such check.
     unexplained = _refused(turns) & ~_released(turns)
-    return [Needs(unexplained & col.null(turns, "decision"), "decision",
-                  sc.SPAN_PULL_DECISION),
-            Needs(unexplained & ~_export.restarted(turns) & col.flag(turns, "params_sent")
-                  & col.null(turns, "prev_export_tokens"), "prev_export_tokens",
-                  sc.SPAN_EXPORT)]
+    return [
+        Needs(unexplained & col.null(turns, "decision"), "decision", sc.SPAN_PULL_DECISION),
+        Needs(
+            unexplained
+            & ~_export.restarted(turns)
+            & col.flag(turns, "params_sent")
+            & col.null(turns, "prev_export_tokens"),
+            "prev_export_tokens",
+            sc.SPAN_EXPORT,
+        ),
+    ]
 
 
 def applies(turns, context: Context):
@@ -71,26 +80,48 @@ def _d_left_s(turn: Turn) -> float | None:
 
 def _remedy(turn: Turn) -> str:
     if turn.get("lookup") is None and turn.get("extends_request_id"):
-        return (f"The history extends earlier KV, but it was gone when this turn came "
-                f"({_export.named(turn)}): raise decoder_kv_blocks_ttl if such gaps are "
-                "common (costs retained memory).")
+        return (
+            f"The history extends earlier KV, but it was gone when this turn came "
+            f"({_export.named(turn)}): raise decoder_kv_blocks_ttl if such gaps are "
+            "common (costs retained memory)."
+        )
     left = _d_left_s(turn)
     if turn.get("lookup") == LookupOutcome.STALE.value and left is not None and left > 0:
-        return (f"The proxy dropped its entry while D still held the blocks for {left:.1f}s "
-                "more: its entry ends --expiry-margin seconds (default "
-                f"{PROXY_EXPIRY_MARGIN.default:g}) before D's "
-                "expiry. Lower --expiry-margin (it must stay above P's decline window) or "
-                "raise decoder_kv_blocks_ttl.")
+        return (
+            f"The proxy dropped its entry while D still held the blocks for {left:.1f}s "
+            "more: its entry ends --expiry-margin seconds (default "
+            f"{PROXY_EXPIRY_MARGIN.default:g}) before D's "
+            "expiry. Lower --expiry-margin (it must stay above P's decline window) or "
+            "raise decoder_kv_blocks_ttl."
+        )
     gap, ttl = turn.get("gap_s"), turn.get("prev_ttl_s")
     if gap is not None and ttl is not None:
-        return (f"Gap {gap:.1f}s outlived D's TTL {ttl:.0f}s: raise decoder_kv_blocks_ttl "
-                "if such gaps are common (costs retained memory).")
+        return (
+            f"Gap {gap:.1f}s outlived D's TTL {ttl:.0f}s: raise decoder_kv_blocks_ttl "
+            "if such gaps are common (costs retained memory)."
+        )
     return "D's blocks expired before the read: raise decoder_kv_blocks_ttl if gaps are long."
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    return Finding(VERDICT, _remedy(turn), turn.pick(
-        "gap_s", "prev_ttl_s", "remaining_ttl_s", "entry_age_s", "entry_remaining_ttl_s",
-        "read_span_id", "read_outcome", "fallback_span_id", "fallback_reason", "lookup",
-        "lookup_span_id", "prev_release_span_id", "prev_release_reason",
-        "prev_export_expires_at", *_export.EVIDENCE))
+    return Finding(
+        VERDICT,
+        _remedy(turn),
+        turn.pick(
+            "gap_s",
+            "prev_ttl_s",
+            "remaining_ttl_s",
+            "entry_age_s",
+            "entry_remaining_ttl_s",
+            "read_span_id",
+            "read_outcome",
+            "fallback_span_id",
+            "fallback_reason",
+            "lookup",
+            "lookup_span_id",
+            "prev_release_span_id",
+            "prev_release_reason",
+            "prev_export_expires_at",
+            *_export.EVIDENCE,
+        ),
+    )

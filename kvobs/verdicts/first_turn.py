@@ -20,13 +20,23 @@ def missing(turns, context: Context):
     # A turn 1 that only the chain numbered, without P's decision span (its prompt's
     # chain): nothing says it extends no earlier turn.
     blind = col.null(turns, "decision") & (col.num(turns, "turn") == 1)
-    blind = col.startswith(turns, "conversation_id",
-                           (sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX), blind)
-    return [Needs(blind, "decision", sc.SPAN_PULL_DECISION),
-            Needs(col.eq(turns, "lineage_gap", LineageGap.AMBIGUOUS.value),
-                  "lineage_candidates", sc.SPAN_EXPORT, reason=LineageGap.AMBIGUOUS.value),
-            Needs(col.eq(turns, "lineage_gap", LineageGap.EXPORT_MISSING.value),
-                  "extends_request_id", sc.SPAN_EXPORT)]
+    blind = col.startswith(
+        turns, "conversation_id", (sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX), blind
+    )
+    return [
+        Needs(blind, "decision", sc.SPAN_PULL_DECISION),
+        Needs(
+            col.eq(turns, "lineage_gap", LineageGap.AMBIGUOUS.value),
+            "lineage_candidates",
+            sc.SPAN_EXPORT,
+            reason=LineageGap.AMBIGUOUS.value,
+        ),
+        Needs(
+            col.eq(turns, "lineage_gap", LineageGap.EXPORT_MISSING.value),
+            "extends_request_id",
+            sc.SPAN_EXPORT,
+        ),
+    ]
 
 
 def applies(turns, context: Context):
@@ -34,5 +44,8 @@ def applies(turns, context: Context):
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    return Finding(VERDICT, "Nothing to reuse on turn 1; judge reuse from turn 2 on.",
-                   turn.pick("turn_span_id", "prompt_tokens", "local_hit_tokens", "ttft_s"))
+    return Finding(
+        VERDICT,
+        "Nothing to reuse on turn 1; judge reuse from turn 2 on.",
+        turn.pick("turn_span_id", "prompt_tokens", "local_hit_tokens", "ttft_s"),
+    )

@@ -28,20 +28,35 @@ def explain(turn: Turn, context: Context) -> Finding:
     if tier == HostTier.P2P.value:
         # The load span times the copy from this engine's host tier only: the pull from
         # the peer into it carries no request id upstream (vLLM's tiering counters).
-        remedy = (f"{tokens} prompt tokens were pulled from a peer's host tier (p2p tier) "
-                  f"and loaded{took} (the NIXL pull before the load: "
-                  f"{M_OFFLOAD_TIER_READ_TIME.name}); nothing to do.")
+        remedy = (
+            f"{tokens} prompt tokens were pulled from a peer's host tier (p2p tier) "
+            f"and loaded{took} (the NIXL pull before the load: "
+            f"{M_OFFLOAD_TIER_READ_TIME.name}); nothing to do."
+        )
     elif _p_computed_them(turn):  # the copy sat on D (MultiConnector): it never serves P
-        remedy = (f"{tokens} prompt tokens came from the {tier} tier{took}, into the "
-                  f"engine holding the copy (D); P computed "
-                  f"{int(turn.get('recomputed_tokens'))} prompt tokens itself, those "
-                  "among them: a copy on D does not serve P. A peer tier (p2p) or a D TTL "
-                  "longer than the wait would.")
+        remedy = (
+            f"{tokens} prompt tokens came from the {tier} tier{took}, into the "
+            f"engine holding the copy (D); P computed "
+            f"{int(turn.get('recomputed_tokens'))} prompt tokens itself, those "
+            "among them: a copy on D does not serve P. A peer tier (p2p) or a D TTL "
+            "longer than the wait would."
+        )
     else:
         remedy = f"{tokens} prompt tokens came from the {tier} tier{took}; nothing to do."
-    return Finding(VERDICT, remedy, turn.pick(
-        *_host.EVIDENCE, "host_load_span_id", "host_load_bytes", "host_load_blocks",
-        "host_load_duration_s", "host_load_tier", "host_copy_engine", "recomputed_tokens"))
+    return Finding(
+        VERDICT,
+        remedy,
+        turn.pick(
+            *_host.EVIDENCE,
+            "host_load_span_id",
+            "host_load_bytes",
+            "host_load_blocks",
+            "host_load_duration_s",
+            "host_load_tier",
+            "host_copy_engine",
+            "recomputed_tokens",
+        ),
+    )
 
 
 def _p_computed_them(turn: Turn) -> bool:

@@ -22,24 +22,39 @@ VERDICT = Verdict.HOST_SAVE_INCOMPLETE
 def _previous_tokens(turns):
     """The previous turn's prompt and output: what a complete copy would reach (to its
     last full block)."""
-    return (col.num(turns, "prev_host_save_prompt_tokens")
-            + col.num(turns, "prev_host_save_output_tokens"))
+    return col.num(turns, "prev_host_save_prompt_tokens") + col.num(
+        turns, "prev_host_save_output_tokens"
+    )
 
 
 def applies(turns, context: Context):
-    return (_host.asked(turns) & col.flag(turns, "prev_host_save_incomplete")
-            & (_host.reused(turns) < _previous_tokens(turns)))
+    return (
+        _host.asked(turns)
+        & col.flag(turns, "prev_host_save_incomplete")
+        & (_host.reused(turns) < _previous_tokens(turns))
+    )
 
 
 def explain(turn: Turn, context: Context) -> Finding:
     refused, saved = turn.get("prev_host_refused_blocks"), turn.get("prev_host_saved_tokens")
     got = (turn.get("host_local_tokens") or 0) + (turn.get("host_accepted_tokens") or 0)
     blocks = f"{refused} blocks" if refused is not None else "blocks"
-    remedy = (f"The host tier refused {blocks} of the previous turn's copy when it was "
-              f"saved (no room: what it could evict was still being written or loaded); "
-              f"the copy reached {saved or 0} tokens and this turn reused {got}. Raise "
-              "cpu_bytes_to_use above the KV the engine moves to and from the tier at once.")
-    return Finding(VERDICT, remedy, turn.pick(
-        "prev_host_save_span_id", "prev_host_save_incomplete", "prev_host_refused_blocks",
-        "prev_host_saved_tokens", "prev_host_save_prompt_tokens",
-        "prev_host_save_output_tokens", *_host.EVIDENCE))
+    remedy = (
+        f"The host tier refused {blocks} of the previous turn's copy when it was "
+        f"saved (no room: what it could evict was still being written or loaded); "
+        f"the copy reached {saved or 0} tokens and this turn reused {got}. Raise "
+        "cpu_bytes_to_use above the KV the engine moves to and from the tier at once."
+    )
+    return Finding(
+        VERDICT,
+        remedy,
+        turn.pick(
+            "prev_host_save_span_id",
+            "prev_host_save_incomplete",
+            "prev_host_refused_blocks",
+            "prev_host_saved_tokens",
+            "prev_host_save_prompt_tokens",
+            "prev_host_save_output_tokens",
+            *_host.EVIDENCE,
+        ),
+    )

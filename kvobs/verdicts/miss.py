@@ -30,8 +30,17 @@ def applies(turns, context: Context):
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    return Finding(VERDICT, "Params were valid but nothing was reused and no known cause "
-                            "applies: inspect P's log at the decision span's time.",
-                   turn.pick("lookup_span_id", "decision_span_id", "decision",
-                             "prompt_tokens", "local_hit_tokens", "remote_tokens",
-                             "candidate_tokens"))
+    return Finding(
+        VERDICT,
+        "Params were valid but nothing was reused and no known cause "
+        "applies: inspect P's log at the decision span's time.",
+        turn.pick(
+            "lookup_span_id",
+            "decision_span_id",
+            "decision",
+            "prompt_tokens",
+            "local_hit_tokens",
+            "remote_tokens",
+            "candidate_tokens",
+        ),
+    )

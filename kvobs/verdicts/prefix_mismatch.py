@@ -22,8 +22,9 @@ VERDICT = Verdict.PREFIX_MISMATCH
 
 
 def applies(turns, context: Context):
-    return (col.eq(turns, "lookup", LookupOutcome.PREFIX_MISMATCH.value)
-            | col.eq(turns, "decision", PullDecision.PREFIX_MISMATCH.value))
+    return col.eq(turns, "lookup", LookupOutcome.PREFIX_MISMATCH.value) | col.eq(
+        turns, "decision", PullDecision.PREFIX_MISMATCH.value
+    )
 
 
 # P's hashes parting within this many tokens of D's end: the boundary, not the history.
@@ -42,23 +43,43 @@ def retokenized(turn: Turn) -> bool:
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    evidence = turn.pick("lookup_span_id", "lookup", "decision_span_id", "decision",
-                         "prefix_matched_tokens", "remote_tokens", "prompt_tokens",
-                         "read_span_id", "read_outcome", "read_blocks", "read_bytes")
+    evidence = turn.pick(
+        "lookup_span_id",
+        "lookup",
+        "decision_span_id",
+        "decision",
+        "prefix_matched_tokens",
+        "remote_tokens",
+        "prompt_tokens",
+        "read_span_id",
+        "read_outcome",
+        "read_blocks",
+        "read_bytes",
+    )
     if retokenized(turn):
         read = turn.get("read_blocks") if turn.get("read_outcome") == "done" else None
-        salvaged = (f"P still read the {read} matching blocks "
-                    f"({turn.get('prefix_matched_tokens')} tokens) and recomputed the rest"
-                    if read else f"{turn.get('prefix_matched_tokens')} tokens matched; "
-                    "enable the prefix guard (kvobs_prefix_guard) so P reads them")
-        return Finding(VERDICT, (
-            "The history extends the previous turn's text, but D's last tokens "
-            "re-tokenize differently once the next text follows them (the client rewrote "
-            f"nothing): {salvaged}. Expected with some tokenizers; ending assistant turns "
-            "on a stop token or newline keeps the boundary stable."), evidence)
+        salvaged = (
+            f"P still read the {read} matching blocks "
+            f"({turn.get('prefix_matched_tokens')} tokens) and recomputed the rest"
+            if read
+            else f"{turn.get('prefix_matched_tokens')} tokens matched; "
+            "enable the prefix guard (kvobs_prefix_guard) so P reads them"
+        )
+        return Finding(
+            VERDICT,
+            (
+                "The history extends the previous turn's text, but D's last tokens "
+                "re-tokenize differently once the next text follows them (the client rewrote "
+                f"nothing): {salvaged}. Expected with some tokenizers; ending assistant turns "
+                "on a stop token or newline keeps the boundary stable."
+            ),
+            evidence,
+        )
     proxy_saw = turn.get("lookup") == LookupOutcome.PREFIX_MISMATCH.value
     where = "proxy history digest" if proxy_saw else "P's block-hash check"
     return Finding(
         VERDICT,
         f"History no longer extends the previous turn ({where}): keep history "
-        "append-only (don't strip reasoning or re-render earlier messages).", evidence)
+        "append-only (don't strip reasoning or re-render earlier messages).",
+        evidence,
+    )

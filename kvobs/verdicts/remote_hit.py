@@ -31,27 +31,50 @@ def _ms(seconds: float) -> str:
 
 
 def explain(turn: Turn, context: Context) -> Finding:
-    evidence = turn.pick("read_span_id", "read_bytes", "read_blocks", "read_duration_s",
-                         "read_setup_s", "candidate_tokens", "remaining_ttl_s", "ttft_s",
-                         "compute_saved_tokens", "compute_saved_s", "ttft_gained_s",
-                         "served_by", "served_device_tokens", "served_host_tokens")
+    evidence = turn.pick(
+        "read_span_id",
+        "read_bytes",
+        "read_blocks",
+        "read_duration_s",
+        "read_setup_s",
+        "candidate_tokens",
+        "remaining_ttl_s",
+        "ttft_s",
+        "compute_saved_tokens",
+        "compute_saved_s",
+        "ttft_gained_s",
+        "served_by",
+        "served_device_tokens",
+        "served_host_tokens",
+    )
     gained = turn.get("ttft_gained_s")
     saved = turn.get("compute_saved_s")
     tokens = turn.get("compute_saved_tokens")
     tokens = int(tokens) if tokens is not None else None
     if gained is None or saved is None:
-        return Finding(VERDICT, f"Remote KV read brought {tokens} tokens; whether it paid "
-                                "off is unknown (no measured prefill rate or read time).",
-                       evidence)
+        return Finding(
+            VERDICT,
+            f"Remote KV read brought {tokens} tokens; whether it paid "
+            "off is unknown (no measured prefill rate or read time).",
+            evidence,
+        )
     setup = turn.get(phase_column(sc.Phase.READ_SETUP)) or turn.get("read_setup_s") or 0.0
     if gained <= 0:
-        eater = ("NIXL connection set-up (the first read from this D) cost "
-                 f"{_ms(setup)}" if setup >= saved / 2 else
-                 f"the read cost {_ms(saved - gained - setup)}")
-        return Finding(VERDICT, f"The read saved P {tokens} tokens ({_ms(saved)} of compute) "
-                                f"but gained no TTFT: {eater}.", evidence)
-    remedy = (f"Remote KV read paid off: {tokens} tokens ({_ms(saved)} of P compute) saved, "
-              f"TTFT {_ms(gained)} better than recomputing.")
+        eater = (
+            f"NIXL connection set-up (the first read from this D) cost {_ms(setup)}"
+            if setup >= saved / 2
+            else f"the read cost {_ms(saved - gained - setup)}"
+        )
+        return Finding(
+            VERDICT,
+            f"The read saved P {tokens} tokens ({_ms(saved)} of compute) "
+            f"but gained no TTFT: {eater}.",
+            evidence,
+        )
+    remedy = (
+        f"Remote KV read paid off: {tokens} tokens ({_ms(saved)} of P compute) saved, "
+        f"TTFT {_ms(gained)} better than recomputing."
+    )
     slowest = turn.get("slowest_phase")
     if slowest and sc.Phase(slowest) not in REUSE_PATH:
         remedy += f" The turn's time went to {slowest}: see its causes."

@@ -26,8 +26,9 @@ def _done(turns):
 
 
 def missing(turns, context: Context):
-    return [Needs(_done(turns) & col.null(turns, "read_duration_s"), "read_duration_s",
-                  sc.SPAN_READ)]
+    return [
+        Needs(_done(turns) & col.null(turns, "read_duration_s"), "read_duration_s", sc.SPAN_READ)
+    ]
 
 
 def recompute_estimate_s(turns, context: Context) -> np.ndarray:
@@ -41,27 +42,35 @@ def recompute_estimate_s(turns, context: Context) -> np.ndarray:
 def in_flight_s(turns) -> np.ndarray:
     """Seconds the read is known to have been in flight (NaN: no duration)."""
     return col.num(turns, "read_duration_s") - np.nan_to_num(
-        col.num(turns, "read_unobserved_s"), nan=0.0)
+        col.num(turns, "read_unobserved_s"), nan=0.0
+    )
 
 
 def applies(turns, context: Context):
     duration = in_flight_s(turns)
     # NaN compares False: no estimate, no "slower".
     slower = duration > context.slow_transfer_factor * recompute_estimate_s(turns, context)
-    over_slo = (duration > context.read_slo_s if context.read_slo_s is not None
-                else col.none(turns))
+    over_slo = duration > context.read_slo_s if context.read_slo_s is not None else col.none(turns)
     return _done(turns) & (slower | over_slo)
 
 
 def explain(turn: Turn, context: Context) -> Finding:
     tokens = turn.get("candidate_tokens")
-    estimate = (tokens / context.prefill_tokens_per_s
-                if tokens and context.prefill_tokens_per_s else None)
-    evidence = turn.pick("read_span_id", "read_duration_s", "read_unobserved_s", "read_bytes",
-                         "candidate_tokens")
-    evidence.update(recompute_estimate_s=estimate, read_slo_s=context.read_slo_s,
-                    prefill_tokens_per_s=context.prefill_tokens_per_s,
-                    slow_transfer_factor=context.slow_transfer_factor)
-    return Finding(VERDICT, "Read cost more than recomputing: check the P<->D link; raise "
-                            "kv_recompute_threshold to the break-even from `kvobs tune`.",
-                   evidence)
+    estimate = (
+        tokens / context.prefill_tokens_per_s if tokens and context.prefill_tokens_per_s else None
+    )
+    evidence = turn.pick(
+        "read_span_id", "read_duration_s", "read_unobserved_s", "read_bytes", "candidate_tokens"
+    )
+    evidence.update(
+        recompute_estimate_s=estimate,
+        read_slo_s=context.read_slo_s,
+        prefill_tokens_per_s=context.prefill_tokens_per_s,
+        slow_transfer_factor=context.slow_transfer_factor,
+    )
+    return Finding(
+        VERDICT,
+        "Read cost more than recomputing: check the P<->D link; raise "
+        "kv_recompute_threshold to the break-even from `kvobs tune`.",
+        evidence,
+    )

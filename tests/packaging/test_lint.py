@@ -1,5 +1,5 @@
-"""ruff's lint (pyproject's [tool.ruff]) passes over the packages: a finding fails the
-suite, as it fails CI (ruff comes with the test extra)."""
+"""ruff's lint and format check (pyproject's [tool.ruff]) pass over the packages: a
+finding fails the suite, as it fails CI (ruff comes with the test extra)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_ruff_finds_nothing():
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache",
+                           "kvobs", "connector_instrumented"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_leaves_the_packages_as_they_are():
+    done = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", "--no-cache",
                            "kvobs", "connector_instrumented"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
