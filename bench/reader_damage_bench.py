@@ -14,7 +14,7 @@ file with): the read's wall time, the process's peak resident memory (``VmHWM``)
 that less the empty file's, rows, warnings. ``--also-rev REV`` runs the same reads with
 kvobs/ as it was at a git revision (a change's before), each cut off at ``--limit-s``.
 Prints medians; asserts nothing (the tests count the work instead:
-tests/core/test_damaged_span_files.py).
+tests/sources/test_damaged_span_files.py).
 """
 
 from __future__ import annotations

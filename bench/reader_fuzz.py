@@ -4,7 +4,7 @@ the counts.
     python bench/reader_fuzz.py [--cases 100000] [--batch 1000] [--seed N]
 
 The cases and the oracle are tests/fuzz_spans.py's (the CI suite,
-tests/core/test_fuzz_readers.py, runs 10,000): span files in every shape real producers
+tests/sources/test_fuzz_readers.py, runs 10,000): span files in every shape real producers
 write, damaged; each read alone, then each batch through the pandas turns path, the
 fleet's Arrow path and a compacted store with a segment copied. Prints, per format and in
 all: cases, spans written, rows read, problems reported; duplicates dropped (each

@@ -7,7 +7,7 @@
   causes, from ``kvobs.timeline`` and ``kvobs.causes``;
 - ``settings.md``: the settings kvobs reasons with, their names and defaults, from
   ``kvobs.settings``.
-``tests/core/test_docs.py`` fails when the checked-in files differ.
+``tests/packaging/test_docs.py`` fails when the checked-in files differ.
 """
 
 from __future__ import annotations

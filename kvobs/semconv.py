@@ -925,7 +925,7 @@ def _metric(name, type_, unit, doc, labels=(), buckets=()) -> Metric:
 METRICS: dict[str, Metric] = {}
 
 # Inter-turn gaps straddle the default lifetimes (upstream's fixed proxy entry lifetime,
-# D's TTL: kvobs/settings.py; tests/core/test_settings.py keeps them bounds) and short
+# D's TTL: kvobs/settings.py; tests/test_settings.py keeps them bounds) and short
 # test TTLs. Bucket bounds are a contract: written out, not derived.
 GAP_BUCKETS = (1, 5, 15, 30, 60, 120, 240, 360, 450, 480, 600, 900, 1800, 3600)
 TTL_BUCKETS = (0, 5, 10, 30, 60, 120, 240, 360, 480, 900)

@@ -5,7 +5,7 @@ decline window and the proxy's entry lifetime (D's TTL less the proxy's expiry m
 unless capped or fixed). Every part of kvobs that needs one of them takes it from
 `kvobs/settings.py`: the proxy and its CLI, the verdict remedies, `kvobs tune` and
 `kvobs whatif`, the simulation, the testbed and the monitoring config.
-`tests/core/test_settings.py` fails when a default is written out anywhere else in code,
+`tests/test_settings.py` fails when a default is written out anywhere else in code,
 or stated differently in the docs.
 
 A setting goes by the name of whoever applies it; ``spellings`` (the last column of

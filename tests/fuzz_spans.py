@@ -1,4 +1,4 @@
-"""Seeded span-file fuzzing for the readers and the turns pipeline (tests/core/
+"""Seeded span-file fuzzing for the readers and the turns pipeline (tests/sources/
 test_fuzz_readers.py runs 10,000 cases in CI, bench/reader_fuzz.py as many as asked).
 
 A case is one span file: a conversation's turns (proxy turn, pull decision, recompute,

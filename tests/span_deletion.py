@@ -2,7 +2,7 @@
 re-diagnose, and every turn keeps its verdict or becomes ``insufficient-evidence``, and
 no turn vanishes.
 
-Shared by the test on the recorded demo spans (tests/core/test_span_deletion.py) and the
+Shared by the test on the recorded demo spans (tests/verdicts/test_span_deletion.py) and the
 testbed's check of a fresh demo run. Turns are matched by their own span ids, not by
 (conversation, turn): deleting the span that names a turn's conversation may re-key it
 (an id-less turn), and it must still keep its verdict.

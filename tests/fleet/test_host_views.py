@@ -1,6 +1,6 @@
 """Host-path verdicts in the fleet views (``kvobs report`` text/JSON/HTML, ``kvobs
 turns``): counted and explained like the device verdicts, from host spans written
-through the real SDK/exporter (``tests/core/test_verdicts_host.py``'s conversations)."""
+through the real SDK/exporter (``tests/verdicts/test_verdicts_host.py``'s conversations)."""
 
 from __future__ import annotations
 

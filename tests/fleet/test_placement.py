@@ -3,7 +3,7 @@ host tier, or both, from spans written through the real SDK/exporter and read ba
 
 ``dev``: conversations on the bidirectional NIXL path (D's export, P's read), gaps of 5 s
 and one of 40 s (past D's 30 s TTL); ``host``: an engine with only the offloading
-connector (``tests/core/test_verdicts_host.py``'s conversations: hits, evictions, a
+connector (``tests/verdicts/test_verdicts_host.py``'s conversations: hits, evictions, a
 prompt-only copy, refused saves).
 """
 

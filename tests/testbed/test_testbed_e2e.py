@@ -177,7 +177,7 @@ def test_demo_covers_every_producible_verdict(demo):
 
 def test_no_demo_verdict_rests_on_a_missing_span(demo):
     """Deleting any one span of this fresh run keeps every turn's verdict or makes it
-    insufficient-evidence (tests/span_deletion.py; tests/core/test_span_deletion.py
+    insufficient-evidence (tests/span_deletion.py; tests/verdicts/test_span_deletion.py
     checks a recorded run the same way)."""
     assert deletion_violations(open_source(str(demo.out)).spans()) == []
 

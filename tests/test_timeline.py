@@ -179,7 +179,7 @@ def test_without_a_proxy_the_engines_bound_the_turn_and_the_router_share_is_name
     assert "client-facing edges" in timeline.unmeasured["latency"]
 
 
-DEMO_SPANS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+DEMO_SPANS = os.path.join(os.path.dirname(__file__), "data",
                           "demo-spans.otlp.jsonl")
 
 

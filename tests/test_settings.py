@@ -17,10 +17,10 @@ from kvobs.settings import (DECLINE_WINDOW, DECODE_TTL, MIN_CACHED_TOKEN_DELTA,
                             PROXY_ENTRY_LIFETIME, PROXY_EXPIRY_MARGIN, RECOMPUTE_THRESHOLD,
                             SLOW_TRANSFER_FACTOR, UPSTREAM_ENTRY_LIFETIME)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = ("kvobs", "connector_instrumented")
 DOCS = "docs"
-# Generated from kvobs/settings.py and kept fresh by tests/core/test_docs.py.
+# Generated from kvobs/settings.py and kept fresh by tests/packaging/test_docs.py.
 GENERATED_DOCS = {"settings.md", "telemetry.md", "verdicts.md", "timeline.md", "turns.md"}
 
 # What a line says to be about the setting (case-insensitive), and the values it must not
