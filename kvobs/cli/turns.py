@@ -150,4 +150,5 @@ def _stored_turns(source: str) -> list[dict] | None:
         "(--from-spans: classify the spans instead)",
         err=True,
     )
+    print_source_problems(turns.problems, machine_readable=True)  # stderr, as above
     return rows

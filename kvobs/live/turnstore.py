@@ -29,6 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvobs.sources._decode import is_regular
+
 TURNS_DIR = "turns"
 _PREFIX = "hour="
 _HOUR_FORMAT = "%Y%m%d%H"
@@ -124,6 +126,7 @@ class TurnRows:
         self.retention_s = retention_s
         self.pending: list[dict[str, Any]] = []
         self.dropped = 0  # rows lost after MAX_PENDING (a store down for long)
+        self.problems: list[str] = []  # what reading skipped (a FIFO named *.parquet)
 
     def write(self, rows: Iterable[dict[str, Any]], now: float | None = None) -> int:
         """Appends final rows (with any left from a failed write); returns the rows
@@ -220,6 +223,12 @@ class TurnStore(TurnRows):
             return []
         return sorted(n for n in names if n.startswith(_PREFIX))
 
+    def _files(self, partition: str) -> list[str]:
+        """A partition's parquet file names, sorted; a FIFO or other non-regular file
+        so named is reported in ``problems`` and left out: opening it would block."""
+        names = sorted(f for f in os.listdir(partition) if f.endswith(".parquet"))
+        return [f for f in names if is_regular(os.path.join(partition, f), self.problems)]
+
     def _hours(self) -> list[tuple[str, float]]:
         """(partition, when its hour began) of every partition of ours."""
         hours = []
@@ -255,7 +264,7 @@ class TurnStore(TurnRows):
         merged = []
         for name, start in self._hours():
             partition = os.path.join(self.directory, name)
-            files = sorted(f for f in os.listdir(partition) if f.endswith(".parquet"))
+            files = self._files(partition)
             closed = start + 3600 + COMPACT_AFTER_S <= now
             chosen = files if closed else [f for f in files if not f.startswith(_MERGED)]
             if len(chosen) < (2 if closed else MIN_PARTS_TO_MERGE):
@@ -334,8 +343,7 @@ class TurnStore(TurnRows):
             os.path.join(self.directory, p, f)
             for p in self.partitions()
             if p[len(_PREFIX) :] >= first_hour
-            for f in sorted(os.listdir(os.path.join(self.directory, p)))
-            if f.endswith(".parquet")
+            for f in self._files(os.path.join(self.directory, p))
         ]
         if not files:
             return SCHEMA.empty_table()

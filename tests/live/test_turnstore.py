@@ -210,3 +210,26 @@ def test_a_part_merged_away_while_read_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "listdir", with_a_ghost)
     assert [t["turn"] for t in store.latest("x")] == [1]
     assert store.read().num_rows == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_named_like_a_part_is_skipped_with_one_warning(tmp_path):
+    """Opening a FIFO blocks until something writes to it: ``kvobs turns`` and the
+    service's merge would hang on one named ``part-*.parquet``."""
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    store.write([_row("c", 1, "first-turn")], now=T0)
+    store.write([_row("c", 2, "remote-hit")], now=T0 + 1)
+    fifo = tmp_path / "turns" / "hour=2026010100" / "part-fifo.parquet"
+    os.mkfifo(fifo)
+    result = CliRunner().invoke(main, ["turns", "--source", str(tmp_path), "--json"])
+    assert [(t["turn"], t["verdict"]) for t in json.loads(result.stdout)] == [
+        (1, "first-turn"), (2, "remote-hit")]
+    warning = f"{fifo}: skipped (not a regular file: a FIFO)"
+    assert result.stderr.count(warning) == 1, result.stderr
+    assert store.compact(now=T0 + 2 * HOUR) == ["hour=2026010100"]  # the two parts merged
+    assert [t["turn"] for t in store.latest("c")] == [1, 2]
+    assert os.path.exists(fifo) and store.problems == [warning]
