@@ -371,7 +371,9 @@ class OffloadObserver:
             attrs,
             copy.first_at or now,
             now,
-            error=incomplete,
+            error=f"host save incomplete: {len(copy.refused)} blocks refused"
+            if incomplete
+            else None,
         )
 
     def take_stats(self):

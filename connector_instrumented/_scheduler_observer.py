@@ -273,7 +273,7 @@ class SchedulerObserver:
         values: tuple,
         start: float,
         end: float,
-        error: bool = False,
+        error: str | None = None,
     ) -> None:
         """Queue a span: ``values`` match ``keys`` less the trailing ids added here."""
         if not self._sink.enabled(span):
@@ -315,7 +315,9 @@ class SchedulerObserver:
             (reason, fixed, now - since, r.offered, r.remote_engine),
             since,
             now,
-            error=not fixed,
+            error=None
+            if fixed
+            else f"{self._role_of[sc.SPAN_STUCK.name]}: stuck ({reason._value_})",
         )
 
     def _gauges(self) -> None:
@@ -605,6 +607,10 @@ class SchedulerObserver:
             self.guard.failed("read without worker record")  # counted as a dropped fact
         direction = r.direction._value_
         done = outcome is _DONE
+        read_span = sc.SPAN_READ if r.direction is _D_TO_P else sc.SPAN_HANDOFF
+        failure = (
+            None if done else read_failure(self._role_of[read_span.name], direction, outcome, error)
+        )
         data = self._stats.data  # what _add does, without a call per fact
         self._stats_dirty = True
         data[st.READS].append([direction, outcome._value_])
@@ -644,7 +650,7 @@ class SchedulerObserver:
                 ),
                 start,
                 start + duration,
-                error=not done,
+                error=failure,
             )
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
@@ -677,7 +683,7 @@ class SchedulerObserver:
                 ),
                 start,
                 start + duration,
-                error=not done,
+                error=failure,
             )
             if done and r.request is not None and r.first_token is None:
                 self._first_pending[req_id] = r
@@ -850,6 +856,17 @@ class SchedulerObserver:
             return None
         self._stats_dirty = False
         return self._stats.clone_and_reset()
+
+
+def read_failure(role: str, direction: str, outcome: Any, error: str | None) -> str:
+    """The ERROR status description of a read that failed or was declined: the cause
+    (the transfer's error, as the read's ``kvobs.read.error`` has it), never request data.
+
+    >>> read_failure("prefill", "d_to_p", "failed", "nixl-transfer-error")
+    'prefill: KV read d_to_p failed: nixl-transfer-error'
+    """
+    outcome = getattr(outcome, "_value_", outcome)
+    return f"{role}: KV read {direction} {outcome}" + (f": {error}" if error else "")
 
 
 def _group_block_bytes(group: Any) -> int:

@@ -164,7 +164,7 @@ class SpanSink:
         attributes: Mapping[str, Any],
         start_s: float | None = None,
         end_s: float | None = None,
-        error: bool = False,
+        error: str | None = None,
     ) -> None:
         """Queue one finished span; wall-clock seconds in, never raises or blocks.
 
@@ -196,7 +196,7 @@ class SpanSink:
         values: Any,
         start_s: float,
         end_s: float,
-        error: bool = False,
+        error: str | None = None,
     ) -> None:
         """The hook-path form of ``emit``: the caller checked ``enabled(span)``.
 

@@ -93,17 +93,19 @@ def emit(
     attributes: Mapping[str, Any],
     start_ns: int | None = None,
     end_ns: int | None = None,
-    error: bool = False,
+    error: str | None = None,
 ) -> None:
-    """Record one finished span. Never raises: telemetry must not break serving."""
+    """Record one finished span. Never raises: telemetry must not break serving.
+    ``error``: the span failed, and why (its ERROR status's description: the cause,
+    never request text)."""
     try:
         otel_span = tracer.start_span(
             span.name, context=correlation.parent_context(), start_time=start_ns
         )
         if otel_span.is_recording():
             otel_span.set_attributes({**correlation.attributes(), **clean(attributes)})
-            if error:
-                otel_span.set_status(trace.Status(trace.StatusCode.ERROR))
+            if error is not None:
+                otel_span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         otel_span.end(end_time=end_ns)
     except Exception:  # noqa: BLE001
         return

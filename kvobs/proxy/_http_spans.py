@@ -36,7 +36,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvobs import semconv as sc
 
 _LOG = logging.getLogger("kvobs.proxy")
-_ERROR = Status(StatusCode.ERROR)
 
 
 def _host_port(host: str | None) -> tuple[str | None, int | None]:
@@ -102,6 +101,32 @@ def start_server(
         return trace.INVALID_SPAN
 
 
+def server_error(status: int | None, error: str | None) -> tuple[str, str] | None:
+    """The SERVER span's (``error.type``, status description), None when it did not fail:
+    a 5xx (its code as the type, semconv), no answer (the client left), or ``error`` (a
+    stream cut short after its 200). A 4xx is the client's error, not the server span's.
+
+    >>> server_error(502, "prefill-unreachable")
+    ('502', 'answered HTTP 502: prefill-unreachable')
+    >>> server_error(None, None)
+    ('CancelledError', 'no answer: the client disconnected')
+    >>> server_error(200, "decode-disconnected")
+    ('decode-disconnected', 'answered HTTP 200: decode-disconnected')
+    >>> server_error(400, None), server_error(200, None)
+    (None, None)
+    """
+    if status is not None and 400 <= status < 500:
+        return None
+    if status is None:
+        cause = error if error is not None else "the client disconnected"
+        return error or "CancelledError", f"no answer: {cause}"
+    if status >= 500:
+        return str(status), f"answered HTTP {status}" + (f": {error}" if error else "")
+    if error is not None:
+        return error, f"answered HTTP {status}: {error}"
+    return None
+
+
 def end_server(span: trace.Span, status: int | None, error: str | None = None) -> None:
     """``status``: the answer's HTTP status (None: no answer, the client left);
     ``error``: why the turn failed when the status does not say (a stream cut short)."""
@@ -109,24 +134,34 @@ def end_server(span: trace.Span, status: int | None, error: str | None = None) -
         if span.is_recording():
             if status is not None:
                 span.set_attribute(sc.HTTP_STATUS, status)
-            if status is not None and status >= 500:
-                error = str(status)
-            elif status is not None and status >= 400:
-                error = None  # the client's error: not the server span's (semconv)
-            if status is None and error is None:
-                error = "CancelledError"
-            if error is not None:
-                span.set_attribute(sc.ERROR_TYPE, error)
-                span.set_status(_ERROR)
+            failed = server_error(status, error)
+            if failed is not None:
+                span.set_attribute(sc.ERROR_TYPE, failed[0])
+                span.set_status(Status(StatusCode.ERROR, failed[1]))
         span.end()
     except Exception:  # noqa: BLE001
         _LOG.debug("server span failed", exc_info=True)
 
 
+def leg_error(leg: str, status: int | None, error: str | None) -> tuple[str, str] | None:
+    """A CLIENT span's (``error.type``, status description), None when it did not fail.
+
+    >>> leg_error("decode", 503, None), leg_error("prefill", None, "unreachable")
+    (('503', 'decode engine answered HTTP 503'), ('unreachable', 'prefill engine unreachable'))
+    >>> leg_error("decode", 200, "disconnected"), leg_error("decode", 200, None)
+    (('disconnected', 'decode engine disconnected after HTTP 200'), None)
+    """
+    if status is not None and status >= 400 and error is None:
+        return str(status), f"{leg} engine answered HTTP {status}"
+    if error is None:
+        return None
+    return error, f"{leg} engine {error}" + (f" after HTTP {status}" if status else "")
+
+
 class ClientLeg:
     """The CLIENT span of one request to an engine; ``end`` once (later calls do nothing)."""
 
-    __slots__ = ("span",)
+    __slots__ = ("span", "leg")
 
     def __init__(
         self,
@@ -137,6 +172,7 @@ class ClientLeg:
         port: int,
         url: str,
     ):
+        self.leg = leg
         try:
             span = tracer.start_span("POST", context=context, kind=SpanKind.CLIENT)
             if span.is_recording():
@@ -173,11 +209,10 @@ class ClientLeg:
             if span.is_recording():
                 if status is not None:
                     span.set_attribute(sc.HTTP_STATUS, status)
-                    if status >= 400 and error is None:
-                        error = str(status)
-                if error is not None:
-                    span.set_attribute(sc.ERROR_TYPE, error)
-                    span.set_status(_ERROR)
+                failed = leg_error(self.leg, status, error)
+                if failed is not None:
+                    span.set_attribute(sc.ERROR_TYPE, failed[0])
+                    span.set_status(Status(StatusCode.ERROR, failed[1]))
             span.end()
         except Exception:  # noqa: BLE001
             _LOG.debug("client span failed", exc_info=True)

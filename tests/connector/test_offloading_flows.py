@@ -149,6 +149,7 @@ def test_no_space_is_an_incomplete_save(make, spans):
     a = attrs(save)
     assert a[sc.HOST_SAVE_INCOMPLETE.key] is True and a[sc.HOST_REFUSED_BLOCKS.key] == 4
     assert a[sc.HOST_BLOCKS.key] == 0
+    assert save.status.description == "host save incomplete: 4 blocks refused"
 
 
 def test_metrics_on_the_engine_registry(make, spans, model_dir):

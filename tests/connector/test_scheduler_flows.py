@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from opentelemetry.trace import StatusCode
 
 import _harness as h
 from connector_instrumented import _digest, _stats as st
@@ -218,10 +219,16 @@ def test_declined_read_with_recompute_policy(model_dir, spans, fix):
         kv_connector_stats=read_record(req.request_id, "declined-expired", 0, 3, -2.0)))
     (read,) = spans.spans(sc.SPAN_READ)
     assert attrs(read)[sc.READ_OUTCOME.key] == "declined-expired"
+    # an ERROR status says why (#27): role, outcome, the transfer's error
+    assert read.status.status_code is StatusCode.ERROR
+    assert read.status.description == "prefill: KV read d_to_p declined-expired: transfer_failed"
     so, eco = h.step(scheduler, None, **dict())
     (stuck,) = spans.spans(sc.SPAN_STUCK)
     assert attrs(stuck)[sc.STUCK_REASON.key] == "already-processed"
     assert attrs(stuck)[sc.STUCK_FIXED.key] is fix
+    assert (stuck.status.status_code, stuck.status.description) == (
+        (StatusCode.UNSET, None) if fix
+        else (StatusCode.ERROR, "prefill: stuck (already-processed)"))
     data = kv_stats(eco)
     if fix:
         assert req.request_id in so.num_scheduled_tokens  # recomputed
