@@ -83,7 +83,7 @@ class _Proxy(Turns):
             logging.INFO,
             "kvobs proxy starting",
             version=__version__,
-            instance=self.instance,
+            instance=self.steps.instance,
             store=self.store.backend,
             publisher=self.publisher.name,
             **effective_config(config),

@@ -230,7 +230,7 @@ def test_bad_input_is_400_before_any_engine():
 
 
 def test_failure_after_the_stream_started_ends_with_error_event_and_done(monkeypatch):
-    import kvobs.proxy.legs as app_module
+    import kvobs.proxy._relay as app_module
 
     def broken(*_args, **_kw):
         raise RuntimeError("boom")
