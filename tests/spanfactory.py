@@ -156,7 +156,7 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
                   sc.REMAINING_TTL_AT_READ.key: spec.ttl_s - spec.gap_s,
                   sc.READ_SETUP.key: setup, sc.READ_UNOBSERVED.key: spec.read_unobserved_s},
                  read_start, read_start + int(spec.read_duration_s * SECOND),
-                 error=spec.read == "failed")
+                 error="prefill: KV read d_to_p failed" if spec.read == "failed" else None)
         if spec.stuck:
             emit(prefill, sc.SPAN_STUCK, corr, {}, begin + 3000, begin + 4000)
         if spec.export:

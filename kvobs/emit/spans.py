@@ -104,7 +104,7 @@ def emit(
         )
         if otel_span.is_recording():
             otel_span.set_attributes({**correlation.attributes(), **clean(attributes)})
-            if error is not None:
+            if error:
                 otel_span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         otel_span.end(end_time=end_ns)
     except Exception:  # noqa: BLE001
