@@ -274,6 +274,19 @@ class _UpstreamFlags(click.Command):
     show_default=True,
     help="One logfmt line per request.",
 )
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Worker processes on --port (SO_REUSEPORT; default 1). More than one needs "
+    "--store redis; each worker's /metrics is on its own port (--metrics-port + index).",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="With --workers > 1: the first worker's /metrics port (default --port + 1).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def proxy_command(
     host,
@@ -313,6 +326,8 @@ def proxy_command(
     max_new_tenants,
     new_tenant_window,
     access_log,
+    workers,
+    metrics_port,
     log_level,
 ):
     """Serve the multi-turn P/D proxy (/v1/chat/completions, /v1/completions, /health, /metrics)."""
@@ -342,6 +357,8 @@ def proxy_command(
             ("trusted_tenant_header", trusted_tenant_header),
             ("max_new_tenants", max_new_tenants),
             ("new_tenant_window_s", new_tenant_window),
+            ("workers", workers),
+            ("metrics_port", metrics_port),
         )
         if value is not None
     }

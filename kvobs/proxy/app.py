@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 
 from aiohttp import web
@@ -26,6 +27,7 @@ from kvobs.proxy._guard import StoreGuard
 from kvobs.proxy._log import effective_config, log
 from kvobs.proxy._metrics import ProxyMetrics
 from kvobs.proxy._ready import HEALTH_WAIT_S, Readiness
+from kvobs.proxy._workers import run_workers, worker_metrics_port
 from kvobs.proxy.config import ProxyConfig
 from kvobs.proxy.publisher import NoPublisher, ParamsPublisher, RedisParamsPublisher
 from kvobs.proxy.store import MemoryStore, MetadataStore
@@ -144,6 +146,11 @@ class _Proxy(Turns):
         )
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    async def metrics_elsewhere(self, _request: web.Request) -> web.Response:
+        ports = [worker_metrics_port(self.config, i) for i in range(self.config.workers)]
+        message = f"{self.config.workers} workers: each one's /metrics is on its own port"
+        return web.json_response({"error": message, "metrics_ports": ports}, status=404)
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.handle(request, "/v1/chat/completions")
 
@@ -257,12 +264,25 @@ def build_app(
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)
-    app.router.add_get("/metrics", proxy.metrics_view)
+    if config.workers > 1:  # each worker's own port (_workers), never a random one's
+        app.router.add_get("/metrics", proxy.metrics_elsewhere)
+    else:
+        app.router.add_get("/metrics", proxy.metrics_view)
     return app
+
+
+def _worker_apps(config: ProxyConfig) -> tuple[web.Application, web.Application]:
+    """A worker's proxy, and its metrics alone (served at the worker's own port)."""
+    app = build_app(config)
+    metrics = web.Application()
+    metrics.router.add_get("/metrics", app[PROXY_KEY].metrics_view)
+    return app, metrics
 
 
 def run_proxy(config: ProxyConfig) -> None:
     """Serve until interrupted."""
+    if config.workers > 1:
+        sys.exit(run_workers(config, _worker_apps, RUNNER_OPTIONS))
     app = build_app(config)
     # What start-up allocated (modules, the app, OpenTelemetry's SDK: ~80,000 objects)
     # lives as long as the process. Frozen out of the collector's sight, it no longer

@@ -108,6 +108,13 @@ class ProxyConfig:
     redis_pool_size: int = 512
     redis_breaker_failures: int = 5
     redis_breaker_cooldown_s: float = 5.0
+    # Worker processes on one port (SO_REUSEPORT: the kernel spreads connections over
+    # them). More than one needs the Redis store: a conversation's turns land on any
+    # worker (_workers). Each worker's /metrics is on its own port, metrics_port + its
+    # index (default port + 1): a scrape of the shared port would read whichever worker
+    # the kernel picked.
+    workers: int = 1
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -160,6 +167,14 @@ class ProxyConfig:
             raise ValueError("max_new_tenants must be >= 0 and new_tenant_window_s positive")
         if self.tenant_header and self.trusted_tenant_header:
             raise ValueError("tenant_header and trusted_tenant_header exclude each other")
+        if self.workers < 1:
+            raise ValueError("workers must be positive")
+        if self.workers > 1 and self.store_backend != "redis":
+            raise ValueError(
+                "several workers need the redis store: the in-memory store is one per "
+                "process, and a conversation's turns reach any worker, so each worker "
+                "would miss the turns the others served"
+            )
         if self.anonymous_tenant not in ("isolated", "shared"):
             raise ValueError("anonymous_tenant must be 'isolated' or 'shared'")
 
