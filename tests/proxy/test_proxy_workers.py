@@ -6,6 +6,7 @@ engines served from the test's loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -93,45 +94,56 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@contextlib.asynccontextmanager
+async def _two_workers(redis_url: str, store_dir: Path):
+    """Stand-in P and D, and ``kvobs proxy --workers 2`` in front of them, serving."""
+    state = DecodeState()
+    prefill, decode = StandInPrefill(state), StandInDecode(state)
+    await prefill.start()
+    await decode.start()
+    port, metrics_port = free_port(), _free_pair()
+    proc = _start(prefill, decode, redis_url, port, metrics_port, store_dir)
+    workers: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            workers += await _workers_of(proc, session, metrics_port)
+            assert len(workers) == 2
+            yield proc, session, port, metrics_port, workers, prefill
+    finally:
+        _stop(proc, workers)
+        await prefill.stop()
+        await decode.stop()
+
+
 def test_two_workers_share_a_port_and_reuse_across_workers(redis_url, tmp_path):
     async def scenario():
-        state = DecodeState()
-        prefill, decode = StandInPrefill(state), StandInDecode(state)
-        await prefill.start()
-        await decode.start()
-        port, metrics_port = free_port(), _free_pair()
-        proc = _start(prefill, decode, redis_url, port, metrics_port, tmp_path / "store")
-        workers: list[int] = []
-        try:
-            async with aiohttp.ClientSession() as session:
-                workers = await _workers_of(proc, session, metrics_port)
-                assert len(workers) == 2
-                # A new connection per turn: the kernel picks the worker each time.
-                conversations, turns = 8, 5
-                for c in range(conversations):
-                    messages = []
-                    for t in range(turns):
-                        messages.append({"role": "user", "content": f"c{c} turn {t}"})
-                        body = {"model": "m", "messages": messages, "conversation_id": f"c{c}"}
-                        async with aiohttp.ClientSession() as fresh:
-                            async with fresh.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                                  data=json.dumps(body), headers=KEY) as r:
-                                assert r.status == 200, await r.text()
-                                out = await r.json()
-                        messages.append(out["choices"][0]["message"])
-                served = [await _metric(session, p, "kvobs_proxy_turns_total")
-                          for p in (metrics_port, metrics_port + 1)]
-                hits = [await _metric(session, p, "kvobs_proxy_lookups_total", 'outcome="hit"')
-                        for p in (metrics_port, metrics_port + 1)]
-                # Both took requests; each metrics port counts its own worker's turns only.
-                assert all(n > 0 for n in served) and sum(served) == conversations * turns
-                # Every later turn found the turn before it, whichever worker stored it.
-                assert sum(hits) == conversations * (turns - 1) == len(prefill.reads)
-                assert all(n > 0 for n in hits)
-                async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
-                    assert response.status == 404
-                    assert (await response.json())["metrics_ports"] == [metrics_port,
-                                                                        metrics_port + 1]
+        async with _two_workers(redis_url, tmp_path / "store") as (
+                proc, session, port, metrics_port, workers, prefill):
+            # A new connection per turn: the kernel picks the worker each time.
+            conversations, turns = 8, 5
+            for c in range(conversations):
+                messages = []
+                for t in range(turns):
+                    messages.append({"role": "user", "content": f"c{c} turn {t}"})
+                    body = {"model": "m", "messages": messages, "conversation_id": f"c{c}"}
+                    async with aiohttp.ClientSession() as fresh:
+                        async with fresh.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                              data=json.dumps(body), headers=KEY) as r:
+                            assert r.status == 200, await r.text()
+                            out = await r.json()
+                    messages.append(out["choices"][0]["message"])
+            ports = (metrics_port, metrics_port + 1)
+            served = [await _metric(session, p, "kvobs_proxy_turns_total") for p in ports]
+            hits = [await _metric(session, p, "kvobs_proxy_lookups_total", 'outcome="hit"')
+                    for p in ports]
+            # Both took requests; each metrics port counts its own worker's turns only.
+            assert all(n > 0 for n in served) and sum(served) == conversations * turns
+            # Every later turn found the turn before it, whichever worker stored it.
+            assert sum(hits) == conversations * (turns - 1) == len(prefill.reads)
+            assert all(n > 0 for n in hits)
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                assert response.status == 404
+                assert (await response.json())["metrics_ports"] == list(ports)
             # Each worker wrote its own span store segment.
             writers = {p.name.rsplit("-", 1)[1].split(".")[0]
                        for p in (tmp_path / "store").rglob("*.otlp.jsonl")}
@@ -139,33 +151,16 @@ def test_two_workers_share_a_port_and_reuse_across_workers(redis_url, tmp_path):
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
             assert all(_gone(pid) for pid in workers)
-        finally:
-            _stop(proc, workers)
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(scenario())
 
 
 def test_a_worker_failing_stops_the_others(redis_url, tmp_path):
     async def scenario():
-        state = DecodeState()
-        prefill, decode = StandInPrefill(state), StandInDecode(state)
-        await prefill.start()
-        await decode.start()
-        port, metrics_port = free_port(), _free_pair()
-        proc = _start(prefill, decode, redis_url, port, metrics_port, tmp_path / "store")
-        workers: list[int] = []
-        try:
-            async with aiohttp.ClientSession() as session:
-                workers = await _workers_of(proc, session, metrics_port)
+        async with _two_workers(redis_url, tmp_path / "store") as (proc, _, _, _, workers, _):
             os.kill(workers[0], signal.SIGKILL)
             assert proc.wait(timeout=30) == 1
             assert _gone(workers[1])
-        finally:
-            _stop(proc, workers)
-            await prefill.stop()
-            await decode.stop()
 
     asyncio.run(scenario())
 
