@@ -10,7 +10,10 @@ after the other in front of the same instant stand-in engines:
   state, spans or checks), the floor any Python proxy stands on;
 - ``kvobs-default``: ``kvobs proxy`` with no flags (in-process store, no spans);
 - ``kvobs-prod``: ``kvobs proxy --store redis --redis-url URL --store-dir DIR``: state in a
-  real redis-server the bench starts, spans to a span store.
+  real redis-server the bench starts, spans to a span store;
+- ``kvobs-prod-w2`` (any ``-wN``): ``kvobs-prod`` with ``--workers N`` (SO_REUSEPORT),
+  pinned to every core: what N workers give on this box, sharing the load generator's
+  core; its metrics read from each worker's own port.
 
 The stand-in P and D (one process), the load generator (this process) and redis-server
 share the other core(s). Workload: chat conversations of 8 turns, each turn adding a user
@@ -18,7 +21,8 @@ message of ~800 characters and D's answer of ~200 (turn 8 sends ~7,800 character
 history), ``conversation_id`` in the body, an API key per client (8 tenants: keyless
 clients get no reuse), each client running its conversations back to back (closed loop).
 Per front door: 1 client (latency; the added p50/p99 is over the client calling P then D
-itself, measured just before), then 64 and 256 clients (req/s, errors). CPU per request is
+itself, measured just before), then 64 (req/s, and its share of the client calling P then D
+itself with 64 clients, measured just before) and 256 clients (req/s, errors). CPU per request is
 the front door's process (and its children) from /proc via psutil, over each phase.
 Reuse is counted at the P stand-in: turns 2-8 whose P request carried D's params.
 
@@ -54,9 +58,13 @@ TURNS = 8
 USER_CHARS = 800
 ANSWER = ("The answer, in short: " + "tok " * 50)[:200]
 TENANTS = 8
-FRONT_DOORS = ("router-rr", "router-default", "python-floor", "kvobs-default", "kvobs-prod")
+FRONT_DOORS = ("router-rr", "router-default", "python-floor", "kvobs-default", "kvobs-prod",
+               "kvobs-prod-w2")
 ANCHOR = "router-rr"
 NO_HIREDIS = "kvobs-prod-nohiredis"  # kvobs-prod without redis-py's C parser (hiredis)
+# kvobs-prod-wN: kvobs-prod with N worker processes on one port, pinned to every core
+# (N workers on one core would share it: the figure is what this box gives).
+WORKERS = "kvobs-prod-w"
 
 
 def _free_port() -> int:
@@ -298,21 +306,32 @@ async def _get_json(url: str):
             return await response.json(content_type=None)
 
 
-def _degraded(port: int) -> dict[str, float]:
-    """The proxy's ``kvobs_proxy_store_degraded_total`` by reason: turns that went on
-    without the store (budget spent, timeout, breaker open)."""
+def _metrics_text(name: str, port: int) -> str:
+    """The front door's /metrics; with N workers, every worker's (each on its own port,
+    ``--port`` + 1 + index), one after the other."""
     import urllib.request
 
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-            text = answer.read().decode()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
+    workers = int(name.partition("@")[0].removeprefix(WORKERS)) if name.startswith(WORKERS) \
+        else 0
+    ports = [port + 1 + i for i in range(workers)] or [port]
+    texts = []
+    for each in ports:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{each}/metrics", timeout=5) as answer:
+                texts.append(answer.read().decode())
+        except OSError:
+            pass
+    return "\n".join(texts)
+
+
+def _degraded(name: str, port: int) -> dict[str, float]:
+    """The proxy's ``kvobs_proxy_store_degraded_total`` by reason: turns that went on
+    without the store (budget spent, timeout, breaker open)."""
+    out: dict[str, float] = {}
+    for line in _metrics_text(name, port).splitlines():
         if line.startswith("kvobs_proxy_store_degraded_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = float(line.split()[-1])
+            out[reason] = out.get(reason, 0.0) + float(line.split()[-1])
     return out
 
 
@@ -362,6 +381,8 @@ def front_door_cmd(name: str, port: int, p_url: str, d_url: str, redis_url: str,
            "--decoder-host", d_host, "--decoder-port", d_port]
     if name.startswith("kvobs-prod"):
         cmd += ["--store", "redis", "--redis-url", redis_url, "--store-dir", store_dir]
+    if name.startswith(WORKERS):
+        cmd += ["--workers", name.partition("@")[0].removeprefix(WORKERS)]
     return cmd
 
 
@@ -405,6 +426,8 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
         hidden.mkdir(exist_ok=True)
         (hidden / "hiredis.py").write_text('raise ImportError("hidden by proxy_bench")\n')
         env = {**env, "PYTHONPATH": str(hidden) + os.pathsep + env.get("PYTHONPATH", "")}
+    if name.startswith(WORKERS):
+        core = ",".join(str(c) for c in sorted(os.sched_getaffinity(0) | {core}))
     proc = subprocess.Popen(["taskset", "-c", str(core),
                              *front_door_cmd(name, port, urls["p"], urls["d"], redis_url,
                                              store_dir)],
@@ -428,8 +451,13 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                                                                      urls["d_chat"])))
                 result["direct_p50"] = _pct(base.latencies, 0.5)
                 result["direct_p99"] = _pct(base.latencies, 0.99)
+            if clients == 64:  # the throughput a front door is a share of, just before
+                base = asyncio.run(run_load(None, workload, clients, conversations, stream,
+                                            tag + "-direct", direct=(urls["p_chat"],
+                                                                     urls["d_chat"])))
+                result["direct_rps64"] = clients * conversations * TURNS / base.elapsed
             before = asyncio.run(_get_json(urls["stats"]))
-            degraded0 = _degraded(port) if name.startswith("kvobs") else {}
+            degraded0 = _degraded(name, port) if name.startswith("kvobs") else {}
             cpu0 = _cpu(ps)
             redis0 = _cpu(redis_ps) if redis_ps else 0.0
             spy = None
@@ -450,7 +478,7 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
             redis_cpu = (_cpu(redis_ps) - redis0) if redis_ps else 0.0
             after = asyncio.run(_get_json(urls["stats"]))
             degraded = {reason: n - degraded0.get(reason, 0) for reason, n in
-                        (_degraded(port) if name.startswith("kvobs") else {}).items()
+                        (_degraded(name, port) if name.startswith("kvobs") else {}).items()
                         if n - degraded0.get(reason, 0)}
             requests = clients * conversations * TURNS
             later = after["p_later_turns"] - before["p_later_turns"]
@@ -475,17 +503,11 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                   + (f"  store degraded {degraded}" if degraded else "")
                   + f"  engine calls/req {result[clients]['engine_calls']:.2f}", flush=True)
         if name.startswith("kvobs"):
-            try:
-                import urllib.request
-
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                            timeout=5) as response:
-                    text = response.read().decode()
-                lost = sum(float(line.split()[-1]) for line in text.splitlines()
-                           if line.startswith("kvobs_telemetry_dropped_spans_total{"))
-                result["spans_lost"] = lost
-            except OSError:
-                pass
+            text = _metrics_text(name, port)
+            if text:
+                result["spans_lost"] = sum(
+                    float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("kvobs_telemetry_dropped_spans_total{"))
     finally:
         try:
             os.killpg(proc.pid, 15)
@@ -542,17 +564,20 @@ def report(results: list[dict], args) -> None:
         rows.append({
             "name": r["name"], "cpu": cpu_all(r), "cpu64": r[64]["cpu_ms"],
             "add50": r[1]["p50"] - r["direct_p50"], "add99": r[1]["p99"] - r["direct_p99"],
-            "rps64": r[64]["rps"], "rps256": r[256]["rps"], "hits": r[256]["hit_rate"],
+            "rps64": r[64]["rps"], "share64": r[64]["rps"] / r["direct_rps64"],
+            "rps256": r[256]["rps"], "hits": r[256]["hit_rate"],
             "errors256": r[256]["errors"], "lost": r.get("spans_lost")})
     base = next((row for row in rows if anchor and row["name"] == ANCHOR), None)
     mode = "streamed" if args.stream else "non-streamed"
     print(f"\nsummary ({mode}; cpu = front door process ms/request over all phases; added = "
           "1-client latency over the client calling P then D itself)")
     print(f"{'front door':<15}{'cpu/req':>9}{'added p50':>11}{'added p99':>11}"
-          f"{'req/s @64':>11}{'req/s @256':>12}{'hits @256':>11}{'errors @256':>13}")
+          f"{'req/s @64':>11}{'of direct':>11}{'req/s @256':>12}{'hits @256':>11}"
+          f"{'errors @256':>13}")
     for row in rows:
         print(f"{row['name']:<15}{row['cpu']:>7.3f}ms{row['add50'] * 1e3:>9.2f}ms"
-              f"{row['add99'] * 1e3:>9.2f}ms{row['rps64']:>11.0f}{row['rps256']:>12.0f}"
+              f"{row['add99'] * 1e3:>9.2f}ms{row['rps64']:>11.0f}{row['share64']:>11.2f}"
+              f"{row['rps256']:>12.0f}"
               f"{row['hits']:>11.1%}{row['errors256']:>13}"
               + (f"   spans lost {row['lost']:.0f}" if row["lost"] is not None else ""))
     if base is None:
