@@ -78,6 +78,7 @@ def telemetry_md() -> str:
         sc.RecomputeReason,
         sc.FallbackReason,
         sc.ServedBy,
+        sc.GenAIOperation,
     ):
         values = ", ".join(f"`{v.value}`" for v in enum_class)
         lines.append(f"- {enum_class.__name__}: {values}")

@@ -77,6 +77,29 @@ RESPONSE_ID = _attr(
     "The completion's id as the client got it (D's answer \"id\"): proxy turn.",
 )
 MAX_GENAI_VALUE = 256
+GENAI_OPERATION = _attr(
+    "gen_ai.operation.name",
+    "str",
+    "",
+    "GenAIOperation value: the OpenAI route the client called (chat for "
+    "/v1/chat/completions, text_completion for /v1/completions): the proxy's HTTP "
+    "SERVER span and CLIENT legs.",
+)
+GENAI_PROVIDER = _attr(
+    "gen_ai.provider.name",
+    "str",
+    "",
+    '"vllm": who serves the model behind the proxy: its SERVER span and CLIENT legs.',
+)
+GENAI_PROVIDER_VLLM = "vllm"
+VLLM_REQUEST_ID = _attr(
+    "gen_ai.request.id",
+    "str",
+    "",
+    "vLLM's id of the request (its llm_request span's; chatcmpl-/cmpl- and the "
+    "X-Request-Id the proxy sends, kvobs.request.id on the turn). The connector's "
+    "kvobs.request.id is vLLM's internal id: this one and a random suffix.",
+)
 ROLE = _attr(
     "kvobs.role",
     "str",
@@ -753,6 +776,25 @@ class FallbackReason(str, enum.Enum):
     READ_DECLINED = "read-declined"
     READ_FAILED = "read-failed"
     PREFILL_ERROR = "prefill-error"
+
+
+class GenAIOperation(str, enum.Enum):
+    """``gen_ai.operation.name`` (OpenTelemetry's GenAI conventions) by the proxy's route."""
+
+    CHAT = "chat"
+    TEXT_COMPLETION = "text_completion"
+
+
+GENAI_OPERATION_OF_ROUTE = {
+    "/v1/chat/completions": GenAIOperation.CHAT,
+    "/v1/completions": GenAIOperation.TEXT_COMPLETION,
+}
+# vLLM's request id prefix by route (vllm/entrypoints/openai/*/serving.py): with the
+# X-Request-Id the proxy sends, the id vLLM's own span carries as gen_ai.request.id.
+VLLM_REQUEST_ID_PREFIX = {
+    "/v1/chat/completions": "chatcmpl-",
+    "/v1/completions": "cmpl-",
+}
 
 
 class ProxyError(str, enum.Enum):

@@ -58,6 +58,32 @@ def client_link(headers) -> list[trace.Link] | None:
     return [trace.Link(context)] if context.is_valid else None
 
 
+def genai_attributes(route: str, request_id: str | None = None) -> dict[str, str]:
+    """OpenTelemetry's GenAI attributes of a request to ``route`` (none for another
+    route); ``request_id``: the X-Request-Id the proxy sends, which vLLM prefixes.
+
+    >>> genai_attributes("/v1/completions", "ab12")[sc.VLLM_REQUEST_ID.key]
+    'cmpl-ab12'
+    >>> genai_attributes("/v1/chat/completions")
+    {'gen_ai.operation.name': 'chat', 'gen_ai.provider.name': 'vllm'}
+    """
+    operation = sc.GENAI_OPERATION_OF_ROUTE.get(route)
+    if operation is None:
+        return {}
+    attributes = {
+        sc.GENAI_OPERATION.key: operation.value,
+        sc.GENAI_PROVIDER.key: sc.GENAI_PROVIDER_VLLM,
+    }
+    if request_id:
+        attributes[sc.VLLM_REQUEST_ID.key] = sc.VLLM_REQUEST_ID_PREFIX[route] + request_id
+    return attributes
+
+
+def _route_of(url: str) -> str:
+    """The proxied route an engine URL ends with ('' for none)."""
+    return next((route for route in sc.GENAI_OPERATION_OF_ROUTE if url.endswith(route)), "")
+
+
 def start_server(
     tracer: trace.Tracer,
     request: Any,
@@ -84,6 +110,7 @@ def start_server(
                 sc.URL_PATH: request.path,
                 sc.URL_SCHEME: request.scheme,
                 sc.NETWORK_PROTOCOL_VERSION: f"{version.major}.{version.minor}",
+                **genai_attributes(route),
             }
             if address:
                 attributes[sc.SERVER_ADDRESS] = address
@@ -171,6 +198,7 @@ class ClientLeg:
         host: str,
         port: int,
         url: str,
+        request_id: str | None = None,
     ):
         self.leg = leg
         try:
@@ -184,6 +212,7 @@ class ClientLeg:
                         sc.URL_FULL: url,
                         sc.NETWORK_PROTOCOL_VERSION: "1.1",
                         sc.PROXY_LEG: leg,
+                        **genai_attributes(_route_of(url), request_id),
                     }
                 )
             self.span: trace.Span | None = span
