@@ -18,6 +18,9 @@ from kvobs._proc import stop_process_group
 from kvobs.testbed.engines import REPO_ROOT, free_ports
 
 
+ROUND_ROBIN = "round_robin"  # vllm-router's --policy the testbed runs unless told
+
+
 class ServiceError(RuntimeError):
     pass
 
@@ -186,7 +189,9 @@ class ProxyProcess(FrontDoor):
 
 class VllmRouterProcess(FrontDoor):
     """vLLM's Rust router (PyPI ``vllm-router``) in P/D mode, where ``kvobs proxy`` would
-    be: one P and one D, NIXL, round robin (no engine endpoints beyond the API servers).
+    be: one P and one D, NIXL, under ``policy`` (None: the router's own default, which
+    its ``--help`` names: cache_aware), which needs no engine endpoint beyond the API
+    servers.
 
     Each request goes to P (``max_tokens`` 1, non-streamed, ``kv_transfer_params``
     ``do_remote_decode``) and then to D with P's returned params; it keeps no state
@@ -195,7 +200,13 @@ class VllmRouterProcess(FrontDoor):
     turn cannot make the router refuse the next ones."""
 
     def __init__(
-        self, log_path: Path, *, prefill_url: str, decode_url: str, port: int | None = None
+        self,
+        log_path: Path,
+        *,
+        prefill_url: str,
+        decode_url: str,
+        port: int | None = None,
+        policy: str | None = ROUND_ROBIN,
     ):
         if importlib.util.find_spec("vllm_router_rs") is None:
             raise ServiceError("vllm-router not installed (scripts/setup.sh installs it)")
@@ -216,8 +227,7 @@ class VllmRouterProcess(FrontDoor):
             prefill_url,
             "--decode",
             decode_url,
-            "--policy",
-            "round_robin",
+            *(("--policy", policy) if policy else ()),
             "--prometheus-host",
             "127.0.0.1",
             "--prometheus-port",

@@ -20,6 +20,7 @@ from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
 from kvobs.testbed.scenario import VLLM_ROUTER, EngineSettings
 from kvobs.testbed.services import (
+    ROUND_ROBIN,
     CollectProcess,
     FrontDoor,
     ProxyProcess,
@@ -89,6 +90,7 @@ class Stack:
         self.netns: LinkNamespace | None = None
         self.safe_token_ids: list[int] = []
         self._proxy_starts = 0
+        self.router_policy: str | None = ROUND_ROBIN  # vllm-router's (None: its default)
         self._decode_starts = 1
         self._previous_sigterm = None
 
@@ -203,6 +205,7 @@ class Stack:
                 prefill_url=pair.prefill.url,
                 decode_url=pair.decode.url,
                 port=self.proxy.port if self.proxy else None,
+                policy=self.router_policy,
             )
             return
         self.proxy = ProxyProcess(
@@ -215,6 +218,17 @@ class Stack:
             extra_args=self._proxy_args(),
             env=self._otel_env("proxy"),
         )
+
+    def restart_router(self, policy: str | None) -> None:
+        """vllm-router again on its address under another policy (None: its default),
+        the engines kept: a router restarts in a second, an engine pair in half a
+        minute or more."""
+        if self.settings.router != VLLM_ROUTER:
+            raise ValueError("restart_router: the testbed runs no vllm-router")
+        time.sleep(TELEMETRY_DRAIN_S)  # the last turn's spans leave before its router
+        self.proxy.stop()
+        self.router_policy = policy
+        self._start_proxy()
 
     def _start_live_classifier(self) -> None:
         """``kvobs collect`` classifying as spans arrive, with its own store (OUT/live):
