@@ -27,6 +27,7 @@ from kvobs.settings import MIN_CACHED_TOKEN_DELTA
 
 def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = False):
     from kvobs._memory import keep_freed_memory
+    from kvobs._progress import progress
     from kvobs.fleet import fleet_turns
     from kvobs.sources import SourceError
 
@@ -34,7 +35,9 @@ def _labelled(source: str, read_slo, prefill_rate, machine_readable: bool = Fals
 
     span_source = load_source(source)
     try:
-        turns = fleet_turns(span_source)
+        # A large store reads for seconds to minutes: a spinner on a terminal's stderr.
+        with progress("reading spans into turns"):
+            turns = fleet_turns(span_source)
     except (SourceError, OSError) as error:
         fail_input(str(error))
     if turns.empty:

@@ -37,7 +37,11 @@ def compact_command(store_dir, quiet_s, writers_stopped):
     (rotated away, or idle: see --quiet-for) into indexed parquet, each file with its
     turn rows (what kvobs report reads; written too for files compacted without them).
     Safe while writers run, and after a crash: run it again."""
-    moved, problems = compact(store_dir, quiet_s, writers_stopped)
+    from kvobs._progress import progress
+
+    # Seconds to minutes for a fleet's hour of segments: a spinner on a terminal.
+    with progress(f"compacting {store_dir}"):
+        moved, problems = compact(store_dir, quiet_s, writers_stopped)
     out = console()
     out.print(f"compacted {moved} spans into {store_dir}/compacted")
     print_problems(out, problems)

@@ -10,6 +10,7 @@ import time
 
 import click
 
+from kvobs._progress import progress
 from kvobs._resources import resource
 from kvobs.cli._common import EXIT_FAULT, EXIT_OK, console, fail_input
 from kvobs.testbed.scenario import ScenarioError, load
@@ -74,10 +75,13 @@ def run_to_dir(scenario_path: str, out: str, log=print):
         fail_input(str(error))
     out_dir = clean_out_dir(out)
     shutil.copy(scenario_path, out_dir / "scenario.toml")
-    with Stack(scenario.engines, out_dir, log=log) as stack:
-        results = run_scenario(scenario, stack, log=log)
-        time.sleep(1.5)  # span processors export every 0.5 s
-        stack.snapshot_metrics()
+    # Engines take a minute or more to start: on a terminal, a spinner on stderr under
+    # the log lines; elsewhere the log lines alone, as before.
+    with progress("starting the testbed", fallback=log) as shown:
+        with Stack(scenario.engines, out_dir, log=shown.line) as stack:
+            results = run_scenario(scenario, stack, log=shown.line)
+            time.sleep(1.5)  # span processors export every 0.5 s
+            stack.snapshot_metrics()
     write_results(str(out_dir), scenario, results)
     return scenario, results
 

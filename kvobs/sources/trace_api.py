@@ -36,6 +36,7 @@ import time
 import urllib.parse
 from typing import Iterator
 
+from kvobs._progress import progress
 from kvobs.sources import _http
 from kvobs.sources._decode import bounded_problems
 from kvobs.sources._errors import SourceError
@@ -258,25 +259,33 @@ class TraceApiSource(DocumentSource):
         return list(self._jaeger_traces)
 
     def _rows(self) -> Iterator[dict]:
-        for trace_id in self._found_trace_ids():
-            where = f"{self.location} trace {trace_id}"
-            if self._jaeger_traces and trace_id in self._jaeger_traces:
-                document = {"data": [self._jaeger_traces[trace_id]]}
-            else:
-                path = f"/api/traces/{urllib.parse.quote(str(trace_id), safe='')}"
-                params = (
-                    {"start": int(self.start), "end": int(self.end) + 1}
-                    if self.kind == "tempo" and not self.trace_ids
-                    else None
-                )
-                document = self._get(path, params, missing_ok=True)
-            if document is None:
-                self.problems.append(f"{where}: not found")
-                continue
-            if document_kind(document) is None:
-                raise self._expect(path, document, "a trace (OTLP, Tempo or Jaeger JSON)")
-            with bounded_problems(self.problems, where) as found:
-                yield from rows(where, document, found)
+        found = self._found_trace_ids()
+        # One request per trace (up to limit=, 1000 by default): seconds to minutes.
+        with progress(f"reading traces from {self.location}", len(found)) as shown:
+            for trace_id in found:
+                yield from self._trace_rows(trace_id)
+                shown.advance()
+
+    def _trace_rows(self, trace_id: str) -> Iterator[dict]:
+        """One trace's rows (none, reported, when the API no longer has it)."""
+        where = f"{self.location} trace {trace_id}"
+        if self._jaeger_traces and trace_id in self._jaeger_traces:
+            document = {"data": [self._jaeger_traces[trace_id]]}
+        else:
+            path = f"/api/traces/{urllib.parse.quote(str(trace_id), safe='')}"
+            params = (
+                {"start": int(self.start), "end": int(self.end) + 1}
+                if self.kind == "tempo" and not self.trace_ids
+                else None
+            )
+            document = self._get(path, params, missing_ok=True)
+        if document is None:
+            self.problems.append(f"{where}: not found")
+            return
+        if document_kind(document) is None:
+            raise self._expect(path, document, "a trace (OTLP, Tempo or Jaeger JSON)")
+        with bounded_problems(self.problems, where) as found:
+            yield from rows(where, document, found)
 
 
 def _auth(parsed: urllib.parse.ParseResult, env: dict[str, str]) -> dict[str, str]:
