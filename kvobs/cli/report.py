@@ -91,7 +91,17 @@ def report_command(
 ):
     """Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D memory, by
     turn index and prompt length, and the phases that cost the fleet most (turn 1
-    apart)."""
+    apart). A source that holds classified turn rows (``kvobs collect``'s turn store, a
+    ClickHouse database with its turn table) is read as turn rows, in batches; any other
+    as spans (docs/fleet.md)."""
+    from kvobs.live.turn_rows import stored_turn_rows
+
+    stored = stored_turn_rows(source)
+    if stored is not None:
+        _report_from_turn_rows(
+            stored, source, read_slo, prefill_rate, since, as_json, html_file, fail_on
+        )
+        return
     from kvobs.fleet import build_report
 
     if html_file:
@@ -115,6 +125,42 @@ def report_command(
     else:
         _print_report(report, html_file)
     print_source_problems(span_source.problems, machine_readable=as_json)
+    sys.exit(fleet_exit_status(report.verdicts, fail_on))
+
+
+def _report_from_turn_rows(
+    rows, source, read_slo, prefill_rate, since, as_json, html_file, fail_on
+):
+    """``kvobs report`` over classified turn rows (``kvobs.fleet.turn_report``): the
+    classifier's verdicts as stored, never classified again; memory stays flat."""
+    from kvobs.fleet.turn_report import DEGRADED, turn_row_report
+
+    if prefill_rate is not None or read_slo is not None:
+        fail_input(
+            "--prefill-rate and --read-slo re-classify turns; the turn rows in "
+            f"{source} were classified as they arrived: read their spans to re-classify"
+        )
+    if html_file:
+        fail_input(f"--html: {DEGRADED['html']}")
+    try:
+        report = turn_row_report(rows, source, since)
+    except OSError as error:
+        fail_input(str(error))
+    if not report.turns:
+        fail_input(f"no turns in {source}")
+    drill = report.extras["drill_down"]
+    if as_json:
+        click.echo(
+            to_json(
+                {**report.to_dict(), "drill_down": drill, "degraded": report.extras["degraded"]}
+            )
+        )
+    else:
+        _print_report(report, None)
+        console().print(
+            "from turn rows: " + "; ".join(f"{k}: {v}" for k, v in DEGRADED.items()),
+            highlight=False,
+        )
     sys.exit(fleet_exit_status(report.verdicts, fail_on))
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 from kvobs.turns import columns as col
 from kvobs import semconv as sc
 from kvobs.turns.correlate import run_starts
-from kvobs.fleet.retention import host_tokens_served, retention
+from kvobs.fleet.retention import bytes_per_block, host_tokens_served, retention
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.turns.schema import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
@@ -31,6 +31,12 @@ def label_turns(
     and ``prompt_bucket`` columns."""
     turns, _, rate = add_timeline(turns, prefill_tokens_per_s)
     turns["verdict"] = classify_frame(turns, rate, read_slo_s).array
+    add_buckets(turns)
+    return turns, rate
+
+
+def add_buckets(turns: pd.DataFrame) -> None:
+    """The ``turn_bucket`` and ``prompt_bucket`` columns, in place."""
     turns["turn_bucket"] = _buckets(turns["turn"], sc.turn_bucket, sc.TURN_BUCKET_VALUES)
     prompt = np.nan_to_num(prompt_tokens(turns), nan=-1).astype(np.int64)
     turns["prompt_bucket"] = _buckets(
@@ -39,7 +45,6 @@ def label_turns(
         sc.PROMPT_BUCKET_VALUES,
         known=prompt >= 0,
     )
-    return turns, rate
 
 
 def prompt_tokens(turns: pd.DataFrame) -> np.ndarray:
@@ -112,34 +117,68 @@ class _Measured:
             turns["latency_s"].to_numpy(float, na_value=np.nan),
         )
 
+    SUMS = (
+        "bytes_read",
+        "reused_tokens",
+        "recomputed_tokens",
+        "host_bytes_loaded",
+        "host_reused_tokens",
+    )
+
+    def sums(self, rows: np.ndarray) -> dict[str, int]:
+        """The summed metrics of the turns at ``rows`` (integers: exact in any order)."""
+        return {
+            "bytes_read": int(self.bytes_read.take(rows).sum()),
+            "reused_tokens": int(self.reused_tokens.take(rows).sum()),
+            "recomputed_tokens": int(self.recomputed_tokens.take(rows).sum()),
+            "host_bytes_loaded": int(self.host_load_bytes.take(rows).sum()),
+            "host_reused_tokens": int(self.host_reused_tokens.take(rows).sum()),
+        }
+
 
 def _metrics(measured: _Measured, rows: np.ndarray) -> dict[str, Any]:
     """One scope's metrics over the turns at positions ``rows``."""
-    n = len(rows)
     codes = measured.verdict_codes.take(rows)
     tally = np.bincount(codes[codes >= 0], minlength=len(measured.verdict_names))
-    counts = {name: int(k) for name, k in zip(measured.verdict_names, tally)}
     ttft, latency = measured.ttft_s.take(rows), measured.latency_s.take(rows)
-    ttft_p50, ttft_p95 = _quantiles(ttft)
-    latency_p50, latency_p95 = _quantiles(latency)
+    return scope_metrics(
+        len(rows),
+        {name: int(k) for name, k in zip(measured.verdict_names, tally)},
+        measured.sums(rows),
+        _quantiles(ttft),
+        _quantiles(latency),
+        int(np.isnan(ttft).sum()),
+    )
+
+
+def scope_metrics(
+    n: int,
+    counts: dict[str, int],
+    sums: dict[str, int],
+    ttft: tuple[float | None, float | None],
+    latency: tuple[float | None, float | None],
+    ttft_unmeasured: int,
+) -> dict[str, Any]:
+    """A scope's metrics from its turn count, verdict counts, ``_Measured.sums`` and the
+    p50/p95 of TTFT and latency: whether exact (the span path) or sketched (turn rows)."""
     return {
         "turns": n,
         "verdicts": {v: counts[v] for v in sc.VERDICT_VALUES if counts.get(v, 0)},
         "remote_hit_ratio": float(counts.get(Verdict.REMOTE_HIT.value, 0) / n) if n else None,
-        "bytes_read": int(measured.bytes_read.take(rows).sum()),
-        "reused_tokens": int(measured.reused_tokens.take(rows).sum()),
-        "recomputed_tokens": int(measured.recomputed_tokens.take(rows).sum()),
+        "bytes_read": sums["bytes_read"],
+        "reused_tokens": sums["reused_tokens"],
+        "recomputed_tokens": sums["recomputed_tokens"],
         # The host path: what the offloading tiers served (docs/host_copy.md).
         "host_hit_ratio": float(counts.get(Verdict.HOST_HIT.value, 0) / n) if n else None,
         "host_path_turns": int(sum(counts.get(v, 0) for v in HOST_VERDICTS)),
-        "host_bytes_loaded": int(measured.host_load_bytes.take(rows).sum()),
-        "host_reused_tokens": int(measured.host_reused_tokens.take(rows).sum()),
+        "host_bytes_loaded": sums["host_bytes_loaded"],
+        "host_reused_tokens": sums["host_reused_tokens"],
         # TTFT and latency apart: a turn can be slow after its first token (decode).
-        "ttft_p50_s": ttft_p50,
-        "ttft_p95_s": ttft_p95,
-        "ttft_unmeasured_turns": int(np.isnan(ttft).sum()),
-        "latency_p50_s": latency_p50,
-        "latency_p95_s": latency_p95,
+        "ttft_p50_s": ttft[0],
+        "ttft_p95_s": ttft[1],
+        "ttft_unmeasured_turns": ttft_unmeasured,
+        "latency_p50_s": latency[0],
+        "latency_p95_s": latency[1],
     }
 
 
@@ -206,41 +245,67 @@ def phase_ranking(
     latency = turns["latency_s"].to_numpy(float).take(rows)
     timed = ~np.isnan(latency)
     latency_ns = _sum_ns(latency[timed])
-    phases = [
-        _phase_row(
-            turns[phase_column(phase)].to_numpy(float).take(rows), phase.value, latency_ns, slowest
+    phases = []
+    for phase in PHASES:
+        seconds = turns[phase_column(phase)].to_numpy(float).take(rows)
+        values = seconds[~np.isnan(seconds)]
+        phases.append(
+            phase_row(phase.value, _sum_ns(values), len(values), _quantiles(values), slowest)
         )
-        for phase in PHASES
-    ]
-    phases.sort(key=lambda row: -row["total_s"])  # stable: Phase order among equals
     seconds, gaps = (values.take(rows)[timed] for values in unmeasured)
-    gap_ns = _sum_ns(seconds)
+    return ranking(
+        len(rows), int(timed.sum()), latency_ns, _sum_ns(seconds), int(gaps.sum()), phases
+    )
+
+
+def phase_row(
+    phase: str,
+    total_ns: int,
+    measured: int,
+    quantiles: tuple[float | None, float | None],
+    slowest: dict[str, int],
+) -> dict[str, Any]:
+    """One phase's row of a ranking (its ``share`` filled by ``ranking``)."""
     return {
-        "turns": len(rows),
-        "timed_turns": int(timed.sum()),
+        "phase": phase,
+        "total_s": total_ns / 1e9,
+        "total_ns": total_ns,
+        "p50_s": quantiles[0],
+        "p95_s": quantiles[1],
+        "slowest_turns": slowest.get(phase, 0),
+        "measured_turns": measured,
+    }
+
+
+def ranking(
+    turns: int, timed: int, latency_ns: int, gap_ns: int, gap_turns: int, phases: list[dict]
+) -> dict[str, Any]:
+    """``phase_ranking``'s section from its sums (exact nanoseconds) and phase rows."""
+    for row in phases:
+        total_ns = row.pop("total_ns")
+        row["share"] = total_ns / latency_ns if latency_ns else None
+    phases = [{k: row[k] for k in _PHASE_ROW_ORDER} for row in phases]
+    phases.sort(key=lambda row: -row["total_s"])  # stable: Phase order among equals
+    return {
+        "turns": turns,
+        "timed_turns": timed,
         "latency_s": latency_ns / 1e9,
         "unmeasured_s": gap_ns / 1e9,
         "unmeasured_share": gap_ns / latency_ns if latency_ns else None,
-        "unmeasured_turns": int(gaps.sum()),
+        "unmeasured_turns": gap_turns,
         "phases": phases,
     }
 
 
-def _phase_row(
-    seconds: np.ndarray, phase: str, latency_ns: int, slowest: dict[str, int]
-) -> dict[str, Any]:
-    values = seconds[~np.isnan(seconds)]
-    total_ns = _sum_ns(values)
-    p50, p95 = (float(q) for q in np.quantile(values, (0.5, 0.95))) if len(values) else (None, None)
-    return {
-        "phase": phase,
-        "total_s": total_ns / 1e9,
-        "share": total_ns / latency_ns if latency_ns else None,
-        "p50_s": p50,
-        "p95_s": p95,
-        "slowest_turns": slowest.get(phase, 0),
-        "measured_turns": len(values),
-    }
+_PHASE_ROW_ORDER = (
+    "phase",
+    "total_s",
+    "share",
+    "p50_s",
+    "p95_s",
+    "slowest_turns",
+    "measured_turns",
+)
 
 
 def _sum_ns(seconds: np.ndarray) -> int:
@@ -286,6 +351,12 @@ def phase_sections(turns: pd.DataFrame, first: np.ndarray) -> dict[str, Any]:
 
 def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
     """D's memory held for reuse: blocks x time until release, and how much was read."""
+    return memory_result(memory_sums(turns), bytes_per_block(turns))
+
+
+def memory_sums(turns: pd.DataFrame) -> dict[str, float]:
+    """``memory_held``'s sums over some turns: added up over batches, they are the
+    fleet's."""
     blocks = turns["export_blocks"].astype(float)
     held = turns["held_s"].astype(float)
     measured = (turns["release_end_ns"].astype(float) - turns["export_end_ns"].astype(float)) / 1e9
@@ -294,29 +365,37 @@ def memory_held(turns: pd.DataFrame) -> dict[str, Any]:
     read = (turns["release_reason"] == ReleaseReason.READ.value).fillna(False) | (
         turns["release_read_count"].astype(float) > 0
     ).fillna(False)
-    block_seconds = float((blocks * held)[known].sum())
-    read_block_seconds = float((blocks * held)[known & read].sum())
-    done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False)
-    per_block = (
-        turns.loc[done, "read_bytes"].astype(float) / turns.loc[done, "read_blocks"].astype(float)
-    ).replace(np.inf, np.nan)
-    bytes_per_block = float(per_block.median()) if per_block.notna().any() else None
-    out = {
+    return {
         "exports": int(blocks.notna().sum()),
         "exports_released": int(known.sum()),
         "exports_read": int((known & read).sum()),
-        "blocks_exported": int(blocks.sum()),
-        "blocks_read": int(blocks[known & read].sum()),
+        "blocks_exported": float(blocks.sum()),
+        "blocks_released": float(blocks[known].sum()),
+        "blocks_read": float(blocks[known & read].sum()),
+        "block_seconds": float((blocks * held)[known].sum()),
+        "read_block_seconds": float((blocks * held)[known & read].sum()),
+    }
+
+
+def memory_result(sums: dict[str, float], per_block: float | None) -> dict[str, Any]:
+    """``memory_held`` from ``memory_sums`` and the bytes one block weighs."""
+    block_seconds, read_block_seconds = sums["block_seconds"], sums["read_block_seconds"]
+    out = {
+        "exports": sums["exports"],
+        "exports_released": sums["exports_released"],
+        "exports_read": sums["exports_read"],
+        "blocks_exported": int(sums["blocks_exported"]),
+        "blocks_read": int(sums["blocks_read"]),
         "block_seconds_held": block_seconds,
         "block_seconds_held_then_read": read_block_seconds,
         "block_seconds_never_read": block_seconds - read_block_seconds,
         "read_share_of_blocks": (
-            float(blocks[known & read].sum() / blocks[known].sum()) if blocks[known].sum() else None
+            sums["blocks_read"] / sums["blocks_released"] if sums["blocks_released"] else None
         ),
-        "bytes_per_block": bytes_per_block,
+        "bytes_per_block": per_block,
     }
-    if bytes_per_block:
-        out["gib_hours_held"] = block_seconds * bytes_per_block / 2**30 / 3600
+    if per_block:
+        out["gib_hours_held"] = block_seconds * per_block / 2**30 / 3600
     return out
 
 

@@ -10,6 +10,7 @@ them. Device block-seconds become byte-seconds with the bytes per block D's read
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,10 +37,16 @@ def _numbers(turns: pd.DataFrame, name: str) -> np.ndarray:
 
 def bytes_per_block(turns: pd.DataFrame) -> float | None:
     """The median bytes per block of D's done reads: what one retained block weighs."""
+    per_block = read_bytes_per_block(turns)
+    return float(np.median(per_block)) if len(per_block) else None
+
+
+def read_bytes_per_block(turns: pd.DataFrame) -> np.ndarray:
+    """Bytes per block of each of D's done reads (what ``bytes_per_block`` is the median
+    of; a sketch of them gives it over batches)."""
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
     per_block = _numbers(turns, "read_bytes")[done] / _numbers(turns, "read_blocks")[done]
-    per_block = per_block[np.isfinite(per_block)]
-    return float(np.median(per_block)) if len(per_block) else None
+    return per_block[np.isfinite(per_block)]
 
 
 def host_tokens_served(turns: pd.DataFrame) -> np.ndarray:
@@ -86,18 +93,108 @@ def by_conversation(turns: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def still_held(turns: pd.DataFrame) -> tuple[int, float]:
-    """Host copies saved and never seen evicted, and their bytes x seconds from the save
-    until the recording's end: a lower bound of what they cost (held for longer still)."""
-    saved = _numbers(turns, "host_saved_bytes")
-    open_ = np.isfinite(saved) & ~np.isfinite(_numbers(turns, HOST_BYTE_SECONDS.name))
-    if not open_.any():
-        return 0, 0.0
-    ends = np.concatenate([_numbers(turns, name) for name in _RECORDING_ENDS])
-    end = np.nanmax(ends)  # the save end of an open copy is finite: never all NaN
-    since = _numbers(turns, "host_save_end_ns")[open_]
-    held = np.clip((end - since) / 1e9, 0, None)
-    return int(open_.sum()), float(np.nansum(saved[open_] * held))
+@dataclass
+class RetentionSums:
+    """The fleet-wide retention figures' sums over some turns; ``+`` merges two sets of
+    turns (batches), ``totals`` gives the report's "device" and "host" sections."""
+
+    device_block_s: float = 0.0
+    device_costed: int = 0
+    device_tokens: int = 0
+    host_byte_s: float = 0.0
+    host_costed: int = 0
+    host_tokens: int = 0
+    # Host copies saved and never seen evicted (``still_held``): how many, their bytes,
+    # their bytes x (save end - reference) in ns, and the recording's end.
+    open_copies: int = 0
+    open_bytes: float = 0.0
+    open_bytes_since_ns: float = 0.0
+    reference_ns: float | None = None
+    recording_end_ns: float = -np.inf
+
+    @classmethod
+    def of(cls, turns: pd.DataFrame) -> RetentionSums:
+        costs = per_turn(turns)
+        device = costs[DEVICE_BLOCK_SECONDS.name].to_numpy(float)
+        host = costs[HOST_BYTE_SECONDS.name].to_numpy(float)
+        saved = _numbers(turns, "host_saved_bytes")
+        open_ = np.isfinite(saved) & ~np.isfinite(host)
+        since = _numbers(turns, "host_save_end_ns")[open_]
+        saved, since = saved[open_][np.isfinite(since)], since[np.isfinite(since)]
+        reference = float(since[0]) if len(since) else None
+        ends = np.concatenate([_numbers(turns, name) for name in _RECORDING_ENDS])
+        return cls(
+            float(np.nansum(device)),
+            int(np.isfinite(device).sum()),
+            int(costs["device_tokens_served"].sum()),
+            float(np.nansum(host)),
+            int(np.isfinite(host).sum()),
+            int(costs["host_tokens_served"].sum()),
+            int(open_.sum()),
+            float(saved.sum()),
+            float((saved * (since - reference)).sum()) if reference is not None else 0.0,
+            reference,
+            float(np.nanmax(ends)) if np.isfinite(ends).any() else -np.inf,
+        )
+
+    def __add__(self, other: RetentionSums) -> RetentionSums:
+        reference = self.reference_ns if self.reference_ns is not None else other.reference_ns
+        shift = 0.0 if other.reference_ns is None else other.reference_ns - reference
+        return RetentionSums(
+            self.device_block_s + other.device_block_s,
+            self.device_costed + other.device_costed,
+            self.device_tokens + other.device_tokens,
+            self.host_byte_s + other.host_byte_s,
+            self.host_costed + other.host_costed,
+            self.host_tokens + other.host_tokens,
+            self.open_copies + other.open_copies,
+            self.open_bytes + other.open_bytes,
+            self.open_bytes_since_ns + other.open_bytes_since_ns + shift * other.open_bytes,
+            reference,
+            max(self.recording_end_ns, other.recording_end_ns),
+        )
+
+    def still_held(self) -> tuple[int, float]:
+        """Host copies saved and never seen evicted, and their bytes x seconds from the
+        save until the recording's end: a lower bound of what they cost (held for longer
+        still). The end is the latest instant recorded, so never before a save's end."""
+        if not self.open_copies or self.reference_ns is None:
+            return self.open_copies, 0.0
+        to_end = self.recording_end_ns - self.reference_ns
+        return self.open_copies, (self.open_bytes * to_end - self.open_bytes_since_ns) / 1e9
+
+    def totals(self, per_block: float | None) -> dict[str, Any]:
+        """The report's ``device`` and ``host`` sections, ``per_block`` the bytes one
+        retained block weighs (``bytes_per_block``)."""
+        device_gib_h = (
+            _gib_hours(self.device_block_s * per_block)
+            if per_block and self.device_costed
+            else None
+        )
+        open_copies, open_byte_s = self.still_held()
+        return {
+            "device": {
+                "block_seconds": self.device_block_s,
+                "bytes_per_block": per_block,
+                "gib_hours": device_gib_h,
+                "tokens_served": self.device_tokens,
+                "tokens_per_gib_hour": (
+                    _per_gib_hour(self.device_tokens, self.device_block_s * per_block)
+                    if device_gib_h
+                    else None
+                ),
+                "turns_costed": self.device_costed,
+            },
+            "host": {
+                "byte_seconds": self.host_byte_s,
+                "gib_hours": _gib_hours(self.host_byte_s),
+                "tokens_served": self.host_tokens,
+                "tokens_per_gib_hour": _per_gib_hour(self.host_tokens, self.host_byte_s),
+                "copies_evicted": self.host_costed,
+                "copies_still_held": open_copies,
+                "byte_seconds_still_held_at_least": open_byte_s,
+            },
+        }
 
 
 def _gib_hours(byte_seconds: float) -> float:
@@ -138,33 +235,8 @@ def retention(turns: pd.DataFrame) -> dict[str, Any]:
     """Fleet-wide retention cost in each place, what it bought, the per-conversation
     spread and the costliest conversations."""
     rows = by_conversation(turns)
-    device_block_s = float(rows[DEVICE_BLOCK_SECONDS.name].sum())
-    device_byte_s = rows["device_byte_seconds"].sum(min_count=1)
-    host_byte_s = float(rows[HOST_BYTE_SECONDS.name].sum())
-    device_tokens = int(rows["device_tokens_served"].sum())
-    host_tokens = int(rows["host_tokens_served"].sum())
-    open_copies, open_byte_s = still_held(turns)
-    device_gib_h = None if pd.isna(device_byte_s) else _gib_hours(float(device_byte_s))
     return {
-        "device": {
-            "block_seconds": device_block_s,
-            "bytes_per_block": bytes_per_block(turns),
-            "gib_hours": device_gib_h,
-            "tokens_served": device_tokens,
-            "tokens_per_gib_hour": (
-                _per_gib_hour(device_tokens, float(device_byte_s)) if device_gib_h else None
-            ),
-            "turns_costed": int(np.isfinite(_numbers(turns, DEVICE_BLOCK_SECONDS.name)).sum()),
-        },
-        "host": {
-            "byte_seconds": host_byte_s,
-            "gib_hours": _gib_hours(host_byte_s),
-            "tokens_served": host_tokens,
-            "tokens_per_gib_hour": _per_gib_hour(host_tokens, host_byte_s),
-            "copies_evicted": int(np.isfinite(_numbers(turns, HOST_BYTE_SECONDS.name)).sum()),
-            "copies_still_held": open_copies,
-            "byte_seconds_still_held_at_least": open_byte_s,
-        },
+        **RetentionSums.of(turns).totals(bytes_per_block(turns)),
         "conversations": {
             "device_block_seconds": _quantiles(rows[DEVICE_BLOCK_SECONDS.name]),
             "host_byte_seconds": _quantiles(rows[HOST_BYTE_SECONDS.name]),

@@ -32,6 +32,7 @@ from kvobs.causes import decode_context
 from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import TurnDiagnosis, classify_turns
 from kvobs.live.buffer import IDLESS, SpanBuffer
+from kvobs.live.turn_measures import MEASURES_KEY, measures_of
 from kvobs.sources._frame import drop_duplicate_span_rows, table_from_rows
 from kvobs.sources._rows import rows as document_rows
 from kvobs.timeline import prefill_rate
@@ -84,6 +85,8 @@ def turn_row(
         "prefill_tokens_per_s": prefill_tokens_per_s,
         "decode_s_per_token": decode_s_per_token,
     }
+    # The numbers the fleet report aggregates, stored as typed columns beside the JSON.
+    row[MEASURES_KEY] = measures_of(diagnosis.turn)
     return row
 
 
@@ -104,8 +107,13 @@ def superseded(row: dict[str, Any], version: int) -> dict[str, Any]:
 
 def _signature(row: dict[str, Any]) -> str:
     """What makes a new version: the classification, not the fleet context it was priced
-    with (which drifts pass by pass, and starts empty after a restart)."""
-    return json.dumps({k: v for k, v in row.items() if k != "context"}, sort_keys=True, default=str)
+    with (which drifts pass by pass, and starts empty after a restart), nor the measures
+    (a resumed row, read from the stored JSON, has none)."""
+    return json.dumps(
+        {k: v for k, v in row.items() if k not in ("context", MEASURES_KEY)},
+        sort_keys=True,
+        default=str,
+    )
 
 
 # What identifies one turn whatever key lineage gives it.

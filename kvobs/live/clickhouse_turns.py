@@ -10,6 +10,8 @@ ClickHouse merges (readers still keep the latest themselves, ``TurnRows``), and 
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pyarrow as pa
 
 from kvobs.live.turnstore import SCHEMA, TurnRows
@@ -77,6 +79,37 @@ class ClickHouseTurns(TurnRows):
             raise OSError(f"{self.location}: {error}") from error
         self.pending = []
         return rows.num_rows
+
+    def batches(self, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+        """Pages in the table's key order, each after the last key of the one before
+        (keyset paging: ClickHouse reads each page in order, memory holds one page)."""
+        if not self.exists():
+            return
+        order = [*KEY, "version"]
+        wanted = pa.schema([SCHEMA.field(c) for c in columns])
+        names = ", ".join(f"`{c}`" for c in dict.fromkeys([*order, *columns]))
+        after, parameters = "", {}
+        while True:
+            table = self.database.query(
+                f"SELECT {names} FROM {self.table} {after} "
+                f"ORDER BY {', '.join(order)} LIMIT {int(batch_rows)}",
+                parameters,
+            )
+            if table.num_rows:
+                yield from table.select(columns).cast(wanted).to_batches()
+            if table.num_rows < batch_rows:
+                return
+            last = {c: table.column(c)[table.num_rows - 1].as_py() for c in order}
+            after = (
+                "WHERE (tenant, conversation_id, turn, version) > "
+                "({tenant:String}, {cid:String}, {turn:Int64}, {version:Int64})"
+            )
+            parameters = {
+                "tenant": last["tenant"],
+                "cid": last["conversation_id"],
+                "turn": last["turn"],
+                "version": last["version"],
+            }
 
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         if not self.exists():

@@ -37,7 +37,10 @@ def _batch(context: dict) -> dict:
 
 
 def _canonical(row: dict) -> str:
-    return json.dumps({k: v for k, v in row.items() if k != "context"}, sort_keys=True,
+    # context: the fleet context it was priced with; measures: the typed numbers the
+    # turn store keeps beside the JSON (kvobs.live.turn_measures), not diagnose's JSON.
+    return json.dumps({k: v for k, v in row.items() if k not in ("context", "measures")},
+                      sort_keys=True,
                       default=str)
 
 
