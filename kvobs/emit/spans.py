@@ -7,6 +7,7 @@ engine's request path.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, NamedTuple
 
 from opentelemetry import trace
@@ -60,7 +61,14 @@ class Correlation(NamedTuple):
     def parent_context(self):
         if not self.traceparent:
             return None
-        return _PROPAGATOR.extract({"traceparent": self.traceparent})
+        return _context_of(self.traceparent)
+
+
+# A proxy turn parents its lookup, store and leg headers on one traceparent: parsed once
+# (a context is immutable, so one object serves them all). Bounded: ids are per turn.
+@functools.lru_cache(maxsize=1024)
+def _context_of(traceparent: str):
+    return _PROPAGATOR.extract({"traceparent": traceparent})
 
 
 def _str_or_none(value: Any) -> str | None:

@@ -193,7 +193,10 @@ class RedisStore:
         max_per_tenant: int | None = None,
         pool_size: int = 512,
     ):
+        from redis.exceptions import NoScriptError
+
         self._redis = redis_client(url, pool_size)
+        self._no_script = NoScriptError
         self._max = max_entries
         self._quota = max_per_tenant or max_entries
         self._idle = max(1, int(conversation_ttl_s))
@@ -205,6 +208,14 @@ class RedisStore:
         self._finish = self._redis.register_script(_FINISH)
         self._resolve = self._redis.register_script(_RESOLVE)
 
+    async def _run(self, script, keys: list, args: list):
+        """``script`` by its SHA: redis-py's script wrapper costs more than the call
+        (pipeline checks by isinstance, imports) on each of a turn's two scripts."""
+        try:
+            return await self._redis.evalsha(script.sha, len(keys), *keys, *args)
+        except self._no_script:  # Redis restarted or flushed its scripts: the wrapper loads it
+            return await script(keys=keys, args=args)
+
     def _key(self, key: str) -> str:
         return f"{self._prefix}conv:{key}"
 
@@ -212,8 +223,8 @@ class RedisStore:
         return [self._prefix, self._idle, now, self._max, _store.EVICTED_MEMORY, key]
 
     async def begin_turn(self, key: str, now: float) -> Begun:
-        t, p, x, s, e, d, st, evicted, was_evicted = await self._begin(
-            keys=[self._key(key)], args=[*self._common(key, now), self._quota]
+        t, p, x, s, e, d, st, evicted, was_evicted = await self._run(
+            self._begin, [self._key(key)], [*self._common(key, now), self._quota]
         )
         if evicted:
             self._on_evict(int(evicted))
@@ -236,9 +247,10 @@ class RedisStore:
         self, key, turn, now, params, expires_at, digest, tenant=None, conversation_id=None
     ) -> None:
         fp = fingerprint(digest) if tenant is not None and conversation_id is not None else None
-        evicted = await self._finish(
-            keys=[self._key(key)],
-            args=[
+        evicted = await self._run(
+            self._finish,
+            [self._key(key)],
+            [
                 *self._common(key, now),
                 turn,
                 json.dumps(params) if params is not None else "",
