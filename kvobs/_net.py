@@ -35,7 +35,8 @@ def free_ports(n: int) -> list[int]:
     with ordinary outgoing connections)."""
     candidates = _below_ephemeral()
     rng = random.Random()
-    sockets, ports = [], []
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
     try:
         attempts = 0
         while len(ports) < n:

@@ -17,12 +17,31 @@ keep their names).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = [
+    "Setting",
+    "SETTINGS",
+    "DECODE_TTL",
+    "RECOMPUTE_THRESHOLD",
+    "DECLINE_WINDOW",
+    "PROXY_EXPIRY_MARGIN",
+    "PROXY_ENTRY_LIFETIME",
+    "UPSTREAM_ENTRY_LIFETIME",
+    "MIN_CACHED_TOKEN_DELTA",
+    "SLOW_TRANSFER_FACTOR",
+    "entry_lifetime_s",
+    "read_declined",
+]
+
+# A count (tokens) or a quantity (seconds, a factor): an int setting's default stays int.
+_Number = TypeVar("_Number", int, float)
 
 
 @dataclass(frozen=True)
-class Setting:
+class Setting(Generic[_Number]):
     name: str  # what whoever applies it calls it
-    default: float
+    default: _Number
     unit: str
     owner: str  # who applies it
     doc: str

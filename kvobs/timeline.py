@@ -24,7 +24,7 @@ clock offset. A phase more than ``SKEW_TOLERANCE_S`` below zero is reported as s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -62,13 +62,22 @@ _T = col.Table
 _C = col.Cached  # what mark readers get: the turn table, each column converted once
 
 
-Reader = Callable[[_C], np.ndarray]
+Applies = Callable[[_C], np.ndarray]  # per turn: whether a mark applies
 
 
-def _sourced(source: str, read: Reader) -> Reader:
+@dataclass(frozen=True)
+class Reader:
     """A mark reader that says which turn columns it reads (docs/timeline.md)."""
-    read.source = source
-    return read
+
+    source: str
+    read: Callable[[_C], np.ndarray]
+
+    def __call__(self, c: _C) -> np.ndarray:
+        return self.read(c)
+
+
+def _sourced(source: str, read: Callable[[_C], np.ndarray]) -> Reader:
+    return Reader(source, read)
 
 
 def _ns(column: str) -> Reader:
@@ -116,7 +125,9 @@ def _first_token(c: _C) -> np.ndarray:
     return np.where(np.isnan(streamed), _D_FIRST_TOKEN(c), streamed)
 
 
-_sourced(f"d_first_output_at (streamed), else {_D_FIRST_TOKEN.source}", _first_token)
+_FIRST_TOKEN_AT = _sourced(
+    f"d_first_output_at (streamed), else {_D_FIRST_TOKEN.source}", _first_token
+)
 
 
 def _d_answered(c: _C) -> np.ndarray:
@@ -129,7 +140,9 @@ def _d_answered(c: _C) -> np.ndarray:
     return np.where(np.isnan(proxy), engine, proxy)
 
 
-_sourced("d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s", _d_answered)
+_D_ANSWERED_AT = _sourced(
+    "d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s", _d_answered
+)
 
 
 @dataclass(frozen=True)
@@ -137,9 +150,9 @@ class Mark:
     """A timeline instant: how to read it, which span carries it, when it applies."""
 
     name: str
-    read: Reader  # with ``.source``: the turn columns it reads
+    read: Reader
     span: sc.SpanName
-    applies: Reader = _always
+    applies: Applies = _always
 
 
 def _retried(c: _C) -> np.ndarray:
@@ -186,8 +199,8 @@ MARKS: tuple[Mark, ...] = (
     Mark("handoff-requested", _requested("handoff"), sc.SPAN_HANDOFF, _handoff_applies),
     Mark("handoff-start", _ns("handoff_start_ns"), sc.SPAN_HANDOFF, _handoff_applies),
     Mark("d-kv-ready", _col("d_kv_ready_at"), sc.SPAN_DECODE_REQUEST, _handoff_applies),
-    Mark("first-token", _first_token, sc.SPAN_DECODE_REQUEST),
-    Mark("d-answered", _d_answered, sc.SPAN_PROXY_TURN),
+    Mark("first-token", _FIRST_TOKEN_AT, sc.SPAN_DECODE_REQUEST),
+    Mark("d-answered", _D_ANSWERED_AT, sc.SPAN_PROXY_TURN),
     Mark("turn-end", _ns("turn_end_ns"), sc.SPAN_PROXY_TURN),
 )
 assert len(MARKS) == len(PHASES) + 1
@@ -258,7 +271,9 @@ class Timeline:
 
     @property
     def slowest(self) -> tuple[str, float] | None:
-        return None if self.slowest_phase is None else (self.slowest_phase, self.slowest_s)
+        if self.slowest_phase is None or self.slowest_s is None:
+            return None
+        return self.slowest_phase, self.slowest_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -278,19 +293,11 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     ``add_timeline`` made, whose headline numbers it carries over), with merged phases
     named and why they could not be split."""
     value, status = marks.value[:, row], marks.status[:, row]
-    out = Timeline(
-        **{
-            name: turn.get(name)
-            for name in (
-                "latency_s",
-                "ttft_s",
-                "ttft_source",
-                "slowest_phase",
-                "slowest_s",
-                "slowest_share",
-            )
-        }
-    )
+    # The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
+    headline: dict[str, Any] = {
+        f.name: turn.get(f.name) for f in fields(Timeline) if f.default is None
+    }
+    out = Timeline(**headline)
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
@@ -324,8 +331,8 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
             )
         out.phases[name] = seconds
         start, pending, gaps = value[i + 1], [], []
-    for phase in pending:  # after the last known mark
-        out.unmeasured[phase] = "; ".join(gaps)
+    for pending_phase in pending:  # after the last known mark
+        out.unmeasured[pending_phase] = "; ".join(gaps)
     if status[0] == MISSING:
         out.unmeasured["latency"] = (
             "no kvobs.proxy.turn span: latency runs from the first engine mark (P's "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import NoReturn
 
 import click
 
@@ -83,7 +84,7 @@ COMMANDS = {
 ENV_DEBUG = "KVOBS_DEBUG"
 
 
-def _internal_error(error: Exception) -> "NoReturn":  # noqa: F821
+def _internal_error(error: Exception) -> NoReturn:
     """A bug in kvobs: exit 4 with one line (a traceback with KVOBS_DEBUG=1), never the
     1 that means "a turn has a fault verdict"."""
     import os

@@ -5,11 +5,12 @@ rich only once an error is printed."""
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 EXIT_OK, EXIT_FAULT, EXIT_INPUT, EXIT_INSUFFICIENT, EXIT_INTERNAL = 0, 1, 2, 3, 4
 
 
-def fail_input(message: str) -> "NoReturn":  # noqa: F821
+def fail_input(message: str) -> NoReturn:
     from rich.console import Console  # on use: `--json` output never needs rich
     from rich.markup import escape
 

@@ -107,7 +107,11 @@ def build_app(
     app = web.Application(client_max_size=MAX_BODY)
     app[REPLACED] = replaced
     app.router.add_post(PATH, traces)
-    app.router.add_get("/health", lambda _request: web.Response(text="ok"))
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/health", health)
     return app
 
 

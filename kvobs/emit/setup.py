@@ -142,7 +142,7 @@ class DroppingBatchProcessor(SpanProcessor):
 
     def _drain(self) -> None:
         while True:
-            batch = []
+            batch: list[ReadableSpan] = []
             while len(batch) < self._batch:
                 try:
                     batch.append(self._queue.popleft())

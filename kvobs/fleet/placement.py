@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from kvobs.turns import columns as col
+from kvobs.turns.arrays import value_where
 from kvobs.turns.correlate import turn_links
 from kvobs.fleet.replay import read_model
 from kvobs.fleet.report import prompt_tokens
@@ -225,11 +226,11 @@ def _device_path(
             "read_outcome": np.where(
                 served,
                 ReadOutcome.DONE.value,
-                np.where(declined, ReadOutcome.DECLINED_EXPIRED.value, None),
+                value_where(declined, ReadOutcome.DECLINED_EXPIRED.value),
             ),
             "read_duration_s": np.where(served, f.read_s[rows], np.nan),
-            "fallback_reason": np.where(declined, FallbackReason.READ_DECLINED.value, None),
-            "prev_release_reason": np.where(released, ReleaseReason.EXPIRED.value, None),
+            "fallback_reason": value_where(declined, FallbackReason.READ_DECLINED.value),
+            "prev_release_reason": value_where(released, ReleaseReason.EXPIRED.value),
             "prev_release_end_ns": np.where(released, col.num(frame, "turn_start_ns") - 1, np.nan),
         },
         on,

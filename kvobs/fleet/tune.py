@@ -142,7 +142,7 @@ def tune(
     chosen = next((row for row in table if row["hit_ratio"] >= target * best), None)
     recommended_ttl = chosen["ttl_s"] if chosen and best > 0 else None
     proxy_lifetime = proxy_prediction = None
-    if recommended_ttl:
+    if chosen is not None and recommended_ttl:
         lines.append(
             f"TTL: smallest candidate reaching {target:.0%} of the best hit ratio "
             f"over the grid ({best:.1%}): {recommended_ttl:.0f} s, hit ratio "

@@ -27,6 +27,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
@@ -41,6 +42,7 @@ from kvobs.live.turnstore import TurnRows, TurnStore
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
 
+_loads: Callable[[str | bytes], Any]
 try:  # what the store holds is read back as the classifier's input: the same spans
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - orjson comes with the proxy extra

@@ -278,23 +278,25 @@ def _problems(config: MonitoringConfig):
             yield f"floors.{name}", f"must not be negative, got {value:g}"
     if config.decode_ttl_seconds <= 0:
         yield "decode_ttl_seconds", "must be positive"
+    lifetime = config.proxy_entry_lifetime_seconds
+    assert lifetime is not None  # __post_init__ derives an unset one
     if config.proxy_expiry_margin_seconds < DECLINE_WINDOW.default:
         yield (
             "proxy_expiry_margin_seconds",
             f"must be at least P's decline window ({DECLINE_WINDOW}), as the proxy requires",
         )
-    elif config.proxy_entry_lifetime_seconds <= 0:
+    elif lifetime <= 0:
         yield (
             "proxy_entry_lifetime_seconds",
             f"must be positive (D's TTL "
             f"{config.decode_ttl_seconds:g} s less the expiry margin "
             f"{config.proxy_expiry_margin_seconds:g} s is "
-            f"{config.proxy_entry_lifetime_seconds:g} s)",
+            f"{lifetime:g} s)",
         )
-    elif config.proxy_entry_lifetime_seconds >= config.decode_ttl_seconds:
+    elif lifetime >= config.decode_ttl_seconds:
         yield (
             "proxy_entry_lifetime_seconds",
-            f"({config.proxy_entry_lifetime_seconds:g}) must be below decode_ttl_seconds "
+            f"({lifetime:g}) must be below decode_ttl_seconds "
             f"({config.decode_ttl_seconds:g}): the proxy would hand out params for blocks "
             "D already released",
         )

@@ -1027,6 +1027,7 @@ def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
     )
 
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VAR}}}")
+    panel: stat.Panel | timeseries.Panel
     if spec.kind == "stat":
         panel = (
             stat.Panel()
@@ -1041,7 +1042,7 @@ def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
             .color_mode(BigValueColorMode.VALUE)
         )
     else:
-        panel = (
+        series = (
             timeseries.Panel()
             .id(panel_id)
             .title(spec.title)
@@ -1061,8 +1062,14 @@ def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
                 common.VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.DESCENDING)
             )
         )
-    if spec.stacked:
-        panel = panel.stacking(common.StackingConfig().mode(StackingMode.NORMAL)).fill_opacity(40)
+        if spec.stacked:
+            series = series.stacking(common.StackingConfig().mode(StackingMode.NORMAL))
+            series = series.fill_opacity(40)
+        if spec.threshold is not None:
+            series = series.thresholds_style(
+                common.GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)
+            )
+        panel = series
     if spec.threshold is not None:
         panel = panel.thresholds(
             db.ThresholdsConfig()
@@ -1071,10 +1078,6 @@ def _panel(spec: PanelSpec, panel_id: int, config: MonitoringConfig = DEFAULT):
                 [Threshold(value=None, color="green"), Threshold(value=spec.threshold, color="red")]
             )
         )
-        if spec.kind != "stat":
-            panel = panel.thresholds_style(
-                common.GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)
-            )
     links = runbook_links(spec.title, config)
     if links:
         panel = panel.links(

@@ -202,7 +202,9 @@ def start_prometheus(
     if executable is None:
         raise FileNotFoundError(f"{binary!r} not found (Debian: apt-get install prometheus)")
     owns = directory is None
-    workdir = Path(tempfile.mkdtemp(prefix="kvobs-prometheus-")) if owns else Path(directory)
+    workdir = (
+        Path(tempfile.mkdtemp(prefix="kvobs-prometheus-")) if directory is None else Path(directory)
+    )
     workdir.mkdir(parents=True, exist_ok=True)
     config_path = workdir / "prometheus.yml"
     # JSON is valid YAML: no YAML dependency needed here.

@@ -16,6 +16,7 @@ metric part so the three parts stay parseable.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from kvobs.monitoring import queries as q
@@ -175,7 +176,7 @@ def _reads(done: float, declined: float = 0, failed: float = 0) -> dict[str, str
     return out
 
 
-def _durations(bucket_counts: dict[str, float], total_seconds: float) -> dict[str, str]:
+def _durations(bucket_counts: Mapping[str, float], total_seconds: float) -> dict[str, str]:
     """Read-duration histogram: per-minute increments per ``le`` (cumulative counts)."""
     out = {}
     for le, n in bucket_counts.items():

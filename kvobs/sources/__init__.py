@@ -83,9 +83,9 @@ def open_source(location: str) -> SpanSource:
     if location.startswith(TRACE_API_SCHEMES):
         from kvobs.sources.trace_api import TraceApiSource
 
-        source = TraceApiSource(location)
-        source.check()
-        return source
+        trace_api = TraceApiSource(location)
+        trace_api.check()
+        return trace_api
     if not os.path.exists(location):
         raise SourceError(f"source not found: {location}")
     if os.path.isdir(location) and is_store(location):

@@ -55,9 +55,10 @@ def _server(
     host: str, port: int, database: str, user: str | None, password: str, secure: bool
 ) -> Database:
     import clickhouse_connect
+    from clickhouse_connect.driver.client import Client
     from clickhouse_connect.driver.exceptions import ClickHouseError as DriverError
 
-    clients = []
+    clients: list[Client] = []
 
     def client():
         if not clients:

@@ -9,7 +9,7 @@ import re
 from typing import NamedTuple
 
 from kvobs import semconv as sc
-from kvobs.turns.schema import FLEET_COLUMNS, Agg, TurnColumn, span_names
+from kvobs.turns.schema import FLEET_COLUMNS, Agg, SpanColumn, span_names
 
 ENV_USER = "KVOBS_CLICKHOUSE_USER"
 ENV_PASSWORD = "KVOBS_CLICKHOUSE_PASSWORD"
@@ -185,7 +185,7 @@ def fleet_span_names() -> list[str]:
 MARKERS = (Agg.PRESENCE, Agg.COUNT)
 
 
-def turn_value(dialect: AttributeDialect, column: TurnColumn, span: str | None = None) -> str:
+def turn_value(dialect: AttributeDialect, column: SpanColumn, span: str | None = None) -> str:
     """A turn column's value on one span row, typed: NULL where the span lacks it or is
     of another name than the column's (``span``, when rows of several names meet); a
     marker column's is 1."""
@@ -196,7 +196,7 @@ def turn_value(dialect: AttributeDialect, column: TurnColumn, span: str | None =
     return f"CAST({value}, '{NULLABLE[kind]}')"
 
 
-def turn_aggregate(name: str, column: TurnColumn) -> str:
+def turn_aggregate(name: str, column: SpanColumn) -> str:
     """The turn's value of a column from its span rows' ``v_<name>`` (``turn_value`` on
     rows of the column's span name, NULL on others), with pandas' semantics of
     ``kvobs.turns.correlate.aggregate``: the first non-null value by start time, a sum,

@@ -231,7 +231,7 @@ class _Output(io.BytesIO):
         super().__init__()
         self.dropped = 0
 
-    def write(self, chunk) -> int:  # type: ignore[override]
+    def write(self, chunk) -> int:
         if (
             len(chunk) == _CHUNK
             and chunk == _ZEROS
@@ -317,6 +317,7 @@ def _chains(data: bytes, start: int) -> bool:
             break
     # and it reads as a message: a chain can land inside a later NUL run by chance
     size = _size(data, start)
+    assert size  # the chain above began with it
     return _message(data[start + _PREFIX : start + _PREFIX + size], "", []) is not None
 
 
@@ -325,7 +326,8 @@ def _frames(data: bytes, path: str, problems: list[str]) -> list[bytes] | None:
     file is not framed). A run of NULs where a size is due (no exporter writes an empty
     message) is skipped to the first message that chains after it (``_chains``); one
     line reports the NULs. A truncated last message is reported."""
-    frames, offset, nuls, runs = [], 0, 0, 0
+    frames: list[bytes] = []
+    offset, nuls, runs = 0, 0, 0
     while offset < len(data):
         size = _size(data, offset)
         if size == 0:

@@ -151,7 +151,7 @@ def _column(at: list[int], values: list, kind: str, count: int) -> pa.Array:
         where[at] = np.arange(len(at))
         return arrays.strings(values).take(arrays.array(where, mask=where < 0))
     dtype = _NUMPY_KINDS[kind]
-    data = np.zeros(count, dtype)
+    data: np.ndarray = np.zeros(count, dtype)
     data[at] = np.array(values, dtype)
     missing = np.ones(count, bool)
     missing[at] = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Iterator
+from typing import Any, Iterator
 
 from kvobs import semconv as sc
 from kvobs.sources._decode import short
@@ -82,7 +82,7 @@ def document_kind(document: object) -> str | None:
     return None
 
 
-def _document_rows(document: object, skipped: list[str]) -> Iterator[dict]:
+def _document_rows(document: Any, skipped: list[str]) -> Iterator[dict]:  # parsed JSON
     kind = document_kind(document) if not isinstance(document, list) else "list"
     if kind == "list":
         for item in document:

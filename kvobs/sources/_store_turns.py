@@ -95,7 +95,7 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
         # A live span without conversation may belong to any compacted trace.
         spans = plain(_compacted_spans(files, columns, None, problems)).cast(live.schema)
         return aggregate(drop_duplicate_span_rows(pa.concat_tables([spans, live]), problems))
-    turn_files = {f: _turn_file(turn_paths[f], problems) for f in files if turn_paths[f]}
+    turn_files = {f: _turn_file(path, problems) for f, path in turn_paths.items() if path}
     indexed = [f for f in files if turn_files.get(f) is not None]
     unindexed = [f for f in files if turn_files.get(f) is None]
     turns = [turn_files[f] for f in indexed]

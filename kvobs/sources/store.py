@@ -248,9 +248,10 @@ def _compact_live(
         name = os.path.basename(path)
         take = writers_stopped or segments.is_rotated(name)
         if segments.is_active(name) and (writers_stopped or _quiet(path, now, quiet_s)):
-            path, take = segments.seal(path, now), True
-            if path is None:  # sealed by its writer meanwhile: the next compaction's
+            sealed = segments.seal(path, now)
+            if sealed is None:  # sealed by its writer meanwhile: the next compaction's
                 continue
+            path, take = sealed, True
         if not take:
             left.append(path)
             continue

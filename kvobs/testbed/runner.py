@@ -47,8 +47,11 @@ DEFAULT_API_KEY = "sk-testbed"
 
 
 class Testbed(Protocol):
-    proxy_url: str
     safe_token_ids: list[int]
+
+    @property
+    def proxy_url(self) -> str:
+        """Where the scenario's turns go (read-only: the stack derives it)."""
 
     def act(self, action: str) -> None:
         """Run a scenario action (restart-proxy, kill-decode, restart-decode, ...)."""

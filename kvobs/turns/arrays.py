@@ -29,6 +29,8 @@ __all__ = [
     "from_values",
     "text",
     "codes",
+    "value_where",
+    "NONE",
     "KIND_TYPES",
     "FALSE",
 ]
@@ -49,6 +51,13 @@ _NUMPY_TYPES = {
     pa.float64(): np.float64,
 }
 _ARROW_TYPES = {np.dtype(numpy): arrow for arrow, numpy in _NUMPY_TYPES.items()}
+# None as an object array: numpy's stubs refuse a bare None as ``np.where``'s operand.
+NONE = np.array(None, object)
+
+
+def value_where(mask: Any, value: str) -> np.ndarray:
+    """``value`` where ``mask`` holds, None elsewhere (an object array)."""
+    return np.where(mask, value, NONE)
 
 
 def _bits(flags: np.ndarray) -> pa.Buffer:

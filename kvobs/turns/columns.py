@@ -125,7 +125,7 @@ def null(turns: Table, column: str) -> np.ndarray:
     if isinstance(turns, Columns):
         if column in turns.added:
             values = turns.added[column]
-            return np.equal(values, None) if _is_object(values) else np.isnan(values)
+            return np.equal(values, arrays.NONE) if _is_object(values) else np.isnan(values)
         return arrays.booleans(pc.is_null(turns.arrow(column), nan_is_null=True))
     return turns[column].isna().to_numpy(bool)
 

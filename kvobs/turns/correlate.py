@@ -25,7 +25,7 @@ linking included, never load it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Union
+from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 import numpy as np
 import pyarrow as pa
@@ -50,7 +50,7 @@ from kvobs.turns.schema import (
     SPAN_COLUMNS,
     UNKNOWN_TENANT,
     Agg,
-    TurnColumn,
+    SpanColumn,
 )
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     )
 
 
-def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
+def span_columns(columns: Mapping[str, SpanColumn] = FLEET_COLUMNS) -> list[str]:
     """Span-table columns ``aggregate`` reads for ``columns`` (``trace_id`` is needed
     too when ``needs_traces``)."""
     needed = {"name", "start_ns", *KEY_SOURCES.values()}
@@ -160,7 +160,7 @@ def span_columns(columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> list[str]:
 
 
 def turn_rows(
-    spans: Spans, columns: dict[str, TurnColumn] = FLEET_COLUMNS, lineage_facts: bool = False
+    spans: Spans, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS, lineage_facts: bool = False
 ) -> pa.Table:
     """A span table (any source's ``spans()``, or Arrow) to ``aggregate``'s turn
     rows. Lineage links id-less turns always; ``lineage_facts`` also gives id'd turns the
@@ -348,7 +348,7 @@ def _turn_order(keys: np.ndarray, start: np.ndarray) -> np.ndarray:
     return order
 
 
-def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -> pa.Table:
+def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS) -> pa.Table:
     """Spans (Arrow, ``span_columns(columns)`` at least; ``trace_id`` when
     ``needs_traces``) to one row per (tenant, conversation_id, turn), sorted by those
     keys, before ``derive``. Each column aggregates its span's rows of the turn by start
@@ -414,7 +414,7 @@ def aggregate(table: pa.Table, columns: dict[str, TurnColumn] = FLEET_COLUMNS) -
             count = np.zeros(n, np.int64)
             count[position] = np.bincount(group, minlength=len(keys))
             out[name] = (
-                arrays.strings(np.where(count > 0, "yes", None))
+                arrays.strings(arrays.value_where(count > 0, "yes"))
                 if column.agg is Agg.PRESENCE
                 else arrays.array(count, mask=count == 0)
             )

@@ -240,7 +240,9 @@ def _facts(
     endpoint = export[sc.ENGINE_ENDPOINT.key]
     # A restart matters only while D still held the blocks: after they expired or were
     # released, the restart took nothing.
-    held_until = min(t for t in (prompt_s, expires, released_s) if not _missing(t))
+    held_until = min(
+        t for t in (prompt_s, expires, released_s) if t is not None and not _missing(t)
+    )
     facts = {
         "extends_request_id": d_request,
         "extends_span_id": export["span_id"],
@@ -555,7 +557,7 @@ def _walk(order, matches: dict, fixed: dict, named: dict) -> tuple[dict, dict]:
             keys[rid] = (named.get(rid) or conversation_name(rid), min(after) + 1 if after else 1)
         if parent is not None:
             parents[rid] = parent
-            continued.add(p)
+            continued.add(parent[0])
     return keys, parents
 
 

@@ -19,6 +19,7 @@ this module); the others feed rules and timelines.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvobs import semconv as sc
@@ -43,6 +44,14 @@ class TurnColumn:
     carries: bool = False  # also derived as prev_<name> on the next turn
     fleet: Agg | None = None  # its aggregation in the fleet table; None: not there
     public: bool = False
+
+
+@dataclass(frozen=True)
+class SpanColumn(TurnColumn):
+    """A column read from a span: its span and source are always set."""
+
+    span: sc.SpanName
+    source: str
 
 
 # Span fields a column may read instead of an attribute, with their types.
@@ -85,14 +94,14 @@ def _col(
     fleet: Agg | None = None,
     public: bool = False,
     type_: str | None = None,
-) -> TurnColumn:
+) -> SpanColumn:
     if isinstance(source, sc.Attribute):
         key, kind, doc = source.key, source.type, f"`{source.key}`: {source.doc}"
     else:
         key, kind, doc = source, SPAN_FIELDS[source], f"the span's {_FIELD_DOCS[source]}"
     if agg is Agg.COUNT:
         kind, doc = "int", f"how many `{span.name}` spans the turn has"
-    return TurnColumn(name, type_ or kind, doc, span, key, agg, carries, fleet, public)
+    return SpanColumn(name, type_ or kind, doc, span, key, agg, carries, fleet, public)
 
 
 _SPAN_COLUMNS = [
@@ -324,10 +333,10 @@ SERVED_BY = TurnColumn(
 SERVED = {c.name: c for c in (SERVED_DEVICE_TOKENS, SERVED_HOST_TOKENS, SERVED_BY)}
 
 COLUMNS: dict[str, TurnColumn] = {c.name: c for c in [*KEY_COLUMNS, *_SPAN_COLUMNS]}
-SPAN_COLUMNS: dict[str, TurnColumn] = {c.name: c for c in _SPAN_COLUMNS}
+SPAN_COLUMNS: dict[str, SpanColumn] = {c.name: c for c in _SPAN_COLUMNS}
 # The fleet's compact table: name -> its column as the fleet aggregates it.
-FLEET_COLUMNS: dict[str, TurnColumn] = {
-    c.name: TurnColumn(
+FLEET_COLUMNS: dict[str, SpanColumn] = {
+    c.name: SpanColumn(
         c.name, c.type, c.doc, c.span, c.source, c.fleet, c.carries, c.fleet, c.public
     )
     for c in _SPAN_COLUMNS
@@ -358,5 +367,5 @@ def column_type(name: str) -> str:
     return ALL_COLUMNS[name].type
 
 
-def span_names(columns: dict[str, TurnColumn]) -> list[str]:
+def span_names(columns: Mapping[str, TurnColumn]) -> list[str]:
     return sorted({c.span.name for c in columns.values() if c.span is not None})

@@ -156,7 +156,7 @@ def decide(turns: col.Table, context: Context = Context()) -> Decisions:
     rows = len(turns)
     code = np.full(rows, -1, np.int8)
     rule = np.full(rows, -1)
-    missing: dict[int, tuple] = {}
+    missing: dict[int, Needs] = {}
     undecided = np.ones(rows, bool)
     insufficient = VERDICT_VALUES.index(_INSUFFICIENT)
     for position, module in enumerate(ORDER):

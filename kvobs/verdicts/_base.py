@@ -85,8 +85,8 @@ class Turn(Mapping):
     def index(self) -> int:
         return int(self.get("turn"))
 
-    def get(self, column: str) -> Any:
-        return _plain(self._row.get(column))
+    def get(self, column: str, default: Any = None) -> Any:
+        return _plain(self._row.get(column, default))
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""

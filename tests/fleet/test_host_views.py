@@ -9,7 +9,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from core.test_verdicts_host import CASES, write_cases
+from verdicts.test_verdicts_host import CASES, write_cases
 from kvobs.cli import main
 from kvobs.fleet import build_report, fleet_turns
 from kvobs.semconv import Verdict

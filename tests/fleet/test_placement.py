@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from core.test_verdicts_host import CASES, write_cases
+from verdicts.test_verdicts_host import CASES, write_cases
 from fleet_cases import same_figures
 from kvobs.cli import main
 from kvobs.fleet import fleet_turns, label_turns

@@ -21,3 +21,11 @@ def test_every_verdict_has_a_section():
     text = catalogue.verdicts_md()
     for verdict in Verdict:
         assert f"`{verdict.value}`" in text
+
+
+def test_a_missing_docstring_is_named_not_a_type_error():
+    def undocumented():
+        pass
+
+    with pytest.raises(ValueError, match="'undocumented' has no docstring"):
+        catalogue._doc(undocumented)
