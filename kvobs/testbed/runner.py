@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvobs.semconv import TRACE_ID_HEADER
+from kvobs.testbed.loads import MODEL_NAME, Load, decode_load, prefill_load, random_text
 from kvobs.testbed.scenario import (
     KVOBS_PROXY,
     ConversationSpec,
@@ -38,7 +39,6 @@ INJECTED_PARAMS = {
     "remote_port": 1,
     "remote_num_tokens": 384,
 }
-MODEL_NAME = "tiny"
 
 
 # The API key of a conversation without a tenant: clients in production have one, and the
@@ -106,19 +106,13 @@ class _Conversation:
         return self.spec.turns[self.next_turn - 1]
 
 
-_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def _text(rng: random.Random, tokens: int) -> str:
-    """``tokens`` single-byte characters: one token each with the byte-level tokenizer."""
-    return "".join(rng.choice(_ALPHABET) for _ in range(tokens))
-
-
 def _new_input(conversation: _Conversation, turn: TurnSpec) -> str:
     if conversation.next_turn == conversation.spec.own_text_from:
         conversation.rng.seed(f"{conversation.spec.id}:{conversation.next_turn}")
     first = conversation.next_turn == 1
-    return _text(conversation.rng, conversation.spec.system_tokens if first else turn.append_tokens)
+    return random_text(
+        conversation.rng, conversation.spec.system_tokens if first else turn.append_tokens
+    )
 
 
 def _prompt(conversation: _Conversation, turn: TurnSpec, new_input: str) -> str:
@@ -223,91 +217,6 @@ def _send(
         return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
 
 
-class _Load:
-    """Background requests straight at one engine (streamed, no kvobs correlation),
-    competing with a turn for its steps. ``start`` returns once each is in the engine
-    (its response headers came back) or, with ``generating``, once each streamed a first
-    token; ``join`` waits for them to end."""
-
-    def __init__(self, url: str, bodies: list[dict[str, Any]], generating: bool):
-        self.started = threading.Semaphore(0)
-        self.threads = [
-            threading.Thread(target=self._run, args=(url, body, generating), daemon=True)
-            for body in bodies
-        ]
-
-    def _run(self, url: str, body: dict[str, Any], generating: bool) -> None:
-        request = urllib.request.Request(
-            url + "/v1/completions",
-            data=json.dumps({**body, "stream": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        released = False
-        try:
-            with urllib.request.urlopen(request, timeout=300) as response:
-                if not generating:  # headers back: the engine holds the request
-                    self.started.release()
-                    released = True
-                for line in response:
-                    if not released and line.startswith(b"data:"):
-                        self.started.release()
-                        released = True
-        except (urllib.error.URLError, OSError, ValueError):
-            pass
-        finally:
-            if not released:  # a failed load must not hang the scenario
-                self.started.release()
-
-    def start(self, wait: bool = True, settle_s: float = 0.05) -> "_Load":
-        for thread in self.threads:
-            thread.start()
-        if wait:
-            for _ in self.threads:
-                self.started.acquire(timeout=120)
-            time.sleep(settle_s)
-        return self
-
-    def join(self) -> None:
-        for thread in self.threads:
-            if thread.ident is not None:  # started
-                thread.join(timeout=300)
-
-
-def _prefill_load(testbed: Testbed, turn: TurnSpec, rng: random.Random) -> list[_Load]:
-    """Long prompts sent to P right before the turn: it queues behind their prefills."""
-    if not turn.prefill_load:
-        return []
-    bodies = [
-        {
-            "model": MODEL_NAME,
-            "prompt": _text(rng, turn.prefill_load_tokens),
-            "max_tokens": 1,
-            "temperature": 0.0,
-        }
-        for _ in range(turn.prefill_load)
-    ]
-    return [_Load(testbed.engine_url("prefill"), bodies, generating=False).start()]
-
-
-def _decode_load(
-    testbed: Testbed, turn: TurnSpec, rng: random.Random, safe_ids: list[int]
-) -> _Load | None:
-    if not turn.decode_load:
-        return None
-    bodies = [
-        {
-            "model": MODEL_NAME,
-            "prompt": _text(rng, turn.decode_load_prompt_tokens),
-            "max_tokens": turn.decode_load_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "allowed_token_ids": safe_ids,
-        }
-        for _ in range(turn.decode_load)
-    ]
-    return _Load(testbed.engine_url("decode"), bodies, generating=True)
-
-
 def next_due_turn(
     conversations: list[_Conversation], now: float, turn_estimate_s: float
 ) -> tuple[_Conversation | None, float]:
@@ -331,6 +240,33 @@ def next_due_turn(
     if not wake:
         raise RuntimeError("no turn can become due: every conversation left waits on another")
     return None, min(wake)
+
+
+def together_with(
+    conversations: list[_Conversation], conversation: _Conversation
+) -> list[_Conversation]:
+    """The conversations whose next turn goes with ``conversation``'s (its ``together``
+    label), itself first; just itself when the turn has none."""
+    label = conversation.turn.together
+    if not label:
+        return [conversation]
+    return [conversation] + [
+        c for c in conversations
+        if c is not conversation and not c.done and c.turn.together == label
+    ]  # fmt: skip
+
+
+def together_ready(conversations: list[_Conversation], conversation: _Conversation) -> bool:
+    """Whether ``conversation``'s next turn may be picked: it goes alone, or every
+    conversation with a turn of its ``together`` label has reached that turn and it is
+    due (not waiting on other conversations)."""
+    if conversation.done or not conversation.turn.together:
+        return True
+    label = conversation.turn.together
+    members = [
+        c for c in conversations if any(t.together == label for t in c.spec.turns)
+    ]  # fmt: skip
+    return all(not c.done and c.turn.together == label and c.due is not None for c in members)
 
 
 class ScenarioClient:
@@ -365,12 +301,39 @@ class ScenarioClient:
             if conversation.due is None and ended.issuperset(conversation.spec.after):
                 conversation.due = now + conversation.turn.gap_s
 
-    def step(self) -> TurnResult:
+    def step(self) -> list[TurnResult]:
+        """Wait for the next due turn and send it (with the turns of other conversations
+        it goes ``together`` with, at once); returns what the client saw of each."""
         conversation = None
         while conversation is None:
             longest = max((r.latency_s for r in self.results), default=0.0)
-            conversation, at = next_due_turn(self.conversations, time.monotonic(), longest)
+            eligible = [c for c in self.conversations if together_ready(self.conversations, c)]
+            conversation, at = next_due_turn(eligible, time.monotonic(), longest)
             time.sleep(max(0.0, at - time.monotonic()))
+        batch = together_with(self.conversations, conversation)
+        time.sleep(max(0.0, max(c.due or 0.0 for c in batch) - time.monotonic()))
+        prepared = [self._prepare(c) for c in batch]
+        # The client is the instrument the timeline is checked against: no collection of
+        # a long test process's garbage may land inside a measured turn. Only the young
+        # generations are collected before it: a full collection of a long test
+        # session's heap took seconds per turn in CI, which stretched every
+        # conversation's gaps towards D's TTL.
+        gc.collect(1)
+        gc.disable()
+        try:
+            if len(prepared) == 1:
+                prepared[0].send()
+            else:  # every turn of the batch in flight at once, each on its own thread
+                threads = [threading.Thread(target=t.send, daemon=True) for t in prepared]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+        finally:
+            gc.enable()
+        return [self._finish(t) for t in prepared]
+
+    def _prepare(self, conversation: _Conversation) -> "_Turn":
         turn = conversation.turn
         for action in turn.before:
             self.log(
@@ -382,60 +345,52 @@ class ScenarioClient:
         path, body, stream, size = _request(
             conversation, turn, new_input, self.testbed.safe_token_ids, self.conversation_ids
         )
-        loads = _prefill_load(self.testbed, turn, conversation.rng)
-        decode_load = _decode_load(
-            self.testbed, turn, conversation.rng, self.testbed.safe_token_ids
+        loads, timers = [], []
+        # A load with a delay lands while P (or D) holds this turn: started by a timer
+        # when the turn is sent; without one it is in the engine before the turn.
+        for load, delay_s, settle_s in (
+            (prefill_load(self.testbed, turn, conversation.rng), turn.prefill_load_delay_s, 0.05),
+            (
+                decode_load(self.testbed, turn, conversation.rng, self.testbed.safe_token_ids),
+                turn.decode_load_delay_s,
+                0.2,
+            ),
+        ):
+            if load is None:
+                continue
+            loads.append(load)
+            if delay_s:
+                timers.append(threading.Timer(delay_s, load.start, kwargs={"wait": False}))
+            else:  # each in the engine (D: generating), then a moment to settle
+                load.start(settle_s=settle_s)
+        api_key = (
+            None if conversation.spec.anonymous else conversation.spec.tenant or DEFAULT_API_KEY
         )
-        timer = None
-        if decode_load is not None:
-            loads.append(decode_load)
-            if turn.decode_load_delay_s:  # lands while D decodes this turn
-                timer = threading.Timer(
-                    turn.decode_load_delay_s, decode_load.start, kwargs={"wait": False}
-                )
-            else:
-                decode_load.start(settle_s=0.2)
-        # The client is the instrument the timeline is checked against: no collection of
-        # a long test process's garbage may land inside a measured turn. Only the young
-        # generations are collected before it: a full collection of a long test
-        # session's heap took seconds per turn in CI, which stretched every
-        # conversation's gaps towards D's TTL.
-        gc.collect(1)
-        gc.disable()
-        try:
-            started_at = time.time()
-            begin = time.monotonic()
-            if timer is not None:
-                timer.start()
-            status, text, ttft, error, trace_id = _send(
-                self.testbed.proxy_url + path,
-                body,
-                stream,
-                self.timeout_s,
-                None
-                if conversation.spec.anonymous
-                else conversation.spec.tenant or DEFAULT_API_KEY,
-            )
-            latency = time.monotonic() - begin
-        finally:
-            gc.enable()
-        if timer is not None:
+        return _Turn(
+            conversation, self.testbed.proxy_url + path, body, stream, size, api_key,
+            self.timeout_s, loads, timers,
+        )  # fmt: skip
+
+    def _finish(self, sent: "_Turn") -> TurnResult:
+        for timer in sent.timers:
             timer.join()  # the load starts even after a short turn, then ends with it
-        for load in loads:
+        for load in sent.loads:
             load.join()
+        conversation, body = sent.conversation, sent.body
+        status, text, ttft, error, trace_id = sent.answer
         result = TurnResult(
             conversation.spec.id,
             conversation.next_turn,
             status,
             status == 200 and error is None,
-            stream,
+            sent.stream,
             "conversation_id" in body,
-            size,
+            sent.size,
             len(text),
             ttft,
-            latency,
-            started_at,
-            turn.expect,
+            sent.latency_s,
+            sent.started_at,
+            conversation.turn.expect,
             error,
             trace_id,
             conversation.spec.tenant,
@@ -444,7 +399,7 @@ class ScenarioClient:
         self.log(
             f"[scenario] {result.label} turn {result.turn}: status {status} "
             f"ttft {ttft if ttft is None else round(ttft * 1000)} ms latency "
-            f"{round(latency * 1000)} ms" + (f" error {error}" if error else "")
+            f"{round(sent.latency_s * 1000)} ms" + (f" error {error}" if error else "")
         )
         if "messages" in body:
             conversation.messages = body["messages"] + [{"role": "assistant", "content": text}]
@@ -459,10 +414,38 @@ class ScenarioClient:
         return result
 
 
+@dataclass
+class _Turn:
+    """One turn on its way: the request, what runs beside it, and (once ``send``
+    returned) what the client saw."""
+
+    conversation: _Conversation
+    url: str
+    body: dict[str, Any]
+    stream: bool
+    size: int
+    api_key: str | None
+    timeout_s: float
+    loads: list[Load]
+    timers: list[threading.Timer]
+    answer: tuple = ()
+    started_at: float = 0.0
+    latency_s: float = 0.0
+
+    def send(self) -> None:
+        self.started_at = time.time()
+        begin = time.monotonic()
+        for timer in self.timers:
+            timer.start()
+        self.answer = _send(self.url, self.body, self.stream, self.timeout_s, self.api_key)
+        self.latency_s = time.monotonic() - begin
+
+
 def run_scenario(
     scenario: Scenario, testbed: Testbed, timeout_s: float = 120.0, log=print
 ) -> list[TurnResult]:
-    """Run every turn; conversations interleave on one clock, one request at a time."""
+    """Run every turn; conversations interleave on one clock, one request at a time
+    (but for turns sent ``together``)."""
     client = ScenarioClient(scenario, testbed, timeout_s, log)
     while not client.done:
         client.step()

@@ -160,3 +160,44 @@ def test_conversations_waiting_on_others_are_not_scheduled():
     done = _conversation("done", 4, due=5.0)
     with pytest.raises(RuntimeError, match="waits on another"):
         next_due_turn([waiting, done], now=0.0, turn_estimate_s=1.0)
+
+
+def _together(label_id, next_turn, due, labels):
+    from kvobs.testbed.runner import _Conversation
+    from kvobs.testbed.scenario import ConversationSpec, TurnSpec
+
+    spec = ConversationSpec(label_id, tuple(TurnSpec(together=t) for t in labels))
+    return _Conversation(spec, None, next_turn=next_turn, due=due)
+
+
+def test_turns_sent_together_wait_for_every_one_of_them():
+    from kvobs.testbed.runner import together_ready, together_with
+
+    a = _together("a", 2, 5.0, ["", "reads"])
+    b = _together("b", 1, 0.0, ["", "reads"])  # its turn 1 first
+    c = _together("c", 1, 0.0, ["", ""])
+    everyone = [a, b, c]
+    assert not together_ready(everyone, a) and together_ready(everyone, b)
+    assert together_with(everyone, b) == [b]  # b's turn 1 goes alone
+    b.next_turn, b.due = 2, 7.0
+    assert together_ready(everyone, a) and together_ready(everyone, b)
+    assert together_with(everyone, b) == [b, a]  # the picked one first
+    assert together_with(everyone, c) == [c]
+    b.next_turn = 3  # done: a's turn can no longer go with it
+    assert not together_ready(everyone, a)
+
+
+def test_together_labels_are_bounded():
+    from kvobs.testbed.scenario import MAX_TOGETHER
+
+    def scenario(members, turns='[[conversations.turns]]\ntogether = "x"\n'):
+        return "name = \"x\"\n" + "".join(
+            f'[[conversations]]\nid = "c{n}"\n{turns}' for n in range(members))
+
+    assert [t.together for t in parse(scenario(2)).conversations[1].turns] == ["x"]
+    with pytest.raises(ScenarioError, match="1 turns; 2 to"):
+        parse(scenario(1))
+    with pytest.raises(ScenarioError, match=f"{MAX_TOGETHER + 1} turns"):
+        parse(scenario(MAX_TOGETHER + 1))
+    with pytest.raises(ScenarioError, match="one turn per conversation"):
+        parse(scenario(2, '[[conversations.turns]]\ntogether = "x"\n' * 2))
