@@ -142,7 +142,19 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     turn's length: a median of 5 ms, but on this 2-core box under the suite's load a
     single 0.36-0.54 s turn had up to 72 ms of them (80-90 % covered; CI run 4 and a
     rerun of 2026-12-06). So the run and the median turn are held to 90 %, and every
-    turn to never more than the client saw."""
+    turn to never more than the client saw.
+
+    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, 38
+    round_robin turns in two runs with other sessions' work at normal priority on the
+    box, load average 20), sent to P's arrival took 1.4-7.4 ms (32 ms for a run's first
+    request), D's last token to the answer read 1-267 ms. The shortfall is the back
+    edge: after D's last token its API server turns the output into the answer, then
+    the router and the client pass it on. It grows only under competing load, likely
+    D's API server waiting for a CPU: it shares its session's CPU share with D's
+    EngineCore (autogroup, niced: ENGINE_NICENESS), which the decode has just spent,
+    while P's front end, idle before the request, gets a CPU at once (not yet split
+    further: no timestamps inside the router or D's API server). No engine span covers that time (vLLM's own request span, when
+    exported, ends in that API server: part of it)."""
     _check_coverage(_paired(router_run.results, open_source(str(router_run.out))))
 
 
