@@ -501,7 +501,9 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
                   + (f"  redis cpu {result[clients]['redis_cpu_ms']:.3f} ms/req"
                      if name.startswith("kvobs-prod") else "")
                   + (f"  store degraded {degraded}" if degraded else "")
-                  + f"  engine calls/req {result[clients]['engine_calls']:.2f}", flush=True)
+                  + f"  engine calls/req {result[clients]['engine_calls']:.2f}"
+                  + (f"  direct {result['direct_rps64']:.0f} req/s" if clients == 64 else ""),
+                  flush=True)
         if name.startswith("kvobs"):
             text = _metrics_text(name, port)
             if text:
