@@ -157,12 +157,14 @@ def compare(
         d_tail_hex = digest[tail_colon + 1 : base - 1]
         hexed = digest
     else:
-        version, d_block_size, d_seed, d_blocks, d_tail, d_tail_hex, hexed = digest.split(":", 6)
+        version, d_block_size, d_seed, d_blocks, d_tail_blocks, d_tail_hex, hexed = digest.split(
+            ":", 6
+        )
         if version != VERSION:  # another kvobs on D: its checkpoints mean other counts
             return _INCOMPARABLE, 0
         if int(d_block_size) != block_size or not seed or d_seed != seed:
             return _INCOMPARABLE, 0
-        d_count, d_tail, base = int(d_blocks), int(d_tail), 0
+        d_count, d_tail, base = int(d_blocks), int(d_tail_blocks), 0
     usable = min(len(block_hashes), limit_tokens // block_size)
     if d_count <= DENSE_BLOCKS:  # checkpoints 1..d_count: no list, no bisect
         if len(hexed) - base != d_count * _HEX:

@@ -14,6 +14,7 @@ merges TP ranks once per request, and keeps prompt-side ids out of worker metada
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvobs import semconv as sc
@@ -335,16 +336,16 @@ class SchedulerObserver:
         req_id = request.request_id
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
-                r = self._reqs[req_id] = _Req(
+                handoff = self._reqs[req_id] = _Req(
                     self._correlation(params, sc.SPAN_STUCK),
                     _P_TO_D,
                     time.time(),
                     params.get("remote_engine_id"),
                 )
-                r.arrived = request.arrival_time
-                r.prompt = request.num_prompt_tokens
-                r.request = request  # until it finishes: its first token is watched
-                r.remote_request = params.get("remote_request_id")
+                handoff.arrived = request.arrival_time
+                handoff.prompt = request.num_prompt_tokens
+                handoff.request = request  # until it finishes: its first token is watched
+                handoff.remote_request = params.get("remote_request_id")
             return
         if not params.get("do_remote_decode"):
             return
@@ -545,7 +546,7 @@ class SchedulerObserver:
         self._last_watchdog = now
         limit = self._options.stuck_after_s
         for req_id, r in self._waiting.items():
-            if not r.stuck_reported and now - r.wait_since > limit:
+            if not r.stuck_reported and r.wait_since is not None and now - r.wait_since > limit:
                 self._stuck(req_id, r, sc.StuckReason.WAIT_TIMEOUT, False)
 
     def on_output(self, output: Any) -> None:
@@ -553,7 +554,7 @@ class SchedulerObserver:
         if self._first_pending:
             self._first_tokens()
         stats = _own_stats(getattr(output, "kv_connector_stats", None))
-        raw_releases = ()
+        raw_releases: Sequence[list] = ()
         if stats is not None:
             data = stats.data
             raw_reads = data.get(st.RAW_READS)
@@ -748,7 +749,7 @@ class SchedulerObserver:
 
     def _export(self, request: Any, out: dict) -> None:
         req_id = request.request_id
-        groups = out.get("remote_block_ids") or ()
+        groups: Sequence[Sequence[int]] = out.get("remote_block_ids") or ()
         per_block = self._bytes_per_block
         if len(groups) == 1:  # one KV cache group: the common case, no generators
             blocks = len(groups[0])

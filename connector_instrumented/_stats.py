@@ -75,6 +75,9 @@ BOOL_LABELS = ("false", "true")
 class KvobsConnectorStats(NixlKVConnectorStats):
     """``NixlKVConnectorStats`` plus kvobs's lists (all plain, msgspec-serialisable)."""
 
+    # vLLM's reset() types its lists as numbers; kvobs's lists hold records (lists).
+    data: dict[str, Any]
+
     def reset(self):
         super().reset()
         for key in KVOBS_KEYS:
@@ -84,6 +87,11 @@ class KvobsConnectorStats(NixlKVConnectorStats):
         super().__post_init__()
         for key in KVOBS_KEYS:  # data built elsewhere (older peer, partial dict)
             self.data.setdefault(key, [])
+
+    def clone_and_reset(self) -> KvobsConnectorStats:
+        old = super().clone_and_reset()
+        assert isinstance(old, KvobsConnectorStats)  # vLLM's is a copy of self
+        return old
 
     def add(self, key: str, value: Any) -> None:
         self.data[key].append(value)
@@ -152,7 +160,7 @@ class KvobsPromMetrics(NixlPromMetrics):
 
     def _make(self, metric: sc.Metric, values: list[tuple[str, ...]] | None = None):
         """Per engine: the child (no extra labels) or {label values: child}, all at 0."""
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             name=metric.name,
             documentation=metric.doc,
             labelnames=list(self._labelnames) + list(metric.labels),
@@ -162,8 +170,10 @@ class KvobsPromMetrics(NixlPromMetrics):
         elif metric.type == "gauge":
             parent = _gauge(self._gauge_cls, **kwargs)
         else:
-            parent = self._histogram_cls(buckets=list(metric.buckets), **kwargs)
-        children = {}
+            # vLLM types its three metric classes as one union: this one is a Histogram's.
+            histogram: Any = self._histogram_cls
+            parent = histogram(buckets=list(metric.buckets), **kwargs)
+        children: dict[int, Any] = {}
         for idx, engine_values in self.per_engine_labelvalues.items():
             if values is None:
                 children[idx] = parent.labels(*engine_values)

@@ -207,12 +207,14 @@ class WorkerObserver:
                     outcome = sc.ReadOutcome.FAILED
                 else:
                     outcome = sc.ReadOutcome.DONE
-                started = read.start_mono is not None
-                start_wall = read.start_wall if started else read.first_wall
-                start_mono = read.start_mono if started else read.first_mono
                 # Set-up: from the read's request to its start (the handshake, when
                 # the holder was not connected yet); unknown when it never started.
-                setup = read.start_mono - read.first_mono if started else None
+                setup: float | None = None
+                start_wall: float | None = read.first_wall
+                start_mono = read.first_mono
+                if read.start_mono is not None:
+                    start_wall, start_mono = read.start_wall, read.start_mono
+                    setup = read.start_mono - read.first_mono
                 # Unobserved: since the read started, or since a poll last saw it.
                 seen = max(start_mono, read.pending_mono or start_mono)
                 self.raw_reads.append(

@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
+    LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
 )
@@ -50,6 +51,14 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 __all__ = ["KvobsHostCopySpec", "KvobsTieringHostCopySpec", "HostCopyWorker", "HOST_COPY_SPECS"]
+
+
+def _host_blocks(spec: LoadStoreSpec) -> BlockIDsLoadStoreSpec:
+    """vLLM's worker API takes any medium's spec; this worker copies to and from host
+    blocks only (its specs pair GPU with CPU), so another medium is a wiring error."""
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"host copy needs host block ids, got {type(spec).__name__}")
+    return spec
 
 
 @dataclass(frozen=True)
@@ -165,14 +174,12 @@ class HostCopyWorker(OffloadingWorker):
         return True
 
     def submit_store(
-        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: BlockIDsLoadStoreSpec
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        return self._run(job_id, src_spec, dst_spec, to_host=True)
+        return self._run(job_id, src_spec, _host_blocks(dst_spec), to_host=True)
 
-    def submit_load(
-        self, job_id: int, src_spec: BlockIDsLoadStoreSpec, dst_spec: GPULoadStoreSpec
-    ) -> bool:
-        return self._run(job_id, dst_spec, src_spec, to_host=False)
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._run(job_id, dst_spec, _host_blocks(src_spec), to_host=False)
 
     def get_finished(self) -> list[TransferResult]:
         finished, self._finished = self._finished, []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeGuard
 
 Digest = dict[str, Any]  # {"k": kind, "n": count, "h": sha256 hex}
 
@@ -110,6 +110,7 @@ class Prefixes:
 
     def _feed(self, sha, start: int, stop: int) -> None:
         if self.kind == "s":
+            assert isinstance(self.items, str)  # kind "s": a prompt string
             sha.update(self.items[start:stop].encode("utf-8", "surrogatepass"))
         elif self.kind == "m":
             for message in self.items[start:stop]:
@@ -125,7 +126,7 @@ class Prefixes:
         return {"k": self.kind, "n": self.size, "h": self.hashes([self.size])[self.size]}
 
 
-def _token_ids(prompt: Any) -> bool:
+def _token_ids(prompt: Any) -> TypeGuard[list[int]]:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
 
 

@@ -148,6 +148,7 @@ class StoreGuard:
         started = time.perf_counter()
         wall_s = WALL_FACTOR * self.budget_s + extra_s
         cancels = 0
+        handle: asyncio.TimerHandle
 
         def check() -> None:
             nonlocal handle, cancels

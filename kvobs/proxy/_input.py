@@ -13,7 +13,7 @@ import asyncio
 import json
 import math
 import zlib
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard, TypeVar
 
 import aiohttp
 from aiohttp import http_exceptions, web
@@ -69,7 +69,8 @@ def _bad_body() -> InputError:
 def _inflate(data: bytes, coding: str, limit: int) -> bytes:
     """One coding undone, at most ``limit`` bytes out (a bomb is a 413, not a full
     memory); gzip members one after another are one body."""
-    out, size = [], 0
+    out: list[bytes] = []
+    size = 0
     wbits = _CODINGS[coding]
     while data:
         decoder = zlib.decompressobj(wbits)
@@ -281,7 +282,10 @@ def _check_message(message: Any, where: str) -> None:
             _check_strings(function, ("name", "arguments"), f"{at}.function")
 
 
-def _present(value: Any, kind: type, where: str, expected: str) -> bool:
+_Kind = TypeVar("_Kind")
+
+
+def _present(value: Any, kind: type[_Kind], where: str, expected: str) -> TypeGuard[_Kind]:
     """False when absent (null); a 400 when present with another type."""
     if value is None:
         return False

@@ -139,7 +139,7 @@ class ProxyMetrics:
                 self.upstream_errors.labels(role, kind)
             for cause in sc.UpstreamRetryCause:
                 self.upstream_retries.labels(role, cause.value)
-        for reason in _REJECT_REASONS:
-            self.rejected.labels(reason)
+        for rejected in _REJECT_REASONS:
+            self.rejected.labels(rejected)
         for failure in sc.StoreFailure:
             self.store_degraded.labels(failure.value)

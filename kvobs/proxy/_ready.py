@@ -68,7 +68,9 @@ class Readiness:
 
     async def ready(self) -> Checks:
         """Whether this proxy can serve: its store's check."""
-        return await self._store.get()
+        checks = await self._store.get()
+        assert checks is not None  # no wait limit: get() waits for the round
+        return checks
 
     async def upstreams(self, max_wait_s: float | None = None) -> Checks | None:
         """Whether every engine answered, and each engine's check (``_Cached.get``)."""
@@ -104,8 +106,11 @@ class Readiness:
             headers["Authorization"] = f"Bearer {self.config.engine_api_key}"
         timeout = aiohttp.ClientTimeout(total=self.config.ready_timeout_s)
 
+        session = self.session
+        assert session is not None  # the app's start-up sets it before any probe
+
         async def probe() -> str | None:
-            async with self.session.get(
+            async with session.get(
                 base_url + "/health", headers=headers, timeout=timeout
             ) as response:
                 await response.read()

@@ -91,6 +91,7 @@ async def relay_whole(
     digest = history_digest(d_body, message, text) if single else None
     if isinstance(params, dict):
         state.source = sc.ParamsSource.BODY
+    assert state.d_sent is not None  # set as D was sent the turn (legs)
     await finish(params if isinstance(params, dict) else None, digest, state.d_sent, answered_wall)
     answer = web.Response(
         body=json.dumps(result).encode(), status=200, content_type="application/json"
@@ -175,6 +176,7 @@ async def relay_stream(
     )
     if collector.params is not None:
         state.source = sc.ParamsSource.STREAM
+    assert state.d_sent is not None  # set as D was sent the turn (legs)
     await finish(collector.params, digest, state.d_sent, answered_wall)
     # [DONE] goes out only now: a client that starts its next turn the moment this
     # stream ends finds this turn's params already stored.

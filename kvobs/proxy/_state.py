@@ -36,6 +36,7 @@ class TurnState:
     request_id: str
     start_wall: float
     start_perf: float
+    store_budget: Budget  # what the turn may still wait on the store
     conversation_id: str | None = None  # the client's, or the one the proxy gave it
     turn: int | None = None
     outcome: sc.LookupOutcome = sc.LookupOutcome.NO_ID
@@ -61,5 +62,4 @@ class TurnState:
     decode_host: str | None = None
     store_failure: sc.StoreFailure | None = None  # the params publisher's
     client: Any = None  # the client's StreamResponse once a stream has started
-    store_budget: Budget | None = None  # what the turn may still wait on the store
     http_context: Context | None = None  # the SERVER span's: its legs' CLIENT spans' parent

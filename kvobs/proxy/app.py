@@ -13,6 +13,7 @@ import gc
 import logging
 import sys
 import time
+from typing import Any
 
 from aiohttp import web
 from opentelemetry import trace
@@ -36,7 +37,6 @@ from kvobs.proxy.turn import ASSIGNED_ID_KEY, TRACE_ID_KEY, Turns
 _LOG = logging.getLogger("kvobs.proxy")
 _ACCESS = logging.getLogger("kvobs.proxy.access")
 TRACE_ID_HEADER = sc.TRACE_ID_HEADER
-PROXY_KEY = web.AppKey("kvobs_proxy", object)
 # How the proxy must be served (run_proxy does; embedders pass these to web.AppRunner or
 # web.run_app): a client that disconnects cancels its turn, so no engine keeps working for
 # a client that left (no decode request after a client gave up during the prefill).
@@ -44,7 +44,11 @@ PROXY_KEY = web.AppKey("kvobs_proxy", object)
 # the connection closes (aiohttp's default waits 10 s on a client that stalls).
 # Request bodies are decoded by the proxy (_input: gzip, deflate; 415 for others, 400 for
 # a broken one), not by aiohttp, which answers those in plain text and logs tracebacks.
-RUNNER_OPTIONS = {"handler_cancellation": True, "lingering_time": 1.0, "auto_decompress": False}
+RUNNER_OPTIONS: dict[str, Any] = {
+    "handler_cancellation": True,
+    "lingering_time": 1.0,
+    "auto_decompress": False,
+}
 
 
 class _Proxy(Turns):
@@ -158,6 +162,9 @@ class _Proxy(Turns):
         return await self.handle(request, "/v1/completions")
 
 
+PROXY_KEY = web.AppKey("kvobs_proxy", _Proxy)
+
+
 async def _id_headers(request: web.Request, response: web.StreamResponse) -> None:
     # Lets a client (or an operator reading a client log) name the turn to kvobs.
     trace_id = request.get(TRACE_ID_KEY)
@@ -206,6 +213,8 @@ def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
     if config.store_backend == "redis":
         from kvobs.proxy.redis_store import RedisStore
 
+        assert config.redis_url is not None  # ProxyConfig refuses a redis store without
+
         return RedisStore(
             config.redis_url,
             config.max_entries,
@@ -226,6 +235,7 @@ def _make_store(config: ProxyConfig, metrics: ProxyMetrics) -> MetadataStore:
 
 def _make_publisher(config: ProxyConfig) -> ParamsPublisher:
     if config.publisher_kind == "redis":
+        assert config.redis_url is not None  # ProxyConfig refuses it without one
         return RedisParamsPublisher(config.redis_url, pool_size=config.redis_pool_size)
     return NoPublisher()
 

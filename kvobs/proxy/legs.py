@@ -120,8 +120,10 @@ class Legs:
         engine was closing, a reset, a refused connect) cannot have started an answer:
         the request goes once more, on a fresh connection. Nothing is retried once the
         engine has answered, nor after a timeout (the leg's wait is spent)."""
+        session, fresh = self.session, self.fresh_session
+        assert session is not None and fresh is not None  # start() ran: the app's start-up
         try:
-            return await self.session.post(url, data=data, headers=headers, timeout=timeout)
+            return await session.post(url, data=data, headers=headers, timeout=timeout)
         except asyncio.TimeoutError:
             raise
         except aiohttp.ClientConnectionError as error:
@@ -138,7 +140,7 @@ class Legs:
             cause=cause.value,
             error=reason,
         )
-        return await self.fresh_session.post(url, data=data, headers=headers, timeout=timeout)
+        return await fresh.post(url, data=data, headers=headers, timeout=timeout)
 
     # ------------------------------------------------------------------ prefill
 

@@ -303,5 +303,6 @@ def redis_client(url: str, pool_size: int, socket_timeout_s: float = 30.0):
         socket_connect_timeout=socket_timeout_s,
     )
     # The URL chose the class (TCP, TLS, Unix socket); its Redis time goes to the guard.
-    pool.connection_class = timed_connection_class(pool.connection_class)
+    # (A class is hashable; mypy checks the Hashable protocol against the instances' __hash__.)
+    pool.connection_class = timed_connection_class(pool.connection_class)  # type: ignore[arg-type]
     return aioredis.Redis.from_pool(pool)  # closes the pool with the client

@@ -176,7 +176,10 @@ class MemoryStore:
         return 1
 
     def _unindex(self, key: str) -> None:
-        tenant, fp = self._indexed.pop(key, (None, None))
+        indexed = self._indexed.pop(key, None)
+        if indexed is None:
+            return
+        tenant, fp = indexed
         index = self._index.get(tenant)
         if index is not None and fp in index and index[fp].key == key:
             del index[fp]
