@@ -65,8 +65,10 @@ class Correlation(NamedTuple):
 
 
 # A proxy turn parents its lookup, store and leg headers on one traceparent: parsed once
-# (a context is immutable, so one object serves them all). Bounded: ids are per turn.
-@functools.lru_cache(maxsize=1024)
+# (a context is immutable, so one object serves them all). Small: ids are per turn, and
+# an entry is ~0.6 kB (1,024 of them held 0.6 MB, over test_proxy_memory's bound); 128
+# covers the turns in flight at 64 clients.
+@functools.lru_cache(maxsize=128)
 def _context_of(traceparent: str):
     return _PROPAGATOR.extract({"traceparent": traceparent})
 
