@@ -46,7 +46,7 @@ from kvobs.fleet.report import (
 from kvobs.fleet.retention import RetentionSums, read_bytes_per_block
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.fleet.sketch import add_values, new_sketch, p50_p95, quantile
-from kvobs.live.turn_measures import MEASURE_FIELDS
+from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
 from kvobs.live.turnstore import TurnRows
 from kvobs.timeline import PHASES, phase_column
 
@@ -55,7 +55,7 @@ BATCH_ROWS = 262_144
 _KEY_COLUMNS = ["tenant", "conversation_id", "turn", "version"]
 _ROW_COLUMNS = ["verdict", "trace_id", "slowest_phase", "latency_s", "ttft_s", "prompt_tokens"]
 _CONTEXT_COLUMNS = ["finalized_at", "prefill_tokens_per_s"]
-AGGREGATED = _KEY_COLUMNS + _ROW_COLUMNS + _CONTEXT_COLUMNS + [f.name for f in MEASURE_FIELDS]
+AGGREGATED = _KEY_COLUMNS + _ROW_COLUMNS + _CONTEXT_COLUMNS + [MEASURES_COLUMN]
 _SCOPES = ("first_turn", "later_turns")
 _GROUPINGS = {  # section: (keys, scope of its rows)
     "by_turn": (("turn_bucket",), None),
@@ -79,12 +79,15 @@ class _Versions:
     lineage) with their newest version, and the newest turn start."""
 
     newest: dict[tuple, int] = field(default_factory=dict)
-    latest_start_ns: float = -np.inf
+    latest_start_ns: float | None = None  # None: no stored turn has a start
+
+    def add_starts(self, batch: pa.RecordBatch) -> None:
+        starts = _turn_starts(batch)
+        if not np.isnan(starts).all():
+            newest, latest = float(np.nanmax(starts)), self.latest_start_ns
+            self.latest_start_ns = newest if latest is None else max(latest, newest)
 
     def add(self, batch: pa.RecordBatch) -> None:
-        starts = batch.column("turn_start_ns")
-        if pc.max(starts).as_py() is not None:
-            self.latest_start_ns = max(self.latest_start_ns, pc.max(starts).as_py())
         later = batch.filter(pc.greater(batch.column("version"), 1))
         for tenant, cid, turn, version in zip(*(later.column(c).to_pylist() for c in _KEY_COLUMNS)):
             key = (tenant, cid, turn)
@@ -112,16 +115,20 @@ def _batches(
         if versions is not None:
             batch = versions.latest_rows(batch)
         if cutoff is not None:
-            batch = batch.filter(
-                pc.fill_null(pc.greater_equal(batch["turn_start_ns"], cutoff), False)
-            )
+            batch = batch.filter(pa.array(_turn_starts(batch) >= cutoff))  # NaN: False
         if batch.num_rows:
             yield batch
 
 
+def _turn_starts(batch: pa.RecordBatch) -> np.ndarray:
+    return unpack(batch.column(MEASURES_COLUMN))["turn_start_ns"]
+
+
 def _frame(batch: pa.RecordBatch) -> pd.DataFrame:
     """A batch as the span path's labelled table (the columns its functions read)."""
-    frame = batch.to_pandas()
+    plain = pa.Table.from_batches([batch]).drop_columns([MEASURES_COLUMN])
+    measures = pd.DataFrame(unpack(batch.column(MEASURES_COLUMN)))
+    frame = pd.concat([plain.to_pandas(), measures], axis=1)
     add_buckets(frame)
     return frame
 
@@ -258,13 +265,18 @@ def turn_row_report(
     """``build_report``'s report from stored turn rows (``report.extras``: the
     ``drill_down`` and what could not come from turn rows, ``degraded``)."""
     versions = _Versions()
-    for batch in rows.batches(_KEY_COLUMNS + ["turn_start_ns"], BATCH_ROWS):
+    for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True):
         versions.add(batch)
-    cutoff = since_cutoff_ns(versions.latest_start_ns, since) if since else None
+    if since:  # the newest turn start, which a duration counts back from
+        for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS):
+            versions.add_starts(batch)
+    latest = versions.latest_start_ns
+    # No turn with a start: nothing to cut (a duration has no newest turn to count from).
+    cutoff = since_cutoff_ns(int(latest), since) if since and latest is not None else None
     scopes = {scope: _ScopeTally() for scope in _SCOPES}
     groups: dict[str, dict[tuple, _ScopeTally]] = {name: {} for name in _GROUPINGS}
     phases = {scope: _PhaseTally() for scope in _SCOPES}
-    memory: Counter = Counter()
+    memory: Counter[str] = Counter()
     retained = RetentionSums()
     per_block = new_sketch()
     conversations: list[np.ndarray] = []
@@ -278,8 +290,10 @@ def turn_row_report(
         for scope, at in scope_rows.items():
             scopes[scope].add(measured, at)
         every = np.arange(len(frame))
-        for name, (keys, scope) in _GROUPINGS.items():
-            _add_groups(groups[name], frame, measured, keys, scope_rows[scope] if scope else every)
+        for name, (keys, grouped) in _GROUPINGS.items():
+            _add_groups(
+                groups[name], frame, measured, keys, scope_rows[grouped] if grouped else every
+            )
         unmeasured = unmeasured_latency(frame)
         for scope, at in scope_rows.items():
             phases[scope].add(frame, at, unmeasured)
@@ -299,15 +313,20 @@ def turn_row_report(
     weight = quantile(per_block, 0.5)
     thresholds = {scope: quantile(scopes[scope].latency, 0.95) for scope in _SCOPES}
     slow, slow_count = _slow_turns(rows, versions, cutoff, thresholds)
+    # FleetReport's first_turn/later_turns and by_* fields, by name
+    scope_metrics: dict[str, Any] = {scope: tally.metrics() for scope, tally in scopes.items()}
+    grouped_rows: dict[str, Any] = {
+        name: _group_rows(found, _GROUPINGS[name][0]) for name, found in groups.items()
+    }
     report = FleetReport(
         source=source,
         since=since,
         conversations=len(np.unique(np.concatenate(conversations))) if conversations else 0,
         turns=sum(tally.turns for tally in scopes.values()),
         prefill_tokens_per_s=rate,
-        **{scope: tally.metrics() for scope, tally in scopes.items()},
-        **{name: _group_rows(found, _GROUPINGS[name][0]) for name, found in groups.items()},
-        memory=memory_result(memory, weight),
+        **scope_metrics,
+        **grouped_rows,
+        memory=memory_result(dict(memory), weight),
         phases={scope: tally.section() for scope, tally in phases.items()},
         retention={
             **retained.totals(weight),
@@ -375,7 +394,7 @@ def _latest_rate(frame: pd.DataFrame, rate, rate_at) -> tuple[float | None, floa
 def _slow_turns(rows, versions, cutoff, thresholds) -> tuple[_Ranked, int]:
     """The third read: healthy turns at or above their scope's p95."""
     slow, count = _Ranked(LISTED_SLOW), 0
-    columns = _KEY_COLUMNS + ["verdict", "latency_s", "turn_start_ns"]
+    columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
     for batch in _batches(rows, columns, versions, cutoff):
         frame = batch.to_pandas()
         latency = frame["latency_s"].to_numpy(float, na_value=np.nan)

@@ -15,7 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs.live.turn_measures import measure_columns, typed_column
+from kvobs.live.turn_measures import MEASURES_COLUMN, pack_frame
 from kvobs.live.turnstore import _HOUR_FORMAT, _MERGED, _PREFIX, ROW_GROUP_ROWS, SCHEMA, TURNS_DIR
 from kvobs.live.turnstore import _write_indexed
 
@@ -31,7 +31,16 @@ def turn_rows_table(
     n = len(labelled)
 
     def column(name: str, kind: pa.DataType) -> pa.Array:
-        return typed_column(labelled, name, kind)
+        if name not in labelled:
+            return pa.nulls(n, kind)
+        values = labelled[name]
+        if kind == pa.string():
+            return pa.array(values.astype(object).where(values.notna(), None), kind)
+        numbers = values.astype("Float64").to_numpy(float, na_value=np.nan)
+        known = np.isfinite(numbers)
+        if kind == pa.int64():
+            numbers = np.where(known, numbers, 0).astype(np.int64)
+        return pa.array(numbers, kind, mask=~known)
 
     if details is None:
         keys = zip(
@@ -61,7 +70,7 @@ def turn_rows_table(
             np.full(n, np.nan if prefill_tokens_per_s is None else prefill_tokens_per_s),
             mask=np.full(n, prefill_tokens_per_s is None),
         ),
-        **measure_columns(labelled),
+        MEASURES_COLUMN: pack_frame(labelled),
     }
     return pa.table([columns[f.name] for f in SCHEMA], schema=SCHEMA)
 

@@ -24,7 +24,13 @@ KEY = ("tenant", "conversation_id", "turn")
 _REQUIRED = {*KEY, "version", "finalized_at", "detail"}
 # Few distinct values: dictionary-encoded.
 _LOW_CARDINALITY = {"tenant", "verdict", "rule", "slowest_phase"}
-_TYPES = {pa.string(): "String", pa.int64(): "Int64", pa.float64(): "Float64"}
+# A ClickHouse String holds any bytes: the packed measures too.
+_TYPES = {
+    pa.string(): "String",
+    pa.binary(): "String",
+    pa.int64(): "Int64",
+    pa.float64(): "Float64",
+}
 
 
 def column_type(field: pa.Field) -> str:
@@ -80,7 +86,9 @@ class ClickHouseTurns(TurnRows):
         self.pending = []
         return rows.num_rows
 
-    def batches(self, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    def batches(
+        self, columns: list[str], batch_rows: int, later_versions: bool = False
+    ) -> Iterator[pa.RecordBatch]:
         """Pages in the table's key order, each after the last key of the one before
         (keyset paging: ClickHouse reads each page in order, memory holds one page)."""
         if not self.exists():
@@ -88,10 +96,13 @@ class ClickHouseTurns(TurnRows):
         order = [*KEY, "version"]
         wanted = pa.schema([SCHEMA.field(c) for c in columns])
         names = ", ".join(f"`{c}`" for c in dict.fromkeys([*order, *columns]))
-        after, parameters = "", {}
+        after: list[str] = []
+        parameters: dict[str, object] = {}
+        later = ["version > 1"] if later_versions else []
         while True:
+            where = " AND ".join(later + after)
             table = self.database.query(
-                f"SELECT {names} FROM {self.table} {after} "
+                f"SELECT {names} FROM {self.table} {'WHERE ' + where if where else ''} "
                 f"ORDER BY {', '.join(order)} LIMIT {int(batch_rows)}",
                 parameters,
             )
@@ -100,10 +111,10 @@ class ClickHouseTurns(TurnRows):
             if table.num_rows < batch_rows:
                 return
             last = {c: table.column(c)[table.num_rows - 1].as_py() for c in order}
-            after = (
-                "WHERE (tenant, conversation_id, turn, version) > "
+            after = [
+                "(tenant, conversation_id, turn, version) > "
                 "({tenant:String}, {cid:String}, {turn:Int64}, {version:Int64})"
-            )
+            ]
             parameters = {
                 "tenant": last["tenant"],
                 "cid": last["conversation_id"],

@@ -1,10 +1,15 @@
-"""The numbers a fleet report sums and sketches, stored on every classified turn row as
-typed columns (``kvobs.live.turnstore.SCHEMA``): the report then reads a few columns of
-the rows in batches (``kvobs.fleet.turn_report``) instead of parsing each turn's JSON.
+"""The numbers a fleet report sums and sketches, stored on every classified turn row in
+one packed column (``MEASURES_COLUMN``): the report reads that column in batches
+(``kvobs.fleet.turn_report``) instead of parsing each turn's JSON, and the store's file
+footers stay small (a column per measure made a merged file's footer, parsed by every
+lookup, ten times slower to read: 26 ms against 2.5 ms for 56k rows).
 
-Each measure is a turn-table column of the same name and type (``kvobs.turns.schema``,
-the phases' from ``kvobs.timeline``): the values ``kvobs report`` reads from the turn
-table on the span path, so the two reports read the same numbers.
+Each measure is a turn-table column of the same name (``kvobs.turns.schema``, the
+phases' from ``kvobs.timeline``): the values ``kvobs report`` reads from the turn table
+on the span path, so the two reports read the same numbers. Packed as one little-endian
+record per row (``MEASURE_DTYPE``): integers as int64 (null: ``NULL_INT``), floats as
+float64 (null: NaN), the two enumerations as the index of their value (null or a value
+kvobs does not know: -1).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from kvobs import semconv as sc
 from kvobs.timeline import PHASE_COLUMNS
 from kvobs.turns.schema import DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS, column_type
 
@@ -47,62 +54,123 @@ TURN_MEASURES = (
     DEVICE_BLOCK_SECONDS.name,
     HOST_BYTE_SECONDS.name,
 )
-_ARROW = {"int": pa.int64(), "float": pa.float64(), "str": pa.string()}
-_PYTHON = {"int": int, "float": float}
-MEASURE_FIELDS = [pa.field(name, _ARROW[column_type(name)]) for name in TURN_MEASURES] + [
-    pa.field(name, pa.float64()) for name in PHASE_COLUMNS
-]
-# The row key the classifier puts them under (never part of the stored JSON).
-MEASURES_KEY = "measures"
+ENUMS = {
+    "read_outcome": [v.value for v in sc.ReadOutcome],
+    "release_reason": [v.value for v in sc.ReleaseReason],
+}
+KINDS = {name: column_type(name) for name in TURN_MEASURES} | dict.fromkeys(PHASE_COLUMNS, "float")
+MEASURE_DTYPE = np.dtype(
+    [(name, "<f8" if kind == "float" else "<i8") for name, kind in KINDS.items()]
+)
+NULL_INT = np.iinfo(np.int64).min
+# The stored column, and the row key the classifier puts a turn's measures under (never
+# part of the stored JSON).
+MEASURES_COLUMN = MEASURES_KEY = "measures"
 
 
 def measures_of(turn: Mapping[str, Any]) -> dict[str, Any]:
-    """A classified turn's measures from its turn-table row (``TurnDiagnosis.turn``)."""
-    return {f.name: _typed(turn.get(f.name), f.type) for f in MEASURE_FIELDS}
+    """A classified turn's measures from its turn-table row (``TurnDiagnosis.turn``),
+    typed: what the classifier keeps on its row until the store packs it."""
+    return {name: _typed(turn.get(name), kind) for name, kind in KINDS.items()}
 
 
-def _typed(value: Any, kind: pa.DataType) -> Any:
-    """The value as the column's type; None for a null, NaN, infinity or a wrong type."""
+def _typed(value: Any, kind: str) -> Any:
+    """The value as the column's kind; None for a null, NaN, infinity or a wrong type."""
     if value is None:
         return None
-    if kind == pa.string():
+    if kind == "str":
         return value if isinstance(value, str) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        try:  # numpy scalars
-            value = value.item()
-        except AttributeError:
-            return None
+    if isinstance(value, bool):
+        return None
+    if not isinstance(value, (int, float)):  # a numpy scalar gives its Python value
+        item = getattr(value, "item", None)
+        value = item() if callable(item) else None
     if not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
-    return int(value) if kind == pa.int64() else float(value)
+    return int(value) if kind == "int" else float(value)
 
 
-def measure_columns(turns: pd.DataFrame) -> dict[str, pa.Array]:
-    """The measures of every turn of a turn table (the span path's labelled table), as
-    typed columns: what a backfill of a turn store stores beside each turn."""
-    return {f.name: typed_column(turns, f.name, f.type) for f in MEASURE_FIELDS}
+def pack(measures: Mapping[str, Any]) -> bytes:
+    """One row's measures (``measures_of``) as the stored record."""
+    record = np.zeros(1, MEASURE_DTYPE)
+    for name, kind in KINDS.items():
+        record[name] = _code(name, kind, measures.get(name))
+    return record.tobytes()
 
 
-def typed_column(turns: pd.DataFrame, name: str, kind: pa.DataType) -> pa.Array:
-    """A turn-table column as ``kind`` (null for a missing, NaN or infinite value; all
-    null when the table lacks it)."""
-    if name not in turns:
-        return pa.nulls(len(turns), kind)
-    values = turns[name]
-    if kind == pa.string():
-        return pa.array(values.astype(object).where(values.notna(), None), kind)
-    numbers = values.astype("Float64").to_numpy(float, na_value=np.nan)
-    known = np.isfinite(numbers)
-    if kind == pa.int64():
-        numbers = np.where(known, numbers, 0).astype(np.int64)
-    return pa.array(numbers, kind, mask=~known)
+def _code(name: str, kind: str, value: Any) -> float | int:
+    if kind == "str":
+        return ENUMS[name].index(value) if value in ENUMS[name] else -1
+    if value is None:
+        return math.nan if kind == "float" else NULL_INT
+    return value
+
+
+def pack_frame(turns: pd.DataFrame) -> pa.Array:
+    """Every turn's measures of a turn table (the span path's labelled table): what a
+    backfill of a turn store stores."""
+    records = np.zeros(len(turns), MEASURE_DTYPE)
+    for name, kind in KINDS.items():
+        if name not in turns:
+            records[name] = -1 if kind == "str" else (np.nan if kind == "float" else NULL_INT)
+        elif kind == "str":
+            codes = {value: i for i, value in enumerate(ENUMS[name])}
+            coded = turns[name].astype(object).map(codes)
+            records[name] = coded.fillna(-1).to_numpy(np.int64)
+        else:
+            numbers = turns[name].astype("Float64").to_numpy(float, na_value=np.nan)
+            known = np.isfinite(numbers)
+            if kind == "int":
+                numbers = np.where(known, numbers, 0).astype(np.int64)
+                numbers[~known] = NULL_INT
+            records[name] = numbers
+    size = MEASURE_DTYPE.itemsize
+    packed = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(size), len(turns), [None, pa.py_buffer(records.tobytes())]
+    )
+    return packed.cast(pa.binary())
+
+
+def unpack(column: pa.Array | pa.ChunkedArray) -> dict[str, np.ndarray]:
+    """The measures of a batch's rows as turn-table columns: numbers as float64 (NaN for
+    null, as pandas gives a nullable column), enumerations as objects (None for null).
+    A row without a record (written by an older kvobs) has every measure null."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    size = MEASURE_DTYPE.itemsize
+    whole = pc.fill_null(pc.equal(pc.binary_length(column), size), False).to_numpy(
+        zero_copy_only=False
+    )
+    if whole.all() and column.offset == 0:  # the usual batch: one buffer, read in place
+        offsets = np.frombuffer(column.buffers()[1], np.int32, len(column) + 1)
+        data = memoryview(column.buffers()[2])[offsets[0] : offsets[-1]]
+        records = np.frombuffer(data, MEASURE_DTYPE, len(column))
+    else:  # rows an older kvobs wrote (no record) among them
+        records = np.zeros(len(column), MEASURE_DTYPE)
+        for name, kind in KINDS.items():
+            records[name] = -1 if kind == "str" else (np.nan if kind == "float" else NULL_INT)
+        present = pc.filter(column, pa.array(whole)).to_pylist()
+        if present:
+            records[whole] = np.frombuffer(b"".join(present), MEASURE_DTYPE, len(present))
+    out: dict[str, np.ndarray] = {}
+    for name, kind in KINDS.items():
+        values = records[name]
+        if kind == "str":
+            out[name] = np.array([*ENUMS[name], None], dtype=object)[values]
+        elif kind == "int":
+            out[name] = np.where(values == NULL_INT, np.nan, values.astype(float))
+        else:
+            out[name] = values.copy()
+    return out
 
 
 __all__ = [
-    "MEASURE_FIELDS",
+    "MEASURES_COLUMN",
     "MEASURES_KEY",
+    "MEASURE_DTYPE",
     "TURN_MEASURES",
-    "measure_columns",
     "measures_of",
-    "typed_column",
+    "pack",
+    "pack_frame",
+    "unpack",
 ]

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from kvobs.live.turn_measures import MEASURE_FIELDS, MEASURES_KEY, measures_of
+from kvobs.live.turn_measures import MEASURES_COLUMN, MEASURES_KEY, pack
 from kvobs.sources._decode import is_regular
 
 TURNS_DIR = "turns"
@@ -53,9 +53,9 @@ SCHEMA = pa.schema(
         ("detail", pa.string()),
         # The fleet context the turn was priced with (``kvobs report`` shows it).
         ("prefill_tokens_per_s", pa.float64()),
-        # What ``kvobs report`` aggregates (``kvobs.live.turn_measures``); null in rows
-        # an older kvobs wrote.
-        *MEASURE_FIELDS,
+        # What ``kvobs report`` aggregates, packed (``kvobs.live.turn_measures``); null
+        # in rows an older kvobs wrote.
+        (MEASURES_COLUMN, pa.binary()),
     ]
 )
 # Rows kept for a later write while the directory cannot be written (full disk); past
@@ -106,7 +106,7 @@ def record(row: dict[str, Any], finalized_at: float) -> dict[str, Any]:
         "finalized_at": finalized_at,
         "detail": _json(row),
         "prefill_tokens_per_s": _number(context.get("prefill_tokens_per_s"), float),
-        **measures_of(measures),
+        MEASURES_COLUMN: pack(measures) if measures else None,
     }
 
 
@@ -172,11 +172,17 @@ class TurnRows:
         versions, ``SCHEMA``'s columns."""
         raise NotImplementedError
 
-    def batches(self, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-        """Every stored row (all versions), ``columns`` of ``SCHEMA``, in batches of at
-        most ``batch_rows``. Here through ``read``: a backend that can stream overrides
-        it (the store, a file at a time)."""
-        yield from self.read().select(columns).to_batches(batch_rows)
+    def batches(
+        self, columns: list[str], batch_rows: int, later_versions: bool = False
+    ) -> Iterator[pa.RecordBatch]:
+        """Every stored row (all versions; ``later_versions``: only rows past a turn's
+        first version), ``columns`` of ``SCHEMA``, in batches of at most
+        ``batch_rows``. Here through ``read``: a backend that can stream overrides it
+        (the store, a file at a time)."""
+        table = self.read()
+        if later_versions:
+            table = table.filter(pc.greater(table.column("version"), 1))
+        yield from table.select(columns).to_batches(batch_rows)
 
     def finalized_since(self, since: float) -> list[dict[str, Any]]:
         """Every turn finalized at or after ``since``, at its latest version (what a
@@ -366,15 +372,28 @@ class TurnStore(TurnRows):
             for f in self._files(os.path.join(self.directory, p))
         ]
 
-    def batches(self, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-        """A file at a time: memory holds one batch however many files there are. A file
-        an older kvobs wrote gives nulls for the columns it lacks."""
+    def batches(
+        self, columns: list[str], batch_rows: int, later_versions: bool = False
+    ) -> Iterator[pa.RecordBatch]:
+        """File by file, row groups gathered into batches of ``batch_rows`` (a merged
+        file's groups hold 256 rows, for lookups: a batch each would cost more in
+        per-batch work than in reading). Memory holds one batch and one group. A file
+        an older kvobs wrote gives nulls for the columns it lacks. ``later_versions``
+        reads only the row groups whose statistics allow a version past 1."""
+        gathered: list[pa.RecordBatch] = []
+        size = 0
         for path in self._paths():
             try:
-                dataset = ds.dataset(path, schema=SCHEMA, format="parquet")
-                yield from dataset.to_batches(columns=columns, batch_size=batch_rows)
+                for batch in _scan(path, columns, batch_rows, later_versions):
+                    gathered.append(batch)
+                    size += batch.num_rows
+                    if size >= batch_rows:
+                        yield _joined(gathered)
+                        gathered, size = [], 0
             except FileNotFoundError:
-                continue  # merged away since listed: this read misses it (rare; a rerun sees it)
+                continue  # merged away since listed: this read misses it (a rerun sees it)
+        if size:
+            yield _joined(gathered)
 
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         files = self._paths(since)
@@ -390,6 +409,36 @@ class TurnStore(TurnRows):
             except FileNotFoundError:
                 continue  # merged meanwhile: a read after the merge finds its rows
         return pa.concat_tables(tables)
+
+
+def _scan(
+    path: str, columns: list[str], batch_rows: int, later_versions: bool
+) -> Iterator[pa.RecordBatch]:
+    """One file's rows, ``columns`` of ``SCHEMA`` (null where the file lacks one).
+    ``ParquetFile.iter_batches`` reads a merged file's many small row groups 2.5x faster
+    than a dataset scan; the dataset's filter skips, by their statistics, the row groups
+    that hold first versions only."""
+    if later_versions:
+        dataset = ds.dataset(path, schema=SCHEMA, format="parquet")
+        yield from dataset.to_batches(
+            columns=columns, batch_size=batch_rows, filter=ds.field("version") > 1
+        )
+        return
+    handle = pq.ParquetFile(path)
+    held = [c for c in columns if c in handle.schema_arrow.names]
+    wanted = pa.schema([SCHEMA.field(c) for c in columns])
+    for batch in handle.iter_batches(batch_size=batch_rows, columns=held):
+        arrays = [
+            batch.column(c) if c in held else pa.nulls(batch.num_rows, wanted.field(c).type)
+            for c in columns
+        ]
+        yield pa.RecordBatch.from_arrays(arrays, schema=wanted)
+
+
+def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
 def _groups_holding(handle: pq.ParquetFile, conversation_id: str, sorted_: bool) -> list[int]:
