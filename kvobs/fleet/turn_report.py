@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import numpy as np
 import pandas as pd
@@ -326,7 +326,8 @@ def turn_row_report(
         prefill_tokens_per_s=rate,
         **scope_metrics,
         **grouped_rows,
-        memory=memory_result(dict(memory), weight),
+        # A Counter: a sum no batch added (an empty store) reads 0.
+        memory=memory_result(cast(dict[str, float], memory), weight),
         phases={scope: tally.section() for scope, tally in phases.items()},
         retention={
             **retained.totals(weight),
