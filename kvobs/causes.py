@@ -316,6 +316,12 @@ def cause_of(phase: P, turn: Mapping[str, Any], context: CauseContext) -> LC:
     return CAUSE_OF[phase]
 
 
+# What ``causes`` reads of each phase, per turn: worked out once.
+_PHASE_READS = tuple(
+    (phase, phase_column(phase), phase.value, phase in _BEFORE_FIRST_TOKEN) for phase in PHASES
+)
+
+
 def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()) -> list[CauseFinding]:
     """The causes of one turn (a turn-table row with timeline columns), largest first."""
     latency = _get(turn, "latency_s")
@@ -324,15 +330,15 @@ def causes(turn: Mapping[str, Any], context: CauseContext = CauseContext()) -> l
     seconds: dict[LC, float] = {}
     before_first: dict[LC, float] = {}
     holds_slowest: set[LC] = set()
-    for phase in PHASES:
-        value = _get(turn, phase_column(phase))
+    for phase, column, name, before_first_token in _PHASE_READS:
+        value = _get(turn, column)
         if value is None:
             continue
         cause = cause_of(phase, turn, context)
         seconds[cause] = seconds.get(cause, 0.0) + value
-        if phase in _BEFORE_FIRST_TOKEN:
+        if before_first_token:
             before_first[cause] = before_first.get(cause, 0.0) + value
-        if slowest == phase.value:
+        if slowest == name:
             holds_slowest.add(cause)
     out = []
     for cause, total in seconds.items():

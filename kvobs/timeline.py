@@ -39,12 +39,20 @@ PHASES: tuple[Phase, ...] = tuple(Phase)
 REUSE_PATH = frozenset({Phase.READ_SETUP, Phase.READ, Phase.P_COMPUTE})
 
 
-def phase_column(phase: Phase) -> str:
-    """Turn-table column holding a phase's seconds (NaN: not measured alone)."""
+def _phase_column_name(phase: Phase) -> str:
     return "phase_" + phase.value.replace("-", "_") + "_s"
 
 
-PHASE_COLUMNS = tuple(phase_column(p) for p in PHASES)
+# Read for every phase of every turn: built once.
+_COLUMN_OF_PHASE = {phase: _phase_column_name(phase) for phase in PHASES}
+PHASE_COLUMNS = tuple(_COLUMN_OF_PHASE.values())
+
+
+def phase_column(phase: Phase) -> str:
+    """Turn-table column holding a phase's seconds (NaN: not measured alone)."""
+    return _COLUMN_OF_PHASE[phase]
+
+
 # Columns this stage adds to the turn table (public: JSON, CSV, report).
 TIMELINE_COLUMNS = (
     "latency_s",

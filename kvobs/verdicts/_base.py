@@ -54,10 +54,18 @@ class Finding:
         }
 
 
+_PLAIN_TYPES = (str, int, bool)
+
+
 def _plain(value: Any) -> Any:
     """pandas/numpy scalars to plain Python; every kind of missing to None."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    kind = type(value)
+    if kind in _PLAIN_TYPES:  # most of what rules read: no conversion, never missing
+        return value
+    if value is None or (kind is float and math.isnan(value)):
         return None
+    if kind is float:
+        return value
     pandas = sys.modules.get("pandas")  # its missing values exist only once it is loaded
     if pandas is not None and pandas.api.types.is_scalar(value) and pandas.isna(value):
         return None
