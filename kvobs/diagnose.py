@@ -171,7 +171,7 @@ def diagnose(
     if turns.num_rows == 0 and conversation_id.startswith(sc.ANONYMOUS_PREFIX):
         # The id the proxy gave an id-less turn, which the engines' prefix chains then
         # put in an earlier turn's conversation: diagnose that one.
-        trace = conversation_id[len(sc.ANONYMOUS_PREFIX) :]
+        trace = sc.trace_of_anonymous(conversation_id)
         found = _where(every, "trace_id", trace)
         if found.num_rows:
             conversation_id = found.column("conversation_id")[0].as_py()

@@ -82,14 +82,14 @@ GENAI_OPERATION = _attr(
     "str",
     "",
     "GenAIOperation value: the OpenAI route the client called (chat for "
-    "/v1/chat/completions, text_completion for /v1/completions): the proxy's HTTP "
-    "SERVER span and CLIENT legs.",
+    "/v1/chat/completions, text_completion for /v1/completions): the proxy's turn, "
+    "its HTTP SERVER span and CLIENT legs.",
 )
 GENAI_PROVIDER = _attr(
     "gen_ai.provider.name",
     "str",
     "",
-    '"vllm": who serves the model behind the proxy: its SERVER span and CLIENT legs.',
+    '"vllm": who serves the model behind the proxy: its turn, SERVER span and CLIENT legs.',
 )
 GENAI_PROVIDER_VLLM = "vllm"
 VLLM_REQUEST_ID = _attr(
@@ -97,8 +97,9 @@ VLLM_REQUEST_ID = _attr(
     "str",
     "",
     "vLLM's id of the request (its llm_request span's; chatcmpl-/cmpl- and the "
-    "X-Request-Id the proxy sends, kvobs.request.id on the turn). The connector's "
-    "kvobs.request.id is vLLM's internal id: this one and a random suffix.",
+    "X-Request-Id the proxy sends, kvobs.request.id on the turn): on the proxy's turn and "
+    "CLIENT legs, so a leg finds the engine's own span. The connector's kvobs.request.id "
+    "is vLLM's internal id: this one and a random suffix.",
 )
 ROLE = _attr(
     "kvobs.role",
@@ -928,6 +929,19 @@ KTP_BLOCK_DIGEST = "kvobs_block_hashes"
 # passes to kvobs (turns without a conversation id are listed as "anonymous:<trace id>").
 TRACE_ID_HEADER = "X-Kvobs-Trace-Id"
 ANONYMOUS_PREFIX = "anonymous:"
+
+
+def trace_of_anonymous(conversation_id: str) -> str:
+    """The trace an ``anonymous:`` conversation id names: ``anonymous:<trace id>``, or
+    ``anonymous:<trace id>.<span id>`` for a turn in a client's trace (the proxy's
+    ``decide.new_conversation_id``).
+
+    >>> trace_of_anonymous("anonymous:" + "ab" * 16 + "." + "cd" * 8)
+    'abababababababababababababababab'
+    """
+    return conversation_id[len(ANONYMOUS_PREFIX) :].partition(".")[0]
+
+
 # A conversation kvobs.turns.lineage rebuilt from engine spans alone (no id anywhere).
 LINEAGE_PREFIX = "lineage:"
 

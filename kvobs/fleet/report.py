@@ -526,7 +526,7 @@ def add_trace_ids(drill: dict[str, Any], span_source, lookups: int = TRACE_LOOKU
     for row in drill["rows"]:
         cid = row["conversation_id"]
         if cid.startswith(sc.ANONYMOUS_PREFIX):
-            row["trace_id"] = cid[len(sc.ANONYMOUS_PREFIX) :]
+            row["trace_id"] = sc.trace_of_anonymous(cid)
         elif not cid.startswith(sc.LINEAGE_PREFIX):
             wanted.setdefault(cid, []).append(row)
     for cid, rows in list(wanted.items())[:lookups]:

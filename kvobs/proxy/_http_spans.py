@@ -5,29 +5,32 @@ HTTP views (service maps, RED metrics from spans) see the proxy like any HTTP se
 
 Made with the proxy's own tracer (``kvobs.emit.setup.configure_tracing`` or the one a test
 or embedder injects) rather than opentelemetry-instrumentation-aiohttp-*: those use the
-global tracer provider, parent the SERVER span on the client's ``traceparent`` (kvobs
-starts each turn's trace anew, the client's context a link) and inject their own
-``traceparent`` into the legs (the engines must get the turn's, the one inside
-``kv_transfer_params``). Nothing here reads a header value but ``User-Agent`` and ``Host``,
-and no body: never prompt or completion text.
+global tracer provider and inject their own ``traceparent`` into the legs (the engines
+must get the turn's, the one inside ``kv_transfer_params``). The SERVER span continues
+the client's trace (``client_context``), as those would. Nothing here reads a header
+value but ``User-Agent`` and ``Host``, and no body: never prompt or completion text.
 
 Shape of a turn's trace::
 
-    kvobs.proxy.turn                      (root; the client's traceparent a link)
-    ├── POST /v1/chat/completions  SERVER (the client's request, from arrival to answer)
-    │   ├── POST                   CLIENT (kvobs.proxy.leg = prefill; again on a fallback)
-    │   └── POST                   CLIENT (kvobs.proxy.leg = decode, to the stream's end)
-    ├── kvobs.proxy.lookup
-    └── kvobs.proxy.store
+    (the client's span, from its traceparent; none: the SERVER span is the root)
+    └── POST /v1/chat/completions  SERVER (the client's request, from arrival to answer)
+        ├── kvobs.proxy.turn               (the engines' spans under it: its traceparent)
+        │   ├── kvobs.proxy.lookup
+        │   └── kvobs.proxy.store
+        ├── POST                   CLIENT (kvobs.proxy.leg = prefill; again on a fallback)
+        └── POST                   CLIENT (kvobs.proxy.leg = decode, to the stream's end)
 
-A request refused before its turn (bad input) gets its SERVER span alone, as a root.
+Several turns may share the client's trace: kvobs tells them apart by their keys
+(conversation, turn), which every kvobs span carries, and a vLLM span by its parent, the
+turn span (``kvobs.turns.correlate``). A request refused before its turn (bad input)
+gets its SERVER span alone.
 Telemetry never breaks serving: every function here swallows its own failures.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -52,10 +55,13 @@ def _host_port(host: str | None) -> tuple[str | None, int | None]:
     return host.strip("[]"), None
 
 
-def client_link(headers) -> list[trace.Link] | None:
-    """The client's own trace context (``OTEL_PROPAGATORS``' formats), as a link."""
-    context = trace.get_current_span(propagate.extract(headers)).get_span_context()
-    return [trace.Link(context)] if context.is_valid else None
+def client_context(headers) -> Context:
+    """The client's own trace context (``OTEL_PROPAGATORS``' formats: W3C ``traceparent``
+    by default), the SERVER span's parent; an empty context (a new trace) without one."""
+    try:
+        return propagate.extract(headers, context=Context())
+    except Exception:  # noqa: BLE001 - a malformed header: a new trace
+        return Context()
 
 
 def genai_attributes(route: str, request_id: str | None = None) -> dict[str, str]:
@@ -90,7 +96,6 @@ def start_server(
     route: str,
     start_ns: int,
     context: Context,
-    links: Sequence[trace.Link] | None = None,
 ) -> trace.Span:
     """The SERVER span of ``request`` (an aiohttp request), started at ``start_ns``."""
     try:
@@ -98,7 +103,6 @@ def start_server(
             f"{request.method} {route}",
             context=context,
             kind=SpanKind.SERVER,
-            links=links,
             start_time=start_ns,
         )
         if span.is_recording():

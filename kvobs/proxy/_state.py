@@ -49,6 +49,9 @@ class TurnState:
     prefill_s: float | None = None
     decode_s: float | None = None
     ttft_s: float | None = None  # streamed turns only: D's first bytes at the proxy
+    # The turn continues the client's trace, which other turns may share: a new
+    # conversation id then names the turn's span too (decide.new_conversation_id).
+    client_trace: bool = False
     # Timeline marks (wall clock, unix s): see sc.Phase and kvobs/timeline.py.
     p_sent: float | None = None
     p_retry_sent: float | None = None

@@ -117,7 +117,8 @@ def end_turn(
                 }
             )
             if state.error is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR))
+                # The cause (ProxyError names the role), never request text.
+                span.set_status(trace.Status(trace.StatusCode.ERROR, state.error.value))
         span.end()
     except Exception:  # noqa: BLE001 - telemetry never breaks serving
         _LOG.debug("turn span failed", exc_info=True)

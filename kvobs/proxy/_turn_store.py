@@ -123,7 +123,8 @@ class TurnStore:
         if found is not None:
             return Identity(identity.tenant, found.conversation_id), True
         return Identity(
-            identity.tenant, decide.new_conversation_id(traceparent.split("-")[1])
+            identity.tenant,
+            decide.new_conversation_id(*decide.trace_and_span(traceparent, state.client_trace)),
         ), False
 
     async def store(

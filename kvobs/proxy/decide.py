@@ -82,10 +82,27 @@ def should_infer(has_id: bool, infer_on: bool, refused: sc.MissReason | None) ->
     return not has_id and infer_on and refused is None
 
 
-def new_conversation_id(trace_id: str) -> str:
+def new_conversation_id(trace_id: str, span_id: str | None = None) -> str:
     """The name kvobs gives an id-less turn (``anonymous:<trace id>``), so a later id-less
-    turn can continue it."""
-    return sc.ANONYMOUS_PREFIX + trace_id
+    turn can continue it. A turn in the client's trace, which the client's other turns
+    may share, is named by its span too (``anonymous:<trace id>.<span id>``): two new
+    conversations in one client trace are two conversations.
+
+    >>> new_conversation_id("ab" * 16, "cd" * 8)
+    'anonymous:abababababababababababababababab.cdcdcdcdcdcdcdcd'
+    """
+    return sc.ANONYMOUS_PREFIX + trace_id + (f".{span_id}" if span_id else "")
+
+
+def trace_and_span(traceparent: str, shared: bool) -> tuple[str, str | None]:
+    """A W3C ``traceparent``'s trace id, and its span id when the trace is ``shared``
+    (the client's): what ``new_conversation_id`` names a new conversation by.
+
+    >>> trace_and_span("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", False)
+    ('abababababababababababababababab', None)
+    """
+    _, trace_id, span_id, *_ = traceparent.split("-")
+    return trace_id, span_id if shared else None
 
 
 # ---------------------------------------------------------------------- lookup

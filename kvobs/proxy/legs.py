@@ -103,6 +103,7 @@ class Legs:
             endpoint.host,
             endpoint.port,
             endpoint.base_url + path,
+            state.request_id,  # vLLM's id of the leg: gen_ai.request.id
         )
 
     async def _send(

@@ -14,14 +14,13 @@ from typing import Any
 
 from aiohttp import web
 from opentelemetry import propagate, trace
-from opentelemetry.context import Context
 
 from kvobs import semconv as sc
 from kvobs.emit.spans import Correlation, current_traceparent
 
 from kvobs.proxy import decide
 from kvobs.proxy._guard import StoreGuard
-from kvobs.proxy._http_spans import client_link, end_server, start_server
+from kvobs.proxy._http_spans import client_context, end_server, genai_attributes, start_server
 from kvobs.proxy._identity import (
     ANONYMOUS,
     Identity,
@@ -48,9 +47,6 @@ _LOG = logging.getLogger("kvobs.proxy")
 TRACE_ID_KEY = web.RequestKey("kvobs_trace_id", str)
 # The conversation id the proxy gave a request that came without one (inferred or new).
 ASSIGNED_ID_KEY = web.RequestKey("kvobs_assigned_conversation_id", str)
-# The turn span starts its own trace (a client's traceparent becomes a link): kvobs keys
-# an id-less turn by its trace, so turns that share a client's trace must not share one.
-_NEW_TRACE = Context()
 PE = sc.ProxyError
 
 
@@ -107,7 +103,7 @@ class Turns:
     async def handle(self, request: web.Request, path: str) -> web.StreamResponse:
         config = self.config
         start_ns = time.time_ns()
-        links = client_link(request.headers)
+        client = client_context(request.headers)
         try:
             check_headers(
                 request.headers,
@@ -126,9 +122,9 @@ class Turns:
             response = json_error(error.status, error.message, "invalid_request_error")
             if error.reason in UNREAD_BODY_REASONS:
                 response.force_close()  # the rest of the body is not waited for
-            # Refused before its turn: the SERVER span alone, root of its own trace.
+            # Refused before its turn: the SERVER span alone, in the client's trace.
             end_server(
-                start_server(self.tracer, request, path, start_ns, _NEW_TRACE, links),
+                start_server(self.tracer, request, path, start_ns, client),
                 response.status,
             )
             return response
@@ -142,13 +138,18 @@ class Turns:
             conversation_id=identity.conversation_id,
             store_budget=self.guard.budget(),
         )
-        span = self.tracer.start_span(
-            sc.SPAN_PROXY_TURN.name, context=_NEW_TRACE, links=links, start_time=start_ns
-        )
-        server = start_server(
-            self.tracer, request, path, start_ns, trace.set_span_in_context(span), links
-        )
+        # The client's trace goes on (an agent's trace holds its turns): its span is the
+        # SERVER span's parent, the turn the SERVER span's child (no client trace: the
+        # SERVER span is a new root). The engines get the turn's context.
+        server = start_server(self.tracer, request, path, start_ns, client)
         state.http_context = trace.set_span_in_context(server)
+        state.client_trace = trace.get_current_span(client).get_span_context().is_valid
+        span = self.tracer.start_span(
+            sc.SPAN_PROXY_TURN.name,
+            context=state.http_context,
+            start_time=start_ns,
+            attributes=genai_attributes(path, state.request_id),
+        )
         with trace.use_span(span, end_on_exit=False):
             traceparent = (
                 current_traceparent() or f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"

@@ -87,7 +87,7 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     """Turn rows (before ``derive``) of a store directory and its live segments (a
     ``SpanSource``), one row per turn (``SpanSource.turn_row_slices``); unreadable
     files reported in ``problems``."""
-    columns = span_columns() + ["trace_id", "span_id"]
+    columns = span_columns() + ["trace_id", "span_id", "parent_span_id"]
     live = _live_spans(live_source, columns)
     files = readable(span_files(store_dir), problems)
     turn_paths = {f: existing_turns_path(store_dir, f) for f in files}

@@ -86,8 +86,10 @@ def vllm_roles(spans: Spans) -> Spans:
     """vLLM's request spans renamed by role (the span table's type kept). Every engine
     names its span alike; the role comes from the resource attribute ``kvobs.role``
     (``OTEL_RESOURCE_ATTRIBUTES`` of the engine) or from ``service.name`` when it says
-    prefill or decode, else from the trace: the turn's last vLLM span is D's (the proxy
-    calls P first, D last), earlier ones P's."""
+    prefill or decode, else from the turn: the turn's last vLLM span is D's (the proxy
+    calls P first, D last), earlier ones P's. A turn's vLLM spans are those of one parent
+    (the turn span, whose context the proxy sent both engines), else of one trace: a
+    client's trace the proxy continues may hold several turns."""
     table = _arrow(spans, set(_ROLE_AND_CHAIN))
     name = arrays.text(table, "name")
     vllm = arrays.equal(name, sc.VLLM_REQUEST_SPAN)
@@ -96,8 +98,9 @@ def vllm_roles(spans: Spans) -> Spans:
     service = pc.coalesce(
         pc.utf8_lower(arrays.text(table, sc.ROLE.key)), pc.utf8_lower(arrays.text(table, "service"))
     )
-    trace, start = arrays.text(table, "trace_id"), table.column("start_ns")
-    # Per row, the latest start of a vLLM span of its trace (null: none has one). By
+    trace = pc.coalesce(arrays.text(table, "parent_span_id"), arrays.text(table, "trace_id"))
+    start = table.column("start_ns")
+    # Per row, the latest start of a vLLM span of its turn (null: none has one). By
     # numpy, not Table.group_by, which imports pyarrow.dataset (pandas: kvobs.turns.arrays).
     codes, traces = arrays.codes(trace)
     counted = arrays.booleans(pc.and_(vllm, pc.is_valid(start)))
@@ -166,13 +169,15 @@ def turn_rows(
     rows. Lineage links id-less turns always; ``lineage_facts`` also gives id'd turns the
     facts of the export they extend (diagnose: one conversation; the fleet skips that
     cost)."""
-    needed = sorted({*span_columns(columns), "trace_id"})
+    needed = sorted({*span_columns(columns), *_TREE})
     table = vllm_roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
     if needs_lineage(table, lineage_facts):
         table = lineage.link(vllm_roles(_arrow(spans)))
-    return aggregate(table.select(needed), columns)
+    return aggregate(table.select([c for c in needed if c in table.column_names]), columns)
 
 
+# What ``_inherit_keys`` reads of the span tree, when a source has it.
+_TREE = ("trace_id", "span_id", "parent_span_id")
 # What ``vllm_roles`` and ``needs_lineage`` read.
 _ROLE_AND_CHAIN = (
     "name",
@@ -180,6 +185,7 @@ _ROLE_AND_CHAIN = (
     sc.ROLE.key,
     "start_ns",
     "trace_id",
+    "parent_span_id",
     sc.PREFIX_LINEAGE.key,
     sc.CONVERSATION_ID.key,
 )
@@ -270,22 +276,39 @@ def plain(table: pa.Table) -> pa.Table:
     )
 
 
+def _parent_rows(table: pa.Table) -> np.ndarray | None:
+    """Per row, the row of its parent span (-1: not in the table); None without span ids."""
+    if "span_id" not in table.column_names or "parent_span_id" not in table.column_names:
+        return None
+    spans = arrays.text(table, "span_id").combine_chunks()
+    found = pc.index_in(arrays.text(table, "parent_span_id"), value_set=spans)
+    return arrays.numbers(pc.cast(found, pa.int64()), fill=-1)
+
+
 def _inherit_keys(table: pa.Table) -> pa.Table:
-    """Each key a span lacks comes from the first span of its trace that has it."""
+    """Each key a span lacks comes from its parent span when that has it, else from the
+    first span of its trace that has it. The parent first: several turns may share a
+    trace (a client's, which the proxy continues), and vLLM's request span, which
+    carries no key, is the child of its turn's span (the traceparent the proxy sent)."""
     if "trace_id" not in table.column_names or not needs_traces(table):
         return table
     table = plain(table)
     codes, traces = arrays.codes(table.column("trace_id"))
+    parents = _parent_rows(table)
     for key in KEY_SOURCES.values():
         column = table.column(key)
         if column.null_count in (0, table.num_rows):
             continue
-        has = np.flatnonzero(arrays.booleans(pc.is_valid(column)))
+        valid = arrays.booleans(pc.is_valid(column))
+        has = np.flatnonzero(valid)
         # The first row of each trace that has the key (rows without trace: one trace).
         traced, first = np.unique(codes[has], return_index=True)
         source = np.full(traces, -1, np.int64)
         source[traced] = has[first]
         index = source[codes]
+        if parents is not None:
+            from_parent = (parents >= 0) & valid[np.maximum(parents, 0)]
+            index = np.where(from_parent, parents, index)
         inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
         table = table.set_column(table.column_names.index(key), key, pc.coalesce(column, inherited))
     return table

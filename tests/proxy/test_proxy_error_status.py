@@ -46,6 +46,8 @@ def test_upstream_unreachable_and_5xx_say_why():
                 ("prefill", "prefill engine unreachable"),
                 ("SERVER", "answered HTTP 502: prefill-unreachable"),
             ]
+            (turn,) = h.proxy.spans(sc.SPAN_PROXY_TURN.name)
+            assert turn.status.description == "prefill-unreachable"
             await h.prefill.start()
 
             async def broken(request, body):

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from opentelemetry.trace import SpanKind
 from harness import CLIENT_KEY, Harness, stream_text
 from kvobs.proxy._identity import tenant_digest
 from kvobs import semconv as sc
@@ -80,9 +81,11 @@ def test_nonstreaming_reuse_carries_params_and_correlation():
             d_ktp = h.decode.requests[0]["kv_transfer_params"]
             assert d_ktp["do_remote_prefill"] is True
             assert d_ktp["remote_host"] == "127.0.0.1"
-            # spans: one turn root per turn, lookup/store children in its trace
+            # spans: one turn per turn, lookup/store children in its trace; without a
+            # client traceparent its SERVER span is the trace's root, the turn its child
             turn2 = turn_spans[1]
-            assert turn2.parent is None
+            (server,) = [s for s in h.proxy.spans() if s.context.span_id == turn2.parent.span_id]
+            assert server.kind is SpanKind.SERVER and server.parent is None
             attrs = dict(turn2.attributes)
             assert attrs[sc.TURN_INDEX.key] == 2 and attrs[sc.STREAM.key] is False
             assert attrs[sc.PARAMS_SOURCE.key] == "body"

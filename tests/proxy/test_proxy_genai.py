@@ -32,6 +32,18 @@ def test_operation_and_provider_by_route():
                 operation = next(op for path, op in asked.items() if route.endswith(path))
                 assert span.attributes[sc.GENAI_OPERATION.key] == operation
                 assert span.attributes[sc.GENAI_PROVIDER.key] == "vllm"
+            # the turn too, and vLLM's id of the request on the turn and its legs
+            turns = h.proxy.spans(sc.SPAN_PROXY_TURN.name)
+            for turn, (path, operation) in zip(turns, asked.items()):
+                a = turn.attributes
+                assert a[sc.GENAI_OPERATION.key] == operation
+                assert a[sc.GENAI_PROVIDER.key] == "vllm"
+                prefix = "chatcmpl-" if operation == "chat" else "cmpl-"
+                vllm_id = prefix + a[sc.REQUEST_ID.key]  # the X-Request-Id vLLM prefixes
+                assert a[sc.VLLM_REQUEST_ID.key] == vllm_id
+                legs = [s for s in http if s.kind is SpanKind.CLIENT
+                        and s.context.trace_id == turn.context.trace_id]
+                assert [leg.attributes[sc.VLLM_REQUEST_ID.key] for leg in legs] == [vllm_id] * 2
             dumped = json.dumps([dict(s.attributes) for s in h.proxy.spans()])
             assert SECRET not in dumped
     run(scenario())

@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 from harness import CLIENT_KEY, Harness, parse_sse
 from rawclient import chunked, json_body, request_head, send
 from test_proxy_flow import run
@@ -266,9 +267,13 @@ def turn_table(proxy):
 
 
 def test_client_traceparent_never_merges_turns():
+    """The client's trace goes on (#27): every turn sent with one traceparent is in the
+    client's trace, its SERVER span the client span's child; still six turns of six
+    conversations (each new id names its turn's span too), never one merged turn."""
     async def scenario():
         async with Harness() as h:
             client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            client_trace, client_span = client.split("-")[1:3]
             for text in ("first question", "an unrelated question", "a third one"):
                 for path, body in ((CHAT, {"messages": [{"role": "user", "content": text}]}),
                                    ("/v1/completions", {"prompt": text})):
@@ -281,14 +286,18 @@ def test_client_traceparent_never_merges_turns():
             assert table["conversation_id"].nunique() == 6
             turns = h.proxy.spans(TURN)
             assert len(turns) == 6
-            assert len({t.context.trace_id for t in turns}) == 6
+            assert {format(t.context.trace_id, "032x") for t in turns} == {client_trace}
+            servers = {s.context.span_id: s for s in h.proxy.spans()
+                       if s.kind is SpanKind.SERVER}
             for turn in turns:
-                assert turn.parent is None
-                (link,) = turn.links
-                assert format(link.context.trace_id, "032x") == client.split("-")[1]
-            # the engines got the proxy's trace, not the client's
-            assert all(client.split("-")[1] not in headers["traceparent"]
-                       for headers in h.prefill.headers + h.decode.headers)
+                server = servers[turn.parent.span_id]
+                assert format(server.parent.span_id, "016x") == client_span
+                assert server.parent.is_remote and not turn.links
+            # the engines got the turn's context: the client's trace, the turn's span
+            turn_spans = {format(t.context.span_id, "016x") for t in turns}
+            for headers in h.prefill.headers + h.decode.headers:
+                _, trace_id, parent, _ = headers["traceparent"].split("-")
+                assert trace_id == client_trace and parent in turn_spans
     run(scenario())
 
 

@@ -45,8 +45,8 @@ def test_server_and_client_spans_per_turn_streamed_or_not():
             assert len(turns) == len(servers) == 3 and len(clients) == 6
             for turn in turns:
                 (server,) = by_trace(servers, turn.context.trace_id)
-                # the turn stays the root (kvobs reads it); the SERVER span is its child
-                assert turn.parent is None and server.parent.span_id == turn.context.span_id
+                # no client traceparent: the SERVER span is the root, the turn its child
+                assert server.parent is None and turn.parent.span_id == server.context.span_id
                 assert server.name == "POST /v1/chat/completions"
                 a = server.attributes
                 assert a[sc.HTTP_REQUEST_METHOD] == "POST" and a[sc.HTTP_ROUTE] == CHAT
