@@ -161,7 +161,7 @@ def test_every_surface_takes_its_default_from_settings():
     assert fields["decode_kv_ttl_s"] == DECODE_TTL.default
     assert fields["expiry_margin_s"] == PROXY_EXPIRY_MARGIN.default
     assert MONITORING.decode_ttl_seconds == DECODE_TTL.default
-    assert MONITORING.proxy_entry_lifetime_seconds == PROXY_ENTRY_LIFETIME.default
+    assert MONITORING.entry_lifetime_seconds == PROXY_ENTRY_LIFETIME.default
     synthetic = SyntheticConfig()
     assert (synthetic.ttl_s, synthetic.threshold, synthetic.proxy_lifetime_s) == (
         DECODE_TTL.default, RECOMPUTE_THRESHOLD.default, UPSTREAM_ENTRY_LIFETIME.default)

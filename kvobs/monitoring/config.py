@@ -170,13 +170,13 @@ class MonitoringConfig:
         default_factory=lambda: {"grafana_dashboard": "1"}
     )
 
-    def __post_init__(self) -> None:
-        if self.proxy_entry_lifetime_seconds is None:
-            object.__setattr__(
-                self,
-                "proxy_entry_lifetime_seconds",
-                float(entry_lifetime_s(self.decode_ttl_seconds, self.proxy_expiry_margin_seconds)),
-            )
+    @property
+    def entry_lifetime_seconds(self) -> float:
+        """The proxy's entry lifetime: as set, or derived from D's TTL on every read
+        (stored derived, ``dataclasses.replace`` of the TTL would keep the old one)."""
+        if self.proxy_entry_lifetime_seconds is not None:
+            return self.proxy_entry_lifetime_seconds
+        return float(entry_lifetime_s(self.decode_ttl_seconds, self.proxy_expiry_margin_seconds))
 
 
 DEFAULT = MonitoringConfig()
@@ -278,8 +278,7 @@ def _problems(config: MonitoringConfig):
             yield f"floors.{name}", f"must not be negative, got {value:g}"
     if config.decode_ttl_seconds <= 0:
         yield "decode_ttl_seconds", "must be positive"
-    lifetime = config.proxy_entry_lifetime_seconds
-    assert lifetime is not None  # __post_init__ derives an unset one
+    lifetime = config.entry_lifetime_seconds
     if config.proxy_expiry_margin_seconds < DECLINE_WINDOW.default:
         yield (
             "proxy_expiry_margin_seconds",

@@ -144,7 +144,7 @@ def test_one_edit_changes_the_ttl_everywhere(changed_render):
     # derives from these flags (kvobs.settings.entry_lifetime_s): 280 s, below the TTL
     config = monitoring.load(None, [f"{k}={settings['data'][k]}" for k in
                                     ("decode_ttl_seconds", "proxy_expiry_margin_seconds")])
-    assert config.proxy_entry_lifetime_seconds == entry_lifetime_s(300.0, 20.0) == 280.0
+    assert config.entry_lifetime_seconds == entry_lifetime_s(300.0, 20.0) == 280.0
 
 
 def test_one_edit_sets_the_engines_of_the_proxy(changed_render):

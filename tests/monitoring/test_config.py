@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -146,13 +147,17 @@ def test_the_entry_lifetime_is_derived_from_the_ttl():
     """D's TTL less the proxy's expiry margin, as the proxy derives it, unless set."""
     from kvobs.settings import PROXY_ENTRY_LIFETIME, entry_lifetime_s
 
-    assert DEFAULT.proxy_entry_lifetime_seconds == PROXY_ENTRY_LIFETIME.default
+    assert DEFAULT.entry_lifetime_seconds == PROXY_ENTRY_LIFETIME.default
     config = settings.load(None, ["decode_ttl_seconds=300"])
-    assert config.proxy_entry_lifetime_seconds == entry_lifetime_s(300.0) == 290.0
+    assert config.entry_lifetime_seconds == entry_lifetime_s(300.0) == 290.0
     config = settings.load(None, ["decode_ttl_seconds=300", "proxy_expiry_margin_seconds=30"])
-    assert config.proxy_entry_lifetime_seconds == 270.0
+    assert config.entry_lifetime_seconds == 270.0
     config = settings.load(None, ["decode_ttl_seconds=300", "proxy_entry_lifetime_seconds=200"])
-    assert config.proxy_entry_lifetime_seconds == 200.0  # a capped proxy, stated
+    assert config.entry_lifetime_seconds == 200.0  # a capped proxy, stated
+    # A config derived from another in code follows its own TTL, not the other's.
+    shorter = dataclasses.replace(DEFAULT, decode_ttl_seconds=300)
+    assert shorter.entry_lifetime_seconds == 290.0
+    assert settings.check(shorter) is shorter
 
 
 def test_every_valid_prometheus_duration_is_accepted():

@@ -79,7 +79,7 @@ def test_share_of_gaps_above_the_ttl(promtool, tmp_path, ttl, gaps, expected, wh
 
 def test_the_rule_does_not_depend_on_the_configured_ttl():
     """One rule for every TTL: the configured one changes nothing in it."""
-    other = replace(DEFAULT, decode_ttl_seconds=300, proxy_entry_lifetime_seconds=290)
+    other = replace(DEFAULT, decode_ttl_seconds=300)
     assert _record(other).expr == _record().expr
     assert M_PROXY_DECODE_TTL.name in _record().expr
 
