@@ -452,7 +452,7 @@ def _link_facts(
     client's id, says which turn this is)."""
     candidates, fully = matches.get(rid, ([], False))
     if parent is None:
-        if len({p for p, _ in candidates}) < 2 or not keyed_by_chain:
+        if not _several_turns(candidates) or not keyed_by_chain:
             return {}
         return {"lineage_gap": sc.LineageGap.AMBIGUOUS.value}
     p_request, d_request = parent
@@ -472,10 +472,15 @@ def _link_facts(
     )
 
 
+def _several_turns(candidates: list[tuple]) -> bool:
+    """Whether equal matches name more than one earlier turn (P request)."""
+    return len({p for p, _ in candidates}) > 1
+
+
 def _ambiguity(candidates: list[tuple], chain_parent: tuple | None) -> dict:
     """``lineage_candidates`` where the chain alone names no single earlier turn (even
     when a client's id then says which)."""
-    if chain_parent is not None or len({p for p, _ in candidates}) < 2:
+    if chain_parent is not None or not _several_turns(candidates):
         return {}
     return {"lineage_candidates": " ".join(d or p for p, d in candidates)}
 
