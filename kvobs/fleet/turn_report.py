@@ -50,8 +50,9 @@ from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
 from kvobs.live.turnstore import TurnRows
 from kvobs.timeline import PHASES, phase_column
 
-# Rows per batch: ~60 columns of 8 bytes, ~130 MB of frame at most.
-BATCH_ROWS = 262_144
+# Rows per batch: a frame of ~70 columns and its temporaries (961k turns: 131,072 peaked
+# at 677 MiB, 262,144 at 974 MiB; bench/README.md).
+BATCH_ROWS = 131_072
 _KEY_COLUMNS = ["tenant", "conversation_id", "turn", "version"]
 _ROW_COLUMNS = ["verdict", "trace_id", "slowest_phase", "latency_s", "ttft_s", "prompt_tokens"]
 _CONTEXT_COLUMNS = ["finalized_at", "prefill_tokens_per_s"]
