@@ -19,6 +19,17 @@ from kvobs.timeline import Timeline, add_timeline, timeline_of
 from kvobs.turns.schema import KEYS, PUBLIC, UNKNOWN_TENANT
 from kvobs.verdicts import Context, Finding, Turn, findings
 
+__all__ = [
+    "diagnose",
+    "all_turns",
+    "classify_turns",
+    "Diagnosis",
+    "TurnDiagnosis",
+    "UnknownConversation",
+    "AmbiguousConversation",
+    "SUMMARY_COLUMNS",
+]
+
 # Shown with every turn in JSON and tables (numbers and ids only): the turn table's public
 # columns (kvobs.turns.schema, docs/turns.md) and what the timeline adds.
 SUMMARY_COLUMNS = (

@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+_IMPORTED = frozenset(globals())  # what __all__, at the end, leaves out
+
 # --------------------------------------------------------------------------- services
 
 
@@ -1587,3 +1589,7 @@ def prompt_bucket(tokens: int) -> str:
         if tokens <= upper:
             return label
     return PROMPT_BUCKET_VALUES[-1]
+
+
+# Every name defined above is public: the one source of truth for names is all API.
+__all__ = sorted(name for name in globals() if not name.startswith("_") and name not in _IMPORTED)

@@ -29,6 +29,18 @@ from kvobs._proc import stop_process_group, yield_cpu
 from kvobs.monitoring import dashboards, rules
 from kvobs.monitoring.config import COLON_RESTORING_RELABEL, DEFAULT, MonitoringConfig
 
+__all__ = [
+    "check_live",
+    "start_prometheus",
+    "prometheus_config",
+    "PrometheusProcess",
+    "LiveReport",
+    "QueryResult",
+    "instant_query",
+    "wait_for_data",
+    "substitute_variables",
+]
+
 # Grafana's built-in interval variables and what to put in their place.
 _INTERVAL_VARS = ("__rate_interval", "__interval", "__range")
 

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 from kvobs import semconv as sc
 from kvobs.testbed.engines import PDPair, free_ports
@@ -119,7 +120,7 @@ class Stack:
 
     def _connector_config(self) -> dict:
         s = self.settings
-        extra = {"kvobs_prefix_guard": s.prefix_guard}
+        extra: dict[str, Any] = {"kvobs_prefix_guard": s.prefix_guard}
         if self.redis is not None:
             extra["kvobs_params_redis_url"] = self.redis.url
         return extra
@@ -198,22 +199,24 @@ class Stack:
 
     def _start_proxy(self) -> None:
         self._proxy_starts += 1
-        pair = self.pair
+        pair = _running(self.pair, "engine pair")
+        prefill = _running(pair.prefill, "prefill engine")
+        decode = _running(pair.decode, "decode engine")
         if self.settings.router == VLLM_ROUTER:
             self.proxy = VllmRouterProcess(
                 self.out_dir / LOGS / f"vllm-router-{self._proxy_starts}.log",
-                prefill_url=pair.prefill.url,
-                decode_url=pair.decode.url,
+                prefill_url=prefill.url,
+                decode_url=decode.url,
                 port=self.proxy.port if self.proxy else None,
                 policy=self.router_policy,
             )
             return
         self.proxy = ProxyProcess(
             self.out_dir / LOGS / f"proxy-{self._proxy_starts}.log",
-            prefill=f"{pair.prefill.spec.host}:{pair.prefill.spec.port}",
-            decode=f"{pair.decode.spec.host}:{pair.decode.spec.port}",
+            prefill=f"{prefill.spec.host}:{prefill.spec.port}",
+            decode=f"{decode.spec.host}:{decode.spec.port}",
             store_dir=str(self.out_dir),
-            redis_url=self.redis.url,
+            redis_url=_running(self.redis, "redis").url,
             port=self.proxy.port if self.proxy else None,  # a restart keeps its address
             extra_args=self._proxy_args(),
             env=self._otel_env("proxy"),
@@ -226,7 +229,7 @@ class Stack:
         if self.settings.router != VLLM_ROUTER:
             raise ValueError("restart_router: the testbed runs no vllm-router")
         time.sleep(TELEMETRY_DRAIN_S)  # the last turn's spans leave before its router
-        self.proxy.stop()
+        _running(self.proxy, "front door").stop()
         self.router_policy = policy
         self._start_proxy()
 
@@ -332,33 +335,47 @@ class Stack:
 
     @property
     def proxy_url(self) -> str:
-        return self.proxy.url
+        return _running(self.proxy, "front door").url
 
     def act(self, action: str) -> None:
         if action == "restart-proxy":
             # A rollout's way: the old process stops after its last spans left and its
             # last scrape was taken (a pod's preStop hook).
             time.sleep(max(TELEMETRY_DRAIN_S, SCRAPE_DRAIN_S))
-            self.proxy.stop()
+            _running(self.proxy, "front door").stop()
             self._start_proxy()
         elif action == "kill-decode":
-            self.pair.kill("decode")
+            _running(self.pair, "engine pair").kill("decode")
         elif action == "restart-decode":
             # A planned restart, as an operator's rollout does it: first let D's last
             # spans leave (span builder every 50 ms, export every 0.5 s). SIGTERM right
             # after a turn lost that turn's request and export spans (seen in CI).
             time.sleep(TELEMETRY_DRAIN_S)
             self._decode_starts += 1
-            self.pair.restart("decode", engine_id=f"kvobs-decode-{self._decode_starts}")
+            _running(self.pair, "engine pair").restart(
+                "decode", engine_id=f"kvobs-decode-{self._decode_starts}"
+            )
         else:
             raise ValueError(f"unknown action {action!r}")
 
     def engine_url(self, role: str) -> str:
-        return (self.pair.prefill if role == "prefill" else self.pair.decode).url
+        pair = _running(self.pair, "engine pair")
+        return _running(pair.prefill if role == "prefill" else pair.decode, f"{role} engine").url
 
     def set_link(self, delay_ms: float, rate_mbit: float) -> None:
         if self.netns is not None:
             self.netns.shape(delay_ms, rate_mbit)
+
+
+_Component = TypeVar("_Component")
+
+
+def _running(component: _Component | None, what: str) -> _Component:
+    """A component the testbed started: asked of one not started (or stopped), a
+    sequencing error said as such, not an AttributeError on None."""
+    if component is None:
+        raise RuntimeError(f"the testbed's {what} is not running")
+    return component
 
 
 def clean_out_dir(out_dir: str | os.PathLike) -> Path:
