@@ -30,12 +30,10 @@ from kvobs import semconv as sc
 from kvobs.fleet.report import (
     _NOT_FAULTS,
     LISTED_FAULTS,
-    LISTED_SLOW,
     FleetReport,
     _Measured,
     _sum_ns,
     add_buckets,
-    diagnose_command,
     memory_result,
     memory_sums,
     phase_row,
@@ -45,6 +43,7 @@ from kvobs.fleet.report import (
 )
 from kvobs.fleet.retention import RetentionSums, read_bytes_per_block
 from kvobs.fleet.since import since_cutoff_ns
+from kvobs.fleet.turn_drill import Ranked, drill_rows, slow_turns
 from kvobs.fleet.sketch import add_values, new_sketch, p50_p95, quantile
 from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
 from kvobs.live.turnstore import TurnRows
@@ -218,42 +217,6 @@ class _PhaseTally:
         return ranking(self.turns, self.timed, self.latency_ns, self.gap_ns, self.gap_turns, rows)
 
 
-class _Ranked:
-    """The ``limit`` first turns by (slowest first, unmeasured last; then conversation,
-    tenant, turn): ``drill_down``'s order, kept over batches in bounded memory."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.rows: list[tuple] = []
-
-    def add(self, frame: pd.DataFrame, mask: np.ndarray) -> None:
-        rows = np.flatnonzero(mask)
-        latency = frame["latency_s"].to_numpy(float, na_value=np.nan)
-        key = np.nan_to_num(latency[rows], nan=-1.0)
-        if len(rows) > self.limit:
-            kth = np.partition(key, len(key) - self.limit)[len(key) - self.limit]
-            rows, key = rows[key >= kth], key[key >= kth]
-        if self.rows and len(self.rows) >= self.limit:
-            worst = -self.rows[-1][0]
-            rows, key = rows[key >= worst], key[key >= worst]
-        cids, tenants, turns, verdicts = (
-            frame[c].to_numpy() for c in ("conversation_id", "tenant", "turn", "verdict")
-        )
-        self.rows.extend(
-            (
-                -float(k),
-                str(cids[i]),
-                str(tenants[i] or ""),
-                int(turns[i]),
-                str(verdicts[i]),
-                None if np.isnan(latency[i]) else float(latency[i]),
-            )
-            for i, k in zip(rows.tolist(), key.tolist())
-        )
-        self.rows.sort(key=lambda row: row[:4])
-        del self.rows[self.limit :]
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -281,7 +244,7 @@ def turn_row_report(
     retained = RetentionSums()
     per_block = new_sketch()
     conversations: list[np.ndarray] = []
-    faults = _Ranked(LISTED_FAULTS)
+    faults = Ranked(LISTED_FAULTS)
     fault_count, rate, rate_at, synthetic = 0, None, -np.inf, None
     for batch in _batches(rows, AGGREGATED, versions, cutoff):
         frame = _frame(batch)
@@ -313,7 +276,9 @@ def turn_row_report(
             synthetic = str(frame["conversation_id"].iat[0]).startswith("synthetic-")
     weight = quantile(per_block, 0.5)
     thresholds = {scope: quantile(scopes[scope].latency, 0.95) for scope in _SCOPES}
-    slow, slow_count = _slow_turns(rows, versions, cutoff, thresholds)
+    columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
+    # The third read: healthy turns at or above their scope's (sketched) p95.
+    slow, slow_count = slow_turns(_batches(rows, columns, versions, cutoff), thresholds)
     # FleetReport's first_turn/later_turns and by_* fields, by name
     scope_metrics: dict[str, Any] = {scope: tally.metrics() for scope, tally in scopes.items()}
     grouped_rows: dict[str, Any] = {
@@ -342,7 +307,7 @@ def turn_row_report(
         "slow_turns": slow_count,
         "slow_threshold": "latency at or above its scope's p95 (turn 1, later turns; "
         "the p95 sketched, within 1 %)",
-        "rows": _drill_rows(rows, chosen, source, read_slo_s),
+        "rows": drill_rows(rows, chosen, source, read_slo_s),
     }
     report.extras["degraded"] = DEGRADED
     return report
@@ -391,54 +356,6 @@ def _latest_rate(frame: pd.DataFrame, rate, rate_at) -> tuple[float | None, floa
         if finalized[last] >= rate_at:
             return float(rates[last]), float(finalized[last])
     return rate, rate_at
-
-
-def _slow_turns(rows, versions, cutoff, thresholds) -> tuple[_Ranked, int]:
-    """The third read: healthy turns at or above their scope's p95."""
-    slow, count = _Ranked(LISTED_SLOW), 0
-    columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
-    for batch in _batches(rows, columns, versions, cutoff):
-        frame = batch.to_pandas()
-        latency = frame["latency_s"].to_numpy(float, na_value=np.nan)
-        first = (frame["turn"] == 1).to_numpy(bool)
-        threshold = np.where(
-            first, *(thresholds[s] if thresholds[s] is not None else np.inf for s in _SCOPES)
-        )
-        healthy = frame["verdict"].isin(_NOT_FAULTS).to_numpy(bool)
-        mask = healthy & (latency >= threshold)  # NaN compares False
-        count += int(mask.sum())
-        slow.add(frame, mask)
-    return slow, count
-
-
-def _drill_rows(rows: TurnRows, chosen, source: str, read_slo_s) -> list[dict[str, Any]]:
-    """The listed turns, each completed from its conversation's stored rows (one indexed
-    lookup per conversation): its top cause, trace id, and whether its id is shared by
-    several tenants (the command then names the tenant)."""
-    stored: dict[str, list[dict]] = {}
-    out = []
-    for (_, cid, tenant, turn, verdict, latency), kind in chosen:
-        if cid not in stored:
-            stored[cid] = rows.latest(cid)
-        mine = [r for r in stored[cid] if str(r.get("tenant") or "") == tenant]
-        detail = next((r for r in mine if r.get("turn") == turn), {})
-        causes = detail.get("causes") or []
-        shared = len({str(r.get("tenant") or "") for r in stored[cid]}) > 1
-        out.append(
-            {
-                "kind": kind,
-                "conversation_id": cid,
-                "tenant": tenant,
-                "turn": turn,
-                "verdict": verdict,
-                "latency_s": latency,
-                "top_cause": causes[0]["cause"] if causes else None,
-                "top_cause_share": causes[0]["share"] if causes else None,
-                "trace_id": detail.get("trace_id"),
-                "command": diagnose_command(source, cid, tenant if shared else None, read_slo_s),
-            }
-        )
-    return out
 
 
 __all__ = ["AGGREGATED", "BATCH_ROWS", "DEGRADED", "turn_row_report"]

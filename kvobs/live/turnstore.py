@@ -359,7 +359,7 @@ class TurnStore(TurnRows):
         groups = _groups_holding(
             handle, conversation_id, sorted_=os.path.basename(path).startswith(_MERGED)
         )
-        table = handle.read_row_groups(groups).cast(SCHEMA)
+        table = _conformed(handle.read_row_groups(groups))
         return table.filter(pc.equal(table.column("conversation_id"), conversation_id))
 
     def _paths(self, since: float | None = None) -> list[str]:
@@ -433,6 +433,20 @@ def _scan(
             for c in columns
         ]
         yield pa.RecordBatch.from_arrays(arrays, schema=wanted)
+
+
+def _conformed(table: pa.Table) -> pa.Table:
+    """``SCHEMA``'s columns of a file's rows: null where an older kvobs wrote none, and
+    none it does not know."""
+    return pa.table(
+        [
+            table.column(f.name).cast(f.type)
+            if f.name in table.column_names
+            else pa.nulls(table.num_rows, f.type)
+            for f in SCHEMA
+        ],
+        schema=SCHEMA,
+    )
 
 
 def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:

@@ -233,3 +233,29 @@ def test_clickhouse_turn_rows_give_the_stores_report_page_by_page(tmp_path, chdb
     expected = tr.turn_row_report(store, "s").to_dict()
     assert tr.turn_row_report(clickhouse, "s").to_dict() == expected
     assert expected["turns"] == 25
+
+
+@pytest.mark.parametrize("since", ["1h", "2026-01-01"])
+def test_a_store_without_turns_reports_none_with_since(tmp_path, since):
+    # A duration counts back from the newest turn: with none, there is nothing to cut
+    # (it was int(-inf - 1 h), an OverflowError, found by mypy).
+    report = tr.turn_row_report(TurnStore(str(tmp_path), 0), "empty", since=since)
+    assert report.turns == 0 and report.since == since
+
+
+def test_files_an_older_kvobs_wrote_still_answer_lookups_and_reports(tmp_path):
+    """A store written before the report's columns (``prefill_tokens_per_s``,
+    ``measures``): its indexed files still answer a conversation lookup, and the report
+    counts their turns."""
+    import pyarrow.parquet as pq
+
+    store = TurnStore(str(tmp_path), 0)
+    store.write(_demo_rows(), now=1_767_225_600.0)
+    for path in tmp_path.glob("turns/*/*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns(["prefill_tokens_per_s", "measures"]), path)
+    looked_up = store.latest("agent-happy")
+    assert looked_up and all(row["conversation_id"] == "agent-happy" for row in looked_up)
+    report = tr.turn_row_report(store, "s")
+    assert (report.turns, report.conversations) == (25, 13)
+    assert report.later_turns["bytes_read"] == 0  # the measures are not there
