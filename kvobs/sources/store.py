@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from kvobs import semconv as sc
 from kvobs.turns import arrays, lineage
-from kvobs.turns.correlate import aggregate, needs_lineage
+from kvobs.turns.correlate import aggregate, needs_lineage, parent_rows
 from kvobs.emit import segments
 from kvobs.sources._decode import is_regular
 from kvobs.sources._frame import (
@@ -101,8 +101,10 @@ def bucket_of(conversation_id: str) -> int:
 
 
 def _inherit_conversation(table: pa.Table) -> pa.Table:
-    """Untagged spans take the conversation (and turn) of their trace's first tagged
-    span. A span without trace id is in no trace: it keeps its own."""
+    """Untagged spans take the conversation (and turn) of their parent span when it is
+    tagged (vLLM's request span, child of its turn span: several turns may share a
+    client's trace), else of their trace's first tagged span. A span without trace id
+    is in no trace: it keeps its own (or its parent's)."""
     untagged = arrays.booleans(pc.is_null(table.column(_CID)))
     if not untagged.any() or untagged.all():
         return table
@@ -112,11 +114,19 @@ def _inherit_conversation(table: pa.Table) -> pa.Table:
         pc.index_in(traces, value_set=traces.take(tagged).combine_chunks(), skip_nulls=True),
         fill=-1,
     )
+    parents = parent_rows(table)
+    from_parent = (
+        untagged & (parents >= 0) & ~untagged[np.maximum(parents, 0)]
+        if parents is not None
+        else np.zeros(table.num_rows, bool)
+    )
     inherits = untagged & (first >= 0)
-    if not inherits.any():
+    if not (inherits.any() or from_parent.any()):
         return table
-    # Each inheriting row takes both keys from its trace's tagged row, the others their own.
-    source = pa.array(np.where(inherits, tagged[np.maximum(first, 0)], np.arange(table.num_rows)))
+    # Each inheriting row takes both keys from its tagged parent or its trace's first tagged
+    # row, the others their own.
+    by_trace = np.where(inherits, tagged[np.maximum(first, 0)], np.arange(table.num_rows))
+    source = pa.array(np.where(from_parent, parents, by_trace))
     for key in (_CID, sc.TURN_INDEX.key):
         table = table.set_column(table.column_names.index(key), key, table.column(key).take(source))
     return table

@@ -276,7 +276,7 @@ def plain(table: pa.Table) -> pa.Table:
     )
 
 
-def _parent_rows(table: pa.Table) -> np.ndarray | None:
+def parent_rows(table: pa.Table) -> np.ndarray | None:
     """Per row, the row of its parent span (-1: not in the table); None without span ids."""
     if "span_id" not in table.column_names or "parent_span_id" not in table.column_names:
         return None
@@ -294,7 +294,7 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
         return table
     table = plain(table)
     codes, traces = arrays.codes(table.column("trace_id"))
-    parents = _parent_rows(table)
+    parents = parent_rows(table)
     for key in KEY_SOURCES.values():
         column = table.column(key)
         if column.null_count in (0, table.num_rows):
