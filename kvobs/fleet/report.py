@@ -597,7 +597,7 @@ def build_report(
             lambda: (memory_held(labelled), phase_sections(labelled, first), retention(labelled))
         )
         measured = _Measured.of(labelled)
-        mix = {
+        mix: dict[str, Any] = {  # FleetReport's first_turn/later_turns and by_* fields
             "first_turn": _metrics(measured, np.flatnonzero(first)),
             "later_turns": _metrics(measured, later),
             "by_turn": _grouped(measured, labelled, ["turn_bucket"], every),

@@ -139,7 +139,11 @@ class RetentionSums:
 
     def __add__(self, other: RetentionSums) -> RetentionSums:
         reference = self.reference_ns if self.reference_ns is not None else other.reference_ns
-        shift = 0.0 if other.reference_ns is None else other.reference_ns - reference
+        shift = (
+            0.0
+            if other.reference_ns is None or reference is None
+            else other.reference_ns - reference
+        )
         return RetentionSums(
             self.device_block_s + other.device_block_s,
             self.device_costed + other.device_costed,
@@ -180,7 +184,7 @@ class RetentionSums:
                 "tokens_served": self.device_tokens,
                 "tokens_per_gib_hour": (
                     _per_gib_hour(self.device_tokens, self.device_block_s * per_block)
-                    if device_gib_h
+                    if per_block and device_gib_h
                     else None
                 ),
                 "turns_costed": self.device_costed,

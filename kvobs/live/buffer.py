@@ -144,7 +144,7 @@ class SpanBuffer:
         while len(self._dropped) > self._forget_after:
             self._dropped.popitem(last=False)
         stale = [t for t, seen in self._idless_seen.items() if seen < horizon]
-        for trace in stale:  # its turns are final: the pool is not re-classified for it
-            del self._idless[trace]
-            del self._idless_seen[trace]
+        for idle in stale:  # its turns are final: the pool is not re-classified for it
+            del self._idless[idle]
+            del self._idless_seen[idle]
         return gone

@@ -307,8 +307,7 @@ class Classifier:
         """Whether the turn of ``row`` is counted for the first time (and note it): none
         of its ids (trace, P's and D's request) was counted before. Any one is enough,
         as a partial turn may lack some."""
-        ids = [row.get(column) for column in _TURN_IDS]
-        ids = [i for i in ids if isinstance(i, str) and i]
+        ids = [i for i in (row.get(column) for column in _TURN_IDS) if isinstance(i, str) and i]
         first = not any(i in self._counted for i in ids)
         self._counted.update(dict.fromkeys(ids, now))
         return first

@@ -256,7 +256,7 @@ class TurnStore(TurnRows):
 
     def _hours(self) -> list[tuple[str, float]]:
         """(partition, when its hour began) of every partition of ours."""
-        hours = []
+        hours: list[tuple[str, float]] = []
         for name in self.partitions():
             try:
                 hours.append(
@@ -326,7 +326,7 @@ class TurnStore(TurnRows):
         filters: list,
     ) -> pa.Table:
         table = None
-        if key is not None:
+        if key is not None and conversation_id is not None:
             table = self._conversation_rows(path, conversation_id, key)
             if table is not None and since is not None and table.num_rows:
                 table = table.filter(pc.greater_equal(table.column("finalized_at"), since))
@@ -400,7 +400,9 @@ class TurnStore(TurnRows):
         if not files:
             return SCHEMA.empty_table()
         key = None if conversation_id is None else _hashes([conversation_id])[0]
-        filters = [] if conversation_id is None else [("conversation_id", "=", conversation_id)]
+        filters: list[tuple[str, str, Any]] = (
+            [] if conversation_id is None else [("conversation_id", "=", conversation_id)]
+        )
         filters += [] if since is None else [("finalized_at", ">=", since)]
         tables = []
         for path in files:

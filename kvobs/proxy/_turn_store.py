@@ -106,7 +106,7 @@ class TurnStore:
         identity: Identity,
         body: dict[str, Any],
         now: float,
-        traceparent: str,
+        traceparent: str | None,
         state: TurnState,
         attributes: dict[str, Any],
     ) -> tuple[Identity, bool]:
@@ -122,6 +122,7 @@ class TurnStore:
                 attributes[sc.STORE_FAILURE.key] = failure
         if found is not None:
             return Identity(identity.tenant, found.conversation_id), True
+        assert traceparent is not None  # the turn's own: turn.py always sets one
         return Identity(
             identity.tenant,
             decide.new_conversation_id(*decide.trace_and_span(traceparent, state.client_trace)),

@@ -119,15 +119,15 @@ class Turns:
             identity, trusted = self._identity(request, body)
         except InputError as error:
             self.metrics.rejected.labels(error.reason).inc()
-            response = json_error(error.status, error.message, "invalid_request_error")
+            refusal = json_error(error.status, error.message, "invalid_request_error")
             if error.reason in UNREAD_BODY_REASONS:
-                response.force_close()  # the rest of the body is not waited for
+                refusal.force_close()  # the rest of the body is not waited for
             # Refused before its turn: the SERVER span alone, in the client's trace.
             end_server(
                 start_server(self.tracer, request, path, start_ns, client),
-                response.status,
+                refusal.status,
             )
-            return response
+            return refusal
         if body.pop(KTP, None) is not None:
             self.metrics.stripped.inc()
         state = TurnState(
@@ -204,7 +204,8 @@ class Turns:
         refused = self._refusal(identity, trusted, time.time())
         assigned, previous = await self.steps.lookup(identity, body, refused, state, correlation)
         if assigned is not identity:
-            request[ASSIGNED_ID_KEY] = assigned.conversation_id
+            if assigned.conversation_id is not None:  # inferred or new: always named
+                request[ASSIGNED_ID_KEY] = assigned.conversation_id
             identity = assigned
         correlation = with_turn(correlation, identity.conversation_id, state.turn)
         keys = {**correlation.to_params(), sc.KTP_REQUEST_ID: state.request_id}

@@ -217,6 +217,10 @@ def _send(
         return 0, "", None, f"{type(error).__name__}: {error}"[:200], None
 
 
+def _due(waiting: tuple[float, _Conversation]) -> float:
+    return waiting[0]
+
+
 def next_due_turn(
     conversations: list[_Conversation], now: float, turn_estimate_s: float
 ) -> tuple[_Conversation | None, float]:
@@ -227,16 +231,16 @@ def next_due_turn(
     a first turn sent now would end (``turn_estimate_s``, the longest turn so far) is
     waited for. On a slow machine this keeps every gap near its ``gap_s`` instead of
     queueing later turns behind every conversation's first turn."""
-    waiting = [c for c in conversations if not c.done and c.due is not None]
-    later = min((c for c in waiting if c.next_turn > 1), key=lambda c: c.due, default=None)
-    if later is not None and later.due <= now + turn_estimate_s:
-        return later, later.due
-    first = min((c for c in waiting if c.next_turn == 1), key=lambda c: c.due, default=None)
-    if first is not None and first.due <= now:
-        return first, first.due
-    wake = [c.due for c in (first,) if c is not None]
+    waiting = [(c.due, c) for c in conversations if not c.done and c.due is not None]
+    later = min(((due, c) for due, c in waiting if c.next_turn > 1), key=_due, default=None)
+    if later is not None and later[0] <= now + turn_estimate_s:
+        return later[1], later[0]
+    first = min(((due, c) for due, c in waiting if c.next_turn == 1), key=_due, default=None)
+    if first is not None and first[0] <= now:
+        return first[1], first[0]
+    wake = [first[0]] if first is not None else []
     if later is not None:
-        wake.append(later.due - turn_estimate_s)
+        wake.append(later[0] - turn_estimate_s)
     if not wake:
         raise RuntimeError("no turn can become due: every conversation left waits on another")
     return None, min(wake)

@@ -225,7 +225,7 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         )
     if engines.decode_host_copy_bytes < 0 or engines.decode_kv_cache_bytes < 0:
         raise ScenarioError("engines.decode_host_copy_bytes, decode_kv_cache_bytes: >= 0")
-    conversations = []
+    conversations: list[ConversationSpec] = []
     for n, conv in enumerate(raw.pop("conversations", []), 1):
         where = f"conversations[{n}]"
         turns = tuple(
