@@ -15,6 +15,14 @@ import os
 import sys
 from typing import IO, Iterator
 
+
+def escape(text: str) -> str:
+    """``text`` shown as it is by rich (rich is imported only once a display is shown)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 __all__ = ["Progress", "progress", "shown"]
 
 
@@ -52,7 +60,8 @@ class Progress:
 
     def describe(self, text: str) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description=text)
+            # Plain text: a log line's "[testbed]" is no markup tag to drop.
+            self._bar.update(self._task, description=escape(text))
 
     def line(self, text: str) -> None:
         """A line of the work's log: the display's description, and kept above the
@@ -88,4 +97,4 @@ def progress(
     )
     console = Console(file=stream)
     with rich_progress.Progress(*columns, console=console, transient=True) as bar:
-        yield Progress(bar, bar.add_task(description, total=total), fallback)
+        yield Progress(bar, bar.add_task(escape(description), total=total), fallback)

@@ -101,3 +101,19 @@ def test_report_shows_progress_on_a_terminal_only_and_its_output_is_unchanged():
         os.close(main)
     assert b"reading spans into turns" in seen  # the spinner, on the terminal (stderr)
     assert (tty_out, tty_code) == (piped_out, piped_code)  # stdout's JSON untouched
+
+
+def test_a_log_line_is_shown_as_it_is_not_as_markup(monkeypatch):
+    """The testbed's log lines start with "[testbed]": rich would take it for a tag."""
+    monkeypatch.delenv("KVOBS_NO_PROGRESS", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    main, secondary = _pty()
+    seen = bytearray()
+    reader = _drain(main, seen)
+    with os.fdopen(secondary, "w") as terminal:
+        with progress("starting the testbed", stream=terminal) as bar:
+            bar.describe("[testbed] starting P and D")
+            time.sleep(0.3)
+    reader.join(5)
+    os.close(main)
+    assert "[testbed] starting P and D" in seen.decode(errors="replace")
