@@ -311,6 +311,16 @@ def _first_per_trace(spans: pa.Table, rows: np.ndarray) -> dict:
     return dict(zip(_take(spans, "trace_id", chosen), _take(spans, _CID, chosen)))
 
 
+def _own_id(prompt: dict, anonymous: bool) -> str | None:
+    """The conversation id a prompt's own span carries, when it is a client's (or, with
+    ``anonymous``, one the proxy named): it wins over its trace's, which a client's trace
+    shared by several turns (the proxy continues it) holds more than one of."""
+    cid = prompt.get(_CID)
+    if not isinstance(cid, str) or cid.startswith(sc.ANONYMOUS_PREFIX) != anonymous:
+        return None
+    return cid
+
+
 def _trace_ids(spans: pa.Table) -> tuple[dict, dict]:
     """Per trace: the conversation id a client sent, and the anonymous id the proxy gave
     a turn sent without one."""
@@ -334,7 +344,10 @@ def link(spans: pa.Table) -> pa.Table:
     ):
         return spans
     prompts = _first(
-        spans, {sc.SPAN_PULL_DECISION.name}, _RID, ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN]
+        spans,
+        {sc.SPAN_PULL_DECISION.name},
+        _RID,
+        ["start_ns", "trace_id", _CHAIN, _TENANT, _TURN, _CID],
     )
     if not prompts:
         return spans
@@ -343,12 +356,15 @@ def link(spans: pa.Table) -> pa.Table:
     matches = _matches(prompts, exports)
     client_ids, anonymous_ids = _trace_ids(spans)
     order = _in_time(prompts)
-    named = {rid: anonymous_ids.get(prompt["trace_id"]) for rid, prompt in prompts.items()}
+    named = {
+        rid: _own_id(prompt, anonymous=True) or anonymous_ids.get(prompt["trace_id"])
+        for rid, prompt in prompts.items()
+    }
     named = {rid: cid for rid, cid in named.items() if isinstance(cid, str)}
     # What the turn table uses: a client's id wins; id-less turns continue the chain.
     fixed = {}
     for rid, prompt in prompts.items():
-        cid = client_ids.get(prompt["trace_id"])
+        cid = _own_id(prompt, anonymous=False) or client_ids.get(prompt["trace_id"])
         if isinstance(cid, str) and not _missing(prompt[_TURN]):
             fixed[rid] = (cid, int(prompt[_TURN]))
     keys, parents = _walk(order, matches, fixed, named)

@@ -417,3 +417,19 @@ def test_id_less_proxy_turns_join_the_first_turns_anonymous_conversation():
     assert diagnosis.conversation_id == "anonymous:t-a-1"
     assert [t.turn.index for t in diagnosis.turns] == [1, 2]
     assert "prefix lineage" in diagnosis.problems[0]
+
+
+def test_id_less_conversations_sharing_a_client_trace_stay_apart():
+    """The proxy continues a client's trace (#27): two new id-less conversations in it
+    are named by their turn spans (anonymous:<trace>.<span>); lineage keeps each prompt's
+    own name, not the trace's first."""
+    rows = (router_turns("a", 1, 100.0, list(range(40)))
+            + router_turns("b", 1, 101.0, list(range(500, 540))))
+    names = {"a": "anonymous:t-shared.s1", "b": "anonymous:t-shared.s2"}
+    for row in rows:
+        conversation = row["trace_id"].split("-")[1]
+        row.update({"trace_id": "t-shared", "span_id": f"{row['span_id']}-{conversation}",
+                    sc.CONVERSATION_ID.key: names[conversation], sc.TURN_INDEX.key: 1})
+    turns = turns_from_spans(frame(rows)).set_index("prefill_request_id")
+    assert turns.loc["p-a-1", ["conversation_id", "turn"]].tolist() == [names["a"], 1]
+    assert turns.loc["p-b-1", ["conversation_id", "turn"]].tolist() == [names["b"], 1]
