@@ -126,7 +126,7 @@ def _inherit_conversation(table: pa.Table) -> pa.Table:
     # Each inheriting row takes both keys from its tagged parent or its trace's first tagged
     # row, the others their own.
     by_trace = np.where(inherits, tagged[np.maximum(first, 0)], np.arange(table.num_rows))
-    source = pa.array(np.where(from_parent, parents, by_trace))
+    source = pa.array(by_trace if parents is None else np.where(from_parent, parents, by_trace))
     for key in (_CID, sc.TURN_INDEX.key):
         table = table.set_column(table.column_names.index(key), key, table.column(key).take(source))
     return table
