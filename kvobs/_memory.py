@@ -32,14 +32,37 @@ def keep_freed_memory() -> bool:
     ``whatif``; never a server): glibc reuses freed arrays' memory instead of mapping
     fresh pages for each. False where it does not apply (another C library) or when the
     user tuned glibc (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``)."""
-    if os.environ.keys() & {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}:
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     # The threshold first: a trim threshold set alone also fixes the mmap threshold at
     # its 128 KiB default, and every array is then mapped afresh (slower than neither).
     return bool(
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
+
+
+# A batched read's arrays (a few MiB each) above this are mapped and unmapped each time.
+_BATCH_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """For a process that reads in bounded batches (``kvobs report`` over turn rows): a
+    fixed mmap threshold of 1 MiB, so each batch's arrays go back to the OS when freed.
+    glibc's default threshold grows with the largest block freed, and the batches'
+    arrays then come from a heap that fragments: a report's peak grew 1.26x from 1M to
+    10M turns that way, 1.10x with this (bench/README.md), for more page faults. False
+    where it does not apply or the user tuned glibc, as ``keep_freed_memory``."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, _BATCH_MMAP_THRESHOLD))
+
+
+def _mallopt():
+    """glibc's ``mallopt``; None with another C library or when the user tuned glibc
+    (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``)."""
+    if os.environ.keys() & {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}:
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None

@@ -133,8 +133,10 @@ def _report_from_turn_rows(
 ):
     """``kvobs report`` over classified turn rows (``kvobs.fleet.turn_report``): the
     classifier's verdicts as stored, never classified again; memory stays flat."""
+    from kvobs._memory import return_freed_memory
     from kvobs.fleet.turn_report import DEGRADED, turn_row_report
 
+    return_freed_memory()
     if prefill_rate is not None or read_slo is not None:
         fail_input(
             "--prefill-rate and --read-slo re-classify turns; the turn rows in "

@@ -259,3 +259,23 @@ def test_files_an_older_kvobs_wrote_still_answer_lookups_and_reports(tmp_path):
     report = tr.turn_row_report(store, "s")
     assert (report.turns, report.conversations) == (25, 13)
     assert report.later_turns["bytes_read"] == 0  # the measures are not there
+
+
+def test_kvobs_report_reads_a_turn_store_as_turn_rows(tmp_path):
+    """The one selection rule: a --source with turns/hour=* is read as turn rows; what
+    they cannot give says so, and options that re-classify exit 2."""
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+
+    TurnStore(str(tmp_path), 0).write(_demo_rows(), now=1_767_225_600.0)
+    result = CliRunner().invoke(main, ["report", "--source", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert (out["turns"], out["conversations"]) == (25, 13)
+    assert out["degraded"] == tr.DEGRADED
+    assert out["drill_down"]["fault_turns"] == 5
+    for extra in (["--html", str(tmp_path / "r.html")], ["--prefill-rate", "8000"],
+                  ["--read-slo", "0.5"]):
+        refused = CliRunner().invoke(main, ["report", "--source", str(tmp_path), *extra])
+        assert refused.exit_code == 2, (extra, refused.output)
