@@ -351,10 +351,15 @@ class Classifier:
 
     def conversation(self, conversation_id: str) -> list[dict[str, Any]]:
         """The conversation's turns as last classified, in turn order (each with its
-        version and whether it is final)."""
+        version and whether it is final), as the turn store answers them: without the
+        measures the store keeps apart."""
         keys = sorted(self._by_conversation.get(conversation_id, ()), key=lambda k: (k[0], k[2]))
         return [
-            {**self.turns[k].row, "version": self.turns[k].version, "final": self.turns[k].final}
+            {
+                **{c: v for c, v in self.turns[k].row.items() if c != MEASURES_KEY},
+                "version": self.turns[k].version,
+                "final": self.turns[k].final,
+            }
             for k in keys
         ]
 

@@ -279,3 +279,18 @@ def test_kvobs_report_reads_a_turn_store_as_turn_rows(tmp_path):
                   ["--read-slo", "0.5"]):
         refused = CliRunner().invoke(main, ["report", "--source", str(tmp_path), *extra])
         assert refused.exit_code == 2, (extra, refused.output)
+
+
+def test_a_conversation_from_memory_is_answered_as_the_store_answers_it(tmp_path):
+    """The measures travel on the classifier's row to the store's packed column; neither
+    the in-memory answer nor the stored one shows them."""
+    classifier = Classifier(window_s=600, grace_s=0)
+    for line in DEMO.read_text().split("\n"):
+        if line.strip():
+            classifier.add_request(json.loads(line), now=100.0)
+    store = TurnStore(str(tmp_path), 0)
+    store.write(classifier.run_pass(now=100.0).finalized, now=1_767_225_600.0)
+    live, stored = classifier.conversation("agent-happy"), store.latest("agent-happy")
+    assert live and all("measures" not in row for row in live + stored)
+    assert [(r["turn"], r["verdict"], r["phases"]) for r in live] == \
+        [(r["turn"], r["verdict"], r["phases"]) for r in stored]
