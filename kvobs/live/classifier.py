@@ -116,6 +116,17 @@ def _signature(row: dict[str, Any]) -> str:
     )
 
 
+def _same_measures(kept: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a new classification leaves the stored measures as they are: a late span
+    may change only them (the report's numbers), which is a new version too. A resumed
+    row has none to compare (the store's JSON does not carry them)."""
+    if kept.get(MEASURES_KEY) is None:
+        return True
+    return json.dumps(kept[MEASURES_KEY], sort_keys=True, default=str) == json.dumps(
+        new.get(MEASURES_KEY), sort_keys=True, default=str
+    )
+
+
 # What identifies one turn whatever key lineage gives it.
 _TURN_IDS = ("trace_id", "prefill_request_id", "decode_request_id")
 
@@ -281,7 +292,11 @@ class Classifier:
             seen.add(key)
             signature = _signature(row)
             state = self.turns.get(key)
-            if state is not None and state.signature == signature:
+            if (
+                state is not None
+                and state.signature == signature
+                and _same_measures(state.row, row)
+            ):
                 self._move(key, state, unit)
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}

@@ -152,3 +152,34 @@ def test_memory_is_released_when_conversations_leave_the_window():
     # a span of a conversation that left: late, counted, not a new conversation
     classifier.add_request(_requests()[0], now=1200)
     assert classifier.buffer.late_spans > 0
+
+
+def test_a_change_of_the_measures_alone_is_a_new_version(monkeypatch):
+    """The report's numbers (kvobs.live.turn_measures) are stored beside the verdict: a
+    late span that changes only them must rewrite the turn. Made here by a measure that
+    differs on re-classification (real spans that do so are rare: a late release also
+    changes the turn's JSON), with the unit re-dirtied by a repeated span."""
+    import kvobs.live.classifier as live
+
+    classifier = Classifier(window_s=600, grace_s=1)
+    requests = _requests()
+    for request in requests:
+        classifier.add_request(request, now=100.0)
+    classifier.run_pass(now=100.0)
+    finals = classifier.run_pass(now=102.0).finalized
+    assert len(finals) == 25 and all(row["version"] == 1 for row in finals)
+
+    real = live.measures_of
+
+    def shifted(turn):
+        measures = dict(real(turn))
+        measures["held_s"] = (measures["held_s"] or 0.0) + 1.0  # D's retention
+        return measures
+
+    monkeypatch.setattr(live, "measures_of", shifted)
+    classifier.add_request(requests[0], now=103.0)  # a repeated span: its unit re-runs
+    classifier.run_pass(now=103.0)
+    again = classifier.run_pass(now=105.0).finalized
+    assert again, "no turn rewritten"
+    assert all(row["version"] == 2 for row in again)
+    assert all(not row["first_final"] for row in again)
