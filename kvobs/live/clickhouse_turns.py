@@ -53,6 +53,17 @@ def table_ddl(table: str, retention_s: float) -> str:
     )
 
 
+def column_additions(table: str) -> str:
+    """The columns a table made by an older kvobs may lack, added (nullable ones only:
+    the required ones were there from the first version); a no-op on a current table."""
+    added = ", ".join(
+        f"ADD COLUMN IF NOT EXISTS `{f.name}` {column_type(f)}"
+        for f in SCHEMA
+        if f.name not in _REQUIRED
+    )
+    return f"ALTER TABLE {table} {added}"
+
+
 class ClickHouseTurns(TurnRows):
     def __init__(
         self, database: Database, table: str = DEFAULT_TURN_TABLE, retention_s: float = 30 * 86400.0
@@ -79,6 +90,7 @@ class ClickHouseTurns(TurnRows):
         try:
             if not self._created:
                 self.database.query(table_ddl(self.table, self.retention_s))
+                self.database.query(column_additions(self.table))
                 self._created = True
             self.database.insert(self.table, rows)
         except ClickHouseError as error:  # kept in pending, as a full disk keeps them

@@ -88,6 +88,28 @@ def test_clickhouse_keeps_the_latest_version_and_skips_superseded_keys(chdb_path
     assert store.read().num_rows == 4
 
 
+def test_clickhouse_table_of_an_older_kvobs_gets_the_new_columns(chdb_path):
+    """A turn table created before columns were added (the report's measures, the
+    prefill rate) takes today's rows: the missing nullable columns are added."""
+    from kvobs.live.clickhouse_turns import SCHEMA, table_ddl
+
+    store = _clickhouse(chdb_path, "older")
+    old = table_ddl(store.table, store.retention_s)
+    for name in ("measures", "prefill_tokens_per_s"):
+        assert name in SCHEMA.names
+        old = "\n".join(line for line in old.split("\n") if f"`{name}`" not in line)
+    store.database.query(old)
+
+    def columns() -> set[str]:
+        described = store.database.query(f"DESCRIBE TABLE {store.table}")
+        return set(described.column(0).to_pylist())
+
+    assert "measures" not in columns()
+    assert store.write([_row("c", 1, "first-turn")]) == 1
+    assert {"measures", "prefill_tokens_per_s"} <= columns()
+    assert store.read().num_rows == 1
+
+
 def test_clickhouse_stores_non_finite_numbers_as_null(chdb_path):
     store = _clickhouse(chdb_path, "nan")
     store.write([_row("c", 1, "first-turn", latency_s=math.inf, phases={"decode": math.nan})])
