@@ -144,12 +144,14 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     rerun of 2026-12-06). So the run and the median turn are held to 90 %, and every
     turn to never more than the client saw.
 
-    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, 38
-    round_robin turns in two runs with other sessions' work at normal priority on the
-    box, load average 20), sent to P's arrival took 1.4-7.4 ms (32 ms for a run's first
-    request), D's last token to the answer read 1-267 ms. The shortfall is the back
-    edge: after D's last token its API server turns the output into the answer, then
-    the router and the client pass it on. It grows only under competing load, likely
+    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, 57
+    round_robin turns in three runs with other sessions' work at normal priority on the
+    box, load average 12-30), sent to P's arrival took 1.4-14 ms but twice more (32 ms,
+    a run's first request; 87 ms, 0.88 s turn, 87.5 % covered), D's last token to the
+    answer read 1-267 ms. Mostly the back edge: after D's last token its API server
+    turns the output into the answer, then the router and the client pass it on; the
+    front one is the router and P's HTTP server before vLLM's arrival time. Both grow
+    only under competing load, the back one most, likely
     D's API server waiting for a CPU: it shares its session's CPU share with D's
     EngineCore (autogroup, niced: ENGINE_NICENESS), which the decode has just spent,
     while P's front end, idle before the request, gets a CPU at once (not yet split
