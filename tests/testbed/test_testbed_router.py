@@ -144,19 +144,20 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     rerun of 2026-12-06). So the run and the median turn are held to 90 %, and every
     turn to never more than the client saw.
 
-    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, 57
-    round_robin turns in three runs with other sessions' work at normal priority on the
-    box, load average 12-30), sent to P's arrival took 1.4-14 ms but twice more (32 ms,
-    a run's first request; 87 ms, 0.88 s turn, 87.5 % covered), D's last token to the
-    answer read 1-267 ms. Mostly the back edge: after D's last token its API server
-    turns the output into the answer, then the router and the client pass it on; the
-    front one is the router and P's HTTP server before vLLM's arrival time. Both grow
-    only under competing load, the back one most, likely
-    D's API server waiting for a CPU: it shares its session's CPU share with D's
-    EngineCore (autogroup, niced: ENGINE_NICENESS), which the decode has just spent,
-    while P's front end, idle before the request, gets a CPU at once (not yet split
-    further: no timestamps inside the router or D's API server). No engine span covers that time (vLLM's own request span, when
-    exported, ends in that API server: part of it)."""
+    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, other
+    sessions' work at normal priority on the box, load average 12-30). round_robin, 57
+    turns in three runs: sent to P's arrival 1.4-14 ms but twice more (32 ms, a run's
+    first request; 87 ms on a 0.88 s turn: 87.5 % covered); D's last token to the
+    answer read 1-267 ms. The other policies, 27 turns of one run: the front edge 2-4 ms
+    under power_of_two but 3-55 ms under cache_aware and the default (cache_aware too),
+    one 0.25 s turn 85.9 % covered. The back edge is D's API server turning the output
+    into the answer, then the router and the client; the front one the router (its
+    per-request routing work) and P's HTTP server before vLLM's arrival time. Both grow
+    under competing load; the back one likely waits for a CPU: D's API server shares
+    its session's CPU share with D's EngineCore (autogroup, niced: ENGINE_NICENESS),
+    which the decode has just spent. Not split further: nothing times the inside of the
+    router or of the engines' HTTP servers, and no engine span covers that time (vLLM's
+    own request span, when exported, ends in D's API server: part of the back edge)."""
     _check_coverage(_paired(router_run.results, open_source(str(router_run.out))))
 
 
