@@ -77,6 +77,11 @@ class Chain:
     tail_tokens: int
     hexed: str
 
+    @property
+    def tokens(self) -> int:
+        """The tokens the chain covers: its whole blocks and the tail after them."""
+        return self.blocks * self.block_size + self.tail_tokens
+
     def hash_at(self, i: int) -> str:
         """The hash prefix (hex) of the i-th checkpoint."""
         return self.hexed[i * HEX_PER_POINT : (i + 1) * HEX_PER_POINT]

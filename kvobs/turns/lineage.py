@@ -58,6 +58,7 @@ from kvobs.prefix_chain import HEX_PER_POINT, grid_points, parse
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
+_PROMPT_TOKENS = sc.PROMPT_TOKENS.key
 _CHAIN = sc.PREFIX_LINEAGE.key
 _P_ROLE_SPANS = {
     span.name
@@ -155,7 +156,7 @@ def _index(
     exports: dict, export_chains: dict, prompts: dict, prompt_chains: dict
 ) -> dict[tuple, list]:
     """(scope, grid point, hash) -> [(kind, time ns, D request id, tenant, blocks, P
-    request id)].
+    request id, tokens)].
 
     Two kinds of entry: an export (kind 1: a prompt that carries its key extends the KV D
     kept) and an earlier prompt (kind 0: a prompt that carries its key extends that
@@ -167,7 +168,7 @@ def _index(
         if chain is None or _missing(time_ns) or not isinstance(p_request, str):
             return
         index.setdefault((chain.scope, *chain.key()), []).append(
-            (kind, int(time_ns), d_request, tenant, chain.blocks, p_request)
+            (kind, int(time_ns), d_request, tenant, chain.blocks, p_request, chain.tokens)
         )
 
     for d_request, export in exports.items():
@@ -194,7 +195,14 @@ def _index(
 
 
 def _extended(
-    chain, start_ns, tenant, index, points_with_keys, exclude: set[str], ghost: bool = False
+    chain,
+    start_ns,
+    tenant,
+    index,
+    points_with_keys,
+    exclude: set[str],
+    ghost: bool = False,
+    ghost_prompt_tokens: int | None = None,
 ) -> tuple:
     """([(P request, D request or None)] in time order, fully) of the longest match: the
     exports or earlier prompts with the most matching blocks, exports before prompts of
@@ -208,15 +216,12 @@ def _extended(
         point = points[i]
         if point not in points_with_keys:
             continue
-        # An earlier prompt counts only when this one is longer: an equal prompt is a
-        # retry or a fork of that turn, not its next turn. A ghost's chain is its whole
-        # export (prompt and output): an export of as many blocks may be its twin.
         candidates = [
             c
             for c in index.get((chain.scope, point, chain.hash_at(i)), ())
             if c[1] < start_ns
             and (tenant is None or c[3] in (None, tenant))
-            and ((c[0] == 1 and not ghost) or c[4] < chain.blocks)
+            and _could_precede(c[0] == 1, c[4], c[6], chain, ghost, ghost_prompt_tokens)
             and c[5] not in exclude
         ]
         if candidates:
@@ -224,6 +229,27 @@ def _extended(
             same = sorted({(c[1], c[5], c[2] or "") for c in candidates if c[0] == kind})
             return [(p, d or None) for _, p, d in same], kind == 1
     return [], False
+
+
+def _could_precede(
+    is_export: bool, blocks: int, tokens: int, chain, ghost: bool, ghost_prompt_tokens
+) -> bool:
+    """Whether an export or an earlier prompt (of ``blocks`` whole blocks, ``tokens`` in
+    all) can be what a prompt (``chain``) extends, by length. An export only when the
+    prompt holds all its tokens: its key lies at its last grid point, which an equal
+    prompt (a twin whose own decision span is missing, so not known as a copy) holds
+    too. An earlier prompt only when this one has more blocks: an equal prompt is a retry
+    or a fork of that turn, not its next turn. A ghost's chain is its whole export
+    (prompt and output): both weigh against its prompt's length from P's other spans;
+    unknown, against the whole chain, shorter only."""
+    if not ghost:
+        return tokens <= chain.tokens if is_export else blocks < chain.blocks
+    if _missing(ghost_prompt_tokens):
+        return blocks < chain.blocks
+    prompt_tokens = int(ghost_prompt_tokens)
+    if is_export:
+        return tokens <= prompt_tokens
+    return blocks < prompt_tokens // chain.block_size
 
 
 def _seconds(ns) -> float | None:
@@ -407,13 +433,14 @@ def _ghosts(spans: pa.Table, prompts: dict, exports: dict) -> dict[str, dict]:
         theirs,
         _P_ROLE_SPANS - {sc.SPAN_PULL_DECISION.name},
         _RID,
-        ["start_ns", "trace_id", _TENANT, _TURN],
+        ["start_ns", "trace_id", _TENANT, _TURN, _PROMPT_TOKENS],
     )
     ghosts = {}
     for p_request, d_request in lacking.items():
         export, own = exports[d_request], seen.get(p_request, {})
         start = own.get("start_ns")
         ghosts[p_request] = {
+            "prompt_tokens": own.get(_PROMPT_TOKENS),
             "start_ns": export["start_ns"] if _missing(start) else start,
             "trace_id": own.get("trace_id"),
             _CHAIN: export[_CHAIN],
@@ -449,6 +476,7 @@ def _matches(prompts: dict[str, dict], exports: dict[str, dict]) -> dict[str, tu
             points_with_keys,
             {rid, *twins},
             bool(prompt.get("ghost")),
+            prompt.get("prompt_tokens"),
         )
         twins.append(rid)
     return matches

@@ -433,3 +433,26 @@ def test_id_less_conversations_sharing_a_client_trace_stay_apart():
     turns = turns_from_spans(frame(rows)).set_index("prefill_request_id")
     assert turns.loc["p-a-1", ["conversation_id", "turn"]].tolist() == [names["a"], 1]
     assert turns.loc["p-b-1", ["conversation_id", "turn"]].tolist() == [names["b"], 1]
+
+
+def test_a_twin_whose_decision_is_missing_is_no_one_s_previous_turn():
+    """Three conversations start alike (the same prompt, the same short greedy output).
+    The second's decision span is missing, so nothing tells the third that it copies
+    the second; its export (the prompt and 2 tokens, the same whole blocks as the prompt)
+    has its key within the third's prompt. An export counts only when the prompt holds
+    all its tokens: the third stays a first turn, never the second's next turn
+    (missing-metadata). Seen on the real testbed behind vllm-router (block size 128)."""
+    rows = router_turns("a", 1, 100.0, list(range(40)), output_tokens=3)
+    rows += _copy(rows, "b", 1.0) + _copy(rows, "c", 2.0)
+    rows = [r for r in rows if not (r["name"] == sc.SPAN_PULL_DECISION.name
+                                    and r[sc.REQUEST_ID.key] == "p-b-1")]
+    rows.append(span(sc.SPAN_PREFILL_REQUEST, 101.0, "t-a-1b",
+                     **{sc.REQUEST_ID.key: "p-b-1", sc.ROLE.key: "prefill",
+                        sc.PROMPT_TOKENS.key: 140}))
+    turns = facts(frame(rows))
+    assert turns.loc["p-c-1", "turn"] == 1
+    assert pd.isna(turns.loc["p-c-1", "extends_request_id"])
+    findings = _findings(rows)
+    assert findings["p-c-1"].verdict is sc.Verdict.FIRST_TURN
+    (twin,) = [f for rid, f in findings.items() if rid not in ("p-a-1", "p-c-1")]
+    assert twin.verdict is sc.Verdict.INSUFFICIENT_EVIDENCE
