@@ -630,29 +630,29 @@ class SchedulerObserver:
         if start is None:
             start = now - duration
         unobserved = None if in_flight is None else max(0.0, duration - in_flight)
+        self._emit(
+            read_span,
+            req_id,
+            r.correlation,
+            _READ_KEYS,
+            (
+                direction,
+                outcome,
+                nbytes,
+                blocks,
+                duration,
+                ttl,
+                error,
+                r.remote_engine,
+                setup,
+                r.remote_request,
+                unobserved,
+            ),
+            start,
+            start + duration,
+            error=failure,
+        )
         if r.direction is _D_TO_P:
-            self._emit(
-                sc.SPAN_READ,
-                req_id,
-                r.correlation,
-                _READ_KEYS,
-                (
-                    direction,
-                    outcome,
-                    nbytes,
-                    blocks,
-                    duration,
-                    ttl,
-                    error,
-                    r.remote_engine,
-                    setup,
-                    r.remote_request,
-                    unobserved,
-                ),
-                start,
-                start + duration,
-                error=failure,
-            )
             if done:
                 data[st.REUSED_TOKENS].append(r.offered)
                 self._recompute(
@@ -664,28 +664,6 @@ class SchedulerObserver:
             # Failed/declined: with policy "recompute" the request is re-admitted and
             # the recompute (or the stuck wait) is reported then; with "fail" it errors.
         else:  # D pulled P's KV: the hand-off; its first token comes next
-            self._emit(
-                sc.SPAN_HANDOFF,
-                req_id,
-                r.correlation,
-                _READ_KEYS,
-                (
-                    direction,
-                    outcome,
-                    nbytes,
-                    blocks,
-                    duration,
-                    ttl,
-                    error,
-                    r.remote_engine,
-                    setup,
-                    r.remote_request,
-                    unobserved,
-                ),
-                start,
-                start + duration,
-                error=failure,
-            )
             if done and r.request is not None and r.first_token is None:
                 self._first_pending[req_id] = r
         if r.finished:
