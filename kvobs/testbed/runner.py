@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kvobs.semconv import TRACE_ID_HEADER
 from kvobs.testbed.loads import MODEL_NAME, Load, decode_load, prefill_load, random_text
@@ -174,9 +174,15 @@ def _completion_text(payload: dict[str, Any]) -> str:
 
 
 def _send(
-    url: str, body: dict[str, Any], stream: bool, timeout_s: float, api_key: str | None = None
+    url: str,
+    body: dict[str, Any],
+    stream: bool,
+    timeout_s: float,
+    api_key: str | None = None,
+    on_first_token: Callable[[], None] | None = None,
 ) -> tuple[int, str, float | None, str | None, str | None]:
-    """POST and read the answer: (status, completion text, TTFT, error, trace id)."""
+    """POST and read the answer: (status, completion text, TTFT, error, trace id);
+    ``on_first_token`` is called when a streamed answer's first text arrives."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -203,6 +209,8 @@ def _send(
                 piece = _completion_text(event)
                 if piece and ttft is None:
                     ttft = time.monotonic() - start
+                    if on_first_token is not None:
+                        on_first_token()
                 text.append(piece)
             return response.status, "".join(text), ttft, error, trace_id
     except urllib.error.HTTPError as http_error:
@@ -349,22 +357,32 @@ class ScenarioClient:
         path, body, stream, size = _request(
             conversation, turn, new_input, self.testbed.safe_token_ids, self.conversation_ids
         )
-        loads, timers = [], []
+        loads: list[Load] = []
+        timers: list[threading.Timer] = []
+        at_first_token: list[threading.Timer] = []
         # A load with a delay lands while P (or D) holds this turn: started by a timer
-        # when the turn is sent; without one it is in the engine before the turn.
-        for load, delay_s, settle_s in (
-            (prefill_load(self.testbed, turn, conversation.rng), turn.prefill_load_delay_s, 0.05),
+        # when the turn is sent (or when its first token arrives); without one it is in
+        # the engine before the turn.
+        for load, delay_s, settle_s, on_first_token in (
+            (
+                prefill_load(self.testbed, turn, conversation.rng),
+                turn.prefill_load_delay_s,
+                0.05,
+                False,
+            ),
             (
                 decode_load(self.testbed, turn, conversation.rng, self.testbed.safe_token_ids),
                 turn.decode_load_delay_s,
                 0.2,
+                turn.decode_load_at_first_token,
             ),
         ):
             if load is None:
                 continue
             loads.append(load)
-            if delay_s:
-                timers.append(threading.Timer(delay_s, load.start, kwargs={"wait": False}))
+            if delay_s or on_first_token:
+                timer = threading.Timer(delay_s, load.start, kwargs={"wait": False})
+                (at_first_token if on_first_token else timers).append(timer)
             else:  # each in the engine (D: generating), then a moment to settle
                 load.start(settle_s=settle_s)
         api_key = (
@@ -372,12 +390,13 @@ class ScenarioClient:
         )
         return _Turn(
             conversation, self.testbed.proxy_url + path, body, stream, size, api_key,
-            self.timeout_s, loads, timers,
+            self.timeout_s, loads, timers, at_first_token,
         )  # fmt: skip
 
     def _finish(self, sent: "_Turn") -> TurnResult:
-        for timer in sent.timers:
-            timer.join()  # the load starts even after a short turn, then ends with it
+        for timer in sent.timers + sent.at_first_token:
+            if timer.ident is not None:  # started: a failed turn never saw its first token
+                timer.join()  # the load starts even after a short turn, then ends with it
         for load in sent.loads:
             load.join()
         conversation, body = sent.conversation, sent.body
@@ -432,6 +451,7 @@ class _Turn:
     timeout_s: float
     loads: list[Load]
     timers: list[threading.Timer]
+    at_first_token: list[threading.Timer]
     answer: tuple = ()
     started_at: float = 0.0
     latency_s: float = 0.0
@@ -441,8 +461,14 @@ class _Turn:
         begin = time.monotonic()
         for timer in self.timers:
             timer.start()
-        self.answer = _send(self.url, self.body, self.stream, self.timeout_s, self.api_key)
+        self.answer = _send(
+            self.url, self.body, self.stream, self.timeout_s, self.api_key, self._first_token
+        )
         self.latency_s = time.monotonic() - begin
+
+    def _first_token(self) -> None:
+        for timer in self.at_first_token:
+            timer.start()
 
 
 def run_scenario(

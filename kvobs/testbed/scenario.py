@@ -81,6 +81,10 @@ class TurnSpec:
     decode_load_tokens: int = 400  # tokens each generates
     decode_load_delay_s: float = 0.0  # sent this long after the turn (0: before it, once
     #                                   each generates), to land inside its decode
+    # Sent when the streamed turn's first token reaches the client (then the delay counts
+    # from there): inside its decode whatever P's leg took, where a delay from the send
+    # lands before D's request when P runs long, or after a short decode.
+    decode_load_at_first_token: bool = False
     # Turns of different conversations with the same label are sent at once, each on
     # its own connection, once every one of them is due (their loads and actions first):
     # several conversations' requests in flight together. At most MAX_TOGETHER turns.
@@ -193,6 +197,8 @@ def _turn(raw: dict[str, Any], where: str) -> TurnSpec:
         or min(turn.decode_load_delay_s, turn.prefill_load_delay_s) < 0
     ):
         raise ScenarioError(f"{where}: loads >= 0 and their token counts >= 1")
+    if turn.decode_load_at_first_token and not turn.decode_load:
+        raise ScenarioError(f"{where}.decode_load_at_first_token: needs decode_load")
     if turn.append_tokens < 1 or turn.max_tokens < 1 or turn.gap_s < 0:
         raise ScenarioError(f"{where}: append_tokens, max_tokens >= 1 and gap_s >= 0")
     return turn
@@ -245,6 +251,13 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
         if ALL_EARLIER in after:
             after = tuple(earlier)
         conversations.append(_build(ConversationSpec, conv, where, turns=turns, after=after))
+        streams = [conversations[-1].stream if t.stream is None else t.stream for t in turns]
+        for i, (turn, stream) in enumerate(zip(turns, streams), 1):
+            if turn.decode_load_at_first_token and not stream:
+                raise ScenarioError(
+                    f"{where}.turns[{i}].decode_load_at_first_token: a non-streamed turn's "
+                    "client sees no first token"
+                )
         if conversations[-1].anonymous and conversations[-1].tenant:
             raise ScenarioError(f"{where}: anonymous sends no API key, so no tenant")
     if not conversations:

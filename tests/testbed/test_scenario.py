@@ -47,6 +47,10 @@ def test_defaults():
     (MINIMAL + 'expect_cause = ["queued-at-p", "slow"]\n', r"expect_cause: .* is not one of"),
     (MINIMAL + "expect_cause = []\n", r"expect_cause: \(\) is not one of"),
     (MINIMAL + "decode_load = -1\n", r"loads >= 0"),
+    (MINIMAL + "stream = true\ndecode_load_at_first_token = true\n",
+     r"turns\[1\]\.decode_load_at_first_token: needs decode_load"),
+    (MINIMAL + "decode_load = 1\ndecode_load_at_first_token = true\n",
+     r"turns\[1\]\.decode_load_at_first_token: a non-streamed turn"),
     ('name = "x"\n[engines]\nfailure_policy = "retry"\n' + MINIMAL.split('name = "x"')[1],
      r"engines\.failure_policy"),
     ('name = "x"\n[engines]\nrouter = "nginx"\n' + MINIMAL.split('name = "x"')[1],
@@ -201,3 +205,52 @@ def test_together_labels_are_bounded():
         parse(scenario(MAX_TOGETHER + 1))
     with pytest.raises(ScenarioError, match="one turn per conversation"):
         parse(scenario(2, '[[conversations.turns]]\ntogether = "x"\n' * 2))
+
+
+def test_a_first_token_load_may_follow_the_conversation_s_streaming():
+    text = MINIMAL.replace('id = "a"', 'id = "a"\nstream = true')
+    scenario = parse(text + "decode_load = 1\ndecode_load_at_first_token = true\n")
+    assert scenario.conversations[0].turns[0].decode_load_at_first_token
+
+
+def test_the_client_calls_back_on_a_streamed_answer_s_first_text():
+    """The first-token trigger of a decode load: called once, when the first piece of
+    text arrives, before the rest of the stream (a server that holds its second event
+    until the callback ran)."""
+    import http.server
+    import threading
+
+    from kvobs.testbed.runner import _send
+
+    called = threading.Event()
+    order = []
+
+    class Streaming(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": ""}]}\n\n')
+            self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            self.wfile.flush()
+            order.append(("callback seen before second event", called.wait(5)))
+            self.wfile.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Streaming)
+    thread = threading.Thread(target=server.handle_request, daemon=True)
+    thread.start()
+    calls = []
+    try:
+        status, text, ttft, error, _ = _send(
+            f"http://127.0.0.1:{server.server_port}/v1/completions", {}, True, 10,
+            on_first_token=lambda: (calls.append(1), called.set()),
+        )
+    finally:
+        thread.join(10)
+        server.server_close()
+    assert (status, text, error) == (200, "ab", None) and ttft is not None
+    assert calls == [1] and order == [("callback seen before second event", True)]
