@@ -6,16 +6,21 @@ The table is ``turnstore.SCHEMA`` translated once (``table_ddl``): the key colum
 (tenant, conversation, turn) order it, ``version`` replaces older rows of a turn as
 ClickHouse merges (readers still keep the latest themselves, ``TurnRows``), and a TTL on
 ``finalized_at`` expires rows after the retention, a day's partition dropped whole.
+
+A table an older kvobs made lacks the columns added since: the first write adds them
+(``column_additions``), and a read never alters the table (a reader may be a read-only
+user): it selects the columns the table has and gives the others as nulls of their type.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 
 from kvobs.live.turnstore import SCHEMA, TurnRows
 from kvobs.sources._clickhouse_client import ClickHouseError, Database, connect
+from kvobs.sources._errors import SourceError
 from kvobs.sources.clickhouse import check_table_name
 
 DEFAULT_TURN_TABLE = "kvobs_turn_rows"
@@ -74,6 +79,7 @@ class ClickHouseTurns(TurnRows):
         self.table = table
         self.location = f"{database.location} table {table}"
         self._created = False
+        self._columns: frozenset[str] | None = None  # the table's, once read or written
 
     @classmethod
     def from_url(
@@ -85,6 +91,31 @@ class ClickHouseTurns(TurnRows):
     def exists(self) -> bool:
         return bool(self.database.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py())
 
+    def _held(self) -> frozenset[str]:
+        """The table's columns, asked once (``DESCRIBE TABLE``): a table made by an older
+        kvobs lacks the nullable columns added since. ``SourceError`` (the CLI's input
+        error) naming the table and column when a required one is missing: not a kvobs
+        turn table."""
+        if self._columns is None:
+            described = self.database.query(f"DESCRIBE TABLE {self.table}")
+            held = frozenset(described.column(0).to_pylist())
+            missing = [f.name for f in SCHEMA if f.name in _REQUIRED and f.name not in held]
+            if missing:
+                raise SourceError(
+                    f"{self.location}: not a kvobs turn table: it has no column "
+                    + ", ".join(f"`{name}`" for name in missing)
+                )
+            self._columns = held
+        return self._columns
+
+    def _selected(self, columns: Iterable[str]) -> str:
+        """The SELECT list of ``columns``: a column the table lacks as a typed null."""
+        held = self._held()
+        return ", ".join(
+            f"`{c}`" if c in held else f"CAST(NULL AS {column_type(SCHEMA.field(c))}) AS `{c}`"
+            for c in columns
+        )
+
     def _flush(self, now: float) -> int:
         rows = pa.Table.from_pylist(self.pending, schema=SCHEMA)
         try:
@@ -92,6 +123,7 @@ class ClickHouseTurns(TurnRows):
                 self.database.query(table_ddl(self.table, self.retention_s))
                 self.database.query(column_additions(self.table))
                 self._created = True
+                self._columns = frozenset(SCHEMA.names)
             self.database.insert(self.table, rows)
         except ClickHouseError as error:  # kept in pending, as a full disk keeps them
             raise OSError(f"{self.location}: {error}") from error
@@ -107,7 +139,7 @@ class ClickHouseTurns(TurnRows):
             return
         order = [*KEY, "version"]
         wanted = pa.schema([SCHEMA.field(c) for c in columns])
-        names = ", ".join(f"`{c}`" for c in dict.fromkeys([*order, *columns]))
+        names = self._selected(dict.fromkeys([*order, *columns]))
         after: list[str] = []
         parameters: dict[str, object] = {}
         later = ["version > 1"] if later_versions else []
@@ -144,7 +176,7 @@ class ClickHouseTurns(TurnRows):
         if since is not None:
             conditions.append(f"finalized_at >= {float(since)!r}")
         where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-        names = ", ".join(f"`{f.name}`" for f in SCHEMA)
+        names = self._selected(SCHEMA.names)
         table = self.database.query(f"SELECT {names} FROM {self.table} {where}", parameters)
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
 

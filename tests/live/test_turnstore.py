@@ -110,6 +110,130 @@ def test_clickhouse_table_of_an_older_kvobs_gets_the_new_columns(chdb_path):
     assert store.read().num_rows == 1
 
 
+def _older_table(chdb_path: str, name: str, dropped: tuple[str, ...]):
+    """A turn table as an older kvobs made it (today's DDL without ``dropped``) holding
+    one row of ``c``; a fresh ``ClickHouseTurns`` over it that has written nothing and
+    records every statement it sends, and one that sends them as they are."""
+    from kvobs.live.clickhouse_turns import SCHEMA, ClickHouseTurns, table_ddl
+    from kvobs.live.turnstore import record
+    from kvobs.sources._clickhouse_client import Database
+
+    maker = _clickhouse(chdb_path, name)
+    ddl = table_ddl(maker.table, maker.retention_s)
+    for column in dropped:
+        assert column in SCHEMA.names
+        ddl = "\n".join(line for line in ddl.split("\n") if f"`{column}`" not in line)
+    maker.database.query(ddl)
+    import pyarrow as pa
+
+    row = record(_row("c", 1, "first-turn"), time.time())
+    rows = pa.Table.from_pylist([row], schema=SCHEMA).drop_columns(list(dropped))
+    maker.database.insert(maker.table, rows)
+
+    sent: list[str] = []
+
+    def query(sql, parameters=None, large=False):
+        sent.append(sql)
+        return maker.database.query(sql, parameters, large)
+
+    database = Database(query, maker.database.insert, maker.database.location)
+    return ClickHouseTurns(database, maker.table), sent, maker
+
+
+def _described(store) -> list[tuple[str, str]]:
+    described = store.database.query(f"DESCRIBE TABLE {store.table}")
+    return list(zip(described.column(0).to_pylist(), described.column(1).to_pylist()))
+
+
+def test_clickhouse_table_of_an_older_kvobs_is_read_before_any_write(chdb_path):
+    """A reader (kvobs report, kvobs turns) over a table an older kvobs made, before
+    this process wrote anything: the columns the table lacks read as nulls of their
+    type, the rows come back whole, and the table is never altered (a read-only user
+    may read it)."""
+    from kvobs.live.clickhouse_turns import SCHEMA
+
+    dropped = ("measures", "prefill_tokens_per_s", "slowest_phase")
+    store, sent, plain = _older_table(chdb_path, "older_read", dropped)
+    before = _described(plain)
+    table = store.read()
+    assert table.schema == SCHEMA and table.num_rows == 1
+    (stored,) = table.to_pylist()
+    assert all(stored[c] is None for c in dropped)
+    assert stored["conversation_id"] == "c" and stored["verdict"] == "first-turn"
+    assert store.read(conversation_id="c").num_rows == 1
+    assert store.read(since=time.time() - 3600).num_rows == 1
+    assert [t["turn"] for t in store.latest("c")] == [1]
+    columns = ["conversation_id", "turn", "measures", "prefill_tokens_per_s", "verdict"]
+    (batch,) = store.batches(columns, 10)
+    assert batch.schema == pa_schema(columns)
+    assert batch.to_pylist() == [{"conversation_id": "c", "turn": 1, "measures": None,
+                                  "prefill_tokens_per_s": None, "verdict": "first-turn"}]
+    assert list(store.batches(columns, 10, later_versions=True)) == []
+    assert _described(plain) == before
+    assert not [q for q in sent if q.lstrip().upper().startswith(("ALTER", "CREATE", "INSERT"))]
+    # learned once: one look at the table's columns for every read above
+    assert sum("DESCRIBE" in q.upper() or "SYSTEM.COLUMNS" in q.upper() for q in sent) == 1
+
+
+def test_a_write_after_reading_an_older_table_reads_the_new_columns(chdb_path):
+    """The first write adds the missing columns (as before); the same object's next read
+    gives the row just written with its measures, the older row's still null."""
+    store, _, _ = _older_table(chdb_path, "older_then_write", ("prefill_tokens_per_s",))
+    assert store.read().column("prefill_tokens_per_s").to_pylist() == [None]
+    store.write([_row("c", 2, "miss", context={"prefill_tokens_per_s": 9000.0})])
+    rates = {r["turn"]: r["prefill_tokens_per_s"] for r in store.read().to_pylist()}
+    assert rates == {1: None, 2: 9000.0}
+
+
+def pa_schema(columns: list[str]):
+    from kvobs.live.turnstore import SCHEMA
+    import pyarrow as pa
+
+    return pa.schema([SCHEMA.field(c) for c in columns])
+
+
+def test_a_table_without_a_required_column_is_an_input_error(chdb_path):
+    """A table that is not a kvobs turn table (no ``detail``): reading it says which
+    table and which column, as a ``SourceError`` (the CLI's exit 2), never a
+    ClickHouse error about an unknown identifier; ``kvobs turns`` and ``kvobs report``
+    exit 2 saying so."""
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+    from kvobs.sources import SourceError
+
+    store, _, _ = _older_table(chdb_path, "not_turns", ("detail",))
+    for reading in (store.read, lambda: list(store.batches(["turn"], 10)), store.latest):
+        with pytest.raises(SourceError, match=rf"{store.table}.*`detail`") as raised:
+            reading()
+        assert "Unknown" not in str(raised.value)
+    location = f"chdb:{chdb_path}?turn_table={store.table}"
+    for command in (["turns", "--json"], ["report", "--json"]):
+        result = CliRunner().invoke(main, [*command, "--source", location])
+        assert result.exit_code == 2, (command, result.output)
+        assert "error:" in result.output and "detail" in result.output, result.output
+        assert store.table in result.output
+
+
+def test_kvobs_turns_and_report_read_an_older_table(chdb_path):
+    """The commands over a table an older kvobs made, nothing written since: the turn is
+    listed and reported (its measures unknown), and the table is left as it was."""
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+
+    store, _, plain = _older_table(chdb_path, "older_cli", ("measures", "prefill_tokens_per_s"))
+    before = _described(plain)
+    location = f"chdb:{chdb_path}?turn_table={store.table}"
+    listed = CliRunner().invoke(main, ["turns", "--json", "--source", location])
+    assert listed.exit_code == 0, listed.output
+    assert [(t["conversation_id"], t["turn"]) for t in json.loads(listed.stdout)] == [("c", 1)]
+    reported = CliRunner().invoke(main, ["report", "--json", "--source", location])
+    assert reported.exit_code == 0, reported.output
+    assert json.loads(reported.stdout)["turns"] == 1
+    assert _described(plain) == before
+
+
 def test_clickhouse_stores_non_finite_numbers_as_null(chdb_path):
     store = _clickhouse(chdb_path, "nan")
     store.write([_row("c", 1, "first-turn", latency_s=math.inf, phases={"decode": math.nan})])
