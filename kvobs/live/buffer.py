@@ -3,8 +3,14 @@ as long as a later turn could still link to them, nothing older.
 
 Spans are grouped into *units*, the smallest sets the turn pipeline needs together:
 
-- a conversation (``gen_ai.conversation.id``), with the untagged spans of its traces
-  (vLLM's own request spans, HTTP spans), as ``diagnose`` selects them;
+- a conversation (``gen_ai.conversation.id``), with the untagged spans (vLLM's own request
+  spans, HTTP spans) that ``kvobs.turns.correlate`` gives it: a span goes to its nearest
+  tagged ancestor's conversation (``correlate.nearest_tagged``), else to its trace's when
+  the trace holds one conversation only. Several conversations may share a trace (a
+  client's, which the proxy continues); an untagged span of such a trace with no known
+  tagged ancestor is in none of them (as correlate leaves it), kept aside until its
+  ancestor arrives. Spans arrive in any order: a trace's untagged spans are placed again
+  whenever a span of the trace arrives, and move when their place changes;
 - the id-less pool: spans of no known conversation (fleets behind vllm-router or
   llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), kept by arrival time.
 
@@ -20,7 +26,10 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvobs import semconv as sc
+from kvobs.turns.correlate import nearest_tagged
 
 _CID = sc.CONVERSATION_ID.key
 # What prefix lineage reads of every turn (kvobs.turns.lineage: prompts, D's exports, releases
@@ -41,18 +50,52 @@ IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be 
 
 @dataclass
 class Unit:
-    rows: list[dict] = field(default_factory=list)
-    lineage: list[dict] = field(default_factory=list)  # its rows named in LINEAGE_SPANS
+    # Keyed by id(row), in arrival order: an untagged span moves out in O(1).
+    rows: dict[int, dict] = field(default_factory=dict)
+    lineage: dict[int, dict] = field(default_factory=dict)  # its rows named in LINEAGE_SPANS
     traces: set[str] = field(default_factory=set)
     last_arrival: float = 0.0
     dirty: bool = False
+
+
+@dataclass
+class _Trace:
+    """A trace with some conversation's spans: what places its untagged spans."""
+
+    tagged: dict[str, str] = field(default_factory=dict)  # span id -> conversation
+    owners: set[str] = field(default_factory=set)  # conversations in the buffer with spans here
+    # Conversations ever seen here: one that left keeps the trace shared (correlate over
+    # every span would still see it).
+    seen: set[str] = field(default_factory=set)
+    untagged: dict[int, dict] = field(default_factory=dict)  # id(row) -> row
+    placed: dict[int, str | None] = field(default_factory=dict)  # id(row) -> its unit
+
+
+def places(trace: _Trace) -> list[str | None]:
+    """The conversation of each of ``trace``'s untagged spans (in ``untagged`` order) as
+    ``correlate._inherit_keys`` gives it: the nearest tagged ancestor's, else the trace's
+    when it holds one conversation, else none. Pure."""
+    rows = list(trace.untagged.values())
+    tagged_ids = list(trace.tagged)
+    index: dict[str, int] = {}
+    for i, span_id in enumerate([*tagged_ids, *(row.get("span_id") for row in rows)]):
+        if span_id is not None:
+            index.setdefault(span_id, i)
+    parents = np.array(
+        [-1] * len(tagged_ids) + [index.get(row.get("parent_span_id") or "", -1) for row in rows],
+        np.int64,
+    )
+    is_tagged = np.arange(len(parents)) < len(tagged_ids)
+    ancestors = nearest_tagged(parents, is_tagged)[len(tagged_ids) :]
+    only = next(iter(trace.seen)) if len(trace.seen) == 1 else None
+    return [trace.tagged[tagged_ids[a]] if a >= 0 else only for a in ancestors.tolist()]
 
 
 class SpanBuffer:
     def __init__(self, window_s: float, forget_after: int = 100_000):
         self.window_s = window_s
         self.units: dict[str, Unit] = {}
-        self._owner: dict[str, str] = {}  # trace id -> conversation unit
+        self._traces: dict[str, _Trace] = {}  # traces holding some unit's tagged spans
         # id-less spans by trace: moved into a conversation when a tagged span claims it
         self._idless: dict[str | None, list[dict]] = collections.defaultdict(list)
         self._idless_seen: dict[str | None, float] = {}
@@ -63,21 +106,29 @@ class SpanBuffer:
         self.late_spans = 0
 
     def __len__(self) -> int:
-        return sum(len(u.rows) for u in self.units.values()) + sum(
-            len(r) for r in self._idless.values()
+        unplaced = sum(
+            1 for trace in self._traces.values() for unit in trace.placed.values() if unit is None
+        )
+        return (
+            sum(len(u.rows) for u in self.units.values())
+            + sum(len(r) for r in self._idless.values())
+            + unplaced
         )
 
     def add(self, rows: list[dict], now: float) -> None:
         """Spans as ``kvobs.sources._rows`` decodes them (coerced rows)."""
+        touched: set[str] = set()  # traces whose untagged spans are placed again
         for row in rows:
             cid = row.get(_CID)
             trace = row.get("trace_id")
             if cid is None:
-                cid = self._owner.get(trace) if trace is not None else None
-            if cid is None:
-                self._idless[trace].append(row)
-                self._idless_seen[trace] = now
-                self._idless_dirty = True
+                if trace is not None and trace in self._traces:
+                    self._traces[trace].untagged[id(row)] = row
+                    touched.add(trace)
+                else:
+                    self._idless[trace].append(row)
+                    self._idless_seen[trace] = now
+                    self._idless_dirty = True
                 continue
             if cid in self._dropped and cid not in self.units:
                 self.late_spans += 1
@@ -88,35 +139,69 @@ class SpanBuffer:
             self._keep(unit, row)
             unit.last_arrival = now
             unit.dirty = True
-            if trace is not None and trace not in unit.traces:
+            if trace is not None:
+                self._claim(trace, cid, row)
                 unit.traces.add(trace)
-                self._owner[trace] = cid
-                claimed = self._idless.pop(trace, None)
-                if claimed:
-                    self._idless_seen.pop(trace, None)
-                    for moved in claimed:
-                        self._keep(unit, moved)
-                    self._idless_dirty = True  # the pool changed too
+                touched.add(trace)
+        for trace in touched:
+            self._place(trace, now)
+
+    def _claim(self, trace: str, cid: str, row: dict) -> None:
+        """Note a tagged span in its trace; the first takes the trace's id-less spans."""
+        known = self._traces.get(trace)
+        if known is None:
+            known = self._traces[trace] = _Trace()
+            claimed = self._idless.pop(trace, None)
+            if claimed:
+                self._idless_seen.pop(trace, None)
+                known.untagged.update((id(moved), moved) for moved in claimed)
+                self._idless_dirty = True  # the pool changed too
+        if row.get("span_id") is not None:
+            known.tagged.setdefault(row["span_id"], cid)
+        known.owners.add(cid)
+        known.seen.add(cid)
+
+    def _place(self, trace_id: str, now: float) -> None:
+        """Put each untagged span of the trace where ``places`` says; a span that moves
+        (its ancestor arrived, or a second conversation made the trace shared) leaves
+        its former unit, which is re-classified too."""
+        trace = self._traces[trace_id]
+        for key, cid in zip(list(trace.untagged), places(trace)):
+            if key in trace.placed and trace.placed[key] == cid:
+                continue
+            row = trace.untagged[key]
+            former = self.units.get(trace.placed.get(key) or "")
+            if former is not None:
+                former.rows.pop(key, None)
+                former.lineage.pop(key, None)
+                former.dirty = True
+            trace.placed[key] = cid
+            if cid is not None:
+                unit = self.units[cid]
+                self._keep(unit, row)
+                unit.last_arrival = now
+                unit.dirty = True
 
     @staticmethod
     def _keep(unit: Unit, row: dict) -> None:
-        unit.rows.append(row)
+        unit.rows[id(row)] = row
         if row.get("name") in LINEAGE_SPANS:
-            unit.lineage.append(row)
+            unit.lineage[id(row)] = row
 
     def take_dirty(self) -> tuple[list[str], list[dict]]:
         """The dirty units' keys and their spans (the id-less pool whole when any of it
         changed: lineage links its turns across the pool), with the lineage spans of
         the clean units; marks them clean. Turns of clean units the pipeline makes of
         those context spans are partial: not the pass's to keep."""
-        keys, rows = [], []
+        keys: list[str] = []
+        rows: list[dict] = []
         for key, unit in self.units.items():
             if unit.dirty:
                 unit.dirty = False
                 keys.append(key)
-                rows.extend(unit.rows)
+                rows.extend(unit.rows.values())
             else:
-                rows.extend(unit.lineage)
+                rows.extend(unit.lineage.values())
         if not keys and not self._idless_dirty:
             return [], []
         if self._idless_dirty:
@@ -130,7 +215,7 @@ class SpanBuffer:
         if key == IDLESS:
             return [row for pooled in self._idless.values() for row in pooled]
         unit = self.units.get(key)
-        return list(unit.rows) if unit is not None else []
+        return list(unit.rows.values()) if unit is not None else []
 
     def expire(self, now: float) -> list[str]:
         """Drops units idle past the window; returns the dropped conversation keys."""
@@ -138,7 +223,7 @@ class SpanBuffer:
         gone = [key for key, unit in self.units.items() if unit.last_arrival < horizon]
         for key in gone:
             for trace in self.units.pop(key).traces:
-                self._owner.pop(trace, None)
+                self._leave(trace, key)
             self._dropped[key] = None
             self._dropped.move_to_end(key)
         while len(self._dropped) > self._forget_after:
@@ -148,3 +233,18 @@ class SpanBuffer:
             del self._idless[idle]
             del self._idless_seen[idle]
         return gone
+
+    def _leave(self, trace_id: str, cid: str) -> None:
+        """Forget a dropped conversation in a trace: its tagged span ids and the untagged
+        spans placed in it; the whole trace (its unplaced spans too) once no conversation
+        in the buffer has spans there."""
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            return
+        trace.owners.discard(cid)
+        if not trace.owners:
+            del self._traces[trace_id]
+            return
+        trace.tagged = {span: owner for span, owner in trace.tagged.items() if owner != cid}
+        for key in [k for k, unit in trace.placed.items() if unit == cid]:
+            del trace.placed[key], trace.untagged[key]

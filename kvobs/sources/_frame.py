@@ -225,9 +225,12 @@ def drop_duplicate_span_rows(table: pa.Table, problems: list[str]) -> pa.Table:
 
 
 def select_conversation(table: pa.Table, conversation_id: str) -> pa.Table:
-    """Spans tagged with the conversation, plus untagged spans of the same traces."""
+    """Spans tagged with the conversation, plus every span of its traces: a trace may
+    hold other conversations' turns too (a client's, which the proxy continues), and
+    their tagged spans tell correlate whose an untagged span is (without them, every
+    untagged span of the trace would look like this conversation's). As ClickHouse's
+    ``span_table`` selects."""
     ids = table.column(sc.CONVERSATION_ID.key)
     tagged = arrays.equal(ids, conversation_id)
     traces = pc.unique(table.column("trace_id").filter(tagged)).drop_null()
-    in_trace = pc.and_(pc.is_in(table.column("trace_id"), value_set=traces), pc.is_null(ids))
-    return table.filter(pc.or_(tagged, in_trace))
+    return table.filter(pc.or_(tagged, pc.is_in(table.column("trace_id"), value_set=traces)))

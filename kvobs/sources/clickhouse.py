@@ -64,7 +64,7 @@ from kvobs.sources._clickhouse_view import (
     view_columns,
     view_mark,
 )
-from kvobs.turns.correlate import ARROW_TYPES
+from kvobs.turns.correlate import ANCESTRY_DEPTH, ARROW_TYPES
 from kvobs.sources._errors import SourceError
 from kvobs.sources._frame import (
     ALL_DTYPES,
@@ -270,32 +270,50 @@ class ClickHouseSource:
 
     def turns_sql(self) -> str:
         """One row per (tenant, conversation, turn) in one query, spans lacking a key
-        taking it from their trace (a join): what ``turn_row_slices`` falls back to when
-        its per-span-name parts show such spans, or on a hash collision."""
+        taking it as ``correlate`` does: from the nearest of their ``ANCESTRY_DEPTH``
+        ancestors that has it (a join per level), else from their trace (a join), a
+        conversation only from a trace holding one. What ``turn_row_slices`` falls back
+        to when its per-span-name parts show such spans, or on a hash collision."""
         # One branch per span name, filtered on SpanName (the exporter's sort key): each
         # attribute is looked up only on rows of its own span.
         sql = self.dialect
         tenant, cid, turn = (sql.attr(TENANT_KEY), sql.attr(CID_KEY), sql.typed(TURN_KEY, "int"))
+        keys = f"{tenant} AS tenant, {cid} AS cid, {turn} AS turn_index"
         branches = []
         for name in fleet_span_names():
             values = [
                 f"{turn_value(sql, c, name)} AS v_{column}" for column, c in FLEET_COLUMNS.items()
             ]
             branches.append(
-                f"SELECT TraceId, Timestamp, {tenant} AS tenant, {cid} AS cid, "
-                f"{turn} AS turn_index, {', '.join(values)} FROM {self._spans_named(name)}"
+                f"SELECT TraceId, SpanId, ParentSpanId, Timestamp, {keys}, "
+                f"{', '.join(values)} FROM {self._spans_named(name)}"
             )
+        # Several conversations may share a trace (a client's, which the proxy continues):
+        # the parents come first, and a trace holding several gives no conversation. Each
+        # level is a join on every span's ids (a span stored twice matched once: ANY): a
+        # scan and a hash table per level, paid only on this fallback path.
+        levels = [f"p{level}" for level in range(1, ANCESTRY_DEPTH + 1)]
+        ancestors = "".join(
+            f"\n            LEFT ANY JOIN (SELECT TraceId, SpanId, ParentSpanId, {keys} "
+            f"FROM {self.table}) AS {p} ON {p}.TraceId = s.TraceId "
+            f"AND {p}.SpanId = {child}.ParentSpanId"
+            for child, p in zip(["s", *levels], levels)
+        )
+
+        def nearest(key: str) -> str:
+            found = "".join(f"ifNull({p}.{key}, '') != '', {p}.{key}, " for p in levels)
+            return f"ifNull(multiIf(s.{key} != '', s.{key}, {found}t.{key}), '')"
+
+        turns = ", ".join(f"{p}.turn_index" for p in ["s", *levels, "t"])
         spans = f"""
-            SELECT s.* REPLACE (if(s.tenant != '', s.tenant, ifNull(t.tenant, '')) AS tenant,
-                                if(s.cid != '', s.cid, ifNull(t.cid, '')) AS cid,
-                                ifNull(s.turn_index, t.turn_index) AS turn_index)
-            FROM ({" UNION ALL ".join(branches)}) AS s
+            SELECT s.* REPLACE ({nearest("tenant")} AS tenant, {nearest("cid")} AS cid,
+                                coalesce({turns}) AS turn_index)
+            FROM ({" UNION ALL ".join(branches)}) AS s{ancestors}
             LEFT JOIN (SELECT TraceId, anyIf(tenant, tenant != '') AS tenant,
-                              anyIf(cid, cid != '') AS cid,
+                              if(uniqExactIf(cid, cid != '') = 1, anyIf(cid, cid != ''),
+                                 '') AS cid,
                               anyIf(turn_index, turn_index IS NOT NULL) AS turn_index
-                       FROM (SELECT TraceId, {tenant} AS tenant, {cid} AS cid,
-                                    {turn} AS turn_index
-                             FROM {self.table})
+                       FROM (SELECT TraceId, {keys} FROM {self.table})
                        GROUP BY TraceId) AS t ON s.TraceId = t.TraceId"""
         select = [turn_aggregate(column, c) for column, c in FLEET_COLUMNS.items()]
         return (

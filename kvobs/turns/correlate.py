@@ -66,6 +66,7 @@ __all__ = [
     "span_columns",
     "vllm_roles",
     "needs_lineage",
+    "nearest_tagged",
     "KEYS",
     "UNKNOWN_TENANT",
 ]
@@ -285,11 +286,46 @@ def parent_rows(table: pa.Table) -> np.ndarray | None:
     return arrays.numbers(pc.cast(found, pa.int64()), fill=-1)
 
 
+# How far up the span tree a span without keys looks for a tagged ancestor: the deepest
+# chain recorded is 2 (the proxy's HTTP ``POST`` under its ``POST /v1/completions`` under
+# the turn span; vLLM's request span is the turn span's child), one more for margin.
+# ClickHouse's span SQL joins as many parent levels (``ClickHouseSource.turns_sql``), so
+# both paths agree; it also ends a cycle of span ids (a damaged file).
+ANCESTRY_DEPTH = 3
+
+
+def nearest_tagged(parents: np.ndarray, tagged: np.ndarray) -> np.ndarray:
+    """Per row, its nearest ancestor row that is ``tagged`` (``parents``: per row its
+    parent's row, -1 when not known), -1 when none within ``ANCESTRY_DEPTH``: the one
+    rule of which turn a span without keys belongs to, shared by ``_inherit_keys`` and
+    the live classifier's buffer (``kvobs.live.buffer``). Pure."""
+    found = np.full(len(parents), -1, np.int64)
+    up = parents.astype(np.int64, copy=True)
+    for _ in range(ANCESTRY_DEPTH):
+        walking = np.flatnonzero((found < 0) & (up >= 0))
+        if not len(walking):
+            break
+        hit = tagged[up[walking]]
+        found[walking[hit]] = up[walking[hit]]
+        up[walking[~hit]] = parents[up[walking[~hit]]]
+    return found
+
+
+def single_valued(groups: np.ndarray, values: np.ndarray, count: int) -> np.ndarray:
+    """Per group code (0..count-1): whether its rows hold at most one distinct value code."""
+    pairs = np.unique(np.stack([groups, values]), axis=1)
+    return np.bincount(pairs[0], minlength=count) <= 1
+
+
 def _inherit_keys(table: pa.Table) -> pa.Table:
-    """Each key a span lacks comes from its parent span when that has it, else from the
-    first span of its trace that has it. The parent first: several turns may share a
-    trace (a client's, which the proxy continues), and vLLM's request span, which
-    carries no key, is the child of its turn's span (the traceparent the proxy sent)."""
+    """Each key a span lacks comes from its nearest ancestor span (``nearest_tagged``)
+    that has it, else from the first span of its trace that has it. The ancestors first:
+    several turns may share a trace (a client's, which the proxy continues), and vLLM's
+    request span, which carries no key, is the child of its turn's span (the traceparent
+    the proxy sent), the proxy's HTTP client spans its grandchildren. A trace holding
+    several conversations gives no conversation to a span none of whose ancestors has
+    one: which it belongs to is unknown (the first by table order would depend on how
+    the source stored them, and the live classifier could not agree)."""
     if "trace_id" not in table.column_names or not needs_traces(table):
         return table
     table = plain(table)
@@ -305,10 +341,13 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
         traced, first = np.unique(codes[has], return_index=True)
         source = np.full(traces, -1, np.int64)
         source[traced] = has[first]
+        if key == _CID:
+            values = arrays.codes(column)[0]
+            source[~single_valued(codes[has], values[has], traces)] = -1
         index = source[codes]
         if parents is not None:
-            from_parent = (parents >= 0) & valid[np.maximum(parents, 0)]
-            index = np.where(from_parent, parents, index)
+            ancestor = nearest_tagged(parents, valid)
+            index = np.where(ancestor >= 0, ancestor, index)
         inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
         table = table.set_column(table.column_names.index(key), key, pc.coalesce(column, inherited))
     return table
