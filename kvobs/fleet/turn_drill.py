@@ -9,6 +9,7 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvobs.fleet.report import _NOT_FAULTS, LISTED_SLOW, diagnose_command
 from kvobs.live.turnstore import TurnRows
@@ -56,10 +57,10 @@ def slow_turns(
     """The healthy turns at or above their scope's latency threshold (``first_turn``,
     ``later_turns``): the slowest ``LISTED_SLOW``, and how many."""
     slow, count = Ranked(LISTED_SLOW), 0
+    healthy_verdicts = pa.array(sorted(_NOT_FAULTS), pa.string())
     for batch in batches:
-        frame = batch.to_pandas()
-        latency = frame["latency_s"].to_numpy(float, na_value=np.nan)
-        first = (frame["turn"] == 1).to_numpy(bool)
+        latency = batch.column("latency_s").to_numpy(zero_copy_only=False)
+        first = batch.column("turn").to_numpy(zero_copy_only=False) == 1
         threshold = np.where(
             first,
             *(
@@ -67,22 +68,22 @@ def slow_turns(
                 for s in ("first_turn", "later_turns")
             ),
         )
-        healthy = frame["verdict"].isin(_NOT_FAULTS).to_numpy(bool)
-        mask = healthy & (latency >= threshold)  # NaN compares False
+        healthy = pc.is_in(batch.column("verdict"), value_set=healthy_verdicts)
+        mask = healthy.to_numpy(zero_copy_only=False) & (latency >= threshold)  # NaN: False
         count += int(mask.sum())
-        slow.add(frame, mask)
+        if mask.any():  # only the slow rows become a frame (strings are dear)
+            frame = batch.filter(pa.array(mask)).to_pandas()
+            slow.add(frame, np.ones(len(frame), bool))
     return slow, count
 
 
 def drill_rows(rows: TurnRows, chosen, source: str, read_slo_s) -> list[dict[str, Any]]:
-    """The listed turns, each completed from its conversation's stored rows (one indexed
-    lookup per conversation): its top cause, trace id, and whether its id is shared by
+    """The listed turns, each completed from its conversation's stored rows (looked up
+    together: each file's index read once): its top cause, trace id, and whether its id is shared by
     several tenants (the command then names the tenant)."""
-    stored: dict[str, list[dict]] = {}
+    stored = rows.latest_of(row[1] for row, _ in chosen)
     out = []
     for (_, cid, tenant, turn, verdict, latency), kind in chosen:
-        if cid not in stored:
-            stored[cid] = rows.latest(cid)
         mine = [r for r in stored[cid] if str(r.get("tenant") or "") == tenant]
         detail = next((r for r in mine if r.get("turn") == turn), {})
         causes = detail.get("causes") or []

@@ -53,7 +53,7 @@ from kvobs.timeline import PHASES, phase_column
 # at 677 MiB, 262,144 at 974 MiB; bench/README.md).
 BATCH_ROWS = 131_072
 _KEY_COLUMNS = ["tenant", "conversation_id", "turn", "version"]
-_ROW_COLUMNS = ["verdict", "trace_id", "slowest_phase", "latency_s", "ttft_s", "prompt_tokens"]
+_ROW_COLUMNS = ["verdict", "slowest_phase", "latency_s", "ttft_s", "prompt_tokens"]
 _CONTEXT_COLUMNS = ["finalized_at", "prefill_tokens_per_s"]
 AGGREGATED = _KEY_COLUMNS + _ROW_COLUMNS + _CONTEXT_COLUMNS + [MEASURES_COLUMN]
 _SCOPES = ("first_turn", "later_turns")
@@ -186,7 +186,15 @@ class _PhaseTally:
         default_factory=lambda: {p.value: new_sketch() for p in PHASES}
     )
 
-    def add(self, frame: pd.DataFrame, rows: np.ndarray, unmeasured) -> None:
+    def add(
+        self,
+        frame: pd.DataFrame,
+        rows: np.ndarray,
+        unmeasured,
+        slowest: tuple[np.ndarray, list[str]],
+    ) -> None:
+        """The turns at ``rows``; ``slowest``: each turn's slowest phase as a code into
+        the names (-1: none), worked out once for the batch's scopes."""
         latency = frame["latency_s"].to_numpy(float, na_value=np.nan).take(rows)
         timed = ~np.isnan(latency)
         self.turns += len(rows)
@@ -195,7 +203,9 @@ class _PhaseTally:
         seconds, gaps = (values.take(rows)[timed] for values in unmeasured)
         self.gap_ns += _sum_ns(seconds)
         self.gap_turns += int(gaps.sum())
-        self.slowest.update(frame["slowest_phase"].take(rows).dropna().astype(str).tolist())
+        codes, names = slowest
+        tally = np.bincount(codes.take(rows) + 1, minlength=len(names) + 1)[1:]  # -1: none
+        self.slowest.update({name: int(k) for name, k in zip(names, tally.tolist()) if k})
         for phase in PHASES:
             values = frame[phase_column(phase)].to_numpy(float, na_value=np.nan).take(rows)
             values = values[~np.isnan(values)]
@@ -259,8 +269,10 @@ def turn_row_report(
                 groups[name], frame, measured, keys, scope_rows[grouped] if grouped else every
             )
         unmeasured = unmeasured_latency(frame)
+        codes, names = pd.factorize(frame["slowest_phase"])
+        slowest = (codes.astype(np.int64), [str(name) for name in names])
         for scope, at in scope_rows.items():
-            phases[scope].add(frame, at, unmeasured)
+            phases[scope].add(frame, at, unmeasured, slowest)
         memory.update(memory_sums(frame))
         retained = retained + RetentionSums.of(frame)
         add_values(per_block, read_bytes_per_block(frame))

@@ -196,6 +196,23 @@ class TurnRows:
             for _, detail in sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])
         ]
 
+    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        """``latest`` of each conversation (a store that can look several up at once
+        overrides it)."""
+        return {cid: self.latest(cid) for cid in dict.fromkeys(conversation_ids)}
+
+
+def _latest_by_conversation(
+    table: pa.Table | None, conversation_ids: list[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """``latest``'s answer per conversation, from a table of their rows."""
+    found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in conversation_ids}
+    if table is None:
+        return found
+    for key, detail in sorted(_latest(table), key=lambda item: item[0]):
+        found[key[1]].append(detail | {"final": True})
+    return found
+
 
 def _latest(table: pa.Table) -> list[tuple[tuple, dict[str, Any]]]:
     """(key, turn) at each key's highest version, superseded keys left out."""
@@ -320,14 +337,14 @@ class TurnStore(TurnRows):
     def _rows(
         self,
         path: str,
-        conversation_id: str | None,
-        key: int | None,
+        conversation_ids: list[str] | None,
+        keys: np.ndarray | None,
         since: float | None,
         filters: list,
     ) -> pa.Table:
         table = None
-        if key is not None and conversation_id is not None:
-            table = self._conversation_rows(path, conversation_id, key)
+        if keys is not None and conversation_ids is not None:
+            table = self._conversation_rows(path, conversation_ids, keys)
             if table is not None and since is not None and table.num_rows:
                 table = table.filter(pc.greater_equal(table.column("finalized_at"), since))
         if table is None:
@@ -335,12 +352,14 @@ class TurnStore(TurnRows):
         return table
 
     @staticmethod
-    def _conversation_rows(path: str, conversation_id: str, key: int) -> pa.Table | None:
-        """The conversation's rows of a file through its index (an empty table when it
-        holds none), None when the file has no index (an older kvobs wrote it). Nothing
-        is kept between lookups: the index is memory-mapped for one search (tens of
-        microseconds), and only a file that holds the conversation is opened, only its
-        row groups whose conversation range covers it read."""
+    def _conversation_rows(
+        path: str, conversation_ids: list[str], keys: np.ndarray
+    ) -> pa.Table | None:
+        """The conversations' rows of a file through its index (an empty table when it
+        holds none of them), None when the file has no index (an older kvobs wrote it).
+        Nothing is kept between lookups: the index is memory-mapped for one search (tens
+        of microseconds), and only a file that holds a conversation is opened, once,
+        only its row groups whose conversation range covers one read."""
         index = path[: -len(".parquet")] + _INDEX
         try:
             with open(index, "rb") as handle:
@@ -350,17 +369,17 @@ class TurnStore(TurnRows):
                     hashes = np.frombuffer(handle.read(), dtype="<u8")
         except (OSError, ValueError):  # none (an older kvobs wrote the file)
             return None
-        at = int(np.searchsorted(hashes, np.uint64(key)))
-        found = at < len(hashes) and int(hashes[at]) == key
+        at = np.minimum(np.searchsorted(hashes, keys), max(len(hashes) - 1, 0))
+        found = hashes[at] == keys if len(hashes) else np.zeros(len(keys), bool)
         del hashes  # a mapped one is unmapped now
-        if not found:
+        held = [cid for cid, hit in zip(conversation_ids, found.tolist()) if hit]
+        if not held:
             return SCHEMA.empty_table()
         handle = pq.ParquetFile(path)
-        groups = _groups_holding(
-            handle, conversation_id, sorted_=os.path.basename(path).startswith(_MERGED)
-        )
+        sorted_ = os.path.basename(path).startswith(_MERGED)
+        groups = sorted({g for cid in held for g in _groups_holding(handle, cid, sorted_)})
         table = _conformed(handle.read_row_groups(groups))
-        return table.filter(pc.equal(table.column("conversation_id"), conversation_id))
+        return table.filter(pc.is_in(table.column("conversation_id"), pa.array(held, pa.string())))
 
     def _paths(self, since: float | None = None) -> list[str]:
         """Every file of the partitions from ``since``'s hour on."""
@@ -399,18 +418,28 @@ class TurnStore(TurnRows):
         files = self._paths(since)
         if not files:
             return SCHEMA.empty_table()
-        key = None if conversation_id is None else _hashes([conversation_id])[0]
+        ids = None if conversation_id is None else [conversation_id]
+        return self._read(files, ids, since)
+
+    def _read(self, files: list[str], ids: list[str] | None, since: float | None) -> pa.Table:
+        keys = None if ids is None else _hashes(ids)
         filters: list[tuple[str, str, Any]] = (
-            [] if conversation_id is None else [("conversation_id", "=", conversation_id)]
+            [] if ids is None else [("conversation_id", "in", ids)]
         )
         filters += [] if since is None else [("finalized_at", ">=", since)]
         tables = []
         for path in files:
             try:
-                tables.append(self._rows(path, conversation_id, key, since, filters))
+                tables.append(self._rows(path, ids, keys, since, filters))
             except FileNotFoundError:
                 continue  # merged meanwhile: a read after the merge finds its rows
-        return pa.concat_tables(tables)
+        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+
+    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        """``latest`` of several conversations, each file's index read once for all."""
+        ids = sorted(set(conversation_ids))
+        files = self._paths()
+        return _latest_by_conversation(self._read(files, ids, None) if files and ids else None, ids)
 
 
 def _scan(

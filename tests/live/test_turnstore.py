@@ -321,6 +321,9 @@ def test_an_open_hour_s_parts_are_merged_and_lookups_stay_right(tmp_path, monkey
         index.unlink()
     assert seen() == expected
     assert TurnStore(str(tmp_path), 30 * 86400).latest("x") == store.latest("x")
+    # several at once (the report's drill-down): each as its own lookup, none missing
+    wanted = ["x", "o2", "nobody", "o0"]
+    assert store.latest_of(wanted) == {cid: store.latest(cid) for cid in wanted}
 
 
 def test_lookups_find_a_conversation_across_row_groups(tmp_path, monkeypatch):
@@ -339,6 +342,10 @@ def test_lookups_find_a_conversation_across_row_groups(tmp_path, monkeypatch):
         turns = [t["turn"] for t in store.latest(f"c{n:02d}")]
         assert turns == (list(range(1, 7)) if n == 7 else [1]), n
     assert store.latest("c99") == [] and store.latest("a") == []
+    wanted = [f"c{n:02d}" for n in range(0, 15, 2)] + ["c07", "c99"]
+    together = store.latest_of(wanted)
+    assert together == {cid: store.latest(cid) for cid in wanted}
+    assert [t["turn"] for t in together["c07"]] == list(range(1, 7))
 
 
 def test_a_part_merged_away_while_read_is_skipped(tmp_path, monkeypatch):
