@@ -394,8 +394,8 @@ def hook_cost(flows: int, block: int, warmup: int) -> dict:
     verdict = "PASS" if worst < TARGET_HOOK_US else "FAIL"
     print(f"largest added cost per hook call (kvobs-on - upstream, mean): {worst:+.2f} us "
           f"-> target < {TARGET_HOOK_US:.0f} us: {verdict}")
-    return {"rows": rows, "per_request_us": per_req, "hooks_per_request_us": hooks_per_req, "worst_added_us": worst,
-            "spans": spans}
+    return {"rows": rows, "per_request_us": per_req, "hooks_per_request_us": hooks_per_req,
+            "worst_added_us": worst, "spans": spans}
 
 
 # --------------------------------------------------------------------------- part 2

@@ -464,8 +464,9 @@ def bench_front_door(name: str, args, workload: Workload, urls: dict, core: int,
             if args.profile and clients == 64 and name.startswith("kvobs"):
                 os.makedirs(args.profile, exist_ok=True)
                 spy = subprocess.Popen(
-                    [shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable),
-                                                            "py-spy"), "record", "--pid", str(proc.pid), "--rate", "250",
+                    [shutil.which("py-spy")
+                     or os.path.join(os.path.dirname(sys.executable), "py-spy"),
+                     "record", "--pid", str(proc.pid), "--rate", "250",
                      "--nonblocking", "--gil", "--format", "raw", "--output",
                      os.path.join(args.profile, f"{name}.txt")],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -589,7 +590,7 @@ def report(results: list[dict], args) -> None:
     print(f"{'front door':<15}{'cpu/req':>9}{'added p50':>11}{'added p99':>11}"
           f"{'p99 diff':>10}{'req/s @64':>11}{'req/s @256':>12}")
     for row in rows:
-        def ratio(key):
+        def ratio(key, row=row):
             return row[key] / base[key] if base[key] > 0 else float("nan")
         print(f"{row['name']:<15}{ratio('cpu'):>8.2f}x{ratio('add50'):>10.2f}x"
               f"{ratio('add99'):>10.2f}x{(row['add99'] - base['add99']) * 1e3:>8.2f}ms"

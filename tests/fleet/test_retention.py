@@ -165,7 +165,7 @@ def test_a_release_before_the_export_ends_costs_nothing_rather_than_less():
 
 def test_report_terminal_names_both_places(store):
     result = CliRunner().invoke(main, ["report", "--source", store])
-    (line,) = [l for l in result.output.splitlines() if l.startswith("retention cost")]
+    (line,) = [s for s in result.output.splitlines() if s.startswith("retention cost")]
     assert "900 tokens read later" in line and "80 tokens loaded later" in line
     assert "1 host copy still held" in line
 

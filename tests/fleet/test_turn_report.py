@@ -103,7 +103,8 @@ def _compare(span, span_drill, rows, labelled: pd.DataFrame) -> None:
                 assert rows.retention[place][key] is None, (place, key)
             else:
                 assert rows.retention[place][key] == pytest.approx(value, rel=1e-9), (place, key)
-    assert rows.retention["conversations"] == {"unavailable": tr.DEGRADED["retention.conversations"]}
+    assert rows.retention["conversations"] == {
+        "unavailable": tr.DEGRADED["retention.conversations"]}
     drill = rows.extras["drill_down"]
     assert drill["fault_turns"] == span_drill["fault_turns"]
     listed = ("kind", "conversation_id", "tenant", "turn", "verdict", "latency_s", "top_cause",

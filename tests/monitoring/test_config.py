@@ -77,20 +77,23 @@ def test_set_flags_override_the_file(tmp_path):
     # numbers: finite, not negative, fractions at most 1
     ("thresholds:\n  expired_read_ratio: 5\n", "thresholds.expired_read_ratio: is a fraction"),
     ("thresholds:\n  read_p95_seconds: -1\n", "thresholds.read_p95_seconds: must not be negative"),
-    ("thresholds:\n  recompute_tokens_per_second: 0\n", "recompute_tokens_per_second: must be positive"),
+    ("thresholds:\n  recompute_tokens_per_second: 0\n",
+     "recompute_tokens_per_second: must be positive"),
     ("floors:\n  read_attempts: -0.1\n", "floors.read_attempts: must not be negative"),
     ("decode_ttl_seconds: .inf\n", "decode_ttl_seconds: expected a finite number"),
     ("decode_ttl_seconds: true\n", "decode_ttl_seconds: expected a number"),
     ("proxy_expiry_margin_seconds: 1\n", "proxy_expiry_margin_seconds: must be at least"),
     ("decode_ttl_seconds: 8\n", "proxy_entry_lifetime_seconds: must be positive"),
     # matchers, labels, URLs, names
-    ("selectors:\n  engine: namespace=serving\n", "selectors.engine: expected PromQL label matchers"),
+    ("selectors:\n  engine: namespace=serving\n",
+     "selectors.engine: expected PromQL label matchers"),
     ("selectors:\n  proxy: '{job=\"p\"}'\n", "selectors.proxy: expected PromQL label matchers"),
     ("aggregation_labels: [namespace, 'pod name']\n", "aggregation_labels: 'pod name'"),
     ("trace_url: jaeger/trace\n", "trace_url: must be empty or an http(s) URL"),
     ("dashboard_uid: 'my dashboard'\n", "dashboard_uid: expected 1 to 40"),
     ("prometheus_rule_labels: {release: 'kube prometheus'}\n", "prometheus_rule_labels.release:"),
-    ("dashboard_configmap_labels: {grafana_dashboard: [1]}\n", "dashboard_configmap_labels.grafana_dashboard: expected a string"),
+    ("dashboard_configmap_labels: {grafana_dashboard: [1]}\n",
+     "dashboard_configmap_labels.grafana_dashboard: expected a string"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, text, message):
     (tmp_path / "m.yaml").write_text(text)

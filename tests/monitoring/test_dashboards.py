@@ -154,8 +154,8 @@ def test_legends_are_readable(board):
     """No series is named by its scrape address: per-process panels name job and pod."""
     legends = [t["legendFormat"] for p in _panels(board) for t in p["targets"]]
     assert legends and all(legends)
-    assert not [l for l in legends if "{{instance}}" in l]
-    assert not [l for l in legends if l == "__auto"]
+    assert not [legend for legend in legends if "{{instance}}" in legend]
+    assert not [legend for legend in legends if legend == "__auto"]
     per_pod = [t for p in _panels(board) for t in p["targets"]
                if dashboards.POD in t["legendFormat"]]
     assert per_pod
@@ -197,7 +197,7 @@ def test_aggregation_labels_exist_on_the_metrics(board):
                     allowed = set(KNOWN[metric].labels) | TARGET_LABELS
                     if metric.startswith("vllm:"):
                         allowed |= VLLM_LABELS
-                    extra = {l.strip() for l in labels.split(",")} - allowed
+                    extra = {label.strip() for label in labels.split(",")} - allowed
                     assert not extra, f"{panel['title']}: {metric} has no label {extra}"
 
 
@@ -335,7 +335,7 @@ def test_panels_link_the_runbooks_of_their_alerts(board):
 def test_runbook_links_follow_the_config(sdk):
     config = replace(DEFAULT, runbook_base_url="https://docs.example.test/kvobs/runbooks/")
     board = dashboards.build_overview(config)
-    urls = [l["url"] for p in board["panels"] for l in p.get("links", ())]
+    urls = [link["url"] for p in board["panels"] for link in p.get("links", ())]
     assert urls and all(u.startswith("https://docs.example.test/kvobs/runbooks/Kvobs")
                         for u in urls)
     assert board["links"][0]["url"] == config.runbook_base_url
@@ -355,9 +355,10 @@ def test_exemplars_on_the_proxy_latency_histograms(board):
 
 
 def test_trace_link_only_with_a_trace_url(sdk):
-    assert [l["title"] for l in dashboards.build_overview(DEFAULT)["links"]] == ["Runbooks"]
+    assert [link["title"] for link in dashboards.build_overview(DEFAULT)["links"]] == [
+        "Runbooks"]
     config = replace(DEFAULT, trace_url="http://jaeger:16686/trace/${__value.raw}")
-    links = {l["title"]: l for l in dashboards.build_overview(config)["links"]}
+    links = {link["title"]: link for link in dashboards.build_overview(config)["links"]}
     assert links["Traces"]["url"] == "http://jaeger:16686/trace/"
 
 

@@ -309,7 +309,8 @@ def test_collector_receives_otlp_on_the_service_ports(base):
     config = _collector_config(base)
     _check_pipelines(config)
     protocols = config["receivers"]["otlp"]["protocols"]
-    service = {p["name"]: p["port"] for p in by_kind(base, "Service")["kvobs-collector"]["spec"]["ports"]}
+    ports = by_kind(base, "Service")["kvobs-collector"]["spec"]["ports"]
+    service = {p["name"]: p["port"] for p in ports}
     assert protocols["grpc"]["endpoint"].endswith(f":{service['otlp-grpc']}")
     assert protocols["http"]["endpoint"].endswith(f":{service['otlp-http']}")
     assert "probabilistic_sampler" not in config.get("processors", {})  # never sample

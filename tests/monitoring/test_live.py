@@ -224,7 +224,8 @@ def test_recording_rule_expressions(report):
 def test_missing_metadata_ratio_value(prometheus):
     # The fake proxy counts per tick: turn 1 hit, turn 2 hit, turn 2 miss -> later-turn
     # missing share 1/2; the first turn is not in the denominator.
-    (sample,) = live.instant_query(prometheus.url, _expr("namespace_job:kvobs_proxy_turns_missing_metadata:ratio_rate5m"))
+    (sample,) = live.instant_query(
+        prometheus.url, _expr("namespace_job:kvobs_proxy_turns_missing_metadata:ratio_rate5m"))
     assert float(sample["value"][1]) == pytest.approx(0.5)
 
 

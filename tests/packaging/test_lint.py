@@ -1,6 +1,6 @@
 """ruff's lint and format check (pyproject's [tool.ruff]) and mypy's type check
-([tool.mypy]) pass over the packages: a finding fails the suite, as it fails CI (ruff and
-mypy come with the test extra)."""
+([tool.mypy]) pass over the packages (ruff check also over tests and bench): a finding
+fails the suite, as it fails CI (ruff and mypy come with the test extra)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_ruff_finds_nothing():
+    """The packages, and the tests and benchmarks that exercise them."""
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache",
-                           "kvobs", "connector_instrumented"],
+                           "kvobs", "connector_instrumented", "tests", "bench"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 

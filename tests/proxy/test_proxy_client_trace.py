@@ -7,11 +7,10 @@ span whose context the proxy sent the engine."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from harness import Harness
-from opentelemetry import propagate, trace
+from opentelemetry import propagate
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

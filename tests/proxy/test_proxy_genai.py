@@ -34,7 +34,7 @@ def test_operation_and_provider_by_route():
                 assert span.attributes[sc.GENAI_PROVIDER.key] == "vllm"
             # the turn too, and vLLM's id of the request on the turn and its legs
             turns = h.proxy.spans(sc.SPAN_PROXY_TURN.name)
-            for turn, (path, operation) in zip(turns, asked.items()):
+            for turn, operation in zip(turns, asked.values()):
                 a = turn.attributes
                 assert a[sc.GENAI_OPERATION.key] == operation
                 assert a[sc.GENAI_PROVIDER.key] == "vllm"

@@ -162,7 +162,7 @@ def test_client_ids_win_and_lineage_agrees_with_them():
             + router_turns("b", 3, 100.3, list(range(500, 540)), client_id="conv-B"))
     turns = turns_from_spans(frame(rows))
     assert sorted(turns["conversation_id"].unique()) == ["conv-A", "conv-B"]
-    for cid, group in turns.groupby("conversation_id"):
+    for _, group in turns.groupby("conversation_id"):
         assert group["lineage_conversation_id"].nunique() == 1
         assert list(group["lineage_turn"]) == list(group["turn"])
 

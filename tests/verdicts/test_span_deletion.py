@@ -26,12 +26,14 @@ def spans():
 
 def _finding(spans, conversation_id: str, turn: int):
     diagnoses, _ = classify_turns(turns_from_spans(spans))
-    (found,) = [d for d in diagnoses if (d.conversation_id, d.turn.index) == (conversation_id, turn)]
+    (found,) = [d for d in diagnoses
+                if (d.conversation_id, d.turn.index) == (conversation_id, turn)]
     return found.finding
 
 
 def _without(spans, name: str, conversation_id: str, turn: int, first: bool = True):
-    mine = spans.index[(spans["name"] == name) & (spans["gen_ai.conversation.id"] == conversation_id)
+    mine = spans.index[(spans["name"] == name)
+                       & (spans["gen_ai.conversation.id"] == conversation_id)
                        & (spans["kvobs.turn.index"] == turn)]
     return spans.drop(index=mine[:1] if first else mine)
 
