@@ -109,11 +109,13 @@ def store_turns(store_dir: str, live_source, problems: list[str]) -> pa.Table:
     for path, table in zip(indexed, turns):
         by_bucket.setdefault(os.path.dirname(path), []).append(table)
     rebuild.extend(_split(tables) for tables in by_bucket.values() if len(tables) > 1)
+    # Spans of no conversation (``store.NO_CONVERSATION``) are in no turn: never read with
+    # some conversations' spans, which would make their trace look like it held one.
     cids = pc.unique(
         pa.chunked_array(
             [chunk for c in rebuild for chunk in c.cast(pa.string()).chunks], pa.string()
         ).combine_chunks()
-    )
+    ).drop_null()
     kept = [_without(t, cids) for t in turns] if len(cids) else turns
     if len(cids):
         spans = _compacted_spans(files, columns, cids, problems)

@@ -5,6 +5,7 @@ Layout of a store directory::
     spans/*.otlp.jsonl          live segments, OTLP-JSON lines appended by the emitters
     compacted/bucket=NN/*.parquet  columnar segments, one column per semconv attribute,
                                 rows sorted by conversation id, hash-partitioned by it
+    compacted/bucket=none/*.parquet  the spans of no conversation (``NO_CONVERSATION``)
     turns/bucket=NN/*.parquet   the turn rows of the span file of the same name
                                 (``kvobs.fleet``'s per-turn aggregate), so a fleet report
                                 reads turns, not spans
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 
 from kvobs import semconv as sc
 from kvobs.turns import arrays, lineage
-from kvobs.turns.correlate import aggregate, needs_lineage, parent_rows
+from kvobs.turns.correlate import aggregate, inherited_rows, needs_lineage, parent_rows
 from kvobs.emit import segments
 from kvobs.sources._decode import is_regular
 from kvobs.sources._frame import (
@@ -80,6 +81,7 @@ __all__ = [
     "COMPACTED_DIR",
     "TURNS_DIR",
     "BUCKETS",
+    "NO_CONVERSATION",
 ]
 
 BUCKETS = 64
@@ -90,6 +92,10 @@ QUIET_S = 600.0
 _JOURNAL = ".compaction-"  # + batch + .json, in the store directory
 ROW_GROUP_SIZE = 16384
 _CID = sc.CONVERSATION_ID.key
+# The bucket of spans without conversation id (no tagged ancestor, and a trace holding no
+# conversation or several): read with the whole store (the turn pipeline leaves them out
+# of every turn), never with one conversation.
+NO_CONVERSATION = "bucket=none"
 
 
 def is_store(path: str) -> bool:
@@ -101,32 +107,29 @@ def bucket_of(conversation_id: str) -> int:
 
 
 def _inherit_conversation(table: pa.Table) -> pa.Table:
-    """Untagged spans take the conversation (and turn) of their parent span when it is
-    tagged (vLLM's request span, child of its turn span: several turns may share a
-    client's trace), else of their trace's first tagged span. A span without trace id
-    is in no trace: it keeps its own (or its parent's)."""
+    """Untagged spans take the conversation (and turn) by the turn pipeline's rule
+    (``correlate.inherited_rows``, as ``_inherit_keys`` reads them): those of their
+    nearest tagged ancestor span (vLLM's request span, child of its turn span; the
+    proxy's HTTP client spans, its grandchildren: several turns may share a client's
+    trace), else of their trace's first tagged span when the trace holds one
+    conversation. A span of a trace holding several, with no tagged ancestor, keeps
+    none: which it belongs to is unknown, and a guess stored would be read as the
+    truth. A span without trace id is in no trace: it keeps its own (or its
+    ancestor's)."""
     untagged = arrays.booleans(pc.is_null(table.column(_CID)))
     if not untagged.any() or untagged.all():
         return table
-    tagged = np.flatnonzero(~untagged)
-    traces = table.column("trace_id")
-    first = arrays.numbers(
-        pc.index_in(traces, value_set=traces.take(tagged).combine_chunks(), skip_nulls=True),
-        fill=-1,
-    )
-    parents = parent_rows(table)
-    from_parent = (
-        untagged & (parents >= 0) & ~untagged[np.maximum(parents, 0)]
-        if parents is not None
-        else np.zeros(table.num_rows, bool)
-    )
-    inherits = untagged & (first >= 0)
-    if not (inherits.any() or from_parent.any()):
+    codes, traces = arrays.codes(table.column("trace_id"))
+    # Each span without trace id a trace of its own (correlate groups them as one).
+    no_trace = np.flatnonzero(arrays.booleans(pc.is_null(table.column("trace_id"))))
+    codes[no_trace] = traces + np.arange(len(no_trace))
+    traces += len(no_trace)
+    rows = inherited_rows(table.column(_CID), codes, traces, parent_rows(table), True)
+    inherits = untagged & (rows >= 0)
+    if not inherits.any():
         return table
-    # Each inheriting row takes both keys from its tagged parent or its trace's first tagged
-    # row, the others their own.
-    by_trace = np.where(inherits, tagged[np.maximum(first, 0)], np.arange(table.num_rows))
-    source = pa.array(by_trace if parents is None else np.where(from_parent, parents, by_trace))
+    # Each inheriting row takes both keys from the row it inherits from, the others their own.
+    source = pa.array(np.where(inherits, rows, np.arange(table.num_rows)))
     for key in (_CID, sc.TURN_INDEX.key):
         table = table.set_column(table.column_names.index(key), key, table.column(key).take(source))
     return table
@@ -142,32 +145,40 @@ def write_parquet(
     """Append a span table (``SPAN_SCHEMA``) to the compacted segments (files named
     ``name``, else new names); returns rows written. ``context``: spans not written but
     read for the conversation of an untagged span (its trace's) or an id-less turn (its
-    lineage). A span left without conversation is not stored: counted in ``problems``."""
+    lineage). A span left without conversation is stored under none
+    (``NO_CONVERSATION``): counted in ``problems``."""
     written = table.num_rows
     if context is not None and context.num_rows:
         table = pa.concat_tables([table, context])
-    # Id-less turns (another router): named before the id-less spans are dropped below.
+    # Id-less turns (another router): named before the spans of no conversation are set apart.
     if needs_lineage(table):
         table = conformed(lineage.link(table))
     table = _inherit_conversation(table).slice(0, written)  # the rows given, not the context
     untagged = table.column(_CID).null_count
     if untagged and problems is not None:
         problems.append(
-            f"{untagged} span(s) without conversation id, in no trace with one, not stored"
+            f"{untagged} span(s) without conversation id, in no trace with one or with no"
+            " tagged ancestor in a trace with several: stored under no conversation"
+            f" ({COMPACTED_DIR}/{NO_CONVERSATION})"
         )
     return write_table(store_dir, table, name)
 
 
 def write_table(store_dir: str, table: pa.Table, name: str | None = None) -> int:
-    """Append an Arrow span table (``store_schema()``, every row tagged with a conversation
-    id) to the compacted segments: one file per bucket touched, rows sorted by
-    conversation id (stable). The fast path behind ``write_parquet`` and ``kvobs.synth``.
-    Each file is named ``name`` (a compaction's batch), else a new name; it appears whole
-    or not at all.
+    """Append an Arrow span table (``store_schema()``) to the compacted segments: one
+    file per bucket touched, rows sorted by conversation id (stable); rows without
+    conversation id in the ``NO_CONVERSATION`` bucket, which no conversation's read
+    touches. The fast path behind ``write_parquet`` and ``kvobs.synth``. Each file is
+    named ``name`` (a compaction's batch), else a new name; it appears whole or not at
+    all.
     """
-    table = table.filter(pc.is_valid(table.column(_CID)))
+    tagged = pc.is_valid(table.column(_CID))
+    untagged = table.filter(pc.invert(tagged))
+    if untagged.num_rows:
+        _write_bucket(store_dir, NO_CONVERSATION, untagged, name)
+    table = table.filter(tagged)
     if table.num_rows == 0:
-        return 0
+        return untagged.num_rows
     ids = table.column(_CID).combine_chunks().dictionary_encode()
     names = ids.dictionary
     id_buckets = np.fromiter(
@@ -182,15 +193,18 @@ def write_table(store_dir: str, table: pa.Table, name: str | None = None) -> int
     buckets = id_buckets[codes][order]
     edges = np.concatenate([[0], np.flatnonzero(np.diff(buckets)) + 1, [len(buckets)]])
     for begin, stop in zip(edges[:-1], edges[1:]):
-        bucket = int(buckets[begin])
-        part = table.slice(begin, stop - begin)
-        directory = os.path.join(store_dir, COMPACTED_DIR, f"bucket={bucket:02d}")
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{name or uuid.uuid4().hex}.parquet")
-        pq.write_table(part, path + ".tmp", row_group_size=ROW_GROUP_SIZE, compression="zstd")
-        os.replace(path + ".tmp", path)
-        write_turns(store_dir, path, part)
-    return table.num_rows
+        bucket = f"bucket={int(buckets[begin]):02d}"
+        _write_bucket(store_dir, bucket, table.slice(begin, stop - begin), name)
+    return table.num_rows + untagged.num_rows
+
+
+def _write_bucket(store_dir: str, bucket: str, part: pa.Table, name: str | None) -> None:
+    directory = os.path.join(store_dir, COMPACTED_DIR, bucket)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name or uuid.uuid4().hex}.parquet")
+    pq.write_table(part, path + ".tmp", row_group_size=ROW_GROUP_SIZE, compression="zstd")
+    os.replace(path + ".tmp", path)
+    write_turns(store_dir, path, part)
 
 
 def write_turns(store_dir: str, span_file: str, spans: pa.Table | None = None) -> None:

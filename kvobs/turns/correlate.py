@@ -67,6 +67,7 @@ __all__ = [
     "vllm_roles",
     "needs_lineage",
     "nearest_tagged",
+    "inherited_rows",
     "KEYS",
     "UNKNOWN_TENANT",
 ]
@@ -317,6 +318,35 @@ def single_valued(groups: np.ndarray, values: np.ndarray, count: int) -> np.ndar
     return np.bincount(pairs[0], minlength=count) <= 1
 
 
+def inherited_rows(
+    column: pa.ChunkedArray,
+    trace_codes: np.ndarray,
+    traces: int,
+    parents: np.ndarray | None,
+    one_per_trace: bool,
+) -> np.ndarray:
+    """Per row, the row whose value of ``column`` (a key) a row lacking it takes, -1 when
+    none: its nearest ancestor that has it (``nearest_tagged``), else the first row of
+    its trace (``trace_codes``: per row a code of ``traces``) that has it; with
+    ``one_per_trace`` (the conversation) only when the trace's rows hold one value. The
+    rule of ``_inherit_keys``, shared by the store's compaction
+    (``kvobs.sources.store``), which writes the keys into the stored spans."""
+    valid = arrays.booleans(pc.is_valid(column))
+    has = np.flatnonzero(valid)
+    # The first row of each trace that has the key (rows without trace: one trace).
+    traced, first = np.unique(trace_codes[has], return_index=True)
+    source = np.full(traces, -1, np.int64)
+    source[traced] = has[first]
+    if one_per_trace:
+        values = arrays.codes(column)[0]
+        source[~single_valued(trace_codes[has], values[has], traces)] = -1
+    index = source[trace_codes]
+    if parents is not None:
+        ancestor = nearest_tagged(parents, valid)
+        index = np.where(ancestor >= 0, ancestor, index)
+    return index
+
+
 def _inherit_keys(table: pa.Table) -> pa.Table:
     """Each key a span lacks comes from its nearest ancestor span (``nearest_tagged``)
     that has it, else from the first span of its trace that has it. The ancestors first:
@@ -335,19 +365,7 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
         column = table.column(key)
         if column.null_count in (0, table.num_rows):
             continue
-        valid = arrays.booleans(pc.is_valid(column))
-        has = np.flatnonzero(valid)
-        # The first row of each trace that has the key (rows without trace: one trace).
-        traced, first = np.unique(codes[has], return_index=True)
-        source = np.full(traces, -1, np.int64)
-        source[traced] = has[first]
-        if key == _CID:
-            values = arrays.codes(column)[0]
-            source[~single_valued(codes[has], values[has], traces)] = -1
-        index = source[codes]
-        if parents is not None:
-            ancestor = nearest_tagged(parents, valid)
-            index = np.where(ancestor >= 0, ancestor, index)
+        index = inherited_rows(column, codes, traces, parents, one_per_trace=key == _CID)
         inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
         table = table.set_column(table.column_names.index(key), key, pc.coalesce(column, inherited))
     return table

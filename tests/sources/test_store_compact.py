@@ -24,7 +24,7 @@ from kvobs import semconv as sc
 from kvobs.cli import main
 from kvobs.emit.otlp_json import OtlpJsonFileExporter
 from kvobs.emit.segments import SUFFIX, LiveSegmentWriter, SegmentLimits
-from kvobs.sources.store import StoreSource, compact
+from kvobs.sources.store import NO_CONVERSATION, StoreSource, compact
 from spanfactory import Tracers, TurnSpec, write_conversation
 
 _CID = sc.CONVERSATION_ID.key
@@ -210,7 +210,8 @@ def _otlp_line(*spans: tuple[str, str, str | None, int | None]) -> str:
 def test_untagged_spans_are_stored_under_their_traces_conversation(tmp_path):
     """A span without conversation id is compacted under the conversation and turn of
     its trace's tagged span, whether that span is compacted with it or left live (the
-    Collector's open file); a span in no tagged trace is not stored, and counted."""
+    Collector's open file); a span in no tagged trace is stored under no conversation
+    (its own bucket, which no conversation's read touches), and counted."""
     live = tmp_path / sc.STORE_LIVE_DIR
     live.mkdir()
     a, b, c = "a" * 32, "b" * 32, "c" * 32
@@ -224,7 +225,11 @@ def test_untagged_spans_are_stored_under_their_traces_conversation(tmp_path):
         for path in glob.glob(str(tmp_path / sc.STORE_COMPACTED_DIR / "*" / "*.parquet"))
         for row in pq.read_table(path).to_pylist())
     assert stored == [("1" * 16, "conv-a", 2), ("2" * 16, "conv-a", 2),
-                      ("3" * 16, "conv-b", 3)]
-    assert moved == 3
-    assert problems == ["1 span(s) without conversation id, in no trace with one, not stored"]
+                      ("3" * 16, "conv-b", 3), ("4" * 16, None, None)]
+    (none,) = glob.glob(str(tmp_path / sc.STORE_COMPACTED_DIR / NO_CONVERSATION / "*.parquet"))
+    assert pq.read_table(none).column("span_id").to_pylist() == ["4" * 16]
+    assert moved == 4
+    assert len(problems) == 1 and problems[0].startswith(
+        "1 span(s) without conversation id, in no trace with one or with no tagged ancestor")
+    assert "stored under no conversation" in problems[0]
     assert os.listdir(live) == ["collector.jsonl"]
