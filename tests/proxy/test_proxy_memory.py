@@ -25,6 +25,15 @@ MAX_ENTRIES = 500
 # run must be near zero: a leak of 50 bytes per request would add 250 kB.
 BOUND_BYTES = 3 * 1024 * 1024
 GROWTH_BOUND_BYTES = 200 * 1024
+# Every connection (client -> proxy, proxy -> engines) stays open for the whole run: a
+# connection made after measuring began is live at the end whole (~20 kB a pair, client
+# and server side), where one made before counts only its last request (~12 kB). With
+# the default keep-alives (the proxy's upstream 2 s, aiohttp's client 15 s) an idle pooled
+# connection closed and was made again whenever the run stalled that long, as on a loaded
+# box: a 2.5 s pause before the middle sample re-made the 100 engine connections (end
+# 2.99 -> 3.74 MB, growth 2.0 MB), a 16 s one all 150 (4.12 MB; the loaded-box failure
+# measured 4.3-4.4 MB), with no byte more held per request.
+KEEP_ALIVE_S = 3600.0
 
 
 class _Counting(SpanProcessor):
@@ -37,6 +46,8 @@ class _Counting(SpanProcessor):
 
 async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
     prefill, decode = InstantEngine("prefill"), InstantEngine("decode")
+    for engine in (prefill, decode):
+        engine.runner_options = {"keepalive_timeout": KEEP_ALIVE_S}
     await prefill.start()
     await decode.start()
     counting = _Counting()
@@ -45,15 +56,18 @@ async def _drive(max_entries: int) -> tuple[int, int, int, float | None, int]:
     registry = CollectorRegistry()
     config = ProxyConfig(prefill=(Endpoint("127.0.0.1", prefill.port),),
                          decode=(Endpoint("127.0.0.1", decode.port),),
-                         port=free_port(), max_entries=max_entries)
+                         port=free_port(), max_entries=max_entries,
+                         upstream_keepalive_s=KEEP_ALIVE_S)
     runner = web.AppRunner(build_app(config, tracer=provider.get_tracer("t"),
-                                     registry=registry), access_log=None)
+                                     registry=registry), access_log=None,
+                           keepalive_timeout=KEEP_ALIVE_S)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", config.port).start()
     url = f"http://127.0.0.1:{config.port}/v1/chat/completions"
     messages = [{"role": "user", "content": "hello " * 20}]
     try:
-        async with aiohttp.ClientSession() as session:
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEP_ALIVE_S)
+        async with aiohttp.ClientSession(connector=connector) as session:
             async def one(i: int) -> None:
                 body = {"messages": messages, "conversation_id": f"c{i % CONVERSATIONS}",
                         "stream": i % 2 == 0}
