@@ -39,13 +39,20 @@ def recorded(tmp_path_factory):
     return spans, owned, str(path)
 
 
-@pytest.mark.parametrize("order", ["children-first", "parents-first", "one-request"])
-def test_each_conversation_holds_only_its_own_spans(recorded, order):
-    spans, owned, _ = recorded
+def _fed(spans, order) -> Classifier:
+    """A classifier given the spans request by request, with a pass between arrivals
+    (spans placed early must move when their ancestors come)."""
     classifier = Classifier(window_s=600, grace_s=0)
     for i, request in enumerate(_requests(spans, order)):
         classifier.add_request(request, now=100.0 + i)
-        classifier.run_pass(now=100.0 + i)  # a pass between arrivals: spans must move
+        classifier.run_pass(now=100.0 + i)
+    return classifier
+
+
+@pytest.mark.parametrize("order", ["children-first", "parents-first", "one-request"])
+def test_each_conversation_holds_only_its_own_spans(recorded, order):
+    spans, owned, _ = recorded
+    classifier = _fed(spans, order)
     for cid in CONVERSATIONS:
         held = {row["span_id"] for row in classifier.buffer.rows_of(cid)}
         assert held == owned[cid]
@@ -58,10 +65,7 @@ def test_each_conversation_holds_only_its_own_spans(recorded, order):
 @pytest.mark.parametrize("order", ["children-first", "parents-first", "one-request"])
 def test_live_turns_equal_the_batch_pipeline_in_a_shared_trace(recorded, order):
     spans, _, path = recorded
-    classifier = Classifier(window_s=600, grace_s=0)
-    for i, request in enumerate(_requests(spans, order)):
-        classifier.add_request(request, now=100.0 + i)
-        classifier.run_pass(now=100.0 + i)
+    classifier = _fed(spans, order)
     live = {key: state.row for key, state in classifier.turns.items()}
     assert sorted(live) == [("t0", cid, turn) for cid in CONVERSATIONS for turn in (1, 2)]
     turns = turns_from_spans(open_source(path).span_table(), frame=False)
