@@ -133,18 +133,23 @@ def test_deleting_any_one_span_of_a_router_run_hides_no_turn_and_heals_no_fault(
 
 def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     """With no proxy span, P's arrival and D's last token bound each turn: its phases
-    cover at least 90 % of the latency the client measured over the run (only the
-    client-facing edges are unseen), the hop between the engines is named as the
+    cover that whole interval, exactly, so what the client measured beyond them is the
+    two client-facing edges alone (each inside the client's own window); the median
+    turn is at least 90 % covered; the hop between the engines is named as the
     router's, and the slowest phase is one the engines' own spans measure.
 
     The edges (the router, and P's and D's HTTP front ends before vLLM's arrival time
     and after the last token) are outside every engine mark and independent of the
     turn's length: a median of 5 ms, but on this 2-core box under the suite's load a
     single 0.36-0.54 s turn had up to 72 ms of them (80-90 % covered; CI run 4 and a
-    rerun of 2026-12-06). So the run and the median turn are held to 90 %, and every
-    turn to never more than the client saw.
+    rerun of 2026-12-06), and on an idle box (CI, 2026-12-06 12:25) one ~0.2 s turn
+    under cache_aware waited 233 ms between the client's send and P's arrival (47 %
+    covered), which took the policy run's total to 84.8 %. A spike of the router's own
+    is no fault of the accounting, so no bound is put on the run's total; every turn's
+    phases must equal its engine-bounded interval (they did, to 0.1 ms, in all 92
+    recorded turns of two runs), and the median turn still holds 90 %.
 
-    Which edge: measured per turn on the client's clock (_edges_ms; 2026-12-06, other
+    Which edge: measured per turn on the client's clock (_edges_s; 2026-12-06, other
     sessions' work at normal priority on the box, load average 12-30). round_robin, 57
     turns in three runs: sent to P's arrival 1.4-14 ms but twice more (32 ms, a run's
     first request; 87 ms on a 0.88 s turn: 87.5 % covered); D's last token to the
@@ -162,29 +167,31 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
 
 
 def _check_coverage(pairs) -> None:
-    ratios, covered_total, client_total = [], 0.0, 0.0
+    ratios = []
     for result, d in pairs:
         timeline = d.timeline
         covered = sum(timeline.phases.values())
-        covered_total += covered
-        client_total += result.latency_s
+        bounded = d.turn.get("d_finished_ns") / 1e9 - d.turn.get("p_arrived_at")
+        front, back = _edges_s(result, d)
         ratios.append((round(covered / result.latency_s, 3), result.label, result.turn,
-                       *_edges_ms(result, d)))
-        assert covered <= result.latency_s * 1.01 + 0.005  # never more than the client saw
+                       f"front {front * 1000:.0f} ms", f"back {back * 1000:.0f} ms"))
+        # P's arrival to D's last token, all of it in the phases: nothing unaccounted
+        # but the client-facing edges, which lie inside the client's window
+        assert abs(covered - bounded) < 0.001, (result.label, result.turn, covered, bounded)
+        assert min(front, back) > -0.002, ratios[-1]
         assert "the router's time" in timeline.unmeasured["proxy-hop"]
         assert timeline.slowest_phase in {p.value for p in sc.Phase} - {
             "proxy-in", "p-return", "proxy-hop", "d-frontend", "proxy-out"}, timeline.phases
-    assert covered_total >= 0.9 * client_total, (covered_total, client_total)
     assert sorted(ratios)[len(ratios) // 2][0] >= 0.9, sorted(ratios)
 
 
-def _edges_ms(result, d) -> tuple[str, str]:
+def _edges_s(result, d) -> tuple[float, float]:
     """The client-facing edges no engine span holds, on the client's clock (this host's
     too): sent to P's arrival (router, P's HTTP server), D's last token to the answer
     read (D's API server's output, router, client)."""
     front = d.turn.get("p_arrived_at") - result.started_at
     back = result.started_at + result.latency_s - d.turn.get("d_finished_ns") / 1e9
-    return f"front {front * 1000:.0f} ms", f"back {back * 1000:.0f} ms"
+    return front, back
 
 
 def _turns_cli(*args: str) -> dict[tuple, dict]:
