@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from kvobs import semconv as sc
-from kvobs._proc import stop_process_group
+from kvobs._proc import stop_process_group, yield_cpu
 from kvobs.testbed.engines import REPO_ROOT, free_ports
 
 
@@ -257,12 +257,9 @@ class CollectProcess(Process):
         nice: int = 0,
     ):
         self.port = port or free_ports(1)[0]
-        # nice: below the engines, proxy and client, whose timing the scenarios check
-        prefix = ["nice", "-n", str(nice)] if nice else []
         super().__init__(
             "collect",
             [
-                *prefix,
                 sys.executable,
                 "-m",
                 "kvobs",
@@ -275,6 +272,11 @@ class CollectProcess(Process):
             ],
             log_path,
         )
+        # nice: off the CPU of the proxy and the client, whose timing the scenarios check.
+        # Its own session is its own autogroup, inside which a `nice -n` prefix weighs
+        # nothing against other sessions: the session's niceness is set (as the engines').
+        if nice:
+            yield_cpu(self.pid, nice)
         self.wait_until(lambda: _http_ok(f"http://127.0.0.1:{self.port}/health"), 30, "healthy")
 
     @property

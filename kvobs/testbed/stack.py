@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvobs import semconv as sc
-from kvobs.testbed.engines import PDPair, free_ports
+from kvobs.testbed.engines import ENGINE_NICENESS, PDPair, free_ports
 from kvobs.testbed.model import build_tiny_model
 from kvobs.testbed.netns import LinkNamespace
 from kvobs.testbed.scenario import VLLM_ROUTER, EngineSettings
@@ -142,7 +142,9 @@ class Stack:
             # puts its endpoint in the engine's environment, where the connector's spans
             # follow it (the standard OTEL_* route): they too reach the store that way,
             # once, instead of also being written there directly.
-            self.collect = CollectProcess(self.out_dir / LOGS / "collect.log", str(self.out_dir))
+            self.collect = CollectProcess(
+                self.out_dir / LOGS / "collect.log", str(self.out_dir), nice=ENGINE_NICENESS
+            )
             tracing_args = ["--otlp-traces-endpoint", self.collect.traces_url]
             telemetry = {
                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
@@ -247,7 +249,7 @@ class Stack:
                 "--interval",
                 "0.5",
             ],
-            nice=10,
+            nice=ENGINE_NICENESS,
         )
         self._live_env = {
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
