@@ -79,8 +79,8 @@ def slow_turns(
 
 def drill_rows(rows: TurnRows, chosen, source: str, read_slo_s) -> list[dict[str, Any]]:
     """The listed turns, each completed from its conversation's stored rows (looked up
-    together: each file's index read once): its top cause, trace id, and whether its id is shared by
-    several tenants (the command then names the tenant)."""
+    together: each file's index read once): its top cause, trace id, and whether its id
+    is shared by several tenants (the command then names the tenant)."""
     stored = rows.latest_of(row[1] for row, _ in chosen)
     out = []
     for (_, cid, tenant, turn, verdict, latency), kind in chosen:
