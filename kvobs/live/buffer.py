@@ -15,7 +15,9 @@ Spans are grouped into *units*, the smallest sets the turn pipeline needs togeth
   llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), kept by arrival time.
 
 A unit that received spans since the last pass is *dirty*; a pass re-correlates and
-re-classifies the dirty units only. A unit idle for longer than ``window_s`` (D's TTL
+re-classifies the dirty units only. Every span is converted to Arrow once
+(``ArrowSpans``), not once for every pass it takes part in: a clean unit's lineage spans
+come along with every pass. A unit idle for longer than ``window_s`` (D's TTL
 plus a margin: no later turn can read its KV any more) is dropped; a span that arrives
 for a dropped conversation is *late*: counted, kept in the span store, not classified.
 No I/O here.
@@ -24,11 +26,16 @@ No I/O here.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
+import pyarrow as pa
 
 from kvobs import semconv as sc
+from kvobs.sources._frame import conformed, table_from_rows
+from kvobs.turns import arrays
 from kvobs.turns.correlate import nearest_tagged
 
 _CID = sc.CONVERSATION_ID.key
@@ -48,9 +55,64 @@ LINEAGE_SPANS = frozenset(
 IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
 
 
+class ArrowSpans:
+    """The buffer's spans as the span table, each converted once: the spans that arrived
+    since the last pass become one table (one ``table_from_rows`` call), and a pass takes
+    its spans from the tables by serial number. When the tables get many, the spans still
+    held are merged into one (a long conversation's spans would otherwise keep every
+    table since it began)."""
+
+    def __init__(self, merge_at: int = 16):
+        self._pending: dict[int, dict] = {}  # serial -> row not converted yet
+        self._tables: list[tuple[np.ndarray, pa.Table]] = []  # (sorted serials, their spans)
+        self._merge_at = merge_at
+
+    def add(self, serial: int, row: dict) -> None:
+        self._pending[serial] = row
+
+    def take(self, serials: np.ndarray) -> pa.Table:
+        """The spans of ``serials`` (sorted, distinct, all held), in serial order."""
+        if self._pending:
+            held = np.fromiter(self._pending, np.int64)
+            self._tables.append((held, _without_nulls(table_from_rows(self._pending.values()))))
+            self._pending = {}
+        parts = []
+        for held, table in self._tables:
+            at = np.searchsorted(held, serials)
+            found = at < len(held)
+            found[found] &= held[at[found]] == serials[found]
+            if found.any():
+                parts.append(table.take(arrays.array(at[found])))
+        if not parts:
+            return table_from_rows([])
+        return conformed(pa.concat_tables(parts, promote_options="default"))
+
+    def merge_due(self, held: int | None) -> bool:
+        """Whether to merge: the tables are many, or they convert over twice the spans
+        still held (``held``, given when conversations left)."""
+        if len(self._tables) >= self._merge_at:
+            return True
+        return held is not None and sum(len(table) for _, table in self._tables) > 2 * held
+
+    def keep_only(self, serials: np.ndarray) -> None:
+        """Forget every span but ``serials`` (sorted, distinct): one table of them."""
+        self._tables = [(serials, _without_nulls(self.take(serials)))] if len(serials) else []
+        self._pending = {}
+
+
+def _without_nulls(table: pa.Table) -> pa.Table:
+    """Most of the ~130 span columns are null in any one batch: not held (``take``
+    gives them back)."""
+    return table.select([n for n in table.column_names if table.column(n).null_count < len(table)])
+
+
+def _serials(keys: Iterable[int]) -> np.ndarray:
+    return np.unique(np.fromiter(keys, np.int64))
+
+
 @dataclass
 class Unit:
-    # Keyed by id(row), in arrival order: an untagged span moves out in O(1).
+    # Keyed by the span's serial number, in arrival order: an untagged span moves out in O(1).
     rows: dict[int, dict] = field(default_factory=dict)
     lineage: dict[int, dict] = field(default_factory=dict)  # its rows named in LINEAGE_SPANS
     traces: set[str] = field(default_factory=set)
@@ -67,8 +129,8 @@ class _Trace:
     # Conversations ever seen here: one that left keeps the trace shared (correlate over
     # every span would still see it).
     seen: set[str] = field(default_factory=set)
-    untagged: dict[int, dict] = field(default_factory=dict)  # id(row) -> row
-    placed: dict[int, str | None] = field(default_factory=dict)  # id(row) -> its unit
+    untagged: dict[int, dict] = field(default_factory=dict)  # serial -> row
+    placed: dict[int, str | None] = field(default_factory=dict)  # serial -> its unit
 
 
 def places(trace: _Trace) -> list[str | None]:
@@ -96,14 +158,17 @@ class SpanBuffer:
         self.window_s = window_s
         self.units: dict[str, Unit] = {}
         self._traces: dict[str, _Trace] = {}  # traces holding some unit's tagged spans
-        # id-less spans by trace: moved into a conversation when a tagged span claims it
-        self._idless: dict[str | None, list[dict]] = collections.defaultdict(list)
+        # id-less spans by trace (serial -> row): moved into a conversation when a tagged
+        # span claims it
+        self._idless: dict[str | None, dict[int, dict]] = collections.defaultdict(dict)
         self._idless_seen: dict[str | None, float] = {}
         self._idless_dirty = False
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._forget_after = forget_after
         self.late_spans = 0
+        self._arrow = ArrowSpans()
+        self._serial = itertools.count()
 
     def __len__(self) -> int:
         unplaced = sum(
@@ -122,11 +187,12 @@ class SpanBuffer:
             cid = row.get(_CID)
             trace = row.get("trace_id")
             if cid is None:
+                serial = self._hold(row)
                 if trace is not None and trace in self._traces:
-                    self._traces[trace].untagged[id(row)] = row
+                    self._traces[trace].untagged[serial] = row
                     touched.add(trace)
                 else:
-                    self._idless[trace].append(row)
+                    self._idless[trace][serial] = row
                     self._idless_seen[trace] = now
                     self._idless_dirty = True
                 continue
@@ -136,7 +202,7 @@ class SpanBuffer:
             unit = self.units.get(cid)
             if unit is None:
                 unit = self.units[cid] = Unit()
-            self._keep(unit, row)
+            self._keep(unit, self._hold(row), row)
             unit.last_arrival = now
             unit.dirty = True
             if trace is not None:
@@ -146,6 +212,11 @@ class SpanBuffer:
         for trace in touched:
             self._place(trace, now)
 
+    def _hold(self, row: dict) -> int:
+        serial = next(self._serial)
+        self._arrow.add(serial, row)
+        return serial
+
     def _claim(self, trace: str, cid: str, row: dict) -> None:
         """Note a tagged span in its trace; the first takes the trace's id-less spans."""
         known = self._traces.get(trace)
@@ -154,7 +225,7 @@ class SpanBuffer:
             claimed = self._idless.pop(trace, None)
             if claimed:
                 self._idless_seen.pop(trace, None)
-                known.untagged.update((id(moved), moved) for moved in claimed)
+                known.untagged.update(claimed)
                 self._idless_dirty = True  # the pool changed too
         if row.get("span_id") is not None:
             known.tagged.setdefault(row["span_id"], cid)
@@ -178,42 +249,42 @@ class SpanBuffer:
             trace.placed[key] = cid
             if cid is not None:
                 unit = self.units[cid]
-                self._keep(unit, row)
+                self._keep(unit, key, row)
                 unit.last_arrival = now
                 unit.dirty = True
 
     @staticmethod
-    def _keep(unit: Unit, row: dict) -> None:
-        unit.rows[id(row)] = row
+    def _keep(unit: Unit, serial: int, row: dict) -> None:
+        unit.rows[serial] = row
         if row.get("name") in LINEAGE_SPANS:
-            unit.lineage[id(row)] = row
+            unit.lineage[serial] = row
 
-    def take_dirty(self) -> tuple[list[str], list[dict]]:
+    def take_dirty(self) -> tuple[list[str], pa.Table | None]:
         """The dirty units' keys and their spans (the id-less pool whole when any of it
         changed: lineage links its turns across the pool), with the lineage spans of
-        the clean units; marks them clean. Turns of clean units the pipeline makes of
-        those context spans are partial: not the pass's to keep."""
+        the clean units, as the span table in arrival order (None: nothing is dirty);
+        marks them clean. Turns of clean units the pipeline makes of those context spans
+        are partial: not the pass's to keep."""
         keys: list[str] = []
-        rows: list[dict] = []
+        serials: list[Iterable[int]] = []
         for key, unit in self.units.items():
             if unit.dirty:
                 unit.dirty = False
                 keys.append(key)
-                rows.extend(unit.rows.values())
+                serials.append(unit.rows)
             else:
-                rows.extend(unit.lineage.values())
+                serials.append(unit.lineage)
         if not keys and not self._idless_dirty:
-            return [], []
+            return [], None
         if self._idless_dirty:
             self._idless_dirty = False
             keys.append(IDLESS)
-        for pooled in self._idless.values():  # the pool's turns need each other's
-            rows.extend(pooled)
-        return keys, rows
+        serials.extend(self._idless.values())  # the pool's turns need each other's
+        return keys, self._arrow.take(_serials(itertools.chain.from_iterable(serials)))
 
     def rows_of(self, key: str) -> list[dict]:
         if key == IDLESS:
-            return [row for pooled in self._idless.values() for row in pooled]
+            return [row for pooled in self._idless.values() for row in pooled.values()]
         unit = self.units.get(key)
         return list(unit.rows.values()) if unit is not None else []
 
@@ -232,7 +303,16 @@ class SpanBuffer:
         for idle in stale:  # its turns are final: the pool is not re-classified for it
             del self._idless[idle]
             del self._idless_seen[idle]
+        if self._arrow.merge_due(len(self) if gone or stale else None):
+            self._arrow.keep_only(_serials(self._held()))
         return gone
+
+    def _held(self) -> Iterable[int]:
+        yield from itertools.chain.from_iterable(unit.rows for unit in self.units.values())
+        for trace in self._traces.values():  # spans of no unit yet
+            yield from (key for key, unit in trace.placed.items() if unit is None)
+            yield from (key for key in trace.untagged if key not in trace.placed)
+        yield from itertools.chain.from_iterable(self._idless.values())
 
     def _leave(self, trace_id: str, cid: str) -> None:
         """Forget a dropped conversation in a trace: its tagged span ids and the untagged

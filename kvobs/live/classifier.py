@@ -33,7 +33,7 @@ from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import TurnDiagnosis, classify_turns
 from kvobs.live.buffer import IDLESS, SpanBuffer
 from kvobs.live.turn_measures import MEASURES_KEY, measures_of
-from kvobs.sources._frame import drop_duplicate_span_rows, table_from_rows
+from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._rows import rows as document_rows
 from kvobs.timeline import prefill_rate
 
@@ -55,7 +55,6 @@ _CONTEXT_COLUMNS = (
 @dataclass
 class TurnState:
     row: dict[str, Any]  # the latest classification (turn_row)
-    signature: str
     version: int
     changed_at: float
     unit: str
@@ -105,26 +104,21 @@ def superseded(row: dict[str, Any], version: int) -> dict[str, Any]:
     }
 
 
-def _signature(row: dict[str, Any]) -> str:
-    """What makes a new version: the classification, not the fleet context it was priced
-    with (which drifts pass by pass, and starts empty after a restart), nor the measures
-    (a resumed row, read from the stored JSON, has none)."""
-    return json.dumps(
-        {k: v for k, v in row.items() if k not in ("context", MEASURES_KEY)},
-        sort_keys=True,
-        default=str,
-    )
+def _unchanged(kept: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a new classification of a turn leaves its kept row as it is: the
+    classification and its measures (a late span may change only those, the report's
+    numbers), not the fleet context it was priced with (which drifts pass by pass, and
+    starts empty after a restart). A resumed row has no measures to compare (the store's
+    JSON does not carry them). Compared as values; a pair found unequal once more as
+    JSON, which spells NaN (unequal to itself), tuples and lists alike."""
+    skipped = ("context", MEASURES_KEY) if kept.get(MEASURES_KEY) is None else ("context",)
+    old = {k: v for k, v in kept.items() if k not in skipped}
+    fresh = {k: v for k, v in new.items() if k not in skipped}
+    return old == fresh or _json(old) == _json(fresh)
 
 
-def _same_measures(kept: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether a new classification leaves the stored measures as they are: a late span
-    may change only them (the report's numbers), which is a new version too. A resumed
-    row has none to compare (the store's JSON does not carry them)."""
-    if kept.get(MEASURES_KEY) is None:
-        return True
-    return json.dumps(kept[MEASURES_KEY], sort_keys=True, default=str) == json.dumps(
-        new.get(MEASURES_KEY), sort_keys=True, default=str
-    )
+def _json(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True, default=str)
 
 
 # What identifies one turn whatever key lineage gives it.
@@ -184,7 +178,6 @@ class Classifier:
             key = (row["tenant"], row["conversation_id"], row["turn"])
             self.turns[key] = TurnState(
                 row,
-                _signature(row),
                 int(stored_row["version"]),
                 now,
                 RESUMED,
@@ -220,9 +213,9 @@ class Classifier:
         now = time.time() if now is None else now
         started = time.perf_counter()
         result = PassResult()
-        keys, rows = self.buffer.take_dirty()
-        if rows:
-            result.classified = self._classify(keys, rows, now, result)
+        keys, spans = self.buffer.take_dirty()
+        if spans is not None and spans.num_rows:
+            result.classified = self._classify(keys, spans, now, result)
         for state in self.turns.values():
             if not state.final and now - state.changed_at >= self.grace_s:
                 state.final = True
@@ -268,9 +261,8 @@ class Classifier:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _classify(self, units: list[str], rows: list[dict], now: float, result: PassResult) -> int:
-        spans = drop_duplicate_span_rows(table_from_rows(rows), [])
-        turns = turns_from_spans(spans, frame=False)
+    def _classify(self, units: list[str], spans: pa.Table, now: float, result: PassResult) -> int:
+        turns = turns_from_spans(drop_duplicate_span_rows(spans, []), frame=False)
         unit_of = self._unit_lookup(units)
         # The clean units' lineage spans came along as context (what a dirty turn's
         # prompt may extend): their turns are correlated, never classified again.
@@ -290,20 +282,15 @@ class Classifier:
             row = turn_row(diagnosis, used.prefill_tokens_per_s, used.decode_s_per_token)
             key = (row["tenant"], row["conversation_id"], row["turn"])
             seen.add(key)
-            signature = _signature(row)
             state = self.turns.get(key)
-            if (
-                state is not None
-                and state.signature == signature
-                and _same_measures(state.row, row)
-            ):
+            if state is not None and _unchanged(state.row, row):
                 self._move(key, state, unit)
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
             if state is None:
-                state = self.turns[key] = TurnState(row, signature, 1, now, unit, samples)
+                state = self.turns[key] = TurnState(row, 1, now, unit, samples)
             else:
-                state.row, state.signature, state.changed_at = row, signature, now
+                state.row, state.changed_at = row, now
                 state.samples = samples
                 state.version += 1
                 state.final = False

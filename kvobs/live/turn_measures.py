@@ -15,7 +15,7 @@ kvobs does not know: -1).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 import pandas as pd
@@ -74,8 +74,13 @@ def measures_of(turn: Mapping[str, Any]) -> dict[str, Any]:
     return {name: _typed(turn.get(name), kind) for name, kind in KINDS.items()}
 
 
+_EXACT = {"int": int, "float": float, "str": str}
+
+
 def _typed(value: Any, kind: str) -> Any:
     """The value as the column's kind; None for a null, NaN, infinity or a wrong type."""
+    if type(value) is _EXACT[kind] and (kind != "float" or math.isfinite(cast(float, value))):
+        return value  # the common case, at once
     if value is None:
         return None
     if kind == "str":

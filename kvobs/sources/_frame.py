@@ -132,11 +132,10 @@ def _usable(at: list[int], values: list, kind: str) -> tuple[list[int], list]:
 def _already(values: list, kind: str) -> bool:
     """Whether every value is already what ``coerced`` makes of it (the decoders' rows
     are coerced): one pass over the column instead of a call per value."""
-    exact = _PYTHON_KINDS[kind]
-    if not all(type(value) is exact for value in values):
+    if not set(map(type, values)) <= {_PYTHON_KINDS[kind]}:
         return False
     if kind == "str":  # an ASCII string cannot hold a lone surrogate
-        return all(value.isascii() for value in values)
+        return "".join(values).isascii()
     if kind == "int":
         return not values or -INT64_MAX <= min(values) and max(values) <= INT64_MAX
     if kind == "float":

@@ -11,7 +11,7 @@ only through this module.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import numpy as np
 import pyarrow as pa
@@ -92,10 +92,18 @@ def array(
 def strings(items: Iterable[str | None]) -> pa.Array:
     """Python strings (None: null) as an Arrow string array."""
     items = list(items)
+    offsets = np.zeros(len(items) + 1, np.int32)
+    if set(map(type, items)) <= {str}:  # no null, every item a str
+        texts = cast("list[str]", items)
+        text = "".join(texts)
+        if text.isascii():  # a byte a character: encoded once, lengths are the offsets
+            np.cumsum(np.fromiter(map(len, texts), np.int32, len(texts)), out=offsets[1:])
+            return pa.Array.from_buffers(
+                pa.string(), len(items), [None, pa.py_buffer(offsets), pa.py_buffer(text.encode())]
+            )
     encoded = [
         b"" if item is None else str(item).encode("utf-8", "surrogatepass") for item in items
     ]
-    offsets = np.zeros(len(items) + 1, np.int32)
     np.cumsum([len(item) for item in encoded], out=offsets[1:])
     missing = np.array([item is None for item in items], bool)
     validity = _bits(~missing) if missing.any() else None

@@ -55,6 +55,7 @@ class Finding:
 
 
 _PLAIN_TYPES = (str, int, bool)
+_PLAIN_OR_NONE = frozenset((str, int, bool, type(None)))
 
 
 def _plain(value: Any) -> Any:
@@ -94,7 +95,9 @@ class Turn(Mapping):
         return int(self.get("turn"))
 
     def get(self, column: str, default: Any = None) -> Any:
-        return _plain(self._row.get(column, default))
+        value = self._row.get(column, default)
+        # What rules read is mostly plain already, or absent: no call for those.
+        return value if type(value) in _PLAIN_OR_NONE else _plain(value)
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""
