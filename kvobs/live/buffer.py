@@ -15,12 +15,15 @@ Spans are grouped into *units*, the smallest sets the turn pipeline needs togeth
   llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), kept by arrival time.
 
 A unit that received spans since the last pass is *dirty*; a pass re-correlates and
-re-classifies the dirty units only. Every span is converted to Arrow once
-(``ArrowSpans``), not once for every pass it takes part in: a clean unit's lineage spans
-come along with every pass. A unit idle for longer than ``window_s`` (D's TTL
-plus a margin: no later turn can read its KV any more) is dropped; a span that arrives
-for a dropped conversation is *late*: counted, kept in the span store, not classified.
-No I/O here.
+re-classifies the dirty units only. Lineage still needs what the clean units hold: a
+prompt may extend another conversation's export, equal another's prompt, or share an
+export with another's fork. A pass takes along the lineage spans of the clean units
+lineage could link the dirty ones to (``SpanBuffer._linkable``: found by the keys
+lineage matches under, not by reading the window) and one span per D engine start
+(restarts). Every span is converted to Arrow once (``ArrowSpans``), not once for every
+pass it takes part in. A unit idle for longer than ``window_s`` (D's TTL plus a margin:
+no later turn can read its KV any more) is dropped; a span that arrives for a dropped
+conversation is *late*: counted, kept in the span store, not classified. No I/O here.
 """
 
 from __future__ import annotations
@@ -36,12 +39,23 @@ import pyarrow as pa
 from kvobs import semconv as sc
 from kvobs.sources._frame import conformed, table_from_rows
 from kvobs.turns import arrays
+from kvobs.prefix_chain import parse
 from kvobs.turns.correlate import nearest_tagged
+from kvobs.turns.lineage import index_key, probe_keys
 
 _CID = sc.CONVERSATION_ID.key
+_CHAIN = sc.PREFIX_LINEAGE.key
+_RID = sc.REQUEST_ID.key
+_EXPORT = sc.SPAN_EXPORT.name
+_ENDPOINT, _STARTED, _ENGINE = (
+    sc.ENGINE_ENDPOINT.key,
+    sc.ENGINE_STARTED_AT.key,
+    sc.ENGINE_ID.key,
+)
 # What prefix lineage reads of every turn (kvobs.turns.lineage: prompts, D's exports, releases
-# and restarts): a pass adds these spans of the clean units to the dirty ones, so a
-# prompt is matched against every export in the window, as a batch over all spans is.
+# and restarts): a pass adds these spans of the clean units it links to the dirty ones, so
+# a prompt is matched against every export in the window it could extend, as a batch
+# over all spans is.
 LINEAGE_SPANS = frozenset(
     span.name
     for span in (
@@ -52,6 +66,10 @@ LINEAGE_SPANS = frozenset(
         sc.SPAN_HANDOFF,
     )
 )
+# D's spans, which show its engine's start (lineage's restarts). An export among them,
+# as context, is a candidate only for a prompt that probes its key, whose unit then
+# comes along anyway.
+_ENGINE_SPANS = LINEAGE_SPANS - {sc.SPAN_PULL_DECISION.name}
 IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
 
 
@@ -117,7 +135,9 @@ class Unit:
     lineage: dict[int, dict] = field(default_factory=dict)  # its rows named in LINEAGE_SPANS
     traces: set[str] = field(default_factory=set)
     last_arrival: float = 0.0
-    dirty: bool = False
+    # What its exports and prompts are found under (lineage.index_key), a superset: a span
+    # that moved out leaves its key behind (the unit then comes along for nothing).
+    keys: set[tuple] = field(default_factory=set)
 
 
 @dataclass
@@ -163,6 +183,15 @@ class SpanBuffer:
         self._idless: dict[str | None, dict[int, dict]] = collections.defaultdict(dict)
         self._idless_seen: dict[str | None, float] = {}
         self._idless_dirty = False
+        self._dirty: set[str] = set()
+        # Which units hold an export or a prompt found under a lineage key.
+        self._units_by_key: dict[tuple, set[str]] = collections.defaultdict(set)
+        # (D endpoint, engine start, engine id) -> the latest span that shows it: the
+        # restarts lineage reads, whichever conversations' spans show them.
+        self._engines: dict[tuple, int] = {}
+        # D request -> the units whose turns extend its export (or name it among equal
+        # candidates), as the last pass that classified them found.
+        self._extended_by: dict[str, set[str]] = collections.defaultdict(set)
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._forget_after = forget_after
@@ -202,9 +231,8 @@ class SpanBuffer:
             unit = self.units.get(cid)
             if unit is None:
                 unit = self.units[cid] = Unit()
-            self._keep(unit, self._hold(row), row)
+            self._keep(cid, self._hold(row), row)
             unit.last_arrival = now
-            unit.dirty = True
             if trace is not None:
                 self._claim(trace, cid, row)
                 unit.traces.add(trace)
@@ -215,6 +243,8 @@ class SpanBuffer:
     def _hold(self, row: dict) -> int:
         serial = next(self._serial)
         self._arrow.add(serial, row)
+        if row.get("name") in _ENGINE_SPANS and row.get(_STARTED) is not None:
+            self._engines[(row.get(_ENDPOINT), row[_STARTED], row.get(_ENGINE))] = serial
         return serial
 
     def _claim(self, trace: str, cid: str, row: dict) -> None:
@@ -241,46 +271,88 @@ class SpanBuffer:
             if key in trace.placed and trace.placed[key] == cid:
                 continue
             row = trace.untagged[key]
-            former = self.units.get(trace.placed.get(key) or "")
+            former_key = trace.placed.get(key)
+            former = self.units.get(former_key or "")
             if former is not None:
                 former.rows.pop(key, None)
                 former.lineage.pop(key, None)
-                former.dirty = True
+                self._dirty.add(former_key)
             trace.placed[key] = cid
             if cid is not None:
-                unit = self.units[cid]
-                self._keep(unit, key, row)
-                unit.last_arrival = now
-                unit.dirty = True
+                self._keep(cid, key, row)
+                self.units[cid].last_arrival = now
 
-    @staticmethod
-    def _keep(unit: Unit, serial: int, row: dict) -> None:
+    def _keep(self, cid: str, serial: int, row: dict) -> None:
+        unit = self.units[cid]
         unit.rows[serial] = row
-        if row.get("name") in LINEAGE_SPANS:
-            unit.lineage[serial] = row
+        self._dirty.add(cid)
+        if row.get("name") not in LINEAGE_SPANS:
+            return
+        unit.lineage[serial] = row
+        chain = parse(row.get(_CHAIN))
+        if chain is not None:
+            key = index_key(chain)
+            unit.keys.add(key)
+            self._units_by_key[key].add(cid)
 
     def take_dirty(self) -> tuple[list[str], pa.Table | None]:
         """The dirty units' keys and their spans (the id-less pool whole when any of it
-        changed: lineage links its turns across the pool), with the lineage spans of
-        the clean units, as the span table in arrival order (None: nothing is dirty);
-        marks them clean. Turns of clean units the pipeline makes of those context spans
-        are partial: not the pass's to keep."""
-        keys: list[str] = []
-        serials: list[Iterable[int]] = []
-        for key, unit in self.units.items():
-            if unit.dirty:
-                unit.dirty = False
-                keys.append(key)
-                serials.append(unit.rows)
-            else:
-                serials.append(unit.lineage)
+        changed: lineage links its turns across the pool), as the span table in arrival
+        order (None: nothing is dirty); marks them clean. With them, as context, the
+        lineage spans of the clean units lineage could link them to
+        (``_linkable``) and the spans that show each D engine's start. Turns of clean
+        units the pipeline makes of those context spans are partial: not the pass's to
+        keep."""
+        keys = [key for key in self._dirty if key in self.units]
+        self._dirty.clear()
         if not keys and not self._idless_dirty:
             return [], None
+        serials: list[Iterable[int]] = [self.units[key].rows for key in keys]
+        serials.extend(self.units[key].lineage for key in self._linkable(keys))
         if self._idless_dirty:
             self._idless_dirty = False
             keys.append(IDLESS)
         serials.extend(self._idless.values())  # the pool's turns need each other's
+        serials.append(self._engines.values())
         return keys, self._arrow.take(_serials(itertools.chain.from_iterable(serials)))
+
+    def note_links(self, unit: str, d_requests: Iterable[str]) -> None:
+        """A turn of ``unit`` extends the exports of ``d_requests`` (lineage found): when
+        one of those units is classified again, ``unit`` comes along, as lineage numbers
+        a second turn extending the same export as a fork."""
+        if unit in self.units:
+            for d_request in d_requests:
+                self._extended_by[d_request].add(unit)
+
+    def _linkable(self, dirty: list[str]) -> set[str]:
+        """The clean units lineage may link the dirty units' and the pool's turns to:
+        those holding an export or a prompt a prompt of theirs probes
+        (``lineage.probe_keys``), those whose turns extend one of their exports
+        (``note_links``), and so on from those, as lineage walks on: every candidate
+        lineage could match over every span in the window. Not seen: a turn that
+        extends an export which arrived after the turn was last classified."""
+        taken = set(dirty)
+        found: set[str] = set()
+        rows: Iterable[dict] = itertools.chain(
+            (row for key in dirty for row in self.units[key].lineage.values()),
+            (row for pooled in self._idless.values() for row in pooled.values()),
+        )
+        while True:
+            probed: set[tuple] = set()
+            new: set[str] = set()
+            for row in rows:
+                if row.get("name") == _EXPORT and row.get(_RID) in self._extended_by:
+                    new |= self._extended_by[row[_RID]]
+                if (chain := parse(row.get(_CHAIN))) is not None:
+                    probed.update(probe_keys(chain))
+            for key in probed:
+                new |= self._units_by_key.get(key, set())
+            new = {unit for unit in new - taken if unit in self.units}
+            if not new:
+                return found
+            taken |= new
+            found |= new
+            rows = [row for key in new for row in self.units[key].lineage.values()]
 
     def rows_of(self, key: str) -> list[dict]:
         if key == IDLESS:
@@ -293,8 +365,17 @@ class SpanBuffer:
         horizon = now - self.window_s
         gone = [key for key, unit in self.units.items() if unit.last_arrival < horizon]
         for key in gone:
-            for trace in self.units.pop(key).traces:
+            unit = self.units.pop(key)
+            for trace in unit.traces:
                 self._leave(trace, key)
+            for lineage_key in unit.keys:
+                holders = self._units_by_key[lineage_key]
+                holders.discard(key)
+                if not holders:
+                    del self._units_by_key[lineage_key]
+            for row in unit.lineage.values():
+                if row.get("name") == _EXPORT:
+                    self._extended_by.pop(row.get(_RID), None)
             self._dropped[key] = None
             self._dropped.move_to_end(key)
         while len(self._dropped) > self._forget_after:
@@ -304,7 +385,10 @@ class SpanBuffer:
             del self._idless[idle]
             del self._idless_seen[idle]
         if self._arrow.merge_due(len(self) if gone or stale else None):
-            self._arrow.keep_only(_serials(self._held()))
+            held = _serials(self._held())
+            self._arrow.keep_only(held)
+            kept = set(held.tolist())
+            self._engines = {e: serial for e, serial in self._engines.items() if serial in kept}
         return gone
 
     def _held(self) -> Iterable[int]:

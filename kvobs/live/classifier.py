@@ -23,7 +23,7 @@ import collections
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import pyarrow as pa
 
@@ -119,6 +119,13 @@ def _unchanged(kept: dict[str, Any], new: dict[str, Any]) -> bool:
 
 def _json(row: dict[str, Any]) -> str:
     return json.dumps(row, sort_keys=True, default=str)
+
+
+def _extended(turn: Mapping[str, Any]) -> list[str]:
+    """The D requests whose exports lineage says the turn extends, or may (equal
+    candidates)."""
+    found = [turn.get("extends_request_id"), *str(turn.get("lineage_candidates") or "").split()]
+    return [d_request for d_request in found if isinstance(d_request, str) and d_request]
 
 
 # What identifies one turn whatever key lineage gives it.
@@ -264,7 +271,7 @@ class Classifier:
     def _classify(self, units: list[str], spans: pa.Table, now: float, result: PassResult) -> int:
         turns = turns_from_spans(drop_duplicate_span_rows(spans, []), frame=False)
         unit_of = self._unit_lookup(units)
-        # The clean units' lineage spans came along as context (what a dirty turn's
+        # Clean units' lineage spans came along as context (what a dirty turn's
         # prompt may extend): their turns are correlated, never classified again.
         ours = [unit_of(cid) is not None for cid in turns.column("conversation_id").to_pylist()]
         turns = turns.filter(pa.array(ours, pa.bool_()))
@@ -279,6 +286,7 @@ class Classifier:
             if unit is None:
                 continue  # a clean unit's partial turn (its lineage spans only)
             kept += 1
+            self.buffer.note_links(unit, _extended(diagnosis.turn))
             row = turn_row(diagnosis, used.prefill_tokens_per_s, used.decode_s_per_token)
             key = (row["tenant"], row["conversation_id"], row["turn"])
             seen.add(key)

@@ -54,7 +54,7 @@ import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.turns import arrays
-from kvobs.prefix_chain import HEX_PER_POINT, grid_points, parse
+from kvobs.prefix_chain import HEX_PER_POINT, Chain, grid_points, parse
 
 _CID, _TURN, _TENANT = sc.CONVERSATION_ID.key, sc.TURN_INDEX.key, sc.TENANT_DIGEST.key
 _RID, _REMOTE_RID = sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key
@@ -152,6 +152,21 @@ def _export_of(exports: dict) -> dict[str, str]:
     return {e[_REMOTE_RID]: d for d, e in exports.items() if isinstance(e[_REMOTE_RID], str)}
 
 
+def index_key(chain: Chain) -> tuple[str, int, str]:
+    """What an export or a prompt is found under: a prompt that extends it probes this
+    key (one of its ``probe_keys``)."""
+    return (chain.scope, *chain.key())
+
+
+def probe_keys(chain: Chain) -> list[tuple[str, int, str]]:
+    """The keys a prompt looks up, one per grid point of its chain, shortest first: the
+    exports and earlier prompts it may extend are under these (``index_key``) and no
+    other."""
+    return [
+        (chain.scope, point, chain.hash_at(i)) for i, point in enumerate(grid_points(chain.blocks))
+    ]
+
+
 def _index(
     exports: dict, export_chains: dict, prompts: dict, prompt_chains: dict
 ) -> dict[tuple, list]:
@@ -167,7 +182,7 @@ def _index(
     def add(chain, kind, time_ns, d_request, tenant, p_request):
         if chain is None or _missing(time_ns) or not isinstance(p_request, str):
             return
-        index.setdefault((chain.scope, *chain.key()), []).append(
+        index.setdefault(index_key(chain), []).append(
             (kind, int(time_ns), d_request, tenant, chain.blocks, p_request, chain.tokens)
         )
 
@@ -211,14 +226,13 @@ def _extended(
     whether they are one conversation's. No match: an empty list."""
     if chain is None or _missing(start_ns):
         return [], False
-    points = grid_points(chain.blocks)
-    for i in range(len(points) - 1, -1, -1):
-        point = points[i]
-        if point not in points_with_keys:
+    probes = probe_keys(chain)
+    for i in range(len(probes) - 1, -1, -1):
+        if probes[i][1] not in points_with_keys:
             continue
         candidates = [
             c
-            for c in index.get((chain.scope, point, chain.hash_at(i)), ())
+            for c in index.get(probes[i], ())
             if c[1] < start_ns
             and (tenant is None or c[3] in (None, tenant))
             and _could_precede(c[0] == 1, c[4], c[6], chain, ghost, ghost_prompt_tokens)
