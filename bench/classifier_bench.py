@@ -1,7 +1,8 @@
 """Live classifier throughput against the batch pipeline, on the same synthetic spans.
 
     python bench/classifier_bench.py [--conversations 2000] [--batch 64] [--pass-every 2.0]
-                                     [--spans-per-pass N] [--window 960]
+                                     [--spans-per-pass N] [--window 960] [--mean-turns 5]
+                                     [--repeat 3]
 
 Synthetic fleet (``kvobs.synth.small``: every verdict scenario, ~10 spans and ~5 turns a
 conversation), spans delivered in end-time order in export requests of ``--batch`` spans,
@@ -51,12 +52,15 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=960.0,
                         help="seconds a conversation is held (kvobs collect: 2 x D's TTL; "
                              "0: the whole run, nothing leaves memory)")
+    parser.add_argument("--mean-turns", type=float, default=5.0,
+                        help="turns a conversation has on average (geometric, at most 64): "
+                             "an agent's conversations run longer")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs of batch and of stream; the least CPU time of each is "
                              "printed (one run's varies by 10 %% on a shared 2-core box)")
     args = parser.parse_args()
 
-    config = small(args.conversations)
+    config = small(args.conversations, mean_turns=args.mean_turns)
     table, _ = spans_table(config, np.arange(config.conversations))
     table = table.sort_by([("end_ns", "ascending")])
     rows = [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]

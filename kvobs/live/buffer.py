@@ -271,8 +271,8 @@ class SpanBuffer:
             if key in trace.placed and trace.placed[key] == cid:
                 continue
             row = trace.untagged[key]
-            former_key = trace.placed.get(key)
-            former = self.units.get(former_key or "")
+            former_key = trace.placed.get(key) or ""
+            former = self.units.get(former_key)
             if former is not None:
                 former.rows.pop(key, None)
                 former.lineage.pop(key, None)
@@ -375,7 +375,7 @@ class SpanBuffer:
                     del self._units_by_key[lineage_key]
             for row in unit.lineage.values():
                 if row.get("name") == _EXPORT:
-                    self._extended_by.pop(row.get(_RID), None)
+                    self._extended_by.pop(str(row.get(_RID)), None)
             self._dropped[key] = None
             self._dropped.move_to_end(key)
         while len(self._dropped) > self._forget_after:

@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 import pyarrow as pa
 
-from kvobs.turns import columns as col
+from kvobs.turns import arrays, columns as col
 from kvobs.causes import decode_context
 from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import TurnDiagnosis, classify_turns
@@ -61,6 +62,7 @@ class TurnState:
     samples: dict[str, Any]  # its _CONTEXT_COLUMNS, for the fleet context once final
     final: bool = False
     finals: int = 0  # times it was written (first: counted; later: re-classified)
+    inputs: int | None = None  # the hash of the correlated row it was classified from
 
 
 @dataclass
@@ -126,6 +128,18 @@ def _extended(turn: Mapping[str, Any]) -> list[str]:
     candidates)."""
     found = [turn.get("extends_request_id"), *str(turn.get("lineage_candidates") or "").split()]
     return [d_request for d_request in found if isinstance(d_request, str) and d_request]
+
+
+def turn_keys(turns: pa.Table) -> list[TurnKey]:
+    """Each turn row's key, as ``TurnDiagnosis`` makes it (tenant, conversation, turn)."""
+    return [
+        (str(tenant), str(cid), int(turn))
+        for tenant, cid, turn in zip(
+            turns.column("tenant").to_pylist(),
+            turns.column("conversation_id").to_pylist(),
+            turns.column("turn").to_pylist(),
+        )
+    ]
 
 
 # What identifies one turn whatever key lineage gives it.
@@ -277,11 +291,25 @@ class Classifier:
         turns = turns.filter(pa.array(ours, pa.bool_()))
         if turns.num_rows == 0:
             return 0
+        # A turn whose correlated row is the one it was classified from keeps its
+        # classification: a conversation that goes on is not classified whole again.
+        seen: set[TurnKey] = set()
+        inputs = arrays.row_hashes(turns)
+        again = np.ones(turns.num_rows, bool)
+        for i, key in enumerate(turn_keys(turns)):
+            seen.add(key)
+            state = self.turns.get(key)
+            unit = unit_of(key[1])
+            if state is not None and unit is not None and state.inputs == inputs[i]:
+                self._move(key, state, unit)
+                again[i] = False
+        turns, inputs = turns.filter(arrays.array(again)), inputs[again]
+        if turns.num_rows == 0:
+            return 0
         rate, per_token = self.context()
         diagnoses, used = classify_turns(col.Columns(turns), self.read_slo_s, rate, per_token)
-        seen: set[TurnKey] = set()
         kept = 0
-        for diagnosis in diagnoses:
+        for diagnosis, classified_from in zip(diagnoses, inputs.tolist()):
             unit = unit_of(diagnosis.conversation_id)
             if unit is None:
                 continue  # a clean unit's partial turn (its lineage spans only)
@@ -292,6 +320,7 @@ class Classifier:
             seen.add(key)
             state = self.turns.get(key)
             if state is not None and _unchanged(state.row, row):
+                state.inputs = classified_from
                 self._move(key, state, unit)
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
@@ -302,6 +331,7 @@ class Classifier:
                 state.samples = samples
                 state.version += 1
                 state.final = False
+            state.inputs = classified_from
             self._move(key, state, unit)
             self._by_conversation[key[1]].add(key)
             result.changed.append(key)

@@ -215,3 +215,36 @@ def codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, int]:
     groups by them where ``Table.group_by`` would import pandas (through pyarrow.dataset)."""
     encoded = pc.dictionary_encode(_one(column), null_encoding="encode")
     return numbers(encoded.indices).astype(np.int64), len(encoded.dictionary)
+
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def row_hashes(table: pa.Table) -> np.ndarray:
+    """A 64-bit hash of each row over every column: rows that differ in any value hash
+    apart but for a chance of 2**-64. Strings hash as Python's ``hash`` does, salted per
+    process: compare hashes within one process only."""
+    hashed = np.zeros(table.num_rows, np.uint64)
+    with np.errstate(over="ignore"):
+        for column in table.columns:
+            values, valid = _hashed(_one(column))
+            hashed = (hashed * _MIX + values) * _MIX + valid
+    return hashed
+
+
+def _hashed(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(a uint64 per value, whether it is valid)."""
+    if pa.types.is_null(values.type):
+        return np.zeros(len(values), np.uint64), np.zeros(len(values), np.uint64)
+    valid = np.asarray(_valid(values) if values.null_count else np.ones(len(values), bool))
+    if values.type in _NUMPY_TYPES:
+        number = numbers(values, fill=0)
+        wide = number.astype(np.float64 if number.dtype.kind == "f" else np.int64)
+        return wide.view(np.uint64), valid.astype(np.uint64)
+    if pa.types.is_boolean(values.type):
+        return booleans(values).astype(np.uint64), valid.astype(np.uint64)
+    encoded = pc.dictionary_encode(values, null_encoding="encode")
+    distinct = np.array([hash(v) for v in encoded.dictionary.to_pylist()], np.int64)
+    return distinct.view(np.uint64)[numbers(encoded.indices).astype(np.int64)], valid.astype(
+        np.uint64
+    )

@@ -158,7 +158,9 @@ def test_a_change_of_the_measures_alone_is_a_new_version(monkeypatch):
     """The report's numbers (kvobs.live.turn_measures) are stored beside the verdict: a
     late span that changes only them must rewrite the turn. Made here by a measure that
     differs on re-classification (real spans that do so are rare: a late release also
-    changes the turn's JSON), with the unit re-dirtied by a repeated span."""
+    changes the turn's JSON), with the unit re-dirtied by a repeated span and its rows
+    made to look changed (a turn whose correlated row is unchanged is not classified
+    again)."""
     import kvobs.live.classifier as live
 
     classifier = Classifier(window_s=600, grace_s=1)
@@ -177,9 +179,24 @@ def test_a_change_of_the_measures_alone_is_a_new_version(monkeypatch):
         return measures
 
     monkeypatch.setattr(live, "measures_of", shifted)
+    hashes = live.arrays.row_hashes
+    monkeypatch.setattr(live.arrays, "row_hashes", lambda turns: hashes(turns) + 1)
     classifier.add_request(requests[0], now=103.0)  # a repeated span: its unit re-runs
     classifier.run_pass(now=103.0)
     again = classifier.run_pass(now=105.0).finalized
     assert again, "no turn rewritten"
     assert all(row["version"] == 2 for row in again)
     assert all(not row["first_final"] for row in again)
+
+
+def test_a_turn_whose_row_did_not_change_is_not_classified_again():
+    """A conversation that goes on is correlated whole, but only the turns whose
+    correlated rows changed are classified again."""
+    classifier = Classifier(window_s=600, grace_s=1)
+    requests = _requests()
+    for request in requests:
+        classifier.add_request(request, now=100.0)
+    assert classifier.run_pass(now=100.0).classified > 0
+    classifier.add_request(requests[0], now=101.0)  # a repeated span: its unit is dirty
+    assert classifier.buffer._dirty
+    assert classifier.run_pass(now=101.0).classified == 0

@@ -79,3 +79,24 @@ def test_no_conversion_imports_pandas():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_row_hashes_tell_rows_apart_by_any_value_and_by_null():
+    table = pa.table({
+        "n": pa.array([1, 1, 0, None, 1], pa.int64()),
+        "x": pa.array([0.5, 0.5, 0.5, 0.5, None], pa.float64()),
+        "s": pa.array(["a", "a", "a", "a", "a"], pa.large_string()),
+        "d": pa.array(["k", "k", "k", "k", "k"]).dictionary_encode(),
+        "b": pa.array([True, True, True, True, True]),
+        "z": pa.nulls(5),
+    })
+    hashed = arrays.row_hashes(table)
+    assert hashed.dtype == np.uint64 and hashed[0] == hashed[1]
+    assert len(set(hashed[1:].tolist())) == 4  # 0 is not null, in ints and in floats
+    for column, value in (("s", "b"), ("d", "q"), ("b", False)):
+        other = table.set_column(table.schema.get_field_index(column), column,
+                                 pa.array([value] * 5).cast(table.schema.field(column).type))
+        assert (arrays.row_hashes(other) != hashed).all(), column
+    # the same values in other chunks hash alike
+    rechunked = pa.concat_tables([table.slice(0, 2), table.slice(2)])
+    assert (arrays.row_hashes(rechunked) == hashed).all()
