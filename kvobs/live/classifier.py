@@ -3,7 +3,9 @@ lineage, timeline, verdicts, causes: ``diagnose.classify_turns`` over
 ``correlate.turns_from_spans``), pass after pass, over the spans of the conversations
 that received spans since the last pass.
 
-A turn's classification is *versioned*: a pass that changes it (a late span, a lineage
+A turn is classified again only when its correlated row changed (a new span, a
+lineage fact): the others of a dirty conversation keep theirs. A turn's classification
+is *versioned*: a pass that changes it (a late span, a lineage
 resolved by a later turn) makes a new version, latest wins. A turn is *final* once no
 pass changed it for ``grace_s``: it is then counted in the turn metrics and written to
 the turn store; a final turn that changes later is written again (its next version) and
