@@ -316,6 +316,11 @@ class SpanBuffer:
         serials.append(self._engines.values())
         return keys, self._arrow.take(_serials(itertools.chain.from_iterable(serials)))
 
+    def mark_dirty(self, unit: str) -> None:
+        """Classify ``unit`` again next pass, though it received no span."""
+        if unit in self.units:
+            self._dirty.add(unit)
+
     def note_links(self, unit: str, d_requests: Iterable[str]) -> None:
         """A turn of ``unit`` extends the exports of ``d_requests`` (lineage found): when
         one of those units is classified again, ``unit`` comes along, as lineage numbers
@@ -389,6 +394,10 @@ class SpanBuffer:
             self._arrow.keep_only(held)
             kept = set(held.tolist())
             self._engines = {e: serial for e, serial in self._engines.items() if serial in kept}
+            for d_request, units in list(self._extended_by.items()):
+                units.intersection_update(self.units)  # the pool's exports are no unit's to drop
+                if not units:
+                    del self._extended_by[d_request]
         return gone
 
     def _held(self) -> Iterable[int]:

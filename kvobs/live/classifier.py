@@ -125,6 +125,14 @@ def _json(row: dict[str, Any]) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
+def _measured(samples: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """P's compute rate and the typical decode time per token over turns' samples."""
+    if not samples:
+        return None, None
+    table = col.Columns(pa.Table.from_pylist(samples))
+    return prefill_rate(table), decode_context(table).decode_s_per_token
+
+
 def _extended(turn: Mapping[str, Any]) -> list[str]:
     """The D requests whose exports lineage says the turn extends, or may (equal
     candidates)."""
@@ -227,10 +235,26 @@ class Classifier:
         """P's compute rate and the typical decode time per token, over the recent final
         turns (the same measures ``diagnose`` takes over its spans)."""
         if self._context_stale and self._samples:
-            table = col.Columns(pa.Table.from_pylist(list(self._samples)))
-            self._context = (prefill_rate(table), decode_context(table).decode_s_per_token)
+            self._context = _measured(list(self._samples))
             self._context_stale = False
+        if not self._samples and self._context == (None, None):
+            # Before any turn is final: over the turns classified so far, so that a
+            # turn is priced at values its row can name (a pass measuring over its own
+            # few turns may find none, where diagnose over every span finds some).
+            return _measured([s.samples for s in self.turns.values() if s.samples])
         return self._context
+
+    def _reprice(self, state: TurnState) -> bool:
+        """Whether a turn due to be final is classified once more first: it was priced
+        without a fleet context value known now, so its row names a context that
+        ``diagnose`` would measure for itself. Its unit is classified again next pass."""
+        used = state.row.get("context") or {}
+        priced = (used.get("prefill_tokens_per_s"), used.get("decode_s_per_token"))
+        if None not in priced or None in self.context() or state.unit not in self.buffer.units:
+            return False
+        state.inputs = None
+        self.buffer.mark_dirty(state.unit)
+        return True
 
     def run_pass(self, now: float | None = None) -> PassResult:
         now = time.time() if now is None else now
@@ -241,6 +265,8 @@ class Classifier:
             result.classified = self._classify(keys, spans, now, result)
         for state in self.turns.values():
             if not state.final and now - state.changed_at >= self.grace_s:
+                if self._reprice(state):
+                    continue
                 state.final = True
                 state.finals += 1
                 # A turn counted before under another key (lineage re-grouped it) is
@@ -295,20 +321,23 @@ class Classifier:
             return 0
         # A turn whose correlated row is the one it was classified from keeps its
         # classification: a conversation that goes on is not classified whole again.
+        # Not while the fleet context is unknown (the first passes): classify_turns then
+        # measures it over the turns it is given, which must stay the pass's all.
+        rate, per_token = self.context()
         seen: set[TurnKey] = set()
         inputs = arrays.row_hashes(turns)
         again = np.ones(turns.num_rows, bool)
-        for i, key in enumerate(turn_keys(turns)):
+        priced = rate is not None and per_token is not None
+        for i, (key, hashed) in enumerate(zip(turn_keys(turns), inputs.tolist())):
             seen.add(key)
             state = self.turns.get(key)
             unit = unit_of(key[1])
-            if state is not None and unit is not None and state.inputs == inputs[i]:
+            if priced and state is not None and unit is not None and state.inputs == hashed:
                 self._move(key, state, unit)
                 again[i] = False
         turns, inputs = turns.filter(arrays.array(again)), inputs[again]
         if turns.num_rows == 0:
             return 0
-        rate, per_token = self.context()
         diagnoses, used = classify_turns(col.Columns(turns), self.read_slo_s, rate, per_token)
         kept = 0
         for diagnosis, classified_from in zip(diagnoses, inputs.tolist()):
@@ -323,6 +352,7 @@ class Classifier:
             state = self.turns.get(key)
             if state is not None and _unchanged(state.row, row):
                 state.inputs = classified_from
+                state.row = row  # the same answer, at the context it names now
                 self._move(key, state, unit)
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}

@@ -16,6 +16,9 @@ from kvobs.live.classifier import Classifier
 from kvobs.sources import open_source
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "demo-spans.otlp.jsonl"
+# Another demo run (CI, 2026-12-06), whose first turn decoded slowly: a pass of its few
+# turns alone could not tell the typical decode (tests/data/trim_spans.py).
+BUSY_DEMO = DEMO.with_name("demo-spans-busy-decode.otlp.jsonl")
 
 
 def _requests() -> list[dict]:
@@ -29,8 +32,8 @@ def _feed(classifier: Classifier, requests: list[dict], per_pass: int, start: fl
         classifier.run_pass(now=start + i)
 
 
-def _batch(context: dict) -> dict:
-    turns = turns_from_spans(open_source(str(DEMO)).span_table(), frame=False)
+def _batch(context: dict, path: Path = DEMO) -> dict:
+    turns = turns_from_spans(open_source(str(path)).span_table(), frame=False)
     diagnoses, _ = classify_turns(col.Columns(turns), None, context["prefill_tokens_per_s"],
                                   context["decode_s_per_token"])
     return {(d.tenant, d.conversation_id, d.turn.index): d.to_dict() for d in diagnoses}
@@ -191,12 +194,39 @@ def test_a_change_of_the_measures_alone_is_a_new_version(monkeypatch):
 
 def test_a_turn_whose_row_did_not_change_is_not_classified_again():
     """A conversation that goes on is correlated whole, but only the turns whose
-    correlated rows changed are classified again."""
+    correlated rows changed are classified again, once the fleet context is known (before,
+    classify_turns measures it over the turns it is given: all the pass's)."""
     classifier = Classifier(window_s=600, grace_s=1)
     requests = _requests()
     for request in requests:
         classifier.add_request(request, now=100.0)
     assert classifier.run_pass(now=100.0).classified > 0
-    classifier.add_request(requests[0], now=101.0)  # a repeated span: its unit is dirty
+    classifier.run_pass(now=102.0)  # final: the context is measured over them
+    assert None not in classifier.context()
+    classifier.add_request(requests[0], now=103.0)  # a repeated span: its unit is dirty
     assert classifier.buffer._dirty
-    assert classifier.run_pass(now=101.0).classified == 0
+    assert classifier.run_pass(now=103.0).classified == 0
+
+
+@pytest.mark.parametrize("per_pass", [5, 20])
+def test_every_final_turn_names_a_context_diagnose_reproduces(per_pass):
+    """Spans in the order they ended, a few a pass, turns final after a grace: the first
+    turns are classified before the fleet context is known, over a pass of a few turns
+    (whose typical decode may be unknown, where diagnose over every span knows it). A
+    final row must still equal diagnose at the context it names."""
+    spans = open_source(str(BUSY_DEMO)).span_table().sort_by([("end_ns", "ascending")])
+    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    classifier = Classifier(window_s=1e9, grace_s=10.0)
+    final: dict[tuple, dict] = {}
+    for i in range(0, len(rows), per_pass):
+        now = rows[min(i + per_pass, len(rows)) - 1]["end_ns"] / 1e9
+        classifier.buffer.add(rows[i:i + per_pass], now)
+        results = [classifier.run_pass(now)]
+        if i + per_pass >= len(rows):
+            results += [classifier.run_pass(now + 11), classifier.run_pass(now + 22)]
+        final.update({(r["tenant"], r["conversation_id"], r["turn"]): r
+                      for result in results for r in result.finalized})
+    assert len(final) == 25
+    for key, row in final.items():
+        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
+        assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[key]), key

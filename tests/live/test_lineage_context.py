@@ -98,12 +98,9 @@ def test_a_restart_shown_only_by_a_clean_conversation_s_spans_is_seen():
     assert _canonical(second_turn(True)) != _canonical(live)
 
 
-def test_a_clean_fork_of_a_turn_comes_along_when_that_turn_s_conversation_goes_on():
-    """Behind a router, conversation a; X (with its own id) forks from a's turn 1 before
-    a's turn 2 comes: lineage then makes a's turn 2 start a conversation of its own (a
-    second turn extending the same export). X is clean when a's turn 2 arrives, and its
-    prompt probes nothing of a's second turn: it comes along because its turn extends
-    a's export."""
+def _forked() -> tuple[list[dict], list[dict]]:
+    """Conversation a behind a router, and X's turn that forks from a's turn 1 (first,
+    with a's turn 1), then a's later turns."""
     rows = router_turns("a", 3, 100.0, START)
     history = START + [1000 + 97 + 7 + i % 5 for i in range(100)]  # a's turn 1, as made
     retained = history + [2000 + 97 + 13 + i % 7 for i in range(40)]
@@ -112,7 +109,16 @@ def test_a_clean_fork_of_a_turn_comes_along_when_that_turn_s_conversation_goes_o
         if row["name"] == sc.SPAN_PULL_DECISION.name]
     early = [r for r in rows if r.get(sc.REQUEST_ID.key) == "p-a-1"
              or r.get(sc.REMOTE_REQUEST_ID.key) == "p-a-1"] + fork
-    late = [r for r in rows if r not in early]
+    return early, [r for r in rows if r not in early]
+
+
+def test_a_clean_fork_of_a_turn_comes_along_when_that_turn_s_conversation_goes_on():
+    """Behind a router, conversation a; X (with its own id) forks from a's turn 1 before
+    a's turn 2 comes: lineage then makes a's turn 2 start a conversation of its own (a
+    second turn extending the same export). X is clean when a's turn 2 arrives, and its
+    prompt probes nothing of a's second turn: it comes along because its turn extends
+    a's export."""
+    early, late = _forked()
     turns = turns_from_spans(table_from_rows(early + late), frame=False)
 
     def live(note_links: bool) -> dict[str, dict]:
@@ -135,3 +141,17 @@ def test_a_clean_fork_of_a_turn_comes_along_when_that_turn_s_conversation_goes_o
         assert _canonical(rows_live[rid]) == _canonical(batch[rid]), rid
     assert batch["p-a-2"]["conversation_id"] != batch["p-a-1"]["conversation_id"]
     assert _canonical(live(False)["p-a-2"]) != _canonical(batch["p-a-2"])
+
+
+def test_what_links_conversations_leaves_with_them():
+    classifier = Classifier(window_s=600, grace_s=0)
+    early, late = _fleet()
+    forked_early, forked_late = _forked()
+    for now, rows in enumerate((early, forked_early, late, forked_late)):
+        classifier.buffer.add(rows, now=200.0 + now)
+        classifier.run_pass(now=200.0 + now)
+    buffer = classifier.buffer
+    assert buffer._units_by_key and buffer._extended_by and buffer._engines
+    classifier.run_pass(now=10_000.0)  # every conversation idle past the window
+    assert buffer.units == {}
+    assert not buffer._units_by_key and not buffer._extended_by and not buffer._engines
