@@ -244,13 +244,14 @@ class Classifier:
             return _measured([s.samples for s in self.turns.values() if s.samples])
         return self._context
 
-    def _reprice(self, state: TurnState) -> bool:
+    def _reprice(self, state: TurnState, known: tuple[float | None, float | None]) -> bool:
         """Whether a turn due to be final is classified once more first: it was priced
-        without a fleet context value known now, so its row names a context that
-        ``diagnose`` would measure for itself. Its unit is classified again next pass."""
+        without a fleet context value known now (``known``: the pass's), so its row names
+        a context that ``diagnose`` would measure for itself. Its unit is classified
+        again next pass."""
         used = state.row.get("context") or {}
         priced = (used.get("prefill_tokens_per_s"), used.get("decode_s_per_token"))
-        if None not in priced or None in self.context() or state.unit not in self.buffer.units:
+        if None not in priced or None in known or state.unit not in self.buffer.units:
             return False
         state.inputs = None
         self.buffer.mark_dirty(state.unit)
@@ -263,9 +264,10 @@ class Classifier:
         keys, spans = self.buffer.take_dirty()
         if spans is not None and spans.num_rows:
             result.classified = self._classify(keys, spans, now, result)
+        known = self.context()  # once a pass: each final turn below makes it stale
         for state in self.turns.values():
             if not state.final and now - state.changed_at >= self.grace_s:
-                if self._reprice(state):
+                if self._reprice(state, known):
                     continue
                 state.final = True
                 state.finals += 1
