@@ -99,7 +99,10 @@ class ArrowSpans:
             at = np.searchsorted(held, serials)
             found = at < len(held)
             found[found] &= held[at[found]] == serials[found]
-            if found.any():
+            taken = int(found.sum())
+            if taken == len(held):  # all of it (the spans new since the last pass)
+                parts.append(table)
+            elif taken:
                 parts.append(table.take(arrays.array(at[found])))
         if not parts:
             return table_from_rows([])
@@ -267,6 +270,8 @@ class SpanBuffer:
         (its ancestor arrived, or a second conversation made the trace shared) leaves
         its former unit, which is re-classified too."""
         trace = self._traces[trace_id]
+        if not trace.untagged:  # most traces: every span tagged, nothing to place
+            return
         for key, cid in zip(list(trace.untagged), places(trace)):
             if key in trace.placed and trace.placed[key] == cid:
                 continue

@@ -78,7 +78,10 @@ class PassResult:
 
 
 def turn_row(
-    diagnosis: TurnDiagnosis, prefill_tokens_per_s: float | None, decode_s_per_token: float | None
+    diagnosis: TurnDiagnosis,
+    measures: dict[str, Any],
+    prefill_tokens_per_s: float | None,
+    decode_s_per_token: float | None,
 ) -> dict[str, Any]:
     """One classified turn as the service keeps, serves and stores it: ``diagnose``'s
     JSON of the turn plus its trace id and the fleet context it was classified with."""
@@ -88,8 +91,9 @@ def turn_row(
         "prefill_tokens_per_s": prefill_tokens_per_s,
         "decode_s_per_token": decode_s_per_token,
     }
-    # The numbers the fleet report aggregates, stored as typed columns beside the JSON.
-    row[MEASURES_KEY] = measures_of(diagnosis.turn)
+    # The numbers the fleet report aggregates (``measures_of``), stored as typed columns
+    # beside the JSON.
+    row[MEASURES_KEY] = measures
     return row
 
 
@@ -118,11 +122,17 @@ def _unchanged(kept: dict[str, Any], new: dict[str, Any]) -> bool:
     skipped = ("context", MEASURES_KEY) if kept.get(MEASURES_KEY) is None else ("context",)
     old = {k: v for k, v in kept.items() if k not in skipped}
     fresh = {k: v for k, v in new.items() if k not in skipped}
-    return old == fresh or _json(old) == _json(fresh)
+    if old == fresh:
+        return True
+    if old.keys() == fresh.keys() and any(
+        _json(old[k]) != _json(fresh[k]) for k in old if old[k] != fresh[k]
+    ):
+        return False  # a value unequal as JSON too (the usual change): so are the rows
+    return _json(old) == _json(fresh)
 
 
-def _json(row: dict[str, Any]) -> str:
-    return json.dumps(row, sort_keys=True, default=str)
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _measured(samples: list[dict[str, Any]]) -> tuple[float | None, float | None]:
@@ -315,11 +325,11 @@ class Classifier:
     def _classify(self, units: list[str], spans: pa.Table, now: float, result: PassResult) -> int:
         turns = turns_from_spans(drop_duplicate_span_rows(spans, []), frame=False)
         unit_of = self._unit_lookup(units)
+        keys = turn_keys(turns)
         # Clean units' lineage spans came along as context (what a dirty turn's
         # prompt may extend): their turns are correlated, never classified again.
-        ours = [unit_of(cid) is not None for cid in turns.column("conversation_id").to_pylist()]
-        turns = turns.filter(pa.array(ours, pa.bool_()))
-        if turns.num_rows == 0:
+        unit_of_turn = [unit_of(key[1]) for key in keys]
+        if all(unit is None for unit in unit_of_turn):
             return 0
         # A turn whose correlated row is the one it was classified from keeps its
         # classification: a conversation that goes on is not classified whole again.
@@ -327,28 +337,34 @@ class Classifier:
         # measures it over the turns it is given, which must stay the pass's all.
         rate, per_token = self.context()
         seen: set[TurnKey] = set()
-        inputs = arrays.row_hashes(turns)
-        again = np.ones(turns.num_rows, bool)
+        inputs = arrays.row_hashes(turns)  # a row's own: the same with the context's rows
+        again = np.zeros(turns.num_rows, bool)
         priced = rate is not None and per_token is not None
-        for i, (key, hashed) in enumerate(zip(turn_keys(turns), inputs.tolist())):
+        for i, (key, unit, hashed) in enumerate(zip(keys, unit_of_turn, inputs.tolist())):
+            if unit is None:
+                continue
             seen.add(key)
             state = self.turns.get(key)
-            unit = unit_of(key[1])
-            if priced and state is not None and unit is not None and state.inputs == hashed:
+            if priced and state is not None and state.inputs == hashed:
                 self._move(key, state, unit)
-                again[i] = False
-        turns, inputs = turns.filter(arrays.array(again)), inputs[again]
-        if turns.num_rows == 0:
+            else:
+                again[i] = True
+        if not again.any():
             return 0
-        diagnoses, used = classify_turns(col.Columns(turns), self.read_slo_s, rate, per_token)
+        # One filter (a copy of ~200 columns) for both: context turns and kept ones.
+        turns, inputs = turns.filter(arrays.array(again)), inputs[again]
+        classified = col.Columns(turns)
+        diagnoses, used = classify_turns(classified, self.read_slo_s, rate, per_token)
         kept = 0
-        for diagnosis, classified_from in zip(diagnoses, inputs.tolist()):
+        for diagnosis, measures, classified_from in zip(
+            diagnoses, measures_of(classified), inputs.tolist()
+        ):
             unit = unit_of(diagnosis.conversation_id)
             if unit is None:
                 continue  # a clean unit's partial turn (its lineage spans only)
             kept += 1
             self.buffer.note_links(unit, _extended(diagnosis.turn))
-            row = turn_row(diagnosis, used.prefill_tokens_per_s, used.decode_s_per_token)
+            row = turn_row(diagnosis, measures, used.prefill_tokens_per_s, used.decode_s_per_token)
             key = (row["tenant"], row["conversation_id"], row["turn"])
             seen.add(key)
             state = self.turns.get(key)

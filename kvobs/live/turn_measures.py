@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.timeline import PHASE_COLUMNS
+from kvobs.turns import columns as col
 from kvobs.turns.schema import DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS, column_type
 
 # What the report's sections read beyond the row's own columns (verdict, latency_s,
@@ -68,13 +69,31 @@ NULL_INT = np.iinfo(np.int64).min
 MEASURES_COLUMN = MEASURES_KEY = "measures"
 
 
-def measures_of(turn: Mapping[str, Any]) -> dict[str, Any]:
-    """A classified turn's measures from its turn-table row (``TurnDiagnosis.turn``),
-    typed: what the classifier keeps on its row until the store packs it."""
-    return {name: _typed(turn.get(name), kind) for name, kind in KINDS.items()}
+def measures_of(turns: col.Columns) -> list[dict[str, Any]]:
+    """Each classified turn's measures, typed: what the classifier keeps on its row until
+    the store packs it. ``turns`` is the table ``classify_turns`` was given (it adds the
+    phases in place), in the order of its diagnoses. Column by column: a lookup per turn
+    and measure cost as much as the rest of a turn's row."""
+    typed = [
+        _typed_values(turns.values(name) if name in turns else [None] * len(turns), kind)
+        for name, kind in KINDS.items()
+    ]
+    return [dict(zip(KINDS, row)) for row in zip(*typed)]
 
 
 _EXACT = {"int": int, "float": float, "str": str}
+
+
+def _typed_values(values: list[Any], kind: str) -> list[Any]:
+    """``_typed`` of each value, at once for a column of the usual types: values of the
+    kind or None, floats of which only the finite are kept."""
+    kinds = set(map(type, values)) - {type(None)}
+    if not kinds <= {_EXACT[kind]}:
+        return [_typed(value, kind) for value in values]
+    if kind != "float":
+        return values
+    finite = np.isfinite(np.array(values, np.float64)).tolist()  # None reads as NaN
+    return [value if keep else None for value, keep in zip(values, finite)]
 
 
 def _typed(value: Any, kind: str) -> Any:

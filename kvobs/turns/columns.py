@@ -56,12 +56,16 @@ class Columns:
             values = values.cast(values.type.value_type)
         return values
 
+    def values(self, column: str) -> list[Any]:
+        """A column's values as ``records`` holds them (missing: None or NaN)."""
+        if column in self.added:
+            return self.added[column].tolist()
+        return self.table.column(column).to_pylist()
+
     def records(self) -> list[dict[str, Any]]:
         """Rows as plain dicts (missing values None or NaN), the added columns last."""
         names = self.table.column_names + list(self.added)
-        values = [self.table.column(name).to_pylist() for name in self.table.column_names]
-        values += [column.tolist() for column in self.added.values()]
-        return [dict(zip(names, row)) for row in zip(*values)]
+        return [dict(zip(names, row)) for row in zip(*map(self.values, names))]
 
 
 Table = Union["pd.DataFrame", Columns]

@@ -175,7 +175,8 @@ def turn_rows(
     table = vllm_roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
     if needs_lineage(table, lineage_facts):
         table = lineage.link(vllm_roles(_arrow(spans)))
-    return aggregate(table.select([c for c in needed if c in table.column_names]), columns)
+    present = set(table.column_names)  # a list built anew at each read of the property
+    return aggregate(table.select([c for c in needed if c in present]), columns)
 
 
 # What ``_inherit_keys`` reads of the span tree, when a source has it.
@@ -499,6 +500,11 @@ def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS
                 else arrays.array(count, mask=count == 0)
             )
             continue
+        if column.agg is not Agg.SUM and table.column(column.source).null_count == len(table):
+            # No span of the table has it (most of a few spans' ~130 columns): what the
+            # steps below give, without their per-column work.
+            out[name] = pa.nulls(n, arrow_type)
+            continue
         values = source_column(column.source).take(arrays.array(rows))
         if column.agg is Agg.SUM:
             out[name] = _summed(values, group, position, n)
@@ -637,9 +643,10 @@ def derive(rows: pa.Table) -> pa.Table:
     gap = pc.divide(pc.subtract(start, end), _SECOND_NS)
     rows = rows.append_column(GAP.name, gap)
     rows = with_served_by(with_retention(rows))
+    present = set(rows.column_names)  # none of them a previous-turn column
     for name in PREVIOUS:
         carried = name[len(PREVIOUS_PREFIX) :]
-        if carried in rows.column_names:
+        if carried in present:
             values = rows.column(carried)
             rows = rows.append_column(
                 name, values.take(previous) if values.null_count < len(values) else values

@@ -176,9 +176,10 @@ def test_a_change_of_the_measures_alone_is_a_new_version(monkeypatch):
 
     real = live.measures_of
 
-    def shifted(turn):
-        measures = dict(real(turn))
-        measures["held_s"] = (measures["held_s"] or 0.0) + 1.0  # D's retention
+    def shifted(turns):
+        measures = real(turns)
+        for turn in measures:
+            turn["held_s"] = (turn["held_s"] or 0.0) + 1.0  # D's retention
         return measures
 
     monkeypatch.setattr(live, "measures_of", shifted)
