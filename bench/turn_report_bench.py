@@ -16,6 +16,11 @@
 4. ``kvobs report --json`` as a subprocess over the span store and over every turn store:
    wall time, CPU time and peak RSS (``/usr/bin/time``). The span report's and the 14M
    turn rows' report's counts are checked equal.
+5. Each turn store again with the tallies ``kvobs collect`` keeps next to its merged files
+   (``kvobs.fleet.turn_report.summarize``, timed in this process: what the service pays
+   once per merged file), the report JSON checked equal to step 4's (floats to 9
+   significant digits: sums added in another order). Step 4 runs with the tallies moved
+   aside.
 
 Targets (issue #24): 100M spans' worth under 30 s, peak RSS at most 1 GiB, the 10M and
 100M peaks within 1.2x; the 14M store's turn rows under 3 s.
@@ -24,6 +29,8 @@ Targets (issue #24): 100M spans' worth under 30 s, peak RSS at most 1 GiB, the 1
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import math
 import os
@@ -121,6 +128,42 @@ def _later(measures, days: int):
     return packed.cast(pa.binary())
 
 
+@contextlib.contextmanager
+def tallies_aside(directory: str):
+    """The store as it is without the tallies next to its merged files."""
+    tallies = glob.glob(os.path.join(directory, "turns", "*", "*.tally"))
+    for path in tallies:
+        os.replace(path, path + ".aside")
+    try:
+        yield
+    finally:
+        for path in tallies:
+            os.replace(path + ".aside", path)
+
+
+def summarized(directory: str) -> float:
+    """Keeps a tally next to each merged file lacking one; returns the CPU seconds."""
+    from kvobs.fleet.turn_report import summarize
+    from kvobs.live.turnstore import TurnStore
+
+    started = time.process_time()
+    done = summarize(TurnStore(directory, 0))
+    spent = time.process_time() - started
+    if done:
+        print(f"  tallies of {len(done)} merged files of {directory}: {spent:.1f} CPU-s")
+    return spent
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def timed_report(source: str) -> dict:
     wall, peak, out, cpu = peak_rss_mb_of([*KVOBS, "report", "--json", "--source", source])
     report = json.loads(out)
@@ -156,17 +199,29 @@ def main() -> None:
     if not args.skip_spans_report:
         span = timed_report(store)
         results.append((f"spans, {info['spans'] / 1e6:.2f}M spans", span, info["turns"]))
-    same = timed_report(template_dir)
-    results.append((f"turn rows of that store ({template.num_rows:,})", same, template.num_rows))
+    with tallies_aside(template_dir):
+        same = timed_report(template_dir)
+    name = f"turn rows of that store ({template.num_rows:,})"
+    results.append((name, same, template.num_rows))
     if not args.skip_spans_report:
         assert _counts(same["report"]) == _counts(span["report"]), "counts differ"
         print("counts of the turn-row report equal the span report's")
+    summarized(template_dir)
+    tallied = timed_report(template_dir)
+    assert _rounded(tallied["report"]) == _rounded(same["report"]), "tallies change the report"
+    results.append(("  the same, with the merged files' tallies", tallied, template.num_rows))
     for spans in (int(s) for s in args.spans.split(",")):
         rows = round(spans / spans_per_turn)
         directory = copied_store(template, os.path.join(args.dir, f"turn-rows-{spans}"), rows)
         stores.append(directory)
-        results.append((f"turn rows, {spans / 1e6:.0f}M spans' worth ({rows:,})",
-                        timed_report(directory), rows))
+        with tallies_aside(directory):
+            from_rows = timed_report(directory)
+        results.append((f"turn rows, {spans / 1e6:.0f}M spans' worth ({rows:,})", from_rows, rows))
+        summarized(directory)
+        tallied = timed_report(directory)
+        assert _rounded(tallied["report"]) == _rounded(from_rows["report"]), "tallies differ"
+        results.append(("  the same, with the merged files' tallies", tallied, rows))
+    print("every report with tallies equals the one from rows (floats to 9 digits)")
     print(f"{'source':48} {'turns':>10} {'wall s':>7} {'cpu s':>7} {'peak MiB':>9}")
     for name, result, turns in results:
         print(f"{name:48} {turns:>10,} {result['wall_s']:7.2f} {result['cpu_s']:7.2f} "

@@ -45,6 +45,50 @@ def add_values(sketch: DDSketch, values: np.ndarray) -> None:
             sketch.add(sign * mapping.value(key + low), int(counts[key]))
 
 
+def sketch_state(sketch: DDSketch) -> dict[str, object]:
+    """The sketch's buckets as plain data (JSON): each side's first key and the counts
+    from there on, what ``sketch_from_state`` rebuilds the same quantiles from."""
+
+    def buckets(store) -> list:
+        if not store.count:
+            return [0, []]
+        low, high = store.min_key - store.offset, store.max_key - store.offset
+        return [store.min_key, store.bins[low : high + 1]]
+
+    return {
+        "zero": sketch._zero_count,
+        "positive": buckets(sketch._store),
+        "negative": buckets(sketch._negative_store),
+    }
+
+
+def sketch_from_state(state: dict) -> DDSketch:
+    """A sketch with ``sketch_state``'s buckets: the lowest and highest bucket added at
+    their values (which map back to them) size the store once, the counts between are
+    set in place (one ``add`` a bucket grew the store a bucket at a time: 1 s for a
+    month's tallies)."""
+    sketch = new_sketch()
+    if state["zero"]:
+        sketch.add(0.0, state["zero"])
+    for sign, side, store in (
+        (1.0, "positive", sketch._store),
+        (-1.0, "negative", sketch._negative_store),
+    ):
+        first, counts = state[side]
+        keys = [i for i, count in enumerate(counts) if count]
+        if not keys:
+            continue
+        for at in dict.fromkeys((keys[0], keys[-1])):
+            sketch.add(sign * sketch._mapping.value(first + at), counts[at])
+        between = counts[keys[0] + 1 : keys[-1]]
+        start = first + keys[0] + 1 - store.offset
+        store.bins[start : start + len(between)] = between
+        added = sum(between)
+        store.count += added
+        sketch._count += added
+    return sketch
+
+
 def merged(sketches) -> DDSketch:
     out = new_sketch()
     for sketch in sketches:
@@ -78,5 +122,7 @@ __all__ = [
     "new_sketch",
     "p50_p95",
     "quantile",
+    "sketch_from_state",
+    "sketch_state",
     "within_sketch_error",
 ]

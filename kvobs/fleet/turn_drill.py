@@ -19,9 +19,9 @@ class Ranked:
     """The ``limit`` first turns by (slowest first, unmeasured last; then conversation,
     tenant, turn): ``drill_down``'s order, kept over batches in bounded memory."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, rows: list[tuple] | None = None):
         self.limit = limit
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = rows or []
 
     def add(self, frame: pd.DataFrame, mask: np.ndarray) -> None:
         rows = np.flatnonzero(mask)
@@ -47,6 +47,14 @@ class Ranked:
             )
             for i, k in zip(rows.tolist(), key.tolist())
         )
+        self._keep_first()
+
+    def merge(self, other: Ranked) -> None:
+        """Adds another ranking's turns (none of them among these)."""
+        self.rows.extend(other.rows)
+        self._keep_first()
+
+    def _keep_first(self) -> None:
         self.rows.sort(key=lambda row: row[:4])
         del self.rows[self.limit :]
 

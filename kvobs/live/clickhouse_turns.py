@@ -14,7 +14,7 @@ user): it selects the columns the table has and gives the others as nulls of the
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Collection, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -131,10 +131,16 @@ class ClickHouseTurns(TurnRows):
         return rows.num_rows
 
     def batches(
-        self, columns: list[str], batch_rows: int, later_versions: bool = False
+        self,
+        columns: list[str],
+        batch_rows: int,
+        later_versions: bool = False,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Pages in the table's key order, each after the last key of the one before
-        (keyset paging: ClickHouse reads each page in order, memory holds one page)."""
+        (keyset paging: ClickHouse reads each page in order, memory holds one page).
+        The table has no files with summaries: ``skip`` and ``only`` are never given."""
         if not self.exists():
             return
         order = [*KEY, "version"]

@@ -35,6 +35,7 @@ from prometheus_client.exposition import choose_encoder
 from kvobs.emit import collect
 from kvobs.emit.segments import SUFFIX
 from kvobs.semconv import STORE_LIVE_DIR
+from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
 from kvobs.live.turnstore import TurnRows, TurnStore
@@ -148,6 +149,10 @@ class Live:
                 _LOG.info("turn partition %s merged", partition)
         except OSError as error:  # a full disk: the parts stay, readable as they are
             _LOG.warning("could not merge turn partitions: %s", error)
+        try:
+            summarize(self.turns)  # a report then merges the file's tally, not its rows
+        except OSError as error:  # the report reads those files' rows instead
+            _LOG.warning("could not keep the report's tallies of merged turns: %s", error)
 
     def conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
         turns = self.classifier.conversation(conversation_id) or self.turns.latest(conversation_id)

@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +66,10 @@ MAX_PENDING = 100_000
 COMPACT_AFTER_S = 300
 _MERGED = "merged-"
 _INDEX = ".cids"  # next to each file: its conversations' sorted hashes, raw uint64 LE
+# Next to a merged file: what a reader aggregated over its rows (opaque here; written by
+# ``kvobs.fleet.turn_report``), after the size of the file it was computed from.
+_SUMMARY = ".tally"
+_SUMMARY_HEADER = 8
 # Indexes larger than this are memory-mapped for a lookup rather than read.
 _MAPPED_INDEX_BYTES = 1 << 16
 # An open hour's parts are merged (into a file of their own) once there are this many.
@@ -173,16 +177,42 @@ class TurnRows:
         raise NotImplementedError
 
     def batches(
-        self, columns: list[str], batch_rows: int, later_versions: bool = False
+        self,
+        columns: list[str],
+        batch_rows: int,
+        later_versions: bool = False,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Every stored row (all versions; ``later_versions``: only rows past a turn's
         first version), ``columns`` of ``SCHEMA``, in batches of at most
-        ``batch_rows``. Here through ``read``: a backend that can stream overrides it
-        (the store, a file at a time)."""
+        ``batch_rows``; not the rows of the files in ``skip``, only those of the files
+        in ``only`` (files ``summaries`` and ``unsummarized`` name). Here through
+        ``read``: a backend that can stream overrides it (the store, a file at a
+        time)."""
         table = self.read()
         if later_versions:
             table = table.filter(pc.greater(table.column("version"), 1))
         yield from table.select(columns).to_batches(batch_rows)
+
+    def summaries(self) -> Iterator[tuple[str, bytes]]:
+        """(file, summary) of each stored file that has a summary of its rows written
+        for it (``write_summary``) and unchanged since; a backend without files has
+        none."""
+        return iter(())
+
+    def write_summary(self, part: str, summary: bytes) -> None:
+        """Keeps ``summary`` (opaque here) with the file ``part`` of ``unsummarized``."""
+        raise NotImplementedError
+
+    def unsummarized(self) -> list[str]:
+        """The files a summary would pay for (merged, sorted files) that have none."""
+        return []
+
+    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
+        """Whether the file ``part`` may hold a row of one of the conversations (True
+        when it cannot tell)."""
+        return True
 
     def finalized_since(self, since: float) -> list[dict[str, Any]]:
         """Every turn finalized at or after ``since``, at its latest version (what a
@@ -331,8 +361,9 @@ class TurnStore(TurnRows):
         )
         for path in paths:
             os.remove(path)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path[: -len(".parquet")] + _INDEX)
+            for suffix in (_INDEX, _SUMMARY):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(_sidecar(path, suffix))
 
     def _rows(
         self,
@@ -357,21 +388,11 @@ class TurnStore(TurnRows):
     ) -> pa.Table | None:
         """The conversations' rows of a file through its index (an empty table when it
         holds none of them), None when the file has no index (an older kvobs wrote it).
-        Nothing is kept between lookups: the index is memory-mapped for one search (tens
-        of microseconds), and only a file that holds a conversation is opened, once,
-        only its row groups whose conversation range covers one read."""
-        index = path[: -len(".parquet")] + _INDEX
-        try:
-            with open(index, "rb") as handle:
-                if os.fstat(handle.fileno()).st_size > _MAPPED_INDEX_BYTES:
-                    hashes = np.asarray(np.memmap(handle, dtype="<u8", mode="r"))
-                else:
-                    hashes = np.frombuffer(handle.read(), dtype="<u8")
-        except (OSError, ValueError):  # none (an older kvobs wrote the file)
+        Only a file that holds a conversation is opened, once, only its row groups whose
+        conversation range covers one read."""
+        found = _indexed(path, keys)
+        if found is None:
             return None
-        at = np.minimum(np.searchsorted(hashes, keys), max(len(hashes) - 1, 0))
-        found = hashes[at] == keys if len(hashes) else np.zeros(len(keys), bool)
-        del hashes  # a mapped one is unmapped now
         held = [cid for cid, hit in zip(conversation_ids, found.tolist()) if hit]
         if not held:
             return SCHEMA.empty_table()
@@ -392,7 +413,12 @@ class TurnStore(TurnRows):
         ]
 
     def batches(
-        self, columns: list[str], batch_rows: int, later_versions: bool = False
+        self,
+        columns: list[str],
+        batch_rows: int,
+        later_versions: bool = False,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """File by file, row groups gathered into batches of ``batch_rows`` (a merged
         file's groups hold 256 rows, for lookups: a batch each would cost more in
@@ -401,7 +427,9 @@ class TurnStore(TurnRows):
         reads only the row groups whose statistics allow a version past 1."""
         gathered: list[pa.RecordBatch] = []
         size = 0
-        for path in self._paths():
+        for path in self._paths() if only is None else only:
+            if path in skip:
+                continue
             try:
                 for batch in _scan(path, columns, batch_rows, later_versions):
                     gathered.append(batch)
@@ -435,11 +463,73 @@ class TurnStore(TurnRows):
                 continue  # merged meanwhile: a read after the merge finds its rows
         return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
 
+    def summaries(self) -> Iterator[tuple[str, bytes]]:
+        """Read one at a time (a fleet's month is hundreds of files); a summary whose
+        file changed size since it was written (rewritten in place) is not given."""
+        for path in self._paths():
+            try:
+                with open(_sidecar(path, _SUMMARY), "rb") as handle:
+                    data = handle.read()
+                size = os.stat(path).st_size
+            except OSError:  # none, or merged away meanwhile
+                continue
+            header = data[:_SUMMARY_HEADER]
+            if len(header) == _SUMMARY_HEADER and int.from_bytes(header, "little") == size:
+                yield path, data[_SUMMARY_HEADER:]
+
+    def write_summary(self, part: str, summary: bytes) -> None:
+        """Written aside and renamed: a reader meets the whole summary or none."""
+        size = os.stat(part).st_size.to_bytes(_SUMMARY_HEADER, "little")
+        target = _sidecar(part, _SUMMARY)
+        try:
+            with open(target + ".tmp", "wb") as handle:
+                handle.write(size + summary)
+            os.replace(target + ".tmp", target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(target + ".tmp")
+            raise
+
+    def unsummarized(self) -> list[str]:
+        return [
+            path
+            for path in self._paths()
+            if os.path.basename(path).startswith(_MERGED)
+            and not os.path.exists(_sidecar(path, _SUMMARY))
+        ]
+
+    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
+        found = _indexed(part, _hashes(conversation_ids)) if conversation_ids else None
+        return bool(found.any()) if found is not None else bool(conversation_ids)
+
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         """``latest`` of several conversations, each file's index read once for all."""
         ids = sorted(set(conversation_ids))
         files = self._paths()
         return _latest_by_conversation(self._read(files, ids, None) if files and ids else None, ids)
+
+
+def _sidecar(path: str, suffix: str) -> str:
+    return path[: -len(".parquet")] + suffix
+
+
+def _indexed(path: str, keys: np.ndarray) -> np.ndarray | None:
+    """Which of the conversation hashes ``keys`` the file's index holds; None when the
+    file has none (an older kvobs wrote it). Nothing is kept between calls: the index
+    is memory-mapped for one search (tens of microseconds)."""
+    index = _sidecar(path, _INDEX)
+    try:
+        with open(index, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size > _MAPPED_INDEX_BYTES:
+                hashes = np.asarray(np.memmap(handle, dtype="<u8", mode="r"))
+            else:
+                hashes = np.frombuffer(handle.read(), dtype="<u8")
+    except (OSError, ValueError):  # none (an older kvobs wrote the file)
+        return None
+    if not len(hashes):
+        return np.zeros(len(keys), bool)
+    at = np.minimum(np.searchsorted(hashes, keys), len(hashes) - 1)
+    return hashes[at] == keys
 
 
 def _scan(

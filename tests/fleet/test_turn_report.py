@@ -6,6 +6,7 @@ synthetic fleet (rows backfilled from its labelled turn table)."""
 from __future__ import annotations
 
 import json
+import os
 import math
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 from kvobs.causes import causes, decode_context
 from kvobs.fleet import fleet_turns
 from kvobs.fleet import turn_report as tr
-from kvobs.fleet.report import build_report
+from kvobs.fleet.report import _NOT_FAULTS, build_report
 from kvobs.fleet.sketch import within_sketch_error
 from kvobs.live.backfill import turn_rows_table, write_turn_rows
 from kvobs.live.classifier import Classifier
@@ -114,7 +115,7 @@ def _compare(span, span_drill, rows, labelled: pd.DataFrame) -> None:
         [{k: r[k] for k in listed} for r in faults]
     for row in drill["rows"]:
         if row["kind"] == "slow":  # at or above the sketched p95 of its scope
-            assert row["verdict"] in tr._NOT_FAULTS
+            assert row["verdict"] in _NOT_FAULTS
 
 
 def _details(labelled: pd.DataFrame) -> list[str]:
@@ -141,13 +142,21 @@ def _demo_rows() -> list[dict]:
     return classifier.run_pass(now=100.0).finalized
 
 
-def test_report_from_backfilled_turn_rows_equals_the_span_report(synthetic_store, tmp_path):
+@pytest.fixture
+def backfilled(synthetic_store, tmp_path):
+    """The synthetic store's turns as turn rows (one merged file an hour), its source,
+    and the span path's report and labelled turns."""
     source = synthetic_store[0]
     span, labelled = build_report(fleet_turns(open_source(source)), source)
     store_dir = str(tmp_path / "turns")
     write_turn_rows(store_dir, turn_rows_table(labelled, span.prefill_tokens_per_s,
                                                _details(labelled)))
-    rows = tr.turn_row_report(TurnStore(store_dir, 0), source)
+    return TurnStore(store_dir, 0), source, span, labelled
+
+
+def test_report_from_backfilled_turn_rows_equals_the_span_report(backfilled):
+    store, source, span, labelled = backfilled
+    rows = tr.turn_row_report(store, source)
     assert rows.turns > 500
     _compare(span, span.extras["drill_down"], rows, labelled)
     assert rows.prefill_tokens_per_s == pytest.approx(span.prefill_tokens_per_s)
@@ -295,3 +304,138 @@ def test_a_conversation_from_memory_is_answered_as_the_store_answers_it(tmp_path
     assert live and all("measures" not in row for row in live + stored)
     assert [(r["turn"], r["verdict"], r["phases"]) for r in live] == \
         [(r["turn"], r["verdict"], r["phases"]) for r in stored]
+
+
+# --------------------------------------------------------------------------- stored tallies
+
+
+def _same(a, b, path="report"):
+    """Two reports' dicts equal; floats within a few ulps (sums added in another order)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-9), path
+    else:
+        assert a == b, path
+
+
+def _full(report) -> dict:
+    return {**report.to_dict(), "extras": report.extras}
+
+
+def _scanned(monkeypatch) -> list[str]:
+    """The files a report reads rows of (not the keys of later versions)."""
+    import kvobs.live.turnstore as ts
+
+    seen: list[str] = []
+    scan = ts._scan
+
+    def spy(path, columns, batch_rows, later_versions):
+        if not later_versions:
+            seen.append(path)
+        return scan(path, columns, batch_rows, later_versions)
+
+    monkeypatch.setattr(ts, "_scan", spy)
+    return seen
+
+
+def test_a_report_from_stored_tallies_equals_one_from_the_rows(backfilled, monkeypatch):
+    store, source, _, _ = backfilled
+    rows_only = _full(tr.turn_row_report(store, source))
+    files = store.unsummarized()
+    assert len(files) > 1
+    assert sorted(tr.summarize(store)) == sorted(files) and not store.unsummarized()
+    scanned = _scanned(monkeypatch)
+    _same(_full(tr.turn_row_report(store, source)), rows_only)
+    assert scanned == []  # every file's tally stood for its rows
+
+
+@pytest.mark.parametrize("since", ["30m", "2h", "1d"])
+def test_since_uses_a_tally_only_for_a_file_wholly_inside(backfilled, since, monkeypatch):
+    store, source, _, _ = backfilled
+    rows_only = _full(tr.turn_row_report(store, source, since))
+    tr.summarize(store)
+    scanned = _scanned(monkeypatch)
+    _same(_full(tr.turn_row_report(store, source, since)), rows_only)
+    assert len(set(scanned)) < len(store._paths())
+
+
+def test_a_turn_with_a_newer_version_elsewhere_has_its_files_read(tmp_path, monkeypatch):
+    """A later version (and a retirement) in the next hour's file: the older file's
+    tally counts the replaced turns, so that file is read; the newer file's tally holds
+    the newest versions and stands."""
+    finalized = _demo_rows()
+    store = TurnStore(str(tmp_path), 0)
+    store.write(finalized[:10], now=1_767_225_600.0)
+    store.write(finalized[10:20], now=1_767_225_601.0)  # a second part: the hour merges
+    store.compact(now=1_767_240_000.0)
+    tr.summarize(store)
+    changed = dict(finalized[1], version=2, verdict="transfer-failed")
+    retired = {**finalized[2], "version": 2, "verdict": None, "superseded": True}
+    store.write([changed, retired, *finalized[20:22]], now=1_767_229_200.0)
+    store.write(finalized[22:], now=1_767_229_201.0)
+    store.compact(now=1_767_250_000.0)
+    tr.summarize(store)
+    first, second = sorted(store._paths())
+    scanned = _scanned(monkeypatch)
+    with_tallies = _full(tr.turn_row_report(store, "s"))
+    assert set(scanned) == {first}
+    for path in (first, second):
+        os.remove(path[: -len(".parquet")] + ".tally")
+    _same(with_tallies, _full(tr.turn_row_report(store, "s")))
+    assert with_tallies["turns"] == 24
+
+
+def test_a_stale_or_damaged_tally_is_never_used(backfilled, monkeypatch):
+    """A file rewritten in place after its tally (another size), a truncated tally and
+    one of a format this kvobs does not read: the file's rows are read instead."""
+    import pyarrow.parquet as pq
+
+    store, source, _, _ = backfilled
+    tr.summarize(store)
+    paths = sorted(store._paths())[:3]
+    table = pq.read_table(paths[0])
+    pq.write_table(table.slice(0, table.num_rows // 2), paths[0])
+    tally = paths[1][: -len(".parquet")] + ".tally"
+    data = open(tally, "rb").read()
+    open(tally, "wb").write(data[: len(data) // 2])
+    from kvobs.fleet.turn_tally import TurnTally
+    stored = TurnTally.from_bytes(dict(store.summaries())[paths[2]])
+    assert stored is not None
+    state = stored.to_bytes().replace(b'"format": 1', b'"format": 99')
+    store.write_summary(paths[2], state)
+    scanned = _scanned(monkeypatch)
+    report = tr.turn_row_report(store, source)
+    assert set(scanned) == set(paths)
+    for path in paths:
+        os.remove(path[: -len(".parquet")] + ".tally")
+    _same(_full(report), _full(tr.turn_row_report(store, source)))
+
+
+def test_a_sketch_rebuilt_from_its_stored_state_gives_the_same_quantiles():
+    """Both sides, zeros and one value; merged after the round trip as before it."""
+    from kvobs.fleet.sketch import add_values, new_sketch, sketch_from_state, sketch_state
+
+    rng = np.random.default_rng(7)
+    samples = [rng.lognormal(0, 2, 10_000), -rng.lognormal(0, 1, 500),
+               np.concatenate([rng.lognormal(-3, 1, 1000), -rng.lognormal(0, 1, 300),
+                               np.zeros(20)]),
+               np.array([5.0]), np.array([])]
+    for values in samples:
+        sketch = new_sketch()
+        add_values(sketch, values)
+        rebuilt = sketch_from_state(json.loads(json.dumps(sketch_state(sketch))))
+        both, twice = new_sketch(), new_sketch()
+        both.merge(rebuilt)
+        both.merge(sketch)
+        add_values(twice, np.concatenate([values, values]))
+        for q in np.linspace(0, 1, 101):
+            assert rebuilt.get_quantile_value(q) == sketch.get_quantile_value(q), q
+            assert both.get_quantile_value(q) == twice.get_quantile_value(q), q
+        assert rebuilt.count == sketch.count

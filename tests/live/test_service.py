@@ -185,7 +185,8 @@ def test_a_stop_writes_every_turn_as_it_stands(tmp_path):
 
 def test_the_service_upkeep_merges_and_expires_the_turn_store(tmp_path):
     """``Live.maintain`` (run off the event loop every MAINTAIN_S): a closed hour's parts
-    merged, partitions past the retention dropped."""
+    merged, with the report's tally of the merged file, partitions past the retention
+    dropped."""
     from kvobs.live.turnstore import COMPACT_AFTER_S
 
     app = build_app(str(tmp_path), LiveSettings(window_s=60, turn_retention_s=2 * 3600.0))
@@ -198,6 +199,10 @@ def test_the_service_upkeep_merges_and_expires_the_turn_store(tmp_path):
     live.maintain(now=t0 + 3600 + COMPACT_AFTER_S + 1)
     hour = tmp_path / "turns" / "hour=2026010100"
     assert [p.name.startswith("merged-") for p in hour.glob("*.parquet")] == [True]
+    [(merged, tally)] = list(live.turns.summaries())
+    assert merged.startswith(str(hour)) and not live.turns.unsummarized()
+    from kvobs.fleet.turn_tally import TurnTally
+    assert TurnTally.from_bytes(tally).turns == 3
     live.maintain(now=t0 + 5 * 3600 + 60)
     assert not hour.exists()
     assert [t["turn"] for t in live.conversation("c", None)] == [9]
