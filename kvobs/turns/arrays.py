@@ -232,10 +232,21 @@ def row_hashes(table: pa.Table) -> np.ndarray:
     return hashed
 
 
+def _hashed_as_number(kind: pa.DataType) -> bool:
+    """Whether ``_hashed`` reads a column of ``kind`` as numbers (a null: 0), not by its
+    values' Python hashes (a null: ``hash(None)``)."""
+    return pa.types.is_null(kind) or kind in _NUMPY_TYPES or pa.types.is_boolean(kind)
+
+
 def _hashed(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(a uint64 per value, whether it is valid)."""
-    if pa.types.is_null(values.type):
-        return np.zeros(len(values), np.uint64), np.zeros(len(values), np.uint64)
+    if values.null_count == len(values) and not pa.types.is_dictionary(values.type):
+        # No value (many of a few turns' ~200 columns): what the paths below give a null,
+        # without reading the column.
+        nothing = np.zeros(len(values), np.uint64)
+        if _hashed_as_number(values.type):
+            return nothing, nothing
+        return np.full(len(values), hash(None), np.int64).view(np.uint64), nothing
     valid = np.asarray(_valid(values) if values.null_count else np.ones(len(values), bool))
     if values.type in _NUMPY_TYPES:
         number = numbers(values, fill=0)
@@ -243,7 +254,7 @@ def _hashed(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         return wide.view(np.uint64), valid.astype(np.uint64)
     if pa.types.is_boolean(values.type):
         return booleans(values).astype(np.uint64), valid.astype(np.uint64)
-    encoded = pc.dictionary_encode(values, null_encoding="encode")
+    encoded = pc.dictionary_encode(values, null_encoding="encode")  # a null hashes as None
     distinct = np.array([hash(v) for v in encoded.dictionary.to_pylist()], np.int64)
     return distinct.view(np.uint64)[numbers(encoded.indices).astype(np.int64)], valid.astype(
         np.uint64

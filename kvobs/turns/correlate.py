@@ -474,6 +474,14 @@ def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS
             combined[source] = table.column(source).combine_chunks()
         return combined[source]
 
+    position_of = {span: np.searchsorted(turn_keys, keys) for span, (_, _, keys) in by_name.items()}
+    # Span names of at most one span per turn (most): a turn's value is its span's, one
+    # take a column from rows placed once per name.
+    single_rows = {
+        span: _placed(rows, position_of[span], n)
+        for span, (rows, _, keys) in by_name.items()
+        if len(rows) == len(keys)
+    }
     conversation_of = turn_keys >> bits
     out: dict[str, pa.Array] = {
         "tenant": pa.DictionaryArray.from_arrays(
@@ -490,7 +498,7 @@ def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS
             out[name] = pa.nulls(n, arrow_type)
             continue
         rows, group, keys = by_name[column.span.name]
-        position = np.searchsorted(turn_keys, keys)
+        position = position_of[column.span.name]
         if column.agg in (Agg.PRESENCE, Agg.COUNT):
             count = np.zeros(n, np.int64)
             count[position] = np.bincount(group, minlength=len(keys))
@@ -505,6 +513,10 @@ def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS
             # steps below give, without their per-column work.
             out[name] = pa.nulls(n, arrow_type)
             continue
+        if column.agg is not Agg.SUM and column.span.name in single_rows:
+            taken = source_column(column.source).take(single_rows[column.span.name])
+            out[name] = taken.cast(arrow_type)
+            continue
         values = source_column(column.source).take(arrays.array(rows))
         if column.agg is Agg.SUM:
             out[name] = _summed(values, group, position, n)
@@ -515,6 +527,14 @@ def aggregate(table: pa.Table, columns: Mapping[str, SpanColumn] = FLEET_COLUMNS
         take[position[group[first]]] = first
         out[name] = values.take(arrays.array(take, mask=take < 0)).cast(arrow_type)
     return pa.table(out)
+
+
+def _placed(rows: np.ndarray, position: np.ndarray, n: int) -> pa.Array:
+    """Indices of ``n`` turns into the span rows: ``rows[i]`` at ``position[i]``, null
+    where a turn has no such span."""
+    index = np.full(n, -1, np.int64)
+    index[position] = rows
+    return arrays.array(index, mask=index < 0)
 
 
 def _summed(values: pa.ChunkedArray, group: np.ndarray, position: np.ndarray, n: int) -> pa.Array:
