@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -118,11 +119,10 @@ def read_conversation(
     cid = sc.CONVERSATION_ID.key
     wanted = arrays.scalar(conversation_id, scanned.field(cid).type)
 
-    def row_groups(parquet: pq.ParquetFile) -> list[int]:
-        names = parquet.schema_arrow.names
+    def row_groups(parquet: pq.ParquetFile, names: list[str]) -> list[int]:
         if cid not in names:
             return []
-        index = parquet.schema_arrow.get_field_index(cid)
+        index = names.index(cid)
         picked = []
         for group in range(parquet.num_row_groups):
             stats = parquet.metadata.row_group(group).column(index).statistics
@@ -136,15 +136,36 @@ def read_conversation(
                 picked.append(group)
         return picked
 
+    def up_to_last(parquet: pq.ParquetFile, group: int, present: list[str]) -> pa.Table | None:
+        """The group's rows up to its last one with the id, None when it has none (its
+        statistics only bound the ids): the id column alone is decoded first (~0.6 ms),
+        the other ~130 columns only that far (a compacted group of 16,384 rows, sorted
+        by id, took ~16 ms whole)."""
+        ids = parquet.read_row_group(group, columns=[cid], use_threads=False).column(cid)
+        hits = np.flatnonzero(arrays.booleans(arrays.equal(ids.cast(wanted.type), conversation_id)))
+        if not len(hits):
+            return None
+        batches = parquet.iter_batches(
+            batch_size=int(hits[-1]) + 1, row_groups=[group], columns=present, use_threads=False
+        )
+        return pa.Table.from_batches([next(batches)])
+
     def scan(paths):
         tables = []
         for path in paths:
             parquet = pq.ParquetFile(path)
-            present = [name for name in scanned.names if name in parquet.schema_arrow.names]
-            groups = row_groups(parquet)
-            if not groups:
+            # ``schema_arrow`` converts the file's schema on each access (0.1-0.2 ms at
+            # ~130 columns): taken once, not once per scanned column.
+            names = parquet.schema_arrow.names
+            present = [name for name in scanned.names if name in names]
+            parts = [
+                part
+                for group in row_groups(parquet, names)
+                if (part := up_to_last(parquet, group, present)) is not None
+            ]
+            if not parts:
                 continue
-            read = parquet.read_row_groups(groups, columns=present, use_threads=False)
+            read = pa.concat_tables(parts)
             read = read.filter(arrays.equal(read.column(cid).cast(wanted.type), conversation_id))
             tables.append(conformed(read, scanned))
         if not tables:
