@@ -11,8 +11,6 @@ Both leave a choice the user made alone, and do nothing where they do not apply.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 
 # glibc's mallopt parameters (malloc.h).
@@ -62,6 +60,9 @@ def _mallopt():
     (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``)."""
     if os.environ.keys() & {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}:
         return None
+    import ctypes  # here: every command imports this module, few need mallopt
+    import ctypes.util
+
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):

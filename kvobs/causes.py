@@ -21,7 +21,7 @@ from kvobs import semconv as sc
 from kvobs.turns import columns as col
 from kvobs.semconv import LatencyCause as LC
 from kvobs.semconv import Phase as P
-from kvobs.timeline import PHASES, phase_column
+from kvobs.timeline import PHASES, median, phase_column
 
 DOMINANT_SHARE = 0.25
 # A NIXL handshake is named at a lower share: it recurs after every engine (re)start, a
@@ -118,7 +118,7 @@ def decode_context(turns: col.Table) -> CauseContext:
     usable = (tokens >= 2) & (decode > 0)
     if usable.sum() < 3:  # too few to call anything typical
         return CauseContext()
-    return CauseContext(float(np.median(decode[usable] / (tokens[usable] - 1))))
+    return CauseContext(median(decode[usable] / (tokens[usable] - 1)))
 
 
 # --------------------------------------------------------------------------- explanations

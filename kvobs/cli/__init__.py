@@ -12,13 +12,20 @@ Exit status (all commands):
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import NoReturn
 
 import click
 
 from kvobs._memory import prefer_c_allocator
-from kvobs.cli._exit import EXIT_INTERNAL, fail_input
+from kvobs.cli._exit import (
+    ENV_DEBUG,
+    EXIT_INTERNAL,
+    allow_quick_exit,
+    exit_now_if_allowed,
+    fail_input,
+)
 
 prefer_c_allocator()  # before pyarrow loads
 
@@ -81,7 +88,22 @@ COMMANDS = {
 }
 
 
-ENV_DEBUG = "KVOBS_DEBUG"
+BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+
+def _import_command(module: str):
+    """A command's module, numpy loading with one OpenBLAS thread unless the user chose:
+    no command does linear algebra, and OpenBLAS's pool spins ~0.1 CPU-s at start
+    (a quarter of a ``kvobs diagnose`` process's CPU, the other core's on 2 cores).
+    Read when numpy loads; the environment is restored after, so processes a command
+    starts (the testbed's engines) get the user's."""
+    if BLAS_THREADS in os.environ or "numpy" in sys.modules:
+        return importlib.import_module(module)
+    os.environ[BLAS_THREADS] = "1"
+    try:
+        return importlib.import_module(module)
+    finally:
+        del os.environ[BLAS_THREADS]
 
 
 def _internal_error(error: Exception) -> NoReturn:
@@ -101,6 +123,20 @@ def _internal_error(error: Exception) -> NoReturn:
 
 
 class _LazyGroup(click.Group):
+    def main(self, args=None, *more, **options):
+        """Without ``args`` kvobs is the process (the console script, ``python -m
+        kvobs``): a command that allowed it exits without Python's teardown
+        (``_exit.allow_quick_exit``). A caller that passes ``args`` (tests, click's
+        CliRunner) gets the ``SystemExit`` as before."""
+        if args is not None or more or not options.get("standalone_mode", True):
+            return super().main(args, *more, **options)
+        allow_quick_exit(False)
+        try:
+            return super().main(args, *more, **options)
+        except SystemExit as done:
+            exit_now_if_allowed(done.code)
+            raise
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
@@ -124,7 +160,7 @@ class _LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module, attribute = COMMANDS[name][0].split(":")
-        return getattr(importlib.import_module(module), attribute)
+        return getattr(_import_command(module), attribute)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """The command list from ``COMMANDS``' summaries, as click would write it from

@@ -15,8 +15,11 @@ from kvobs.cli._common import (
     slo_option,
     source_option,
 )
+from kvobs.cli._exit import allow_quick_exit
 from kvobs.diagnose import AmbiguousConversation, UnknownConversation, diagnose
 from kvobs.render import print_diagnosis, to_json
+from kvobs.sources.otlp_json import OtlpJsonSource
+from kvobs.sources.store import StoreSource
 
 
 @click.command("diagnose")
@@ -72,4 +75,6 @@ def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, ten
         print_source_problems(result.problems, machine_readable=True)
     else:  # the problems printed after the table
         print_diagnosis(console(), result)
+    if isinstance(span_source, (StoreSource, OtlpJsonSource)):  # files read, nothing held
+        allow_quick_exit()
     sys.exit(exit_status(result.verdicts))

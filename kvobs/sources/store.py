@@ -36,7 +36,6 @@ import pyarrow.parquet as pq
 from kvobs import semconv as sc
 from kvobs.turns import arrays, lineage
 from kvobs.turns.correlate import aggregate, inherited_rows, needs_lineage, parent_rows
-from kvobs.emit import segments
 from kvobs.sources._decode import is_regular
 from kvobs.sources._frame import (
     ALL_DTYPES,
@@ -263,6 +262,8 @@ def compact(
 def _compact_live(
     store_dir: str, quiet_s: float, writers_stopped: bool, problems: list[str]
 ) -> int:
+    from kvobs.emit import segments  # compaction only: reading a store never needs it
+
     live_dir = os.path.join(store_dir, sc.STORE_LIVE_DIR)
     if not os.path.isdir(live_dir):
         return 0

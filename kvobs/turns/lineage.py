@@ -46,8 +46,6 @@ Python; the reads and writes of span columns are column-wise.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -577,6 +575,8 @@ def _write_facts(spans: pa.Table, facts: dict[str, dict]) -> pa.Table:
 
 def conversation_name(request_id: str) -> str:
     """``lineage:<12 hex>``: short, stable, from the first turn's P request id."""
+    import hashlib  # here: OpenSSL's load (~2 ms) is not needed to diagnose a named id
+
     return sc.LINEAGE_PREFIX + hashlib.sha256(str(request_id).encode()).hexdigest()[:12]
 
 

@@ -160,3 +160,69 @@ def test_diagnose_json_of_chdb_loads_no_pandas(tmp_path):
     assert [t["verdict"] for t in json.loads(output)["turns"]] == [
         "first-turn", "remote-hit", "remote-hit"]
     assert "pandas" not in _packages(modules)
+
+
+# Runs kvobs as its own process does (``main()`` without arguments: the console script,
+# ``python -m kvobs``); prints "atexit" from an atexit handler and "teardown" from an
+# object freed only by Python's teardown at exit.
+_AS_THE_PROCESS = """
+import atexit, os, sys
+class Teardown:
+    def __del__(self, write=os.write):
+        write(2, b"teardown\\n")
+probe = Teardown()
+atexit.register(os.write, 2, b"atexit\\n")
+sys.argv = ["kvobs", *sys.argv[1:]]
+from kvobs.cli import main
+main()
+"""
+
+
+def _as_the_process(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _AS_THE_PROCESS, *args], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **env},
+                          timeout=120)
+
+
+def test_diagnose_of_files_exits_without_teardown_and_the_same_output(tmp_path):
+    """`kvobs diagnose` of span files or a store, as its own process, exits once its
+    output is flushed and the atexit handlers ran, without Python's teardown of numpy and
+    pyarrow (~30 ms); its output and exit status are the normal exit's (KVOBS_DEBUG keeps
+    that one). A command that did not allow it (an input error here) tears down."""
+    from kvobs.sources.store import compact
+
+    os.makedirs(tmp_path / "spans")
+    shutil.copy(DEMO_SPANS, tmp_path / "spans" / "seg.jsonl")
+    compact(str(tmp_path), writers_stopped=True)
+    for source in (DEMO_SPANS, str(tmp_path)):
+        for conversation, verdicts, exit_status in (
+                ("agent-happy", ["first-turn", "remote-hit", "remote-hit"], 0),
+                ("agent-d-restart", ["first-turn", "transfer-failed"], 1)):
+            args = ("diagnose", conversation, "--source", source, "--json")
+            quick, normal = _as_the_process(*args), _as_the_process(*args, KVOBS_DEBUG="1")
+            assert [t["verdict"] for t in json.loads(quick.stdout)["turns"]] == verdicts
+            assert (quick.stdout, quick.returncode) == (normal.stdout, normal.returncode)
+            assert quick.returncode == exit_status
+            assert quick.stderr.split() == ["atexit"], quick.stderr
+            assert normal.stderr.split() == ["atexit", "teardown"], normal.stderr
+    unknown = _as_the_process("diagnose", "no-such-id", "--source", DEMO_SPANS, "--json")
+    assert unknown.returncode == 2
+    assert unknown.stderr.split()[-2:] == ["atexit", "teardown"], unknown.stderr
+
+
+def test_commands_load_numpy_with_one_blas_thread_unless_the_user_chose(tmp_path):
+    """A command's module is imported with OPENBLAS_NUM_THREADS=1 (OpenBLAS reads it when
+    numpy loads: no command does linear algebra, and its thread pool spins ~0.1 CPU-s at
+    start); the environment is restored after, and a user's value is kept."""
+    (tmp_path / "blas_seen.py").write_text(
+        "import os\nSEEN = os.environ.get('OPENBLAS_NUM_THREADS')\n")
+    probe = ("import os, sys\nfrom kvobs.cli import _import_command\n"
+             "seen = _import_command('blas_seen').SEEN\n"
+             "print(seen, os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)")
+    env = {key: value for key, value in os.environ.items() if key != "OPENBLAS_NUM_THREADS"}
+    for user, expected in ((None, "1 None False"), ("4", "4 4 False")):
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+            env={**env, "PYTHONPATH": os.pathsep.join([ROOT, str(tmp_path)]),
+                 **({"OPENBLAS_NUM_THREADS": user} if user else {})}, timeout=120)
+        assert done.stdout.split() == expected.split(), done.stderr
