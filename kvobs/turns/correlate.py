@@ -126,7 +126,7 @@ def vllm_roles(spans: Spans) -> Spans:
         name,
     )
     if isinstance(spans, pa.Table):
-        return spans.set_column(spans.column_names.index("name"), "name", renamed)
+        return spans.set_column(arrays.column_index(spans, "name"), "name", renamed)
     return spans.assign(name=renamed.to_pylist()).astype({"name": spans["name"].dtype})
 
 
@@ -135,7 +135,7 @@ def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     a client sent (fleet builders link only then), or, with ``facts`` (diagnose: the
     facts of the export each prompt extends), some P request carries a chain at all."""
     key = sc.PREFIX_LINEAGE.key
-    if key not in spans.column_names or spans.column(key).null_count == spans.num_rows:
+    if not arrays.has_column(spans, key) or spans.column(key).null_count == spans.num_rows:
         return False
     decisions = pc.and_(
         arrays.equal(arrays.text(spans, "name"), sc.SPAN_PULL_DECISION.name),
@@ -281,7 +281,7 @@ def plain(table: pa.Table) -> pa.Table:
 
 def parent_rows(table: pa.Table) -> np.ndarray | None:
     """Per row, the row of its parent span (-1: not in the table); None without span ids."""
-    if "span_id" not in table.column_names or "parent_span_id" not in table.column_names:
+    if not (arrays.has_column(table, "span_id") and arrays.has_column(table, "parent_span_id")):
         return None
     spans = arrays.text(table, "span_id").combine_chunks()
     found = pc.index_in(arrays.text(table, "parent_span_id"), value_set=spans)
@@ -357,7 +357,7 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
     several conversations gives no conversation to a span none of whose ancestors has
     one: which it belongs to is unknown (the first by table order would depend on how
     the source stored them, and the live classifier could not agree)."""
-    if "trace_id" not in table.column_names or not needs_traces(table):
+    if not arrays.has_column(table, "trace_id") or not needs_traces(table):
         return table
     table = plain(table)
     codes, traces = arrays.codes(table.column("trace_id"))
@@ -368,7 +368,9 @@ def _inherit_keys(table: pa.Table) -> pa.Table:
             continue
         index = inherited_rows(column, codes, traces, parents, one_per_trace=key == _CID)
         inherited = column.take(arrays.array(index, pa.int64(), mask=index < 0))
-        table = table.set_column(table.column_names.index(key), key, pc.coalesce(column, inherited))
+        table = table.set_column(
+            arrays.column_index(table, key), key, pc.coalesce(column, inherited)
+        )
     return table
 
 
@@ -676,7 +678,7 @@ def derive(rows: pa.Table) -> pa.Table:
 
 def _column(rows: pa.Table, name: str, kind: pa.DataType):
     """``rows``'s column ``name`` as ``kind``, all null where the table lacks it."""
-    if name not in rows.column_names:
+    if not arrays.has_column(rows, name):
         return pa.nulls(rows.num_rows, kind)
     return pc.cast(rows.column(name), kind, safe=False)
 
@@ -725,7 +727,7 @@ def with_retention(rows: pa.Table) -> pa.Table:
     missing (turn files of an older kvobs lack the host ones) or the hold had not ended."""
 
     def number(name: str) -> pa.ChunkedArray | pa.Array:
-        if name not in rows.column_names:
+        if not arrays.has_column(rows, name):
             return pa.nulls(rows.num_rows, pa.float64())
         return pc.cast(rows.column(name), pa.float64(), safe=False)
 

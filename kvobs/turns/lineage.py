@@ -85,7 +85,7 @@ def _rows(mask: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 def _take(spans: pa.Table, column: str, rows: np.ndarray) -> list:
     """Python values (None: null) of ``column`` at ``rows``; all None when it is absent."""
-    if column not in spans.column_names:
+    if not arrays.has_column(spans, column):
         return [None] * len(rows)
     return spans.column(column).take(arrays.array(rows, pa.int64())).to_pylist()
 
@@ -377,7 +377,7 @@ def link(spans: pa.Table) -> pa.Table:
     chain. Facts already there (written when a store compacted the spans) are kept."""
     if (
         spans.num_rows == 0
-        or _CHAIN not in spans.column_names
+        or not arrays.has_column(spans, _CHAIN)
         or spans.column(_CHAIN).null_count == spans.num_rows
     ):
         return spans
@@ -542,8 +542,8 @@ def _ambiguity(candidates: list[tuple], chain_parent: tuple | None) -> dict:
 
 
 def _set(spans: pa.Table, column: str, values) -> pa.Table:
-    if column in spans.column_names:
-        return spans.set_column(spans.column_names.index(column), column, values)
+    if arrays.has_column(spans, column):
+        return spans.set_column(arrays.column_index(spans, column), column, values)
     return spans.append_column(column, values)
 
 
@@ -567,7 +567,7 @@ def _write_facts(spans: pa.Table, facts: dict[str, dict]) -> pa.Table:
     for column, attribute in sc.LINEAGE_FACTS.items():
         kind = arrays.KIND_TYPES[attribute.type]
         values = arrays.from_values([f.get(column) for f in facts.values()], kind).take(position)
-        if attribute.key in spans.column_names:  # kept where a store wrote it already
+        if arrays.has_column(spans, attribute.key):  # kept where a store wrote it already
             values = pc.coalesce(spans.column(attribute.key).cast(kind), values)
         spans = _set(spans, attribute.key, values)
     return spans
@@ -670,7 +670,7 @@ def _assign(
     spans = _set(spans, _CID, pc.coalesce(cids, arrays.text(spans, _CID)))
     old_turns = (
         spans.column(_TURN).cast(pa.int64())
-        if _TURN in spans.column_names
+        if arrays.has_column(spans, _TURN)
         else pa.nulls(spans.num_rows, pa.int64())
     )
     return _set(spans, _TURN, pc.coalesce(turns, old_turns))
