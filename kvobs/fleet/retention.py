@@ -158,6 +158,23 @@ class RetentionSums:
             max(self.recording_end_ns, other.recording_end_ns),
         )
 
+    def __neg__(self) -> RetentionSums:
+        """What adding takes some turns' sums out again (their recording end cannot be
+        taken out: a caller checks it is not the latest)."""
+        return RetentionSums(
+            -self.device_block_s,
+            -self.device_costed,
+            -self.device_tokens,
+            -self.host_byte_s,
+            -self.host_costed,
+            -self.host_tokens,
+            -self.open_copies,
+            -self.open_bytes,
+            -self.open_bytes_since_ns,
+            self.reference_ns,
+            -np.inf,
+        )
+
     def still_held(self) -> tuple[int, float]:
         """Host copies saved and never seen evicted, and their bytes x seconds from the
         save until the recording's end: a lower bound of what they cost (held for longer

@@ -89,6 +89,21 @@ def sketch_from_state(state: dict) -> DDSketch:
     return sketch
 
 
+def remove(sketch: DDSketch, removed: DDSketch) -> None:
+    """Takes ``removed``'s values out of ``sketch`` (they were added to it): each bucket
+    count less ``removed``'s, so its quantiles are those of the values left."""
+    sketch._zero_count -= removed._zero_count
+    sketch._count -= removed._count
+    for store, gone in (
+        (sketch._store, removed._store),
+        (sketch._negative_store, removed._negative_store),
+    ):
+        if gone.count:
+            for key in range(gone.min_key, gone.max_key + 1):
+                store.bins[key - store.offset] -= gone.bins[key - gone.offset]
+            store.count -= gone.count
+
+
 def merged(sketches) -> DDSketch:
     out = new_sketch()
     for sketch in sketches:
@@ -122,6 +137,7 @@ __all__ = [
     "new_sketch",
     "p50_p95",
     "quantile",
+    "remove",
     "sketch_from_state",
     "sketch_state",
     "within_sketch_error",

@@ -45,6 +45,7 @@ from kvobs.fleet.turn_tally import (
     ScopeTally,
     SlowTally,
     TurnTally,
+    conversation_hashes,
 )
 from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
 from kvobs.live.turnstore import TurnRows
@@ -90,6 +91,15 @@ class _Versions:
         for tenant, cid, turn, version in zip(*(later.column(c).to_pylist() for c in _KEY_COLUMNS)):
             key = (tenant, cid, turn)
             self.newest[key] = max(self.newest.get(key, 1), version)
+
+    def replaced(self, batch: pa.RecordBatch) -> list[bool]:
+        """Per row, whether a newer version of its turn is stored."""
+        return [
+            version < self.newest.get((tenant, cid, turn), 1)
+            for tenant, cid, turn, version in zip(
+                *(batch.column(c).to_pylist() for c in _KEY_COLUMNS)
+            )
+        ]
 
     def latest_rows(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The batch without rows another version replaces, nor retired turns (their
@@ -145,8 +155,13 @@ def turn_row_report(
         versions.add(batch)
     cutoff = _cutoff(rows, since, versions) if since else None
     total, merged, unread = TurnTally(), set(), []  # unread: merged, or adding nothing
-    for path, tally in _stored(rows):
-        use = _use(rows, path, tally, versions, cutoff)
+    corrections: dict[str, tuple] = {}  # merged less its turns replaced elsewhere
+    for path, data, tally in _stored(rows):
+        use, stale = _use(rows, path, tally, versions, cutoff)
+        if use is None and stale:
+            corrected = _corrected(rows, path, data, tally, stale, versions)
+            if corrected is not None:
+                use, corrections[path] = True, corrected
         if use is not None:
             unread.append(path)
         if use:
@@ -162,6 +177,8 @@ def turn_row_report(
     for path, data in rows.summaries():
         stored = SlowTally.from_bytes(data) if path in merged else None
         if stored is not None:
+            if path in corrections:
+                stored.remove(*corrections[path])
             listed, count = stored.over(thresholds)
             slow.merge(Ranked(slow.limit, listed))
             slow_count += count
@@ -235,7 +252,7 @@ def _cutoff(rows: TurnRows, since: str, versions: _Versions) -> int | None:
     """``--since``'s cutoff in turn-start nanoseconds: a duration counts back from the
     newest turn start of any stored row (a stored tally knows its file's)."""
     stored = []
-    for path, tally in _stored(rows):
+    for path, _, tally in _stored(rows):
         stored.append(path)
         versions.add_start(tally.newest_start_ns)
     for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, skip=stored):
@@ -245,32 +262,71 @@ def _cutoff(rows: TurnRows, since: str, versions: _Versions) -> int | None:
     return since_cutoff_ns(int(latest), since) if latest is not None else None
 
 
-def _stored(rows: TurnRows) -> Iterator[tuple[str, TurnTally]]:
+def _stored(rows: TurnRows) -> Iterator[tuple[str, bytes, TurnTally]]:
     """The stored tallies this kvobs reads, one at a time."""
     for path, data in rows.summaries():
         tally = TurnTally.from_bytes(data)
         if tally is not None:
-            yield path, tally
+            yield path, data, tally
 
 
 def _use(
     rows: TurnRows, path: str, tally: TurnTally, versions: _Versions, cutoff: int | None
-) -> bool | None:
+) -> tuple[bool | None, set[str]]:
     """Whether a file's stored tally stands for its rows in this report (True), or the
     file adds nothing to it (False: every turn before the cutoff); None: its rows must
-    be read (a turn of the file has a newer version in another file, or the cutoff
-    falls among its turns)."""
+    be read (the cutoff falls among its turns), or, with the conversations whose turns
+    have a newer version in another file, the tally corrected for them."""
     if cutoff is not None and tally.turns:
         if not tally.last_start_ns >= cutoff:  # NaN: no turn has a start
-            return False
+            return False, set()
         if tally.unstarted or not tally.first_start_ns >= cutoff:
-            return None
+            return None, set()
     stale = {
         key[1]
         for key, version in versions.newest.items()
         if tally.own_versions.get(key, 1) < version
     }
-    return None if stale and rows.holds_any(path, sorted(stale)) else True
+    if stale and rows.holds_any(path, sorted(stale)):
+        return None, stale
+    return True, set()
+
+
+def _corrected(
+    rows: TurnRows,
+    path: str,
+    data: bytes,
+    tally: TurnTally,
+    stale: set[str],
+    versions: _Versions,
+) -> tuple[SlowTally, set[tuple]] | None:
+    """``tally`` without the file's turns that a newer version in another file replaces
+    (the ``stale`` conversations' rows, looked up through the file's index); what the
+    last read takes out of the file's slow turns. None, ``tally`` unchanged, when that
+    cannot be exact (``TurnTally.remove``, ``SlowTally.remove``): the file is read."""
+    table = rows.conversation_rows(path, sorted(stale))
+    slow = SlowTally.from_bytes(data)
+    if table is None or slow is None:
+        return None
+    gone_slow = SlowTally()
+    gone, keys, kept = TurnTally(slow=gone_slow), set[tuple](), []
+    for batch in table.select(AGGREGATED).to_batches():
+        counted = _Versions(newest=tally.own_versions).latest_rows(batch)
+        replaced = pa.array(versions.replaced(counted))
+        kept.append(conversation_hashes(counted.filter(pc.invert(replaced))))
+        counted = counted.filter(replaced)
+        if counted.num_rows:
+            gone.add(counted)
+            keys.update(
+                (cid, tenant or "", turn)
+                for tenant, cid, turn in zip(
+                    *(counted.column(c).to_pylist() for c in _KEY_COLUMNS[:3])
+                )
+            )
+    still_held = np.concatenate(kept) if kept else np.empty(0, np.uint64)
+    if not slow.remove(gone_slow, keys) or not tally.remove(gone, keys, still_held):
+        return None
+    return gone_slow, keys
 
 
 def summarize(rows: TurnRows) -> list[str]:

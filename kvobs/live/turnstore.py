@@ -214,6 +214,11 @@ class TurnRows:
         when it cannot tell)."""
         return True
 
+    def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
+        """The rows of the file ``part`` of those conversations, every version; None
+        when it cannot look them up (no index)."""
+        return None
+
     def finalized_since(self, since: float) -> list[dict[str, Any]]:
         """Every turn finalized at or after ``since``, at its latest version (what a
         restarted classifier resumes from)."""
@@ -501,6 +506,9 @@ class TurnStore(TurnRows):
     def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
         found = _indexed(part, _hashes(conversation_ids)) if conversation_ids else None
         return bool(found.any()) if found is not None else bool(conversation_ids)
+
+    def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
+        return self._conversation_rows(part, conversation_ids, _hashes(conversation_ids))
 
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         """``latest`` of several conversations, each file's index read once for all."""

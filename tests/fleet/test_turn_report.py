@@ -439,3 +439,38 @@ def test_a_sketch_rebuilt_from_its_stored_state_gives_the_same_quantiles():
             assert rebuilt.get_quantile_value(q) == sketch.get_quantile_value(q), q
             assert both.get_quantile_value(q) == twice.get_quantile_value(q), q
         assert rebuilt.count == sketch.count
+
+
+def test_tallies_corrected_for_turns_re_classified_in_a_later_hour(backfilled, monkeypatch):
+    """Turns of many conversations get a later version (another verdict and latency, or
+    a retirement) in a file of a later hour, as a late span or a lineage resolved by a
+    later turn writes them: each older file's tally is corrected through its index for
+    those conversations (or, when one of them is listed among its slowest or faults,
+    the file is read), and the report equals the one from rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    store, source, _, _ = backfilled
+    tr.summarize(store)
+    table = store.read()
+    rng = np.random.default_rng(3)
+    picked = table.take(rng.choice(table.num_rows, 60, replace=False))
+    later = float(pc.max(table["finalized_at"]).as_py()) + 7200
+    n = picked.num_rows
+    verdicts = pa.array(["transfer-failed" if i % 3 else None for i in range(n)], pa.string())
+    for name, column in (("version", pa.array(np.full(n, 2))), ("verdict", verdicts),
+                         ("latency_s", pc.multiply(picked["latency_s"], 3.0)),
+                         ("finalized_at", pa.array(np.full(n, later)))):
+        picked = picked.set_column(picked.schema.get_field_index(name), name, column)
+    write_turn_rows(store.directory[: -len("/turns")], picked, stamp="later")
+    tr.summarize(store)
+    dirty = [path for path in store._paths()
+             if store.holds_any(path, picked["conversation_id"].to_pylist())]
+    scanned = _scanned(monkeypatch)
+    with_tallies = _full(tr.turn_row_report(store, source))
+    assert 0 < len(set(scanned)) < len(dirty) - 1  # most dirty files corrected, not read
+    for path in store._paths():
+        os.remove(path[: -len(".parquet")] + ".tally")
+    from_rows = _full(tr.turn_row_report(store, source))
+    _same(with_tallies, from_rows)
+    assert from_rows["turns"] == table.num_rows - n // 3
