@@ -152,7 +152,7 @@ def num(turns: Table, column: str) -> np.ndarray:
             or pa.types.is_boolean(values.type)
         ):
             return np.full(len(turns), np.nan)
-        return arrays.numbers(pc.cast(values, pa.float64(), safe=False))
+        return arrays.numbers(arrays.as_type(values, pa.float64(), safe=False))
     import pandas as pd  # a DataFrame's: pandas is loaded already
 
     values = turns[column]
