@@ -46,6 +46,8 @@ from kvobs.fleet.turn_tally import (
     SlowTally,
     TurnTally,
     conversation_hashes,
+    distinct_count,
+    stored_conversations,
 )
 from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
 from kvobs.live.turnstore import TurnRows
@@ -156,6 +158,7 @@ def turn_row_report(
     cutoff = _cutoff(rows, since, versions) if since else None
     total, merged, unread = TurnTally(), set(), []  # unread: merged, or adding nothing
     corrections: dict[str, tuple] = {}  # merged less its turns replaced elsewhere
+    stored_total = 0
     for path, data, tally in _stored(rows):
         use, stale = _use(rows, path, tally, versions, cutoff)
         if use is None and stale:
@@ -167,6 +170,7 @@ def turn_row_report(
         if use:
             merged.add(path)
             total.merge(tally)
+            stored_total += tally.conversation_total
     for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
         total.add(batch)
     weight = quantile(total.per_block, 0.5)
@@ -178,11 +182,12 @@ def turn_row_report(
         stored = SlowTally.from_bytes(data) if path in merged else None
         if stored is not None:
             if path in corrections:
-                stored.remove(*corrections[path])
+                stored.remove(*corrections[path][:2])
             listed, count = stored.over(thresholds)
             slow.merge(Ranked(slow.limit, listed))
             slow_count += count
-    report = _report(total, source, since, weight)
+    conversations = _conversation_count(rows, total, merged, stored_total, corrections)
+    report = _report(total, conversations, source, since, weight)
     chosen = [(row, "fault") for row in total.faults.rows] + [(row, "slow") for row in slow.rows]
     report.extras["drill_down"] = {
         "fault_turns": total.fault_count,
@@ -195,7 +200,32 @@ def turn_row_report(
     return report
 
 
-def _report(total: TurnTally, source: str, since: str | None, weight) -> FleetReport:
+def _conversation_count(
+    rows: TurnRows,
+    read: TurnTally,
+    merged: set[str],
+    stored_total: int,
+    corrections: dict[str, tuple],
+) -> int:
+    """The distinct conversations of the rows read and of the merged tallies (less
+    those a correction took all of a file's turns of; ``stored_total``: how many the
+    merged tallies hold together)."""
+
+    def parts() -> Iterator[np.ndarray]:
+        yield from read.conversations
+        for path, data in rows.summaries():
+            if path in merged:
+                held = stored_conversations(data)
+                if path in corrections:
+                    held = held[~np.isin(held, corrections[path][2])]
+                yield held
+
+    return distinct_count(parts, sum(len(h) for h in read.conversations) + stored_total)
+
+
+def _report(
+    total: TurnTally, conversations: int, source: str, since: str | None, weight
+) -> FleetReport:
     # FleetReport's first_turn/later_turns and by_* fields, by name
     scope_metrics: dict[str, Any] = {
         scope: _scope_metrics(tally) for scope, tally in total.scopes.items()
@@ -206,7 +236,7 @@ def _report(total: TurnTally, source: str, since: str | None, weight) -> FleetRe
     return FleetReport(
         source=source,
         since=since,
-        conversations=total.conversation_count(),
+        conversations=conversations,
         turns=sum(tally.turns for tally in total.scopes.values()),
         prefill_tokens_per_s=total.rate,
         **scope_metrics,
@@ -299,11 +329,12 @@ def _corrected(
     tally: TurnTally,
     stale: set[str],
     versions: _Versions,
-) -> tuple[SlowTally, set[tuple]] | None:
+) -> tuple[SlowTally, set[tuple], np.ndarray] | None:
     """``tally`` without the file's turns that a newer version in another file replaces
     (the ``stale`` conversations' rows, looked up through the file's index); what the
     last read takes out of the file's slow turns. None, ``tally`` unchanged, when that
-    cannot be exact (``TurnTally.remove``, ``SlowTally.remove``): the file is read."""
+    cannot be exact (``TurnTally.remove``, ``SlowTally.remove``): the file is read.
+    Also the conversations the file no longer holds a turn of."""
     table = rows.conversation_rows(path, sorted(stale))
     slow = SlowTally.from_bytes(data)
     if table is None or slow is None:
@@ -323,10 +354,9 @@ def _corrected(
                     *(counted.column(c).to_pylist() for c in _KEY_COLUMNS[:3])
                 )
             )
-    still_held = np.concatenate(kept) if kept else np.empty(0, np.uint64)
-    if not slow.remove(gone_slow, keys) or not tally.remove(gone, keys, still_held):
+    if not slow.remove(gone_slow, keys) or not tally.remove(gone, keys):
         return None
-    return gone_slow, keys
+    return gone_slow, keys, gone.vanished(np.concatenate(kept))
 
 
 def summarize(rows: TurnRows) -> list[str]:

@@ -19,7 +19,7 @@ import json
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -51,6 +51,9 @@ GROUPINGS = {  # section: (keys, scope of its rows)
     "by_turn_and_prompt": (("turn_bucket", "prompt_bucket"), None),
 }
 BUCKET_NAMES = {"turn_bucket": sc.TURN_BUCKET_VALUES, "prompt_bucket": sc.PROMPT_BUCKET_VALUES}
+# The exact conversation count holds this many hashes in memory at most (2 MiB): a
+# fleet's month has millions of conversations.
+PARTITION_HASHES = 1 << 18
 # A stored tally another kvobs wrote in a format this one does not read is not used: the
 # file's rows are read instead.
 FORMAT = 1
@@ -207,6 +210,7 @@ class TurnTally:
     retained: RetentionSums = field(default_factory=RetentionSums)
     per_block: DDSketch = field(default_factory=new_sketch)
     conversations: list[np.ndarray] = field(default_factory=list)
+    conversation_total: int = 0  # a stored tally's: how many conversations it holds
     faults: Ranked = field(default_factory=lambda: Ranked(LISTED_FAULTS))
     fault_count: int = 0
     rate: float | None = None  # the prefill rate of the latest finalized turn
@@ -283,12 +287,12 @@ class TurnTally:
         self.last_start_ns = float(np.fmax(self.last_start_ns, other.last_start_ns))
         self.unstarted += other.unstarted
 
-    def remove(self, gone: TurnTally, keys: set[tuple], still_held: np.ndarray) -> bool:
+    def remove(self, gone: TurnTally, keys: set[tuple]) -> bool:
         """Takes ``gone``'s turns out (some of this tally's, ``keys`` their
-        ``listed_key``s; ``still_held``: the hashes of their conversations that keep
-        other turns here); False, changing nothing, when that cannot be exact: one of
-        them is listed among the faults, holds the latest prefill rate or the recording's
-        end (the runner-up is not kept)."""
+        ``listed_key``s), but for their conversations (``vanished`` says which of them
+        the tally's conversations lose); False, changing nothing, when that cannot be
+        exact: one of them is listed among the faults, holds the latest prefill rate or
+        the recording's end (the runner-up is not kept)."""
         if (
             any(listed_key(row) in keys for row in self.faults.rows)
             or (gone.rate is not None and gone.rate_at >= self.rate_at)
@@ -306,9 +310,6 @@ class TurnTally:
         self.memory.subtract(gone.memory)
         self.retained = self.retained + -gone.retained
         remove(self.per_block, gone.per_block)
-        left = _distinct(self.conversations)
-        vanished = np.setdiff1d(_distinct(gone.conversations), still_held)
-        self.conversations = [left[~np.isin(left, vanished)]]
         self.fault_count -= gone.fault_count
         return True
 
@@ -316,8 +317,9 @@ class TurnTally:
     def turns(self) -> int:
         return sum(tally.turns for tally in self.scopes.values())
 
-    def conversation_count(self) -> int:
-        return len(_distinct(self.conversations))
+    def vanished(self, still_held: np.ndarray) -> np.ndarray:
+        """The conversations of this tally's turns without one in ``still_held``."""
+        return np.setdiff1d(_distinct(self.conversations), still_held)
 
     def _add_conversations(self, hashes: np.ndarray) -> None:
         self.conversations.append(hashes)
@@ -332,7 +334,8 @@ class TurnTally:
 
     def to_bytes(self) -> bytes:
         """The tally as an ``.npz`` of plain arrays (read back without pickle)."""
-        arrays: dict[str, np.ndarray] = {"conversations": _distinct(self.conversations)}
+        conversations = _distinct(self.conversations)
+        arrays: dict[str, np.ndarray] = {"conversations": conversations}
         state: dict[str, Any] = {
             "format": FORMAT,
             "scopes": {s: _scope_state(t) for s, t in self.scopes.items()},
@@ -346,6 +349,7 @@ class TurnTally:
             "per_block": sketch_state(self.per_block),
             "faults": self.faults.rows,
             "fault_count": self.fault_count,
+            "conversation_total": len(conversations),
             "rate": [self.rate, self.rate_at],
             "synthetic": self.synthetic,
             "starts": [
@@ -367,19 +371,20 @@ class TurnTally:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TurnTally | None:
-        """The stored tally (without its ``slow``); None when it is not one this kvobs
-        reads (another format, damaged)."""
+        """The stored tally without its ``slow`` and its conversations (``stored_
+        conversations`` reads them); None when it is not one this kvobs reads (another
+        format, damaged)."""
 
         def tally(stored) -> TurnTally | None:
             state = _json_of(stored["state"])
             if state.get("format") != FORMAT or "slowest" not in stored.files:
                 return None  # a tally without its slow turns cannot stand for a file
-            return cls._of_state(state, stored["conversations"])
+            return cls._of_state(state)
 
         return _read(data, tally)
 
     @classmethod
-    def _of_state(cls, state: dict[str, Any], conversations: np.ndarray) -> TurnTally:
+    def _of_state(cls, state: dict[str, Any]) -> TurnTally:
         tally = cls(
             scopes={s: _scope_of(v) for s, v in state["scopes"].items()},
             groups={
@@ -390,8 +395,8 @@ class TurnTally:
             memory=Counter(state["memory"]),
             retained=RetentionSums(**state["retained"]),
             per_block=sketch_from_state(state["per_block"]),
-            conversations=[conversations.astype(np.uint64)],
             fault_count=state["fault_count"],
+            conversation_total=state["conversation_total"],
             rate=state["rate"][0],
             rate_at=state["rate"][1],
             synthetic=state["synthetic"],
@@ -424,6 +429,24 @@ def _json_array(value: Any) -> np.ndarray:
 
 def _json_of(array: np.ndarray) -> Any:
     return json.loads(array.tobytes())
+
+
+def stored_conversations(data: bytes) -> np.ndarray:
+    """A stored tally's conversations, as sorted distinct hashes (none when damaged)."""
+    found = _read(data, lambda stored: stored["conversations"].astype(np.uint64))
+    return np.empty(0, np.uint64) if found is None else found
+
+
+def distinct_count(parts: Callable[[], Iterator[np.ndarray]], total: int) -> int:
+    """How many distinct hashes the arrays ``parts()`` yields hold (``total``: at most
+    this many), with at most ``PARTITION_HASHES`` of them in memory at once: by the
+    hash modulo a partition count, one pass over the arrays per partition."""
+    count_of = max(1, -(-total // PARTITION_HASHES))
+    count = 0
+    for partition in range(count_of):
+        chosen = [h[h % np.uint64(count_of) == partition] for h in parts()]
+        count += len(_distinct(chosen))
+    return count
 
 
 def listed_key(row: tuple) -> tuple:
@@ -604,5 +627,7 @@ __all__ = [
     "SlowTally",
     "TurnTally",
     "conversation_hashes",
+    "distinct_count",
     "listed_key",
+    "stored_conversations",
 ]
