@@ -14,11 +14,15 @@ user): it selects the columns the table has and gives the others as nulls of the
 
 from __future__ import annotations
 
+import calendar
+import json
+import re
+import time
 from typing import Collection, Iterable, Iterator
 
 import pyarrow as pa
 
-from kvobs.live.turnstore import SCHEMA, TurnRows
+from kvobs.live.turnstore import COMPACT_AFTER_S, SCHEMA, TurnRows
 from kvobs.sources._clickhouse_client import ClickHouseError, Database, connect
 from kvobs.sources._errors import SourceError
 from kvobs.sources.clickhouse import check_table_name
@@ -58,6 +62,26 @@ def table_ddl(table: str, retention_s: float) -> str:
     )
 
 
+# A turn row's hour (UTC): what a tally is kept for (``tallies_ddl``), as the embedded
+# store's hourly partitions.
+HOUR = "formatDateTime(toDateTime(toUInt32(finalized_at), 'UTC'), '%Y%m%d%H')"
+_HOUR_NAME = re.compile(r"\d{10}")
+
+
+def tallies_ddl(table: str, retention_s: float) -> str:
+    """The report's tallies of a turn table's closed hours (``TurnRows.summaries``):
+    each with the hour's row count when it was made (a count that changed since, as
+    ClickHouse merged older versions away or late rows came, makes it stale)."""
+    return (
+        f"CREATE TABLE IF NOT EXISTS {table} (\n"
+        "    `hour` String,\n    `hour_start` Float64,\n    `rows` UInt64,\n"
+        "    `made_at` Float64,\n    `tally` String\n)\n"
+        "ENGINE = ReplacingMergeTree(made_at)\n"
+        "ORDER BY hour\n"
+        f"TTL toDateTime(toUInt32(hour_start)) + INTERVAL {int(retention_s) + 3600} SECOND"
+    )
+
+
 def column_additions(table: str) -> str:
     """The columns a table made by an older kvobs may lack, added (nullable ones only:
     the required ones were there from the first version); a no-op on a current table."""
@@ -80,6 +104,7 @@ class ClickHouseTurns(TurnRows):
         self.location = f"{database.location} table {table}"
         self._created = False
         self._columns: frozenset[str] | None = None  # the table's, once read or written
+        self._counted: dict[str, int] = {}  # hour -> rows, when ``unsummarized`` listed it
 
     @classmethod
     def from_url(
@@ -88,8 +113,13 @@ class ClickHouseTurns(TurnRows):
         database, options = connect(url, create=create)
         return cls(database, options.get("turn_table", DEFAULT_TURN_TABLE), retention_s)
 
-    def exists(self) -> bool:
-        return bool(self.database.query(f"EXISTS TABLE {self.table}").column(0)[0].as_py())
+    def exists(self, table: str | None = None) -> bool:
+        table = table or self.table
+        return bool(self.database.query(f"EXISTS TABLE {table}").column(0)[0].as_py())
+
+    @property
+    def tallies(self) -> str:
+        return f"{self.table}_tallies"
 
     def _held(self) -> frozenset[str]:
         """The table's columns, asked once (``DESCRIBE TABLE``): a table made by an older
@@ -139,8 +169,8 @@ class ClickHouseTurns(TurnRows):
         only: Collection[str] | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Pages in the table's key order, each after the last key of the one before
-        (keyset paging: ClickHouse reads each page in order, memory holds one page).
-        The table has no files with summaries: ``skip`` and ``only`` are never given."""
+        (keyset paging: ClickHouse reads each page in order, memory holds one page);
+        ``skip`` and ``only`` name hours (``summaries``)."""
         if not self.exists():
             return
         order = [*KEY, "version"]
@@ -148,9 +178,13 @@ class ClickHouseTurns(TurnRows):
         names = self._selected(dict.fromkeys([*order, *columns]))
         after: list[str] = []
         parameters: dict[str, object] = {}
-        later = ["version > 1"] if later_versions else []
+        chosen = ["version > 1"] if later_versions else []
+        if skip:
+            chosen.append(f"{HOUR} NOT IN ({_hours(skip)})")
+        if only is not None:
+            chosen.append(f"{HOUR} IN ({_hours(only)})")
         while True:
-            where = " AND ".join(later + after)
+            where = " AND ".join(chosen + after)
             table = self.database.query(
                 f"SELECT {names} FROM {self.table} {'WHERE ' + where if where else ''} "
                 f"ORDER BY {', '.join(order)} LIMIT {int(batch_rows)}",
@@ -172,6 +206,91 @@ class ClickHouseTurns(TurnRows):
                 "version": last["version"],
             }
 
+    # ------------------------------------------------------------ the report's tallies
+
+    def _hour_rows(self) -> dict[str, int]:
+        counted = self.database.query(
+            f"SELECT {HOUR} AS hour, count() AS n FROM {self.table} GROUP BY hour"
+        )
+        return dict(zip(counted.column("hour").to_pylist(), counted.column("n").to_pylist()))
+
+    def _tallied(self) -> dict[str, int]:
+        """Each tallied hour's row count when its tally was made."""
+        if not self.exists(self.tallies):
+            return {}
+        listed = self.database.query(f"SELECT hour, rows FROM {self.tallies} FINAL")
+        return dict(zip(listed.column("hour").to_pylist(), listed.column("rows").to_pylist()))
+
+    def summaries(self) -> Iterator[tuple[str, bytes]]:
+        """One query a tally, those whose hour still has the rows it was made from."""
+        if not self.exists():
+            return
+        now = self._hour_rows()
+        for hour, rows in sorted(self._tallied().items()):
+            if _HOUR_NAME.fullmatch(hour) and now.get(hour) == rows:
+                found = self.database.query(
+                    f"SELECT tally FROM {self.tallies} FINAL WHERE hour = {{hour:String}}",
+                    {"hour": hour},
+                )
+                if found.num_rows:  # a String column: bytes, whatever Arrow type it came as
+                    yield hour, found.column(0).cast(pa.binary())[0].as_py()
+
+    def unsummarized(self) -> list[str]:
+        """The closed hours (``COMPACT_AFTER_S`` after their end) without a tally made
+        from the rows they hold now; their row counts are kept for ``write_summary``."""
+        closed = time.strftime("%Y%m%d%H", time.gmtime(time.time() - 3600 - COMPACT_AFTER_S))
+        try:
+            if not self.exists():
+                return []
+            tallied, counts = self._tallied(), self._hour_rows()
+        except ClickHouseError as error:  # the service's upkeep: said, tried again later
+            raise OSError(f"{self.location}: {error}") from error
+        self._counted = {
+            hour: rows
+            for hour, rows in counts.items()
+            if hour <= closed and tallied.get(hour) != rows
+        }
+        return sorted(self._counted)
+
+    def write_summary(self, part: str, summary: bytes) -> None:
+        start = calendar.timegm(time.strptime(part, "%Y%m%d%H"))
+        row = {
+            "hour": part,
+            "hour_start": float(start),
+            "rows": self._counted[part],
+            "made_at": time.time(),
+            "tally": summary,
+        }
+        schema = pa.schema(
+            [
+                ("hour", pa.string()),
+                ("hour_start", pa.float64()),
+                ("rows", pa.uint64()),
+                ("made_at", pa.float64()),
+                ("tally", pa.binary()),
+            ]
+        )
+        try:
+            self.database.query(tallies_ddl(self.tallies, self.retention_s))
+            self.database.insert(self.tallies, pa.Table.from_pylist([row], schema=schema))
+        except ClickHouseError as error:
+            raise OSError(f"{self.location}: {error}") from error
+
+    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
+        return self.conversation_rows(part, conversation_ids, limit=1).num_rows > 0
+
+    def conversation_rows(
+        self, part: str, conversation_ids: list[str], limit: int | None = None
+    ) -> pa.Table:
+        names = self._selected(SCHEMA.names)
+        table = self.database.query(
+            f"SELECT {names} FROM {self.table} WHERE {HOUR} = {{hour:String}} AND "
+            "has(JSONExtract({ids:String}, 'Array(String)'), conversation_id)"
+            + (f" LIMIT {int(limit)}" if limit else ""),
+            {"hour": part, "ids": json.dumps(conversation_ids)},
+        )
+        return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
+
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         if not self.exists():
             return SCHEMA.empty_table()
@@ -187,4 +306,10 @@ class ClickHouseTurns(TurnRows):
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
 
 
-__all__ = ["ClickHouseTurns", "DEFAULT_TURN_TABLE", "table_ddl"]
+def _hours(parts: Collection[str]) -> str:
+    """Hour names as SQL literals (each checked: they come from the tally table)."""
+    named = sorted(p for p in parts if _HOUR_NAME.fullmatch(p))
+    return ", ".join(f"'{p}'" for p in named) or "''"
+
+
+__all__ = ["ClickHouseTurns", "DEFAULT_TURN_TABLE", "table_ddl", "tallies_ddl"]

@@ -39,6 +39,7 @@ from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
 from kvobs.live.turnstore import TurnRows, TurnStore
+from kvobs.sources._errors import SourceError
 
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
@@ -150,8 +151,8 @@ class Live:
         except OSError as error:  # a full disk: the parts stay, readable as they are
             _LOG.warning("could not merge turn partitions: %s", error)
         try:
-            summarize(self.turns)  # a report then merges the file's tally, not its rows
-        except OSError as error:  # the report reads those files' rows instead
+            summarize(self.turns)  # a report then merges the hour's tally, not its rows
+        except (OSError, SourceError) as error:  # the report reads those rows instead
             _LOG.warning("could not keep the report's tallies of merged turns: %s", error)
 
     def conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:

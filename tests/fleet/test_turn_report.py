@@ -477,3 +477,42 @@ def test_tallies_corrected_for_turns_re_classified_in_a_later_hour(backfilled, m
     from_rows = _full(tr.turn_row_report(store, source))
     _same(with_tallies, from_rows)
     assert from_rows["turns"] == table.num_rows - n // 3
+
+
+def test_clickhouse_tallies_of_closed_hours_give_the_rows_report(tmp_path, chdb_path):
+    """The classifier's rows in ClickHouse over three closed hours, one turn given a
+    later version in the last: ``summarize`` keeps a tally per closed hour in a table of
+    its own, and the report from them equals the one from rows; a row that comes late
+    into a tallied hour makes that hour's tally stale (its rows are read)."""
+    from kvobs.live.clickhouse_turns import ClickHouseTurns
+
+    finalized = _demo_rows()
+    turns = ClickHouseTurns.from_url(f"chdb:{chdb_path}?turn_table=turns_tallied",
+                                     retention_s=3650 * 86400.0)
+    hour = 1_767_225_600.0
+    turns.write(finalized[:10], now=hour)
+    turns.write(finalized[10:20], now=hour + 3600)
+    turns.write([*finalized[20:], dict(finalized[1], version=2, verdict="transfer-failed")],
+                now=hour + 7200)
+    from_rows = _full(tr.turn_row_report(turns, "s"))
+    assert sorted(tr.summarize(turns)) == ["2026010100", "2026010101", "2026010102"]
+    assert turns.unsummarized() == []
+    assert [h for h, _ in turns.summaries()] == ["2026010100", "2026010101", "2026010102"]
+    skipped: list[set] = []
+    batches = turns.batches
+
+    def spy(columns, batch_rows, later_versions=False, skip=(), only=None):
+        if not later_versions:
+            skipped.append(set(skip))
+        return batches(columns, batch_rows, later_versions, skip, only)
+
+    turns.batches = spy  # type: ignore[method-assign]
+    _same(_full(tr.turn_row_report(turns, "s")), from_rows)
+    del turns.batches
+    # The later hours' tallies stood for their rows (the first hour's holds the turn
+    # the later version replaces: corrected, or read when that turn is listed).
+    assert skipped and all({"2026010101", "2026010102"} <= s for s in skipped)
+    turns.write([dict(finalized[3], turn=99)], now=hour + 60)  # late, into a tallied hour
+    assert [h for h, _ in turns.summaries()] == ["2026010101", "2026010102"]
+    assert tr.turn_row_report(turns, "s").turns == from_rows["turns"] + 1
+    assert turns.unsummarized() == ["2026010100"]
