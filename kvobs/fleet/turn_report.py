@@ -159,8 +159,9 @@ def turn_row_report(
     total, merged, unread = TurnTally(), set(), []  # unread: merged, or adding nothing
     corrections: dict[str, tuple] = {}  # merged less its turns replaced elsewhere
     stored_total = 0
+    replaced = _Replaced(rows, versions)
     for path, data, tally in _stored(rows):
-        use, stale = _use(rows, path, tally, versions, cutoff)
+        use, stale = _use(path, tally, replaced, cutoff)
         if use is None and stale:
             corrected = _corrected(rows, path, data, tally, stale, versions)
             if corrected is not None:
@@ -300,8 +301,29 @@ def _stored(rows: TurnRows) -> Iterator[tuple[str, bytes, TurnTally]]:
             yield path, data, tally
 
 
+class _Replaced:
+    """The conversations with a turn stored in several versions, and which of them a
+    file holds (its index asked once for all of them)."""
+
+    def __init__(self, rows: TurnRows, versions: _Versions):
+        self.keys: dict[str, list[tuple[tuple, int]]] = {}
+        for key, version in versions.newest.items():
+            self.keys.setdefault(key[1], []).append((key, version))
+        self.held = rows.lookup(sorted(self.keys)) if self.keys else None
+
+    def stale(self, path: str, own_versions: dict[tuple, int]) -> set[str]:
+        """The file's conversations with a turn whose newest version it does not hold."""
+        if self.held is None:
+            return set()
+        return {
+            cid
+            for cid in self.held(path)
+            if any(own_versions.get(key, 1) < version for key, version in self.keys[cid])
+        }
+
+
 def _use(
-    rows: TurnRows, path: str, tally: TurnTally, versions: _Versions, cutoff: int | None
+    path: str, tally: TurnTally, replaced: _Replaced, cutoff: int | None
 ) -> tuple[bool | None, set[str]]:
     """Whether a file's stored tally stands for its rows in this report (True), or the
     file adds nothing to it (False: every turn before the cutoff); None: its rows must
@@ -312,14 +334,8 @@ def _use(
             return False, set()
         if tally.unstarted or not tally.first_start_ns >= cutoff:
             return None, set()
-    stale = {
-        key[1]
-        for key, version in versions.newest.items()
-        if tally.own_versions.get(key, 1) < version
-    }
-    if stale and rows.holds_any(path, sorted(stale)):
-        return None, stale
-    return True, set()
+    stale = replaced.stale(path, tally.own_versions)
+    return (None, stale) if stale else (True, set())
 
 
 def _corrected(

@@ -18,7 +18,7 @@ import calendar
 import json
 import re
 import time
-from typing import Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterable, Iterator
 
 import pyarrow as pa
 
@@ -276,20 +276,25 @@ class ClickHouseTurns(TurnRows):
         except ClickHouseError as error:
             raise OSError(f"{self.location}: {error}") from error
 
-    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
-        return self.conversation_rows(part, conversation_ids, limit=1).num_rows > 0
+    def lookup(self, conversation_ids: list[str]) -> Callable[[str], list[str]]:
+        """One query an hour: the ids among its rows."""
 
-    def conversation_rows(
-        self, part: str, conversation_ids: list[str], limit: int | None = None
-    ) -> pa.Table:
-        names = self._selected(SCHEMA.names)
-        table = self.database.query(
-            f"SELECT {names} FROM {self.table} WHERE {HOUR} = {{hour:String}} AND "
-            "has(JSONExtract({ids:String}, 'Array(String)'), conversation_id)"
-            + (f" LIMIT {int(limit)}" if limit else ""),
-            {"hour": part, "ids": json.dumps(conversation_ids)},
-        )
+        def held(part: str) -> list[str]:
+            found = self._of_hour(part, conversation_ids, "DISTINCT `conversation_id`")
+            return found.column(0).to_pylist() if found.num_rows else []
+
+        return held
+
+    def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table:
+        table = self._of_hour(part, conversation_ids, self._selected(SCHEMA.names))
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
+
+    def _of_hour(self, hour: str, conversation_ids: list[str], selected: str) -> pa.Table:
+        return self.database.query(
+            f"SELECT {selected} FROM {self.table} WHERE {HOUR} = {{hour:String}} AND "
+            "has(JSONExtract({ids:String}, 'Array(String)'), conversation_id)",
+            {"hour": hour, "ids": json.dumps(conversation_ids)},
+        )
 
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         if not self.exists():

@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from typing import Any, Collection, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -209,10 +209,11 @@ class TurnRows:
         """The files a summary would pay for (merged, sorted files) that have none."""
         return []
 
-    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
-        """Whether the file ``part`` may hold a row of one of the conversations (True
-        when it cannot tell)."""
-        return True
+    def lookup(self, conversation_ids: list[str]) -> Callable[[str], list[str]]:
+        """Which of the conversations a file (``summaries``' ``part``) may hold a row
+        of, asked of file after file: set up once for the ids (all of them where it
+        cannot tell)."""
+        return lambda part: conversation_ids
 
     def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
         """The rows of the file ``part`` of those conversations, every version; None
@@ -503,9 +504,17 @@ class TurnStore(TurnRows):
             and not os.path.exists(_sidecar(path, _SUMMARY))
         ]
 
-    def holds_any(self, part: str, conversation_ids: list[str]) -> bool:
-        found = _indexed(part, _hashes(conversation_ids)) if conversation_ids else None
-        return bool(found.any()) if found is not None else bool(conversation_ids)
+    def lookup(self, conversation_ids: list[str]) -> Callable[[str], list[str]]:
+        """Through each file's index, the ids hashed once."""
+        keys = _hashes(conversation_ids)
+
+        def held(part: str) -> list[str]:
+            found = _indexed(part, keys) if conversation_ids else None
+            if found is None:
+                return conversation_ids
+            return [conversation_ids[i] for i in np.flatnonzero(found).tolist()]
+
+        return held
 
     def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
         return self._conversation_rows(part, conversation_ids, _hashes(conversation_ids))

@@ -467,8 +467,8 @@ def test_tallies_corrected_for_turns_re_classified_in_a_later_hour(backfilled, m
         picked = picked.set_column(picked.schema.get_field_index(name), name, column)
     write_turn_rows(store.directory[: -len("/turns")], picked, stamp="later")
     tr.summarize(store)
-    dirty = [path for path in store._paths()
-             if store.holds_any(path, picked["conversation_id"].to_pylist())]
+    held = store.lookup(picked["conversation_id"].to_pylist())
+    dirty = [path for path in store._paths() if held(path)]
     scanned = _scanned(monkeypatch)
     with_tallies = _full(tr.turn_row_report(store, source))
     assert 0 < len(set(scanned)) < len(dirty) - 1  # most dirty files corrected, not read
