@@ -236,7 +236,7 @@ class OffloadObserver:
             return
         self._lookups[request.request_id] = _Lookup(
             request,
-            raw_correlation(request.kv_transfer_params),
+            raw_correlation(request.kv_transfer_params, request),
             num_computed_tokens,
             int(hit),
             at=time.time(),

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvobs import semconv as sc
+from kvobs.emit.spans import shard_key
 
 from . import _digest, _stats as st
 from ._options import Options
-from ._telemetry import Deferred, Guard, SpanSink, raw_correlation
+from ._telemetry import Deferred, Guard, SpanSink, first_block, raw_correlation
 
 _REQUIRED_REMOTE = frozenset(
     ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
@@ -124,6 +125,7 @@ _R_GUARDED, _R_SUFFIX = sc.RecomputeReason.PREFIX_MISMATCH, sc.RecomputeReason.S
 _R_EXPIRED, _R_READ = sc.ReleaseReason.EXPIRED, sc.ReleaseReason.READ
 _EXPIRED = _R_EXPIRED.value
 _KTP_DIGEST, _KTP_TTL = sc.KTP_BLOCK_DIGEST, sc.KTP_DECODE_TTL
+_KTP_SHARD, _KTP_TENANT = sc.KTP_SHARD, sc.KTP_TENANT
 _CORR_KEYS = sc.CORRELATION_KEYS
 _SPANS = (
     sc.SPAN_RECOMPUTE,
@@ -255,11 +257,11 @@ class SchedulerObserver:
         self._stats.data[key].append(value)
         self._stats_dirty = True
 
-    def _correlation(self, params: Any, span: sc.SpanName) -> tuple | None:
+    def _correlation(self, params: Any, span: sc.SpanName, request: Any) -> tuple | None:
         """The request's raw correlation values, or None when no span will carry them."""
         if not self._sink.enabled(span):
             return None
-        return raw_correlation(params)
+        return raw_correlation(params, request)
 
     def _role_attr(self, span: sc.SpanName) -> str:
         service = self._options.role or span.service
@@ -337,7 +339,7 @@ class SchedulerObserver:
         if params.get("do_remote_prefill"):  # D side: it will read P's prefill
             if req_id not in self._reqs:
                 handoff = self._reqs[req_id] = _Req(
-                    self._correlation(params, sc.SPAN_STUCK),
+                    self._correlation(params, sc.SPAN_STUCK, request),
                     _P_TO_D,
                     time.time(),
                     params.get("remote_engine_id"),
@@ -352,7 +354,7 @@ class SchedulerObserver:
         r = self._reqs.get(req_id)
         if r is None:
             r = self._reqs[req_id] = _Req(
-                tuple(map(params.get, _CORR_KEYS))  # raw_correlation(params), inline
+                (*map(params.get, _CORR_KEYS), first_block(request))  # raw_correlation
                 if self._sink.enabled(sc.SPAN_PULL_DECISION)
                 else None,
                 _D_TO_P,
@@ -683,6 +685,11 @@ class SchedulerObserver:
                 self._waiting.pop(req_id, None)
                 self._unchecked.discard(req_id)
         delay_free, out = result
+        if out and out.get("do_remote_prefill"):  # P's answer: for the proxy's spans
+            tenant = (request.kv_transfer_params or {}).get(_KTP_TENANT)
+            shard = shard_key(tenant, first_block(request))
+            if shard is not None:
+                out[_KTP_SHARD] = shard
         if not (
             delay_free
             and out
@@ -757,7 +764,7 @@ class SchedulerObserver:
         now_wall, now_mono = time.time(), time.perf_counter()
         expiry_mono = float(out["remote_blocks_expiry_time"])
         spans = self._sink.enabled(sc.SPAN_EXPORT)
-        correlation = raw_correlation(params) if spans and params else None
+        correlation = raw_correlation(params, request) if spans and params else None
         self._retained[req_id] = (correlation, blocks, nbytes, now_wall, now_mono, expiry_mono)
         self._retained_blocks += blocks
         self._retained_bytes += nbytes

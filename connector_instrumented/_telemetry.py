@@ -32,7 +32,7 @@ from opentelemetry import trace
 
 from kvobs import semconv as sc
 from kvobs.emit.setup import batch_settings, configure_tracing, flush, span_losses
-from kvobs.emit.spans import Correlation, emit
+from kvobs.emit.spans import Correlation, emit, shard_key
 
 _LOG = logging.getLogger("connector_instrumented")
 
@@ -43,12 +43,19 @@ TracerFactory = Callable[[sc.Service], trace.Tracer]
 _BUILD_INTERVAL_S = 0.05
 
 
-def raw_correlation(params: Mapping[str, Any] | None) -> tuple | None:
-    """A request's correlation values as they came (one C-level pass over the keys).
+def raw_correlation(params: Mapping[str, Any] | None, request: Any = None) -> tuple | None:
+    """A request's correlation values as they came (one C-level pass over the keys),
+    then its first block hash (its shard, ``shard_key``).
 
     A snapshot, not a reference to ``params``: the request's dict may be mutated or
     outlive its use, and a retained export would otherwise pin its block lists."""
-    return tuple(map(params.get, sc.CORRELATION_KEYS)) if params else None
+    return (*map(params.get, sc.CORRELATION_KEYS), first_block(request)) if params else None
+
+
+def first_block(request: Any) -> bytes | None:
+    """The request's first block hash (immutable bytes: safe to keep for the builder)."""
+    hashes = getattr(request, "block_hashes", None)
+    return hashes[0] if hashes is not None and len(hashes) else None
 
 
 class Deferred:
@@ -74,7 +81,15 @@ def _resolve(values: dict) -> dict:
 
 def _correlation_of(raw: tuple | None) -> Correlation:
     # Same validation as the hook used to do in place, now in the builder thread.
-    return Correlation.from_params(dict(zip(sc.CORRELATION_KEYS, raw)) if raw else None)
+    if not raw:
+        return Correlation.from_params(None)
+    correlation = Correlation.from_params(dict(zip(sc.CORRELATION_KEYS, raw)))
+    if len(raw) <= _FIRST_BLOCK:
+        return correlation
+    return correlation._replace(shard=shard_key(correlation.tenant, raw[_FIRST_BLOCK]))
+
+
+_FIRST_BLOCK = len(sc.CORRELATION_KEYS)  # raw_correlation's last value
 
 
 # Fork detection without a getpid() system call on every span (~150 ns on the hook).

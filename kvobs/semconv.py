@@ -63,6 +63,16 @@ TURN_INDEX = _attr("kvobs.turn.index", "int", "", "1-based turn index within the
 TENANT_DIGEST = _attr(
     "kvobs.tenant.digest", "str", "", "Short digest of the tenant (never the key)."
 )
+SHARD = _attr(
+    "kvobs.shard",
+    "str",
+    "",
+    "The conversation's shard, the same on every span of all its turns: the tenant digest "
+    "and the hash prefix (16 hex) of the prompt's first block, which every turn's prompt "
+    "starts with. Conversations that start alike share it, so those lineage must compare "
+    "meet in one classifier. The Collector's loadbalancing exporter routes on it to run "
+    "several classifiers (docs/live.md).",
+)
 REQUEST_ID = _attr("kvobs.request.id", "str", "", "Engine request id on this role.")
 # OpenTelemetry's GenAI semantic conventions where they have the fact (kvobs.* only for
 # what they lack); strings bounded by the proxy (MAX_GENAI_VALUE), never message text.
@@ -926,6 +936,9 @@ KTP_TENANT = "kvobs_tenant"
 KTP_TRACEPARENT = "kvobs_traceparent"
 # Digest of the block hashes D's exported KV covers (token-level prefix evidence).
 KTP_BLOCK_DIGEST = "kvobs_block_hashes"
+# The request's shard (``SHARD``), in the params P returns: the proxy, which has no block
+# hashes, puts it on its own spans of the turn.
+KTP_SHARD = "kvobs_shard"
 
 # Response header the proxy sets on every answer: the turn's trace id, what an operator
 # passes to kvobs (turns without a conversation id are listed as "anonymous:<trace id>").

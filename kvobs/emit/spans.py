@@ -25,6 +25,7 @@ class Correlation(NamedTuple):
     turn: int | None = None
     tenant: str | None = None
     traceparent: str | None = None
+    shard: str | None = None  # ``shard_key``: the connector's, P's answer's at the proxy
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "Correlation":
@@ -55,6 +56,7 @@ class Correlation(NamedTuple):
             sc.CONVERSATION_ID.key: self.conversation_id,
             sc.TURN_INDEX.key: self.turn,
             sc.TENANT_DIGEST.key: self.tenant,
+            sc.SHARD.key: self.shard,
         }
         return {key: value for key, value in attributes.items() if value is not None}
 
@@ -71,6 +73,17 @@ class Correlation(NamedTuple):
 @functools.lru_cache(maxsize=128)
 def _context_of(traceparent: str):
     return _PROPAGATOR.extract({"traceparent": traceparent})
+
+
+def shard_key(tenant: str | None, first_block: Any) -> str | None:
+    """``semconv.SHARD`` of a request: its tenant digest and its prompt's first block
+    hash prefix (the engine's ``request.block_hashes[0]``: every turn's prompt starts
+    with it, on P and on D alike when they hash with the same seed, as prefix lineage
+    needs anyway). None: a prompt shorter than a block."""
+    if not isinstance(first_block, (bytes, bytearray)) or not first_block:
+        return None
+    prefix = bytes(first_block[:8]).hex()
+    return f"{tenant}/{prefix}" if tenant else prefix
 
 
 def _str_or_none(value: Any) -> str | None:

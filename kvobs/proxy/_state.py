@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.context import Context
@@ -66,3 +66,7 @@ class TurnState:
     store_failure: sc.StoreFailure | None = None  # the params publisher's
     client: Any = None  # the client's StreamResponse once a stream has started
     http_context: Context | None = None  # the SERVER span's: its legs' CLIENT spans' parent
+    # The turn's ``kvobs.shard``, from P's answer (the proxy has no block hashes), and
+    # the kvobs spans that ended before it came (``_turn_spans``).
+    shard: str | None = None
+    held_spans: list = field(default_factory=list)

@@ -15,7 +15,7 @@ from typing import Any
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.spans import Correlation, emit
+from kvobs.emit.spans import Correlation
 
 from kvobs.proxy import decide
 from kvobs.proxy._clock import DecodeClock
@@ -24,6 +24,7 @@ from kvobs.proxy._guard import StoreGuard
 from kvobs.proxy._identity import Identity
 from kvobs.proxy._metrics import ProxyMetrics
 from kvobs.proxy._state import TurnState
+from kvobs.proxy._turn_spans import emit_turn_span
 from kvobs.proxy.config import ProxyConfig
 from kvobs.proxy.publisher import ParamsPublisher
 from kvobs.proxy.store import Entry, MetadataStore
@@ -32,7 +33,7 @@ from kvobs.proxy.store import Entry, MetadataStore
 def with_turn(
     correlation: Correlation, conversation_id: str | None, turn: int | None
 ) -> Correlation:
-    return Correlation(conversation_id, turn, correlation.tenant, correlation.traceparent)
+    return correlation._replace(conversation_id=conversation_id, turn=turn)
 
 
 class TurnStore:
@@ -92,12 +93,13 @@ class TurnStore:
         if result.age_s is not None:
             self.metrics.entry_age.observe(result.age_s)
         self.metrics.lookups.labels(result.outcome.value).inc()
-        emit(
+        emit_turn_span(
             self.tracer,
+            state,
             sc.SPAN_PROXY_LOOKUP,
             with_turn(correlation, state.conversation_id, state.turn),
             {**result.attributes(), **attributes},
-            start_ns=start_ns,
+            start_ns,
         )
         return identity, begun.previous if begun is not None else None
 
@@ -193,8 +195,9 @@ class TurnStore:
         if failure is not None:
             action = "skipped"
         self.metrics.stores.labels(action, state.source.value).inc()
-        emit(
+        emit_turn_span(
             self.tracer,
+            state,
             sc.SPAN_PROXY_STORE,
             with_turn(correlation, state.conversation_id, state.turn),
             {
@@ -203,5 +206,5 @@ class TurnStore:
                 sc.STORE_EXPIRES_AT.key: expires_at if usable else None,
                 sc.STORE_FAILURE.key: failure or state.store_failure,
             },
-            start_ns=start_ns,
+            start_ns,
         )

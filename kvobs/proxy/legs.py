@@ -20,7 +20,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from kvobs import semconv as sc
-from kvobs.emit.spans import Correlation, emit
+from kvobs.emit.spans import Correlation
 
 from kvobs.proxy import decide
 from kvobs.proxy._http_spans import ClientLeg
@@ -29,6 +29,7 @@ from kvobs.proxy._metrics import ProxyMetrics
 from kvobs.proxy._relay import Finish, relay_stream, relay_whole
 from kvobs.proxy._sse import KTP
 from kvobs.proxy._state import TurnState, UpstreamError
+from kvobs.proxy._turn_spans import emit_turn_span
 from kvobs.proxy.config import Endpoint, ProxyConfig
 
 _LOG = logging.getLogger("kvobs.proxy")
@@ -235,12 +236,13 @@ class Legs:
                         endpoint, path, self._prefill_body(body, None, keys), headers, state
                     )
                 finally:
-                    emit(
+                    emit_turn_span(
                         self.tracer,
+                        state,
                         sc.SPAN_PROXY_FALLBACK,
                         correlation,
                         {sc.FALLBACK_REASON.key: reason, sc.HTTP_STATUS: error.status},
-                        start_ns=fallback_start,
+                        fallback_start,
                     )
             return response, endpoint
         finally:

@@ -37,6 +37,7 @@ from kvobs.proxy._state import TurnState, UpstreamError
 from kvobs.proxy._tenants import NewTenants
 from kvobs.proxy.config import ProxyConfig
 from kvobs.proxy._turn_end import end_turn, internal_error, json_error, upstream_failure
+from kvobs.proxy._turn_spans import answered_by_p, release_held
 from kvobs.proxy._turn_store import TurnStore, with_turn
 from kvobs.proxy._sse import KTP
 from kvobs.proxy.legs import Legs
@@ -174,8 +175,14 @@ class Turns:
                 response.status if response is not None else None,
                 state.error.value if state.error is not None else None,
             )
+            release_held(state)  # P never answered: they go without the shard
             end_turn(
-                self.metrics, span, state, with_turn(correlation, state.conversation_id, state.turn)
+                self.metrics,
+                span,
+                state,
+                with_turn(correlation, state.conversation_id, state.turn)._replace(
+                    shard=state.shard
+                ),
             )
 
     def _refusal(self, identity: Identity, trusted: bool, now: float) -> sc.MissReason | None:
@@ -216,6 +223,7 @@ class Turns:
                 path, body, params, keys, headers, state, correlation
             )
             p_params = p_response.get(KTP) if isinstance(p_response, dict) else None
+            answered_by_p(state, p_params)
             usage = p_response.get("usage") if isinstance(p_response, dict) else None
             if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                 state.prompt_tokens = usage["prompt_tokens"]

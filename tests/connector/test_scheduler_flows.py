@@ -11,6 +11,7 @@ from opentelemetry.trace import StatusCode
 import _harness as h
 from connector_instrumented import _digest, _stats as st
 from kvobs import semconv as sc
+from kvobs.emit.spans import shard_key
 from vllm.v1.request import RequestStatus
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -76,7 +77,7 @@ def test_pull_decision_read_and_recompute_spans(model_dir, spans):
         sc.CANDIDATE_TOKENS.key: 48, sc.THRESHOLD.key: 0, sc.PULL_DECISION.key: "pull",
         sc.PREFIX_EVIDENCE.key: "absent", sc.PREFIX_GUARD.key: False,
         sc.OFFERED_TOKENS.key: 48, sc.REMOTE_ENGINE_ID.key: "decode-engine",
-        sc.REMOTE_REQUEST_ID.key: "d-req"}
+        sc.REMOTE_REQUEST_ID.key: "d-req", sc.SHARD.key: req.block_hashes[0][:8].hex()}
 
     _, eco = h.step(scheduler, None, **dict(
         finished_recving={req.request_id}, kv_connector_stats=read_record(req.request_id)))
@@ -463,3 +464,44 @@ def test_worker_records_reach_the_spans_under_multiconnector(model_dir, spans):
         finished_sending=set()))
     (read,) = spans.spans(sc.SPAN_READ)
     assert (attrs(read)[sc.READ_OUTCOME.key], attrs(read)[sc.READ_BYTES.key]) == ("done", 4096)
+
+
+@pytest.mark.parametrize("ids", [{**CORR, sc.KTP_TENANT: "t1"}, {}], ids=["ids", "id-less"])
+def test_every_span_of_a_conversation_carries_one_shard_and_the_params_name_it(
+        model_dir, spans, ids):
+    """P's and D's turn 1 and P's turn 2 of one conversation: every span carries the
+    same ``kvobs.shard`` (the tenant and the first block hash of the prompt, which P's
+    longer turn-2 prompt starts with too), and P returns it in its params (the proxy's
+    own spans take it from there)."""
+    prompt = tokens(50)
+    p_scheduler = h.make_scheduler(h.make_config(model_dir))
+    first = h.make_request(prompt, {"do_remote_decode": True, "do_remote_prefill": False,
+                                    **ids})
+    p_scheduler.add_request(first)
+    _, eco = h.step(p_scheduler, h.runner_output([first]))
+    p_out = eco[0].outputs[0].kv_transfer_params
+    d_scheduler = h.make_scheduler(h.make_config(model_dir, {"decoder_kv_blocks_ttl": 30}))
+    extra = {k: None for k in CORR} | ids
+    _, eco = _d_turn(d_scheduler, prompt, extra)
+    assert sc.KTP_SHARD not in eco[0].outputs[0].kv_transfer_params  # P's alone
+    req = h.make_request(prompt + tokens(30, 500), h.d_params(
+        "d-req", range(50 // h.BS + 1), 50, **ids))
+    p_scheduler.add_request(req)
+    h.step(p_scheduler, None)
+    expected = shard_key(ids.get(sc.KTP_TENANT), req.block_hashes[0])
+    assert expected == ("t1/" if ids else "") + req.block_hashes[0][:8].hex()
+    assert p_out[sc.KTP_SHARD] == expected
+    carried = {s.name: attrs(s).get(sc.SHARD.key) for s in spans.spans()}
+    assert {sc.SPAN_EXPORT.name, sc.SPAN_DECODE_REQUEST.name,
+            sc.SPAN_PULL_DECISION.name} <= set(carried)
+    assert set(carried.values()) == {expected}
+
+
+def test_a_prompt_shorter_than_a_block_has_no_shard(model_dir, spans):
+    scheduler = h.make_scheduler(h.make_config(model_dir))
+    req = h.make_request(tokens(10), {"do_remote_decode": True, "do_remote_prefill": False,
+                                      **CORR})
+    scheduler.add_request(req)
+    h.step(scheduler, h.runner_output([req]))
+    (decision,) = spans.spans(sc.SPAN_PULL_DECISION)
+    assert sc.SHARD.key not in attrs(decision)

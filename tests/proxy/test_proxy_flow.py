@@ -400,3 +400,34 @@ def test_every_answer_names_its_trace():
                            if format(s.context.trace_id, "032x") == trace_id]
                 assert turn.attributes[sc.TURN_INDEX.key] == (1 if not stream else 2)
     run(scenario())
+
+
+@pytest.mark.parametrize("shards", [True, False])
+def test_the_proxys_turn_spans_carry_the_shard_p_named(shards):
+    """The lookup (which ends before P answers: held until it does), the store and the
+    turn span of every turn carry the ``kvobs.shard`` P's answer named (the connector
+    computes it from the prompt's first block: one for the whole conversation); a P
+    that names none leaves them without."""
+    async def scenario():
+        async with Harness() as h:
+            h.prefill.shards = shards
+            await converse(h, "conv-1", 3,
+                           start=[{"role": "system", "content": "You are a careful agent."}])
+            named = {p["kv_transfer_params"][sc.KTP_TENANT] + "/" for p in h.prefill.requests}
+            carried = [(s.name, s.attributes.get(sc.SHARD.key)) for s in h.proxy.spans()
+                       if s.name.startswith("kvobs.proxy.")]
+            names = {name for name, _ in carried}
+            assert {LOOKUP, TURN, sc.SPAN_PROXY_STORE.name} <= names
+            assert [name for name, _ in carried].count(LOOKUP) == 3
+            keys = {key for _, key in carried}
+            if shards:
+                assert len(keys) == 1 and keys.pop().startswith(named.pop())
+            else:
+                assert keys == {None}
+            # the held lookup keeps its own start and end, inside its turn
+            for lookup in h.proxy.spans(LOOKUP):
+                (turn,) = [s for s in h.proxy.spans(TURN)
+                           if s.context.trace_id == lookup.context.trace_id]
+                assert turn.start_time <= lookup.start_time <= lookup.end_time
+                assert lookup.end_time - lookup.start_time < 0.5e9
+    run(scenario())

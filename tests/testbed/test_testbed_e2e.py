@@ -27,6 +27,7 @@ from kvobs.testbed.check import (NOT_FOUND, accounting_errors, cause_mismatches,
 from kvobs.testbed.runner import TurnResult, run_scenario, write_results
 from kvobs.testbed.scenario import Scenario, load
 from kvobs.testbed.stack import LIVE_DIR, Stack
+from _sharding import differing_from_batch, final_turns, requests_of, shards_by_conversation
 from span_deletion import deletion_violations
 
 pytestmark = pytest.mark.testbed
@@ -757,3 +758,20 @@ def test_an_absorbed_anonymous_id_diagnoses_its_conversation(slow_link):
     assert [t.turn.index for t in diagnosis.turns] == [1, 2]
     assert diagnosis.turns[1].finding.verdict is sc.Verdict.MISSING_METADATA
     assert any("prefix lineage" in p for p in diagnosis.problems)
+
+
+def test_classifiers_sharded_on_kvobs_shard_give_the_turns_of_one(demo):
+    """Every kvobs span of the run, the engines' and the proxy's, carries its
+    conversation's ``kvobs.shard`` (one per tenant's conversation; conversations that
+    start alike share one); split among 2 or 3 classifiers as the Collector's loadbalancing exporter
+    routes on it (emulated: tests/testbed/_sharding.py), every turn is the batch answer
+    at the fleet context its classifier measured, and none is lost or doubled."""
+    requests = requests_of(demo.out)
+    found, unkeyed = shards_by_conversation(requests)
+    assert unkeyed == []
+    assert found and all(len(shards) == 1 for shards in found.values()), found
+    spans = open_source(str(demo.out)).span_table()
+    for shards in (2, 3):
+        turns = final_turns(requests, shards)
+        assert len(turns) >= len(demo.results)
+        assert differing_from_batch(turns, spans) == [], shards

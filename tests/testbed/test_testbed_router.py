@@ -7,6 +7,7 @@ import pytest
 
 from kvobs import semconv as sc
 from kvobs.sources import open_source
+from _sharding import differing_from_batch, final_turns, requests_of, spans_of
 
 pytestmark = pytest.mark.testbed
 
@@ -268,3 +269,18 @@ def test_router_policies_diagnosed_like_round_robin(router_runs, router_policy_r
         [c for c in run.scenario.conversations if not c.id.startswith(TWINS)])
     _check_twins(pairs)
     _check_coverage(pairs)
+
+
+def test_classifiers_sharded_on_kvobs_shard_behind_the_router(router_run):
+    """Behind vllm-router (no ids anywhere), every engine span carries the shard of its
+    prompt's first block: split among 2 or 3 classifiers on it (the Collector's
+    loadbalancing exporter, emulated: tests/testbed/_sharding.py), every turn, identical
+    first turns included, is the batch answer at its classifier's fleet context."""
+    requests = requests_of(router_run.out)
+    keyed = [attributes.get(sc.SHARD.key) for name, attributes in spans_of(requests)
+             if name in (sc.SPAN_PULL_DECISION.name, sc.SPAN_EXPORT.name)]
+    assert keyed and None not in keyed
+    spans = open_source(str(router_run.out)).span_table()
+    for shards in (2, 3):
+        turns = final_turns(requests, shards)
+        assert differing_from_batch(turns, spans) == [], shards
