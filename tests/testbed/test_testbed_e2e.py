@@ -579,7 +579,11 @@ def _waits_for_a_new_connection(run, key):
     others = sorted(d.turn.get("handoff_setup_s") or 0.0 for (label, turn), d in
                     diagnosed.items() if d is not None and turn > 1 and label != key[0])
     typical = others[len(others) // 2]
-    assert first > 0.02 and first > 10 * typical, (first, others)
+    # A handshake is a side-channel round trip and NIXL's set-up: milliseconds at least
+    # (19.8 ms on an idle box in CI run 18, up to 1.2 s on a loaded one), against ~15 us
+    # for a set-up over a known connection. The floor only keeps a near-zero median from
+    # making "many times" trivial; the ratio is the claim.
+    assert first > 0.005 and first > 10 * typical, (first, others)
 
 
 def test_first_hand_off_after_a_decode_restart_waits_for_a_new_connection(demo):
