@@ -2,8 +2,10 @@
 (``routing_key: attributes`` on ``kvobs.shard``), emulated: the Collector is a Go binary
 that cannot be installed here (only the package registries are reachable), so each
 OTLP export request is split by the key the exporter would route each span on, the
-span's ``kvobs.shard`` (its trace id where it has none: the exporter's fallback), and
-each part goes to the classifier that key hashes to. Everything else is real: the
+span's ``kvobs.shard``, or its trace id where it has none (the exporter itself sends
+every trace whose first span lacks the attribute to one backend: the Kubernetes gateway,
+components/sharded-classifiers, routes those spans by trace id in a pipeline of their
+own), and each part goes to the classifier that key hashes to. Everything else is real: the
 spans the real engines and proxy wrote, and ``kvobs.live.classifier.Classifier``."""
 
 from __future__ import annotations
