@@ -253,10 +253,20 @@ def _engine_api(turn, seconds, context):
 
 
 def _proxy_overhead(turn, seconds, context):
+    evidence = _phases(turn, P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT)
+    if _get(turn, "turn_span_id") is None and _get(turn, "turn_start_ns") is None:
+        # No kvobs proxy in front: the only such phase measured is the hop between the
+        # engines' front doors (kvobs.emit.engine_http), which is another router's.
+        return (
+            f"The router between P and D took {_ms(seconds)} from P's answer leaving P to "
+            "D receiving the request: check the router's CPU and its connections to the "
+            "engines (its own metrics).",
+            evidence,
+        )
     return (
         f"The proxy's own work (lookup, store, relaying) took {_ms(seconds)}: check its "
         "CPU and its metadata store (kvobs_proxy_phase_seconds).",
-        _phases(turn, P.PROXY_IN, P.PROXY_HOP, P.PROXY_OUT),
+        evidence,
     )
 
 

@@ -29,6 +29,9 @@ class Service(str, enum.Enum):
     PROXY = "kvobs-proxy"
     PREFILL = "kvobs-prefill"
     DECODE = "kvobs-decode"
+    # An engine's API server (``kvobs.emit.engine_http``), which cannot tell whether it
+    # serves P or D: its spans get the role of the request they time (correlate).
+    ENGINE = "kvobs-engine"
 
     @property
     def role(self) -> str:
@@ -639,6 +642,23 @@ SPAN_VLLM_DECODE = SpanName(
     "vllm.decode.llm_request",
     Service.DECODE,
     "vLLM's own request span on D (role assigned by kvobs).",
+)
+# An engine's HTTP front door (``kvobs.emit.engine_http``, vLLM's ``--middleware``): from
+# the request's headers arriving to the last byte of its answer sent. One name on every
+# engine; kvobs tells P's from D's by the request it times (kvobs/turns/correlate.py,
+# ``engine_http_roles``) and reads them under these role names. Behind a router that is
+# not kvobs's, they bound the turn where the engines' request spans cannot: P's front
+# door (HTTP, tokenization) and D's answer leaving its API server.
+ENGINE_HTTP_SPAN = "kvobs.engine.http"
+SPAN_PREFILL_HTTP = _span(
+    "kvobs.prefill.http",
+    Service.PREFILL,
+    "P's API server: request received -> answer sent (role assigned by kvobs).",
+)
+SPAN_DECODE_HTTP = _span(
+    "kvobs.decode.http",
+    Service.DECODE,
+    "D's API server: request received -> last byte of the answer sent (role assigned by kvobs).",
 )
 SPAN_EXPORT = _span("kvobs.decode.export", Service.DECODE, "D retained blocks and exported params.")
 SPAN_RELEASE = _span("kvobs.decode.release", Service.DECODE, "D released retained blocks.")

@@ -115,6 +115,18 @@ def _or_vllm(column: str, role: str, ttft: bool = False) -> Reader:
     return _sourced(f"{column}, else {vllm}", read)
 
 
+def _or_http(column: str, http_ns: str) -> Reader:
+    """A proxy mark, else the same instant at the engine's HTTP front door
+    (``kvobs.emit.engine_http``): behind another router, where the request reached the
+    engine or its answer left it."""
+
+    def read(c: _C) -> np.ndarray:
+        own = c.num(column)
+        return np.where(np.isnan(own), c.num(http_ns) / 1e9, own)
+
+    return _sourced(f"{column}, else {http_ns}", read)
+
+
 def _requested(prefix: str) -> Reader:
     """When the worker was asked for a read: its start less its set-up (one span)."""
     return _sourced(
@@ -139,17 +151,21 @@ _FIRST_TOKEN_AT = _sourced(
 
 
 def _d_answered(c: _C) -> np.ndarray:
-    """D's whole answer at the proxy; without a proxy in front (another router), D's last
-    token: its request span's end, else vLLM's arrival plus its end-to-end time."""
+    """D's whole answer at the proxy; without a proxy in front (another router), its last
+    byte leaving D's API server, else D's last token: its request span's end, else
+    vLLM's arrival plus its end-to-end time."""
     engine = c.num("d_finished_ns") / 1e9
     vllm = c.num("vllm_d_start_ns") / 1e9 + c.num("vllm_d_e2e_s")
     engine = np.where(np.isnan(engine), vllm, engine)
+    http = c.num("d_http_end_ns") / 1e9
+    engine = np.where(np.isnan(http), engine, http)
     proxy = c.num("d_answered_at")
     return np.where(np.isnan(proxy), engine, proxy)
 
 
 _D_ANSWERED_AT = _sourced(
-    "d_answered_at, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s", _d_answered
+    "d_answered_at, else d_http_end_ns, else d_finished_ns, else vllm_d_start_ns + vllm_d_e2e_s",
+    _d_answered,
 )
 
 
@@ -191,7 +207,7 @@ def _handoff_applies(c: _C) -> np.ndarray:
 
 MARKS: tuple[Mark, ...] = (
     Mark("turn-start", _ns("turn_start_ns"), sc.SPAN_PROXY_TURN),
-    Mark("p-sent", _col("p_sent_at"), sc.SPAN_PROXY_TURN),
+    Mark("p-sent", _or_http("p_sent_at", "p_http_start_ns"), sc.SPAN_PROXY_TURN),
     Mark("p-retry-sent", _col("p_retry_sent_at"), sc.SPAN_PROXY_TURN, _retried),
     Mark("p-arrived", _or_vllm("p_arrived_at", "p"), sc.SPAN_PREFILL_REQUEST),
     Mark("p-scheduled", _col("p_scheduled_at"), sc.SPAN_PREFILL_REQUEST),
@@ -200,8 +216,8 @@ MARKS: tuple[Mark, ...] = (
     Mark("read-start", _ns("read_start_ns"), sc.SPAN_READ, _read_applies),
     Mark("p-kv-ready", _col("p_kv_ready_at"), sc.SPAN_PREFILL_REQUEST, _read_done),
     Mark("p-first-token", _or_vllm("p_first_token_at", "p", True), sc.SPAN_PREFILL_REQUEST),
-    Mark("p-answered", _col("p_answered_at"), sc.SPAN_PROXY_TURN),
-    Mark("d-sent", _col("d_sent_at"), sc.SPAN_PROXY_TURN),
+    Mark("p-answered", _or_http("p_answered_at", "p_http_end_ns"), sc.SPAN_PROXY_TURN),
+    Mark("d-sent", _or_http("d_sent_at", "d_http_start_ns"), sc.SPAN_PROXY_TURN),
     Mark("d-arrived", _or_vllm("d_arrived_at", "d"), sc.SPAN_DECODE_REQUEST),
     Mark("d-scheduled", _col("d_scheduled_at"), sc.SPAN_DECODE_REQUEST),
     Mark("handoff-requested", _requested("handoff"), sc.SPAN_HANDOFF, _handoff_applies),
@@ -342,9 +358,13 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     for pending_phase in pending:  # after the last known mark
         out.unmeasured[pending_phase] = "; ".join(gaps)
     if status[0] == MISSING:
-        out.unmeasured["latency"] = (
-            "no kvobs.proxy.turn span: latency runs from the first engine mark (P's "
-            "arrival) to D's last token; the client-facing edges (the router's before "
+        http = status[1] == KNOWN  # P's HTTP front door, kvobs.emit.engine_http
+        out.unmeasured["latency"] = "no kvobs.proxy.turn span: latency runs from " + (
+            "P's API server receiving the request to D's sending its last byte; the "
+            "client-facing edges (the router's before P and after D) are unseen"
+            if http
+            else "the first engine mark (P's arrival) to D's last token; the "
+            "client-facing edges (the router's and the engines' HTTP servers' before "
             "P's arrival and after D's last token) are unseen"
         )
     return out

@@ -47,6 +47,9 @@ class TurnSpec:
     stream: bool = False
     output_tokens: int = 16
     omit: tuple[str, ...] = ()  # span names of the timeline not to emit
+    # The engines' HTTP front doors (kvobs.emit.engine_http) timed: P's from p-sent to
+    # p-answered, D's from d-sent to d-answered, each naming its request by vLLM's id.
+    http: bool = False
 
 
 def marks_of(spec: TurnSpec, begin_ns: int) -> dict[str, int]:
@@ -82,6 +85,12 @@ def _emit_timeline(tracers, corr, spec: TurnSpec, index: int, cid: str, m: dict[
             sc.REQUEST_FIRST_TOKEN_AT.key: s["first-token"],
             sc.PROMPT_TOKENS.key: spec.n, sc.OUTPUT_TOKENS.key: spec.output_tokens,
             sc.REQUEST_ID.key: f"d-{cid}-{index}"}, m["d-arrived"], m["d-answered"])
+    if spec.http:
+        engine = tracers[sc.Service.ENGINE]
+        for role, start, end in (("p", "p-sent", "p-answered"), ("d", "d-sent", "d-answered")):
+            span = engine.start_span(sc.ENGINE_HTTP_SPAN, start_time=m[start], attributes={
+                sc.VLLM_REQUEST_ID.key: f"{role}-{cid}-{index}"})
+            span.end(end_time=m[end])
     if sc.SPAN_HANDOFF.name not in spec.omit:
         emit(decode, sc.SPAN_HANDOFF, corr, {
             sc.READ_DIRECTION.key: "p_to_d", sc.READ_OUTCOME.key: "done",

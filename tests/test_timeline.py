@@ -159,6 +159,18 @@ def test_queueing_remedies_name_the_signal_that_holds_the_time():
         assert "not vllm:request_queue_time_seconds" in remedy
 
 
+def test_the_hop_between_the_engines_is_blamed_on_the_proxy_only_when_one_was_there():
+    """Behind another router the hop between the engines' front doors is that router's:
+    its remedy names the router, not kvobs proxy's lookup and store."""
+    from kvobs import causes, semconv as sc
+
+    explain = causes.EXPLAIN[sc.LatencyCause.PROXY_OVERHEAD]
+    routed, _ = explain({}, 0.2, causes.CauseContext())
+    assert routed.startswith("The router between P and D took 200") and "proxy" not in routed
+    proxied, _ = explain({"turn_start_ns": 1}, 0.2, causes.CauseContext())
+    assert "kvobs_proxy_phase_seconds" in proxied
+
+
 def test_without_a_proxy_the_engines_bound_the_turn_and_the_router_share_is_named(tmp_path):
     """Behind another router (no proxy span at all): the turn runs from P's arrival to
     D's last token (its request span's end), decode is measured, and the gap between
@@ -177,6 +189,29 @@ def test_without_a_proxy_the_engines_bound_the_turn_and_the_router_share_is_name
         FULL["p-return"] + FULL["proxy-hop"] + FULL["d-frontend"], abs=2e-6)
     assert "the router's time" in timeline.unmeasured["proxy-hop"]
     assert "client-facing edges" in timeline.unmeasured["latency"]
+
+
+def test_behind_a_router_the_engines_http_front_doors_bound_the_turn(tmp_path):
+    """With the engines' HTTP spans (kvobs.emit.engine_http) and no proxy: the turn runs
+    from P's API server receiving the request to D's sending its last byte; P's front
+    door, P's answer leaving, the router's hop and D's front door are phases of their
+    own; only the router's edges before P and after D are unseen."""
+    spec = TurnSpec(lookup=None, proxy=False, read="done", phases=FULL, stream=False,
+                    http=True)
+    first = TurnSpec(lookup=None, proxy=False, phases={"p-compute": 0.1},
+                     decision="no-params", http=True)
+    # Over every span: behind a router the HTTP spans are in no trace of the turn's (the
+    # spans of a conversation's traces are what a source selects for one conversation).
+    turns = all_turns(_source(tmp_path, [first, spec]))
+    timeline = next(t for t in turns if t.turn.get("turn") == 2).timeline
+    inside = {k: v for k, v in FULL.items() if k not in ("proxy-in", "proxy-out")}
+    assert timeline.latency_s == pytest.approx(sum(inside.values()), abs=2e-6)
+    assert set(timeline.phases) == set(inside)
+    for phase, seconds in inside.items():
+        assert timeline.phases[phase] == pytest.approx(seconds, abs=2e-6), phase
+    assert set(timeline.unmeasured) == {"proxy-in", "proxy-out", "latency"}
+    assert "the router's time" in timeline.unmeasured["proxy-in"]
+    assert "P's API server receiving the request" in timeline.unmeasured["latency"]
 
 
 DEMO_SPANS = os.path.join(os.path.dirname(__file__), "data",

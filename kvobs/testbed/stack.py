@@ -31,6 +31,7 @@ from kvobs.testbed.services import (
 
 CONNECTOR_CLASS = "KvobsNixlConnector"
 CONNECTOR_MODULE = "connector_instrumented"
+ENGINE_HTTP_ARGS = ["--middleware", "kvobs.emit.engine_http.EngineHttpTiming"]
 # Small enough to start in seconds, big enough that recomputing a few hundred tokens
 # clearly costs more than reading their KV over NIXL: with a smaller model the two are
 # within noise of each other and "remote-hit" vs "slow-transfer" becomes a coin toss.
@@ -170,7 +171,8 @@ class Stack:
             decode_host_copy_bytes=s.decode_host_copy_bytes,
             decode_host_copy_first=s.decode_host_copy_first,
             decode_kv_cache_bytes=s.decode_kv_cache_bytes or None,
-            extra_args=tracing_args,
+            # The engines' HTTP front doors timed (behind a router, the turn's bounds).
+            extra_args=tracing_args + (ENGINE_HTTP_ARGS if self.instrumented else []),
             prefill_args=[] if s.prefill_prefix_caching else ["--no-enable-prefix-caching"],
             prefill_env={
                 **telemetry,

@@ -65,6 +65,7 @@ __all__ = [
     "derive",
     "span_columns",
     "vllm_roles",
+    "engine_http_roles",
     "needs_lineage",
     "nearest_tagged",
     "inherited_rows",
@@ -130,6 +131,116 @@ def vllm_roles(spans: Spans) -> Spans:
     return spans.assign(name=renamed.to_pylist()).astype({"name": spans["name"].dtype})
 
 
+# What an engine HTTP span takes from the request span it times, when it has none: the
+# keys lineage and aggregation place spans by.
+_TAKEN_FROM_REQUEST = (
+    sc.REQUEST_ID.key,
+    sc.REMOTE_REQUEST_ID.key,
+    _TENANT,
+    _CID,
+    _TURN,
+    sc.SHARD.key,
+)
+# vLLM's internal request id is its external one, "-" and 8 random characters
+# (vllm/v1/engine/input_processor.py, assign_request_id).
+_INTERNAL_SUFFIX = 9
+# The API server's clock is the engine's (one host); a margin for rounding only.
+_CONTAINS_S = 0.001
+
+
+def engine_http_roles(spans: pa.Table) -> pa.Table:
+    """Engine HTTP spans (``semconv.ENGINE_HTTP_SPAN``) renamed by the role of the request
+    they time, with its request id and keys. A span times the engine request whose
+    external id is its ``gen_ai.request.id`` and whose arrival lies inside it; a span with
+    no such request, or several, is left as it was (read by nothing): never guessed."""
+    name = arrays.text(spans, "name")
+    http = np.flatnonzero(arrays.booleans(arrays.equal(name, sc.ENGINE_HTTP_SPAN)))
+    if not len(http):
+        return spans
+    requests = np.flatnonzero(
+        arrays.booleans(arrays.equal(name, sc.SPAN_PREFILL_REQUEST.name))
+        | arrays.booleans(arrays.equal(name, sc.SPAN_DECODE_REQUEST.name))
+    )
+    match = _timed_requests(spans, http, requests)
+    found = match >= 0
+    if not found.any():
+        return spans
+    position = np.full(spans.num_rows, -1, np.int64)  # in ``requests``
+    position[http[found]] = match[found]
+    unmatched = position < 0
+    taken = arrays.array(requests[position], pa.int64(), mask=unmatched)
+    prefill = arrays.equal(
+        name.take(arrays.array(requests, pa.int64())), sc.SPAN_PREFILL_REQUEST.name
+    )
+    role_names = pc.if_else(
+        prefill, _text(sc.SPAN_PREFILL_HTTP.name), _text(sc.SPAN_DECODE_HTTP.name)
+    )
+    renamed = pc.coalesce(role_names.take(arrays.array(position, pa.int64(), mask=unmatched)), name)
+    spans = spans.set_column(arrays.column_index(spans, "name"), "name", renamed)
+    for column in _TAKEN_FROM_REQUEST:
+        if arrays.has_column(spans, column):
+            values = spans.column(column)
+            spans = spans.set_column(
+                arrays.column_index(spans, column), column, pc.coalesce(values, values.take(taken))
+            )
+    return spans
+
+
+def _timed_requests(spans: pa.Table, http: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """Per HTTP span (rows ``http``), the position in ``requests`` of the one request it
+    times, else -1. A request is timed by the span of its id that started last before it
+    arrived and had not ended: a router may send P and D one X-Request-Id, and D's
+    request may arrive before P's answer has left (vllm-router reads it as it comes). A
+    span two requests choose (an id a client reused) times neither."""
+    http_ids = arrays.text(spans, sc.VLLM_REQUEST_ID.key).take(arrays.array(http, pa.int64()))
+    request_ids = _external_ids(
+        arrays.text(spans, sc.REQUEST_ID.key).take(arrays.array(requests, pa.int64()))
+    )
+    codes, _ = arrays.codes(pa.chunked_array([*http_ids.chunks, *request_ids.chunks], pa.string()))
+    span_code, request_code = codes[: len(http)], codes[len(http) :]
+    span_code[~arrays.booleans(pc.is_valid(http_ids))] = -1
+    request_code[~arrays.booleans(pc.is_valid(request_ids))] = -2
+    start = arrays.numbers(spans.column("start_ns"), fill=-1)[http] / 1e9 - _CONTAINS_S
+    end = arrays.numbers(_column(spans, "end_ns", pa.int64()))[http] / 1e9 + _CONTAINS_S
+    end = np.where(np.isnan(end), np.inf, end)
+    arrived = arrays.numbers(_column(spans, sc.REQUEST_ARRIVED_AT.key, pa.float64()))[requests]
+    # Spans by id, then start: each request looks through its id's spans only.
+    order = np.lexsort((start, span_code))
+    lo = np.searchsorted(span_code[order], request_code, "left")
+    hi = np.searchsorted(span_code[order], request_code, "right")
+    chosen = np.full(len(requests), -1, np.int64)  # per request, its span (in ``http``)
+    for k in range(int((hi - lo).max(initial=0))):
+        span = order[np.minimum(lo + k, len(order) - 1)]
+        holds = (lo + k < hi) & (start[span] <= arrived) & (arrived <= end[span])
+        chosen = np.where(holds, span, chosen)  # later starts come later in ``order``
+    choosers = np.bincount(chosen[chosen >= 0], minlength=len(http))
+    match = np.full(len(http), -1, np.int64)
+    taken = (chosen >= 0) & (choosers[np.maximum(chosen, 0)] == 1)
+    match[chosen[taken]] = np.flatnonzero(taken)
+    return match
+
+
+def _external_ids(internal: pa.ChunkedArray) -> pa.ChunkedArray:
+    """vLLM's request ids as its API server named them (its HTTP span's
+    ``gen_ai.request.id``): the internal id less its random suffix and, for
+    /v1/completions, less the prompt's index (``cmpl-ID-0``: one engine request per
+    prompt; vllm/entrypoints/openai/completion/serving.py)."""
+    cut = pc.utf8_slice_codeunits(internal, 0, -_INTERNAL_SUFFIX)
+    suffixed = pc.fill_null(
+        pc.equal(
+            pc.utf8_slice_codeunits(internal, -_INTERNAL_SUFFIX, 1 - _INTERNAL_SUFFIX),
+            arrays.scalar("-", pa.string()),
+        ),
+        arrays.FALSE,
+    )
+    external = pc.if_else(suffixed, cut, internal)
+    completion = pc.fill_null(pc.starts_with(external, _COMPLETION_PREFIX), arrays.FALSE)
+    return pc.if_else(completion, pc.replace_substring_regex(external, r"-[0-9]+$", ""), external)
+
+
+_COMPLETION_PREFIX = sc.VLLM_REQUEST_ID_PREFIX["/v1/completions"]
+
+
 def needs_lineage(spans: pa.Table, facts: bool = False) -> bool:
     """Whether ``kvobs.turns.lineage.link`` has work: some P request carries a chain and no id
     a client sent (fleet builders link only then), or, with ``facts`` (diagnose: the
@@ -172,21 +283,30 @@ def turn_rows(
     facts of the export they extend (diagnose: one conversation; the fleet skips that
     cost)."""
     needed = sorted({*span_columns(columns), *_TREE})
-    table = vllm_roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
+    table = _roles(_arrow(spans, {*needed, *_ROLE_AND_CHAIN}))
     if needs_lineage(table, lineage_facts):
-        table = lineage.link(vllm_roles(_arrow(spans)))
+        table = lineage.link(_roles(_arrow(spans)))
     present = set(table.column_names)  # a list built anew at each read of the property
     return aggregate(table.select([c for c in needed if c in present]), columns)
 
 
+def _roles(spans: pa.Table) -> pa.Table:
+    """Role-less spans (vLLM's own, the engines' HTTP ones) named by role."""
+    return engine_http_roles(vllm_roles(spans))
+
+
 # What ``_inherit_keys`` reads of the span tree, when a source has it.
 _TREE = ("trace_id", "span_id", "parent_span_id")
-# What ``vllm_roles`` and ``needs_lineage`` read.
+# What ``vllm_roles``, ``engine_http_roles`` and ``needs_lineage`` read.
 _ROLE_AND_CHAIN = (
     "name",
     "service",
     sc.ROLE.key,
     "start_ns",
+    "end_ns",
+    sc.VLLM_REQUEST_ID.key,
+    *_TAKEN_FROM_REQUEST,
+    sc.REQUEST_ARRIVED_AT.key,
     "trace_id",
     "parent_span_id",
     sc.PREFIX_LINEAGE.key,

@@ -66,10 +66,18 @@ _P_ROLE_SPANS = {
         sc.SPAN_RECOMPUTE,
         sc.SPAN_STUCK,
         sc.SPAN_PREFILL_REQUEST,
+        sc.SPAN_PREFILL_HTTP,
     )
 }
 _D_ROLE_SPANS = {
-    span.name for span in (sc.SPAN_EXPORT, sc.SPAN_RELEASE, sc.SPAN_DECODE_REQUEST, sc.SPAN_HANDOFF)
+    span.name
+    for span in (
+        sc.SPAN_EXPORT,
+        sc.SPAN_RELEASE,
+        sc.SPAN_DECODE_REQUEST,
+        sc.SPAN_HANDOFF,
+        sc.SPAN_DECODE_HTTP,
+    )
 }
 _LAST = np.iinfo(np.int64).max  # a row without start sorts after every other
 

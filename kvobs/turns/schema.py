@@ -176,6 +176,12 @@ _SPAN_COLUMNS = [
     _col("d_kv_ready_at", sc.SPAN_DECODE_REQUEST, sc.REQUEST_KV_READY_AT, fleet=_F),
     _col("d_first_token_at", sc.SPAN_DECODE_REQUEST, sc.REQUEST_FIRST_TOKEN_AT, fleet=_F),
     _col("d_finished_ns", sc.SPAN_DECODE_REQUEST, "end_ns", fleet=_F),
+    # The engines' HTTP front doors (kvobs.emit.engine_http): the turn's bounds behind a
+    # router that is not kvobs's.
+    _col("p_http_start_ns", sc.SPAN_PREFILL_HTTP, "start_ns", fleet=_F),
+    _col("p_http_end_ns", sc.SPAN_PREFILL_HTTP, "end_ns", fleet=_F),
+    _col("d_http_start_ns", sc.SPAN_DECODE_HTTP, "start_ns", fleet=_F),
+    _col("d_http_end_ns", sc.SPAN_DECODE_HTTP, "end_ns", fleet=_F),
     _col("output_tokens", sc.SPAN_DECODE_REQUEST, sc.OUTPUT_TOKENS, fleet=_F, public=True),
     _col("handoff_span_id", sc.SPAN_HANDOFF, "span_id", fleet=_P),
     _col("handoff_start_ns", sc.SPAN_HANDOFF, "start_ns", fleet=_F),
