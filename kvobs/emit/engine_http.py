@@ -48,9 +48,12 @@ _MAX_ID = 256
 # The turn's shard (semconv.SHARD), which the connector puts in P's kv_transfer_params as
 # semconv.KTP_SHARD: in P's answer, and in D's request where the router passes P's params
 # on. Found by a byte scan, never by parsing a body; tenant digest and hex only.
-_SHARD = re.compile(rb'"' + sc.KTP_SHARD.encode() + rb'"\s*:\s*"([0-9A-Za-z/]{1,80})"')
+_SHARD_KEY = b'"' + sc.KTP_SHARD.encode() + b'"'
+_SHARD = re.compile(re.escape(_SHARD_KEY) + rb'\s*:\s*"([0-9A-Za-z/]{1,80})"')
 # Kept of a chunk for the next, so that a key split between two chunks is still found.
 _OVERLAP = 128
+# How much of a request body's head and tail is looked through (see ``scan_request``).
+_WINDOW = 16384
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -127,7 +130,7 @@ class _Timing:
 
     __slots__ = (
         "started_ns", "vllm_id", "route", "parent", "status", "sent_ns", "failed", "shard",
-        "_tail",
+        "_tail", "_read",
     )  # fmt: skip
 
     def __init__(self, started_ns: int, vllm_id: str, route: str, parent):
@@ -140,22 +143,44 @@ class _Timing:
         self.failed = False
         self.shard: str | None = None
         self._tail = b""
+        self._read = 0
 
     def scan(self, body: bytes) -> None:
-        """Look for the turn's shard in a body chunk (and the end of the one before)."""
+        """Look for the turn's shard in an answer's chunk (and across its seam with the
+        one before)."""
+        if self.shard is None and body:
+            self._look(self._tail + body)
+            self._tail = body[-_OVERLAP:]
+
+    def scan_request(self, body: bytes, last: bool) -> None:
+        """Look for the turn's shard at the head and the tail of a request's body only:
+        a prompt can be megabytes (``bytes.find`` costs ~0.4 us a KiB on the testbed's
+        CPU), and the params are not inside it (vllm-router writes its keys sorted, so
+        ``kv_transfer_params`` precedes ``messages`` and ``prompt``; a client or proxy
+        that adds them, after)."""
         if self.shard is not None or not body:
             return
-        found = _SHARD.search(self._tail + body)
+        if self._read < _WINDOW:
+            self._look(self._tail + body[: _WINDOW - self._read])
+        if last and self.shard is None and self._read + len(body) > _WINDOW:
+            self._look(self._tail + body[-_WINDOW:])
+        self._read += len(body)
+        self._tail = body[-_OVERLAP:]
+
+    def _look(self, text: bytes) -> None:
+        at = text.find(_SHARD_KEY)
+        found = _SHARD.match(text, at) if at >= 0 else None
         if found:
             self.shard = found.group(1).decode("ascii")
-        self._tail = body[-_OVERLAP:]
 
     def wrap_receive(self, receive: Receive) -> Receive:
         async def scanned() -> dict:
             message = await receive()
             try:
                 if message.get("type") == "http.request":
-                    self.scan(message.get("body") or b"")
+                    self.scan_request(
+                        message.get("body") or b"", not message.get("more_body", False)
+                    )
             except Exception:  # noqa: BLE001 - telemetry never breaks serving
                 pass
             return message

@@ -134,6 +134,14 @@ def test_the_turn_s_shard_is_found_in_p_s_answer_or_d_s_request():
                  b'ard":"00ab12cd34ef5678","remote_block_ids":[1]}}')
     spans, _ = _serve(_App(), path="/v1/completions", body=d_request)
     assert spans[0].attributes[sc.SHARD.key] == "00ab12cd34ef5678"
+    # a long prompt is looked through at its head and tail only (the params are not
+    # inside it): after it, in the last of many chunks, is found; inside it is not
+    prompt = b"y" * (64 * 1024)
+    tail = b'"kvobs_shard":"0011223344556677"}}'
+    spans, _ = _serve(_App(), body=(b'{"prompt":"', prompt, prompt, b'",' + tail))
+    assert spans[0].attributes[sc.SHARD.key] == "0011223344556677"
+    spans, _ = _serve(_App(), body=(b'{"prompt":"' + prompt + tail + prompt + b'"}',))
+    assert sc.SHARD.key not in spans[0].attributes
     # a value of other characters is not taken
     spans, _ = _serve(_App(), body=(b'{"kvobs_shard":"a b"}',))
     assert sc.SHARD.key not in spans[0].attributes
