@@ -350,9 +350,7 @@ class Recorded:
         self.decision, self.outcome, self.pulled = decision[rows], outcome[rows], pulled[rows]
         modes = self.modes
         self.ttl = _recorded(col.num(turns, "prev_ttl_s"), None, modes.get("prev_ttl_s"))[rows]
-        self.threshold = _recorded(col.num(turns, "threshold"), None, modes.get("threshold"))[
-            rows
-        ]
+        self.threshold = _recorded(col.num(turns, "threshold"), None, modes.get("threshold"))[rows]
         age = col.num(turns, "entry_age_s")[rows]
         self.age = np.where(np.isnan(age), self.gap, age)
         self.local = np.nan_to_num(col.num(turns, "local_hit_tokens")[rows])

@@ -72,6 +72,16 @@ NEEDED = list(dict.fromkeys((*_MEASURES, *REPLAY_FACTS)))
 _SCAN = list(dict.fromkeys((*MODE_COLUMNS, *READ_COLUMNS[1:], "read_outcome")))
 
 
+PLACEMENT_UNAVAILABLE = (
+    "the placement replay reads the host tier's copies (saves, evictions, sizes) "
+    "that turn rows do not store; read the spans for --placement"
+)
+
+
+class NoTurns(ValueError):
+    """The turn rows hold no turn (at its latest version)."""
+
+
 def frame(batch: pa.RecordBatch, measures: list[str]) -> pd.DataFrame:
     """A batch as the span path's labelled table, the columns ``measures`` of it."""
     plain = pa.Table.from_batches([batch]).drop_columns([MEASURES_COLUMN]).to_pandas()
@@ -213,11 +223,11 @@ def read_fleet(rows: TurnRows, seed: int = 0) -> Fleet:
                 sums = found
             else:
                 sums.merge(found)
+    if not turns:
+        raise NoTurns("no turns")
     modes = {column: most_common(counts) for column, counts in counted.items()}
     model = fitted(sums) if sums is not None else None
-    return Fleet(
-        rows, versions, turns, later, rate, modes, counted, model, reservoir, cost.exact
-    )
+    return Fleet(rows, versions, turns, later, rate, modes, counted, model, reservoir, cost.exact)
 
 
 def tune_rows(
@@ -235,9 +245,7 @@ def tune_rows(
     for part in fleet.partitions():
         recorded = Recorded(part, fleet.modes)
         for ttl, lifetime in wanted:
-            found = replay_counts(
-                recorded, ttl, settled.threshold, lifetime, fleet.model, context
-            )
+            found = replay_counts(recorded, ttl, settled.threshold, lifetime, fleet.model, context)
             totals[(ttl, lifetime)] = [a + b for a, b in zip(totals[(ttl, lifetime)], found)]
 
     def replayed(ttl: float, lifetime: float | None) -> dict[str, float]:
@@ -286,4 +294,14 @@ def whatif_rows(
     )
 
 
-__all__ = ["Fleet", "NEEDED", "PARTITION_ROWS", "frame", "read_fleet", "tune_rows", "whatif_rows"]
+__all__ = [
+    "Fleet",
+    "NoTurns",
+    "PLACEMENT_UNAVAILABLE",
+    "NEEDED",
+    "PARTITION_ROWS",
+    "frame",
+    "read_fleet",
+    "tune_rows",
+    "whatif_rows",
+]
