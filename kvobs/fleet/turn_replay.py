@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from ddsketch import DDSketch
 
 from kvobs.fleet.confidence import MAX_RESAMPLED_READS, READ_COLUMNS, Confidence, trust
 from kvobs.fleet.replay import (
@@ -121,7 +122,7 @@ class _CostCut:
 
     values: list[np.ndarray] = field(default_factory=list)
     held: int = 0
-    sketch: object = None
+    sketch: DDSketch | None = None
 
     def add(self, per_token: np.ndarray) -> None:
         if self.sketch is None and self.held + len(per_token) <= EXACT_CUT_READS:
@@ -141,7 +142,8 @@ class _CostCut:
 
     def cut(self) -> float:
         if self.sketch is not None:
-            return float(quantile(self.sketch, READ_COST_CUT))
+            found = quantile(self.sketch, READ_COST_CUT)
+            return math.nan if found is None else float(found)
         values = np.concatenate(self.values) if self.values else np.empty(0)
         return float(np.quantile(values, READ_COST_CUT)) if len(values) else math.nan
 

@@ -244,9 +244,10 @@ def _layout(size: int) -> np.dtype | None:
     wrote (its measures first, the ones added since after them); None for any other
     size."""
     fields, offset = [], 0
-    for name in MEASURE_DTYPE.names:
-        fields.append((name, MEASURE_DTYPE.fields[name][0]))
-        offset += MEASURE_DTYPE.fields[name][0].itemsize
+    for name in KINDS:
+        kind = MEASURE_DTYPE[name]
+        fields.append((name, kind))
+        offset += kind.itemsize
         if offset == size:
             return np.dtype(fields)
     return None
@@ -281,8 +282,8 @@ def unpack(
             rows = lengths == size
             present = pc.filter(column, pa.array(rows)).to_pylist()
             older = np.frombuffer(b"".join(present), layout, len(present))
-            for name in layout.names:
-                if name in wanted:
+            for name in wanted:
+                if name in (layout.names or ()):
                     records[name][rows] = older[name]
     out: dict[str, np.ndarray] = {}
     for name in wanted:
