@@ -376,15 +376,23 @@ def _phase_table(section, title):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def tune_command(source, prefill_rate, target, as_json):
     """Recommend kv_recompute_threshold, decoder_kv_blocks_ttl and the proxy entry
-    lifetime from measured reads, prefill rate and gaps; shows the arithmetic."""
-    from kvobs.fleet import label_turns, tune
+    lifetime from measured reads, prefill rate and gaps; shows the arithmetic. A source
+    of classified turn rows is replayed from them, in batches (docs/fleet.md)."""
+    from kvobs.fleet.confidence import interval_text
 
-    from kvobs.fleet.confidence import confidence, interval_text
+    stored = _turn_rows(source, prefill_rate)
+    if stored is not None:
+        from kvobs.fleet.turn_replay import tune_rows
 
-    _, turns = _labelled(source, None, prefill_rate)
-    labelled, _ = label_turns(turns, prefill_rate)
-    result = tune(labelled, target, prefill_rate)
-    trust = confidence(labelled, result)
+        result, trust, _ = _from_rows(source, lambda: tune_rows(stored, target))
+    else:
+        from kvobs.fleet import label_turns, tune
+        from kvobs.fleet.confidence import confidence
+
+        _, turns = _labelled(source, None, prefill_rate)
+        labelled, _ = label_turns(turns, prefill_rate)
+        result = tune(labelled, target, prefill_rate)
+        trust = confidence(labelled, result)
     if as_json:
         click.echo(to_json({**result.to_dict(), "confidence": trust.to_dict()}))
         sys.exit(EXIT_OK)
@@ -397,7 +405,16 @@ def tune_command(source, prefill_rate, target, as_json):
     out.print(
         f"sample: {trust.reads:,} reads (read-cost fit), {trust.later_turns:,} later "
         f"turns (TTL replay)"
-        + (f"; break-even {interval_text(interval)} (bootstrap over reads)" if interval else "")
+        + (
+            f"; break-even {interval_text(interval)} (bootstrap over "
+            + (
+                f"a sample of {trust.bootstrap_reads:,} of {trust.bootstrap_of:,} reads)"
+                if trust.bootstrap_reads < trust.bootstrap_of
+                else "reads)"
+            )
+            if interval
+            else ""
+        )
         + f"; confidence [bold]{trust.level}[/]",
         highlight=False,
     )
@@ -468,17 +485,25 @@ def whatif_command(
     """Replay recorded turns under another TTL and threshold: predicted verdict mix, hits
     and memory against what happened. With --placement: the same turns had their KV
     been kept on D, in the host tier, or both."""
-    from kvobs.fleet import label_turns, whatif
-
     if not placement:
         for name, value in (("--ttl", ttl), ("--threshold", threshold)):
             if value is None:
                 raise click.UsageError(f"Missing option '{name}' (or give --placement).")
-    _, turns = _labelled(source, None, prefill_rate)
-    labelled, _ = label_turns(turns, prefill_rate)
-    if placement:
-        _placement(labelled, min_cached_token_delta, ttl, threshold, prefill_rate, as_json)
-    result = whatif(labelled, ttl, threshold, proxy_lifetime, prefill_rate)
+    stored = _turn_rows(source, prefill_rate)
+    if stored is not None:
+        from kvobs.fleet.turn_replay import PLACEMENT_UNAVAILABLE, whatif_rows
+
+        if placement:
+            fail_input(f"--placement on the turn rows of {source}: {PLACEMENT_UNAVAILABLE}")
+        result = _from_rows(source, lambda: whatif_rows(stored, ttl, threshold, proxy_lifetime))
+    else:
+        from kvobs.fleet import label_turns, whatif
+
+        _, turns = _labelled(source, None, prefill_rate)
+        labelled, _ = label_turns(turns, prefill_rate)
+        if placement:
+            _placement(labelled, min_cached_token_delta, ttl, threshold, prefill_rate, as_json)
+        result = whatif(labelled, ttl, threshold, proxy_lifetime, prefill_rate)
     if as_json:
         click.echo(to_json(result.to_dict()))
         sys.exit(EXIT_OK)
@@ -512,6 +537,36 @@ def whatif_command(
     out.print(table)
     out.print(f"{result.changed_turns:,} turns change verdict")
     sys.exit(EXIT_OK)
+
+
+def _turn_rows(source: str, prefill_rate):
+    """The classified turn rows ``source`` holds (``stored_turn_rows``), else None: then
+    it is read as spans. ``--prefill-rate`` re-classifies, which turn rows cannot."""
+    from kvobs.live.turn_rows import stored_turn_rows
+
+    stored = stored_turn_rows(source)
+    if stored is not None and prefill_rate is not None:
+        fail_input(
+            "--prefill-rate re-classifies turns; the turn rows in "
+            f"{source} were classified as they arrived (at the rate they store): read "
+            "their spans to re-classify"
+        )
+    return stored
+
+
+def _from_rows(source: str, compute):
+    """A replay over turn rows, with bounded memory; exits 2 on a store it cannot read
+    or one without turns."""
+    from kvobs._memory import return_freed_memory
+    from kvobs.fleet.turn_replay import NoTurns
+
+    return_freed_memory()
+    try:
+        return compute()
+    except OSError as error:
+        fail_input(str(error))
+    except NoTurns:
+        fail_input(f"no turns in {source}")
 
 
 def _placement(labelled, delta, ttl, threshold, prefill_rate, as_json) -> None:

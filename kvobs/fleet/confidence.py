@@ -36,18 +36,45 @@ class Confidence:
     # never paid off.
     break_even_interval: tuple[float, float | None] | None
     warnings: list[str] = field(default_factory=list)
+    # The finished reads the bootstrap drew from, of how many: all of them up to
+    # MAX_RESAMPLED_READS, else a uniform sample of that many.
+    bootstrap_reads: int = 0
+    bootstrap_of: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+# What the bootstrap refits a read model on: each finished read's columns.
+READ_COLUMNS = ["read_outcome", "candidate_tokens", "read_duration_s", "read_bytes"]
+
+
+def finished_reads(turns: pd.DataFrame) -> pd.DataFrame:
+    """The rows of finished reads, ``READ_COLUMNS``: what the bootstrap resamples."""
+    done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
+    return turns.loc[done, READ_COLUMNS]
 
 
 def confidence(
     turns: pd.DataFrame, tuning: Tuning, resamples: int = RESAMPLES, seed: int = 0
 ) -> Confidence:
     """``turns``: the labelled turn table ``tuning`` came from."""
-    reads = tuning.read.reads if tuning.read else 0
     later = int((turns["turn"] > 1).sum())
-    interval = _break_even_interval(turns, tuning, resamples, seed)
+    return trust(finished_reads(turns), later, tuning, resamples, seed)
+
+
+def trust(
+    reads_: pd.DataFrame,
+    later: int,
+    tuning: Tuning,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    of: int | None = None,
+) -> Confidence:
+    """``confidence`` from the finished reads (``finished_reads``; ``of``: how many
+    there were where ``reads_`` is a sample of them) and the later turns' count."""
+    reads = tuning.read.reads if tuning.read else 0
+    interval, drawn = _break_even_interval(reads_, tuning, resamples, seed)
     warnings = []
     if reads < FEW_READS:
         spread = f" (break-even {interval_text(interval)})" if interval else ""
@@ -68,7 +95,8 @@ def confidence(
         and (interval[1] - interval[0]) / 2 <= TIGHT * estimate
     )
     level = "low" if warnings else "high" if reads >= MANY and later >= MANY and tight else "medium"
-    return Confidence(reads, later, level, interval, warnings)
+    total = len(reads_) if of is None else of
+    return Confidence(reads, later, level, interval, warnings, drawn, total)
 
 
 def interval_text(interval: tuple[float, float | None]) -> str:
@@ -79,13 +107,12 @@ def interval_text(interval: tuple[float, float | None]) -> str:
 
 
 def _break_even_interval(
-    turns: pd.DataFrame, tuning: Tuning, resamples: int, seed: int
-) -> tuple[float, float | None] | None:
+    rows: pd.DataFrame, tuning: Tuning, resamples: int, seed: int
+) -> tuple[tuple[float, float | None] | None, int]:
+    """The interval, and how many reads it drew from (``rows``: ``finished_reads``)."""
     rate = tuning.prefill_tokens_per_s
     if not rate or tuning.break_even_tokens is None:
-        return None
-    done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
-    rows = turns.loc[done, ["read_outcome", "candidate_tokens", "read_duration_s", "read_bytes"]]
+        return None, 0
     # In the order of their values: the same reads give the same interval whichever
     # order a source returned its turns in.
     rows = rows.iloc[
@@ -107,4 +134,4 @@ def _break_even_interval(
     # No interpolation: an infinite estimate stays one (not NaN).
     low = float(np.quantile(estimates, 0.05, method="lower"))
     high = float(np.quantile(estimates, 0.95, method="higher"))
-    return low, (high if np.isfinite(high) else None)
+    return (low, (high if np.isfinite(high) else None)), len(rows)

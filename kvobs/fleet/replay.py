@@ -49,6 +49,12 @@ from kvobs.verdicts import Context, decide
 __all__ = [
     "ReadModel",
     "read_model",
+    "fitted",
+    "Line",
+    "ReadSums",
+    "usable_reads",
+    "most_common",
+    "MODE_COLUMNS",
     "next_turn",
     "candidate_tokens",
     "block_seconds",
@@ -85,46 +91,109 @@ class ReadModel:
         return self.fixed_s + np.asarray(tokens, float) * self.s_per_token
 
 
-def read_model(turns: pd.DataFrame) -> ReadModel | None:
+def usable_reads(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The finished reads a read model fits: tokens, seconds and bytes of each."""
     done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
     tokens = turns["candidate_tokens"].astype(float).to_numpy()
     seconds = turns["read_duration_s"].astype(float).to_numpy()
     usable = done & (tokens > 0) & np.isfinite(seconds)
-    if usable.sum() < 2:
+    return tokens[usable], seconds[usable], turns["read_bytes"].astype(float).to_numpy()[usable]
+
+
+@dataclass
+class Line:
+    """Least-squares sums of points (``x``, ``y``): they add up batch by batch."""
+
+    n: int = 0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    low: float = np.inf  # the smallest x
+    high: float = -np.inf
+
+    @classmethod
+    def of(cls, x: np.ndarray, y: np.ndarray) -> Line:
+        if not len(x):
+            return cls()
+        return cls(len(x), x.sum(), y.sum(), x @ x, x @ y, x.min(), x.max())
+
+    def merge(self, other: Line) -> None:
+        self.n += other.n
+        self.x, self.y = self.x + other.x, self.y + other.y
+        self.xx, self.xy = self.xx + other.xx, self.xy + other.xy
+        self.low, self.high = min(self.low, other.low), max(self.high, other.high)
+
+
+@dataclass
+class ReadSums:
+    """What a read model is fitted from, in sums: every usable read, the reads up to
+    the cut in cost per token (``cut``: the 90th percentile of it) and their bytes."""
+
+    usable: Line
+    kept: Line
+    read_bytes: float = 0.0
+
+    @classmethod
+    def of(cls, tokens: np.ndarray, seconds: np.ndarray, read_bytes: np.ndarray, cut: float):
+        keep = seconds / tokens <= cut
+        return cls(
+            Line.of(tokens, seconds),
+            Line.of(tokens[keep], seconds[keep]),
+            float(np.nansum(read_bytes)),
+        )
+
+    def merge(self, other: ReadSums) -> None:
+        self.usable.merge(other.usable)
+        self.kept.merge(other.kept)
+        self.read_bytes += other.read_bytes
+
+
+# Robust to a tail of slow reads: the fit is on reads up to this quantile of cost/token.
+READ_COST_CUT = 0.9
+
+
+def read_model(turns: pd.DataFrame) -> ReadModel | None:
+    tokens, seconds, read_bytes = usable_reads(turns)
+    if len(tokens) < 2:
         return None
-    x, y = tokens[usable], seconds[usable]
-    # Robust to a tail of slow reads: fit on reads up to the 90th percentile of cost/token.
-    per_token = y / x
-    keep = per_token <= np.quantile(per_token, 0.9)
-    if keep.sum() >= 2 and np.ptp(x[keep]) > 0:
-        x, y = x[keep], y[keep]
-    intercept, slope = _fit(x, y)
-    read_bytes = turns["read_bytes"].astype(float).to_numpy()[usable]
-    total_s = seconds[usable].sum()
+    cut = float(np.quantile(seconds / tokens, READ_COST_CUT))
+    return fitted(ReadSums.of(tokens, seconds, read_bytes, cut))
+
+
+def fitted(sums: ReadSums) -> ReadModel | None:
+    """The read model of ``sums`` (``read_model``; the turn-row path sums batches)."""
+    usable = sums.usable
+    if usable.n < 2:
+        return None
+    kept = sums.kept
+    intercept, slope = _fit(kept if kept.n >= 2 and kept.high > kept.low else usable)
     return ReadModel(
         intercept,
         slope,
-        int(usable.sum()),
-        float(np.nansum(read_bytes) / total_s) if total_s > 0 else None,
+        usable.n,
+        float(sums.read_bytes / usable.y) if usable.y > 0 else None,
     )
 
 
-def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+def _fit(line: Line) -> tuple[float, float]:
     """(fixed seconds, seconds per token), both >= 0, least squares within that bound.
 
     Reads of similar sizes with noisy times give a line of any slope and a negative
     intercept; clamping only the intercept keeps that slope (a 1 ms read of 139 tokens
     then "costs" 0.5 ms per token). Refit with the bound active instead: through the
     origin when the intercept would be negative, flat when the slope would be."""
-    if np.ptp(x) > 0:
-        slope, intercept = (float(v) for v in np.polyfit(x, y, 1))
+    if line.high > line.low:
+        spread = line.xx - line.x * line.x / line.n
+        slope = float((line.xy - line.x * line.y / line.n) / spread)
+        intercept = float((line.y - slope * line.x) / line.n)
         if intercept >= 0 and slope >= 0:
             return intercept, slope
         if intercept < 0:
-            slope = float(x @ y / (x @ x))
+            slope = float(line.xy / line.xx)
             if slope >= 0:
                 return 0.0, slope
-    return max(0.0, float(np.mean(y))), 0.0
+    return max(0.0, float(line.y / line.n)), 0.0
 
 
 def next_turn(turns: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -147,13 +216,20 @@ def candidate_tokens(turns: pd.DataFrame) -> np.ndarray:
     return np.maximum(0, np.minimum(remote, n_tokens) - local)
 
 
-def block_seconds(turns: pd.DataFrame, reads: np.ndarray, ttl_s: float | None) -> float:
+def block_seconds(
+    turns: pd.DataFrame,
+    reads: np.ndarray,
+    ttl_s: float | None,
+    modes: dict[str, float] | None = None,
+) -> float:
     """D's memory held if each export's blocks stay until the next turn reads them
-    (``reads``, per row) or for the TTL (``None``: each export's own)."""
+    (``reads``, per row) or for the TTL (``None``: each export's own; ``modes``: the
+    fleet's most common settings where ``turns`` is a part of it, ``Recorded``)."""
     gap = turns["gap_s"].astype(float).to_numpy()
     blocks = turns["export_blocks"].astype(float).fillna(0).to_numpy()
     has_next, following = next_turn(turns)
-    ttl = _recorded(col.num(turns, "ttl_s"), np.nan) if ttl_s is None else ttl_s
+    common = (modes or {}).get("ttl_s")
+    ttl = _recorded(col.num(turns, "ttl_s"), np.nan, common) if ttl_s is None else ttl_s
     held = np.where(has_next & reads[following], gap[following], ttl)
     return float(np.nansum(blocks * held))
 
@@ -166,10 +242,26 @@ def _mode(values: np.ndarray) -> float:
     return float(uniques[np.argmax(counts)])
 
 
-def _recorded(values: np.ndarray, fallback: float | None) -> np.ndarray:
-    """A turn's recorded setting: its own, else the table's most common, else
-    ``fallback`` (NaN: unknown)."""
-    common = _mode(values)
+def most_common(counts: dict[float, int]) -> float:
+    """``_mode`` of values counted apart (the smallest of the most common; NaN for
+    none): the fleet's setting from batches' counts."""
+    if not counts:
+        return np.nan
+    top = max(counts.values())
+    return float(min(value for value, n in counts.items() if n == top))
+
+
+# The recorded settings a replay falls back to, fleet-wide, for a turn without its own.
+MODE_COLUMNS = ("prev_ttl_s", "threshold", "ttl_s")
+
+
+def _recorded(
+    values: np.ndarray, fallback: float | None, common: float | None = None
+) -> np.ndarray:
+    """A turn's recorded setting: its own, else the table's most common (``common``
+    when given: the fleet's, where the table is a part of it), else ``fallback`` (NaN:
+    unknown)."""
+    common = _mode(values) if common is None else common
     if np.isnan(common):
         common = np.nan if fallback is None else fallback
     return np.where(np.isnan(values), common, values)
@@ -216,10 +308,13 @@ def _codes(turns: pd.DataFrame, column: str, values: tuple) -> np.ndarray:
 class Recorded:
     """What a replay reads of a labelled turn table, whatever the settings: the turns the
     settings decide (module docstring) and their recorded facts. Built once, replayed
-    under any number of settings (``kvobs tune``'s TTL grid)."""
+    under any number of settings (``kvobs tune``'s TTL grid). ``modes``: the fleet's most
+    common ``MODE_COLUMNS`` where ``turns`` is a part of the fleet (whole conversations:
+    ``kvobs.fleet.turn_replay``); by default the table's own."""
 
-    def __init__(self, turns: pd.DataFrame):
+    def __init__(self, turns: pd.DataFrame, modes: dict[str, float] | None = None):
         self.turns = turns
+        self.modes = modes or {}
         hit = col.eq(turns, "lookup", LookupOutcome.HIT.value)
         stale = col.eq(turns, "lookup", LookupOutcome.STALE.value)
         decision = _codes(turns, "decision", _DECISIONS)
@@ -253,8 +348,9 @@ class Recorded:
         self.rows = rows
         self.gap, self.hit, self.p_decided = gap[rows], hit[rows], p_decided[rows]
         self.decision, self.outcome, self.pulled = decision[rows], outcome[rows], pulled[rows]
-        self.ttl = _recorded(col.num(turns, "prev_ttl_s"), None)[rows]
-        self.threshold = _recorded(col.num(turns, "threshold"), None)[rows]
+        modes = self.modes
+        self.ttl = _recorded(col.num(turns, "prev_ttl_s"), None, modes.get("prev_ttl_s"))[rows]
+        self.threshold = _recorded(col.num(turns, "threshold"), None, modes.get("threshold"))[rows]
         age = col.num(turns, "entry_age_s")[rows]
         self.age = np.where(np.isnan(age), self.gap, age)
         self.local = np.nan_to_num(col.num(turns, "local_hit_tokens")[rows])

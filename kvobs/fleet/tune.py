@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -29,7 +29,19 @@ from kvobs.semconv import Verdict
 from kvobs.timeline import prefill_rate
 from kvobs.verdicts import Context
 
-__all__ = ["Tuning", "tune", "ReadModel", "read_model", "next_turn", "replay_ttl"]
+__all__ = [
+    "Tuning",
+    "tune",
+    "Plan",
+    "plan",
+    "choose",
+    "ReadModel",
+    "read_model",
+    "next_turn",
+    "replay_ttl",
+    "replay_counts",
+    "ttl_row",
+]
 
 BLOCK_TOKENS = 16
 TTL_GRID = (60, 120, 240, 300, 360, 480, 600, 900, 1200, 1800, 3600)
@@ -45,6 +57,43 @@ def reuse_window_s(ttl_s: float, proxy_lifetime_s: float | None) -> float:
     return min(ttl_s - DECLINE_WINDOW.default, lifetime)
 
 
+def replay_counts(
+    recorded: Recorded,
+    ttl_s: float,
+    threshold: int,
+    proxy_lifetime_s: float | None,
+    model: ReadModel | None,
+    context: Context,
+) -> tuple[int, int, float]:
+    """(hits, later turns, block-seconds held) if D kept KV for ``ttl_s``
+    (``kvobs.fleet.replay``): sums, which add up over parts of a fleet."""
+    turns = recorded.turns
+    replayed = replay(recorded, ttl_s, threshold, proxy_lifetime_s, model, context)
+    later = turns["turn"].to_numpy() > 1
+    read = np.zeros(len(later), bool)
+    for verdict in READ_VERDICTS:
+        read |= replayed.verdicts == verdict
+    return (
+        int((later & read).sum()),
+        int(later.sum()),
+        block_seconds(turns, replayed.reads, ttl_s, recorded.modes),
+    )
+
+
+def ttl_row(
+    ttl_s: float, proxy_lifetime_s: float | None, counts: tuple[int, int, float]
+) -> dict[str, float]:
+    """A TTL candidate's predicted reuse and memory from its ``replay_counts``."""
+    hits, later, held = counts
+    return {
+        "ttl_s": float(ttl_s),
+        "reuse_window_s": reuse_window_s(ttl_s, proxy_lifetime_s),
+        "hits": hits,
+        "hit_ratio": float(hits / later) if later else 0.0,
+        "block_seconds": held,
+    }
+
+
 def replay_ttl(
     recorded: Recorded,
     ttl_s: float,
@@ -54,20 +103,8 @@ def replay_ttl(
     context: Context,
 ) -> dict[str, float]:
     """Predicted reuse and memory if D kept KV for ``ttl_s`` (``kvobs.fleet.replay``)."""
-    turns = recorded.turns
-    replayed = replay(recorded, ttl_s, threshold, proxy_lifetime_s, model, context)
-    later = turns["turn"].to_numpy() > 1
-    read = np.zeros(len(later), bool)
-    for verdict in READ_VERDICTS:
-        read |= replayed.verdicts == verdict
-    hits = int((later & read).sum())
-    return {
-        "ttl_s": float(ttl_s),
-        "reuse_window_s": reuse_window_s(ttl_s, proxy_lifetime_s),
-        "hits": hits,
-        "hit_ratio": float(hits / later.sum()) if later.sum() else 0.0,
-        "block_seconds": block_seconds(turns, replayed.reads, ttl_s),
-    }
+    counts = replay_counts(recorded, ttl_s, threshold, proxy_lifetime_s, model, context)
+    return ttl_row(ttl_s, proxy_lifetime_s, counts)
 
 
 @dataclass
@@ -90,15 +127,37 @@ class Tuning:
         return out
 
 
-def tune(
-    turns: pd.DataFrame, target: float = 0.95, prefill_tokens_per_s: float | None = None
-) -> Tuning:
-    """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``)."""
-    rate = prefill_tokens_per_s or prefill_rate(turns)
-    model = read_model(turns)
+@dataclass
+class Plan:
+    """What ``tune`` settles before replaying: the break-even threshold from the read
+    model and the prefill rate, the threshold the TTL candidates replay at and the
+    candidates (with the arithmetic so far)."""
+
+    rate: float | None
+    model: ReadModel | None
+    current_threshold: int | None
+    current_ttl: float | None
+    break_even: float | None
+    recommended: int | None
+    threshold: int
+    grid: list[float]
+    lines: list[str]
+
+    def replays(self) -> list[tuple[float, float | None]]:
+        """Every (TTL, proxy lifetime) ``choose`` may ask for: each candidate with each
+        proxy as recorded, and with the kvobs proxy's lifetime under it."""
+        return [(ttl, None) for ttl in self.grid] + [
+            (ttl, entry_lifetime_s(ttl)) for ttl in self.grid
+        ]
+
+
+def plan(
+    rate: float | None,
+    model: ReadModel | None,
+    current_threshold: int | None,
+    current_ttl: float | None,
+) -> Plan:
     lines: list[str] = []
-    current_threshold = _mode(turns["threshold"])
-    current_ttl = _mode(turns["ttl_s"])
     break_even = recommended = None
     if rate and model:
         lines.append(
@@ -135,9 +194,29 @@ def tune(
             "computed without reading (prefill rate)"
         )
     threshold = int(recommended or current_threshold or 0)
-    context, recorded = Context(rate), Recorded(turns)
     grid = sorted(set(TTL_GRID) | ({float(current_ttl)} if current_ttl else set()))
-    table = [replay_ttl(recorded, ttl, threshold, None, model, context) for ttl in grid]
+    return Plan(
+        rate,
+        model,
+        current_threshold,
+        current_ttl,
+        break_even,
+        recommended,
+        threshold,
+        grid,
+        lines,
+    )
+
+
+def choose(
+    settled: Plan,
+    replayed: Callable[[float, float | None], dict[str, float]],
+    target: float = 0.95,
+) -> Tuning:
+    """The TTL and proxy lifetime from the candidates' replays (``replayed(ttl,
+    lifetime)``: ``ttl_row``'s row for the plan's threshold)."""
+    lines = list(settled.lines)
+    table = [replayed(ttl, None) for ttl in settled.grid]
     best = max(row["hit_ratio"] for row in table) if table else 0.0
     chosen = next((row for row in table if row["hit_ratio"] >= target * best), None)
     recommended_ttl = chosen["ttl_s"] if chosen and best > 0 else None
@@ -149,9 +228,7 @@ def tune(
             f"{chosen['hit_ratio']:.1%}, {chosen['block_seconds']:,.0f} block-s held"
         )
         proxy_lifetime = entry_lifetime_s(recommended_ttl)
-        proxy_prediction = replay_ttl(
-            recorded, recommended_ttl, threshold, proxy_lifetime, model, context
-        )
+        proxy_prediction = replayed(recommended_ttl, proxy_lifetime)
         lines.append(
             f"proxy entry lifetime = TTL - expiry margin {PROXY_EXPIRY_MARGIN} = "
             f"{proxy_lifetime:.0f} s (the kvobs proxy's default: it drops an entry "
@@ -159,18 +236,33 @@ def tune(
             f"{proxy_prediction['hit_ratio']:.1%} with every proxy on it"
         )
     return Tuning(
-        rate,
-        model,
-        break_even,
-        recommended,
-        current_threshold,
-        current_ttl,
+        settled.rate,
+        settled.model,
+        settled.break_even,
+        settled.recommended,
+        settled.current_threshold,
+        settled.current_ttl,
         table,
         recommended_ttl,
         proxy_lifetime,
         proxy_prediction,
         lines,
     )
+
+
+def tune(
+    turns: pd.DataFrame, target: float = 0.95, prefill_tokens_per_s: float | None = None
+) -> Tuning:
+    """``turns``: a labelled turn table (``kvobs.fleet.report.label_turns``)."""
+    rate = prefill_tokens_per_s or prefill_rate(turns)
+    model = read_model(turns)
+    settled = plan(rate, model, _mode(turns["threshold"]), _mode(turns["ttl_s"]))
+    context, recorded = Context(rate), Recorded(turns)
+
+    def replayed(ttl: float, lifetime: float | None) -> dict[str, float]:
+        return replay_ttl(recorded, ttl, settled.threshold, lifetime, model, context)
+
+    return choose(settled, replayed, target)
 
 
 def _mode(values: pd.Series):

@@ -136,7 +136,7 @@ def _batches(
 
 
 def _turn_starts(batch: pa.RecordBatch) -> np.ndarray:
-    return unpack(batch.column(MEASURES_COLUMN))["turn_start_ns"]
+    return unpack(batch.column(MEASURES_COLUMN), ["turn_start_ns"])["turn_start_ns"]
 
 
 # --------------------------------------------------------------------------- the report

@@ -41,7 +41,7 @@ from kvobs.fleet.report import (
 from kvobs.fleet.retention import RetentionSums, read_bytes_per_block
 from kvobs.fleet.sketch import add_values, new_sketch, remove, sketch_from_state, sketch_state
 from kvobs.fleet.turn_drill import Ranked
-from kvobs.live.turn_measures import MEASURES_COLUMN, unpack
+from kvobs.live.turn_measures import MEASURES_COLUMN, REPORT_MEASURES, unpack
 from kvobs.timeline import PHASES, phase_column
 
 SCOPES = ("first_turn", "later_turns")
@@ -571,7 +571,7 @@ def _merge_phases(into: PhaseTally, other: PhaseTally) -> None:
 def _frame(batch: pa.RecordBatch) -> pd.DataFrame:
     """A batch as the span path's labelled table (the columns its functions read)."""
     plain = pa.Table.from_batches([batch]).drop_columns([MEASURES_COLUMN])
-    measures = pd.DataFrame(unpack(batch.column(MEASURES_COLUMN)))
+    measures = pd.DataFrame(unpack(batch.column(MEASURES_COLUMN), REPORT_MEASURES))
     frame = pd.concat([plain.to_pandas(), measures], axis=1)
     add_buckets(frame)
     return frame
