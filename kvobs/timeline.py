@@ -296,16 +296,18 @@ class Timeline:
         }
 
 
+# The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
+_HEADLINE = tuple(f.name for f in fields(Timeline) if f.default is None)
+
+
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     """The phases of one turn (``row`` of ``marks``; ``turn`` its row of the table
     ``add_timeline`` made, whose headline numbers it carries over), with merged phases
     named and why they could not be split."""
-    value, status = marks.value[:, row], marks.status[:, row]
-    # The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
-    headline: dict[str, Any] = {
-        f.name: turn.get(f.name) for f in fields(Timeline) if f.default is None
-    }
-    out = Timeline(**headline)
+    # As Python numbers: a numpy scalar's comparison costs ~10 times a float's, and
+    # the live classifier times every turn it classifies.
+    value, status = marks.value[:, row].tolist(), marks.status[:, row].tolist()
+    out = Timeline(**{name: turn.get(name) for name in _HEADLINE})
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks

@@ -59,6 +59,7 @@ _KINDS = {
     column: next(kind for kind, d in KIND_DTYPES.items() if d == dtype)
     for column, dtype in ALL_DTYPES.items()
 }
+_ARROW_TYPES = [SPAN_SCHEMA.field(column).type for column in ALL_DTYPES]
 _NUMPY_KINDS = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _PYTHON_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
 
@@ -91,8 +92,8 @@ def table_from_rows(rows: Iterable[dict]) -> pa.Table:
     _name_anonymous(usable)
     return pa.Table.from_arrays(
         [
-            _column(*usable[column], _KINDS[column], count).cast(SPAN_SCHEMA.field(column).type)
-            for column in ALL_DTYPES
+            _column(*usable[column], _KINDS[column], count, type)
+            for column, type in zip(ALL_DTYPES, _ARROW_TYPES)
         ],
         schema=SPAN_SCHEMA,
     )
@@ -143,18 +144,28 @@ def _already(values: list, kind: str) -> bool:
     return True
 
 
-def _column(at: list[int], values: list, kind: str, count: int) -> pa.Array:
-    """One column of ``count`` rows: ``values`` at rows ``at``, null elsewhere."""
+def _column(at: list[int], values: list, kind: str, count: int, type: pa.DataType) -> pa.Array:
+    """One column of ``count`` rows: ``values`` at rows ``at`` (ascending), null
+    elsewhere, as ``type``. A column with no value (most of ~130 in any batch of spans)
+    or with one on every row is built without spreading: that per-column work was most
+    of a small batch's conversion (the live classifier converts each pass's new spans)."""
+    if not at:
+        return pa.nulls(count, type)
+    full = len(at) == count  # ascending and distinct: every row, in order
     if kind == "str":  # the values, then spread over the rows (null between)
+        if full:
+            return arrays.strings(values).cast(type)
         where = np.full(count, -1, np.int64)
         where[at] = np.arange(len(at))
-        return arrays.strings(values).take(arrays.array(where, mask=where < 0))
+        return arrays.strings(values).take(arrays.array(where, mask=where < 0)).cast(type)
     dtype = _NUMPY_KINDS[kind]
+    if full:
+        return arrays.array(np.array(values, dtype)).cast(type)
     data: np.ndarray = np.zeros(count, dtype)
     data[at] = np.array(values, dtype)
     missing = np.ones(count, bool)
     missing[at] = False
-    return arrays.array(data, mask=missing)
+    return arrays.array(data, mask=missing).cast(type)
 
 
 def _name_anonymous(usable: dict[str, tuple[list[int], list]]) -> None:

@@ -96,8 +96,14 @@ class Turn(Mapping):
 
     def get(self, column: str, default: Any = None) -> Any:
         value = self._row.get(column, default)
-        # What rules read is mostly plain already, or absent: no call for those.
-        return value if type(value) in _PLAIN_OR_NONE else _plain(value)
+        # What rules read is mostly plain already, or absent, or a float (NaN: missing):
+        # no call for those.
+        kind = type(value)
+        if kind in _PLAIN_OR_NONE:
+            return value
+        if kind is float:
+            return None if value != value else value
+        return _plain(value)
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""
