@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import math
 from typing import Any, Callable, Mapping
 
-
 from kvobs import semconv as sc
 from kvobs.turns import columns as col
 from kvobs.semconv import LatencyCause as LC

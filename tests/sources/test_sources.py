@@ -310,3 +310,28 @@ def test_span_table_from_rows_coerces_each_value_on_its_own():
     assert {k: v for k, v in rows[1].items() if v is not None} == {
         "trace_id": "cd", "name": "x"}
     assert {k: v for k, v in rows[2].items() if v is not None} == {"span_id": "02"}
+
+
+def test_span_table_columns_with_a_value_on_every_row_on_some_or_on_none():
+    """A column with a value on every row and one with none are built without spreading
+    the values over the rows: the same table as the general path gives."""
+    from kvobs import semconv as sc
+    from kvobs.sources._frame import SPAN_SCHEMA, table_from_rows
+
+    rows = [{"trace_id": "t", "span_id": f"{i:02d}", "name": "n", "start_ns": i,
+             sc.TTFT.key: i / 4, sc.STREAM.key: i % 2 == 0, "error": i == 1}
+            for i in range(4)]
+    rows[2][sc.TURN_INDEX.key] = 3
+    rows[3]["span_id"] = "\ud800"  # unusable: the column is no longer full
+    table = table_from_rows(rows)
+    assert table.schema == SPAN_SCHEMA
+    assert table.column("start_ns").to_pylist() == [0, 1, 2, 3]
+    assert table.column(sc.TTFT.key).to_pylist() == [0.0, 0.25, 0.5, 0.75]
+    assert table.column(sc.STREAM.key).to_pylist() == [True, False, True, False]
+    assert table.column("name").to_pylist() == ["n"] * 4
+    assert table.column("span_id").to_pylist() == ["00", "01", "02", None]
+    assert table.column(sc.TURN_INDEX.key).to_pylist() == [None, None, 3, None]
+    assert table.column("parent_span_id").to_pylist() == [None] * 4
+    assert table.column("parent_span_id").null_count == 4
+    for column in ("start_ns", sc.TTFT.key, sc.STREAM.key, "name"):
+        assert table.column(column).null_count == 0, column
