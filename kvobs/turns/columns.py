@@ -83,7 +83,22 @@ class Columns:
         the added columns last."""
         names = self.table.column_names + list(self.added)
         read = self.plain_values if plain else self.values
-        return [dict(zip(names, row)) for row in zip(*map(read, names))]
+        # A row starts as a copy of every column's None (a few turns' table has ~80
+        # columns no row has a value in; a copy is one block, not a key at a time).
+        empty = dict.fromkeys(names)
+        valued = [
+            name
+            for name in names
+            if name in self.added or self.table.column(name).null_count < len(self)
+        ]
+        if not valued:  # zip() of no column would give no row
+            return [empty.copy() for _ in range(len(self))] if names else []
+        rows = []
+        for values in zip(*map(read, valued)):
+            row = empty.copy()
+            row.update(zip(valued, values))
+            rows.append(row)
+        return rows
 
 
 Table = Union["pd.DataFrame", Columns]

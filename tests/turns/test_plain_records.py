@@ -74,3 +74,20 @@ def test_classified_from_plain_records_as_from_the_usual(monkeypatch):
     slow, _ = classify_turns(col.Columns(turns))
     assert len(fast) == len(slow) > 100
     assert [d.to_dict() for d in fast] == [d.to_dict() for d in slow]
+
+
+def test_records_hold_every_column_in_order():
+    """Columns no row has a value in come from a copied row of Nones: the same dicts,
+    keys in the same order, as a row built key by key."""
+    turns = _columns()
+    names = turns.table.column_names + list(turns.added)
+    expected = [dict(zip(names, row)) for row in zip(*map(turns.values, names))]
+    got = turns.records()
+    assert [list(row) for row in got] == [list(row) for row in expected]
+    assert [{k: str(v) for k, v in row.items()} for row in got] == [
+        {k: str(v) for k, v in row.items()} for row in expected
+    ]
+    assert all(row["nothing"] is None for row in got)
+    empty = col.Columns(pa.table({"a": pa.nulls(2, pa.string())}))
+    assert empty.records() == empty.records(plain=True) == [{"a": None}, {"a": None}]
+    assert col.Columns(pa.table({})).records() == []
