@@ -298,6 +298,8 @@ class Timeline:
 
 # The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
 _HEADLINE = tuple(f.name for f in fields(Timeline) if f.default is None)
+# Each phase's name: an Enum's ``value`` is a descriptor call, ~20 a turn.
+_PHASE_NAMES = tuple(phase.value for phase in PHASES)
 
 
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
@@ -311,16 +313,16 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
-    for i, phase in enumerate(PHASES):
+    for i, phase in enumerate(_PHASE_NAMES):
         if status[i] == KNOWN and start is None:
             start = value[i]
         end = status[i + 1]
         if end == NOT_APPLICABLE:
             continue  # a step this turn did not take: no phase, the start carries on
         if start is None:  # before the first known mark: outside the measured latency
-            out.unmeasured[phase.value] = _missing_reason(MARKS[i], turn)
+            out.unmeasured[phase] = _missing_reason(MARKS[i], turn)
             continue
-        pending.append(phase.value)
+        pending.append(phase)
         if end == MISSING:
             gaps.append(_missing_reason(MARKS[i + 1], turn))
             continue

@@ -152,20 +152,48 @@ def _column(at: list[int], values: list, kind: str, count: int, type: pa.DataTyp
     if not at:
         return pa.nulls(count, type)
     full = len(at) == count  # ascending and distinct: every row, in order
-    if kind == "str":  # the values, then spread over the rows (null between)
+    rows = None if full else np.array(at, np.int64)
+    if kind == "str":
+        text = "".join(values)
+        if text.isascii() and type == pa.large_string():
+            return _ascii_column(values, text, rows, count)
         if full:
             return arrays.strings(values).cast(type)
         where = np.full(count, -1, np.int64)
-        where[at] = np.arange(len(at))
+        where[rows] = np.arange(len(at))
         return arrays.strings(values).take(arrays.array(where, mask=where < 0)).cast(type)
     dtype = _NUMPY_KINDS[kind]
-    if full:
+    if rows is None:
         return arrays.array(np.array(values, dtype)).cast(type)
     data: np.ndarray = np.zeros(count, dtype)
-    data[at] = np.array(values, dtype)
+    data[rows] = np.array(values, dtype)
     missing = np.ones(count, bool)
-    missing[at] = False
+    missing[rows] = False
     return arrays.array(data, mask=missing).cast(type)
+
+
+def _ascii_column(values: list[str], text: str, rows: np.ndarray | None, count: int) -> pa.Array:
+    """ASCII strings at ``rows`` (None: every row) as a large string column: a byte a
+    character, so the lengths are the offsets' steps; the buffers are written in place
+    (not built as strings, spread by a take and cast: ~90 ns a value, a fifth of a span's
+    conversion)."""
+    sizes = np.fromiter(map(len, values), np.int64, len(values))
+    validity, nulls = None, 0
+    if rows is not None:
+        spread = np.zeros(count, np.int64)
+        spread[rows] = sizes
+        sizes = spread
+        present = np.zeros(count, bool)
+        present[rows] = True
+        validity, nulls = pa.py_buffer(np.packbits(present, bitorder="little")), count - len(values)
+    offsets = np.zeros(count + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.large_string(),
+        count,
+        [validity, pa.py_buffer(offsets), pa.py_buffer(text.encode())],
+        null_count=nulls,
+    )
 
 
 def _name_anonymous(usable: dict[str, tuple[list[int], list]]) -> None:

@@ -323,7 +323,10 @@ def test_span_table_columns_with_a_value_on_every_row_on_some_or_on_none():
             for i in range(4)]
     rows[2][sc.TURN_INDEX.key] = 3
     rows[3]["span_id"] = "\ud800"  # unusable: the column is no longer full
+    rows[1]["parent_span_id"], rows[3]["parent_span_id"] = "é", "p"  # not ASCII
+    rows[0]["service"], rows[2]["service"] = "", "s"  # ASCII, an empty one
     table = table_from_rows(rows)
+    table.validate(full=True)
     assert table.schema == SPAN_SCHEMA
     assert table.column("start_ns").to_pylist() == [0, 1, 2, 3]
     assert table.column(sc.TTFT.key).to_pylist() == [0.0, 0.25, 0.5, 0.75]
@@ -331,7 +334,10 @@ def test_span_table_columns_with_a_value_on_every_row_on_some_or_on_none():
     assert table.column("name").to_pylist() == ["n"] * 4
     assert table.column("span_id").to_pylist() == ["00", "01", "02", None]
     assert table.column(sc.TURN_INDEX.key).to_pylist() == [None, None, 3, None]
-    assert table.column("parent_span_id").to_pylist() == [None] * 4
-    assert table.column("parent_span_id").null_count == 4
+    assert table.column("parent_span_id").to_pylist() == [None, "é", None, "p"]
+    assert table.column("service").to_pylist() == ["", None, "s", None]
+    assert table.column("service").null_count == 2
+    assert table.column(sc.CONVERSATION_ID.key).to_pylist() == [None] * 4
+    assert table.column(sc.CONVERSATION_ID.key).null_count == 4
     for column in ("start_ns", sc.TTFT.key, sc.STREAM.key, "name"):
         assert table.column(column).null_count == 0, column
