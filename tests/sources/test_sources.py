@@ -341,3 +341,28 @@ def test_span_table_columns_with_a_value_on_every_row_on_some_or_on_none():
     assert table.column(sc.CONVERSATION_ID.key).null_count == 4
     for column in ("start_ns", sc.TTFT.key, sc.STREAM.key, "name"):
         assert table.column(column).null_count == 0, column
+
+
+def test_coerce_gives_each_value_what_coerced_gives():
+    """``coerce`` leaves the values ``coerced`` would return as they are without calling
+    it: every other value still goes through it (and is reported when unusable)."""
+    from kvobs import semconv as sc
+    from kvobs.sources._rows import INT64_MAX, UNUSABLE, _TYPES, coerce, coerced
+
+    cases = {
+        "span_id": ["01", "é", "\ud800", 7, None],
+        sc.TURN_INDEX.key: [3, INT64_MAX, -INT64_MAX, INT64_MAX + 1, -INT64_MAX - 1, True,
+                            2.0, 2.5, "4"],
+        sc.TTFT.key: [1.5, float("inf"), float("-inf"), float("nan"), 2, "0.5", False],
+        sc.STREAM.key: [True, False, "true", "FALSE", 1, "yes"],
+    }
+    for key, values in cases.items():
+        for value in values:
+            row = {key: value}
+            bad = coerce(row)
+            try:
+                expected, unusable = coerced(value, _TYPES[key]), []
+            except UNUSABLE:
+                expected, unusable = None, [key]
+            assert bad == unusable, (key, value)
+            assert repr(row[key]) == repr(expected), (key, value)
