@@ -309,7 +309,8 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     # As Python numbers: a numpy scalar's comparison costs ~10 times a float's, and
     # the live classifier times every turn it classifies.
     value, status = marks.value[:, row].tolist(), marks.status[:, row].tolist()
-    out = Timeline(**{name: turn.get(name) for name in _HEADLINE})
+    headline: dict[str, Any] = {name: turn.get(name) for name in _HEADLINE}
+    out = Timeline(**headline)
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks

@@ -88,7 +88,7 @@ class Turn(Mapping):
         The timeline, the rules, the causes and the JSON read a turn ~90 times; a Python
         call each was a sixth of classifying it."""
         turn = cls(row)
-        turn.get = row.get  # type: ignore[method-assign]
+        turn.get = row.get  # type: ignore[method-assign, assignment]
         return turn
 
     def __getitem__(self, column: str) -> Any:
