@@ -132,9 +132,13 @@ def classify_turns(
     )
     context = Context(rate, read_slo_s, decode_s_per_token=cause_context.decode_s_per_token)
     diagnoses = []
-    rows = col.records(turns)
-    for i, (row, finding) in enumerate(zip(rows, findings(turns, context, rows))):
-        turn = Turn(row)
+    if isinstance(turns, col.Columns):
+        rows = turns.records(plain=True)
+        read = [Turn.of_plain(row) for row in rows]
+    else:
+        rows = col.records(turns)
+        read = [Turn(row) for row in rows]
+    for i, (row, turn, finding) in enumerate(zip(rows, read, findings(turns, context, read))):
         diagnoses.append(
             TurnDiagnosis(
                 str(row["conversation_id"]),

@@ -312,29 +312,34 @@ class Timeline:
         }
 
 
+# The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
+_HEADLINE = tuple(f.name for f in fields(Timeline) if f.default is None)
+# Each phase's name: an Enum's ``value`` is a descriptor call, ~20 a turn.
+_PHASE_NAMES = tuple(phase.value for phase in PHASES)
+
+
 def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     """The phases of one turn (``row`` of ``marks``; ``turn`` its row of the table
     ``add_timeline`` made, whose headline numbers it carries over), with merged phases
     named and why they could not be split."""
-    value, status = marks.value[:, row], marks.status[:, row]
-    # The headline numbers: Timeline's scalar fields, as add_timeline wrote them.
-    headline: dict[str, Any] = {
-        f.name: turn.get(f.name) for f in fields(Timeline) if f.default is None
-    }
+    # As Python numbers: a numpy scalar's comparison costs ~10 times a float's, and
+    # the live classifier times every turn it classifies.
+    value, status = marks.value[:, row].tolist(), marks.status[:, row].tolist()
+    headline: dict[str, Any] = {name: turn.get(name) for name in _HEADLINE}
     out = Timeline(**headline)
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
-    for i, phase in enumerate(PHASES):
+    for i, phase in enumerate(_PHASE_NAMES):
         if status[i] == KNOWN and start is None:
             start = value[i]
         end = status[i + 1]
         if end == NOT_APPLICABLE:
             continue  # a step this turn did not take: no phase, the start carries on
         if start is None:  # before the first known mark: outside the measured latency
-            out.unmeasured[phase.value] = _missing_reason(MARKS[i], turn)
+            out.unmeasured[phase] = _missing_reason(MARKS[i], turn)
             continue
-        pending.append(phase.value)
+        pending.append(phase)
         if end == MISSING:
             gaps.append(_missing_reason(MARKS[i + 1], turn))
             continue

@@ -155,8 +155,8 @@ def turn_keys(turns: pa.Table) -> list[TurnKey]:
     return [
         (str(tenant), str(cid), int(turn))
         for tenant, cid, turn in zip(
-            turns.column("tenant").to_pylist(),
-            turns.column("conversation_id").to_pylist(),
+            arrays.pylist(turns.column("tenant")),
+            arrays.pylist(turns.column("conversation_id")),
             turns.column("turn").to_pylist(),
         )
     ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from typing import Any, Iterator
 
 from kvobs import semconv as sc
@@ -33,6 +34,7 @@ _TYPES.update(
     error="bool",
 )
 _NANOS_PER_MICRO = 1000
+_KIND_OF = {str: "str", int: "int", float: "float", bool: "bool"}
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
@@ -301,8 +303,22 @@ def coerce(row: dict) -> list[str]:
     (now null)."""
     bad = []
     for key, value in row.items():
+        if value is None:
+            continue
+        type_ = _TYPES.get(key, "str")
+        # What ``coerced`` would leave as it is, without the call (most values; the live
+        # classifier decodes every span it receives): an ASCII string (no lone
+        # surrogate), an int in range, a finite float, a bool.
+        kind = _KIND_OF.get(type(value))
+        if kind == type_ and (
+            kind == "bool"
+            or (kind == "str" and value.isascii())
+            or (kind == "int" and -INT64_MAX <= value <= INT64_MAX)
+            or (kind == "float" and math.isfinite(value))
+        ):
+            continue
         try:
-            row[key] = coerced(value, _TYPES.get(key, "str"))
+            row[key] = coerced(value, type_)
         except UNUSABLE:
             row[key] = None
             bad.append(key)

@@ -200,8 +200,18 @@ def booleans(values: pa.Array | pa.ChunkedArray, fill: bool = False) -> np.ndarr
 def values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Any column as an object array of Python values (None: null)."""
     out = np.empty(len(column), dtype=object)
-    out[:] = column.to_pylist()
+    out[:] = pylist(column)
     return out
+
+
+def pylist(column: pa.Array | pa.ChunkedArray) -> list:
+    """A column's values as Python objects (None: null), ``to_pylist``'s. A dictionary
+    column is decoded first: its own ``to_pylist`` goes through the dictionary an item
+    at a time (~3 us an item, 25 times the decoded column's; the turn table's tenant and
+    conversation id are read so for every turn a pass classifies)."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    return column.to_pylist()
 
 
 def has_column(table: pa.Table, column: str) -> bool:

@@ -60,12 +60,45 @@ class Columns:
         """A column's values as ``records`` holds them (missing: None or NaN)."""
         if column in self.added:
             return self.added[column].tolist()
-        return self.table.column(column).to_pylist()
+        return arrays.pylist(self.table.column(column))
 
-    def records(self) -> list[dict[str, Any]]:
-        """Rows as plain dicts (missing values None or NaN), the added columns last."""
+    def plain_values(self, column: str) -> list[Any]:
+        """A column's values, every missing one None (a float column's NaN too)."""
+        if column in self.added:
+            added = self.added[column]
+            if added.dtype.kind == "f":
+                missing = np.isnan(added)
+                if missing.any():
+                    held = added.astype(object)
+                    held[missing] = None
+                    return held.tolist()
+            return added.tolist()
+        values = self.table.column(column)
+        if pa.types.is_floating(values.type) and pc.any(pc.is_nan(values)).as_py():
+            return [None if value != value else value for value in values.to_pylist()]
+        return arrays.pylist(values)
+
+    def records(self, plain: bool = False) -> list[dict[str, Any]]:
+        """Rows as plain dicts (missing values None or NaN; None only when ``plain``),
+        the added columns last."""
         names = self.table.column_names + list(self.added)
-        return [dict(zip(names, row)) for row in zip(*map(self.values, names))]
+        read = self.plain_values if plain else self.values
+        # A row starts as a copy of every column's None (a few turns' table has ~80
+        # columns no row has a value in; a copy is one block, not a key at a time).
+        empty = dict.fromkeys(names)
+        valued = [
+            name
+            for name in names
+            if name in self.added or self.table.column(name).null_count < len(self)
+        ]
+        if not valued:  # zip() of no column would give no row
+            return [empty.copy() for _ in range(len(self))] if names else []
+        rows = []
+        for values in zip(*map(read, valued)):
+            row = empty.copy()
+            row.update(zip(valued, values))
+            rows.append(row)
+        return rows
 
 
 Table = Union["pd.DataFrame", Columns]

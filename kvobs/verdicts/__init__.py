@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import ModuleType
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -114,7 +114,7 @@ AMBIGUOUS_REMEDY = (
 )
 
 
-def _insufficient(needs: Needs, module: ModuleType, row: dict, rule: str) -> Finding:
+def _insufficient(needs: Needs, module: ModuleType, turn: Turn, rule: str) -> Finding:
     evidence = {
         "missing_span": needs.span.name,
         "missing_from": needs.span.service.value,
@@ -126,7 +126,7 @@ def _insufficient(needs: Needs, module: ModuleType, row: dict, rule: str) -> Fin
     evidence = {
         "reason": needs.reason,
         "needed_for": module.VERDICT.value,
-        needs.column: Turn(row).get(needs.column),
+        needs.column: turn.get(needs.column),
     }
     return Finding(Verdict.INSUFFICIENT_EVIDENCE, AMBIGUOUS_REMEDY, evidence, rule=rule)
 
@@ -191,18 +191,18 @@ def classify_frame(
 
 
 def findings(
-    turns: col.Table, context: Context = Context(), rows: list[dict] | None = None
+    turns: col.Table, context: Context = Context(), rows: Sequence[Turn] | None = None
 ) -> list[Finding]:
     """The finding (verdict, evidence, remedy, rule) of every row of a turn table
-    (``rows``: the table as records, when the caller has them already)."""
+    (``rows``: the table's rows as turns, when the caller has them already)."""
     decisions = decide(turns, context)
     out = []
-    for i, row in enumerate(col.records(turns) if rows is None else rows):
+    for i, turn in enumerate([Turn(row) for row in col.records(turns)] if rows is None else rows):
         module = ORDER[decisions.rule[i]]
         name = module.__name__.rsplit(".", 1)[-1]
         if i in decisions.missing:
-            out.append(_insufficient(decisions.missing[i], module, row, name))
+            out.append(_insufficient(decisions.missing[i], module, turn, name))
             continue
-        finding = module.explain(Turn(row), context)
+        finding = module.explain(turn, context)
         out.append(Finding(finding.verdict, finding.remedy, finding.evidence, rule=name))
     return out

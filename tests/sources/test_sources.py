@@ -310,3 +310,59 @@ def test_span_table_from_rows_coerces_each_value_on_its_own():
     assert {k: v for k, v in rows[1].items() if v is not None} == {
         "trace_id": "cd", "name": "x"}
     assert {k: v for k, v in rows[2].items() if v is not None} == {"span_id": "02"}
+
+
+def test_span_table_columns_with_a_value_on_every_row_on_some_or_on_none():
+    """A column with a value on every row and one with none are built without spreading
+    the values over the rows: the same table as the general path gives."""
+    from kvobs import semconv as sc
+    from kvobs.sources._frame import SPAN_SCHEMA, table_from_rows
+
+    rows = [{"trace_id": "t", "span_id": f"{i:02d}", "name": "n", "start_ns": i,
+             sc.TTFT.key: i / 4, sc.STREAM.key: i % 2 == 0, "error": i == 1}
+            for i in range(4)]
+    rows[2][sc.TURN_INDEX.key] = 3
+    rows[3]["span_id"] = "\ud800"  # unusable: the column is no longer full
+    rows[1]["parent_span_id"], rows[3]["parent_span_id"] = "é", "p"  # not ASCII
+    rows[0]["service"], rows[2]["service"] = "", "s"  # ASCII, an empty one
+    table = table_from_rows(rows)
+    table.validate(full=True)
+    assert table.schema == SPAN_SCHEMA
+    assert table.column("start_ns").to_pylist() == [0, 1, 2, 3]
+    assert table.column(sc.TTFT.key).to_pylist() == [0.0, 0.25, 0.5, 0.75]
+    assert table.column(sc.STREAM.key).to_pylist() == [True, False, True, False]
+    assert table.column("name").to_pylist() == ["n"] * 4
+    assert table.column("span_id").to_pylist() == ["00", "01", "02", None]
+    assert table.column(sc.TURN_INDEX.key).to_pylist() == [None, None, 3, None]
+    assert table.column("parent_span_id").to_pylist() == [None, "é", None, "p"]
+    assert table.column("service").to_pylist() == ["", None, "s", None]
+    assert table.column("service").null_count == 2
+    assert table.column(sc.CONVERSATION_ID.key).to_pylist() == [None] * 4
+    assert table.column(sc.CONVERSATION_ID.key).null_count == 4
+    for column in ("start_ns", sc.TTFT.key, sc.STREAM.key, "name"):
+        assert table.column(column).null_count == 0, column
+
+
+def test_coerce_gives_each_value_what_coerced_gives():
+    """``coerce`` leaves the values ``coerced`` would return as they are without calling
+    it: every other value still goes through it (and is reported when unusable)."""
+    from kvobs import semconv as sc
+    from kvobs.sources._rows import INT64_MAX, UNUSABLE, _TYPES, coerce, coerced
+
+    cases = {
+        "span_id": ["01", "é", "\ud800", 7, None],
+        sc.TURN_INDEX.key: [3, INT64_MAX, -INT64_MAX, INT64_MAX + 1, -INT64_MAX - 1, True,
+                            2.0, 2.5, "4"],
+        sc.TTFT.key: [1.5, float("inf"), float("-inf"), float("nan"), 2, "0.5", False],
+        sc.STREAM.key: [True, False, "true", "FALSE", 1, "yes"],
+    }
+    for key, values in cases.items():
+        for value in values:
+            row = {key: value}
+            bad = coerce(row)
+            try:
+                expected, unusable = coerced(value, _TYPES[key]), []
+            except UNUSABLE:
+                expected, unusable = None, [key]
+            assert bad == unusable, (key, value)
+            assert repr(row[key]) == repr(expected), (key, value)
