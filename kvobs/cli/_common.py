@@ -39,6 +39,22 @@ def source_option(function):
     )(function)
 
 
+def sources_option(function):
+    """``--source``, given once or more: several are read as one only where each holds
+    classified turn rows (the stores of a sharded tier's classifiers)."""
+    return click.option(
+        "--source",
+        "-s",
+        "sources",
+        envvar=ENV_SOURCE,
+        required=True,
+        multiple=True,
+        show_envvar=True,
+        help=SOURCE_HELP + " Given more than once: the classified turn rows of each (the stores of "
+        "several classifiers, docs/live.md), read as one.",
+    )(function)
+
+
 def slo_option(function):
     return click.option(
         "--read-slo",

@@ -20,6 +20,7 @@ from kvobs.cli._common import (
     print_source_problems,
     slo_option,
     source_option,
+    sources_option,
 )
 from kvobs.render import byte_size, duration, fault_count, number, plural, to_json, total_seconds
 from kvobs.settings import MIN_CACHED_TOKEN_DELTA
@@ -60,7 +61,7 @@ def _check_since(ctx, param, value: str | None) -> str | None:
 
 
 @click.command("report")
-@source_option
+@sources_option
 @slo_option
 @click.option(
     "--prefill-rate",
@@ -87,16 +88,22 @@ def _check_since(ctx, param, value: str | None) -> str | None:
 @click.option("--conversation", default=None, help="Conversation for the HTML waterfall.")
 @fail_on_option
 def report_command(
-    source, read_slo, prefill_rate, since, as_json, html_file, conversation, fail_on
+    sources, read_slo, prefill_rate, since, as_json, html_file, conversation, fail_on
 ):
     """Fleet report: verdict mix, reuse, bytes, TTFT, latency, recompute and D memory, by
     turn index and prompt length, and the phases that cost the fleet most (turn 1
     apart). A source that holds classified turn rows (``kvobs collect``'s turn store, a
     ClickHouse database with its turn table) is read as turn rows, in batches; any other
     as spans (docs/fleet.md)."""
-    from kvobs.live.turn_rows import stored_turn_rows
+    from kvobs.live.turn_rows import stored_turn_rows_of
 
-    stored = stored_turn_rows(source)
+    stored = stored_turn_rows_of(list(sources))
+    source = " + ".join(sources)
+    if stored is None and len(sources) > 1:
+        fail_input(
+            "several --source are read as one only when each holds classified turn rows "
+            "(a classifier's turn store or ClickHouse turn table); read a span source alone"
+        )
     if stored is not None:
         _report_from_turn_rows(
             stored, source, read_slo, prefill_rate, since, as_json, html_file, fail_on

@@ -4,6 +4,9 @@ or a store directory (``kvobs collect --turn-store``, ``kvobs turns --source``).
 from __future__ import annotations
 
 import os
+from typing import Any, Callable, Collection, Iterable, Iterator
+
+import pyarrow as pa
 
 from kvobs.live.clickhouse_turns import ClickHouseTurns
 from kvobs.live.turnstore import TurnRows, TurnStore
@@ -28,3 +31,101 @@ def stored_turn_rows(location: str) -> TurnRows | None:
         return turns if turns.exists() else None
     store = TurnStore(location, 0)
     return store if os.path.isdir(location) and store.partitions() else None
+
+
+def stored_turn_rows_of(locations: list[str]) -> TurnRows | None:
+    """The classified turn rows of one location (``stored_turn_rows``) or of several
+    (sharded classifiers' stores, read as one: ``TurnRowsUnion``); None when one of
+    several holds none (a span source is read alone)."""
+    if len(locations) == 1:
+        return stored_turn_rows(locations[0])
+    stores = [stored_turn_rows(location) for location in locations]
+    if any(store is None for store in stores):
+        return None
+    return TurnRowsUnion([store for store in stores if store is not None])
+
+
+class TurnRowsUnion(TurnRows):
+    """Several turn row stores read as one (each classifier of a sharded tier keeps its
+    own, docs/live.md): the same report, tune and drill-down code runs over it, and a
+    turn found in several stores (its conversation re-routed) is read at its latest
+    version, as within one store. A part (file, hour) is named ``INDEX:PART`` after the
+    store that holds it. Read only: it writes nothing but the stores' own summaries."""
+
+    def __init__(self, stores: list[TurnRows]):
+        super().__init__(0.0)
+        self.stores = stores
+        self.location = " + ".join(store.location for store in stores)
+        self.problems = [p for store in stores for p in store.problems]
+
+    @staticmethod
+    def _split(part: str) -> tuple[int, str]:
+        index, _, own = part.partition(":")
+        return int(index), own
+
+    def _parts(self, parts: Collection[str] | None, index: int) -> list[str] | None:
+        if parts is None:
+            return None
+        return [own for i, own in map(self._split, parts) if i == index]
+
+    def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
+        return pa.concat_tables([store.read(conversation_id, since) for store in self.stores])
+
+    def batches(
+        self,
+        columns: list[str],
+        batch_rows: int,
+        later_versions: bool = False,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        for index, store in enumerate(self.stores):
+            own_only = self._parts(only, index)
+            if own_only == []:
+                continue
+            yield from store.batches(
+                columns, batch_rows, later_versions, self._parts(skip, index) or (), own_only
+            )
+
+    def summaries(self) -> Iterator[tuple[str, bytes]]:
+        for index, store in enumerate(self.stores):
+            for part, data in store.summaries():
+                yield f"{index}:{part}", data
+
+    def write_summary(self, part: str, summary: bytes) -> None:
+        index, own = self._split(part)
+        self.stores[index].write_summary(own, summary)
+
+    def unsummarized(self) -> list[str]:
+        return [
+            f"{index}:{part}"
+            for index, store in enumerate(self.stores)
+            for part in store.unsummarized()
+        ]
+
+    def lookup(self, conversation_ids: list[str]) -> Callable[[str], list[str]]:
+        held = [store.lookup(conversation_ids) for store in self.stores]
+
+        def find(part: str) -> list[str]:
+            index, own = self._split(part)
+            return held[index](own)
+
+        return find
+
+    def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
+        index, own = self._split(part)
+        return self.stores[index].conversation_rows(own, conversation_ids)
+
+    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        ids = list(dict.fromkeys(conversation_ids))
+        best: dict[tuple, dict[str, Any]] = {}
+        for store in self.stores:
+            for turns in store.latest_of(ids).values():
+                for turn in turns:
+                    key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
+                    if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
+                        best[key] = turn
+        found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in ids}
+        for key in sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0)):
+            found.setdefault(str(key[1]), []).append(best[key])
+        return found

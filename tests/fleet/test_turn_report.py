@@ -516,3 +516,76 @@ def test_clickhouse_tallies_of_closed_hours_give_the_rows_report(tmp_path, chdb_
     assert [h for h, _ in turns.summaries()] == ["2026010101", "2026010102"]
     assert tr.turn_row_report(turns, "s").turns == from_rows["turns"] + 1
     assert turns.unsummarized() == ["2026010100"]
+
+
+# --------------------------------------------------------------------------- several stores
+
+
+def test_several_classifiers_stores_report_as_one(synthetic_store, tmp_path, monkeypatch):
+    """A sharded tier's classifiers each keep their conversations' rows: the report over
+    their stores together (TurnRowsUnion) is the one store's, by rows and by tallies; a
+    turn re-versioned on another replica (its conversation re-routed) counts once, at
+    its latest version. The CLI takes --source more than once, for turn rows only."""
+    import zlib
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from click.testing import CliRunner
+
+    from kvobs.cli import main
+    from kvobs.live.turn_rows import TurnRowsUnion
+
+    source = synthetic_store[0]
+    span, labelled = build_report(fleet_turns(open_source(source)), source)
+    table = turn_rows_table(labelled, span.prefill_tokens_per_s, _details(labelled))
+    write_turn_rows(str(tmp_path / "one"), table)
+    # split by conversation, as the Collector's loadbalancing exporter would
+    shard = pa.array([zlib.crc32(cid.encode()) % 2 == 0
+                      for cid in table["conversation_id"].to_pylist()])
+    write_turn_rows(str(tmp_path / "a"), table.filter(shard))
+    write_turn_rows(str(tmp_path / "b"), table.filter(pc.invert(shard)))
+    one = TurnStore(str(tmp_path / "one"), 0)
+    parts = [TurnStore(str(tmp_path / name), 0) for name in ("a", "b")]
+    assert all(p.unsummarized() for p in parts)
+    expected = _full(tr.turn_row_report(one, source))
+    _same(_full(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
+    for store in parts:
+        tr.summarize(store)
+    scanned = _scanned(monkeypatch)
+    _same(_full(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
+    assert scanned == []  # every file's tally stood for its rows, in both stores
+    runner = CliRunner()
+    both = runner.invoke(main, ["report", "--json", "--source", str(tmp_path / "a"),
+                                "--source", str(tmp_path / "b")])
+    alone = runner.invoke(main, ["report", "--json", "--source", str(tmp_path / "one")])
+    assert both.exit_code == alone.exit_code, both.output
+    got, want = json.loads(both.output), json.loads(alone.output)
+    assert got.pop("source") == f"{tmp_path / 'a'} + {tmp_path / 'b'}"
+    want.pop("source")
+    for row in got["drill_down"]["rows"] + want["drill_down"]["rows"]:
+        row.pop("command")
+    _same(got, want)
+    mixed = runner.invoke(main, ["report", "--source", source, "--source", str(tmp_path / "a")])
+    assert mixed.exit_code == 2 and "classified turn rows" in mixed.output
+
+
+def test_a_turn_re_versioned_on_another_classifier_counts_once_at_its_latest(tmp_path):
+    from kvobs.live.turn_rows import TurnRowsUnion
+
+    finalized = _demo_rows()
+    first, second = TurnStore(str(tmp_path / "a"), 0), TurnStore(str(tmp_path / "b"), 0)
+    first.write(finalized, now=1_767_225_600.0)
+    moved = {**finalized[3], "version": finalized[3].get("version", 1) + 1,
+             "verdict": "insufficient-evidence"}
+    second.write([moved], now=1_767_229_200.0)
+    union = TurnRowsUnion([first, second])
+    report = tr.turn_row_report(union)
+    assert report.turns == len(finalized)
+    key = (moved["tenant"], moved["conversation_id"], moved["turn"])
+    latest = union.latest_of([moved["conversation_id"]])[moved["conversation_id"]]
+    (turn,) = [t for t in latest if (t.get("tenant"), t["conversation_id"], t["turn"]) == key]
+    assert turn["verdict"] == "insufficient-evidence"
+    verdicts = {**report.first_turn["verdicts"]}
+    for name, count in report.later_turns["verdicts"].items():
+        verdicts[name] = verdicts.get(name, 0) + count
+    assert verdicts.get("insufficient-evidence", 0) >= 1
