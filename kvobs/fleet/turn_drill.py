@@ -107,7 +107,9 @@ def drill_rows(rows: TurnRows, chosen, source: str, read_slo_s) -> list[dict[str
                 "top_cause": causes[0]["cause"] if causes else None,
                 "top_cause_share": causes[0]["share"] if causes else None,
                 "trace_id": detail.get("trace_id"),
-                "command": diagnose_command(source, cid, tenant if shared else None, read_slo_s),
+                "command": diagnose_command(
+                    rows.source_of(cid, source), cid, tenant if shared else None, read_slo_s
+                ),
             }
         )
     return out

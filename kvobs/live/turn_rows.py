@@ -42,7 +42,7 @@ def stored_turn_rows_of(locations: list[str]) -> TurnRows | None:
     stores = [stored_turn_rows(location) for location in locations]
     if any(store is None for store in stores):
         return None
-    return TurnRowsUnion([store for store in stores if store is not None])
+    return TurnRowsUnion([store for store in stores if store is not None], locations)
 
 
 class TurnRowsUnion(TurnRows):
@@ -52,11 +52,14 @@ class TurnRowsUnion(TurnRows):
     version, as within one store. A part (file, hour) is named ``INDEX:PART`` after the
     store that holds it. Read only: it writes nothing but the stores' own summaries."""
 
-    def __init__(self, stores: list[TurnRows]):
+    def __init__(self, stores: list[TurnRows], sources: list[str] | None = None):
         super().__init__(0.0)
         self.stores = stores
-        self.location = " + ".join(store.location for store in stores)
+        # What reads each store again (the --source given for it).
+        self.sources = sources or [store.location for store in stores]
+        self.location = " + ".join(self.sources)
         self.problems = [p for store in stores for p in store.problems]
+        self._holder: dict[str, str] = {}  # conversation -> the store of its latest turn
 
     @staticmethod
     def _split(part: str) -> tuple[int, str]:
@@ -119,13 +122,19 @@ class TurnRowsUnion(TurnRows):
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         ids = list(dict.fromkeys(conversation_ids))
         best: dict[tuple, dict[str, Any]] = {}
-        for store in self.stores:
+        for store, source in zip(self.stores, self.sources):
             for turns in store.latest_of(ids).values():
                 for turn in turns:
                     key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
                     if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
                         best[key] = turn
+                        self._holder[str(key[1])] = source
         found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in ids}
         for key in sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0)):
             found.setdefault(str(key[1]), []).append(best[key])
         return found
+
+    def source_of(self, conversation_id: str, source: str) -> str:
+        """The store that held the conversation's latest turn when ``latest_of`` asked:
+        its ``diagnose`` reads that store's spans."""
+        return self._holder.get(conversation_id, source)

@@ -237,6 +237,11 @@ class TurnRows:
         overrides it)."""
         return {cid: self.latest(cid) for cid in dict.fromkeys(conversation_ids)}
 
+    def source_of(self, conversation_id: str, source: str) -> str:
+        """The ``--source`` that reads ``conversation_id`` (after ``latest_of`` asked
+        for it): ``source``, where the rows are one store's."""
+        return source
+
 
 def _latest_by_conversation(
     table: pa.Table | None, conversation_ids: list[str]

@@ -547,12 +547,18 @@ def test_several_classifiers_stores_report_as_one(synthetic_store, tmp_path, mon
     one = TurnStore(str(tmp_path / "one"), 0)
     parts = [TurnStore(str(tmp_path / name), 0) for name in ("a", "b")]
     assert all(p.unsummarized() for p in parts)
-    expected = _full(tr.turn_row_report(one, source))
-    _same(_full(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
+    def uncommanded(report) -> dict:
+        full = _full(report)
+        for row in full["extras"]["drill_down"]["rows"]:
+            row.pop("command")
+        return full
+
+    expected = uncommanded(tr.turn_row_report(one, source))
+    _same(uncommanded(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
     for store in parts:
         tr.summarize(store)
     scanned = _scanned(monkeypatch)
-    _same(_full(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
+    _same(uncommanded(tr.turn_row_report(TurnRowsUnion(parts), source)), expected)
     assert scanned == []  # every file's tally stood for its rows, in both stores
     runner = CliRunner()
     both = runner.invoke(main, ["report", "--json", "--source", str(tmp_path / "a"),
@@ -562,8 +568,14 @@ def test_several_classifiers_stores_report_as_one(synthetic_store, tmp_path, mon
     got, want = json.loads(both.output), json.loads(alone.output)
     assert got.pop("source") == f"{tmp_path / 'a'} + {tmp_path / 'b'}"
     want.pop("source")
+    # each listed turn's command reads the store that holds its conversation
+    stores = {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
+    for row in got["drill_down"]["rows"]:
+        holder = "a" if zlib.crc32(row["conversation_id"].encode()) % 2 == 0 else "b"
+        assert f"--source {stores[holder]}" in row["command"], row["command"]
     for row in got["drill_down"]["rows"] + want["drill_down"]["rows"]:
         row.pop("command")
+    assert got["drill_down"]["rows"]
     _same(got, want)
     mixed = runner.invoke(main, ["report", "--source", source, "--source", str(tmp_path / "a")])
     assert mixed.exit_code == 2 and "classified turn rows" in mixed.output
