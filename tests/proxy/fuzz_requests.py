@@ -218,11 +218,11 @@ def _transport(rng: random.Random, path: str, headers: list, body: bytes) -> tup
         return kind, Case("", parts, pause_s=0.005 if kind == "chunked-slow" else 0)
     if kind in ("gzip", "deflate", "bad-gzip", "unknown-encoding"):
         if kind == "gzip":
-            data, encoding = gzip.compress(body), "gzip"
+            data, encoding = gzip.compress(body, mtime=0), "gzip"
         elif kind == "deflate":
             data, encoding = zlib.compress(body), "deflate"
         elif kind == "bad-gzip":
-            data, encoding = gzip.compress(body)[:-6] + b"broken", "gzip"
+            data, encoding = gzip.compress(body, mtime=0)[:-6] + b"broken", "gzip"
         else:
             data, encoding = body, rng.choice(["br", "zstd", "x-unknown", "gzip, gzip"])
         return kind, Case("", [request_head(path, [*headers, ("Content-Encoding", encoding)],
