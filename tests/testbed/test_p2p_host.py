@@ -53,9 +53,17 @@ def _turns(pair, cid: str, seed: int, turn1_chars: int = 700, out_tokens: int = 
             "allowed_token_ids": safe_token_ids()}
     params = lambda turn: {sc.KTP_CONVERSATION_ID: cid, sc.KTP_TURN_INDEX: turn}  # noqa
     turn1 = text(turn1_chars)
+    saves = _counter(pair.decode.metrics(), sc.M_HOST_SAVES.name)
     r1 = _post(pair.decode.url, {**base, "prompt": turn1, "max_tokens": out_tokens,
                                  "kv_transfer_params": params(1)})
     prompt2 = turn1 + r1["choices"][0]["text"] + text(60)
+    # D's copy is in its host tier once D counts the save (it reaches /metrics with a
+    # step's stats): a fixed second was not always enough under CI's load (2026-12-06:
+    # P then loaded nothing)
+    deadline = time.monotonic() + 30
+    while (_counter(pair.decode.metrics(), sc.M_HOST_SAVES.name) <= saves
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
     time.sleep(1.0)  # the last stores go out on the step after the request ends
     before = pair.prefill.metrics()
     r2 = _post(pair.prefill.url, {
