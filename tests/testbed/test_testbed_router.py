@@ -147,7 +147,7 @@ def test_engine_spans_account_for_the_turn_behind_the_router(router_run):
     What the client measured beyond is the two outer edges alone, each inside the
     client's own window: vllm-router's (and the client's own) time before P and after D,
     which no engine can see. The median turn is at least 90 % covered. The slowest phase
-    is one the engines measure.
+    is one the engines' spans bound; if it is the router's hop, the cause says so.
 
     Per turn, 90 % is not held: the outer edges are vllm-router's (0.1.17 has no
     per-request timing to read) and spike with the box's load, whatever the turn's
@@ -180,9 +180,26 @@ def _check_coverage(pairs) -> None:
             assert phase in timeline.phases, (phase, timeline.phases)
             assert timeline.phases[phase] > -0.002, (phase, timeline.phases)
         assert "the router's time" in timeline.unmeasured["proxy-in"]
-        assert timeline.slowest_phase in {p.value for p in sc.Phase} - {
-            "proxy-in", "proxy-hop", "proxy-out"}, timeline.phases
+        _check_slowest(d)
     assert sorted(ratios)[len(ratios) // 2][0] >= 0.9, sorted(ratios)
+
+
+def _check_slowest(d) -> None:
+    """The slowest phase is one the engines' own spans bound, never an edge no engine
+    saw. When it is the hop between them, it is the gap between P's and D's front-door
+    spans, and the turn's cause names the router, not kvobs proxy (CI of 2026-12-06 at
+    55d094a: a 220 ms hop, 58 % of a 0.38 s turn, on the 2-core box under the suite's
+    load)."""
+    timeline = d.timeline
+    assert timeline.slowest_phase in timeline.phases, timeline
+    assert timeline.slowest_phase not in timeline.unmeasured, timeline
+    if timeline.slowest_phase != sc.Phase.PROXY_HOP.value:
+        return
+    hop = (d.turn.get("d_http_start_ns") - d.turn.get("p_http_end_ns")) / 1e9
+    assert abs(timeline.slowest_s - hop) < 0.001, (timeline.slowest_s, hop)
+    found = {c.cause: c for c in d.causes}
+    assert sc.LatencyCause.PROXY_OVERHEAD in found, d.causes
+    assert "router between P and D" in found[sc.LatencyCause.PROXY_OVERHEAD].remedy
 
 
 def _edges_s(result, d) -> tuple[float, float]:
