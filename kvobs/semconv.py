@@ -1483,6 +1483,18 @@ M_CLASSIFIER_WRITE_ERRORS = _metric(
     "unwritable directory); the rows are kept and written with the next batch.",
 )
 CLASSIFIER_SPAN_OUTCOMES = ("classified", "late", "unreadable")
+M_CLASSIFIER_PEER_FAILURES = _metric(
+    "kvobs_classifier_peer_failures_total",
+    "counter",
+    "",
+    "Asks of a peer classifier (``kvobs collect --peer``) for a conversation this one does "
+    "not hold that got no answer, by peer (its URL, one of the configured few) and reason: "
+    "timeout (past --peer-timeout), unreachable (connection refused or reset, no such "
+    "host), bad-answer (a status other than 200 or 404, or a body that is not a "
+    "conversation). The answer comes from the peers that did answer.",
+    ("peer", "reason"),
+)
+PEER_FAILURE_REASONS = ("timeout", "unreachable", "bad-answer")
 
 # Upstream vLLM metrics kvobs reads (dashboards, alerts, testbed cross-checks); vLLM emits
 # them, not kvobs, so they stay out of METRICS (kvobs' own catalogue). Exposed names.

@@ -179,3 +179,27 @@ def write_conversation(tracers: Tracers, conversation_id: str, turns: list[TurnS
                  release_at, release_at + 1000)
         t = end
     tracers.flush()
+
+
+def classified_store(store_dir: str, conversations: dict[str, list[TurnSpec]]) -> str:
+    """A live classifier's store: the conversations' spans under ``spans/`` and, as
+    ``kvobs collect`` leaves them, their final turns under ``turns/`` (one classifier
+    of a sharded tier, holding these conversations only)."""
+    import glob
+    import json
+    import os
+
+    from kvobs.live.classifier import Classifier
+    from kvobs.live.turnstore import TurnStore
+
+    tracers = Tracers(store_dir)
+    for conversation_id, turns in conversations.items():
+        write_conversation(tracers, conversation_id, turns)
+    classifier = Classifier(window_s=600, grace_s=0)
+    for path in sorted(glob.glob(os.path.join(store_dir, "spans", "*.otlp.jsonl"))):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.strip():
+                    classifier.add_request(json.loads(line), now=100.0)
+    TurnStore(store_dir, 0).write(classifier.run_pass(now=100.0).finalized, now=1_700_000_000.0)
+    return store_dir

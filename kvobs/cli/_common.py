@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
@@ -21,6 +21,8 @@ from kvobs.cli._exit import (  # noqa: F401 (re-exported for the commands)
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from kvobs.live.turnstore import TurnRows
 
 # --fail-on of the fleet-wide commands (turns, report): what makes them exit non-zero.
 FAIL_ON = ("never", "fault", "insufficient")
@@ -53,6 +55,28 @@ def sources_option(function):
         help=SOURCE_HELP + " Given more than once: the classified turn rows of each (the stores of "
         "several classifiers, docs/live.md), read as one.",
     )(function)
+
+
+def stored_turn_rows_of_sources(sources: tuple[str, ...]) -> TurnRows | None:
+    """The classified turn rows the ``--source`` given hold (several read as one,
+    ``TurnRowsUnion``); None where the one source holds spans only. A span source among
+    several exits 2: spans are read from one source alone."""
+    from kvobs.live.turn_rows import stored_turn_rows_of
+
+    try:
+        stored = stored_turn_rows_of(list(sources))
+    except (SourceError, OSError, ImportError) as error:
+        unreadable_turn_rows(sources, error)
+    if stored is None and len(sources) > 1:
+        fail_input(
+            "several --source are read as one only when each holds classified turn rows "
+            "(a classifier's turn store or ClickHouse turn table); read a span source alone"
+        )
+    return stored
+
+
+def unreadable_turn_rows(sources: tuple[str, ...], error: Exception) -> NoReturn:
+    fail_input(f"{' + '.join(sources)}: cannot read its classified turns: {error}")
 
 
 def slo_option(function):

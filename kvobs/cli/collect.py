@@ -9,6 +9,16 @@ import click
 from kvobs.cli._exit import fail_input
 from kvobs.settings import DECODE_TTL
 
+ENV_PEERS = "KVOBS_PEERS"
+
+
+def _check_peers(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """A peer is a base URL: a bad one exits 2 at start, not at the first lookup."""
+    for url in value:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(f"{url!r} is not an http:// or https:// URL")
+    return value
+
 
 @click.command("collect")
 @click.option(
@@ -72,6 +82,26 @@ from kvobs.settings import DECODE_TTL
     default=None,
     help="Read-latency SLO in seconds (slow-transfer above it).",
 )
+@click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    metavar="URL",
+    envvar=ENV_PEERS,
+    show_envvar=True,
+    callback=_check_peers,
+    help="Another classifier of a sharded tier (http://HOST:PORT; repeat it, or list "
+    "them space-separated in the variable): GET /conversations/ID for a conversation "
+    'this one does not hold asks them all (docs/live.md, "Several classifiers"). '
+    "Listing this classifier itself is harmless.",
+)
+@click.option(
+    "--peer-timeout",
+    type=click.FloatRange(min=0.05),
+    default=2.0,
+    show_default=True,
+    help="Seconds each peer's answer is waited for; one slower is named as unanswered.",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def command(
     store_dir,
@@ -84,6 +114,8 @@ def command(
     turn_retention,
     turn_store,
     read_slo,
+    peers,
+    peer_timeout,
     log_level,
 ):
     """Receive OTLP/HTTP traces into STORE_DIR and classify every turn live.
@@ -125,6 +157,8 @@ def command(
             interval_s=interval,
             turn_retention_s=turn_retention,
             read_slo_s=read_slo,
+            peers=peers,
+            peer_timeout_s=peer_timeout,
         ),
         turns,
     )

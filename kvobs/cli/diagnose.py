@@ -13,7 +13,9 @@ from kvobs.cli._common import (
     load_source,
     print_source_problems,
     slo_option,
-    source_option,
+    sources_option,
+    stored_turn_rows_of_sources,
+    unreadable_turn_rows,
 )
 from kvobs.cli._exit import allow_quick_exit
 from kvobs.diagnose import AmbiguousConversation, UnknownConversation, diagnose
@@ -24,7 +26,7 @@ from kvobs.sources.store import StoreSource
 
 @click.command("diagnose")
 @click.argument("conversation_id")
-@source_option
+@sources_option
 @slo_option
 @click.option(
     "--prefill-rate",
@@ -47,12 +49,16 @@ from kvobs.sources.store import StoreSource
     help="Tenant digest (as spans carry it) when several tenants use the id.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, tenant, as_json):
+def command(conversation_id, sources, read_slo, prefill_rate, decode_token_s, tenant, as_json):
     """Classify every turn of CONVERSATION_ID and explain it.
 
     Exit status: 0 healthy, 1 a turn has a fault verdict, 2 usage/input error
     (including an unknown conversation id), 3 evidence incomplete.
+
+    Several --source (the stores of sharded classifiers): the spans of the one whose
+    classified turn rows hold the conversation's latest turn are read.
     """
+    source = sources[0] if len(sources) == 1 else _holder(conversation_id, sources, tenant)
     span_source = load_source(source)
     try:
         result = diagnose(
@@ -78,3 +84,27 @@ def command(conversation_id, source, read_slo, prefill_rate, decode_token_s, ten
     if isinstance(span_source, (StoreSource, OtlpJsonSource)):  # files read, nothing held
         allow_quick_exit()
     sys.exit(exit_status(result.verdicts))
+
+
+def _holder(conversation_id: str, sources: tuple[str, ...], tenant: str | None) -> str:
+    """Which of several classifiers' stores holds the conversation: the one with its
+    latest turn row (``TurnRowsUnion.source_of``, as report's drill-down commands name)."""
+    from kvobs.sources import SourceError
+
+    rows = stored_turn_rows_of_sources(sources)
+    assert rows is not None  # several sources: each holds turn rows, or it exited
+    joined = " + ".join(sources)
+    try:
+        held = rows.latest_of([conversation_id])[conversation_id]
+    except (SourceError, OSError) as error:
+        unreadable_turn_rows(sources, error)
+    if not [t for t in held if tenant is None or t.get("tenant") == tenant]:
+        scope = f" for tenant {tenant}" if tenant is not None else ""
+        fail_input(
+            f"unknown conversation id {conversation_id!r}{scope} in the classified turn rows "
+            f"of {joined} (a conversation with no final turn yet is in its classifier's "
+            "memory: GET /conversations/ID)"
+        )
+    holder = rows.source_of(conversation_id, joined)
+    click.echo(f"reading the spans of {holder}, which holds its latest turn", err=True)
+    return holder

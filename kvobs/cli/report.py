@@ -21,6 +21,7 @@ from kvobs.cli._common import (
     slo_option,
     source_option,
     sources_option,
+    stored_turn_rows_of_sources,
 )
 from kvobs.render import byte_size, duration, fault_count, number, plural, to_json, total_seconds
 from kvobs.settings import MIN_CACHED_TOKEN_DELTA
@@ -95,15 +96,8 @@ def report_command(
     apart). A source that holds classified turn rows (``kvobs collect``'s turn store, a
     ClickHouse database with its turn table) is read as turn rows, in batches; any other
     as spans (docs/fleet.md)."""
-    from kvobs.live.turn_rows import stored_turn_rows_of
-
-    stored = stored_turn_rows_of(list(sources))
+    stored = stored_turn_rows_of_sources(sources)
     source = " + ".join(sources)
-    if stored is None and len(sources) > 1:
-        fail_input(
-            "several --source are read as one only when each holds classified turn rows "
-            "(a classifier's turn store or ClickHouse turn table); read a span source alone"
-        )
     if stored is not None:
         _report_from_turn_rows(
             stored, source, read_slo, prefill_rate, since, as_json, html_file, fail_on

@@ -15,7 +15,9 @@ from kvobs.cli._common import (
     load_source,
     print_source_problems,
     slo_option,
-    source_option,
+    sources_option,
+    stored_turn_rows_of_sources,
+    unreadable_turn_rows,
 )
 from kvobs.diagnose import all_turns
 from kvobs.render import duration, to_json
@@ -23,7 +25,7 @@ from kvobs.semconv import VERDICT_VALUES, Verdict
 
 
 @click.command("turns")
-@source_option
+@sources_option
 @slo_option
 @click.option(
     "--verdict",
@@ -51,16 +53,20 @@ from kvobs.semconv import VERDICT_VALUES, Verdict
 )
 @fail_on_option
 def command(
-    source, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json, from_spans, fail_on
+    sources, read_slo, verdicts, conversations, tenants, min_turn, fmt, as_json, from_spans, fail_on
 ):
     """All turns with their verdicts (load the CSV or JSON into pandas).
 
     Where the source holds the live classifier's turns (kvobs collect's store directory,
     or ClickHouse with its --turn-store table) those are listed, each at its latest
     version, linked as the classifier linked them; --from-spans classifies the spans
-    again instead."""
+    again instead. Several --source (the stores of sharded classifiers) are listed as
+    one, each turn at its latest version over all of them."""
     fmt = "json" if as_json else fmt
-    stored = None if from_spans else _stored_turns(source)
+    if from_spans and len(sources) > 1:
+        fail_input("--from-spans classifies the spans of one --source: give one")
+    source = " + ".join(sources)
+    stored = None if from_spans else _stored_turns(sources)
     problems: list[str] = []
     if stored is not None:
         rows = stored
@@ -133,18 +139,17 @@ def command(
     sys.exit(fleet_exit_status([Verdict(r["verdict"]) for r in rows], fail_on))
 
 
-def _stored_turns(source: str) -> list[dict] | None:
-    """The live classifier's turns at ``source``, None where it holds none."""
-    from kvobs.live.turn_rows import stored_turn_rows
+def _stored_turns(sources: tuple[str, ...]) -> list[dict] | None:
+    """The live classifiers' turns at ``sources``, None where the one source holds none."""
     from kvobs.sources import SourceError
 
+    turns = stored_turn_rows_of_sources(sources)
+    if turns is None:
+        return None
     try:
-        turns = stored_turn_rows(source)
-        if turns is None:
-            return None
         rows = turns.latest()
     except (SourceError, OSError, ImportError) as error:
-        fail_input(f"{source}: cannot read its classified turns: {error}")
+        unreadable_turn_rows(sources, error)
     click.echo(
         f"{len(rows)} turns as kvobs collect classified them in {turns.location} "
         "(--from-spans: classify the spans instead)",

@@ -42,6 +42,7 @@ class TurnMetrics:
         self.held_spans = gauge(sc.M_CLASSIFIER_HELD_SPANS, r)
         self.pass_seconds = histogram(sc.M_CLASSIFIER_PASS, r)
         self.write_errors = counter(sc.M_CLASSIFIER_WRITE_ERRORS, r)
+        self.peer_failures = counter(sc.M_CLASSIFIER_PEER_FAILURES, r)
         self._span_totals = dict.fromkeys(sc.CLASSIFIER_SPAN_OUTCOMES, 0)
         self._zero()
 

@@ -11,6 +11,11 @@ Routes next to ``POST /v1/traces``:
   keeps them once they left memory; 404 for an id it never saw;
 - ``GET /conversations/{id}/html``: the same as a page (``kvobs diagnose``'s table).
 
+With peers (``--peer URL``, the other classifiers of a sharded tier) a conversation this
+one holds none of is asked of them (kvobs.live.peers; ``?local=1`` answers from this one
+alone): the answer names the peer that held it (``held_by``), a 404 the peers that did
+not answer.
+
 At start it resumes from its stores (``Live.resume``: the turn store's final turns, then
 a replay of the live span segments within the window), so a restart loses no open turn
 and counts none twice.
@@ -38,6 +43,7 @@ from kvobs.semconv import STORE_LIVE_DIR
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
+from kvobs.live.peers import Found, Peers, asked_locally
 from kvobs.live.turnstore import TurnRows, TurnStore
 from kvobs.sources._errors import SourceError
 
@@ -62,6 +68,8 @@ class LiveSettings:
     interval_s: float = 1.0  # between passes
     turn_retention_s: float = 30 * 86400.0
     read_slo_s: float | None = None
+    peers: tuple[str, ...] = ()  # base URLs of the other classifiers of a sharded tier
+    peer_timeout_s: float = 2.0  # each peer's answer is waited for this long at most
 
 
 class Live:
@@ -72,6 +80,7 @@ class Live:
         self.metrics = TurnMetrics()
         # Final turn rows: the store directory's parquet unless given (ClickHouse).
         self.turns = turns or TurnStore(store_dir, settings.turn_retention_s)
+        self.peers = Peers(settings.peers, settings.peer_timeout_s, self.metrics.peer_failures)
         self._task: asyncio.Task | None = None
         self._maintained_at = 0.0
 
@@ -192,6 +201,7 @@ class Live:
             _LOG.exception("turn store upkeep failed")
 
     async def start(self, _app: web.Application) -> None:
+        await self.peers.start()
         self.resume()
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -206,6 +216,7 @@ class Live:
             self.run_pass(now + self.settings.grace_s)
         except Exception:  # noqa: BLE001
             _LOG.exception("last pass failed")
+        await self.peers.stop()
 
     async def metrics_view(self, request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
@@ -215,21 +226,46 @@ class Live:
         )
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    async def _find(self, request: web.Request) -> Found:
+        """The conversation as this classifier holds it, else as a peer does (unless a
+        peer is asking: it gets this one's answer alone)."""
+        cid, tenant = request.match_info["conversation_id"], request.query.get("tenant")
+        turns = await self._conversation(cid, tenant)
+        if turns or asked_locally(request.query):
+            return Found(turns)
+        return await self.peers.find(cid, tenant)
+
     async def conversation_view(self, request: web.Request) -> web.Response:
         cid = request.match_info["conversation_id"]
-        turns = await self._conversation(cid, request.query.get("tenant"))
-        if not turns:
-            return web.json_response({"error": f"unknown conversation id {cid!r}"}, status=404)
-        return web.json_response({"conversation_id": cid, "turns": turns}, dumps=_json_dumps)
+        found = await self._find(request)
+        if not found.turns:
+            return web.json_response(
+                {"error": _unknown(cid, found), "unanswered_peers": found.unanswered},
+                status=404,
+            )
+        return web.json_response(
+            {"conversation_id": cid, "turns": found.turns, "held_by": found.held_by},
+            dumps=_json_dumps,
+        )
 
     async def conversation_page(self, request: web.Request) -> web.Response:
         from kvobs.live.page import conversation_html
 
         cid = request.match_info["conversation_id"]
-        turns = await self._conversation(cid, request.query.get("tenant"))
-        if not turns:
-            return web.Response(status=404, text=f"unknown conversation id {cid!r}")
-        return web.Response(text=conversation_html(cid, turns), content_type="text/html")
+        found = await self._find(request)
+        if not found.turns:
+            return web.Response(status=404, text=_unknown(cid, found))
+        return web.Response(text=conversation_html(cid, found.turns), content_type="text/html")
+
+
+def _unknown(conversation_id: str, found: Found) -> str:
+    """A 404's message: the peers that did not answer may hold it (URLs and reasons only)."""
+    text = f"unknown conversation id {conversation_id!r}"
+    if found.unanswered:
+        text += "; peers that did not answer: " + ", ".join(
+            f"{url} ({reason})" for url, reason in found.unanswered.items()
+        )
+    return text
 
 
 def _of_tenant(turns: list[dict], tenant: str | None) -> list[dict]:

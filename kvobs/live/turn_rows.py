@@ -121,20 +121,36 @@ class TurnRowsUnion(TurnRows):
 
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         ids = list(dict.fromkeys(conversation_ids))
-        best: dict[tuple, dict[str, Any]] = {}
-        for store, source in zip(self.stores, self.sources):
-            for turns in store.latest_of(ids).values():
-                for turn in turns:
-                    key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
-                    if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
-                        best[key] = turn
-                        self._holder[str(key[1])] = source
+        turns, holders = latest_turns(
+            (source, [turn for held in store.latest_of(ids).values() for turn in held])
+            for store, source in zip(self.stores, self.sources)
+        )
+        self._holder.update(holders)
         found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in ids}
-        for key in sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0)):
-            found.setdefault(str(key[1]), []).append(best[key])
+        for turn in turns:
+            found.setdefault(str(turn.get("conversation_id")), []).append(turn)
         return found
 
     def source_of(self, conversation_id: str, source: str) -> str:
         """The store that held the conversation's latest turn when ``latest_of`` asked:
         its ``diagnose`` reads that store's spans."""
         return self._holder.get(conversation_id, source)
+
+
+def latest_turns(
+    answers: Iterable[tuple[str, Iterable[dict[str, Any]]]],
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The turns several holders (stores, peer classifiers) gave, each (tenant,
+    conversation, turn) at its highest version, a tie going to the later holder, in key
+    order; and, per conversation, the holder of the turn taken last (a conversation
+    re-routed between replicas is read where it went on)."""
+    best: dict[tuple, dict[str, Any]] = {}
+    holders: dict[str, str] = {}
+    for holder, turns in answers:
+        for turn in turns:
+            key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
+            if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
+                best[key] = turn
+                holders[str(key[1])] = holder
+    ordered = sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0))
+    return [best[key] for key in ordered], holders

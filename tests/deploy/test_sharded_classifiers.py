@@ -6,9 +6,10 @@ component enabled) and validated as the other manifests are. The wiring is check
 typo would silently break the sharding: the gateway routes on ``kvobs.semconv.SHARD`` (the
 one name the connector and the proxy write) and sends the spans without it by trace id, its
 resolver lists exactly the StatefulSet's replicas at the port their Collector listens on,
-each replica's store is its own PVC, and the monitor scrapes every replica. Each check is
-also run on a broken copy of the render (a wrong attribute, a port or replica count that no
-longer agree, a shared volume, a monitor that selects nothing) and must fail there.
+each replica's --peer list names every replica at the classifier's port, each replica's
+store is its own PVC, and the monitor scrapes every replica. Each check is also run on a
+broken copy of the render (a wrong attribute, a port or replica count that no longer agree,
+a shared volume, a monitor that selects nothing) and must fail there.
 """
 
 from __future__ import annotations
@@ -79,10 +80,15 @@ def _pod_ports(workload: dict) -> dict[str, tuple[str, int]]:
             for p in c.get("ports", ())}
 
 
-def _kvobs_options(statefulset: dict) -> dict[str, str]:
+def _kvobs_command(statefulset: dict) -> list[tuple[str, str]]:
+    """(option, value) pairs of the replicas' `kvobs collect` (every option takes one)."""
     command = DEPLOY._container(statefulset, "kvobs")["command"]
     assert command[:2] == ["kvobs", "collect"]
-    return dict(zip(command[2::2], command[3::2]))
+    return list(zip(command[2::2], command[3::2]))
+
+
+def _kvobs_options(statefulset: dict) -> dict[str, str]:
+    return dict(_kvobs_command(statefulset))
 
 
 def _dropped_unless(processor: dict) -> tuple[str, str]:
@@ -199,8 +205,29 @@ def check_monitor_scrapes_every_replica(docs: list[dict]) -> None:
     assert {e["port"] for e in gateway_monitor["spec"]["endpoints"]} <= set(gateway_ports)
 
 
+def check_every_replica_knows_its_peers(docs: list[dict]) -> None:
+    """Each replica's `--peer` list is every replica by its stable name under the headless
+    Service, at the Service port that reaches the classifier's own port, so that any
+    replica answers GET /conversations/ID for a conversation another holds."""
+    statefulset = _statefulset(docs)
+    name, spec = statefulset["metadata"]["name"], statefulset["spec"]
+    service = DEPLOY.by_kind(docs, "Service")[spec["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"
+    peers = [value for option, value in _kvobs_command(statefulset) if option == "--peer"]
+    assert len(peers) == spec["replicas"]
+    pod_ports = _pod_ports(statefulset)
+    for i, peer in enumerate(peers):
+        found = re.fullmatch(r"http://([^:/]+):(\d+)", peer)
+        assert found, peer
+        assert found.group(1) == f"{name}-{i}.{service['metadata']['name']}"
+        target = _only([p["targetPort"] for p in service["spec"]["ports"]
+                        if p["port"] == int(found.group(2))])
+        assert pod_ports[target] == ("kvobs", int(_kvobs_options(statefulset)["--port"]))
+
+
 CHECKS = [check_routes_on_the_shard, check_resolver_lists_every_replica,
-          check_each_replica_owns_its_store, check_monitor_scrapes_every_replica]
+          check_each_replica_owns_its_store, check_monitor_scrapes_every_replica,
+          check_every_replica_knows_its_peers]
 
 
 # --------------------------------------------------------------------------- tests
@@ -261,6 +288,12 @@ def _edit(kind: str, name: str, change: Callable[[dict], None]) -> Callable[[lis
     return lambda docs: change(DEPLOY.by_kind(docs, kind)[name])
 
 
+def _replace_in_command(statefulset: dict, old: str, new: str) -> None:
+    container = DEPLOY._container(statefulset, "kvobs")
+    assert any(old in word for word in container["command"])
+    container["command"] = [word.replace(old, new) for word in container["command"]]
+
+
 def _share_the_store(statefulset: dict) -> None:
     statefulset["spec"]["template"]["spec"]["volumes"].append(
         {"name": "store", "persistentVolumeClaim": {"claimName": "kvobs-store"}})
@@ -286,6 +319,13 @@ BREAKAGES = {
     "a replica the ring lacks": (
         check_resolver_lists_every_replica,
         _edit("StatefulSet", "kvobs-classifier", lambda s: s["spec"].update(replicas=4))),
+    "a replica no peer list names": (
+        check_every_replica_knows_its_peers,
+        _edit("StatefulSet", "kvobs-classifier", lambda s: s["spec"].update(replicas=4))),
+    "peers asked on the Collector's port": (
+        check_every_replica_knows_its_peers,
+        _edit("StatefulSet", "kvobs-classifier", lambda s: _replace_in_command(
+            s, ":4319", ":4317"))),
     "one store for all replicas": (
         check_each_replica_owns_its_store,
         _edit("StatefulSet", "kvobs-classifier", _share_the_store)),
