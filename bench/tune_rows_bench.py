@@ -1,9 +1,9 @@
 """``kvobs tune`` from classified turn rows against the span path, on the same data, in
-one run, at two fleet sizes: wall, CPU and peak RSS of each (``/usr/bin/time``), and the
-ratio of the turn-row path's peaks (memory bounded by the partition, not the fleet).
+one run, at several fleet sizes: wall, CPU and peak RSS of each (``/usr/bin/time``), and
+the ratios of the turn-row path's peaks (memory bounded by the partition, not the fleet).
 
-    python bench/tune_rows_bench.py --dir /tmp/kvobs-bench [--conversations 2000,8000]
-        [--partition-rows 8192]
+    python bench/tune_rows_bench.py --dir /tmp/kvobs-bench
+        [--conversations 2000,8000,32000] [--partition-rows 8192] [--no-spans]
 
 For each size: the synthetic span store (``_synthetic_store.bench_store``, generated
 once, then reused), its turn rows backfilled from the span path's labelled table
@@ -11,7 +11,7 @@ once, then reused), its turn rows backfilled from the span path's labelled table
 spans and over the turn rows as subprocesses (the turn rows replayed in partitions of
 ``--partition-rows`` turns, set in the child: the default, 262,144, makes every fleet
 this bench can generate in minutes one partition). The two recommendations are checked
-equal.
+equal. ``--no-spans`` leaves the span path out (its memory grows with the fleet).
 """
 
 from __future__ import annotations
@@ -53,30 +53,38 @@ def turn_rows(store: str, directory: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/tmp/kvobs-bench")
-    parser.add_argument("--conversations", default="2000,8000")
+    parser.add_argument("--conversations", default="2000,8000,32000")
     parser.add_argument("--partition-rows", type=int, default=8192)
+    parser.add_argument("--no-spans", action="store_true")
     args = parser.parse_args()
-    peaks = []
+    peaks, table = [], []
     for conversations in (int(n) for n in args.conversations.split(",")):
         store, _ = bench_store(args.dir, conversations)
         rows_dir = os.path.join(args.dir, f"tune-rows-{conversations}")
         turns = turn_rows(store, rows_dir)
         results = {}
-        for name, command in (
+        commands = [
             ("spans", [sys.executable, "-m", "kvobs", "tune", "--source", store, "--json"]),
             ("turn rows", [sys.executable, "-c", _ROWS_TUNE, str(args.partition_rows), rows_dir]),
-        ):
+        ]
+        for name, command in commands[1:] if args.no_spans else commands:
             wall, peak, out, cpu = peak_rss_mb_of(command)
             results[name] = json.loads(out)
             print(f"{conversations:,} conversations, {turns:,} turns, tune from {name}: "
                   f"wall {wall:.1f} s, CPU {cpu:.1f} s, peak RSS {peak:,.0f} MiB", flush=True)
+            table.append(f"| {turns:,} turns | {name} | {wall:.1f} s | {cpu:.1f} s "
+                         f"| {peak:,.0f} MiB |")
             if name == "turn rows":
                 peaks.append(peak)
-        keys = ("recommended_threshold", "recommended_ttl_s", "current_threshold")
-        same = all(results["spans"][k] == results["turn rows"][k] for k in keys)
-        print(f"  recommendations equal: {same}", flush=True)
+        if not args.no_spans:
+            keys = ("recommended_threshold", "recommended_ttl_s", "current_threshold")
+            same = all(results["spans"][k] == results["turn rows"][k] for k in keys)
+            print(f"  recommendations equal: {same}", flush=True)
+    print("| fleet | tune from | wall | CPU | peak RSS |\n|---|---|---|---|---|")
+    print("\n".join(table))
     if len(peaks) > 1:
-        print(f"turn rows' peak RSS, largest over smallest fleet: {peaks[-1] / peaks[0]:.2f}x")
+        print(f"turn rows' peak RSS, largest over smallest fleet: {peaks[-1] / peaks[0]:.2f}x; "
+              f"largest over the one before: {peaks[-1] / peaks[-2]:.2f}x")
 
 
 if __name__ == "__main__":

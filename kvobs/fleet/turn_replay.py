@@ -5,8 +5,10 @@ read in batches, memory bounded by ``PARTITION_ROWS`` whatever the fleet's size.
 
 A replay links each turn to its conversation's next one, so the fleet is replayed in
 partitions of whole conversations: partition ``k`` of ``n`` is the rows whose
-conversation hashes to ``k`` modulo ``n``, gathered from every file (each pass reads the
-needed columns of every file and keeps its share). What the partitions give adds up:
+conversation hashes to ``k`` modulo ``n``. One pass over every file writes each
+partition's rows to its own temporary Arrow file (zstd, under ``tempfile``'s directory,
+removed as soon as it is replayed), so the measures are read once however many
+partitions there are. What the partitions give adds up:
 hits, later turns, verdict counts, token and block-second sums. What the fleet decides
 as one is read first, in passes over a few columns: each turn's latest version (as
 ``kvobs report`` keeps it), the prefill rate the rows were classified with (the latest
@@ -15,11 +17,15 @@ read-cost fit from least-squares sums (its cut, the 90th percentile of cost per 
 exact over up to ``EXACT_CUT_READS`` reads, else from a sketch within 1 %). The
 bootstrap of ``kvobs tune``'s confidence draws from a reservoir of at most
 ``MAX_RESAMPLED_READS`` finished reads (all of them below that: the span path's own).
+Every pass reads batches of at most ``PARTITION_ROWS`` turns (``batch_rows``), so a
+batch's frame is never larger than a partition's.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -52,6 +58,9 @@ from kvobs.verdicts import Context
 
 # Turns a partition holds at once (a frame of ~60 columns: ~0.5 KB a turn).
 PARTITION_ROWS = 262_144
+# Partition files written at once: one pass over the store per this many partitions
+# (an open file each).
+SPILL_FILES = 256
 # Up to this many reads, the read-cost cut is their exact percentile (8 bytes a read).
 EXACT_CUT_READS = 1 << 21
 _ROW_COLUMNS = ["verdict", "prompt_tokens", "finalized_at", "prefill_tokens_per_s"]
@@ -164,7 +173,7 @@ class Fleet:
     exact_cut: bool
 
     def batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        return _batches(self.rows, columns, self.versions, None)
+        return _batches(self.rows, columns, self.versions, None, batch_rows=batch_rows())
 
     def mode(self, column: str, kind: type):
         value = most_common(self.counted[column])
@@ -173,36 +182,73 @@ class Fleet:
     def partitions(self) -> Iterator[pd.DataFrame]:
         """The fleet's turns, whole conversations together, a partition at a time."""
         count = max(1, math.ceil(self.turns / PARTITION_ROWS))
-        for part in range(count):
-            kept: list[pa.RecordBatch] = []
-            for batch in self.batches(COLUMNS):
-                if count > 1:
-                    keys = pc.binary_join_element_wise(
-                        pc.fill_null(batch.column("tenant"), ""),
-                        batch.column("conversation_id"),
-                        "\x1f",
-                    ).to_numpy(zero_copy_only=False)
-                    mine = pd.util.hash_array(keys) % np.uint64(count) == part
-                    batch = batch.filter(pa.array(mine))
-                if batch.num_rows:
-                    kept.append(batch)
-            if kept:
-                joined = pa.Table.from_batches(kept).combine_chunks().to_batches()
-                yield pd.concat([frame(b, NEEDED) for b in joined], ignore_index=True)
+        if count == 1:
+            yield from _frames(list(self.batches(COLUMNS)))
+            return
+        with tempfile.TemporaryDirectory(prefix="kvobs-replay-") as spill:
+            for first in range(0, count, SPILL_FILES):
+                parts = range(first, min(first + SPILL_FILES, count))
+                for path in _spilled(self.batches(COLUMNS), count, parts, spill):
+                    with pa.OSFile(path) as source:
+                        batches = pa.ipc.open_stream(source).read_all().to_batches()
+                    os.remove(path)
+                    yield from _frames(batches)
+
+
+def batch_rows() -> int:
+    """Rows a read gives at once: the report's batch, or a partition if smaller."""
+    return min(BATCH_ROWS, PARTITION_ROWS)
+
+
+def _frames(batches: list[pa.RecordBatch]) -> Iterator[pd.DataFrame]:
+    """One partition's batches as one frame (none when it holds no turn)."""
+    if batches:
+        joined = pa.Table.from_batches(batches).combine_chunks().to_batches()
+        yield pd.concat([frame(b, NEEDED) for b in joined], ignore_index=True)
+
+
+def _spilled(
+    batches: Iterator[pa.RecordBatch], count: int, parts: range, directory: str
+) -> list[str]:
+    """Each batch's rows of the partitions ``parts`` (of ``count``) appended to the
+    partition's file under ``directory``, in the order they were read; the files
+    written, in partition order."""
+    writers: dict[int, pa.ipc.RecordBatchStreamWriter] = {}
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    try:
+        for batch in batches:
+            keys = pc.binary_join_element_wise(
+                pc.fill_null(batch.column("tenant"), ""), batch.column("conversation_id"), "\x1f"
+            ).to_numpy(zero_copy_only=False)
+            owner = pd.util.hash_array(keys) % np.uint64(count)
+            # A stable sort keeps each partition's rows in the order they were read.
+            order = np.argsort(owner, kind="stable")
+            bounds = np.searchsorted(owner[order], np.arange(parts.start, parts.stop + 1))
+            grouped = batch.take(pa.array(order))
+            for part, start, stop in zip(parts, bounds[:-1], bounds[1:]):
+                if stop > start:
+                    if part not in writers:
+                        path = os.path.join(directory, f"{part}.arrows")
+                        writers[part] = pa.ipc.new_stream(path, batch.schema, options=options)
+                    writers[part].write_batch(grouped.slice(start, stop - start))
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return [os.path.join(directory, f"{part}.arrows") for part in sorted(writers)]
 
 
 def read_fleet(rows: TurnRows, seed: int = 0) -> Fleet:
     """The first passes: versions (keys of rows past a first version), then the
     counts, rate, settings and cost per token, then the read-cost sums at the cut."""
     versions = _Versions()
-    for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True):
+    for batch in rows.batches(_KEY_COLUMNS, batch_rows(), later_versions=True):
         versions.add(batch)
     counted: dict[str, Counter] = {column: Counter() for column in MODE_COLUMNS}
     turns = later = 0
     rate, rate_at = None, -np.inf
     reservoir, cost = _Reservoir(MAX_RESAMPLED_READS, seed), _CostCut()
     columns = _KEY_COLUMNS + _ROW_COLUMNS + [MEASURES_COLUMN]
-    for batch in _batches(rows, columns, versions, None):
+    for batch in _batches(rows, columns, versions, None, batch_rows=batch_rows()):
         scanned = frame(batch, _SCAN)
         turns += len(scanned)
         later += int((scanned["turn"] > 1).sum())
@@ -219,7 +265,8 @@ def read_fleet(rows: TurnRows, seed: int = 0) -> Fleet:
     sums = None
     if cost.held or not cost.exact:
         cut = cost.cut()
-        for batch in _batches(rows, [*_KEY_COLUMNS, "verdict", MEASURES_COLUMN], versions, None):
+        read = [*_KEY_COLUMNS, "verdict", MEASURES_COLUMN]
+        for batch in _batches(rows, read, versions, None, batch_rows=batch_rows()):
             found = ReadSums.of(*usable_reads(frame(batch, READ_COLUMNS)), cut)
             if sums is None:
                 sums = found

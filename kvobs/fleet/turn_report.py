@@ -77,6 +77,9 @@ class _Versions:
 
     newest: dict[tuple, int] = field(default_factory=dict)
     latest_start_ns: float | None = None  # None: no stored turn has a start
+    # (turns in ``newest`` when made, their conversations): made once for every batch,
+    # not per batch (a replay's batches can be small).
+    _suspects: tuple[int, pa.Array] | None = field(default=None, init=False, repr=False)
 
     def add_starts(self, batch: pa.RecordBatch) -> None:
         starts = _turn_starts(batch)
@@ -108,8 +111,10 @@ class _Versions:
         newest row has no verdict). A turn's first version is the only row of most turns:
         only rows of conversations that have a later version are looked at one by one."""
         if self.newest:
-            cids = pa.array(sorted({key[1] for key in self.newest}), pa.string())
-            suspect = pc.is_in(batch.column("conversation_id"), value_set=cids)
+            if self._suspects is None or self._suspects[0] != len(self.newest):
+                cids = pa.array(sorted({key[1] for key in self.newest}), pa.string())
+                self._suspects = (len(self.newest), cids)
+            suspect = pc.is_in(batch.column("conversation_id"), value_set=self._suspects[1])
             keep = np.ones(batch.num_rows, bool)
             for i in np.flatnonzero(suspect.to_numpy(zero_copy_only=False)).tolist():
                 key = tuple(batch.column(c)[i].as_py() for c in _KEY_COLUMNS[:3])
@@ -125,8 +130,10 @@ def _batches(
     cutoff: int | None,
     skip: Collection[str] = (),
     only: Collection[str] | None = None,
+    batch_rows: int | None = None,  # None: BATCH_ROWS
 ) -> Iterator[pa.RecordBatch]:
-    for batch in rows.batches(columns, BATCH_ROWS, skip=skip, only=only):
+    size = BATCH_ROWS if batch_rows is None else batch_rows
+    for batch in rows.batches(columns, size, skip=skip, only=only):
         if versions is not None:
             batch = versions.latest_rows(batch)
         if cutoff is not None:

@@ -446,8 +446,12 @@ class TurnStore(TurnRows):
                     gathered.append(batch)
                     size += batch.num_rows
                     if size >= batch_rows:
-                        yield _joined(gathered)
-                        gathered, size = [], 0
+                        # The batch's surplus starts the next one: a batch is never
+                        # larger than asked (a replay's partition bounds its reads).
+                        joined = _joined(gathered)
+                        yield joined.slice(0, batch_rows)
+                        surplus = joined.slice(batch_rows)
+                        gathered, size = [surplus], surplus.num_rows
             except FileNotFoundError:
                 continue  # merged away since listed: this read misses it (a rerun sees it)
         if size:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +240,39 @@ def test_kvobs_tune_and_whatif_read_a_turn_store_as_turn_rows(tmp_path):
         out = CliRunner().invoke(main, refused)
         assert out.exit_code == 2, (refused, out.output)
     assert "host tier" in CliRunner().invoke(main, ["whatif", *source, "--placement"]).output
+
+
+def test_tiny_partitions_written_over_several_passes_replay_as_one_partition(
+        synthetic_rows, monkeypatch, tmp_path):
+    """Partitions of a few turns, their files written a few at a time (several passes):
+    the tallies of one partition, no read larger than a partition, no more partition
+    files at once than ``SPILL_FILES``, none left after."""
+    import tempfile
+
+    rows = synthetic_rows[0]
+    one = trp.whatif_rows(rows, *WHATIFS[0]).to_dict()
+    monkeypatch.setattr(trp, "PARTITION_ROWS", 20)
+    monkeypatch.setattr(trp, "SPILL_FILES", 24)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    read_sizes = []
+    stored_batches = rows.batches
+
+    def batches(columns, batch_rows, *args, **kwargs):
+        for batch in stored_batches(columns, batch_rows, *args, **kwargs):
+            read_sizes.append(max(batch_rows, batch.num_rows))
+            yield batch
+
+    monkeypatch.setattr(rows, "batches", batches)
+    fleet = trp.read_fleet(rows)
+    assert fleet.turns > 20 * 24 * 2  # partitions over three passes
+    seen, held = set(), 0
+    for part in fleet.partitions():
+        keys = set(zip(part["tenant"].fillna(""), part["conversation_id"]))
+        assert not keys & seen  # a conversation in one partition only
+        seen |= keys
+        held += len(part)
+        (spill,) = os.listdir(tmp_path)
+        assert len(os.listdir(tmp_path / spill)) <= 24
+    assert held == fleet.turns and os.listdir(tmp_path) == []
+    assert read_sizes and max(read_sizes) <= 20
+    _same(trp.whatif_rows(rows, *WHATIFS[0]).to_dict(), one)
