@@ -45,8 +45,11 @@ def cause_mismatches(
         if not set(wanted) & set(got):
             # what each cause was found on, so that a miss on a loaded box can be told
             # from a wrong rule without rerunning it
-            seen = [f"{c.cause.value} {c.seconds:.3f} s {c.evidence}" for c in found.causes] \
-                if found is not None else []
+            seen = (
+                [f"{c.cause.value} {c.seconds:.3f} s {c.evidence}" for c in found.causes]
+                if found is not None
+                else []
+            )
             lines.append(
                 f"{key[0]} turn {key[1]}: expected cause {' or '.join(wanted)}, "
                 f"got {', '.join(got) or 'none'}" + (f" ({'; '.join(seen)})" if seen else "")
