@@ -119,17 +119,28 @@ class TurnRowsUnion(TurnRows):
         index, own = self._split(part)
         return self.stores[index].conversation_rows(own, conversation_ids)
 
-    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
-        ids = list(dict.fromkeys(conversation_ids))
-        turns, holders = latest_turns(
-            (source, [turn for held in store.latest_of(ids).values() for turn in held])
-            for store, source in zip(self.stores, self.sources)
-        )
-        self._holder.update(holders)
-        found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in ids}
-        for turn in turns:
-            found.setdefault(str(turn.get("conversation_id")), []).append(turn)
-        return found
+    def rows_of(self, conversation_ids: list[str]) -> pa.Table | None:
+        """Every store's rows of the conversations as one table: a turn retired on one
+        store hides its older version on another, as within one store (``latest_of``)."""
+        tables = [store.rows_of(conversation_ids) for store in self.stores]
+        found = [table for table in tables if table is not None and table.num_rows]
+        self._note_holders(tables)
+        return pa.concat_tables(found, promote_options="default") if found else None
+
+    def _note_holders(self, tables: list[pa.Table | None]) -> None:
+        """Per conversation, the store holding its highest (turn, version) row: the one
+        whose spans ``diagnose`` reads (a conversation re-routed between replicas is
+        read where it went on)."""
+        best: dict[str, tuple[int, int]] = {}
+        for source, table in zip(self.sources, tables):
+            if table is None:
+                continue
+            for cid, turn, version in zip(
+                *(table.column(c).to_pylist() for c in ("conversation_id", "turn", "version"))
+            ):
+                if (turn, version) >= best.get(cid, (-1, -1)):
+                    best[cid] = (turn, version)
+                    self._holder[cid] = source
 
     def source_of(self, conversation_id: str, source: str) -> str:
         """The store that held the conversation's latest turn when ``latest_of`` asked:
@@ -140,7 +151,7 @@ class TurnRowsUnion(TurnRows):
 def latest_turns(
     answers: Iterable[tuple[str, Iterable[dict[str, Any]]]],
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The turns several holders (stores, peer classifiers) gave, each (tenant,
+    """The turns several peer classifiers gave (their answers: no retired key), each (tenant,
     conversation, turn) at its highest version, a tie going to the later holder, in key
     order; and, per conversation, the holder of the turn taken last (a conversation
     re-routed between replicas is read where it went on)."""

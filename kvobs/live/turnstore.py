@@ -232,10 +232,16 @@ class TurnRows:
             for _, detail in sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])
         ]
 
+    def rows_of(self, conversation_ids: list[str]) -> pa.Table | None:
+        """Every stored row (each version, retirements too) of these conversations;
+        None for none (a store that can look several up at once overrides it)."""
+        tables = [self.read(cid) for cid in conversation_ids]
+        return pa.concat_tables(tables) if tables else None
+
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
-        """``latest`` of each conversation (a store that can look several up at once
-        overrides it)."""
-        return {cid: self.latest(cid) for cid in dict.fromkeys(conversation_ids)}
+        """``latest`` of each conversation."""
+        ids = list(dict.fromkeys(conversation_ids))
+        return _latest_by_conversation(self.rows_of(ids), ids)
 
     def source_of(self, conversation_id: str, source: str) -> str:
         """The ``--source`` that reads ``conversation_id`` (after ``latest_of`` asked
@@ -528,11 +534,10 @@ class TurnStore(TurnRows):
     def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table | None:
         return self._conversation_rows(part, conversation_ids, _hashes(conversation_ids))
 
-    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
-        """``latest`` of several conversations, each file's index read once for all."""
-        ids = sorted(set(conversation_ids))
+    def rows_of(self, conversation_ids: list[str]) -> pa.Table | None:
+        """Each file's index read once for all the conversations."""
         files = self._paths()
-        return _latest_by_conversation(self._read(files, ids, None) if files and ids else None, ids)
+        return self._read(files, conversation_ids, None) if files and conversation_ids else None
 
 
 def _sidecar(path: str, suffix: str) -> str:

@@ -601,3 +601,31 @@ def test_a_turn_re_versioned_on_another_classifier_counts_once_at_its_latest(tmp
     for name, count in report.later_turns["verdicts"].items():
         verdicts[name] = verdicts.get(name, 0) + count
     assert verdicts.get("insufficient-evidence", 0) >= 1
+
+
+def test_a_turn_retired_on_another_classifier_is_left_out_of_its_conversation(tmp_path):
+    """A turn lineage re-keyed (a retirement row, version 2) on one store, its first
+    version on another: the conversation read over both has no such turn, as one store
+    holding both rows gives; the drill-down reads the spans of the store with the
+    conversation's last turn at its newest version."""
+    from kvobs.live.turn_rows import TurnRowsUnion
+
+    finalized = _demo_rows()
+    first, second = TurnStore(str(tmp_path / "a"), 0), TurnStore(str(tmp_path / "b"), 0)
+    first.write(finalized, now=1_767_225_600.0)
+    gone = finalized[2]
+    retired = {**gone, "version": gone.get("version", 1) + 1, "verdict": None,
+               "superseded": True}
+    second.write([retired], now=1_767_229_200.0)
+    cid, key = gone["conversation_id"], (gone.get("tenant"), gone["conversation_id"], gone["turn"])
+    keys = lambda turns: {(t.get("tenant"), t["conversation_id"], t["turn"]) for t in turns}  # noqa: E731
+    assert key in keys(first.latest_of([cid])[cid])
+    union = TurnRowsUnion([first, second], ["a", "b"])
+    held = union.latest_of([cid])[cid]
+    assert key not in keys(held)
+    both = TurnStore(str(tmp_path / "both"), 0)
+    both.write(finalized, now=1_767_225_600.0)
+    both.write([retired], now=1_767_229_200.0)
+    assert held == both.latest_of([cid])[cid]
+    last = max(t["turn"] for t in finalized if t["conversation_id"] == cid)
+    assert union.source_of(cid, "a + b") == ("b" if last == gone["turn"] else "a")
