@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 from urllib.parse import quote
 
 import aiohttp
 from prometheus_client import Counter
 
 from kvobs import semconv as sc
-from kvobs.live.turn_rows import latest_turns
 
 _LOG = logging.getLogger("kvobs.live.peers")
 
@@ -107,3 +106,22 @@ class Peers:
         self.failures.labels(url, reason).inc()
         _LOG.warning("peer classifier %s did not answer (%s): %s", url, reason, detail)
         return reason
+
+
+def latest_turns(
+    answers: Iterable[tuple[str, Iterable[dict[str, Any]]]],
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The turns the peers gave (their answers hold no retired key), each (tenant,
+    conversation, turn) at its highest version, a tie going to the later holder, in key
+    order; and, per conversation, the holder of the turn taken last (a conversation
+    re-routed between replicas is read where it went on)."""
+    best: dict[tuple, dict[str, Any]] = {}
+    holders: dict[str, str] = {}
+    for holder, turns in answers:
+        for turn in turns:
+            key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
+            if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
+                best[key] = turn
+                holders[str(key[1])] = holder
+    ordered = sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0))
+    return [best[key] for key in ordered], holders

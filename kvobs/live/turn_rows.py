@@ -4,7 +4,7 @@ or a store directory (``kvobs collect --turn-store``, ``kvobs turns --source``).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Collection, Iterable, Iterator
+from typing import Callable, Collection, Iterator
 
 import pyarrow as pa
 
@@ -146,22 +146,3 @@ class TurnRowsUnion(TurnRows):
         """The store that held the conversation's latest turn when ``latest_of`` asked:
         its ``diagnose`` reads that store's spans."""
         return self._holder.get(conversation_id, source)
-
-
-def latest_turns(
-    answers: Iterable[tuple[str, Iterable[dict[str, Any]]]],
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The turns several peer classifiers gave (their answers: no retired key), each (tenant,
-    conversation, turn) at its highest version, a tie going to the later holder, in key
-    order; and, per conversation, the holder of the turn taken last (a conversation
-    re-routed between replicas is read where it went on)."""
-    best: dict[tuple, dict[str, Any]] = {}
-    holders: dict[str, str] = {}
-    for holder, turns in answers:
-        for turn in turns:
-            key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
-            if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
-                best[key] = turn
-                holders[str(key[1])] = holder
-    ordered = sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0))
-    return [best[key] for key in ordered], holders
