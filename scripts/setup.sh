@@ -18,6 +18,16 @@ if [ -n "$missing" ]; then
   $SUDO apt-get install -y -qq --no-install-recommends $APT_PACKAGES >/dev/null
 fi
 
+# A fresh set-up writes ~6 GiB (the venv is ~5.2 GiB, pip's unpacked wheels on top). A
+# full disk fails deep inside pip with "No space left on device": say so up front.
+free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
+if [ -n "$free_kib" ] && [ "$free_kib" -lt $((8 * 1024 * 1024)) ] && [ ! -x .venv/bin/kvobs ]; then
+  echo "kvobs set-up: only $((free_kib / 1024)) MiB free on $(df -P . | awk 'NR == 2 {print $6}');" \
+    "a fresh set-up needs about 6 GiB and the tests about 2 GiB more" >&2
+fi
+# No wheel cache: on a fresh machine it only doubles what pip writes.
+export PIP_NO_CACHE_DIR=1
+
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip"

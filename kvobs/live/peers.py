@@ -6,6 +6,8 @@ conversation (an operator, a Grafana link) cannot know which replica holds it. A
 that holds none of its turns asks every peer at once with ``?local=1``, which makes a
 peer answer from its own memory and store only: a peer never asks further, so a peer
 list that names the replica itself, or two replicas that name each other, cannot loop.
+A peer's answer also names the keys it retired (lineage moved the turn elsewhere), so a
+turn retired on one replica hides its older version on another (``kvobs.live.latest``).
 
 Each peer gets ``timeout_s``; one that is down, hangs or answers garbage is counted on
 /metrics (``semconv.M_CLASSIFIER_PEER_FAILURES``), logged, and named in a 404, never
@@ -15,6 +17,7 @@ turned into a failure of the answer another peer gave.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -24,6 +27,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from kvobs import semconv as sc
+from kvobs.live.latest import answer_entries, latest
 
 _LOG = logging.getLogger("kvobs.live.peers")
 
@@ -36,12 +40,14 @@ def asked_locally(query) -> bool:
 
 @dataclass
 class Found:
-    """A conversation's turns, the peer that held them (None: this classifier), and the
-    peers that did not answer (URL -> reason, one of ``semconv.PEER_FAILURE_REASONS``)."""
+    """A conversation's turns, the peer that held them (None: this classifier), the
+    peers that did not answer (URL -> reason, one of ``semconv.PEER_FAILURE_REASONS``),
+    and, answering a peer, the keys this classifier retired."""
 
     turns: list[dict[str, Any]]
     held_by: str | None = None
     unanswered: dict[str, str] = field(default_factory=dict)
+    retired: list[dict[str, Any]] = field(default_factory=list)  # a local answer's
 
 
 class Peers:
@@ -65,9 +71,12 @@ class Peers:
             await self._session.close()
             self._session = None
 
-    async def find(self, conversation_id: str, tenant: str | None) -> Found:
+    async def find(
+        self, conversation_id: str, tenant: str | None, retired: Iterable[dict] = ()
+    ) -> Found:
         """The conversation as the peers hold it, each turn at its latest version over
-        all of them (as ``TurnRowsUnion`` reads several stores)."""
+        all of them and the keys this classifier ``retired`` (``kvobs.live.latest``)."""
+        own = answer_entries(None, (), retired)
         if self._session is None:
             return Found([])
         params = {LOCAL: "1"} | ({"tenant": tenant} if tenant is not None else {})
@@ -76,18 +85,32 @@ class Peers:
         unanswered = {
             url: answer for url, answer in zip(self.urls, answers) if isinstance(answer, str)
         }
-        turns, holders = latest_turns(
-            (url, answer) for url, answer in zip(self.urls, answers) if isinstance(answer, list)
+        kept, holders = latest(
+            itertools.chain(
+                own,
+                *(
+                    answer_entries(url, *answer)
+                    for url, answer in zip(self.urls, answers)
+                    if not isinstance(answer, str)
+                ),
+            )
         )
-        return Found(turns, holders.get(conversation_id), unanswered)
+        return Found(
+            [entry.turn for entry in kept if entry.turn is not None],
+            holders.get(conversation_id),
+            unanswered,
+        )
 
-    async def _ask(self, url: str, path: str, params: dict[str, str]) -> list[dict] | str:
-        """The peer's turns ([] for a 404), else why it gave none."""
+    async def _ask(
+        self, url: str, path: str, params: dict[str, str]
+    ) -> tuple[list[dict], list[dict]] | str:
+        """The peer's turns and the keys it retired (none for a 404), else why it gave
+        none."""
         assert self._session is not None
         try:
             async with self._session.get(url + path, params=params) as response:
                 if response.status == 404:
-                    return []
+                    return [], []
                 if response.status != 200:
                     return self._failed(url, "bad-answer", f"status {response.status}")
                 body = await response.json()
@@ -98,9 +121,12 @@ class Peers:
         except (aiohttp.ClientError, OSError) as error:
             return self._failed(url, "unreachable", str(error))
         turns = body.get("turns") if isinstance(body, dict) else None
-        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        retired = body.get("retired", []) if isinstance(body, dict) else None
+        if not (isinstance(turns, list) and _dicts(turns)) or not (
+            isinstance(retired, list) and _dicts(retired)
+        ):
             return self._failed(url, "bad-answer", "no list of turns")
-        return turns
+        return turns, retired
 
     def _failed(self, url: str, reason: str, detail: str) -> str:
         self.failures.labels(url, reason).inc()
@@ -108,20 +134,5 @@ class Peers:
         return reason
 
 
-def latest_turns(
-    answers: Iterable[tuple[str, Iterable[dict[str, Any]]]],
-) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """The turns the peers gave (their answers hold no retired key), each (tenant,
-    conversation, turn) at its highest version, a tie going to the later holder, in key
-    order; and, per conversation, the holder of the turn taken last (a conversation
-    re-routed between replicas is read where it went on)."""
-    best: dict[tuple, dict[str, Any]] = {}
-    holders: dict[str, str] = {}
-    for holder, turns in answers:
-        for turn in turns:
-            key = (turn.get("tenant"), turn.get("conversation_id"), turn.get("turn"))
-            if key not in best or turn.get("version", 0) >= best[key].get("version", 0):
-                best[key] = turn
-                holders[str(key[1])] = holder
-    ordered = sorted(best, key=lambda k: (str(k[0]), str(k[1]), k[2] or 0))
-    return [best[key] for key in ordered], holders
+def _dicts(items: list) -> bool:
+    return all(isinstance(item, dict) for item in items)

@@ -168,16 +168,20 @@ class Live:
         turns = self.classifier.conversation(conversation_id) or self.turns.latest(conversation_id)
         return _of_tenant(turns, tenant)
 
-    async def _conversation(self, conversation_id: str, tenant: str | None) -> list[dict]:
-        """``conversation`` for the routes: the store read (tens of ms at a million
+    async def _conversation(
+        self, conversation_id: str, tenant: str | None
+    ) -> tuple[list[dict], list[dict]]:
+        """``conversation`` for the routes, and the keys of it this classifier retired
+        (a peer's answer hides them): the store read (tens of ms at a million
         conversations) off the event loop that takes the spans; memory read on it (the
         passes change it there)."""
         turns = self.classifier.conversation(conversation_id)
+        retired: list[dict] = []
         if not turns:
-            turns = await asyncio.get_running_loop().run_in_executor(
-                None, self.turns.latest, conversation_id
+            turns, retired = await asyncio.get_running_loop().run_in_executor(
+                None, self.turns.latest_and_retired, conversation_id
             )
-        return _of_tenant(turns, tenant)
+        return _of_tenant(turns, tenant), _of_tenant(retired, tenant)
 
     # ------------------------------------------------------------------ aiohttp
 
@@ -228,25 +232,27 @@ class Live:
 
     async def _find(self, request: web.Request) -> Found:
         """The conversation as this classifier holds it, else as a peer does (unless a
-        peer is asking: it gets this one's answer alone)."""
+        peer is asking: it gets this one's answer alone, with the keys it retired)."""
         cid, tenant = request.match_info["conversation_id"], request.query.get("tenant")
-        turns = await self._conversation(cid, tenant)
-        if turns or asked_locally(request.query):
+        turns, retired = await self._conversation(cid, tenant)
+        if asked_locally(request.query):
+            return Found(turns, retired=retired)
+        if turns:
             return Found(turns)
-        return await self.peers.find(cid, tenant)
+        return await self.peers.find(cid, tenant, retired)
 
     async def conversation_view(self, request: web.Request) -> web.Response:
         cid = request.match_info["conversation_id"]
         found = await self._find(request)
-        if not found.turns:
+        if not found.turns and not found.retired:
             return web.json_response(
                 {"error": _unknown(cid, found), "unanswered_peers": found.unanswered},
                 status=404,
             )
-        return web.json_response(
-            {"conversation_id": cid, "turns": found.turns, "held_by": found.held_by},
-            dumps=_json_dumps,
-        )
+        answer = {"conversation_id": cid, "turns": found.turns, "held_by": found.held_by}
+        if asked_locally(request.query):
+            answer["retired"] = found.retired
+        return web.json_response(answer, dumps=_json_dumps)
 
     async def conversation_page(self, request: web.Request) -> web.Response:
         from kvobs.live.page import conversation_html

@@ -3,13 +3,15 @@ or a store directory (``kvobs collect --turn-store``, ``kvobs turns --source``).
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator
 
 import pyarrow as pa
 
 from kvobs.live.clickhouse_turns import ClickHouseTurns
-from kvobs.live.turnstore import TurnRows, TurnStore
+from kvobs.live.latest import latest
+from kvobs.live.turnstore import TurnRows, TurnStore, by_conversation, turn_entries
 from kvobs.sources import CLICKHOUSE_SCHEMES
 
 
@@ -120,27 +122,23 @@ class TurnRowsUnion(TurnRows):
         return self.stores[index].conversation_rows(own, conversation_ids)
 
     def rows_of(self, conversation_ids: list[str]) -> pa.Table | None:
-        """Every store's rows of the conversations as one table: a turn retired on one
-        store hides its older version on another, as within one store (``latest_of``)."""
         tables = [store.rows_of(conversation_ids) for store in self.stores]
         found = [table for table in tables if table is not None and table.num_rows]
-        self._note_holders(tables)
         return pa.concat_tables(found, promote_options="default") if found else None
 
-    def _note_holders(self, tables: list[pa.Table | None]) -> None:
-        """Per conversation, the store holding its highest (turn, version) row: the one
-        whose spans ``diagnose`` reads (a conversation re-routed between replicas is
-        read where it went on)."""
-        best: dict[str, tuple[int, int]] = {}
-        for source, table in zip(self.sources, tables):
-            if table is None:
-                continue
-            for cid, turn, version in zip(
-                *(table.column(c).to_pylist() for c in ("conversation_id", "turn", "version"))
-            ):
-                if (turn, version) >= best.get(cid, (-1, -1)):
-                    best[cid] = (turn, version)
-                    self._holder[cid] = source
+    def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        """``latest`` of each conversation over every store, by the one rule
+        (``kvobs.live.latest``): a turn retired on one store hides its older version on
+        another, and each conversation is read where its last turn is held."""
+        ids = list(dict.fromkeys(conversation_ids))
+        entries = []
+        for source, store in zip(self.sources, self.stores):
+            table = store.rows_of(ids)
+            if table is not None:
+                entries.append(turn_entries(table, source))
+        kept, holders = latest(itertools.chain(*entries))
+        self._holder.update(holders)
+        return by_conversation(kept, ids)
 
     def source_of(self, conversation_id: str, source: str) -> str:
         """The store that held the conversation's latest turn when ``latest_of`` asked:

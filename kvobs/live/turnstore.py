@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from kvobs.live.latest import Entry, latest, winners
 from kvobs.live.turn_measures import MEASURES_COLUMN, MEASURES_KEY, pack
 from kvobs.sources._decode import is_regular
 
@@ -223,14 +224,25 @@ class TurnRows:
     def finalized_since(self, since: float) -> list[dict[str, Any]]:
         """Every turn finalized at or after ``since``, at its latest version (what a
         restarted classifier resumes from)."""
-        return [detail for _, detail in _latest(self.read(since=since))]
+        kept, _ = latest(turn_entries(self.read(since=since)))
+        return [entry.turn for entry in kept if entry.turn is not None]
 
     def latest(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
         """The turns (of one conversation), each at its latest version, in key order."""
-        return [
-            detail | {"final": True}
-            for _, detail in sorted(_latest(self.read(conversation_id)), key=lambda item: item[0])
+        return self.latest_and_retired(conversation_id)[0]
+
+    def latest_and_retired(
+        self, conversation_id: str | None = None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``latest``, and the keys (with versions) whose latest row retires them: what
+        a peer's answer hides (``kvobs.live.latest``)."""
+        found = winners(turn_entries(self.read(conversation_id)))
+        retired = [
+            dict(zip(("tenant", "conversation_id", "turn"), e.key), version=e.version)
+            for e in found
+            if e.retired
         ]
+        return [e.turn | {"final": True} for e in found if e.turn is not None], retired
 
     def rows_of(self, conversation_ids: list[str]) -> pa.Table | None:
         """Every stored row (each version, retirements too) of these conversations;
@@ -241,7 +253,8 @@ class TurnRows:
     def latest_of(self, conversation_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
         """``latest`` of each conversation."""
         ids = list(dict.fromkeys(conversation_ids))
-        return _latest_by_conversation(self.rows_of(ids), ids)
+        table = self.rows_of(ids)
+        return by_conversation(latest(turn_entries(table))[0] if table is not None else [], ids)
 
     def source_of(self, conversation_id: str, source: str) -> str:
         """The ``--source`` that reads ``conversation_id`` (after ``latest_of`` asked
@@ -249,32 +262,27 @@ class TurnRows:
         return source
 
 
-def _latest_by_conversation(
-    table: pa.Table | None, conversation_ids: list[str]
-) -> dict[str, list[dict[str, Any]]]:
-    """``latest``'s answer per conversation, from a table of their rows."""
-    found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in conversation_ids}
-    if table is None:
-        return found
-    for key, detail in sorted(_latest(table), key=lambda item: item[0]):
-        found[key[1]].append(detail | {"final": True})
-    return found
-
-
-def _latest(table: pa.Table) -> list[tuple[tuple, dict[str, Any]]]:
-    """(key, turn) at each key's highest version, superseded keys left out."""
-    best: dict[tuple, dict] = {}
+def turn_entries(table: pa.Table, holder: Any = None) -> Iterator[Entry]:
+    """The stored rows as ``kvobs.live.latest`` entries (the turn: its ``detail``)."""
     for item in table.select(
         ["tenant", "conversation_id", "turn", "version", "detail"]
     ).to_pylist():
+        detail = json.loads(item["detail"])
+        retired = bool(detail.get("superseded"))
         key = (item["tenant"], item["conversation_id"], item["turn"])
-        if key not in best or item["version"] >= best[key]["version"]:
-            best[key] = item
-    return [
-        (key, detail | {"version": item["version"]})
-        for key, item in best.items()
-        if not (detail := json.loads(item["detail"])).get("superseded")
-    ]
+        turn = None if retired else detail | {"version": item["version"]}
+        yield Entry(key, item["version"], retired, turn, holder)
+
+
+def by_conversation(
+    kept: Iterable[Entry], conversation_ids: list[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """``latest``'s answer per conversation, from the winning entries of their rows."""
+    found: dict[str, list[dict[str, Any]]] = {cid: [] for cid in conversation_ids}
+    for entry in kept:
+        if entry.turn is not None:
+            found[entry.key[1]].append(entry.turn | {"final": True})
+    return found
 
 
 class TurnStore(TurnRows):

@@ -13,7 +13,9 @@ from aiohttp.test_utils import TestClient, TestServer, unused_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
+from kvobs.live.classifier import superseded
 from kvobs.live.service import LiveSettings, build_app
+from kvobs.live.turnstore import TurnStore
 from spanfactory import TurnSpec, classified_store
 
 TWO_TURNS = [TurnSpec(), TurnSpec(read="done")]
@@ -191,6 +193,34 @@ def test_the_latest_version_wins_when_two_peers_hold_a_turn(stores):
     assert [(t["turn"], t["verdict"]) for t in body["turns"]] == \
         [(1, held[0]["verdict"]), (2, "insufficient-evidence")]
     assert body["held_by"] == _url(newer)
+
+
+def test_a_turn_retired_on_one_replica_hides_its_older_version_on_another(stores, tmp_path):
+    """Lineage moved b-1's turn 2 under another key on replica a (its store ends that key
+    with a retirement) while replica b still holds the turn's first version: asked of a,
+    which holds no turn of b-1, the conversation is read without it. A peer's local
+    answer names the keys it retired; a replica answering for itself never does."""
+    held = TurnStore(stores["b"], 400 * 86400).latest("b-1")
+    retiring = str(tmp_path / "a")
+    TurnStore(retiring, 400 * 86400).write(
+        [superseded(held[1], held[1]["version"] + 1)], time.time())
+    pa, pb = unused_port(), unused_port()
+
+    async def scenario():
+        async with _classifier(retiring, pa, [pa, pb], []) as a, \
+                _classifier(stores["b"], pb, [pa, pb], []) as b:
+            local = await (await a.get("/conversations/b-1", params={"local": "1"})).json()
+            return (local, await (await a.get("/conversations/b-1")).json(),
+                    await (await b.get("/conversations/b-1")).json())
+
+    local, via_a, own = asyncio.run(scenario())
+    assert local["turns"] == [] and local["retired"] == [
+        {"tenant": held[1]["tenant"], "conversation_id": "b-1", "turn": 2,
+         "version": held[1]["version"] + 1}]
+    assert [t["turn"] for t in via_a["turns"]] == [1]
+    assert via_a["held_by"] == _url(pb)
+    # b holds turns of b-1 itself, so it answers from its own store alone (both turns)
+    assert [t["turn"] for t in own["turns"]] == [1, 2] and "retired" not in own
 
 
 def test_collect_takes_its_peers_from_flags_or_the_environment(tmp_path, monkeypatch):
