@@ -281,18 +281,24 @@ def _put_kv(out: dict, attributes, dropped: int) -> None:
 
 
 def _key_value_json(item) -> dict:
-    out: dict = {}
-    if item.key:
-        out["key"] = item.key
-    if item.HasField("value"):
-        out["value"] = _message_value_json(item.value)
+    key = item.key
+    out: dict = {"key": key} if key else {}
+    value = item.value  # reading an unset message field does not set it
+    which = value.WhichOneof("value")
+    if which == "string_value":  # most attributes
+        out["value"] = {"stringValue": value.string_value}
+    elif which is not None:
+        out["value"] = _message_value_json(value, which)
+    elif item.HasField("value"):
+        out["value"] = {}
     if item.key_strindex:
         out["keyStrindex"] = item.key_strindex
     return out
 
 
-def _message_value_json(value) -> dict:
-    which = value.WhichOneof("value")
+def _message_value_json(value, which: str | None = None) -> dict:
+    if which is None:
+        which = value.WhichOneof("value")
     if which == "string_value":
         return {"stringValue": value.string_value}
     if which == "int_value":
@@ -303,14 +309,12 @@ def _message_value_json(value) -> dict:
         return {"boolValue": value.bool_value}
     if which is None:
         return {}
-    if which == "array_value" or which == "kvlist_value":
-        name = "arrayValue" if which == "array_value" else "kvlistValue"
-        values = getattr(value, which).values
-        if which == "array_value":
-            items = [_message_value_json(item) for item in values]
-        else:
-            items = [_key_value_json(item) for item in values]
-        return {name: {"values": items} if items else {}}
+    if which == "array_value":
+        items = [_message_value_json(item) for item in value.array_value.values]
+        return {"arrayValue": {"values": items} if items else {}}
+    if which == "kvlist_value":
+        pairs = [_key_value_json(item) for item in value.kvlist_value.values]
+        return {"kvlistValue": {"values": pairs} if pairs else {}}
     if which == "bytes_value":
         return {"bytesValue": base64.b64encode(value.bytes_value).decode()}
     return {"stringValueStrindex": value.string_value_strindex}

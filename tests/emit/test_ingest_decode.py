@@ -17,6 +17,7 @@ import struct
 
 import pytest
 from google.protobuf import descriptor as d
+from google.protobuf.message import DecodeError
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -234,9 +235,9 @@ def test_invalid_utf8_in_a_protobuf_string_is_refused_as_before():
     message = ExportTraceServiceRequest()
     message.resource_spans.add().scope_spans.add().spans.add(name="ab")
     body = message.SerializeToString().replace(b"ab", b"\xff\xfe")
-    with pytest.raises(Exception):
+    with pytest.raises(DecodeError):
         ExportTraceServiceRequest().ParseFromString(body)
-    with pytest.raises(Exception):
+    with pytest.raises(DecodeError):  # the handler's 400
         decode(body, is_json=False)
 
 
@@ -278,7 +279,8 @@ ODD_JSON_BODIES = [
     _body(_span(), resource=[_attr("service.name", {"stringValue": "vllm-\u2028"}),
                              _attr("kvobs.role", {"intValue": "3"})]),
     b'{"resourceSpans": [], "resourceSpans": [{"scopeSpans": []}]}',
-    b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "a", "startTimeUnixNano": 1e400}]}]}]}',
+    b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "a", '
+    b'"startTimeUnixNano": 1e400}]}]}]}',
     b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": NaN}]}]}]}',
     b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "\\ud83d\\ude00 \\udc00"}]}]}]}',
     b'\xef\xbb\xbf{"resourceSpans": []}',
