@@ -114,8 +114,10 @@ def _check_json(body: bytes) -> None:
 def test_every_recorded_request_as_protobuf_and_as_json(index):
     line = _corpus()[index]
     _check_json(line.encode())
+    assert decode(line.encode(), is_json=True).document is not None  # not parsed again
     message = _as_message(line)
     _check_protobuf(message)
+    assert decode(message.SerializeToString(), is_json=False).document is not None
     _check_json(json.dumps(request_to_otlp_dict(message)).encode())
 
 
