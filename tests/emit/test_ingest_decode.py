@@ -8,6 +8,7 @@ tests/data and on fuzzed requests of odd values.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import math
@@ -16,13 +17,15 @@ import random
 import struct
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from google.protobuf import descriptor as d
 from google.protobuf.message import DecodeError
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from kvobs.emit.collect import decode
+from kvobs.emit.collect import SegmentWriter, build_app, decode
 from kvobs.emit.otlp_json import json_line, loads, request_json, request_to_otlp_dict
+from kvobs.live.service import Live, LiveSettings
 from kvobs.sources._rows import rows
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
@@ -324,3 +327,40 @@ def test_double_bits_survive_the_line():
         span = message.resource_spans.add().scope_spans.add().spans.add(name="s")
         span.attributes.add(key="gen_ai.latency.time_to_first_token").value.double_value = value
         _check_protobuf(message)
+
+
+# ------------------------------------------------------------------ the handler's answers
+
+def test_the_handler_answers_as_before_and_a_classifier_error_fails_nothing(tmp_path):
+    """200 with the classifier's input handed over; 400 for a body that is no request;
+    503 when the store cannot be written; a classifier that raises fails no request."""
+    live = Live(str(tmp_path), LiveSettings(window_s=60))
+    taken: list = []
+    live.classifier.add_request = lambda request, now=None: taken.append(request) or 1 / 0
+    writer = SegmentWriter(str(tmp_path))
+    message = _as_message(_corpus()[0])
+
+    async def scenario():
+        async with TestClient(TestServer(build_app(writer, sink=live.receive))) as client:
+            def post(body, kind):
+                return client.post("/v1/traces", data=body, headers={"Content-Type": kind})
+
+            answer = await post(message.SerializeToString(), "application/x-protobuf")
+            assert answer.status == 200
+            answer = await post(_corpus()[0].encode(), "application/json")
+            assert answer.status == 200
+            answer = await post(b"\xff\x00 not protobuf", "application/x-protobuf")
+            assert answer.status == 400
+            answer = await post(b'{"resourceSpans": {}}', "application/json")
+            assert answer.status == 400
+            writer.append = _full_disk
+            answer = await post(message.SerializeToString(), "application/x-protobuf")
+            assert answer.status == 503
+
+    asyncio.run(scenario())
+    assert [json.dumps(t) for t in taken] == [json.dumps(request_json(message)),
+                                              json.dumps(json.loads(_corpus()[0]))]
+
+
+def _full_disk(text: str) -> None:
+    raise OSError(28, "No space left on device")
