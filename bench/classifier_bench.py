@@ -12,8 +12,9 @@ than it would). Prints, in one run:
 
 - batch: ``classify_turns(turns_from_spans(all spans))`` (what ``kvobs turns`` runs);
 - stream: the same spans through ``Classifier`` (buffer, passes, versions, finalization);
-- the OTLP decode the service adds per span (the demo spans recorded on the testbed,
-  ``kvobs.sources._rows``), measured apart;
+- the rows the service builds per span from an OTLP-JSON dict (the demo spans recorded
+  on the testbed, ``kvobs.sources._rows``), measured apart: not the whole request path
+  (protobuf decode, the stored line, the store: ``ingest_bench.py``);
 
 each as spans per CPU-second (process time), and whether the two give the same verdict
 to every turn. Stream's fleet context comes from its earlier final turns, so it is

@@ -32,12 +32,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from kvobs.emit import collect
+from kvobs.emit.otlp_json import loads
 from kvobs.emit.segments import SUFFIX
 from kvobs.semconv import STORE_LIVE_DIR
 from kvobs.fleet.turn_report import summarize
@@ -49,13 +49,6 @@ from kvobs.sources._errors import SourceError
 
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
-
-_loads: Callable[[str | bytes], Any]
-try:  # what the store holds is read back as the classifier's input: the same spans
-    from orjson import loads as _loads
-except ImportError:  # pragma: no cover - orjson comes with the proxy extra
-    _loads = json.loads
-
 
 # Seconds between two rounds of the turn store's upkeep (retention, merging parts).
 MAINTAIN_S = 600
@@ -104,7 +97,7 @@ class Live:
                         if not line.strip():
                             continue
                         try:
-                            self.classifier.add_request(_loads(line), now)
+                            self.classifier.add_request(loads(line), now)
                             requests += 1
                         except ValueError:
                             unreadable += 1
@@ -120,9 +113,10 @@ class Live:
                 unreadable,
             )
 
-    def receive(self, line: str) -> None:
+    def receive(self, stored: collect.Stored) -> None:
+        """One stored export request: the classifier takes what its line reads back as."""
         try:
-            self.classifier.add_request(_loads(line))
+            self.classifier.add_request(stored.request())
         except Exception:  # noqa: BLE001 - the spans are stored; classification is extra
             _LOG.exception("could not take spans for classification")
 

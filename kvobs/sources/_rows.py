@@ -13,12 +13,14 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import re
 from typing import Any, Iterator
 
 from kvobs import semconv as sc
 from kvobs.sources._decode import short
 
 _VALUE_KEYS = ("stringValue", "intValue", "doubleValue", "boolValue")
+_VALUE_KEY_SET = frozenset(_VALUE_KEYS)
 _ERROR_STATUS = (2, "STATUS_CODE_ERROR")
 _TRACE_ID_BYTES, _SPAN_ID_BYTES = 16, 8
 INT64_MAX = 2**63 - 1
@@ -34,6 +36,7 @@ _TYPES.update(
     error="bool",
 )
 _NANOS_PER_MICRO = 1000
+_LOWER_HEX = re.compile("[0-9a-f]+")
 _KIND_OF = {str: "str", int: "int", float: "float", bool: "bool"}
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
@@ -115,13 +118,20 @@ def _value(any_value: dict):
 def _attributes(items) -> dict:
     """Key -> value; an item without a string key is no known attribute: dropped, as
     unknown attributes are."""
-    return renamed(
-        {
-            item["key"]: _value(item.get("value") or {})
-            for item in items or ()
-            if isinstance(item, dict) and isinstance(item.get("key"), str)
-        }
-    )
+    out = {}
+    for item in items or ():
+        if not isinstance(item, dict):
+            continue
+        key = item.get("key")
+        if not isinstance(key, str):
+            continue
+        any_value = item.get("value") or {}
+        if type(any_value) is dict and len(any_value) == 1:  # one value: ``_value`` at once
+            for value_key, value in any_value.items():
+                out[key] = value if value_key in _VALUE_KEY_SET else None
+        else:
+            out[key] = _value(any_value)
+    return renamed(out)
 
 
 def renamed(attributes: dict) -> dict:
@@ -190,6 +200,8 @@ def hex_id(value, size: int):
     (Tempo's API, a decoded proto file) base64, Jaeger hex without leading zeros. Anything
     else is left for coercion to judge."""
     if not isinstance(value, str) or not value:
+        return value
+    if len(value) == 2 * size and _LOWER_HEX.fullmatch(value):  # OTLP JSON's own form
         return value
     if len(value) <= 2 * size and _is_hex(value):
         return value.lower().rjust(2 * size, "0")

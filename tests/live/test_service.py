@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
 from kvobs.diagnose import all_turns
+from kvobs.emit.collect import Stored
 from kvobs.live.service import LIVE, LiveSettings, build_app
 from kvobs.live.turnstore import TurnStore
 from kvobs.sources import open_source
@@ -176,7 +177,7 @@ def test_a_stop_writes_every_turn_as_it_stands(tmp_path):
     app = build_app(str(tmp_path), LiveSettings(window_s=600, grace_s=10))
     live = app[LIVE]
     for line in lines:
-        live.receive(line)
+        live.receive(Stored(line, 0))
     asyncio.run(live.stop(app))
     assert TurnStore(str(tmp_path), 86400).read().num_rows == 25
     assert [t["verdict"] for t in TurnStore(str(tmp_path), 86400).latest("agent-happy")] \
