@@ -159,7 +159,7 @@ def _b64_to_hex(value: str) -> str:
 # ``ListFields`` gives them: a scalar at its default left out, a message field present
 # when set, a oneof member present when it is the one set; int64 and fixed64 as strings,
 # enums by name (an unknown number as the number), bytes as base64 (ids as hex).
-# tests/emit/test_otlp_request_json.py checks it against the reference on every field.
+# tests/emit/test_ingest_decode.py checks it against the reference on every field.
 
 
 def _enum_names(enum) -> dict[int, str]:
