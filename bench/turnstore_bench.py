@@ -52,8 +52,9 @@ def _template() -> dict:
 
 
 def write_store(directory: str, conversations: int, turns: int, hours: int,
-                pass_every: float, compact: bool) -> int:
-    """Returns the part files written."""
+                pass_every: float, compact: bool, compactions: list | None = None) -> int:
+    """Returns the part files written; the seconds of each ``compact`` call that merged
+    something go to ``compactions``."""
     template = _template()
     store = TurnStore(directory, 400 * 86400)
     rows_total = conversations * turns
@@ -72,7 +73,10 @@ def write_store(directory: str, conversations: int, turns: int, hours: int,
         store.write(batch, now=now)
         parts += 1
         if compact and now - compacted_at >= 600:
-            store.compact(now)
+            begin = time.perf_counter()
+            merged = store.compact(now)
+            if merged and compactions is not None:
+                compactions.append(time.perf_counter() - begin)
             compacted_at = now
     return parts
 
@@ -129,37 +133,48 @@ def main() -> None:
     parser.add_argument("--hours", type=int, default=24)
     parser.add_argument("--pass-every", type=float, default=10.0)
     parser.add_argument("--lookups", type=int, default=200)
-    parser.add_argument("--baseline", type=int, default=2000)
+    parser.add_argument("--baseline", type=int, default=2000,
+                        help="0: no small never-compacted store")
+    parser.add_argument("--dir", help="keep the store here (written only if absent): "
+                        "another tree's bench then looks up in the same files")
     args = parser.parse_args()
-    directory = tempfile.mkdtemp(prefix="kvobs-turnstore-bench-")
+    directory = args.dir or tempfile.mkdtemp(prefix="kvobs-turnstore-bench-")
     try:
         rng = random.Random(11)
-        begin = time.perf_counter()
         fleet = os.path.join(directory, "fleet")
-        parts = write_store(fleet, args.conversations, args.turns, args.hours,
-                            args.pass_every, compact=True)
+        if not os.path.isdir(fleet):
+            begin = time.perf_counter()
+            compactions: list[float] = []
+            parts = write_store(fleet, args.conversations, args.turns, args.hours,
+                                args.pass_every, compact=True, compactions=compactions)
+            print(f"rows: {args.conversations:,} conversations x {args.turns} turns over "
+                  f"{args.hours} h, {parts:,} passes (one every {args.pass_every:g} s), "
+                  f"compacted every 600 s; written in {time.perf_counter() - begin:.0f} s; "
+                  f"compact: {len(compactions)} calls that merged, "
+                  f"{sum(compactions):,.1f} s in all, longest {max(compactions, default=0):,.2f} s")
         files, size = _disk(fleet)
-        print(f"rows: {args.conversations:,} conversations x {args.turns} turns over "
-              f"{args.hours} h, {parts:,} passes (one every {args.pass_every:g} s), "
-              f"compacted every 600 s; written in {time.perf_counter() - begin:.0f} s; "
-              f"{files:,} files, {size / 2**20:,.0f} MiB")
+        print(f"store {fleet}: {files:,} files, {size / 2**20:,.0f} MiB "
+              f"(kvobs from {os.path.dirname(sys.modules['kvobs'].__file__)})")
         ids = [f"conv-{rng.randrange(args.conversations):07d}" for _ in range(args.lookups)]
         store = TurnStore(fleet, 400 * 86400)
         p50, p99 = _percentiles(lookups(store, ids, args.turns))
         print(f"merged: lookup p50 {p50:,.1f} ms, p99 {p99:,.1f} ms ({len(ids)} lookups)")
         h50, h99 = _percentiles(http_lookups(fleet, ids, args.turns))
         print(f"http  : GET /conversations/ID p50 {h50:,.1f} ms, p99 {h99:,.1f} ms")
-
+        if not args.baseline:
+            return
         small = args.baseline
         hours = max(1, round(args.hours * small / args.conversations))
         layouts = {}
         for name, compact in (("parts", False), ("merged", True)):
             path = os.path.join(directory, name)
+            shutil.rmtree(path, ignore_errors=True)
             write_store(path, small, args.turns, hours, args.pass_every, compact)
             files, _ = _disk(path)
             sample = [f"conv-{rng.randrange(small):07d}" for _ in range(20)]
             layouts[name] = (_percentiles(lookups(TurnStore(path, 400 * 86400), sample,
                                                   args.turns)), files)
+            shutil.rmtree(path, ignore_errors=True)
         (b50, b99), bfiles = layouts["parts"]
         (m50, m99), mfiles = layouts["merged"]
         print(f"baseline, {small:,} conversations over {hours} h: never compacted "
@@ -167,7 +182,8 @@ def main() -> None:
               f"({mfiles:,} files) p50 {m50:,.1f} ms, p99 {m99:,.1f} ms; "
               f"ratio p99 {b99 / m99:,.1f}x")
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
