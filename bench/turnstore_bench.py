@@ -3,6 +3,7 @@
 
     python bench/turnstore_bench.py [--conversations 1000000] [--turns 3] [--hours 24]
                                     [--pass-every 10] [--lookups 200] [--baseline 2000]
+                                    [--dir DIR] [--add-group-sidecars]
 
 Rows: ``--conversations`` x ``--turns`` final turns, each the ``kvobs diagnose --json``
 turn of a real testbed turn (tests/data/demo-spans.otlp.jsonl) under fresh ids,
@@ -18,7 +19,11 @@ Measured in one run:
   but never compacted (every part file opened by a lookup), and the merged lookup of
   the same conversations in a store of that size.
 
-Prints p50/p99 per lookup (wall clock), files and bytes on disk, and the ratio.
+Prints p50/p99 per lookup (wall clock), files and bytes on disk, the ratio, and what
+the writing's ``compact`` calls cost. ``--dir DIR`` keeps the store (written only when
+DIR/fleet is absent): another tree's copy of this script (main's, for the baseline) then
+looks up the same conversations in the same files. ``--add-group-sidecars`` first gives
+a store an older kvobs merged its row-group sidecars (``TurnStore.add_group_sidecars``).
 """
 
 from __future__ import annotations
@@ -137,6 +142,9 @@ def main() -> None:
                         help="0: no small never-compacted store")
     parser.add_argument("--dir", help="keep the store here (written only if absent): "
                         "another tree's bench then looks up in the same files")
+    parser.add_argument("--add-group-sidecars", action="store_true",
+                        help="first give the store's merged files their .groups (a "
+                        "store an older kvobs wrote, upgraded in place)")
     args = parser.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="kvobs-turnstore-bench-")
     try:
@@ -157,6 +165,11 @@ def main() -> None:
               f"(kvobs from {os.path.dirname(sys.modules['kvobs'].__file__)})")
         ids = [f"conv-{rng.randrange(args.conversations):07d}" for _ in range(args.lookups)]
         store = TurnStore(fleet, 400 * 86400)
+        if args.add_group_sidecars and hasattr(store, "add_group_sidecars"):
+            begin = time.perf_counter()
+            added = store.add_group_sidecars()
+            print(f"row-group sidecars added to {len(added)} merged files an older kvobs "
+                  f"wrote, in {time.perf_counter() - begin:,.1f} s")
         p50, p99 = _percentiles(lookups(store, ids, args.turns))
         print(f"merged: lookup p50 {p50:,.1f} ms, p99 {p99:,.1f} ms ({len(ids)} lookups)")
         h50, h99 = _percentiles(http_lookups(fleet, ids, args.turns))

@@ -61,6 +61,9 @@ SCHEMA = pa.schema(
         (MEASURES_COLUMN, pa.binary()),
     ]
 )
+# No rows (a table is immutable: one for every read that finds none; making one costs
+# ~0.1 ms, and a lookup misses a hundred files).
+_NO_ROWS = SCHEMA.empty_table()
 # Rows kept for a later write while the directory cannot be written (full disk); past
 # this, the oldest go (counted by the caller).
 MAX_PENDING = 100_000
@@ -87,6 +90,8 @@ _GROUPS_MAGIC = b"KVG1"
 # Statistics are written for these columns only: what readers filter on. The turn JSON's
 # min and max (``detail``, a few KB a group) made most of a merged file's footer.
 _STATISTICS = [name for name in SCHEMA.names if name not in ("detail", "trace_id", MEASURES_COLUMN)]
+# Merged files an older kvobs wrote get their ``_GROUPS`` at most this many a ``compact``.
+GROUP_SIDECARS_PER_COMPACT = 12
 # Indexes larger than this are memory-mapped for a lookup rather than read.
 _MAPPED_INDEX_BYTES = 1 << 16
 # An open hour's parts are merged (into a file of their own) once there are this many.
@@ -377,7 +382,34 @@ class TurnStore(TurnRows):
                 continue
             self._merge(partition, chosen, now)
             merged.append(name)
+        with contextlib.suppress(OSError):  # a full disk: lookups read those as they are
+            self.add_group_sidecars(GROUP_SIDECARS_PER_COMPACT)
         return merged
+
+    def add_group_sidecars(self, limit: int | None = None) -> list[str]:
+        """Writes the ``_GROUPS`` of merged files an older kvobs wrote without one (at
+        most ``limit``: ~1 s each for a fleet's hour); returns those files."""
+        done: list[str] = []
+        for path in self._paths():
+            if limit is not None and len(done) >= limit:
+                break
+            if not os.path.basename(path).startswith(_MERGED) or os.path.exists(
+                _sidecar(path, _GROUPS)
+            ):
+                continue
+            try:
+                index = np.fromfile(_sidecar(path, _INDEX), dtype="<u8")
+                ids = _dictionary(pq.read_table(path, columns=["conversation_id"]))
+            except (OSError, pa.ArrowException):
+                continue  # no index (it has no use then), merged away meanwhile, unreadable
+            hashes = _hashes(ids.dictionary.to_pylist())
+            if not np.array_equal(np.unique(hashes), index):
+                continue  # an index not of this file: lookups read the file whole
+            groups = _groups_sidecar(path, index, hashes, ids.indices)
+            if groups is not None:
+                _write_aside(_sidecar(path, _GROUPS), groups)
+                done.append(path)
+        return done
 
     def _merge(self, partition: str, names: list[str], now: float) -> None:
         paths = [os.path.join(partition, f) for f in names]
@@ -430,7 +462,7 @@ class TurnStore(TurnRows):
         found, at = searched
         held = [cid for cid, hit in zip(conversation_ids, found.tolist()) if hit]
         if not held:
-            return SCHEMA.empty_table()
+            return _NO_ROWS
         located = _located(path, at[found])
         if located is not None:
             handle, groups = located
@@ -488,7 +520,7 @@ class TurnStore(TurnRows):
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         files = self._paths(since)
         if not files:
-            return SCHEMA.empty_table()
+            return _NO_ROWS
         ids = None if conversation_id is None else [conversation_id]
         return self._read(files, ids, since)
 
@@ -501,10 +533,12 @@ class TurnStore(TurnRows):
         tables = []
         for path in files:
             try:
-                tables.append(self._rows(path, ids, keys, since, filters))
+                table = self._rows(path, ids, keys, since, filters)
             except FileNotFoundError:
                 continue  # merged meanwhile: a read after the merge finds its rows
-        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+            if table.num_rows:  # a lookup misses most files: no table of each
+                tables.append(table)
+        return pa.concat_tables(tables) if tables else _NO_ROWS
 
     def summaries(self) -> Iterator[tuple[str, bytes]]:
         """Read one at a time (a fleet's month is hundreds of files); a summary whose
@@ -523,15 +557,7 @@ class TurnStore(TurnRows):
     def write_summary(self, part: str, summary: bytes) -> None:
         """Written aside and renamed: a reader meets the whole summary or none."""
         size = os.stat(part).st_size.to_bytes(_SUMMARY_HEADER, "little")
-        target = _sidecar(part, _SUMMARY)
-        try:
-            with open(target + ".tmp", "wb") as handle:
-                handle.write(size + summary)
-            os.replace(target + ".tmp", target)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(target + ".tmp")
-            raise
+        _write_aside(_sidecar(part, _SUMMARY), size + summary)
 
     def unsummarized(self) -> list[str]:
         return [
@@ -564,6 +590,23 @@ class TurnStore(TurnRows):
 
 def _sidecar(path: str, suffix: str) -> str:
     return path[: -len(".parquet")] + suffix
+
+
+def _write_aside(target: str, data: bytes) -> None:
+    """``data`` written aside and renamed: a reader meets all of it or none."""
+    try:
+        with open(target + ".tmp", "wb") as handle:
+            handle.write(data)
+        os.replace(target + ".tmp", target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(target + ".tmp")
+        raise
+
+
+def _dictionary(table: pa.Table) -> pa.DictionaryArray:
+    """A table's conversations, each once, and each row's among them."""
+    return table.column("conversation_id").combine_chunks().dictionary_encode()
 
 
 def _indexed(path: str, keys: np.ndarray) -> np.ndarray | None:
@@ -730,7 +773,7 @@ def _write_indexed(base: str, table: pa.Table, **options: Any) -> None:
     between the renames leaves sidecars alone, never read)."""
     written = []
     try:
-        ids = table.column("conversation_id").combine_chunks().dictionary_encode()
+        ids = _dictionary(table)
         hashes = _hashes(ids.dictionary.to_pylist())
         index = np.unique(hashes)
         index.astype("<u8").tofile(base + _INDEX + ".tmp")

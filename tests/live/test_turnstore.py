@@ -402,6 +402,14 @@ def test_a_merged_file_is_looked_up_through_its_row_group_sidecar(tmp_path, monk
         for n, turns in expected.items():
             assert [t["turn"] for t in store.latest(f"c{n:02d}")] == turns, (n, broken)
         assert store.latest_of(wanted) == together
+    # the upkeep writes it for a file merged without one (by an older kvobs)
+    sidecar.unlink()
+    assert store.add_group_sidecars(limit=0) == []
+    assert store.compact(now=T0 + 3 * HOUR) == [] and sidecar.read_bytes() == good
+    assert store.add_group_sidecars() == []
+    with monkeypatch.context() as patched:
+        patched.setattr(turnstore, "_groups_holding", None)
+        assert store.latest_of(wanted) == together
 
 
 def test_merged_files_keep_statistics_of_the_columns_readers_filter_on(tmp_path):
