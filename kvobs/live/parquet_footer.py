@@ -86,8 +86,10 @@ def _split(buf: memoryview) -> Split:
                 raise FooterError("row groups are not structs")
             for _ in range(size):
                 start = pos
-                rows.append(_group_rows(buf, pos))
-                pos = _skip(buf, pos, _STRUCT)
+                pos, count = _struct(buf, pos, _GROUP_ROWS)
+                if count is None:
+                    raise FooterError("row group without num_rows")
+                rows.append(count)
                 groups.append(bytes(buf[start:pos]))
             list_at = (begin, pos)
         else:
@@ -125,20 +127,22 @@ def subset(split_: Split, chosen: list[int]) -> pq.FileMetaData:
     return pq.read_metadata(io.BytesIO(_MAGIC + data + len(data).to_bytes(4, "little") + _MAGIC))
 
 
-def _group_rows(buf: memoryview, pos: int) -> int:
-    """A RowGroup struct's num_rows."""
+def _struct(buf: memoryview, pos: int, wanted: int) -> tuple[int, int | None]:
+    """Past a struct, and its i64 field ``wanted`` (None if it has none)."""
     field = 0
+    value = None
     while True:
         header = buf[pos]
         pos += 1
         if header == 0:
-            raise FooterError("row group without num_rows")
+            return pos, value
         kind = header & 0x0F
         field, pos = _field_id(buf, pos, header, field)
-        if field == _GROUP_ROWS and kind == _I64:
-            value, _ = _varint(buf, pos)
-            return (value >> 1) ^ -(value & 1)
-        pos = _skip(buf, pos, kind)
+        if field == wanted and kind == _I64:
+            encoded, pos = _varint(buf, pos)
+            value = (encoded >> 1) ^ -(encoded & 1)
+        else:
+            pos = _skip(buf, pos, kind)
 
 
 def _field_id(buf: memoryview, pos: int, header: int, last: int) -> tuple[int, int]:
@@ -176,8 +180,9 @@ def _skip(buf: memoryview, pos: int, kind: int) -> int:
     if kind == _BYTE:
         return pos + 1
     if kind in (_I16, _I32, _I64):
-        _, pos = _varint(buf, pos)
-        return pos
+        while buf[pos] & 0x80:
+            pos += 1
+        return pos + 1
     if kind == _DOUBLE:
         return pos + 8
     if kind == _BINARY:
@@ -199,13 +204,15 @@ def _skip(buf: memoryview, pos: int, kind: int) -> int:
                 pos = pos + 1 if element in (_TRUE, _FALSE) else _skip(buf, pos, element)
         return pos
     if kind == _STRUCT:
-        field = 0
-        while True:
+        while True:  # field ids need not be known to skip
             header = buf[pos]
             pos += 1
             if header == 0:
                 return pos
-            field, pos = _field_id(buf, pos, header, field)
+            if not header >> 4:  # a long field id: a zigzag varint
+                while buf[pos] & 0x80:
+                    pos += 1
+                pos += 1
             pos = _skip(buf, pos, header & 0x0F)
     raise FooterError(f"unknown thrift type {kind}")
 
