@@ -306,6 +306,7 @@ class TurnStore(TurnRows):
         super().__init__(retention_s)
         self.directory = os.path.join(directory, TURNS_DIR)
         self.location = self.directory
+        self._without_groups: set[str] = set()  # merged files add_group_sidecars cannot
 
     def _flush(self, now: float) -> int:
         by_hour: dict[str, list[dict]] = defaultdict(list)
@@ -388,15 +389,19 @@ class TurnStore(TurnRows):
 
     def add_group_sidecars(self, limit: int | None = None) -> list[str]:
         """Writes the ``_GROUPS`` of merged files an older kvobs wrote without one (at
-        most ``limit``: ~1 s each for a fleet's hour); returns those files."""
+        most ``limit``: ~0.3 s each for a fleet's hour); returns those files. A file it
+        cannot give one is not tried again by this store."""
         done: list[str] = []
         for path in self._paths():
             if limit is not None and len(done) >= limit:
                 break
-            if not os.path.basename(path).startswith(_MERGED) or os.path.exists(
-                _sidecar(path, _GROUPS)
+            if (
+                not os.path.basename(path).startswith(_MERGED)
+                or path in self._without_groups
+                or os.path.exists(_sidecar(path, _GROUPS))
             ):
                 continue
+            self._without_groups.add(path)  # until written
             try:
                 index = np.fromfile(_sidecar(path, _INDEX), dtype="<u8")
                 ids = _dictionary(pq.read_table(path, columns=["conversation_id"]))
@@ -407,6 +412,7 @@ class TurnStore(TurnRows):
                 continue  # an index not of this file: lookups read the file whole
             groups = _groups_sidecar(path, index, hashes, ids.indices)
             if groups is not None:
+                self._without_groups.discard(path)  # a failed write: tried again
                 _write_aside(_sidecar(path, _GROUPS), groups)
                 done.append(path)
         return done
@@ -455,7 +461,9 @@ class TurnStore(TurnRows):
         """The conversations' rows of a file through its index (an empty table when it
         holds none of them), None when the file has no index (an older kvobs wrote it).
         Only a file that holds a conversation is opened, once, only its row groups whose
-        conversation range covers one read."""
+        conversation range covers one read: named by the file's ``_GROUPS``, and read
+        through a footer of those groups only; else (a file an older kvobs merged) found
+        by the statistics in the whole footer."""
         searched = _searched(path, keys)
         if searched is None:
             return None

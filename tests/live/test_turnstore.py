@@ -410,6 +410,22 @@ def test_a_merged_file_is_looked_up_through_its_row_group_sidecar(tmp_path, monk
     with monkeypatch.context() as patched:
         patched.setattr(turnstore, "_groups_holding", None)
         assert store.latest_of(wanted) == together
+    # an index not of the file: no sidecar, the file read whole, not tried again
+    sidecar.unlink()
+    index = merged.with_suffix(".cids")
+    index.write_bytes(index.read_bytes()[8:])  # one conversation fewer
+    read_table = pq.read_table
+    reads = []
+
+    def counted(*args, **kwargs):
+        reads.append(args)
+        return read_table(*args, **kwargs)
+
+    monkeypatch.setattr(turnstore.pq, "read_table", counted)
+    assert store.add_group_sidecars() == [] and not sidecar.exists() and len(reads) == 1
+    assert store.add_group_sidecars() == [] and len(reads) == 1
+    assert TurnStore(str(tmp_path), 30 * 86400).add_group_sidecars() == [] and len(reads) == 2
+    assert [t["turn"] for t in store.latest("c07")] == expected[7]
 
 
 def test_merged_files_keep_statistics_of_the_columns_readers_filter_on(tmp_path):
