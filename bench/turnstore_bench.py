@@ -3,6 +3,7 @@
 
     python bench/turnstore_bench.py [--conversations 1000000] [--turns 3] [--hours 24]
                                     [--pass-every 10] [--lookups 200] [--baseline 2000]
+                                    [--dir DIR] [--add-group-sidecars]
 
 Rows: ``--conversations`` x ``--turns`` final turns, each the ``kvobs diagnose --json``
 turn of a real testbed turn (tests/data/demo-spans.otlp.jsonl) under fresh ids,
@@ -18,7 +19,11 @@ Measured in one run:
   but never compacted (every part file opened by a lookup), and the merged lookup of
   the same conversations in a store of that size.
 
-Prints p50/p99 per lookup (wall clock), files and bytes on disk, and the ratio.
+Prints p50/p99 per lookup (wall clock), files and bytes on disk, the ratio, and what
+the writing's ``compact`` calls cost. ``--dir DIR`` keeps the store (written only when
+DIR/fleet is absent): another tree's copy of this script (main's, for the baseline) then
+looks up the same conversations in the same files. ``--add-group-sidecars`` first gives
+a store an older kvobs merged its row-group sidecars (``TurnStore.add_group_sidecars``).
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ def _template() -> dict:
 
 
 def write_store(directory: str, conversations: int, turns: int, hours: int,
-                pass_every: float, compact: bool) -> int:
-    """Returns the part files written."""
+                pass_every: float, compact: bool, compactions: list | None = None) -> int:
+    """Returns the part files written; the seconds of each ``compact`` call that merged
+    something go to ``compactions``."""
     template = _template()
     store = TurnStore(directory, 400 * 86400)
     rows_total = conversations * turns
@@ -72,7 +78,10 @@ def write_store(directory: str, conversations: int, turns: int, hours: int,
         store.write(batch, now=now)
         parts += 1
         if compact and now - compacted_at >= 600:
-            store.compact(now)
+            begin = time.perf_counter()
+            merged = store.compact(now)
+            if merged and compactions is not None:
+                compactions.append(time.perf_counter() - begin)
             compacted_at = now
     return parts
 
@@ -105,10 +114,13 @@ def lookups(store: TurnStore, ids: list[str], turns: int) -> list[float]:
 def http_lookups(directory: str, ids: list[str], turns: int) -> list[float]:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from kvobs.live.service import LiveSettings, build_app
+    from kvobs.live.service import LIVE, LiveSettings, build_app
 
     async def run() -> list[float]:
         app = build_app(directory, LiveSettings(window_s=60, turn_retention_s=400 * 86400))
+        # No upkeep meanwhile: it would merge the bench's open hour (the store would no
+        # longer be the one the other lookups and another tree's run read).
+        app[LIVE]._maintained_at = time.time()
         out = []
         async with TestClient(TestServer(app)) as client:
             for cid in ids:
@@ -129,37 +141,58 @@ def main() -> None:
     parser.add_argument("--hours", type=int, default=24)
     parser.add_argument("--pass-every", type=float, default=10.0)
     parser.add_argument("--lookups", type=int, default=200)
-    parser.add_argument("--baseline", type=int, default=2000)
+    parser.add_argument("--baseline", type=int, default=2000,
+                        help="0: no small never-compacted store")
+    parser.add_argument("--dir", help="keep the store here (written only if absent): "
+                        "another tree's bench then looks up in the same files")
+    parser.add_argument("--add-group-sidecars", action="store_true",
+                        help="first give the store's merged files their .groups (a "
+                        "store an older kvobs wrote, upgraded in place)")
     args = parser.parse_args()
-    directory = tempfile.mkdtemp(prefix="kvobs-turnstore-bench-")
+    directory = args.dir or tempfile.mkdtemp(prefix="kvobs-turnstore-bench-")
     try:
         rng = random.Random(11)
-        begin = time.perf_counter()
         fleet = os.path.join(directory, "fleet")
-        parts = write_store(fleet, args.conversations, args.turns, args.hours,
-                            args.pass_every, compact=True)
+        if not os.path.isdir(fleet):
+            begin = time.perf_counter()
+            compactions: list[float] = []
+            parts = write_store(fleet, args.conversations, args.turns, args.hours,
+                                args.pass_every, compact=True, compactions=compactions)
+            print(f"rows: {args.conversations:,} conversations x {args.turns} turns over "
+                  f"{args.hours} h, {parts:,} passes (one every {args.pass_every:g} s), "
+                  f"compacted every 600 s; written in {time.perf_counter() - begin:.0f} s; "
+                  f"compact: {len(compactions)} calls that merged, "
+                  f"{sum(compactions):,.1f} s in all, longest {max(compactions, default=0):,.2f} s")
         files, size = _disk(fleet)
-        print(f"rows: {args.conversations:,} conversations x {args.turns} turns over "
-              f"{args.hours} h, {parts:,} passes (one every {args.pass_every:g} s), "
-              f"compacted every 600 s; written in {time.perf_counter() - begin:.0f} s; "
-              f"{files:,} files, {size / 2**20:,.0f} MiB")
+        print(f"store {fleet}: {files:,} files, {size / 2**20:,.0f} MiB "
+              f"(kvobs from {os.path.dirname(sys.modules['kvobs'].__file__)})")
         ids = [f"conv-{rng.randrange(args.conversations):07d}" for _ in range(args.lookups)]
+        if not args.lookups:
+            return
         store = TurnStore(fleet, 400 * 86400)
+        if args.add_group_sidecars and hasattr(store, "add_group_sidecars"):
+            begin = time.perf_counter()
+            added = store.add_group_sidecars()
+            print(f"row-group sidecars added to {len(added)} merged files an older kvobs "
+                  f"wrote, in {time.perf_counter() - begin:,.1f} s")
         p50, p99 = _percentiles(lookups(store, ids, args.turns))
         print(f"merged: lookup p50 {p50:,.1f} ms, p99 {p99:,.1f} ms ({len(ids)} lookups)")
         h50, h99 = _percentiles(http_lookups(fleet, ids, args.turns))
         print(f"http  : GET /conversations/ID p50 {h50:,.1f} ms, p99 {h99:,.1f} ms")
-
+        if not args.baseline:
+            return
         small = args.baseline
         hours = max(1, round(args.hours * small / args.conversations))
         layouts = {}
         for name, compact in (("parts", False), ("merged", True)):
             path = os.path.join(directory, name)
+            shutil.rmtree(path, ignore_errors=True)
             write_store(path, small, args.turns, hours, args.pass_every, compact)
             files, _ = _disk(path)
             sample = [f"conv-{rng.randrange(small):07d}" for _ in range(20)]
             layouts[name] = (_percentiles(lookups(TurnStore(path, 400 * 86400), sample,
                                                   args.turns)), files)
+            shutil.rmtree(path, ignore_errors=True)
         (b50, b99), bfiles = layouts["parts"]
         (m50, m99), mfiles = layouts["merged"]
         print(f"baseline, {small:,} conversations over {hours} h: never compacted "
@@ -167,7 +200,8 @@ def main() -> None:
               f"({mfiles:,} files) p50 {m50:,.1f} ms, p99 {m99:,.1f} ms; "
               f"ratio p99 {b99 / m99:,.1f}x")
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import contextlib
 import hashlib
 import json
 import math
+import mmap
 import os
+import struct
 import shutil
 import time
 import uuid
@@ -30,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from kvobs.live import parquet_footer
 from kvobs.live.latest import Entry, latest, winners
 from kvobs.live.turn_measures import MEASURES_COLUMN, MEASURES_KEY, pack
 from kvobs.sources._decode import is_regular
@@ -59,6 +62,9 @@ SCHEMA = pa.schema(
         (MEASURES_COLUMN, pa.binary()),
     ]
 )
+# No rows (a table is immutable: one for every read that finds none; making one costs
+# ~0.1 ms, and a lookup misses a hundred files).
+_NO_ROWS = SCHEMA.empty_table()
 # Rows kept for a later write while the directory cannot be written (full disk); past
 # this, the oldest go (counted by the caller).
 MAX_PENDING = 100_000
@@ -71,6 +77,22 @@ _INDEX = ".cids"  # next to each file: its conversations' sorted hashes, raw uin
 # ``kvobs.fleet.turn_report``), after the size of the file it was computed from.
 _SUMMARY = ".tally"
 _SUMMARY_HEADER = 8
+# Next to a merged file: where each of its conversations' rows are (row groups, aligned
+# with ``_INDEX``) and its footer cut by row group (``kvobs.live.parquet_footer``), so a
+# lookup parses the footer of the groups it reads only (the whole footer of ~500 groups
+# takes 5-7 ms). Layout in ``_GROUPS_HEADER``'s comment.
+_GROUPS = ".groups"
+# magic, parquet file size, conversations, row groups, lengths of the footer's head,
+# middle and tail; then first and last group per conversation (uint32 each), each group's
+# offset into the groups' bytes (uint64, one more than the groups) and rows (uint64);
+# then head, middle, tail and the groups' bytes.
+_GROUPS_HEADER = struct.Struct("<4sQIIIII")
+_GROUPS_MAGIC = b"KVG1"
+# Statistics are written for these columns only: what readers filter on. The turn JSON's
+# min and max (``detail``, a few KB a group) made most of a merged file's footer.
+_STATISTICS = [name for name in SCHEMA.names if name not in ("detail", "trace_id", MEASURES_COLUMN)]
+# Merged files an older kvobs wrote get their ``_GROUPS`` at most this many a ``compact``.
+GROUP_SIDECARS_PER_COMPACT = 12
 # Indexes larger than this are memory-mapped for a lookup rather than read.
 _MAPPED_INDEX_BYTES = 1 << 16
 # An open hour's parts are merged (into a file of their own) once there are this many.
@@ -292,6 +314,7 @@ class TurnStore(TurnRows):
         super().__init__(retention_s)
         self.directory = os.path.join(directory, TURNS_DIR)
         self.location = self.directory
+        self._without_groups: set[str] = set()  # merged files add_group_sidecars cannot
 
     def _flush(self, now: float) -> int:
         by_hour: dict[str, list[dict]] = defaultdict(list)
@@ -368,7 +391,39 @@ class TurnStore(TurnRows):
                 continue
             self._merge(partition, chosen, now)
             merged.append(name)
+        with contextlib.suppress(OSError):  # a full disk: lookups read those as they are
+            self.add_group_sidecars(GROUP_SIDECARS_PER_COMPACT)
         return merged
+
+    def add_group_sidecars(self, limit: int | None = None) -> list[str]:
+        """Writes the ``_GROUPS`` of merged files an older kvobs wrote without one (at
+        most ``limit``: ~0.3 s each for a fleet's hour); returns those files. A file it
+        cannot give one is not tried again by this store."""
+        done: list[str] = []
+        for path in self._paths():
+            if limit is not None and len(done) >= limit:
+                break
+            if (
+                not os.path.basename(path).startswith(_MERGED)
+                or path in self._without_groups
+                or os.path.exists(_sidecar(path, _GROUPS))
+            ):
+                continue
+            self._without_groups.add(path)  # until written
+            try:
+                index = np.fromfile(_sidecar(path, _INDEX), dtype="<u8")
+                ids = _dictionary(pq.read_table(path, columns=["conversation_id"]))
+            except (OSError, pa.ArrowException):
+                continue  # no index (it has no use then), merged away meanwhile, unreadable
+            hashes = _hashes(ids.dictionary.to_pylist())
+            if not np.array_equal(np.unique(hashes), index):
+                continue  # an index not of this file: lookups read the file whole
+            groups = _groups_sidecar(path, index, hashes, ids.indices)
+            if groups is not None:
+                self._without_groups.discard(path)  # a failed write: tried again
+                _write_aside(_sidecar(path, _GROUPS), groups)
+                done.append(path)
+        return done
 
     def _merge(self, partition: str, names: list[str], now: float) -> None:
         paths = [os.path.join(partition, f) for f in names]
@@ -386,7 +441,7 @@ class TurnStore(TurnRows):
         )
         for path in paths:
             os.remove(path)
-            for suffix in (_INDEX, _SUMMARY):
+            for suffix in (_INDEX, _SUMMARY, _GROUPS):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(_sidecar(path, suffix))
 
@@ -414,16 +469,23 @@ class TurnStore(TurnRows):
         """The conversations' rows of a file through its index (an empty table when it
         holds none of them), None when the file has no index (an older kvobs wrote it).
         Only a file that holds a conversation is opened, once, only its row groups whose
-        conversation range covers one read."""
-        found = _indexed(path, keys)
-        if found is None:
+        conversation range covers one read: named by the file's ``_GROUPS``, and read
+        through a footer of those groups only; else (a file an older kvobs merged) found
+        by the statistics in the whole footer."""
+        searched = _searched(path, keys)
+        if searched is None:
             return None
+        found, at = searched
         held = [cid for cid, hit in zip(conversation_ids, found.tolist()) if hit]
         if not held:
-            return SCHEMA.empty_table()
-        handle = pq.ParquetFile(path)
-        sorted_ = os.path.basename(path).startswith(_MERGED)
-        groups = sorted({g for cid in held for g in _groups_holding(handle, cid, sorted_)})
+            return _NO_ROWS
+        located = _located(path, at[found])
+        if located is not None:
+            handle, groups = located
+        else:  # no row-group sidecar (an older kvobs wrote the file): the whole footer
+            handle = pq.ParquetFile(path)
+            sorted_ = os.path.basename(path).startswith(_MERGED)
+            groups = sorted({g for cid in held for g in _groups_holding(handle, cid, sorted_)})
         table = _conformed(handle.read_row_groups(groups))
         return table.filter(pc.is_in(table.column("conversation_id"), pa.array(held, pa.string())))
 
@@ -474,7 +536,7 @@ class TurnStore(TurnRows):
     def read(self, conversation_id: str | None = None, since: float | None = None) -> pa.Table:
         files = self._paths(since)
         if not files:
-            return SCHEMA.empty_table()
+            return _NO_ROWS
         ids = None if conversation_id is None else [conversation_id]
         return self._read(files, ids, since)
 
@@ -487,10 +549,12 @@ class TurnStore(TurnRows):
         tables = []
         for path in files:
             try:
-                tables.append(self._rows(path, ids, keys, since, filters))
+                table = self._rows(path, ids, keys, since, filters)
             except FileNotFoundError:
                 continue  # merged meanwhile: a read after the merge finds its rows
-        return pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+            if table.num_rows:  # a lookup misses most files: no table of each
+                tables.append(table)
+        return pa.concat_tables(tables) if tables else _NO_ROWS
 
     def summaries(self) -> Iterator[tuple[str, bytes]]:
         """Read one at a time (a fleet's month is hundreds of files); a summary whose
@@ -509,15 +573,7 @@ class TurnStore(TurnRows):
     def write_summary(self, part: str, summary: bytes) -> None:
         """Written aside and renamed: a reader meets the whole summary or none."""
         size = os.stat(part).st_size.to_bytes(_SUMMARY_HEADER, "little")
-        target = _sidecar(part, _SUMMARY)
-        try:
-            with open(target + ".tmp", "wb") as handle:
-                handle.write(size + summary)
-            os.replace(target + ".tmp", target)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.remove(target + ".tmp")
-            raise
+        _write_aside(_sidecar(part, _SUMMARY), size + summary)
 
     def unsummarized(self) -> list[str]:
         return [
@@ -552,10 +608,33 @@ def _sidecar(path: str, suffix: str) -> str:
     return path[: -len(".parquet")] + suffix
 
 
+def _write_aside(target: str, data: bytes) -> None:
+    """``data`` written aside and renamed: a reader meets all of it or none."""
+    try:
+        with open(target + ".tmp", "wb") as handle:
+            handle.write(data)
+        os.replace(target + ".tmp", target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(target + ".tmp")
+        raise
+
+
+def _dictionary(table: pa.Table) -> pa.DictionaryArray:
+    """A table's conversations, each once, and each row's among them."""
+    return table.column("conversation_id").combine_chunks().dictionary_encode()
+
+
 def _indexed(path: str, keys: np.ndarray) -> np.ndarray | None:
     """Which of the conversation hashes ``keys`` the file's index holds; None when the
-    file has none (an older kvobs wrote it). Nothing is kept between calls: the index
-    is memory-mapped for one search (tens of microseconds)."""
+    file has none (an older kvobs wrote it)."""
+    searched = _searched(path, keys)
+    return None if searched is None else searched[0]
+
+
+def _searched(path: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``_indexed``, and where in the index each key is (where found). Nothing is kept
+    between calls: the index is memory-mapped for one search (tens of microseconds)."""
     index = _sidecar(path, _INDEX)
     try:
         with open(index, "rb") as handle:
@@ -566,9 +645,58 @@ def _indexed(path: str, keys: np.ndarray) -> np.ndarray | None:
     except (OSError, ValueError):  # none (an older kvobs wrote the file)
         return None
     if not len(hashes):
-        return np.zeros(len(keys), bool)
+        return np.zeros(len(keys), bool), np.zeros(len(keys), np.intp)
     at = np.minimum(np.searchsorted(hashes, keys), len(hashes) - 1)
-    return hashes[at] == keys
+    return hashes[at] == keys, at
+
+
+def _located(path: str, positions: np.ndarray) -> tuple[pq.ParquetFile, list[int]] | None:
+    """The file opened on a footer of only the row groups holding the conversations at
+    ``positions`` of its index, and those groups (numbered in that footer: all of
+    it); None when it has no row-group sidecar, or one not of this file."""
+    try:
+        with open(_sidecar(path, _GROUPS), "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < _GROUPS_HEADER.size:
+                return None
+            data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        parquet_size = os.stat(path).st_size
+    except (OSError, ValueError):
+        return None
+    with data:
+        magic, of_size, conversations, count, *lengths = _GROUPS_HEADER.unpack_from(data)
+        at = _GROUPS_HEADER.size
+        needed = at + conversations * 8 + count * 16 + 8 + sum(lengths)
+        if magic != _GROUPS_MAGIC or of_size != parquet_size or size < needed:
+            return None
+        if len(positions) and int(positions.max()) >= conversations:
+            return None
+        first = np.frombuffer(data, "<u4", conversations, at)[positions]
+        last = np.frombuffer(data, "<u4", conversations, at + 4 * conversations)[positions]
+        at += 8 * conversations
+        offsets = np.frombuffer(data, "<u8", count + 1, at)
+        rows = np.frombuffer(data, "<u8", count, at + 8 * (count + 1))
+        at += 16 * count + 8
+        pieces = []
+        for length in lengths:
+            pieces.append(bytes(data[at : at + length]))
+            at += length
+        chosen = sorted({g for a, b in zip(first.tolist(), last.tolist()) for g in range(a, b + 1)})
+        if any(g >= count for g in chosen):
+            return None
+        split = parquet_footer.Split(
+            head=pieces[0],
+            middle=pieces[1],
+            tail=pieces[2],
+            groups=[bytes(data[at + int(offsets[g]) : at + int(offsets[g + 1])]) for g in chosen],
+            rows=[int(rows[g]) for g in chosen],
+        )
+        del first, last, offsets, rows  # views of the map, which closes here
+    try:
+        metadata = parquet_footer.subset(split, list(range(len(chosen))))
+    except (OSError, ValueError):
+        return None
+    return pq.ParquetFile(path, metadata=metadata), list(range(len(chosen)))
 
 
 def _scan(
@@ -655,23 +783,81 @@ def _stamp(now: float) -> str:
 
 
 def _write_indexed(base: str, table: pa.Table, **options: Any) -> None:
-    """``base.parquet`` and its conversation index ``base`` + ``_INDEX``, each written
-    aside and renamed, the index first: a reader never meets half a file, nor a file
-    without its index (a crash between the two leaves an index alone, never read)."""
+    """``base.parquet`` and its conversation index ``base`` + ``_INDEX`` (and, for a file
+    of several row groups, its ``_GROUPS``), each written aside and renamed, the file
+    last: a reader never meets half a file, nor a file without its index (a crash
+    between the renames leaves sidecars alone, never read)."""
     written = []
     try:
-        index = np.unique(_hashes(table.column("conversation_id").unique().to_pylist()))
+        ids = _dictionary(table)
+        hashes = _hashes(ids.dictionary.to_pylist())
+        index = np.unique(hashes)
         index.astype("<u8").tofile(base + _INDEX + ".tmp")
         written.append(base + _INDEX + ".tmp")
-        pq.write_table(table, base + ".tmp", **options)
+        pq.write_table(table, base + ".tmp", write_statistics=_STATISTICS, **options)
         written.append(base + ".tmp")
-        os.replace(base + _INDEX + ".tmp", base + _INDEX)
+        sidecars = [_INDEX]
+        if "row_group_size" in options:
+            groups = _groups_sidecar(base + ".tmp", index, hashes, ids.indices)
+            if groups is not None:
+                with open(base + _GROUPS + ".tmp", "wb") as handle:
+                    written.append(base + _GROUPS + ".tmp")
+                    handle.write(groups)
+                sidecars.append(_GROUPS)
+        for suffix in sidecars:
+            os.replace(base + suffix + ".tmp", base + suffix)
         os.replace(base + ".tmp", base + ".parquet")
     except OSError:
         for path in written:
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise
+
+
+def _groups_sidecar(
+    path: str, index: np.ndarray, hashes: np.ndarray, rows: pa.Array
+) -> bytes | None:
+    """``_GROUPS`` of the file ``path``: the row groups of each conversation of
+    ``index`` (``hashes`` of the conversations, ``rows`` each row's among them), and the
+    footer by group; None for a footer the cut does not understand (lookups then read
+    the whole footer)."""
+    try:
+        split = parquet_footer.split(parquet_footer.footer(path))
+    except parquet_footer.FooterError:
+        return None
+    counts = np.array(split.rows, dtype=np.int64)
+    group = np.repeat(np.arange(len(counts), dtype=np.uint32), counts)
+    if len(group) != len(rows):
+        return None
+    at = np.searchsorted(index, hashes[rows.to_numpy(zero_copy_only=False)])
+    first = np.full(len(index), np.iinfo(np.uint32).max, np.uint32)
+    last = np.zeros(len(index), np.uint32)
+    np.minimum.at(first, at, group)
+    np.maximum.at(last, at, group)
+    sizes = np.array([len(g) for g in split.groups], dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype("<u8")
+    header = _GROUPS_HEADER.pack(
+        _GROUPS_MAGIC,
+        os.stat(path).st_size,
+        len(index),
+        len(counts),
+        len(split.head),
+        len(split.middle),
+        len(split.tail),
+    )
+    return b"".join(
+        [
+            header,
+            first.astype("<u4").tobytes(),
+            last.astype("<u4").tobytes(),
+            offsets.tobytes(),
+            counts.astype("<u8").tobytes(),
+            split.head,
+            split.middle,
+            split.tail,
+            *split.groups,
+        ]
+    )
 
 
 def _hashes(conversation_ids: list[str]) -> np.ndarray:

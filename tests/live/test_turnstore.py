@@ -348,6 +348,104 @@ def test_lookups_find_a_conversation_across_row_groups(tmp_path, monkeypatch):
     assert [t["turn"] for t in together["c07"]] == list(range(1, 7))
 
 
+def test_a_merged_file_is_looked_up_through_its_row_group_sidecar(tmp_path, monkeypatch):
+    """A merged file's ``.groups`` names each conversation's row groups and holds the
+    footer cut by group: a lookup neither bisects the statistics nor parses the whole
+    footer. Without it (a store an older kvobs merged), or with one that is not of the
+    file (truncated, another size, garbage), the lookup reads the footer as before."""
+    import struct
+
+    import pyarrow.parquet as pq
+
+    from kvobs.live import turnstore
+
+    monkeypatch.setattr(turnstore, "ROW_GROUP_ROWS", 2)
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    rows = [_row(f"c{n:02d}", 1, "first-turn") for n in range(15)]
+    rows += [_row("c07", turn, "miss") for turn in range(2, 7)]
+    rows += [_row("c03", 1, "remote-hit", version=2)]
+    for start in range(0, len(rows), 4):
+        store.write(rows[start:start + 4], now=T0 + start)
+    store.compact(now=T0 + 2 * HOUR)
+    (merged,) = (tmp_path / "turns" / "hour=2026010100").glob("merged-*.parquet")
+    sidecar = merged.with_suffix(".groups")
+    assert sidecar.exists()
+    expected = {n: (list(range(1, 7)) if n == 7 else [1]) for n in range(15)}
+    full_footers = []
+    opened = pq.ParquetFile
+
+    def watched(path, *args, metadata=None, **kwargs):
+        if metadata is None:
+            full_footers.append(path)
+        return opened(path, *args, metadata=metadata, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(turnstore, "_groups_holding", None)  # called: a TypeError
+        patched.setattr(turnstore.pq, "ParquetFile", watched)
+        for n, turns in expected.items():
+            assert [t["turn"] for t in store.latest(f"c{n:02d}")] == turns, n
+        assert store.latest("c03")[0]["verdict"] == "remote-hit"
+        assert store.latest("c99") == []
+        wanted = ["c07", "c03", "c99", "c14", "c00"]
+        together = store.latest_of(wanted)
+    assert full_footers == []
+    assert together == {cid: store.latest(cid) for cid in wanted}
+    good = sidecar.read_bytes()
+    magic, size, *rest = struct.unpack_from("<4sQIIIII", good)
+    assert size == merged.stat().st_size and rest[1] == pq.read_metadata(merged).num_row_groups
+    for broken in (None, good[:40], b"garbage" * 20,
+                   struct.pack("<4sQ", magic, size + 1) + good[12:]):
+        if broken is None:
+            sidecar.unlink()
+        else:
+            sidecar.write_bytes(broken)
+        for n, turns in expected.items():
+            assert [t["turn"] for t in store.latest(f"c{n:02d}")] == turns, (n, broken)
+        assert store.latest_of(wanted) == together
+    # the upkeep writes it for a file merged without one (by an older kvobs)
+    sidecar.unlink()
+    assert store.add_group_sidecars(limit=0) == []
+    assert store.compact(now=T0 + 3 * HOUR) == [] and sidecar.read_bytes() == good
+    assert store.add_group_sidecars() == []
+    with monkeypatch.context() as patched:
+        patched.setattr(turnstore, "_groups_holding", None)
+        assert store.latest_of(wanted) == together
+    # an index not of the file: no sidecar, the file read whole, not tried again
+    sidecar.unlink()
+    index = merged.with_suffix(".cids")
+    index.write_bytes(index.read_bytes()[8:])  # one conversation fewer
+    read_table = pq.read_table
+    reads = []
+
+    def counted(*args, **kwargs):
+        reads.append(args)
+        return read_table(*args, **kwargs)
+
+    monkeypatch.setattr(turnstore.pq, "read_table", counted)
+    assert store.add_group_sidecars() == [] and not sidecar.exists() and len(reads) == 1
+    assert store.add_group_sidecars() == [] and len(reads) == 1
+    assert TurnStore(str(tmp_path), 30 * 86400).add_group_sidecars() == [] and len(reads) == 2
+    assert [t["turn"] for t in store.latest("c07")] == expected[7]
+
+
+def test_merged_files_keep_statistics_of_the_columns_readers_filter_on(tmp_path):
+    """Not of the turn JSON (a few KB a row group, most of the footer then)."""
+    import pyarrow.parquet as pq
+
+    store = TurnStore(str(tmp_path), 30 * 86400)
+    store.write([_row("a", 1, "first-turn"), _row("b", 1, "miss", version=2)], now=T0)
+    store.write([_row("c", 1, "first-turn")], now=T0 + 1)
+    store.compact(now=T0 + 2 * HOUR)
+    (merged,) = (tmp_path / "turns" / "hour=2026010100").glob("merged-*.parquet")
+    group = pq.read_metadata(merged).row_group(0)
+    kept = {group.column(i).path_in_schema for i in range(group.num_columns)
+            if group.column(i).is_stats_set}
+    assert {"conversation_id", "tenant", "turn", "version", "finalized_at"} <= kept
+    assert "detail" not in kept and "measures" not in kept
+    assert [r for r in store.batches(["conversation_id"], 10, later_versions=True)][0] \
+        .column(0).to_pylist() == ["b"]
+
+
 def test_a_part_merged_away_while_read_is_skipped(tmp_path, monkeypatch):
     """A file listed but gone when opened (merged by the service meanwhile) does not
     fail the read."""
