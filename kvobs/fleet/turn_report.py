@@ -37,6 +37,7 @@ from kvobs.fleet.report import (
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.fleet.sketch import p50_p95, quantile
 from kvobs.fleet.turn_drill import Ranked, drill_rows, slow_turns
+from kvobs.fleet.turn_sql import engine_tally
 from kvobs.fleet.turn_tally import (
     BUCKET_NAMES,
     GROUPINGS,
@@ -179,13 +180,21 @@ def turn_row_report(
             merged.add(path)
             total.merge(tally)
             stored_total += tally.conversation_total
-    for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
-        total.add(batch)
+    engine = engine_tally(rows, unread, cutoff)  # ClickHouse: its GROUP BY, no rows read
+    if engine is not None:
+        total.merge(engine.tally())
+    else:
+        for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
+            total.add(batch)
     weight = quantile(total.per_block, 0.5)
     thresholds = {scope: quantile(total.scopes[scope].latency, 0.95) for scope in SCOPES}
     columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
     # The third read: healthy turns at or above their scope's (sketched) p95.
-    slow, slow_count = slow_turns(_batches(rows, columns, versions, cutoff, unread), thresholds)
+    if engine is not None:
+        slow, slow_count = engine.slow(thresholds)
+    else:
+        batches = _batches(rows, columns, versions, cutoff, unread)
+        slow, slow_count = slow_turns(batches, thresholds)
     for path, data in rows.summaries():
         stored = SlowTally.from_bytes(data) if path in merged else None
         if stored is not None:
