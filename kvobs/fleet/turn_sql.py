@@ -29,7 +29,6 @@ integer sums and sketch buckets are exact.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Collection
 
 import numpy as np
@@ -38,12 +37,11 @@ import pyarrow as pa
 from kvobs import semconv as sc
 from kvobs.fleet.report import _NOT_FAULTS, LISTED_FAULTS, LISTED_SLOW, memory_sums
 from kvobs.fleet.retention import RetentionSums
-from kvobs.fleet.sketch import add_keyed, bucket_key_sql, new_sketch, zero_bound
+from kvobs.fleet.sketch import add_keyed, bucket_key_sql, zero_bound
 from kvobs.fleet.turn_drill import Ranked
 from kvobs.fleet.turn_tally import (
     GROUPINGS,
     SCOPES,
-    PhaseTally,
     ScopeTally,
     TurnTally,
     _frame,
@@ -100,7 +98,8 @@ def _nan0(value: str) -> str:
 
 def _ns(seconds: str) -> str:
     """``_sum_ns``' term: seconds as integer nanoseconds, rounded half to even."""
-    return f"toInt64(roundBankers({seconds} * 1e9))"
+    # evaluated on every row (sumIf's condition does not guard it): NaN as 0
+    return f"toInt64(roundBankers(if(isFinite({seconds}), {seconds}, 0.) * 1e9))"
 
 
 def _bucket_sql(value: str, bounds) -> str:
@@ -163,7 +162,13 @@ _ROW = {
     "order_key": "(isNull(tenant), ifNull(tenant, ''), conversation_id, turn, version)",
     **{f"p{i}": measure(name) for i, name in enumerate(_PHASES)},
 }
-_SUMS = ("bytes_read", "reused_tokens", "recomputed_tokens", "host_bytes_loaded", "host_reused_tokens")
+_SUMS = (
+    "bytes_read",
+    "reused_tokens",
+    "recomputed_tokens",
+    "host_bytes_loaded",
+    "host_reused_tokens",
+)
 _HEALTHY = f"v IN ({_quoted(sorted(_NOT_FAULTS))})"
 
 
@@ -216,7 +221,9 @@ class EngineTally:
         self._phases(total)
         self._sketches(total)
         self._misc(total, misc)
-        faults = self._query(_LISTED.format(rows=self.rows, where=f"NOT {_HEALTHY}", n=LISTED_FAULTS))
+        faults = self._query(
+            _LISTED.format(rows=self.rows, where=f"NOT {_HEALTHY}", n=LISTED_FAULTS)
+        )
         total.faults.rows = [_ranked(row) for row in faults]
         keys = self.turns.database.query(
             f"SELECT DISTINCT tenant, conversation_id FROM {self.rows}"
@@ -280,9 +287,7 @@ class EngineTally:
             "WHERE phase IS NOT NULL GROUP BY first, phase"
         )
         for row in slowest:
-            total.phases[SCOPES[0] if row["first"] else SCOPES[1]].slowest[row["phase"]] += row[
-                "n"
-            ]
+            total.phases[SCOPES[0] if row["first"] else SCOPES[1]].slowest[row["phase"]] += row["n"]
 
     def _sketches(self, total: TurnTally) -> None:
         """Every sketch's buckets: one (target, quantity, value) per sketched value of a
@@ -300,7 +305,8 @@ class EngineTally:
         found = self._query(
             "SELECT item.1 AS target, item.2 AS quantity, "
             f"multiIf(item.3 > {tiny}, 1, item.3 < -{tiny}, -1, 0) AS sign, "
-            f"if(sign = 0, 0, {bucket_key_sql(f'greatest(abs(item.3), {tiny})')}) AS key, count() AS n "
+            f"if(sign = 0, 0, {bucket_key_sql(f'greatest(abs(item.3), {tiny})')}) AS key, "
+            "count() AS n "
             f"FROM {self.rows} ARRAY JOIN {values} AS item WHERE isFinite(item.3) "
             "GROUP BY target, quantity, sign, key ORDER BY target, quantity, sign, key"
         )
