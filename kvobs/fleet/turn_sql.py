@@ -29,6 +29,7 @@ integer sums and sketch buckets are exact.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Collection
 
 import numpy as np
@@ -48,7 +49,7 @@ from kvobs.fleet.turn_tally import (
     conversation_hashes,
 )
 from kvobs.live.turn_measures import ENUMS, KINDS, MEASURE_DTYPE, MEASURES_COLUMN, NULL_INT
-from kvobs.semconv import ReadOutcome, ReleaseReason
+from kvobs.semconv import VERDICT_VALUES, ReadOutcome, ReleaseReason
 from kvobs.timeline import PHASES, phase_column
 from kvobs.turns.schema import DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS
 
@@ -70,12 +71,11 @@ def _record_sizes() -> list[int]:
 
 def measure(name: str) -> str:
     """A packed measure as ``unpack`` gives it, Float64 with NaN for null (no record, a
-    record of an unknown size, or one too short to hold it); an enumeration as its code
-    (-1: null, ``code``)."""
+    record of an unknown size, or one too short to hold it: ``RECORD``, the record's
+    size when ``unpack`` reads it, else 0); an enumeration as its code (-1: null)."""
     offset = MEASURE_DTYPE.fields[name][1]
     raw = f"substring(`{MEASURES_COLUMN}`, {offset + 1}, 8)"
-    sizes = ", ".join(str(size) for size in _record_sizes() if size >= offset + 8)
-    held = f"ifNull(length(`{MEASURES_COLUMN}`) IN ({sizes}), false)"
+    held = f"record >= {offset + 8}"
     kind = KINDS[name]
     if kind == "float":
         value = f"if({held}, reinterpretAsFloat64({raw}), nan)"
@@ -85,6 +85,14 @@ def measure(name: str) -> str:
         number = f"reinterpretAsInt64({raw})"
         value = f"if({held} AND {number} != {NULL_INT}, toFloat64({number}), nan)"
     return f"ifNull({value}, nan)"  # the column is Nullable: a NULL record's is too
+
+
+# The size of a row's record, when ``unpack`` reads it (today's, or an older prefix of
+# it), else 0: every ``measure`` reads it.
+RECORD = (
+    f"ifNull(if(length(`{MEASURES_COLUMN}`) IN ({', '.join(map(str, _record_sizes()))}), "
+    f"length(`{MEASURES_COLUMN}`), 0), 0)"
+)
 
 
 def code(name: str, value: str) -> int:
@@ -122,6 +130,7 @@ _PROMPT = (
 _PROMPT_INT = f"if(isNaN({_PROMPT}), -1, toInt64({_PROMPT}))"
 # Each kept row's values, named for the queries below (``_Measured`` and the others).
 _ROW = {
+    "record": RECORD,
     "first": "turn = 1",
     "v": "toString(verdict)",
     "lat": "ifNull(latency_s, nan)",
@@ -196,7 +205,10 @@ def _latest(table: str, where: list[str]) -> str:
 
 class EngineTally:
     """The tally of a ``ClickHouseTurns``' rows outside the hours in ``skip`` (turn
-    start at or after ``cutoff``), and their slow turns, each by a few queries."""
+    start at or after ``cutoff``), and their slow turns: one ``GROUP BY`` pass over the
+    rows by cell (first turn or not, turn bucket, prompt bucket: each cell's counts,
+    sums, phase tallies and sketch buckets, merged here into the scope and groups it
+    belongs to), then the listed faults and the distinct conversations."""
 
     def __init__(self, turns, skip: Collection[str], cutoff: int | None):
         from kvobs.live.clickhouse_turns import HOUR, _hours
@@ -208,25 +220,58 @@ class EngineTally:
         self.rows = f"({_latest(turns.table, where)})"
 
     def _query(self, sql: str) -> list[dict[str, Any]]:
-        return self.turns.database.query(
-            f"{sql} SETTINGS transform_null_in = 1, join_use_nulls = 0"
-        ).to_pylist()
+        return self.turns.database.query(f"{sql} SETTINGS transform_null_in = 1").to_pylist()
 
     def tally(self) -> TurnTally:
         total = TurnTally()
-        misc = self._query(_MISC.format(rows=self.rows))[0]
-        if not misc["turns"]:
+        # Host copies' bytes x ns are summed from an instant near them (the table's
+        # first finalization), not as products of ~1e18 ns.
+        first = self._query(f"SELECT toInt64(min(finalized_at) * 1e9) AS r FROM {self.turns.table}")
+        cells = self._query(_CELLS.format(rows=self.rows, reference=first[0]["r"] or 0))
+        if not cells:
             return total
-        self._scopes(total)
-        self._phases(total)
-        self._sketches(total)
-        self._misc(total, misc)
-        faults = self._query(
-            _LISTED.format(rows=self.rows, where=f"NOT {_HEALTHY}", n=LISTED_FAULTS)
-        )
-        total.faults.rows = [_ranked(row) for row in faults]
+        sketched: dict[tuple, Counter] = {}
+        for cell in cells:
+            for target in _targets(cell):
+                tally = _target(total, target)
+                tally.turns += cell["n"]
+                tally.verdicts.update(_verdicts(cell))
+                tally.ttft_unmeasured += cell["ttft_unmeasured"]
+                tally.sums.update({name: int(cell[f"sum_{name}"]) for name in _SUMS})
+                for quantity in ("ttft", "latency"):
+                    counts = sketched.setdefault((target, quantity), Counter())
+                    counts.update(_map(cell[f"sketch_{quantity}"]))
+            scope = SCOPES[0] if cell["first"] else SCOPES[1]
+            phases = total.phases[scope]
+            phases.turns += cell["n"]
+            phases.timed += cell["timed"]
+            phases.latency_ns += cell["latency_ns"]
+            phases.gap_ns += cell["gap_ns"]
+            phases.gap_turns += cell["gap_turns"]
+            phases.slowest.update(_map(cell["slowest"]))
+            for i, phase in enumerate(PHASES):
+                phases.total_ns[phase.value] += cell[f"total_{i}"]
+                phases.measured[phase.value] += cell[f"measured_{i}"]
+                counts = sketched.setdefault(((scope,), phase.value), Counter())
+                counts.update(_map(cell[f"sketch_p{i}"]))
+            sketched.setdefault(((), "per_block"), Counter()).update(_map(cell["sketch_per_block"]))
+        for (target, quantity), counts in sketched.items():
+            if quantity == "per_block":
+                sketch = total.per_block
+            elif quantity in ("ttft", "latency"):
+                sketch = getattr(_target(total, target), quantity)
+            else:
+                sketch = total.phases[target[0]].sketches[quantity]
+            _add_codes(sketch, counts)
+        _add_misc(total, cells)
+        verdicts = sum((_verdicts(cell) for cell in cells), Counter())
+        total.fault_count = sum(n for v, n in verdicts.items() if v not in _NOT_FAULTS)
+        faults = f"NOT {_HEALTHY}"
+        listed = self._query(_LISTED.format(rows=self.rows, where=faults, n=LISTED_FAULTS))
+        total.faults.rows = [_ranked(row) for row in listed]
         keys = self.turns.database.query(
-            f"SELECT DISTINCT tenant, conversation_id FROM {self.rows}"
+            f"SELECT DISTINCT tenant, conversation_id FROM {self.rows} "
+            "SETTINGS transform_null_in = 1"
         )
         batch = pa.record_batch(
             [keys.column(c).cast(pa.string()).combine_chunks() for c in keys.column_names],
@@ -243,125 +288,39 @@ class EngineTally:
         listed = self._query(_LISTED.format(rows=self.rows, where=where, n=LISTED_SLOW))
         return Ranked(LISTED_SLOW, [_ranked(row) for row in listed]), int(counted)
 
-    def _scopes(self, total: TurnTally) -> None:
-        sums = ", ".join(f"sum({name}) AS sum_{name}" for name in _SUMS)
-        found = self._query(
-            f"SELECT target, v, count() AS n, countIf(isNaN(ttft)) AS ttft_unmeasured, "
-            f"{sums} FROM {self.rows} ARRAY JOIN {_TARGETS} AS target GROUP BY target, v"
-        )
-        for row in found:
-            tally = _target(total, tuple(row["target"].values()))
-            tally.turns += row["n"]
-            tally.verdicts[row["v"]] += row["n"]
-            tally.ttft_unmeasured += row["ttft_unmeasured"]
-            tally.sums.update({name: int(row[f"sum_{name}"]) for name in _SUMS})
 
-    def _phases(self, total: TurnTally) -> None:
-        present = [f"NOT isNaN(p{i})" for i in range(len(_PHASES))]
-        measured = "0."
-        for i in range(len(_PHASES)):
-            measured = f"({measured} + if(isNaN(p{i}), 0., p{i}))"
-        gaps = " OR ".join(f"isNaN(p{i})" for i in range(len(_PHASES)))
-        phases = ", ".join(
-            f"sumIf({_ns(f'p{i}')}, {p}) AS total_{i}, countIf({p}) AS measured_{i}"
-            for i, p in enumerate(present)
-        )
-        timed = "NOT isNaN(lat)"
-        found = self._query(
-            f"SELECT first, count() AS turns, countIf({timed}) AS timed, "
-            f"sumIf({_ns('lat')}, {timed}) AS latency_ns, "
-            f"sumIf({_ns(f'if({gaps}, lat - {measured}, 0.)')}, {timed}) AS gap_ns, "
-            f"countIf({timed} AND ({gaps})) AS gap_turns, {phases} "
-            f"FROM {self.rows} GROUP BY first"
-        )
-        for row in found:
-            tally = total.phases[SCOPES[0] if row["first"] else SCOPES[1]]
-            tally.turns, tally.timed = row["turns"], row["timed"]
-            tally.latency_ns, tally.gap_ns = row["latency_ns"], row["gap_ns"]
-            tally.gap_turns = row["gap_turns"]
-            for i, phase in enumerate(PHASES):
-                tally.total_ns[phase.value] += row[f"total_{i}"]
-                tally.measured[phase.value] += row[f"measured_{i}"]
-        slowest = self._query(
-            f"SELECT first, phase, count() AS n FROM {self.rows} "
-            "WHERE phase IS NOT NULL GROUP BY first, phase"
-        )
-        for row in slowest:
-            total.phases[SCOPES[0] if row["first"] else SCOPES[1]].slowest[row["phase"]] += row["n"]
+def _map(value) -> Counter:
+    """A ``sumMap`` result (keys, counts) as a Counter."""
+    keys, counts = value.values() if isinstance(value, dict) else value
+    return Counter(dict(zip(keys, counts)))
 
-    def _sketches(self, total: TurnTally) -> None:
-        """Every sketch's buckets: one (target, quantity, value) per sketched value of a
-        row, counted by sign and bucket key."""
-        phases = ", ".join(
-            f"((if(first, '{SCOPES[0]}', '{SCOPES[1]}'), -1, -1), 'phase:{p.value}', p{i})"
-            for i, p in enumerate(PHASES)
-        )
-        values = (
-            f"arrayConcat(arrayMap(t -> (t, 'ttft', ttft), {_TARGETS}), "
-            f"arrayMap(t -> (t, 'latency', lat), {_TARGETS}), "
-            f"[{phases}, (('', -1, -1), 'per_block', per_block)])"
-        )
-        tiny = repr(zero_bound())
-        found = self._query(
-            "SELECT item.1 AS target, item.2 AS quantity, "
-            f"multiIf(item.3 > {tiny}, 1, item.3 < -{tiny}, -1, 0) AS sign, "
-            f"if(sign = 0, 0, {bucket_key_sql(f'greatest(abs(item.3), {tiny})')}) AS key, "
-            "count() AS n "
-            f"FROM {self.rows} ARRAY JOIN {values} AS item WHERE isFinite(item.3) "
-            "GROUP BY target, quantity, sign, key ORDER BY target, quantity, sign, key"
-        )
-        grouped: dict[tuple, tuple[list[int], list[int]]] = {}
-        for row in found:
-            target = tuple(row["target"].values())
-            keys, counts = grouped.setdefault((target, row["quantity"], row["sign"]), ([], []))
-            keys.append(row["key"])
-            counts.append(row["n"])
-        for (target, quantity, sign), (keys, counts) in grouped.items():
-            if quantity == "per_block":
-                sketch = total.per_block
-            elif quantity.startswith("phase:"):
-                sketch = total.phases[target[0]].sketches[quantity[len("phase:") :]]
-            else:
-                sketch = getattr(_target(total, target), quantity)
-            if sign == 0:
-                sketch.add(0.0, sum(counts))
-            else:
-                add_keyed(sketch, float(sign), keys, counts)
 
-    def _misc(self, total: TurnTally, row: dict[str, Any]) -> None:
-        template = _templates()
-        total.memory.update({name: type(value)(row[name]) for name, value in template[0].items()})
-        open_ = row["open_copies"]
-        total.retained = RetentionSums(
-            float(row["device_block_s"]),
-            int(row["device_costed"]),
-            int(row["device_tokens"]),
-            float(row["host_byte_s"]),
-            int(row["host_costed"]),
-            int(row["host_tokens"]),
-            int(open_),
-            float(row["open_bytes"]),
-            float(row["open_bytes_since_ns"]),
-            row["reference_ns"] if row["referenced"] else None,
-            float(row["recording_end_ns"]),
-        )
-        total.fault_count = int(row["fault_count"])
-        if row["rated"]:
-            total.rate, total.rate_at = float(row["rate_value"]), float(row["rate_at"])
-        total.synthetic = str(row["first_cid"]).startswith("synthetic-")
-        total.unstarted = int(row["unstarted"])
-        if row["started"]:
-            total.first_start_ns = float(row["first_start_ns"])
-            total.last_start_ns = float(row["last_start_ns"])
+def _verdicts(cell: dict[str, Any]) -> Counter:
+    """A cell's verdict counts (those it has)."""
+    known = {v: cell[f"verdict:{v}"] for v in VERDICT_VALUES if cell[f"verdict:{v}"]}
+    return Counter(known) + _map(cell["verdicts"])
+
+
+def _targets(cell: dict[str, Any]) -> list[tuple]:
+    """The scope and groups of a cell (``GROUPINGS``: every turn by turn bucket, later
+    turns by prompt bucket, every turn by both; a turn without a prompt length in no
+    prompt group)."""
+    first, tb, pb = cell["first"], cell["tb"], cell["pb"]
+    found: list[tuple] = [(SCOPES[0] if first else SCOPES[1],), ("by_turn", tb)]
+    if pb >= 0:
+        if not first:
+            found.append(("by_prompt", pb))
+        found.append(("by_turn_and_prompt", tb, pb))
+    return found
 
 
 def _target(total: TurnTally, target: tuple) -> ScopeTally:
-    """The scope or group tally of a ``_TARGETS`` item (section, bucket codes)."""
     section, *codes = target
     if section in SCOPES:
         return total.scopes[section]
-    group = tuple(codes[: len(GROUPINGS[section][0])])
-    return total.groups[section].setdefault(group, ScopeTally())
+    return total.groups[section].setdefault(
+        tuple(codes[: len(GROUPINGS[section][0])]), ScopeTally()
+    )
 
 
 def _ranked(row: dict[str, Any]) -> tuple:
@@ -378,6 +337,61 @@ def _ranked(row: dict[str, Any]) -> tuple:
     )
 
 
+_SIDE = 1 << 32  # a bucket code: sign x 2^32 + key (keys stay within +-2^16)
+
+
+def _add_codes(sketch, counts: Counter) -> None:
+    """Bucket codes' counts (``_sketched``) into the sketch, as ``add_values`` adds."""
+    sides: dict[int, tuple[list[int], list[int]]] = {}
+    for code_, count in sorted(counts.items()):
+        sign = round(code_ / _SIDE)
+        if sign == 0:
+            sketch.add(0.0, count)
+            continue
+        keys, added = sides.setdefault(sign, ([], []))
+        keys.append(code_ - sign * _SIDE)
+        added.append(count)
+    for sign, (keys, added) in sides.items():
+        add_keyed(sketch, float(sign), keys, added)
+
+
+def _add_misc(total: TurnTally, cells: list[dict[str, Any]]) -> None:
+    """The cells' memory and retention sums, prefill rate, first conversation and turn
+    starts, folded as ``TurnTally.merge`` folds tallies."""
+    memory, _ = _templates()
+    for name, value in memory.items():
+        total.memory[name] = type(value)(sum(cell[name] for cell in cells))
+
+    def summed(name: str) -> float:
+        return sum(cell[name] for cell in cells)
+
+    referenced = summed("referenced")
+    total.retained = RetentionSums(
+        float(summed("device_block_s")),
+        int(summed("device_costed")),
+        int(summed("device_tokens")),
+        float(summed("host_byte_s")),
+        int(summed("host_costed")),
+        int(summed("host_tokens")),
+        int(summed("open_copies")),
+        float(summed("open_bytes")),
+        float(summed("open_bytes_since_ns")),
+        float(cells[0]["reference_ns"]) if referenced else None,
+        float(max(cell["recording_end_ns"] for cell in cells)),
+    )
+    rated = [cell for cell in cells if cell["rated"]]
+    if rated:
+        last = max(rated, key=lambda cell: cell["rate_at"])
+        total.rate, total.rate_at = float(last["rate_value"]), float(last["rate_at"])
+    first = min(cells, key=lambda cell: tuple(cell["first_key"].values()))
+    total.synthetic = str(list(first["first_key"].values())[2]).startswith("synthetic-")
+    total.unstarted = int(summed("unstarted"))
+    started = [cell for cell in cells if cell["started"]]
+    if started:
+        total.first_start_ns = float(min(cell["first_start_ns"] for cell in started))
+        total.last_start_ns = float(max(cell["last_start_ns"] for cell in started))
+
+
 def _templates() -> tuple[dict[str, Any], RetentionSums]:
     """``memory_sums`` and ``RetentionSums.of`` of no rows: the names and types the
     queries fill."""
@@ -389,53 +403,83 @@ def _templates() -> tuple[dict[str, Any], RetentionSums]:
     return memory_sums(frame), RetentionSums.of(frame)
 
 
-# Each row's tallies: its scope, its turn bucket, its prompt bucket (later turns), both.
-_TARGETS = (
-    "arrayFilter(t -> t.1 != '', ["
-    f"(if(first, '{SCOPES[0]}', '{SCOPES[1]}'), -1, -1), "
-    "('by_turn', tb, -1), "
-    "(if(NOT first AND pb >= 0, 'by_prompt', ''), pb, -1), "
-    "(if(pb >= 0, 'by_turn_and_prompt', ''), tb, pb)])"
-)
+_TINY = repr(zero_bound())
+
+
+def _sketched(name: str, value: str) -> str:
+    """A cell's bucket counts of the finite values of a sketched quantity, by code:
+    sign x ``_SIDE`` + the bucket's key (0: the zero bucket)."""
+    key = bucket_key_sql(f"greatest(abs({value}), {_TINY})")
+    code_ = f"multiIf({value} > {_TINY}, {_SIDE} + {key}, {value} < -{_TINY}, -{_SIDE} + {key}, 0)"
+    return f"sumMapIf([{code_}], [toUInt64(1)], isFinite({value})) AS sketch_{name}"
+
+
 _OPEN = "isFinite(saved) AND NOT isFinite(host)"
 _REFERENCED = f"{_OPEN} AND isFinite(save_end)"
-_MISC = (
-    f"WITH (SELECT argMinIf(save_end, order_key, {_REFERENCED}) FROM {{rows}}) AS reference "
-    "SELECT count() AS turns, "
+_TIMED = "NOT isNaN(lat)"
+_GAPS = " OR ".join(f"isNaN(p{i})" for i in range(len(_PHASES)))
+_MEASURED = "0."
+for _i in range(len(_PHASES)):  # unmeasured_latency's order of additions
+    _MEASURED = f"({_MEASURED} + if(isNaN(p{_i}), 0., p{_i}))"
+_KNOWN = "NOT isNaN(blocks) AND NOT isNaN(held)"
+_CELLS = (
+    "SELECT first, tb, pb, count() AS n, "
+    # each verdict kvobs knows counted apart (a map per row costs more), others mapped
+    + "".join(f"countIf(v = '{v}') AS `verdict:{v}`, " for v in VERDICT_VALUES)
+    + f"sumMapIf([v], [toUInt64(1)], v NOT IN ({_quoted(VERDICT_VALUES)})) AS verdicts, "
+    "countIf(isNaN(ttft)) AS ttft_unmeasured, "
+    + "".join(f"sum({name}) AS sum_{name}, " for name in _SUMS)
+    # PhaseTally.add
+    + f"countIf({_TIMED}) AS timed, sumIf({_ns('lat')}, {_TIMED}) AS latency_ns, "
+    + f"sumIf({_ns(f'if({_GAPS}, lat - {_MEASURED}, 0.)')}, {_TIMED}) AS gap_ns, "
+    + f"countIf({_TIMED} AND ({_GAPS})) AS gap_turns, "
+    + "".join(
+        f"sumIf({_ns(f'p{i}')}, NOT isNaN(p{i})) AS total_{i}, "
+        f"countIf(NOT isNaN(p{i})) AS measured_{i}, "
+        for i in range(len(_PHASES))
+    )
+    + "sumMapIf([ifNull(phase, '')], [toUInt64(1)], phase IS NOT NULL) AS slowest, "
+    # every sketch
+    + "".join(
+        _sketched(name, value) + ", "
+        for name, value in (
+            ("ttft", "ttft"),
+            ("latency", "lat"),
+            *((f"p{i}", f"p{i}") for i in range(len(_PHASES))),
+            ("per_block", "per_block"),
+        )
+    )
     # memory_sums
-    "countIf(NOT isNaN(blocks)) AS exports, "
-    "countIf(NOT isNaN(blocks) AND NOT isNaN(held)) AS exports_released, "
-    "countIf(NOT isNaN(blocks) AND NOT isNaN(held) AND released_read) AS exports_read, "
-    "sumIf(blocks, NOT isNaN(blocks)) AS blocks_exported, "
-    "sumIf(blocks, NOT isNaN(blocks) AND NOT isNaN(held)) AS blocks_released, "
-    "sumIf(blocks, NOT isNaN(blocks) AND NOT isNaN(held) AND released_read) AS blocks_read, "
-    "sumIf(blocks * held, NOT isNaN(blocks) AND NOT isNaN(held)) AS block_seconds, "
-    "sumIf(blocks * held, NOT isNaN(blocks) AND NOT isNaN(held) AND released_read) "
-    "AS read_block_seconds, "
+    + "countIf(NOT isNaN(blocks)) AS exports, "
+    + f"countIf({_KNOWN}) AS exports_released, "
+    + f"countIf({_KNOWN} AND released_read) AS exports_read, "
+    + "sumIf(blocks, NOT isNaN(blocks)) AS blocks_exported, "
+    + f"sumIf(blocks, {_KNOWN}) AS blocks_released, "
+    + f"sumIf(blocks, {_KNOWN} AND released_read) AS blocks_read, "
+    + f"sumIf(blocks * held, {_KNOWN}) AS block_seconds, "
+    + f"sumIf(blocks * held, {_KNOWN} AND released_read) AS read_block_seconds, "
     # RetentionSums.of
-    "sumIf(device, NOT isNaN(device)) AS device_block_s, "
-    "countIf(isFinite(device)) AS device_costed, "
-    "sum(reused_tokens) AS device_tokens, "
-    "sumIf(host, NOT isNaN(host)) AS host_byte_s, "
-    "countIf(isFinite(host)) AS host_costed, "
-    "sum(host_reused_tokens) AS host_tokens, "
-    f"countIf({_OPEN}) AS open_copies, "
-    f"sumIf(saved, {_REFERENCED}) AS open_bytes, "
-    f"countIf({_REFERENCED}) > 0 AS referenced, "
-    "reference AS reference_ns, "
-    f"sumIf(saved * (save_end - ifNull(reference, 0.)), {_REFERENCED}) "
-    "AS open_bytes_since_ns, "
-    "max(recording_end) AS recording_end_ns, "
+    + "sumIf(device, NOT isNaN(device)) AS device_block_s, "
+    + "countIf(isFinite(device)) AS device_costed, "
+    + "sum(reused_tokens) AS device_tokens, "
+    + "sumIf(host, NOT isNaN(host)) AS host_byte_s, "
+    + "countIf(isFinite(host)) AS host_costed, "
+    + "sum(host_reused_tokens) AS host_tokens, "
+    + f"countIf({_OPEN}) AS open_copies, "
+    + f"sumIf(saved, {_REFERENCED}) AS open_bytes, "
+    + f"countIf({_REFERENCED}) AS referenced, "
+    + "toFloat64({reference}) AS reference_ns, "
+    + f"sumIf(saved * (save_end - {{reference}}), {_REFERENCED}) AS open_bytes_since_ns, "
+    + "max(recording_end) AS recording_end_ns, "
     # the rest of TurnTally.add
-    f"countIf(NOT {_HEALTHY}) AS fault_count, "
-    "countIf(NOT isNaN(rate)) > 0 AS rated, "
-    "argMaxIf(rate, finalized, NOT isNaN(rate)) AS rate_value, "
-    "maxIf(finalized, NOT isNaN(rate)) AS rate_at, "
-    "argMin(conversation_id, order_key) AS first_cid, "
-    "countIf(isNaN(start)) AS unstarted, countIf(NOT isNaN(start)) > 0 AS started, "
-    "minIf(start, NOT isNaN(start)) AS first_start_ns, "
-    "maxIf(start, NOT isNaN(start)) AS last_start_ns "
-    "FROM {rows}"
+    + "countIf(NOT isNaN(rate)) > 0 AS rated, "
+    + "argMaxIf(rate, finalized, NOT isNaN(rate)) AS rate_value, "
+    + "maxIf(finalized, NOT isNaN(rate)) AS rate_at, "
+    + "min(order_key) AS first_key, "
+    + "countIf(isNaN(start)) AS unstarted, countIf(NOT isNaN(start)) > 0 AS started, "
+    + "minIf(start, NOT isNaN(start)) AS first_start_ns, "
+    + "maxIf(start, NOT isNaN(start)) AS last_start_ns "
+    + "FROM {rows} GROUP BY first, tb, pb"
 )
 _LISTED = (
     "SELECT conversation_id, tenant, turn, v, lat FROM {rows} WHERE {where} "
