@@ -48,6 +48,7 @@ from kvobs.fleet.turn_tally import (
     _frame,
     conversation_hashes,
 )
+from kvobs.live.turnstore import SCHEMA
 from kvobs.live.turn_measures import ENUMS, KINDS, MEASURE_DTYPE, MEASURES_COLUMN, NULL_INT
 from kvobs.semconv import VERDICT_VALUES, ReadOutcome, ReleaseReason
 from kvobs.timeline import PHASES, phase_column
@@ -60,20 +61,25 @@ PUSH_DOWN = True
 # --------------------------------------------------------------------------- values
 
 
+def _offsets() -> dict[str, int]:
+    """Each measure's byte offset in the record (``MEASURE_DTYPE``, packed in order)."""
+    offsets, offset = {}, 0
+    for name in KINDS:
+        offsets[name] = offset
+        offset += MEASURE_DTYPE[name].itemsize
+    return offsets
+
+
 def _record_sizes() -> list[int]:
     """The record sizes ``unpack`` reads (today's and each older prefix of it)."""
-    sizes, offset = [], 0
-    for name in KINDS:
-        offset += MEASURE_DTYPE[name].itemsize
-        sizes.append(offset)
-    return sizes
+    return [offset + MEASURE_DTYPE[name].itemsize for name, offset in _offsets().items()]
 
 
 def measure(name: str) -> str:
     """A packed measure as ``unpack`` gives it, Float64 with NaN for null (no record, a
     record of an unknown size, or one too short to hold it: ``RECORD``, the record's
     size when ``unpack`` reads it, else 0); an enumeration as its code (-1: null)."""
-    offset = MEASURE_DTYPE.fields[name][1]
+    offset = _offsets()[name]
     raw = f"substring(`{MEASURES_COLUMN}`, {offset + 1}, 8)"
     held = f"record >= {offset + 8}"
     kind = KINDS[name]
@@ -395,11 +401,7 @@ def _add_misc(total: TurnTally, cells: list[dict[str, Any]]) -> None:
 def _templates() -> tuple[dict[str, Any], RetentionSums]:
     """``memory_sums`` and ``RetentionSums.of`` of no rows: the names and types the
     queries fill."""
-    from kvobs.fleet.turn_report import AGGREGATED
-    from kvobs.live.turnstore import SCHEMA
-
-    schema = pa.schema([SCHEMA.field(c) for c in AGGREGATED])
-    frame = _frame(pa.RecordBatch.from_pylist([], schema=schema))
+    frame = _frame(pa.RecordBatch.from_pylist([], schema=SCHEMA))
     return memory_sums(frame), RetentionSums.of(frame)
 
 
