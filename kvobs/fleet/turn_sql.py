@@ -177,6 +177,12 @@ _ROW = {
     "order_key": "(isNull(tenant), ifNull(tenant, ''), conversation_id, turn, version)",
     **{f"p{i}": measure(name) for i, name in enumerate(_PHASES)},
 }
+# The turn table's columns the queries read.
+_READ = [
+    *("tenant", "conversation_id", "turn", "version", "verdict", "latency_s", "ttft_s"),
+    *("prompt_tokens", "prefill_tokens_per_s", "finalized_at", "slowest_phase"),
+    MEASURES_COLUMN,
+]
 _SUMS = (
     "bytes_read",
     "reused_tokens",
@@ -187,10 +193,11 @@ _SUMS = (
 _HEALTHY = f"v IN ({_quoted(sorted(_NOT_FAULTS))})"
 
 
-def _latest(table: str, where: list[str]) -> str:
+def _latest(table: str, where: list[str], source: str | None = None) -> str:
     """The kept rows with ``_ROW``'s values: each turn at the newest version stored of
     it (``_Versions.latest_rows``: a turn without a later version keeps its rows),
-    retired turns (no verdict) out."""
+    retired turns (no verdict) out. ``source``: the table's rows as a subquery (with the
+    columns a table of an older kvobs lacks as nulls)."""
     later = (
         f"SELECT tenant, conversation_id, turn, max(version) FROM {table} "
         "WHERE version > 1 GROUP BY tenant, conversation_id, turn"
@@ -203,7 +210,8 @@ def _latest(table: str, where: list[str]) -> str:
     )
     conditions = " AND ".join(["verdict IS NOT NULL", newest, *where])
     values = ", ".join(f"{sql} AS {name}" for name, sql in _ROW.items())
-    return f"SELECT tenant, conversation_id, turn, {values} FROM {table} WHERE {conditions}"
+    rows = source or table
+    return f"SELECT tenant, conversation_id, turn, {values} FROM {rows} WHERE {conditions}"
 
 
 # --------------------------------------------------------------------------- the tally
@@ -223,7 +231,8 @@ class EngineTally:
         where = [f"{HOUR} NOT IN ({_hours(skip)})"] if skip else []
         if cutoff is not None:
             where.append(f"start >= {int(cutoff)}")  # NaN: false
-        self.rows = f"({_latest(turns.table, where)})"
+        source = f"(SELECT {turns._selected(_READ)} FROM {turns.table})"
+        self.rows = f"({_latest(turns.table, where, source)})"
 
     def _query(self, sql: str) -> list[dict[str, Any]]:
         return self.turns.database.query(f"{sql} SETTINGS transform_null_in = 1").to_pylist()
