@@ -12,6 +12,11 @@ A merged file with a tally kept next to it (``summarize``, run by ``kvobs collec
 merges) is not read: its tally is merged in, so a report over a month of merged hours
 reads a few hundred tallies and the keys of later versions.
 
+On ClickHouse the second and third reads run in the engine (``kvobs.fleet.turn_sql``):
+one ``GROUP BY`` hands back the un-tallied hours' tally (sketch buckets included) and
+``ORDER BY ... LIMIT`` the listed faults and slow turns; only the distinct conversations
+come back as rows (their hashes merge with the stored tallies').
+
 What turn rows cannot give, said in the report (``TurnRowReport.degraded``): the
 per-conversation retention spread and costliest conversations (a conversation's turns
 are not read together), and the plots of ``--html`` (they draw every turn).
