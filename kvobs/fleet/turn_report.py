@@ -307,8 +307,12 @@ def _cutoff(rows: TurnRows, since: str, versions: _Versions) -> int | None:
     for path, _, tally in _stored(rows):
         stored.append(path)
         versions.add_start(tally.newest_start_ns)
-    for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, skip=stored):
-        versions.add_starts(batch)
+    engine = engine_tally(rows, stored, None)
+    if engine is not None:  # ClickHouse: the newest start by the engine
+        versions.add_start(engine.newest_start())
+    else:
+        for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, skip=stored):
+            versions.add_starts(batch)
     latest = versions.latest_start_ns
     # No turn with a start: nothing to cut (a duration has no newest turn to count from).
     return since_cutoff_ns(int(latest), since) if latest is not None else None

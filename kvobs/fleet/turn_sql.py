@@ -231,8 +231,19 @@ class EngineTally:
         where = [f"{HOUR} NOT IN ({_hours(skip)})"] if skip else []
         if cutoff is not None:
             where.append(f"start >= {int(cutoff)}")  # NaN: false
-        source = f"(SELECT {turns._selected(_READ)} FROM {turns.table})"
-        self.rows = f"({_latest(turns.table, where, source)})"
+        self.source = f"(SELECT {turns._selected(_READ)} FROM {turns.table})"
+        self.skipped = f"WHERE {where[0]}" if skip else ""
+        self.rows = f"({_latest(turns.table, where, self.source)})"
+
+    def newest_start(self) -> float:
+        """The newest turn start of any row outside ``skip``, every version (what
+        ``--since`` counts back from: ``_Versions.add_starts``); NaN when none has one."""
+        start = _ROW["start"]
+        found = self._query(
+            f"SELECT max(start) AS newest, count() AS n FROM (SELECT {RECORD} AS record, "
+            f"{start} AS start FROM {self.source} {self.skipped}) WHERE NOT isNaN(start)"
+        )[0]
+        return float(found["newest"]) if found["n"] else np.nan
 
     def _query(self, sql: str) -> list[dict[str, Any]]:
         return self.turns.database.query(f"{sql} SETTINGS transform_null_in = 1").to_pylist()

@@ -202,3 +202,16 @@ def test_sql_bucket_keys_are_numpys_on_bucket_edges(varied):
         {"v": "[" + ",".join(repr(float(v)) for v in values) + "]"},
     ).column("k").to_numpy()
     assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("skip", [(), ("2026010102",)])
+def test_the_newest_start_by_the_engine_is_the_rows(varied, skip):
+    """``--since`` counts back from the newest turn start of any row, every version."""
+    from kvobs.live.turn_measures import MEASURES_COLUMN
+
+    turns, _ = varied
+    versions = tr._Versions()
+    for batch in turns.batches([MEASURES_COLUMN], 1000, skip=skip):
+        versions.add_starts(batch)
+    assert versions.latest_start_ns is not None
+    assert turn_sql.EngineTally(turns, skip, None).newest_start() == versions.latest_start_ns
