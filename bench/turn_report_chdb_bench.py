@@ -65,8 +65,14 @@ def build(directory: str, template_dir: str, rows: int) -> None:
 
 
 def timed(source: str, tree: str) -> dict:
+    # ``python -m`` puts the working directory first on sys.path: run from the tree
     os.environ["PYTHONPATH"] = tree
-    wall, peak, out, cpu = peak_rss_mb_of([*KVOBS, "report", "--json", "--source", source])
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        wall, peak, out, cpu = peak_rss_mb_of([*KVOBS, "report", "--json", "--source", source])
+    finally:
+        os.chdir(here)
     load = os.getloadavg()[0]
     report = json.loads(out)
     print(f"  {tree}: {report['turns']:,} turns, {wall:.2f} s wall, {cpu:.2f} s CPU, "
