@@ -410,14 +410,21 @@ def summarize(rows: TurnRows) -> list[str]:
         versions = _Versions()
         for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True, only=only):
             versions.add(batch)
-        for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, only=only):
-            versions.add_starts(batch)
-        tally = TurnTally(slow=SlowTally(), own_versions=dict(versions.newest))
-        tally.newest_start_ns = (
-            np.nan if versions.latest_start_ns is None else versions.latest_start_ns
-        )
-        for batch in _batches(rows, AGGREGATED, versions, None, only=only):
-            tally.add(batch)
+        engine = engine_tally(rows, (), None, only)
+        if engine is not None:  # ClickHouse: the hour added up by the engine
+            tally = engine.tally()
+            tally.slow = engine.slow_tally()
+            tally.newest_start_ns = engine.newest_start()
+        else:
+            for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, only=only):
+                versions.add_starts(batch)
+            tally = TurnTally(slow=SlowTally())
+            tally.newest_start_ns = (
+                np.nan if versions.latest_start_ns is None else versions.latest_start_ns
+            )
+            for batch in _batches(rows, AGGREGATED, versions, None, only=only):
+                tally.add(batch)
+        tally.own_versions = dict(versions.newest)
         try:
             rows.write_summary(path, tally.to_bytes())
         except FileNotFoundError:

@@ -44,6 +44,7 @@ from kvobs.fleet.turn_tally import (
     GROUPINGS,
     SCOPES,
     ScopeTally,
+    SlowTally,
     TurnTally,
     _frame,
     conversation_hashes,
@@ -193,25 +194,26 @@ _SUMS = (
 _HEALTHY = f"v IN ({_quoted(sorted(_NOT_FAULTS))})"
 
 
-def _latest(table: str, where: list[str], source: str | None = None) -> str:
+def _latest(table: str, where: list[str], source: str, hours: str = "") -> str:
     """The kept rows with ``_ROW``'s values: each turn at the newest version stored of
     it (``_Versions.latest_rows``: a turn without a later version keeps its rows),
     retired turns (no verdict) out. ``source``: the table's rows as a subquery (with the
-    columns a table of an older kvobs lacks as nulls)."""
+    columns a table of an older kvobs lacks as nulls); ``hours``: a condition on the
+    rows whose versions count (a tally of one hour: its own versions), else every row."""
+    later_rows = f"{table} WHERE version > 1{' AND ' + hours if hours else ''}"
     later = (
-        f"SELECT tenant, conversation_id, turn, max(version) FROM {table} "
-        "WHERE version > 1 GROUP BY tenant, conversation_id, turn"
+        f"SELECT tenant, conversation_id, turn, max(version) FROM {later_rows} "
+        "GROUP BY tenant, conversation_id, turn"
     )
     newest = (
-        f"(conversation_id NOT IN (SELECT conversation_id FROM {table} WHERE version > 1) "
+        f"(conversation_id NOT IN (SELECT conversation_id FROM {later_rows}) "
         f"OR (tenant, conversation_id, turn, version) IN ({later}) "
         f"OR (version = 1 AND (tenant, conversation_id, turn) NOT IN "
-        f"(SELECT tenant, conversation_id, turn FROM {table} WHERE version > 1)))"
+        f"(SELECT tenant, conversation_id, turn FROM {later_rows})))"
     )
     conditions = " AND ".join(["verdict IS NOT NULL", newest, *where])
     values = ", ".join(f"{sql} AS {name}" for name, sql in _ROW.items())
-    rows = source or table
-    return f"SELECT tenant, conversation_id, turn, {values} FROM {rows} WHERE {conditions}"
+    return f"SELECT tenant, conversation_id, turn, {values} FROM {source} WHERE {conditions}"
 
 
 # --------------------------------------------------------------------------- the tally
@@ -224,16 +226,26 @@ class EngineTally:
     sums, phase tallies and sketch buckets, merged here into the scope and groups it
     belongs to), then the listed faults and the distinct conversations."""
 
-    def __init__(self, turns, skip: Collection[str], cutoff: int | None):
+    def __init__(
+        self,
+        turns,
+        skip: Collection[str],
+        cutoff: int | None,
+        only: Collection[str] | None = None,
+    ):
+        """``only``: the rows of those hours alone, at the newest versions they hold
+        (``summarize``'s tally of an hour)."""
         from kvobs.live.clickhouse_turns import HOUR, _hours
 
         self.turns = turns
-        where = [f"{HOUR} NOT IN ({_hours(skip)})"] if skip else []
-        if cutoff is not None:
-            where.append(f"start >= {int(cutoff)}")  # NaN: false
+        hours = [f"{HOUR} NOT IN ({_hours(skip)})"] if skip else []
+        if only is not None:
+            hours.append(f"{HOUR} IN ({_hours(only)})")
+        self.hours = " AND ".join(hours)
+        where = [*hours, *([f"start >= {int(cutoff)}"] if cutoff is not None else [])]
         self.source = f"(SELECT {turns._selected(_READ)} FROM {turns.table})"
-        self.skipped = f"WHERE {where[0]}" if skip else ""
-        self.rows = f"({_latest(turns.table, where, self.source)})"
+        own = self.hours if only is not None else ""
+        self.rows = f"({_latest(turns.table, where, self.source, own)})"
 
     def newest_start(self) -> float:
         """The newest turn start of any row outside ``skip``, every version (what
@@ -241,7 +253,8 @@ class EngineTally:
         start = _ROW["start"]
         found = self._query(
             f"SELECT max(start) AS newest, count() AS n FROM (SELECT {RECORD} AS record, "
-            f"{start} AS start FROM {self.source} {self.skipped}) WHERE NOT isNaN(start)"
+            f"{start} AS start FROM {self.source} {'WHERE ' + self.hours if self.hours else ''}) "
+            "WHERE NOT isNaN(start)"
         )[0]
         return float(found["newest"]) if found["n"] else np.nan
 
@@ -313,6 +326,21 @@ class EngineTally:
         counted = self._query(f"SELECT count() AS n FROM {self.rows} WHERE {where}")[0]["n"]
         listed = self._query(_LISTED.format(rows=self.rows, where=where, n=LISTED_SLOW))
         return Ranked(LISTED_SLOW, [_ranked(row) for row in listed]), int(counted)
+
+    def slow_tally(self) -> SlowTally:
+        """A stored tally's slow part (``SlowTally.add``): each scope's healthy measured
+        latencies, sorted, and its slowest healthy turns."""
+        slow = SlowTally()
+        for scope, first in zip(SCOPES, ("first", "NOT first")):
+            where = f"{_HEALTHY} AND NOT isNaN(lat) AND {first}"
+            found = self.turns.database.query(
+                f"SELECT lat FROM {self.rows} WHERE {where} ORDER BY lat "
+                "SETTINGS transform_null_in = 1"
+            )
+            slow.latencies[scope] = found.column("lat").to_numpy().astype(float)
+            listed = self._query(_LISTED.format(rows=self.rows, where=where, n=LISTED_SLOW))
+            slow.slowest[scope].rows = [_ranked(row) for row in listed]
+        return slow
 
 
 def _map(value) -> Counter:
@@ -510,7 +538,9 @@ _LISTED = (
 )
 
 
-def engine_tally(rows, skip: Collection[str], cutoff: int | None) -> EngineTally | None:
+def engine_tally(
+    rows, skip: Collection[str], cutoff: int | None, only: Collection[str] | None = None
+) -> EngineTally | None:
     """The engine's tally of ``rows`` when ClickHouse holds them, else None (the store's
     rows are read in batches)."""
     if not PUSH_DOWN:
@@ -519,7 +549,7 @@ def engine_tally(rows, skip: Collection[str], cutoff: int | None) -> EngineTally
 
     if type(rows) is not ClickHouseTurns or not rows.exists():
         return None
-    return EngineTally(rows, skip, cutoff)
+    return EngineTally(rows, skip, cutoff, only)
 
 
 __all__ = ["EngineTally", "PUSH_DOWN", "engine_tally", "measure"]

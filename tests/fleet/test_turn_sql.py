@@ -215,3 +215,37 @@ def test_the_newest_start_by_the_engine_is_the_rows(varied, skip):
         versions.add_starts(batch)
     assert versions.latest_start_ns is not None
     assert turn_sql.EngineTally(turns, skip, None).newest_start() == versions.latest_start_ns
+
+
+def test_an_hours_tally_by_the_engine_is_the_rows(varied, monkeypatch):
+    """``summarize`` on ClickHouse: each closed hour's tally made by the engine (at the
+    hour's own newest versions) equals the one made from its rows, slow part included,
+    and the report merging them equals the report from the rows."""
+    from kvobs.fleet.turn_tally import SlowTally
+
+    turns, source = varied
+    copy = ClickHouseTurns(turns.database, "turns_sql_tallied", turns.retention_s)
+    turns.database.query(f"CREATE TABLE {copy.table} AS {turns.table}")
+    turns.database.query(f"INSERT INTO {copy.table} SELECT * FROM {turns.table}")
+    from_rows = tr.turn_row_report(copy, source)
+    made = {}
+    for push in (False, True):
+        monkeypatch.setattr(turn_sql, "PUSH_DOWN", push)
+        turns.database.query(f"DROP TABLE IF EXISTS {copy.tallies}")
+        assert sorted(tr.summarize(copy)) == ["2026010100", "2026010101", "2026010102"]
+        made[push] = dict(copy.summaries())
+        if push:
+            _floats_equal({**tr.turn_row_report(copy, source).to_dict()},
+                          {**from_rows.to_dict()})
+    for hour, data in made[False].items():
+        rows, engine = TurnTally.from_bytes(data), TurnTally.from_bytes(made[True][hour])
+        assert rows is not None and engine is not None and rows.turns == engine.turns > 0
+        assert _sketches(engine) == _sketches(rows)
+        assert (engine.own_versions, engine.newest_start_ns) == (rows.own_versions,
+                                                                 rows.newest_start_ns)
+        slow_rows, slow_engine = SlowTally.from_bytes(data), SlowTally.from_bytes(
+            made[True][hour])
+        assert slow_rows is not None and slow_engine is not None
+        for scope in slow_rows.latencies:
+            assert np.array_equal(slow_engine.latencies[scope], slow_rows.latencies[scope])
+            assert slow_engine.slowest[scope].rows == slow_rows.slowest[scope].rows
