@@ -80,6 +80,33 @@ def timed(source: str, tree: str) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "load": load, "report": report}
 
 
+_SUMMARIZE = """
+import json, sys, time
+from kvobs.fleet.turn_report import summarize
+from kvobs.live.clickhouse_turns import ClickHouseTurns
+turns = ClickHouseTurns.from_url(sys.argv[1], retention_s=3650 * 86400.0)
+turns.database.query(f"DROP TABLE IF EXISTS {turns.tallies}")
+wall, cpu = time.perf_counter(), time.process_time()
+done = summarize(turns)
+wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+turns.database.query(f"DROP TABLE IF EXISTS {turns.tallies}")
+print(json.dumps({"hours": len(done), "wall_s": wall, "cpu_s": cpu}))
+"""
+
+
+def timed_summarize(source: str, tree: str) -> dict:
+    """``summarize`` (what ``kvobs collect`` runs once per closed hour) over every hour
+    of the table, in a process of its own from ``tree``; the tallies dropped after."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    done = subprocess.run([sys.executable, "-c", _SUMMARIZE, source], cwd=tree, env=env,
+                          capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  summarize, {tree}: {result['hours']} hours, {result['wall_s']:.2f} s wall, "
+          f"{result['cpu_s']:.2f} s CPU (this process), load {os.getloadavg()[0]:.2f}",
+          flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/tmp/kvobs-chbench")
@@ -88,6 +115,8 @@ def main() -> None:
     parser.add_argument("--before", help="a kvobs tree without the push-down")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--summarize", action="store_true",
+                        help="also time summarize (every hour's tally) per tree")
     args = parser.parse_args()
     template_dir = os.path.join(args.dir, f"turn-rows-{args.conversations}")
     database = os.path.join(args.dir, f"chdb-{args.rows}")
@@ -107,6 +136,10 @@ def main() -> None:
     for _ in range(args.repeat):
         for name, tree in trees.items():
             results[name].append(timed(source, tree))
+    if args.summarize:
+        for _ in range(args.repeat):
+            for tree in trees.values():
+                timed_summarize(source, tree)
     reports = [_rounded(r["report"]) for runs in results.values() for r in runs]
     assert all(r == reports[0] for r in reports), "the reports differ"
     print("every report equal (floats to 9 significant digits)")
