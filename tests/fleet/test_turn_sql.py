@@ -229,6 +229,7 @@ def test_an_hours_tally_by_the_engine_is_the_rows(varied, monkeypatch):
     turns.database.query(f"INSERT INTO {copy.table} SELECT * FROM {turns.table}")
     from_rows = tr.turn_row_report(copy, source)
     made = {}
+    monkeypatch.setattr(turn_sql, "ENGINE_MIN_ROWS", 1)  # every hour by the engine
     for push in (False, True):
         monkeypatch.setattr(turn_sql, "PUSH_DOWN", push)
         turns.database.query(f"DROP TABLE IF EXISTS {copy.tallies}")
