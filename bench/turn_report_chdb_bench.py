@@ -84,26 +84,35 @@ _SUMMARIZE = """
 import json, sys, time
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.clickhouse_turns import ClickHouseTurns
+if sys.argv[3] == "engine":
+    import kvobs.fleet.turn_sql as turn_sql
+    turn_sql.ENGINE_MIN_ROWS = 0
 turns = ClickHouseTurns.from_url(sys.argv[1], retention_s=3650 * 86400.0)
 turns.database.query(f"DROP TABLE IF EXISTS {turns.tallies}")
+hours = turns.unsummarized()
+picked = hours[len(hours) // 2 : len(hours) // 2 + int(sys.argv[2])]
+turns.unsummarized = lambda: picked
 wall, cpu = time.perf_counter(), time.process_time()
 done = summarize(turns)
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+rows = sum(turns._counted[hour] for hour in picked)
 turns.database.query(f"DROP TABLE IF EXISTS {turns.tallies}")
-print(json.dumps({"hours": len(done), "wall_s": wall, "cpu_s": cpu}))
+print(json.dumps({"hours": len(done), "rows": rows, "wall_s": wall, "cpu_s": cpu}))
 """
 
 
-def timed_summarize(source: str, tree: str) -> dict:
-    """``summarize`` (what ``kvobs collect`` runs once per closed hour) over every hour
-    of the table, in a process of its own from ``tree``; the tallies dropped after."""
+def timed_summarize(source: str, tree: str, hours: int, engine: bool) -> dict:
+    """``summarize`` (what ``kvobs collect`` runs once per closed hour) of ``hours``
+    hours from the middle of the table, in a process of its own from ``tree``
+    (``engine``: every hour by the engine, whatever its size); the tallies dropped."""
     env = {**os.environ, "PYTHONPATH": tree}
-    done = subprocess.run([sys.executable, "-c", _SUMMARIZE, source], cwd=tree, env=env,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _SUMMARIZE, source, str(hours), "engine" if engine else ""],
+        cwd=tree, env=env, capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"  summarize, {tree}: {result['hours']} hours, {result['wall_s']:.2f} s wall, "
-          f"{result['cpu_s']:.2f} s CPU (this process), load {os.getloadavg()[0]:.2f}",
-          flush=True)
+    print(f"  summarize, {tree}{' (engine forced)' if engine else ''}: {result['hours']} "
+          f"hours, {result['rows']:,} rows, {result['wall_s']:.2f} s wall, "
+          f"{result['cpu_s']:.2f} s CPU, load {os.getloadavg()[0]:.2f}", flush=True)
     return result
 
 
@@ -115,8 +124,8 @@ def main() -> None:
     parser.add_argument("--before", help="a kvobs tree without the push-down")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--build-only", action="store_true")
-    parser.add_argument("--summarize", action="store_true",
-                        help="also time summarize (every hour's tally) per tree")
+    parser.add_argument("--summarize", type=int, default=0, metavar="HOURS",
+                        help="also time summarize of HOURS hours per tree")
     args = parser.parse_args()
     template_dir = os.path.join(args.dir, f"turn-rows-{args.conversations}")
     database = os.path.join(args.dir, f"chdb-{args.rows}")
@@ -138,8 +147,10 @@ def main() -> None:
             results[name].append(timed(source, tree))
     if args.summarize:
         for _ in range(args.repeat):
-            for tree in trees.values():
-                timed_summarize(source, tree)
+            for name, tree in trees.items():
+                timed_summarize(source, tree, args.summarize, False)
+                if name == "after":
+                    timed_summarize(source, tree, args.summarize, True)
     reports = [_rounded(r["report"]) for runs in results.values() for r in runs]
     assert all(r == reports[0] for r in reports), "the reports differ"
     print("every report equal (floats to 9 significant digits)")
