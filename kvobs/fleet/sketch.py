@@ -41,8 +41,30 @@ def add_values(sketch: DDSketch, values: np.ndarray) -> None:
         keys = np.ceil(np.log2(side) * mapping._multiplier + mapping._offset).astype(np.int64)
         low = int(keys.min())
         counts = np.bincount(keys - low)
-        for key in np.flatnonzero(counts).tolist():
-            sketch.add(sign * mapping.value(key + low), int(counts[key]))
+        at = np.flatnonzero(counts)
+        add_keyed(sketch, sign, (at + low).tolist(), counts[at].tolist())
+
+
+def add_keyed(sketch: DDSketch, sign: float, keys: list[int], counts: list[int]) -> None:
+    """Adds ``counts[i]`` values to the bucket ``keys[i]`` of one side of the sketch
+    (``sign``: 1.0 or -1.0): one weighted add at the bucket's own value. What
+    ``add_values`` does with the keys it computes, and what a query that computed them
+    (``bucket_key_sql``) hands back."""
+    for key, count in zip(keys, counts):
+        sketch.add(sign * sketch._mapping.value(key), count)
+
+
+def bucket_key_sql(value: str) -> str:
+    """SQL for the sketch bucket of a positive ``value`` above ``min_possible``: the
+    expression ``add_values`` evaluates in numpy, with the same constants (ClickHouse's
+    ``log2`` gives numpy's keys: tests/fleet/test_turn_sql.py checks bucket edges)."""
+    mapping = new_sketch()._mapping
+    return f"toInt64(ceil(log2({value}) * {mapping._multiplier!r} + {mapping._offset!r}))"
+
+
+def zero_bound() -> float:
+    """The largest magnitude the sketch counts as zero."""
+    return new_sketch()._mapping.min_possible
 
 
 def sketch_state(sketch: DDSketch) -> dict[str, object]:
@@ -132,7 +154,9 @@ def within_sketch_error(estimate: float, values: np.ndarray, q: float) -> bool:
 
 __all__ = [
     "RELATIVE_ACCURACY",
+    "add_keyed",
     "add_values",
+    "bucket_key_sql",
     "merged",
     "new_sketch",
     "p50_p95",
@@ -141,4 +165,5 @@ __all__ = [
     "sketch_from_state",
     "sketch_state",
     "within_sketch_error",
+    "zero_bound",
 ]

@@ -12,6 +12,11 @@ A merged file with a tally kept next to it (``summarize``, run by ``kvobs collec
 merges) is not read: its tally is merged in, so a report over a month of merged hours
 reads a few hundred tallies and the keys of later versions.
 
+On ClickHouse the second and third reads run in the engine (``kvobs.fleet.turn_sql``):
+one ``GROUP BY`` hands back the un-tallied hours' tally (sketch buckets included) and
+``ORDER BY ... LIMIT`` the listed faults and slow turns; only the distinct conversations
+come back as rows (their hashes merge with the stored tallies').
+
 What turn rows cannot give, said in the report (``TurnRowReport.degraded``): the
 per-conversation retention spread and costliest conversations (a conversation's turns
 are not read together), and the plots of ``--html`` (they draw every turn).
@@ -37,6 +42,7 @@ from kvobs.fleet.report import (
 from kvobs.fleet.since import since_cutoff_ns
 from kvobs.fleet.sketch import p50_p95, quantile
 from kvobs.fleet.turn_drill import Ranked, drill_rows, slow_turns
+from kvobs.fleet.turn_sql import engine_tally
 from kvobs.fleet.turn_tally import (
     BUCKET_NAMES,
     GROUPINGS,
@@ -179,13 +185,21 @@ def turn_row_report(
             merged.add(path)
             total.merge(tally)
             stored_total += tally.conversation_total
-    for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
-        total.add(batch)
+    engine = engine_tally(rows, unread, cutoff)  # ClickHouse: its GROUP BY, no rows read
+    if engine is not None:
+        total.merge(engine.tally())
+    else:
+        for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
+            total.add(batch)
     weight = quantile(total.per_block, 0.5)
     thresholds = {scope: quantile(total.scopes[scope].latency, 0.95) for scope in SCOPES}
     columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
     # The third read: healthy turns at or above their scope's (sketched) p95.
-    slow, slow_count = slow_turns(_batches(rows, columns, versions, cutoff, unread), thresholds)
+    if engine is not None:
+        slow, slow_count = engine.slow(thresholds)
+    else:
+        batches = _batches(rows, columns, versions, cutoff, unread)
+        slow, slow_count = slow_turns(batches, thresholds)
     for path, data in rows.summaries():
         stored = SlowTally.from_bytes(data) if path in merged else None
         if stored is not None:
@@ -293,8 +307,12 @@ def _cutoff(rows: TurnRows, since: str, versions: _Versions) -> int | None:
     for path, _, tally in _stored(rows):
         stored.append(path)
         versions.add_start(tally.newest_start_ns)
-    for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, skip=stored):
-        versions.add_starts(batch)
+    engine = engine_tally(rows, stored, None)
+    if engine is not None:  # ClickHouse: the newest start by the engine
+        versions.add_start(engine.newest_start())
+    else:
+        for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, skip=stored):
+            versions.add_starts(batch)
     latest = versions.latest_start_ns
     # No turn with a start: nothing to cut (a duration has no newest turn to count from).
     return since_cutoff_ns(int(latest), since) if latest is not None else None
@@ -392,14 +410,21 @@ def summarize(rows: TurnRows) -> list[str]:
         versions = _Versions()
         for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True, only=only):
             versions.add(batch)
-        for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, only=only):
-            versions.add_starts(batch)
-        tally = TurnTally(slow=SlowTally(), own_versions=dict(versions.newest))
-        tally.newest_start_ns = (
-            np.nan if versions.latest_start_ns is None else versions.latest_start_ns
-        )
-        for batch in _batches(rows, AGGREGATED, versions, None, only=only):
-            tally.add(batch)
+        engine = engine_tally(rows, (), None, only)
+        if engine is not None:  # ClickHouse: the hour added up by the engine
+            tally = engine.tally()
+            tally.slow = engine.slow_tally()
+            tally.newest_start_ns = engine.newest_start()
+        else:
+            for batch in rows.batches([MEASURES_COLUMN], BATCH_ROWS, only=only):
+                versions.add_starts(batch)
+            tally = TurnTally(slow=SlowTally())
+            tally.newest_start_ns = (
+                np.nan if versions.latest_start_ns is None else versions.latest_start_ns
+            )
+            for batch in _batches(rows, AGGREGATED, versions, None, only=only):
+                tally.add(batch)
+        tally.own_versions = dict(versions.newest)
         try:
             rows.write_summary(path, tally.to_bytes())
         except FileNotFoundError:

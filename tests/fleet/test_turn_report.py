@@ -507,7 +507,17 @@ def test_clickhouse_tallies_of_closed_hours_give_the_rows_report(tmp_path, chdb_
         return batches(columns, batch_rows, later_versions, skip, only)
 
     turns.batches = spy  # type: ignore[method-assign]
-    _same(_full(tr.turn_row_report(turns, "s")), from_rows)
+    engine_tally = tr.engine_tally
+
+    def engine_spy(rows, skip, cutoff):
+        skipped.append(set(skip))
+        return engine_tally(rows, skip, cutoff)
+
+    tr.engine_tally = engine_spy
+    try:
+        _same(_full(tr.turn_row_report(turns, "s")), from_rows)
+    finally:
+        tr.engine_tally = engine_tally
     del turns.batches
     # The later hours' tallies stood for their rows (the first hour's holds the turn
     # the later version replaces: corrected, or read when that turn is listed).
