@@ -1606,10 +1606,10 @@ M_OFFLOAD_TIER_READ_TIME = _upstream(
 
 # --------------------------------------------------------------------------- buckets
 
-_TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"))
-_PROMPT_BUCKETS = ((512, "0-512"), (2048, "512-2k"), (8192, "2k-8k"), (32768, "8k-32k"))
-TURN_BUCKET_VALUES = tuple(v for _, v in _TURN_BUCKETS) + ("9+",)
-PROMPT_BUCKET_VALUES = tuple(v for _, v in _PROMPT_BUCKETS) + ("32k+",)
+TURN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"))
+PROMPT_BUCKETS = ((512, "0-512"), (2048, "512-2k"), (8192, "2k-8k"), (32768, "8k-32k"))
+TURN_BUCKET_VALUES = tuple(v for _, v in TURN_BUCKETS) + ("9+",)
+PROMPT_BUCKET_VALUES = tuple(v for _, v in PROMPT_BUCKETS) + ("32k+",)
 
 
 def turn_bucket(turn: int) -> str:
@@ -1618,7 +1618,7 @@ def turn_bucket(turn: int) -> str:
     >>> [turn_bucket(t) for t in (1, 2, 3, 4, 5, 9, 40)]
     ['1', '2', '3-4', '3-4', '5-8', '9+', '9+']
     """
-    for upper, label in _TURN_BUCKETS:
+    for upper, label in TURN_BUCKETS:
         if turn <= upper:
             return label
     return TURN_BUCKET_VALUES[-1]
@@ -1630,7 +1630,7 @@ def prompt_bucket(tokens: int) -> str:
     >>> [prompt_bucket(n) for n in (10, 512, 513, 5000, 100000)]
     ['0-512', '0-512', '512-2k', '2k-8k', '32k+']
     """
-    for upper, label in _PROMPT_BUCKETS:
+    for upper, label in PROMPT_BUCKETS:
         if tokens <= upper:
             return label
     return PROMPT_BUCKET_VALUES[-1]

@@ -149,8 +149,8 @@ _ROW = {
     "v": "toString(verdict)",
     "lat": "ifNull(latency_s, nan)",
     "ttft": "ifNull(ttft_s, nan)",
-    "tb": _bucket_sql("turn", sc._TURN_BUCKETS),
-    "pb": f"if({_PROMPT_INT} >= 0, {_bucket_sql(_PROMPT_INT, sc._PROMPT_BUCKETS)}, -1)",
+    "tb": _bucket_sql("turn", sc.TURN_BUCKETS),
+    "pb": f"if({_PROMPT_INT} >= 0, {_bucket_sql(_PROMPT_INT, sc.PROMPT_BUCKETS)}, -1)",
     # _Measured
     "bytes_read": f"if({_DONE}, {_nan0(measure('read_bytes'))}, 0.)",
     "reused_tokens": f"if({_DONE}, {_nan0(measure('candidate_tokens'))}, 0.)",
@@ -254,7 +254,7 @@ class EngineTally:
             hours.append(f"({' OR '.join(ranges) or 'false'})")
         self.hours = " AND ".join(hours)
         where = [*hours, *([f"start >= {int(cutoff)}"] if cutoff is not None else [])]
-        self.source = f"(SELECT {turns._selected(_READ)} FROM {turns.table})"
+        self.source = f"(SELECT {turns.selected(_READ)} FROM {turns.table})"
         own = self.hours if only is not None else ""
         self.rows = f"({_latest(turns.table, where, self.source, own)})"
 
@@ -565,7 +565,7 @@ def engine_tally(
 
     if type(rows) is not ClickHouseTurns or not rows.exists():
         return None
-    if only is not None and sum(rows._counted.get(h, 0) for h in only) < ENGINE_MIN_ROWS:
+    if only is not None and sum(rows.hour_rows_listed.get(h, 0) for h in only) < ENGINE_MIN_ROWS:
         return None  # a small hour: its rows are read (see ENGINE_MIN_ROWS)
     return EngineTally(rows, skip, cutoff, only)
 

@@ -104,7 +104,7 @@ class ClickHouseTurns(TurnRows):
         self.location = f"{database.location} table {table}"
         self._created = False
         self._columns: frozenset[str] | None = None  # the table's, once read or written
-        self._counted: dict[str, int] = {}  # hour -> rows, when ``unsummarized`` listed it
+        self.hour_rows_listed: dict[str, int] = {}  # hour -> rows, when ``unsummarized`` listed it
 
     @classmethod
     def from_url(
@@ -138,7 +138,7 @@ class ClickHouseTurns(TurnRows):
             self._columns = held
         return self._columns
 
-    def _selected(self, columns: Iterable[str]) -> str:
+    def selected(self, columns: Iterable[str]) -> str:
         """The SELECT list of ``columns``: a column the table lacks as a typed null."""
         held = self._held()
         return ", ".join(
@@ -175,7 +175,7 @@ class ClickHouseTurns(TurnRows):
             return
         order = [*KEY, "version"]
         wanted = pa.schema([SCHEMA.field(c) for c in columns])
-        names = self._selected(dict.fromkeys([*order, *columns]))
+        names = self.selected(dict.fromkeys([*order, *columns]))
         after: list[str] = []
         parameters: dict[str, object] = {}
         chosen = ["version > 1"] if later_versions else []
@@ -245,19 +245,19 @@ class ClickHouseTurns(TurnRows):
             tallied, counts = self._tallied(), self._hour_rows()
         except ClickHouseError as error:  # the service's upkeep: said, tried again later
             raise OSError(f"{self.location}: {error}") from error
-        self._counted = {
+        self.hour_rows_listed = {
             hour: rows
             for hour, rows in counts.items()
             if hour <= closed and tallied.get(hour) != rows
         }
-        return sorted(self._counted)
+        return sorted(self.hour_rows_listed)
 
     def write_summary(self, part: str, summary: bytes) -> None:
         start = calendar.timegm(time.strptime(part, "%Y%m%d%H"))
         row = {
             "hour": part,
             "hour_start": float(start),
-            "rows": self._counted[part],
+            "rows": self.hour_rows_listed[part],
             "made_at": time.time(),
             "tally": summary,
         }
@@ -286,7 +286,7 @@ class ClickHouseTurns(TurnRows):
         return held
 
     def conversation_rows(self, part: str, conversation_ids: list[str]) -> pa.Table:
-        table = self._of_hour(part, conversation_ids, self._selected(SCHEMA.names))
+        table = self._of_hour(part, conversation_ids, self.selected(SCHEMA.names))
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
 
     def _of_hour(self, hour: str, conversation_ids: list[str], selected: str) -> pa.Table:
@@ -306,7 +306,7 @@ class ClickHouseTurns(TurnRows):
         if since is not None:
             conditions.append(f"finalized_at >= {float(since)!r}")
         where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-        names = self._selected(SCHEMA.names)
+        names = self.selected(SCHEMA.names)
         table = self.database.query(f"SELECT {names} FROM {self.table} {where}", parameters)
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
 
