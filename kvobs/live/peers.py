@@ -135,4 +135,5 @@ class Peers:
 
 
 def _dicts(items: list) -> bool:
-    return all(isinstance(item, dict) for item in items)
+    """Turns (or retired keys) the merge can rank: dicts with an integer version."""
+    return all(isinstance(item, dict) and type(item.get("version", 0)) is int for item in items)

@@ -223,6 +223,26 @@ def test_a_turn_retired_on_one_replica_hides_its_older_version_on_another(stores
     assert [t["turn"] for t in own["turns"]] == [1, 2] and "retired" not in own
 
 
+def test_a_peer_whose_versions_cannot_be_ranked_is_a_bad_answer(stores):
+    """A turn whose version is no integer cannot be ranked against another peer's: that
+    peer's answer is dropped as a bad answer, never a failure of the one b gave."""
+    pa, pb, odd = unused_port(), unused_port(), unused_port()
+    answer = {"turns": [{"tenant": None, "conversation_id": "b-1", "turn": 1,
+                         "version": "2"}]}
+
+    async def scenario():
+        async with _peer(odd, lambda: web.json_response(answer)), \
+                _classifier(stores["b"], pb, [], []) as b, \
+                _classifier(stores["a"], pa, [odd, pb], []) as a:
+            own = await (await b.get("/conversations/b-1")).json()
+            response = await a.get("/conversations/b-1")
+            return own, response.status, await response.json()
+
+    own, status, body = asyncio.run(scenario())
+    assert status == 200 and body["turns"] == own["turns"]
+    assert body["held_by"] == _url(pb)
+
+
 def test_collect_takes_its_peers_from_flags_or_the_environment(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
