@@ -939,6 +939,11 @@ HEALTHY_VERDICTS = frozenset(
         Verdict.HOST_HIT,
     }
 )
+# Verdict values a report does not count as faults: the healthy ones, and a turn whose
+# evidence is missing (said, not blamed).
+NOT_FAULT_VALUES = frozenset(
+    {v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value}
+)
 
 # --------------------------------------------------------------------------- embedded store
 

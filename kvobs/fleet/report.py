@@ -21,7 +21,7 @@ from kvobs.fleet.since import since_cutoff_ns
 from kvobs.turns.schema import CONVERSATION_KEYS
 from kvobs.timeline import PHASES, add_timeline, phase_column
 from kvobs.verdicts import classify_frame
-from kvobs.semconv import HEALTHY_VERDICTS, ReadOutcome, ReleaseReason, Verdict
+from kvobs.semconv import NOT_FAULT_VALUES, ReadOutcome, ReleaseReason, Verdict
 
 
 def label_turns(
@@ -82,7 +82,7 @@ HOST_VERDICTS = [
 
 
 @dataclass
-class _Measured:
+class Measured:
     """What each scope's metrics read, per turn, computed once for the whole table: a
     scope is then row positions into numpy arrays, never a copied frame."""
 
@@ -97,7 +97,7 @@ class _Measured:
     latency_s: np.ndarray
 
     @classmethod
-    def of(cls, turns: pd.DataFrame) -> _Measured:
+    def of(cls, turns: pd.DataFrame) -> Measured:
         codes, names = pd.factorize(turns["verdict"])
         done = (turns["read_outcome"] == ReadOutcome.DONE.value).fillna(False).to_numpy(bool)
 
@@ -136,7 +136,7 @@ class _Measured:
         }
 
 
-def _metrics(measured: _Measured, rows: np.ndarray) -> dict[str, Any]:
+def _metrics(measured: Measured, rows: np.ndarray) -> dict[str, Any]:
     """One scope's metrics over the turns at positions ``rows``."""
     codes = measured.verdict_codes.take(rows)
     tally = np.bincount(codes[codes >= 0], minlength=len(measured.verdict_names))
@@ -159,7 +159,7 @@ def scope_metrics(
     latency: tuple[float | None, float | None],
     ttft_unmeasured: int,
 ) -> dict[str, Any]:
-    """A scope's metrics from its turn count, verdict counts, ``_Measured.sums`` and the
+    """A scope's metrics from its turn count, verdict counts, ``Measured.sums`` and the
     p50/p95 of TTFT and latency: whether exact (the span path) or sketched (turn rows)."""
     return {
         "turns": n,
@@ -200,7 +200,7 @@ def _quantiles(values: np.ndarray) -> tuple[float | None, float | None]:
 
 
 def _grouped(
-    measured: _Measured, turns: pd.DataFrame, keys: list[str], rows: np.ndarray
+    measured: Measured, turns: pd.DataFrame, keys: list[str], rows: np.ndarray
 ) -> list[dict[str, Any]]:
     """``_metrics`` per combination of ``keys`` found among ``rows``, sorted as
     ``groupby`` sorts (a categorical by category order); rows with a missing key belong
@@ -244,17 +244,17 @@ def phase_ranking(
     ``unmeasured_turns``: turns with such a phase."""
     latency = turns["latency_s"].to_numpy(float).take(rows)
     timed = ~np.isnan(latency)
-    latency_ns = _sum_ns(latency[timed])
+    latency_ns = sum_ns(latency[timed])
     phases = []
     for phase in PHASES:
         seconds = turns[phase_column(phase)].to_numpy(float).take(rows)
         values = seconds[~np.isnan(seconds)]
         phases.append(
-            phase_row(phase.value, _sum_ns(values), len(values), _quantiles(values), slowest)
+            phase_row(phase.value, sum_ns(values), len(values), _quantiles(values), slowest)
         )
     seconds, gaps = (values.take(rows)[timed] for values in unmeasured)
     return ranking(
-        len(rows), int(timed.sum()), latency_ns, _sum_ns(seconds), int(gaps.sum()), phases
+        len(rows), int(timed.sum()), latency_ns, sum_ns(seconds), int(gaps.sum()), phases
     )
 
 
@@ -308,7 +308,7 @@ _PHASE_ROW_ORDER = (
 )
 
 
-def _sum_ns(seconds: np.ndarray) -> int:
+def sum_ns(seconds: np.ndarray) -> int:
     """Seconds summed as integer nanoseconds: exact, so a total does not depend on row
     order (the store and ClickHouse hand the same turns in different orders)."""
     return int(np.rint(seconds * 1e9).astype(np.int64).sum())
@@ -407,7 +407,6 @@ LISTED_FAULTS = 50
 LISTED_SLOW = 20
 # Conversations whose trace ids are looked up in the source (one read each).
 TRACE_LOOKUPS = 40
-_NOT_FAULTS = frozenset({v.value for v in HEALTHY_VERDICTS} | {Verdict.INSUFFICIENT_EVIDENCE.value})
 
 
 def diagnose_command(
@@ -452,7 +451,7 @@ def drill_down(
     latency = labelled["latency_s"].to_numpy(float, na_value=np.nan)
     first = (labelled["turn"] == 1).to_numpy(bool)
     verdicts = labelled["verdict"]
-    fault = (verdicts.notna() & ~verdicts.isin(_NOT_FAULTS)).to_numpy(bool)
+    fault = (verdicts.notna() & ~verdicts.isin(NOT_FAULT_VALUES)).to_numpy(bool)
     p95 = np.full(len(labelled), np.inf)
     for scope in (first, ~first):
         measured = latency[scope & ~np.isnan(latency)]
@@ -596,7 +595,7 @@ def build_report(
         costs = pool.submit(
             lambda: (memory_held(labelled), phase_sections(labelled, first), retention(labelled))
         )
-        measured = _Measured.of(labelled)
+        measured = Measured.of(labelled)
         mix: dict[str, Any] = {  # FleetReport's first_turn/later_turns and by_* fields
             "first_turn": _metrics(measured, np.flatnonzero(first)),
             "later_turns": _metrics(measured, later),

@@ -11,8 +11,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvobs.fleet.report import _NOT_FAULTS, LISTED_SLOW, diagnose_command
+from kvobs.fleet.report import LISTED_SLOW, diagnose_command
 from kvobs.live.turnstore import TurnRows
+from kvobs.semconv import NOT_FAULT_VALUES
 
 
 class Ranked:
@@ -65,7 +66,7 @@ def slow_turns(
     """The healthy turns at or above their scope's latency threshold (``first_turn``,
     ``later_turns``): the slowest ``LISTED_SLOW``, and how many."""
     slow, count = Ranked(LISTED_SLOW), 0
-    healthy_verdicts = pa.array(sorted(_NOT_FAULTS), pa.string())
+    healthy_verdicts = pa.array(sorted(NOT_FAULT_VALUES), pa.string())
     for batch in batches:
         latency = batch.column("latency_s").to_numpy(zero_copy_only=False)
         first = batch.column("turn").to_numpy(zero_copy_only=False) == 1

@@ -49,8 +49,8 @@ from kvobs.fleet.replay import (
 )
 from kvobs.fleet.sketch import add_values, new_sketch, quantile
 from kvobs.fleet.tune import Tuning, choose, plan, replay_counts, ttl_row
-from kvobs.fleet.turn_report import BATCH_ROWS, _batches, _KEY_COLUMNS, _Versions
-from kvobs.fleet.turn_tally import _latest_rate
+from kvobs.fleet.turn_report import BATCH_ROWS, newest_batches, KEY_COLUMNS, Versions
+from kvobs.fleet.turn_tally import latest_rate
 from kvobs.fleet.whatif import WhatIf, add_tally, compare, summary
 from kvobs.live.turn_measures import MEASURES_COLUMN, REPLAY_FACTS, unpack
 from kvobs.live.turnstore import TurnRows
@@ -64,7 +64,7 @@ SPILL_FILES = 256
 # Up to this many reads, the read-cost cut is their exact percentile (8 bytes a read).
 EXACT_CUT_READS = 1 << 21
 _ROW_COLUMNS = ["verdict", "prompt_tokens", "finalized_at", "prefill_tokens_per_s"]
-COLUMNS = _KEY_COLUMNS + _ROW_COLUMNS + [MEASURES_COLUMN]
+COLUMNS = KEY_COLUMNS + _ROW_COLUMNS + [MEASURES_COLUMN]
 # The measures a replay reads beyond ``REPLAY_FACTS``.
 _MEASURES = (
     "read_outcome",
@@ -162,7 +162,7 @@ class Fleet:
     """What the fleet decides as one, from the first passes over turn rows."""
 
     rows: TurnRows
-    versions: _Versions
+    versions: Versions
     turns: int  # turns at their latest version
     later: int  # of them later turns
     rate: float | None
@@ -173,7 +173,7 @@ class Fleet:
     exact_cut: bool
 
     def batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        return _batches(self.rows, columns, self.versions, None, batch_rows=batch_rows())
+        return newest_batches(self.rows, columns, self.versions, None, batch_rows=batch_rows())
 
     def mode(self, column: str, kind: type):
         value = most_common(self.counted[column])
@@ -240,22 +240,22 @@ def _spilled(
 def read_fleet(rows: TurnRows, seed: int = 0) -> Fleet:
     """The first passes: versions (keys of rows past a first version), then the
     counts, rate, settings and cost per token, then the read-cost sums at the cut."""
-    versions = _Versions()
-    for batch in rows.batches(_KEY_COLUMNS, batch_rows(), later_versions=True):
+    versions = Versions()
+    for batch in rows.batches(KEY_COLUMNS, batch_rows(), later_versions=True):
         versions.add(batch)
     counted: dict[str, Counter] = {column: Counter() for column in MODE_COLUMNS}
     turns = later = 0
     rate, rate_at = None, -np.inf
     reservoir, cost = _Reservoir(MAX_RESAMPLED_READS, seed), _CostCut()
-    columns = _KEY_COLUMNS + _ROW_COLUMNS + [MEASURES_COLUMN]
-    for batch in _batches(rows, columns, versions, None, batch_rows=batch_rows()):
+    columns = KEY_COLUMNS + _ROW_COLUMNS + [MEASURES_COLUMN]
+    for batch in newest_batches(rows, columns, versions, None, batch_rows=batch_rows()):
         scanned = frame(batch, _SCAN)
         turns += len(scanned)
         later += int((scanned["turn"] > 1).sum())
         for column in MODE_COLUMNS:
             values = scanned[column].to_numpy(float)
             counted[column].update(Counter(values[~np.isnan(values)].tolist()))
-        batch_rate, at = _latest_rate(scanned)
+        batch_rate, at = latest_rate(scanned)
         if batch_rate is not None and at >= rate_at:
             rate, rate_at = batch_rate, at
         done = (scanned["read_outcome"] == "done").to_numpy(bool)
@@ -265,8 +265,8 @@ def read_fleet(rows: TurnRows, seed: int = 0) -> Fleet:
     sums = None
     if cost.held or not cost.exact:
         cut = cost.cut()
-        read = [*_KEY_COLUMNS, "verdict", MEASURES_COLUMN]
-        for batch in _batches(rows, read, versions, None, batch_rows=batch_rows()):
+        read = [*KEY_COLUMNS, "verdict", MEASURES_COLUMN]
+        for batch in newest_batches(rows, read, versions, None, batch_rows=batch_rows()):
             found = ReadSums.of(*usable_reads(frame(batch, READ_COLUMNS)), cut)
             if sums is None:
                 sums = found

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from kvobs.fleet.report import (
     FleetReport,
-    _Measured,
+    Measured,
     memory_result,
     phase_row,
     ranking,
@@ -62,10 +62,10 @@ from kvobs.timeline import PHASES
 # Rows per batch: a frame of ~70 columns and its temporaries (961k turns: 131,072 peaked
 # at 677 MiB, 262,144 at 974 MiB; bench/README.md).
 BATCH_ROWS = 131_072
-_KEY_COLUMNS = ["tenant", "conversation_id", "turn", "version"]
+KEY_COLUMNS = ["tenant", "conversation_id", "turn", "version"]
 _ROW_COLUMNS = ["verdict", "slowest_phase", "latency_s", "ttft_s", "prompt_tokens"]
 _CONTEXT_COLUMNS = ["finalized_at", "prefill_tokens_per_s"]
-AGGREGATED = _KEY_COLUMNS + _ROW_COLUMNS + _CONTEXT_COLUMNS + [MEASURES_COLUMN]
+AGGREGATED = KEY_COLUMNS + _ROW_COLUMNS + _CONTEXT_COLUMNS + [MEASURES_COLUMN]
 DEGRADED = {
     "retention.conversations": "per-conversation sums need each conversation's turns "
     "together; turn rows are read in batches",
@@ -77,7 +77,7 @@ DEGRADED = {
 
 
 @dataclass
-class _Versions:
+class Versions:
     """The first read: turns stored in several versions (re-classified, or retired by
     lineage) with their newest version, and the newest turn start."""
 
@@ -99,7 +99,7 @@ class _Versions:
 
     def add(self, batch: pa.RecordBatch) -> None:
         later = batch.filter(pc.greater(batch.column("version"), 1))
-        for tenant, cid, turn, version in zip(*(later.column(c).to_pylist() for c in _KEY_COLUMNS)):
+        for tenant, cid, turn, version in zip(*(later.column(c).to_pylist() for c in KEY_COLUMNS)):
             key = (tenant, cid, turn)
             self.newest[key] = max(self.newest.get(key, 1), version)
 
@@ -108,7 +108,7 @@ class _Versions:
         return [
             version < self.newest.get((tenant, cid, turn), 1)
             for tenant, cid, turn, version in zip(
-                *(batch.column(c).to_pylist() for c in _KEY_COLUMNS)
+                *(batch.column(c).to_pylist() for c in KEY_COLUMNS)
             )
         ]
 
@@ -123,16 +123,16 @@ class _Versions:
             suspect = pc.is_in(batch.column("conversation_id"), value_set=self._suspects[1])
             keep = np.ones(batch.num_rows, bool)
             for i in np.flatnonzero(suspect.to_numpy(zero_copy_only=False)).tolist():
-                key = tuple(batch.column(c)[i].as_py() for c in _KEY_COLUMNS[:3])
+                key = tuple(batch.column(c)[i].as_py() for c in KEY_COLUMNS[:3])
                 keep[i] = batch.column("version")[i].as_py() == self.newest.get(key, 1)
             batch = batch.filter(pa.array(keep))
         return batch.filter(pc.is_valid(batch.column("verdict")))
 
 
-def _batches(
+def newest_batches(
     rows: TurnRows,
     columns: list[str],
-    versions: _Versions | None,
+    versions: Versions | None,
     cutoff: int | None,
     skip: Collection[str] = (),
     only: Collection[str] | None = None,
@@ -165,8 +165,8 @@ def turn_row_report(
     ``drill_down`` and what could not come from turn rows, ``degraded``). A file with a
     stored tally (``summarize``) is merged in, not read, unless one of its turns has a
     newer version elsewhere or ``--since`` cuts through it."""
-    versions = _Versions()
-    for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True):
+    versions = Versions()
+    for batch in rows.batches(KEY_COLUMNS, BATCH_ROWS, later_versions=True):
         versions.add(batch)
     cutoff = _cutoff(rows, since, versions) if since else None
     total, merged, unread = TurnTally(), set(), []  # unread: merged, or adding nothing
@@ -189,16 +189,16 @@ def turn_row_report(
     if engine is not None:
         total.merge(engine.tally())
     else:
-        for batch in _batches(rows, AGGREGATED, versions, cutoff, unread):
+        for batch in newest_batches(rows, AGGREGATED, versions, cutoff, unread):
             total.add(batch)
     weight = quantile(total.per_block, 0.5)
     thresholds = {scope: quantile(total.scopes[scope].latency, 0.95) for scope in SCOPES}
-    columns = _KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
+    columns = KEY_COLUMNS + ["verdict", "latency_s"] + ([MEASURES_COLUMN] if cutoff else [])
     # The third read: healthy turns at or above their scope's (sketched) p95.
     if engine is not None:
         slow, slow_count = engine.slow(thresholds)
     else:
-        batches = _batches(rows, columns, versions, cutoff, unread)
+        batches = newest_batches(rows, columns, versions, cutoff, unread)
         slow, slow_count = slow_turns(batches, thresholds)
     for path, data in rows.summaries():
         stored = SlowTally.from_bytes(data) if path in merged else None
@@ -275,7 +275,7 @@ def _report(
 
 
 def _scope_metrics(tally: ScopeTally) -> dict[str, Any]:
-    sums = {k: int(tally.sums.get(k, 0)) for k in _Measured.SUMS}
+    sums = {k: int(tally.sums.get(k, 0)) for k in Measured.SUMS}
     return scope_metrics(
         tally.turns,
         dict(tally.verdicts),
@@ -300,7 +300,7 @@ def _phase_section(tally: PhaseTally) -> dict[str, Any]:
     return ranking(tally.turns, tally.timed, tally.latency_ns, tally.gap_ns, tally.gap_turns, rows)
 
 
-def _cutoff(rows: TurnRows, since: str, versions: _Versions) -> int | None:
+def _cutoff(rows: TurnRows, since: str, versions: Versions) -> int | None:
     """``--since``'s cutoff in turn-start nanoseconds: a duration counts back from the
     newest turn start of any stored row (a stored tally knows its file's)."""
     stored = []
@@ -330,7 +330,7 @@ class _Replaced:
     """The conversations with a turn stored in several versions, and which of them a
     file holds (its index asked once for all of them)."""
 
-    def __init__(self, rows: TurnRows, versions: _Versions):
+    def __init__(self, rows: TurnRows, versions: Versions):
         self.keys: dict[str, list[tuple[tuple, int]]] = {}
         for key, version in versions.newest.items():
             self.keys.setdefault(key[1], []).append((key, version))
@@ -369,7 +369,7 @@ def _corrected(
     data: bytes,
     tally: TurnTally,
     stale: set[str],
-    versions: _Versions,
+    versions: Versions,
 ) -> tuple[SlowTally, set[tuple], np.ndarray] | None:
     """``tally`` without the file's turns that a newer version in another file replaces
     (the ``stale`` conversations' rows, looked up through the file's index); what the
@@ -383,7 +383,7 @@ def _corrected(
     gone_slow = SlowTally()
     gone, keys, kept = TurnTally(slow=gone_slow), set[tuple](), []
     for batch in table.select(AGGREGATED).to_batches():
-        counted = _Versions(newest=tally.own_versions).latest_rows(batch)
+        counted = Versions(newest=tally.own_versions).latest_rows(batch)
         replaced = pa.array(versions.replaced(counted))
         kept.append(conversation_hashes(counted.filter(pc.invert(replaced))))
         counted = counted.filter(replaced)
@@ -392,7 +392,7 @@ def _corrected(
             keys.update(
                 (cid, tenant or "", turn)
                 for tenant, cid, turn in zip(
-                    *(counted.column(c).to_pylist() for c in _KEY_COLUMNS[:3])
+                    *(counted.column(c).to_pylist() for c in KEY_COLUMNS[:3])
                 )
             )
     if not slow.remove(gone_slow, keys) or not tally.remove(gone, keys):
@@ -407,8 +407,8 @@ def summarize(rows: TurnRows) -> list[str]:
     done = []
     for path in rows.unsummarized():
         only = [path]
-        versions = _Versions()
-        for batch in rows.batches(_KEY_COLUMNS, BATCH_ROWS, later_versions=True, only=only):
+        versions = Versions()
+        for batch in rows.batches(KEY_COLUMNS, BATCH_ROWS, later_versions=True, only=only):
             versions.add(batch)
         engine = engine_tally(rows, (), None, only)
         if engine is not None:  # ClickHouse: the hour added up by the engine
@@ -422,7 +422,7 @@ def summarize(rows: TurnRows) -> list[str]:
             tally.newest_start_ns = (
                 np.nan if versions.latest_start_ns is None else versions.latest_start_ns
             )
-            for batch in _batches(rows, AGGREGATED, versions, None, only=only):
+            for batch in newest_batches(rows, AGGREGATED, versions, None, only=only):
                 tally.add(batch)
         tally.own_versions = dict(versions.newest)
         try:

@@ -9,7 +9,7 @@ What is aggregated is still defined once, by the Python tally:
 
 - a measure is read from the packed record at its offset in ``MEASURE_DTYPE``
   (``measure``), as ``unpack`` reads it: a float, NaN for null;
-- the row-level numbers are the span path's formulas (``_Measured``, ``memory_sums``,
+- the row-level numbers are the span path's formulas (``Measured``, ``memory_sums``,
   ``RetentionSums.of``, ``unmeasured_latency``), each written here once in SQL over
   those values, with NaN where numpy has NaN; the names and types of the memory and
   retention sums are those of the Python functions run on an empty batch (checked);
@@ -17,7 +17,7 @@ What is aggregated is still defined once, by the Python tally:
   ``add_values`` with the sketch's own constants, and the counts go into the sketch
   through ``add_keyed``, as ``add_values`` puts them: the quantiles are the same;
 - the latest version of each turn: the newest version stored of its key, anywhere in the
-  table (``_Versions``), retired turns (no verdict) left out;
+  table (``Versions``), retired turns (no verdict) left out;
 - conversations: the distinct (tenant, id) pairs come back and are hashed by
   ``conversation_hashes``, so they merge exactly with the stored tallies' hashes (an
   engine-side ``uniqExact`` would count this part exactly but could not be merged with
@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvobs import semconv as sc
-from kvobs.fleet.report import _NOT_FAULTS, LISTED_FAULTS, LISTED_SLOW, memory_sums
+from kvobs.fleet.report import LISTED_FAULTS, LISTED_SLOW, memory_sums
 from kvobs.fleet.retention import RetentionSums
 from kvobs.fleet.sketch import add_keyed, bucket_key_sql, zero_bound
 from kvobs.fleet.turn_drill import Ranked
@@ -48,12 +48,12 @@ from kvobs.fleet.turn_tally import (
     ScopeTally,
     SlowTally,
     TurnTally,
-    _frame,
+    labelled_frame,
     conversation_hashes,
 )
 from kvobs.live.turnstore import SCHEMA
 from kvobs.live.turn_measures import ENUMS, KINDS, MEASURE_DTYPE, MEASURES_COLUMN, NULL_INT
-from kvobs.semconv import VERDICT_VALUES, ReadOutcome, ReleaseReason
+from kvobs.semconv import NOT_FAULT_VALUES, VERDICT_VALUES, ReadOutcome, ReleaseReason
 from kvobs.timeline import PHASES, phase_column
 from kvobs.turns.schema import DEVICE_BLOCK_SECONDS, HOST_BYTE_SECONDS
 
@@ -119,7 +119,7 @@ def _nan0(value: str) -> str:
 
 
 def _ns(seconds: str) -> str:
-    """``_sum_ns``' term: seconds as integer nanoseconds, rounded half to even."""
+    """``sum_ns``' term: seconds as integer nanoseconds, rounded half to even."""
     # evaluated on every row (sumIf's condition does not guard it): NaN as 0
     return f"toInt64(roundBankers(if(isFinite({seconds}), {seconds}, 0.) * 1e9))"
 
@@ -142,7 +142,7 @@ _PROMPT = (
     f"{measure('host_lookup_prompt_tokens')})"
 )
 _PROMPT_INT = f"if(isNaN({_PROMPT}), -1, toInt64({_PROMPT}))"
-# Each kept row's values, named for the queries below (``_Measured`` and the others).
+# Each kept row's values, named for the queries below (``Measured`` and the others).
 _ROW = {
     "record": RECORD,
     "first": "turn = 1",
@@ -151,7 +151,7 @@ _ROW = {
     "ttft": "ifNull(ttft_s, nan)",
     "tb": _bucket_sql("turn", sc.TURN_BUCKETS),
     "pb": f"if({_PROMPT_INT} >= 0, {_bucket_sql(_PROMPT_INT, sc.PROMPT_BUCKETS)}, -1)",
-    # _Measured
+    # Measured
     "bytes_read": f"if({_DONE}, {_nan0(measure('read_bytes'))}, 0.)",
     "reused_tokens": f"if({_DONE}, {_nan0(measure('candidate_tokens'))}, 0.)",
     "recomputed_tokens": _nan0(measure("recomputed_tokens")),
@@ -198,12 +198,12 @@ _SUMS = (
     "host_bytes_loaded",
     "host_reused_tokens",
 )
-_HEALTHY = f"v IN ({_quoted(sorted(_NOT_FAULTS))})"
+_HEALTHY = f"v IN ({_quoted(sorted(NOT_FAULT_VALUES))})"
 
 
 def _latest(table: str, where: list[str], source: str, hours: str = "") -> str:
     """The kept rows with ``_ROW``'s values: each turn at the newest version stored of
-    it (``_Versions.latest_rows``: a turn without a later version keeps its rows),
+    it (``Versions.latest_rows``: a turn without a later version keeps its rows),
     retired turns (no verdict) out. ``source``: the table's rows as a subquery (with the
     columns a table of an older kvobs lacks as nulls); ``hours``: a condition on the
     rows whose versions count (a tally of one hour: its own versions), else every row."""
@@ -242,15 +242,15 @@ class EngineTally:
     ):
         """``only``: the rows of those hours alone, at the newest versions they hold
         (``summarize``'s tally of an hour)."""
-        from kvobs.live.clickhouse_turns import _HOUR_NAME, HOUR, _hours
+        from kvobs.live.clickhouse_turns import HOUR, HOUR_NAME, hour_literals
 
         self.turns = turns
-        hours = [f"{HOUR} NOT IN ({_hours(skip)})"] if skip else []
+        hours = [f"{HOUR} NOT IN ({hour_literals(skip)})"] if skip else []
         if only is not None:
-            hours.append(f"{HOUR} IN ({_hours(only)})")
+            hours.append(f"{HOUR} IN ({hour_literals(only)})")
             # the same rows as a range of finalized_at: the day partitions' min-max
             # index then skips every other day's parts
-            ranges = [_hour_range(h) for h in only if _HOUR_NAME.fullmatch(h)]
+            ranges = [_hour_range(h) for h in only if HOUR_NAME.fullmatch(h)]
             hours.append(f"({' OR '.join(ranges) or 'false'})")
         self.hours = " AND ".join(hours)
         where = [*hours, *([f"start >= {int(cutoff)}"] if cutoff is not None else [])]
@@ -260,7 +260,7 @@ class EngineTally:
 
     def newest_start(self) -> float:
         """The newest turn start of any row outside ``skip``, every version (what
-        ``--since`` counts back from: ``_Versions.add_starts``); NaN when none has one."""
+        ``--since`` counts back from: ``Versions.add_starts``); NaN when none has one."""
         start = _ROW["start"]
         found = self._query(
             f"SELECT max(start) AS newest, count() AS n FROM (SELECT {RECORD} AS record, "
@@ -315,7 +315,7 @@ class EngineTally:
             _add_codes(sketch, counts)
         _add_misc(total, cells)
         verdicts = sum((_verdicts(cell) for cell in cells), Counter())
-        total.fault_count = sum(n for v, n in verdicts.items() if v not in _NOT_FAULTS)
+        total.fault_count = sum(n for v, n in verdicts.items() if v not in NOT_FAULT_VALUES)
         faults = f"NOT {_HEALTHY}"
         listed = self._query(_LISTED.format(rows=self.rows, where=faults, n=LISTED_FAULTS))
         total.faults.rows = [_ranked(row) for row in listed]
@@ -465,7 +465,7 @@ def _add_misc(total: TurnTally, cells: list[dict[str, Any]]) -> None:
 def _templates() -> tuple[dict[str, Any], RetentionSums]:
     """``memory_sums`` and ``RetentionSums.of`` of no rows: the names and types the
     queries fill."""
-    frame = _frame(pa.RecordBatch.from_pylist([], schema=SCHEMA))
+    frame = labelled_frame(pa.RecordBatch.from_pylist([], schema=SCHEMA))
     return memory_sums(frame), RetentionSums.of(frame)
 
 

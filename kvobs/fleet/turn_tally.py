@@ -28,12 +28,12 @@ import pyarrow.compute as pc
 from ddsketch import DDSketch
 
 from kvobs import semconv as sc
+from kvobs.semconv import NOT_FAULT_VALUES
 from kvobs.fleet.report import (
-    _NOT_FAULTS,
     LISTED_FAULTS,
     LISTED_SLOW,
-    _Measured,
-    _sum_ns,
+    Measured,
+    sum_ns,
     add_buckets,
     memory_sums,
     unmeasured_latency,
@@ -70,7 +70,7 @@ class ScopeTally:
     ttft: DDSketch = field(default_factory=new_sketch)
     latency: DDSketch = field(default_factory=new_sketch)
 
-    def add(self, measured: _Measured, rows: np.ndarray) -> None:
+    def add(self, measured: Measured, rows: np.ndarray) -> None:
         codes = measured.verdict_codes.take(rows)
         tally = np.bincount(codes[codes >= 0], minlength=len(measured.verdict_names))
         self.verdicts.update({n: int(k) for n, k in zip(measured.verdict_names, tally) if k})
@@ -111,9 +111,9 @@ class PhaseTally:
         timed = ~np.isnan(latency)
         self.turns += len(rows)
         self.timed += int(timed.sum())
-        self.latency_ns += _sum_ns(latency[timed])
+        self.latency_ns += sum_ns(latency[timed])
         seconds, gaps = (values.take(rows)[timed] for values in unmeasured)
-        self.gap_ns += _sum_ns(seconds)
+        self.gap_ns += sum_ns(seconds)
         self.gap_turns += int(gaps.sum())
         codes, names = slowest
         tally = np.bincount(codes.take(rows) + 1, minlength=len(names) + 1)[1:]  # -1: none
@@ -121,7 +121,7 @@ class PhaseTally:
         for phase in PHASES:
             values = frame[phase_column(phase)].to_numpy(float, na_value=np.nan).take(rows)
             values = values[~np.isnan(values)]
-            self.total_ns[phase.value] += _sum_ns(values)
+            self.total_ns[phase.value] += sum_ns(values)
             self.measured[phase.value] += len(values)
             add_values(self.sketches[phase.value], values)
 
@@ -140,7 +140,7 @@ class SlowTally:
     )
 
     def add(self, frame: pd.DataFrame, scope_rows: dict[str, np.ndarray]) -> None:
-        healthy = frame["verdict"].isin(_NOT_FAULTS).to_numpy(bool)
+        healthy = frame["verdict"].isin(NOT_FAULT_VALUES).to_numpy(bool)
         latency = frame["latency_s"].to_numpy(float, na_value=np.nan)
         for scope, rows in scope_rows.items():
             mine = np.zeros(len(frame), bool)
@@ -231,10 +231,10 @@ class TurnTally:
 
     def add(self, batch: pa.RecordBatch) -> None:
         """One batch of turn rows (``AGGREGATED`` columns, one row per turn)."""
-        frame = _frame(batch)
+        frame = labelled_frame(batch)
         first = (frame["turn"] == 1).to_numpy(bool)
         scope_rows = {"first_turn": np.flatnonzero(first), "later_turns": np.flatnonzero(~first)}
-        measured = _Measured.of(frame)
+        measured = Measured.of(frame)
         for scope, at in scope_rows.items():
             self.scopes[scope].add(measured, at)
         every = np.arange(len(frame))
@@ -251,10 +251,10 @@ class TurnTally:
         self.retained = self.retained + RetentionSums.of(frame)
         add_values(self.per_block, read_bytes_per_block(frame))
         self._add_conversations(conversation_hashes(batch))
-        fault = (~frame["verdict"].isin(_NOT_FAULTS)).to_numpy(bool)
+        fault = (~frame["verdict"].isin(NOT_FAULT_VALUES)).to_numpy(bool)
         self.fault_count += int(fault.sum())
         self.faults.add(frame, fault)
-        self._add_rate(*_latest_rate(frame))
+        self._add_rate(*latest_rate(frame))
         if self.synthetic is None:
             self.synthetic = str(frame["conversation_id"].iat[0]).startswith("synthetic-")
         starts = frame["turn_start_ns"].to_numpy(float)
@@ -568,7 +568,7 @@ def _merge_phases(into: PhaseTally, other: PhaseTally) -> None:
 # --------------------------------------------------------------------------- a batch
 
 
-def _frame(batch: pa.RecordBatch) -> pd.DataFrame:
+def labelled_frame(batch: pa.RecordBatch) -> pd.DataFrame:
     """A batch as the span path's labelled table (the columns its functions read)."""
     plain = pa.Table.from_batches([batch]).drop_columns([MEASURES_COLUMN])
     measures = pd.DataFrame(unpack(batch.column(MEASURES_COLUMN), REPORT_MEASURES))
@@ -609,7 +609,7 @@ def _distinct(hashes: list[np.ndarray]) -> np.ndarray:
     return ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])]
 
 
-def _latest_rate(frame: pd.DataFrame) -> tuple[float | None, float]:
+def latest_rate(frame: pd.DataFrame) -> tuple[float | None, float]:
     """The prefill rate the batch's most recently finalized turn was priced with."""
     finalized = frame["finalized_at"].to_numpy(float, na_value=np.nan)
     rates = frame["prefill_tokens_per_s"].to_numpy(float, na_value=np.nan)

@@ -16,8 +16,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvobs.live.turn_measures import MEASURES_COLUMN, pack_frame
-from kvobs.live.turnstore import _HOUR_FORMAT, _MERGED, _PREFIX, ROW_GROUP_ROWS, SCHEMA, TURNS_DIR
-from kvobs.live.turnstore import _write_indexed
+from kvobs.live.turnstore import (
+    HOUR_FORMAT,
+    MERGED_PREFIX,
+    PARTITION_PREFIX,
+    ROW_GROUP_ROWS,
+    SCHEMA,
+    TURNS_DIR,
+    write_indexed,
+)
 
 
 def turn_rows_table(
@@ -85,10 +92,10 @@ def write_turn_rows(directory: str, table: pa.Table, stamp: str = "backfill") ->
         rows = table.filter(pc.equal(hours, hour)).sort_by(
             [(c, "ascending") for c in ("conversation_id", "tenant", "turn", "version")]
         )
-        partition = os.path.join(directory, TURNS_DIR, _PREFIX + hour)
+        partition = os.path.join(directory, TURNS_DIR, PARTITION_PREFIX + hour)
         os.makedirs(partition, exist_ok=True)
-        base = os.path.join(partition, f"{_MERGED}{stamp}")
-        _write_indexed(base, rows, row_group_size=ROW_GROUP_ROWS)
+        base = os.path.join(partition, f"{MERGED_PREFIX}{stamp}")
+        write_indexed(base, rows, row_group_size=ROW_GROUP_ROWS)
         written.append(base + ".parquet")
     return written
 
@@ -96,7 +103,7 @@ def write_turn_rows(directory: str, table: pa.Table, stamp: str = "backfill") ->
 def _hours(table: pa.Table) -> pa.Array:
     """Hour partition names, vectorised (millions of rows)."""
     seconds = table["finalized_at"].to_numpy().astype(np.int64)
-    names = pd.to_datetime(seconds, unit="s", utc=True).strftime(_HOUR_FORMAT)
+    names = pd.to_datetime(seconds, unit="s", utc=True).strftime(HOUR_FORMAT)
     return pa.array(np.asarray(names, dtype=object), pa.string())
 
 

@@ -65,7 +65,7 @@ def table_ddl(table: str, retention_s: float) -> str:
 # A turn row's hour (UTC): what a tally is kept for (``tallies_ddl``), as the embedded
 # store's hourly partitions.
 HOUR = "formatDateTime(toDateTime(toUInt32(finalized_at), 'UTC'), '%Y%m%d%H')"
-_HOUR_NAME = re.compile(r"\d{10}")
+HOUR_NAME = re.compile(r"\d{10}")
 
 
 def tallies_ddl(table: str, retention_s: float) -> str:
@@ -180,9 +180,9 @@ class ClickHouseTurns(TurnRows):
         parameters: dict[str, object] = {}
         chosen = ["version > 1"] if later_versions else []
         if skip:
-            chosen.append(f"{HOUR} NOT IN ({_hours(skip)})")
+            chosen.append(f"{HOUR} NOT IN ({hour_literals(skip)})")
         if only is not None:
-            chosen.append(f"{HOUR} IN ({_hours(only)})")
+            chosen.append(f"{HOUR} IN ({hour_literals(only)})")
         while True:
             where = " AND ".join(chosen + after)
             table = self.database.query(
@@ -227,7 +227,7 @@ class ClickHouseTurns(TurnRows):
             return
         now = self._hour_rows()
         for hour, rows in sorted(self._tallied().items()):
-            if _HOUR_NAME.fullmatch(hour) and now.get(hour) == rows:
+            if HOUR_NAME.fullmatch(hour) and now.get(hour) == rows:
                 found = self.database.query(
                     f"SELECT tally FROM {self.tallies} FINAL WHERE hour = {{hour:String}}",
                     {"hour": hour},
@@ -311,9 +311,9 @@ class ClickHouseTurns(TurnRows):
         return table.cast(SCHEMA) if table.num_rows else SCHEMA.empty_table()
 
 
-def _hours(parts: Collection[str]) -> str:
+def hour_literals(parts: Collection[str]) -> str:
     """Hour names as SQL literals (each checked: they come from the tally table)."""
-    named = sorted(p for p in parts if _HOUR_NAME.fullmatch(p))
+    named = sorted(p for p in parts if HOUR_NAME.fullmatch(p))
     return ", ".join(f"'{p}'" for p in named) or "''"
 
 

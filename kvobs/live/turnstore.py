@@ -38,8 +38,8 @@ from kvobs.live.turn_measures import MEASURES_COLUMN, MEASURES_KEY, pack
 from kvobs.sources._decode import is_regular
 
 TURNS_DIR = "turns"
-_PREFIX = "hour="
-_HOUR_FORMAT = "%Y%m%d%H"
+PARTITION_PREFIX = "hour="
+HOUR_FORMAT = "%Y%m%d%H"
 SCHEMA = pa.schema(
     [
         ("tenant", pa.string()),
@@ -71,7 +71,7 @@ MAX_PENDING = 100_000
 # An hour's parts are merged this long after the hour ended (a pass that began inside it
 # may still be writing there).
 COMPACT_AFTER_S = 300
-_MERGED = "merged-"
+MERGED_PREFIX = "merged-"
 _INDEX = ".cids"  # next to each file: its conversations' sorted hashes, raw uint64 LE
 # Next to a merged file: what a reader aggregated over its rows (opaque here; written by
 # ``kvobs.fleet.turn_report``), after the size of the file it was computed from.
@@ -319,13 +319,13 @@ class TurnStore(TurnRows):
     def _flush(self, now: float) -> int:
         by_hour: dict[str, list[dict]] = defaultdict(list)
         for item in self.pending:
-            by_hour[time.strftime(_HOUR_FORMAT, time.gmtime(item["finalized_at"]))].append(item)
+            by_hour[time.strftime(HOUR_FORMAT, time.gmtime(item["finalized_at"]))].append(item)
         done: list[str] = []
         try:
             for hour, items in by_hour.items():
-                partition = os.path.join(self.directory, _PREFIX + hour)
+                partition = os.path.join(self.directory, PARTITION_PREFIX + hour)
                 os.makedirs(partition, exist_ok=True)
-                _write_indexed(
+                write_indexed(
                     os.path.join(partition, f"part-{_stamp(now)}"),
                     pa.Table.from_pylist(items, schema=SCHEMA),
                 )
@@ -341,7 +341,7 @@ class TurnStore(TurnRows):
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        return sorted(n for n in names if n.startswith(_PREFIX))
+        return sorted(n for n in names if n.startswith(PARTITION_PREFIX))
 
     def _files(self, partition: str) -> list[str]:
         """A partition's parquet file names, sorted; a FIFO or other non-regular file
@@ -355,7 +355,10 @@ class TurnStore(TurnRows):
         for name in self.partitions():
             try:
                 hours.append(
-                    (name, calendar.timegm(time.strptime(name[len(_PREFIX) :], _HOUR_FORMAT)))
+                    (
+                        name,
+                        calendar.timegm(time.strptime(name[len(PARTITION_PREFIX) :], HOUR_FORMAT)),
+                    )
                 )
             except ValueError:
                 continue  # not ours
@@ -386,7 +389,7 @@ class TurnStore(TurnRows):
             partition = os.path.join(self.directory, name)
             files = self._files(partition)
             closed = start + 3600 + COMPACT_AFTER_S <= now
-            chosen = files if closed else [f for f in files if not f.startswith(_MERGED)]
+            chosen = files if closed else [f for f in files if not f.startswith(MERGED_PREFIX)]
             if len(chosen) < (2 if closed else MIN_PARTS_TO_MERGE):
                 continue
             self._merge(partition, chosen, now)
@@ -404,7 +407,7 @@ class TurnStore(TurnRows):
             if limit is not None and len(done) >= limit:
                 break
             if (
-                not os.path.basename(path).startswith(_MERGED)
+                not os.path.basename(path).startswith(MERGED_PREFIX)
                 or path in self._without_groups
                 or os.path.exists(_sidecar(path, _GROUPS))
             ):
@@ -436,8 +439,10 @@ class TurnStore(TurnRows):
                 ("version", "ascending"),
             ]
         )
-        _write_indexed(
-            os.path.join(partition, f"{_MERGED}{_stamp(now)}"), table, row_group_size=ROW_GROUP_ROWS
+        write_indexed(
+            os.path.join(partition, f"{MERGED_PREFIX}{_stamp(now)}"),
+            table,
+            row_group_size=ROW_GROUP_ROWS,
         )
         for path in paths:
             os.remove(path)
@@ -484,18 +489,18 @@ class TurnStore(TurnRows):
             handle, groups = located
         else:  # no row-group sidecar (an older kvobs wrote the file): the whole footer
             handle = pq.ParquetFile(path)
-            sorted_ = os.path.basename(path).startswith(_MERGED)
+            sorted_ = os.path.basename(path).startswith(MERGED_PREFIX)
             groups = sorted({g for cid in held for g in _groups_holding(handle, cid, sorted_)})
         table = _conformed(handle.read_row_groups(groups))
         return table.filter(pc.is_in(table.column("conversation_id"), pa.array(held, pa.string())))
 
     def _paths(self, since: float | None = None) -> list[str]:
         """Every file of the partitions from ``since``'s hour on."""
-        first_hour = "" if since is None else time.strftime(_HOUR_FORMAT, time.gmtime(since))
+        first_hour = "" if since is None else time.strftime(HOUR_FORMAT, time.gmtime(since))
         return [
             os.path.join(self.directory, p, f)
             for p in self.partitions()
-            if p[len(_PREFIX) :] >= first_hour
+            if p[len(PARTITION_PREFIX) :] >= first_hour
             for f in self._files(os.path.join(self.directory, p))
         ]
 
@@ -579,7 +584,7 @@ class TurnStore(TurnRows):
         return [
             path
             for path in self._paths()
-            if os.path.basename(path).startswith(_MERGED)
+            if os.path.basename(path).startswith(MERGED_PREFIX)
             and not os.path.exists(_sidecar(path, _SUMMARY))
         ]
 
@@ -782,7 +787,7 @@ def _stamp(now: float) -> str:
     return f"{int(now * 1000)}-{uuid.uuid4().hex[:8]}"
 
 
-def _write_indexed(base: str, table: pa.Table, **options: Any) -> None:
+def write_indexed(base: str, table: pa.Table, **options: Any) -> None:
     """``base.parquet`` and its conversation index ``base`` + ``_INDEX`` (and, for a file
     of several row groups, its ``_GROUPS``), each written aside and renamed, the file
     last: a reader never meets half a file, nor a file without its index (a crash

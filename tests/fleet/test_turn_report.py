@@ -17,7 +17,8 @@ import pytest
 from kvobs.causes import causes, decode_context
 from kvobs.fleet import fleet_turns
 from kvobs.fleet import turn_report as tr
-from kvobs.fleet.report import _NOT_FAULTS, build_report
+from kvobs.fleet.report import build_report
+from kvobs.semconv import NOT_FAULT_VALUES
 from kvobs.fleet.sketch import within_sketch_error
 from kvobs.live.backfill import turn_rows_table, write_turn_rows
 from kvobs.live.classifier import Classifier
@@ -115,7 +116,7 @@ def _compare(span, span_drill, rows, labelled: pd.DataFrame) -> None:
         [{k: r[k] for k in listed} for r in faults]
     for row in drill["rows"]:
         if row["kind"] == "slow":  # at or above the sketched p95 of its scope
-            assert row["verdict"] in _NOT_FAULTS
+            assert row["verdict"] in NOT_FAULT_VALUES
 
 
 def _details(labelled: pd.DataFrame) -> list[str]:

@@ -106,11 +106,11 @@ def varied(synthetic_store, chdb_path):
 
 
 def _rows_tally(turns, skip=(), cutoff=None) -> TurnTally:
-    versions = tr._Versions()
-    for batch in turns.batches(tr._KEY_COLUMNS, tr.BATCH_ROWS, later_versions=True):
+    versions = tr.Versions()
+    for batch in turns.batches(tr.KEY_COLUMNS, tr.BATCH_ROWS, later_versions=True):
         versions.add(batch)
     total = TurnTally()
-    for batch in tr._batches(turns, tr.AGGREGATED, versions, cutoff, skip):
+    for batch in tr.newest_batches(turns, tr.AGGREGATED, versions, cutoff, skip):
         total.add(batch)
     return total
 
@@ -210,7 +210,7 @@ def test_the_newest_start_by_the_engine_is_the_rows(varied, skip):
     from kvobs.live.turn_measures import MEASURES_COLUMN
 
     turns, _ = varied
-    versions = tr._Versions()
+    versions = tr.Versions()
     for batch in turns.batches([MEASURES_COLUMN], 1000, skip=skip):
         versions.add_starts(batch)
     assert versions.latest_start_ns is not None
