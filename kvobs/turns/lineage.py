@@ -236,13 +236,16 @@ def _extended(
     whether they are one conversation's. No match: an empty list."""
     if chain is None or _missing(start_ns):
         return [], False
-    probes = probe_keys(chain)
-    for i in range(len(probes) - 1, -1, -1):
-        if probes[i][1] not in points_with_keys:
+    # ``probe_keys`` longest first, each built only where some key lies at its point: the
+    # longest match is most often the previous turn's export, a few points from the end.
+    points, scope, hexed = grid_points(chain.blocks), chain.scope, chain.hexed
+    for i in range(len(points) - 1, -1, -1):
+        if points[i] not in points_with_keys:
             continue
+        at = i * HEX_PER_POINT
         candidates = [
             c
-            for c in index.get(probes[i], ())
+            for c in index.get((scope, points[i], hexed[at : at + HEX_PER_POINT]), ())
             if c[1] < start_ns
             and (tenant is None or c[3] in (None, tenant))
             and _could_precede(c[0] == 1, c[4], c[6], chain, ghost, ghost_prompt_tokens)
