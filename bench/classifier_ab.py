@@ -82,9 +82,14 @@ def _work(tree: str, workload: list[str]) -> None:
     parser.add_argument("--spans-per-pass", type=int, default=0)
     parser.add_argument("--window", type=float, default=960.0)
     parser.add_argument("--mean-turns", type=float, default=5.0)
+    parser.add_argument("--chains", action="store_true")
     args = parser.parse_args(workload)
     config = small(args.conversations, mean_turns=args.mean_turns)
     table, _ = spans_table(config, np.arange(config.conversations))
+    if args.chains:
+        from _chains import with_prefix_chains  # this bench's own: both trees get one table
+
+        table = with_prefix_chains(table)
     table = table.sort_by([("end_ns", "ascending")])
     rows = [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
     print(json.dumps({"spans": len(rows)}), flush=True)

@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=960.0,
                         help="seconds a conversation is held (kvobs collect: 2 x D's TTL; "
                              "0: the whole run, nothing leaves memory)")
+    parser.add_argument("--chains", action="store_true",
+                        help="the connector's prefix chains on P's and D's spans "
+                             "(bench/_chains.py): the lineage stage runs, as in a deployment")
     parser.add_argument("--mean-turns", type=float, default=5.0,
                         help="turns a conversation has on average (geometric, at most 64): "
                              "an agent's conversations run longer")
@@ -63,6 +66,10 @@ def main() -> None:
 
     config = small(args.conversations, mean_turns=args.mean_turns)
     table, _ = spans_table(config, np.arange(config.conversations))
+    if args.chains:
+        from _chains import with_prefix_chains
+
+        table = with_prefix_chains(table)
     table = table.sort_by([("end_ns", "ascending")])
     rows = [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
     spans = len(rows)

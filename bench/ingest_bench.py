@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--spans-per-request", type=int, default=300)
     parser.add_argument("--spans-per-pass", type=int, default=10000)
     parser.add_argument("--tmp", default=tempfile.gettempdir())
+    parser.add_argument("--chains", action="store_true",
+                        help="the connector's prefix chains on P's and D's spans "
+                             "(bench/_chains.py): the lineage stage runs, as in a deployment")
     args = parser.parse_args()
     if args.worker:
         return _work(args)
@@ -130,6 +133,10 @@ def _bodies(args) -> tuple[list[bytes], int]:
 
     config = small(args.conversations)
     table, _ = spans_table(config, np.arange(config.conversations))
+    if args.chains:
+        from _chains import with_prefix_chains  # this bench's own: both trees get one table
+
+        table = with_prefix_chains(table)
     table = table.sort_by([("end_ns", "ascending")])
     rows = [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
     columns = ("trace_id", "span_id", "parent_span_id", "name", "service", "start_ns",
