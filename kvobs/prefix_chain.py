@@ -113,6 +113,15 @@ class Chain:
                 hi = mid
         return shared[lo - 1] if lo else 0
 
+    def hashes(self) -> list[str]:
+        """Every checkpoint's hash prefix, shortest first.
+
+        >>> parse("kvobs4:16:s:2:0::" + "aa" * 8 + "bb" * 8).hashes()
+        ['aaaaaaaaaaaaaaaa', 'bbbbbbbbbbbbbbbb']
+        """
+        hexed = self.hexed
+        return [hexed[at : at + HEX_PER_POINT] for at in range(0, len(hexed), HEX_PER_POINT)]
+
     def key(self) -> tuple[int, str]:
         """The (grid point, hash) every prompt extending this chain also carries."""
         point = grid_point(self.blocks)

@@ -41,7 +41,6 @@ from kvobs.sources._frame import conformed, table_from_rows
 from kvobs.turns import arrays
 from kvobs.prefix_chain import parse
 from kvobs.turns.correlate import nearest_tagged
-from kvobs.turns.lineage import index_key, probe_keys
 
 _CID = sc.CONVERSATION_ID.key
 _CHAIN = sc.PREFIX_LINEAGE.key
@@ -138,9 +137,10 @@ class Unit:
     lineage: dict[int, dict] = field(default_factory=dict)  # its rows named in LINEAGE_SPANS
     traces: set[str] = field(default_factory=set)
     last_arrival: float = 0.0
-    # What its exports and prompts are found under (lineage.index_key), a superset: a span
-    # that moved out leaves its key behind (the unit then comes along for nothing).
-    keys: set[tuple] = field(default_factory=set)
+    # The hashes its exports and prompts are found under (the hash of lineage.index_key), a
+    # superset: a span that moved out leaves its hash behind (the unit then comes along for
+    # nothing).
+    keys: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -187,8 +187,11 @@ class SpanBuffer:
         self._idless_seen: dict[str | None, float] = {}
         self._idless_dirty = False
         self._dirty: set[str] = set()
-        # Which units hold an export or a prompt found under a lineage key.
-        self._units_by_key: dict[tuple, set[str]] = collections.defaultdict(set)
+        # Which units hold an export or a prompt found under a lineage key, by the key's hash
+        # alone: a prompt's probes are then its chain's hashes, sliced, not ~90 keys built
+        # (a hash names its prefix, so scope and point add nothing but a rare false match,
+        # which brings a unit along as context for nothing: lineage.link matches whole keys).
+        self._units_by_key: dict[str, set[str]] = collections.defaultdict(set)
         # (D endpoint, engine start, engine id) -> the latest span that shows it: the
         # restarts lineage reads, whichever conversations' spans show them.
         self._engines: dict[tuple, int] = {}
@@ -296,7 +299,7 @@ class SpanBuffer:
         unit.lineage[serial] = row
         chain = parse(row.get(_CHAIN))
         if chain is not None:
-            key = index_key(chain)
+            key = chain.key()[1]
             unit.keys.add(key)
             self._units_by_key[key].add(cid)
 
@@ -336,8 +339,8 @@ class SpanBuffer:
 
     def _linkable(self, dirty: list[str]) -> set[str]:
         """The clean units lineage may link the dirty units' and the pool's turns to:
-        those holding an export or a prompt a prompt of theirs probes
-        (``lineage.probe_keys``), those whose turns extend one of their exports
+        those holding an export or a prompt under a hash of their prompts' chains
+        (``Chain.hashes``), those whose turns extend one of their exports
         (``note_links``), and so on from those, as lineage walks on: every candidate
         lineage could match over every span in the window. Not seen: a turn that
         extends an export which arrived after the turn was last classified."""
@@ -348,13 +351,13 @@ class SpanBuffer:
             (row for pooled in self._idless.values() for row in pooled.values()),
         )
         while True:
-            probed: set[tuple] = set()
+            probed: set[str] = set()
             new: set[str] = set()
             for row in rows:
                 if row.get("name") == _EXPORT and row.get(_RID) in self._extended_by:
                     new |= self._extended_by[row[_RID]]
                 if (chain := parse(row.get(_CHAIN))) is not None:
-                    probed.update(probe_keys(chain))
+                    probed.update(chain.hashes())
             for key in probed:
                 new |= self._units_by_key.get(key, set())
             new = {unit for unit in new - taken if unit in self.units}

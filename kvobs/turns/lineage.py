@@ -160,21 +160,8 @@ def _export_of(exports: dict) -> dict[str, str]:
 
 def index_key(chain: Chain) -> tuple[str, int, str]:
     """What an export or a prompt is found under: a prompt that extends it probes this
-    key (one of its ``probe_keys``)."""
+    key: the (scope, point, hash) of one of its own checkpoints."""
     return (chain.scope, *chain.key())
-
-
-def probe_keys(chain: Chain) -> list[tuple[str, int, str]]:
-    """The keys a prompt looks up, one per grid point of its chain, shortest first: the
-    exports and earlier prompts it may extend are under these (``index_key``) and no
-    other."""
-    # ``hash_at`` inlined: a prompt of ~200 blocks has ~90 probes, and the live classifier
-    # probes every dirty prompt each pass (a method call a probe was a quarter of it).
-    scope, hexed = chain.scope, chain.hexed
-    return [
-        (scope, point, hexed[at : at + HEX_PER_POINT])
-        for at, point in zip(range(0, len(hexed), HEX_PER_POINT), grid_points(chain.blocks))
-    ]
 
 
 def _index(
@@ -236,8 +223,9 @@ def _extended(
     whether they are one conversation's. No match: an empty list."""
     if chain is None or _missing(start_ns):
         return [], False
-    # ``probe_keys`` longest first, each built only where some key lies at its point: the
-    # longest match is most often the previous turn's export, a few points from the end.
+    # The prompt's checkpoints as keys (``index_key``'s form), longest first, each built
+    # only where some key lies at its point: the longest match is most often the previous
+    # turn's export, a few points from the end.
     points, scope, hexed = grid_points(chain.blocks), chain.scope, chain.hexed
     for i in range(len(points) - 1, -1, -1):
         if points[i] not in points_with_keys:
