@@ -327,27 +327,32 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
     value, status = marks.value[:, row].tolist(), marks.status[:, row].tolist()
     headline: dict[str, Any] = {name: turn.get(name) for name in _HEADLINE}
     out = Timeline(**headline)
+    phases, unmeasured = out.phases, out.unmeasured
     start = None
     pending: list[str] = []  # phases a missing mark keeps from being split
     gaps: list[str] = []  # why: the missing marks
     for i, phase in enumerate(_PHASE_NAMES):
-        if status[i] == KNOWN and start is None:
+        if start is None and status[i] == KNOWN:
             start = value[i]
         end = status[i + 1]
         if end == NOT_APPLICABLE:
             continue  # a step this turn did not take: no phase, the start carries on
         if start is None:  # before the first known mark: outside the measured latency
-            out.unmeasured[phase] = _missing_reason(MARKS[i], turn)
+            unmeasured[phase] = _missing_reason(MARKS[i], turn)
             continue
-        pending.append(phase)
         if end == MISSING:
+            pending.append(phase)
             gaps.append(_missing_reason(MARKS[i + 1], turn))
             continue
-        name = "+".join(pending)
-        seconds = float(value[i + 1] - start)
-        if len(pending) > 1:
+        seconds = value[i + 1] - start  # Python floats (``tolist``)
+        if pending:  # merged with the phases before it
+            pending.append(phase)
+            name = "+".join(pending)
             for merged in pending:
-                out.unmeasured[merged] = f"measured only as {name}: " + "; ".join(gaps)
+                unmeasured[merged] = f"measured only as {name}: " + "; ".join(gaps)
+            pending, gaps = [], []
+        else:  # the usual phase: measured alone
+            name = phase
         if seconds < -SKEW_TOLERANCE_S:
             before, after = MARKS[i].span.service.value, MARKS[i + 1].span.service.value
             out.skew.append(
@@ -358,8 +363,8 @@ def timeline_of(marks: Marks, row: int, turn: Mapping[str, Any]) -> Timeline:
                     else f"(marks of {before} out of order: one clock, so not skew)"
                 )
             )
-        out.phases[name] = seconds
-        start, pending, gaps = value[i + 1], [], []
+        phases[name] = seconds
+        start = value[i + 1]
     for pending_phase in pending:  # after the last known mark
         out.unmeasured[pending_phase] = "; ".join(gaps)
     if status[0] == MISSING:

@@ -195,11 +195,15 @@ def _typed(value: Any, kind: str) -> Any:
 
 
 def pack(measures: Mapping[str, Any]) -> bytes:
-    """One row's measures (``measures_of``) as the stored record."""
-    record = np.zeros(1, MEASURE_DTYPE)
-    for name, kind in KINDS.items():
-        record[name] = _code(name, kind, measures.get(name))
-    return record.tobytes()
+    """One row's measures (``measures_of``) as the stored record: its codes made one
+    record at once (a field assigned at a time, 81 numpy assignments, cost ~40 us a
+    turn the store writes; the same codes through numpy's same conversions)."""
+    get = measures.get
+    codes = tuple([_code(name, kind, get(name)) for name, kind in _KIND_ITEMS])
+    return np.array([codes], MEASURE_DTYPE).tobytes()
+
+
+_KIND_ITEMS = tuple(KINDS.items())
 
 
 def _code(name: str, kind: str, value: Any) -> float | int:

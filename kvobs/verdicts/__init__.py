@@ -93,6 +93,8 @@ ORDER: tuple[ModuleType, ...] = (
     remote_hit,
     miss,
 )
+# Each rule's name as findings give it (its module's last name), in ORDER.
+_RULE_NAMES = tuple(module.__name__.rsplit(".", 1)[-1] for module in ORDER)
 
 
 def meaning(rule: ModuleType) -> str:
@@ -197,9 +199,13 @@ def findings(
     (``rows``: the table's rows as turns, when the caller has them already)."""
     decisions = decide(turns, context)
     out = []
-    for i, turn in enumerate([Turn(row) for row in col.records(turns)] if rows is None else rows):
-        module = ORDER[decisions.rule[i]]
-        name = module.__name__.rsplit(".", 1)[-1]
+    for i, (turn, position) in enumerate(
+        zip(
+            [Turn(row) for row in col.records(turns)] if rows is None else rows,
+            decisions.rule.tolist(),
+        )
+    ):
+        module, name = ORDER[position], _RULE_NAMES[position]
         if i in decisions.missing:
             out.append(_insufficient(decisions.missing[i], module, turn, name))
             continue

@@ -117,8 +117,8 @@ class Turn(Mapping):
 
     def pick(self, *columns: str) -> dict[str, Any]:
         """Evidence: the named columns that have a value."""
-        values = {c: self.get(c) for c in columns}
-        return {c: v for c, v in values.items() if v is not None}
+        get = self.get
+        return {c: value for c in columns if (value := get(c)) is not None}
 
     def as_dict(self) -> dict[str, Any]:
         return {key: _plain(value) for key, value in self._row.items()}
