@@ -37,6 +37,13 @@ from kvobs.live.latest import Entry, latest, winners
 from kvobs.live.turn_measures import MEASURES_COLUMN, MEASURES_KEY, pack
 from kvobs.sources._decode import is_regular
 
+_orjson_dumps: Callable[..., bytes] | None
+try:
+    from orjson import OPT_SERIALIZE_NUMPY as _ORJSON_NUMPY
+    from orjson import dumps as _orjson_dumps
+except ImportError:  # pragma: no cover - orjson comes with the proxy extra
+    _orjson_dumps, _ORJSON_NUMPY = None, 0
+
 TURNS_DIR = "turns"
 PARTITION_PREFIX = "hour="
 HOUR_FORMAT = "%Y%m%d%H"
@@ -138,7 +145,15 @@ def record(row: dict[str, Any], finalized_at: float) -> dict[str, Any]:
 
 
 def _json(row: dict[str, Any]) -> str:
-    """Strict JSON (a NaN or infinity, which JSON cannot hold, as null)."""
+    """Strict JSON (a NaN or infinity, which JSON cannot hold, as null). orjson where it
+    can write the row (it writes NaN as null; ~9 against ~38 us a turn's row, a pass
+    stores every turn it finalizes); json for what it refuses (a key not a string, an
+    integer past 64 bits, a lone surrogate) or without orjson."""
+    if _orjson_dumps is not None:
+        try:
+            return _orjson_dumps(row, default=str, option=_ORJSON_NUMPY).decode()
+        except TypeError:  # orjson.JSONEncodeError
+            pass
     try:
         return json.dumps(row, default=str, allow_nan=False, separators=(",", ":"))
     except ValueError:

@@ -484,3 +484,27 @@ def test_a_fifo_named_like_a_part_is_skipped_with_one_warning(tmp_path):
     assert store.compact(now=T0 + 2 * HOUR) == ["hour=2026010100"]  # the two parts merged
     assert [t["turn"] for t in store.latest("c")] == [1, 2]
     assert os.path.exists(fifo) and store.problems == [warning]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "plain", "ünïcödé ✓", "line\u2028sep", 1.5, -0.0, 2**63 - 1, -(2**63), True, None,
+        {"nested": [1, 2.5, "x"]}, math.nan, math.inf, -math.inf,
+        2**70,  # past 64 bits: orjson refuses it, json writes it
+        "\ud800",  # a lone surrogate: orjson refuses it, json escapes it
+        {1: "a key not a string"},
+    ],
+)
+def test_a_row_s_detail_holds_the_values_json_gives(value):
+    import numpy as np
+
+    from kvobs.live.turnstore import record
+
+    row = {"tenant": "t", "conversation_id": "c", "turn": 1, "verdict": "first-turn",
+           "value": value, "numpy": np.float64(0.25)}
+    detail = record(row, 1.0)["detail"]
+    expected = json.loads(json.dumps(row, default=str).replace("NaN", "null")
+                          .replace("-Infinity", "null").replace("Infinity", "null"))
+    assert json.loads(detail) == expected
+    assert "NaN" not in detail and "Infinity" not in detail
