@@ -13,16 +13,19 @@ order, cut into requests of ``--spans-per-request`` spans, each grouped by resou
 service: ``service.name``, the SDK's ``telemetry.sdk.*``) as an SDK's exporter groups them.
 JSON bodies are protobuf's JSON mapping with hex ids (the Collector's). Each worker builds
 the same bodies (their digest is compared) and, per round, runs them all through a new
-classifier with a pass every ``--spans-per-pass`` spans (``Classifier.run_pass``: the
-turn store's writes and /metrics are not included, as in ``classifier_bench.py``), HTTP
-(aiohttp's request parsing and response) neither.
+service (``Live``, its turn store in the run's store directory) with a pass every
+``--spans-per-pass`` spans (``Live.run_pass``: the classifier's pass, the turns counted on
+/metrics, the final ones written to the turn store). Not included: HTTP (aiohttp's request
+parsing and response), the /metrics scrape, and the store's hourly upkeep (merging and
+expiring partitions, off the event loop).
 
 Stages, each the tree's own function the handler calls:
 - ``decode``: the body to the stored line (old: ``collect._line``; new: ``collect.decode``);
 - ``append``: ``LiveSegmentWriter.append`` into a fresh store under ``--tmp``;
 - ``sink``: ``Live.receive`` (old: the line parsed again; new: the decoded document),
   which is the rows (``kvobs.sources._rows``) and the classifier's buffer;
-- ``pass``: the classifier's passes.
+- ``pass``: the service's passes (``Live.run_pass``; in ``detail``, the classifier's
+  alone).
 After the rounds, one more run per tree splits ``decode`` and ``sink`` further
 (protobuf parse, to dict, ``json_line``; reading back, rows, ``buffer.add``).
 """
@@ -251,8 +254,12 @@ def _work(args) -> None:
 def _run(args, bodies, counts, ends, decode, store, writer_class, classifier_class, live_class):
     writer = writer_class(store, "bench")
     writer.makedirs()
-    holder = live_class.__new__(live_class)  # Live.receive reads only its classifier
-    holder.classifier = classifier = classifier_class(window_s=1e12, grace_s=5.0)
+    from kvobs.live.service import LiveSettings
+
+    # The service as `kvobs collect` runs it: its passes also count the turns on /metrics
+    # and write the final ones to its turn store (in this run's store directory).
+    holder = live_class(store, LiveSettings(window_s=1e12, grace_s=5.0))
+    classifier = holder.classifier
     simulated = _SimulatedTime()  # add_request's arrival time: the request's last span end
     sys.modules[classifier_class.__module__].time = simulated
     clock = time.process_time
@@ -270,22 +277,24 @@ def _run(args, bodies, counts, ends, decode, store, writer_class, classifier_cla
         spent["decode"] += t1 - t0
         spent["append"] += t2 - t1
         spent["sink"] += t3 - t2
-        spent["pass"] += _passes(classifier, args, taken, count, now)
+        spent["pass"] += _passes(holder, args, taken, count, now)
         taken += count
-    spent["pass"] += _passes(classifier, args, taken, 0, ends[-1], last=True)
+    spent["pass"] += _passes(holder, args, taken, 0, ends[-1], last=True)
     assert classifier.spans_received == taken, (classifier.spans_received, taken)
     return spent
 
 
-def _passes(classifier, args, taken: int, count: int, now: float, last: bool = False) -> float:
-    """A pass where the ``count`` spans just taken cross a multiple of the spans a pass
-    (``last``: the two final passes, a grace apart); their CPU seconds."""
+def _passes(runner, args, taken: int, count: int, now: float, last: bool = False) -> float:
+    """A pass of ``runner`` (the service, ``Live``, or a bare ``Classifier``) where the
+    ``count`` spans just taken cross a multiple of the spans a pass (``last``: the two
+    final passes, a grace apart); their CPU seconds."""
     started = time.process_time()
     if last:
-        classifier.run_pass(now + 10)
-        classifier.run_pass(now + 10 + classifier.grace_s)
+        grace_s = getattr(runner, "classifier", runner).grace_s
+        runner.run_pass(now + 10)
+        runner.run_pass(now + 10 + grace_s)
     elif (taken + count) // args.spans_per_pass > taken // args.spans_per_pass:
-        classifier.run_pass(now)
+        runner.run_pass(now)
     return time.process_time() - started
 
 
