@@ -44,6 +44,9 @@ class TurnMetrics:
         self.write_errors = counter(sc.M_CLASSIFIER_WRITE_ERRORS, r)
         self.peer_failures = counter(sc.M_CLASSIFIER_PEER_FAILURES, r)
         self._span_totals = dict.fromkeys(sc.CLASSIFIER_SPAN_OUTCOMES, 0)
+        # Each series' child, once: ``labels()`` validates its values on every call (~3 us),
+        # and a final turn touches ~20 series.
+        self._children: dict[tuple, Any] = {}
         self._zero()
 
     def _zero(self) -> None:
@@ -74,18 +77,26 @@ class TurnMetrics:
         verdict = row["verdict"]
         trace = row.get("trace_id")
         exemplar = {sc.EXEMPLAR_TRACE_ID: trace} if trace else None
-        self.turns.labels(verdict, turn, prompt).inc(1, exemplar)
+        series = self._series
+        series(self.turns, verdict, turn, prompt).inc(1, exemplar)
         for cause in row.get("causes") or ():
-            self.causes.labels(cause["cause"], turn).inc(1, exemplar)
+            series(self.causes, cause["cause"], turn).inc(1, exemplar)
         if row.get("slowest_phase"):
-            self.slowest.labels(row["slowest_phase"], turn).inc(1, exemplar)
+            series(self.slowest, row["slowest_phase"], turn).inc(1, exemplar)
         for phase, seconds in (row.get("phases") or {}).items():
             seconds = _seconds(seconds)
             if seconds is not None and phase in _PHASES:
-                self.phase.labels(phase, turn).observe(seconds, exemplar)
+                series(self.phase, phase, turn).observe(seconds, exemplar)
         latency = _seconds(row.get("latency_s"))
         if latency is not None:
-            self.latency.labels(verdict, turn).observe(latency, exemplar)
+            series(self.latency, verdict, turn).observe(latency, exemplar)
+
+    def _series(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def health(
         self, classified: int, late: int, unreadable: int, open_turns: int, held_spans: int
