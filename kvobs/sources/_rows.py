@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
-import re
 from typing import Any, Iterator
 
 from kvobs import semconv as sc
@@ -36,8 +34,13 @@ _TYPES.update(
     error="bool",
 )
 _NANOS_PER_MICRO = 1000
-_LOWER_HEX = re.compile("[0-9a-f]+")
-_KIND_OF = {str: "str", int: "int", float: "float", bool: "bool"}
+_LOWER_HEX_DIGITS = "0123456789abcdef"
+# The attribute keys a span's row holds: the known ones, and the older names of some
+# (``renamed`` turns those into known keys, so the row holds known keys only).
+_ROW_KEYS = frozenset(sc.ATTRIBUTES) | frozenset(sc.RENAMED_KEYS)
+# The Python type of a value each semconv type keeps as it is (most values, see ``coerce``).
+_PYTHON_TYPE = {"str": str, "int": int, "float": float, "bool": bool}
+_PYTHON_TYPES = {key: _PYTHON_TYPE[type_] for key, type_ in _TYPES.items()}
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
@@ -115,15 +118,16 @@ def _value(any_value: dict):
     return None
 
 
-def _attributes(items) -> dict:
+def _attributes(items, keys: frozenset[str] | None = None) -> dict:
     """Key -> value; an item without a string key is no known attribute: dropped, as
-    unknown attributes are."""
+    unknown attributes are. ``keys``: only these are kept (the rest would be dropped by
+    the caller anyway; not building them is cheaper)."""
     out = {}
     for item in items or ():
         if not isinstance(item, dict):
             continue
         key = item.get("key")
-        if not isinstance(key, str):
+        if not isinstance(key, str) or (keys is not None and key not in keys):
             continue
         any_value = item.get("value") or {}
         if type(any_value) is dict and len(any_value) == 1:  # one value: ``_value`` at once
@@ -175,11 +179,7 @@ def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
 
 def _otlp_span(span: dict, context: tuple) -> dict:
     service, role = context
-    row = {
-        key: value
-        for key, value in _attributes(span.get("attributes")).items()
-        if key in sc.ATTRIBUTES
-    }
+    row = _attributes(span.get("attributes"), _ROW_KEYS)
     if role is not None:
         row.setdefault(sc.ROLE.key, role)
     row.update(
@@ -201,8 +201,8 @@ def hex_id(value, size: int):
     else is left for coercion to judge."""
     if not isinstance(value, str) or not value:
         return value
-    if len(value) == 2 * size and _LOWER_HEX.fullmatch(value):  # OTLP JSON's own form
-        return value
+    if len(value) == 2 * size and not value.strip(_LOWER_HEX_DIGITS):  # OTLP JSON's form
+        return value  # (strip: nothing left when every character is a lower-case digit)
     if len(value) <= 2 * size and _is_hex(value):
         return value.lower().rjust(2 * size, "0")
     try:
@@ -282,32 +282,49 @@ def coerced(value, type_: str):
     """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""
     if value is None:
         return None
-    if type_ == "str":
-        if not isinstance(value, str):
-            raise ValueError
-        value.encode("utf-8")  # a lone surrogate cannot be stored or compared
-        return value
-    if type_ == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
+    return _COERCE_TO.get(type_, _as_float)(value)
+
+
+def _as_str(value) -> str:
+    if not isinstance(value, str):
         raise ValueError
+    value.encode("utf-8")  # a lone surrogate cannot be stored or compared
+    return value
+
+
+def _as_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError
+
+
+def _as_int(value) -> int:
     if isinstance(value, bool):
         raise ValueError
-    if type_ == "int":
-        number = int(value) if isinstance(value, str) else value
-        if isinstance(number, float):
-            if not number.is_integer():
-                raise ValueError
-            number = int(number)
-        if not isinstance(number, int) or abs(number) > INT64_MAX:
+    number = int(value) if isinstance(value, str) else value
+    if isinstance(number, float):
+        if not number.is_integer():
             raise ValueError
-        return number
+        number = int(number)
+    if not isinstance(number, int) or abs(number) > INT64_MAX:
+        raise ValueError
+    return number
+
+
+def _as_float(value) -> float:
+    if isinstance(value, bool):
+        raise ValueError
     number = float(value)
     if number != number or number in (float("inf"), float("-inf")):
         raise ValueError
     return number
+
+
+# One function a type: ``coerce`` calls it without ``coerced``'s dispatch (an OTLP
+# intValue and a span's times are strings: an int parse for most spans).
+_COERCE_TO = {"str": _as_str, "bool": _as_bool, "int": _as_int, "float": _as_float}
 
 
 def coerce(row: dict) -> list[str]:
@@ -315,22 +332,23 @@ def coerce(row: dict) -> list[str]:
     (now null)."""
     bad = []
     for key, value in row.items():
+        # What the coercion would leave as it is, without the call (most values; the live
+        # classifier decodes every span it receives): a value of its key's type that is
+        # an ASCII string (no lone surrogate), a bool, an int in range or a finite float
+        # (x - x is 0.0 for a finite float only).
+        kind = type(value)
+        if kind is _PYTHON_TYPES.get(key, str) and (
+            (kind is str and value.isascii())
+            or kind is bool
+            or (kind is int and -INT64_MAX <= value <= INT64_MAX)
+            or (kind is float and value - value == 0.0)
+        ):
+            continue
         if value is None:
             continue
         type_ = _TYPES.get(key, "str")
-        # What ``coerced`` would leave as it is, without the call (most values; the live
-        # classifier decodes every span it receives): an ASCII string (no lone
-        # surrogate), an int in range, a finite float, a bool.
-        kind = _KIND_OF.get(type(value))
-        if kind == type_ and (
-            kind == "bool"
-            or (kind == "str" and value.isascii())
-            or (kind == "int" and -INT64_MAX <= value <= INT64_MAX)
-            or (kind == "float" and math.isfinite(value))
-        ):
-            continue
         try:
-            row[key] = coerced(value, type_)
+            row[key] = _COERCE_TO.get(type_, _as_float)(value)
         except UNUSABLE:
             row[key] = None
             bad.append(key)
