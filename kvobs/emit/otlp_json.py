@@ -170,14 +170,35 @@ _SPAN_KIND_NAMES = _enum_names(Span.DESCRIPTOR.enum_types_by_name["SpanKind"])
 _STATUS_CODE_NAMES = _enum_names(Status.DESCRIPTOR.enum_types_by_name["StatusCode"])
 
 
-def request_json(message) -> dict:
+class DecodedRequest(dict):
+    """``request_json``'s OTLP-JSON dict, with what its walk read of each span's
+    attributes: ``span_attributes``, one dict a span, in the order of the spans in the
+    dict, key -> the value a string, int, double or bool ``AnyValue`` has in the dict (the
+    same object), None for any other value or none; an empty key left out, as the dict
+    leaves it out. The live classifier's rows (``kvobs.sources._rows``) take those
+    instead of reading every attribute of the dict again. For anything else (orjson,
+    json, a comparison) it is the dict."""
+
+    __slots__ = ("span_attributes",)
+
+    def __init__(self, request: dict, span_attributes: list[dict]):
+        super().__init__(request)
+        self.span_attributes = span_attributes
+
+
+def request_json(message) -> DecodedRequest:
     """An ``ExportTraceServiceRequest`` (protobuf) as an OTLP-JSON dict (ids in hex),
     equal to ``request_to_otlp_dict(message)``, key order included."""
-    resource_spans = [_resource_spans_json(item) for item in message.resource_spans]
-    return {"resourceSpans": resource_spans} if resource_spans else {}
+    span_attributes: list[dict] = []
+    resource_spans = [
+        _resource_spans_json(item, span_attributes) for item in message.resource_spans
+    ]
+    return DecodedRequest(
+        {"resourceSpans": resource_spans} if resource_spans else {}, span_attributes
+    )
 
 
-def _resource_spans_json(message) -> dict:
+def _resource_spans_json(message, span_attributes: list[dict]) -> dict:
     out: dict = {}
     if message.HasField("resource"):
         resource = message.resource
@@ -187,13 +208,15 @@ def _resource_spans_json(message) -> dict:
             item["entityRefs"] = [MessageToDict(ref) for ref in resource.entity_refs]
         out["resource"] = item
     if message.scope_spans:
-        out["scopeSpans"] = [_scope_spans_json(item) for item in message.scope_spans]
+        out["scopeSpans"] = [
+            _scope_spans_json(item, span_attributes) for item in message.scope_spans
+        ]
     if message.schema_url:
         out["schemaUrl"] = message.schema_url
     return out
 
 
-def _scope_spans_json(message) -> dict:
+def _scope_spans_json(message, span_attributes: list[dict]) -> dict:
     out: dict = {}
     if message.HasField("scope"):
         scope = message.scope
@@ -205,13 +228,13 @@ def _scope_spans_json(message) -> dict:
         _put_kv(item, scope.attributes, scope.dropped_attributes_count)
         out["scope"] = item
     if message.spans:
-        out["spans"] = [_message_span_json(span) for span in message.spans]
+        out["spans"] = [_message_span_json(span, span_attributes) for span in message.spans]
     if message.schema_url:
         out["schemaUrl"] = message.schema_url
     return out
 
 
-def _message_span_json(span) -> dict:
+def _message_span_json(span, span_attributes: list[dict]) -> dict:
     # Each field read once (a upb read is a C call and, for bytes and strings, a copy),
     # the attributes in one loop without a call each: most of a span's cost is theirs.
     out: dict = {}
@@ -239,7 +262,14 @@ def _message_span_json(span) -> dict:
     value = span.end_time_unix_nano
     if value:
         out["endTimeUnixNano"] = str(value)
-    _put_kv(out, span.attributes, span.dropped_attributes_count)
+    attributes: dict = {}
+    span_attributes.append(attributes)
+    value = span.attributes
+    if value:
+        out["attributes"] = _key_values_json(value, attributes)
+    value = span.dropped_attributes_count
+    if value:
+        out["droppedAttributesCount"] = value
     value = span.events
     if value:
         events = []
@@ -295,30 +325,45 @@ def _put_kv(out: dict, attributes, dropped: int) -> None:
         out["droppedAttributesCount"] = dropped
 
 
-def _key_values_json(attributes) -> list[dict]:
+def _key_values_json(attributes, values: dict | None = None) -> list[dict]:
     """``KeyValue`` messages as OTLP-JSON objects: the common values (string, int,
-    double) built here, the rest by ``_message_value_json``."""
-    out = []
+    double, bool) built here, the rest by ``_message_value_json``. ``values``: each
+    attribute's value as the object holds it put there too (``DecodedRequest``)."""
+    out: list[dict] = []
     append = out.append
     for item in attributes:
         value = item.value  # reading an unset message field does not set it
         which = value.WhichOneof("value")
         if which == "string_value":  # most attributes
-            value_json: dict | None = {"stringValue": value.string_value}
+            scalar = value.string_value
+            value_json: dict | None = {"stringValue": scalar}
         elif which == "int_value":
-            value_json = {"intValue": str(value.int_value)}
+            scalar = str(value.int_value)
+            value_json = {"intValue": scalar}
         elif which == "double_value":
-            number = value.double_value
+            scalar = value.double_value
             # x - x is 0.0 for a finite double only: NaN and the infinities are named
-            value_json = {"doubleValue": number if number - number == 0.0 else _double(number)}
-        elif which is not None:
-            value_json = _message_value_json(value, which)
-        elif item.HasField("value"):
-            value_json = {}
+            if scalar - scalar != 0.0:
+                scalar = _double(scalar)
+            value_json = {"doubleValue": scalar}
+        elif which == "bool_value":
+            scalar = value.bool_value
+            value_json = {"boolValue": scalar}
         else:
-            value_json = None
+            scalar = None
+            if which is not None:
+                value_json = _message_value_json(value, which)
+            elif item.HasField("value"):
+                value_json = {}
+            else:
+                value_json = None
         key = item.key
-        pair: dict = {"key": key} if key else {}
+        if key:
+            pair: dict = {"key": key}
+            if values is not None:
+                values[key] = scalar
+        else:
+            pair = {}
         if value_json is not None:
             pair["value"] = value_json
         strindex = item.key_strindex

@@ -41,6 +41,8 @@ _ROW_KEYS = frozenset(sc.ATTRIBUTES) | frozenset(sc.RENAMED_KEYS)
 # The Python type of a value each semconv type keeps as it is (most values, see ``coerce``).
 _PYTHON_TYPE = {"str": str, "int": int, "float": float, "bool": bool}
 _PYTHON_TYPES = {key: _PYTHON_TYPE[type_] for key, type_ in _TYPES.items()}
+# What reading a document or span of an unexpected shape raises.
+UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, RecursionError)
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
@@ -50,7 +52,7 @@ def rows(where: str, document: object, problems: list[str]) -> list[dict]:
     skipped: list[str] = []
     try:
         found = list(_document_rows(document, skipped))
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
+    except UNREADABLE as error:
         problems.append(f"{where}: skipped ({short(error)})")
         return []
     for reason in skipped:
@@ -96,7 +98,10 @@ def _document_rows(document: Any, skipped: list[str]) -> Iterator[dict]:  # pars
         for item in document:
             yield from _document_rows(item, skipped)
     elif kind in ("resourceSpans", "batches"):
-        yield from _otlp(document[kind], skipped)
+        # a request decoded from protobuf comes with its spans' attributes read already
+        # (``otlp_json.DecodedRequest``; not imported: it would load the SDK here)
+        span_attributes = getattr(document, "span_attributes", None)
+        yield from _otlp(document[kind], skipped, span_attributes)
     elif kind in ("trace", "result"):
         yield from _document_rows(document[kind], skipped)
     elif kind == "data":
@@ -151,7 +156,14 @@ def spans_from_request(request: dict) -> Iterator[dict]:
     yield from _otlp(request.get("resourceSpans"))
 
 
-def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dict]:
+def _otlp(
+    resource_spans_list,
+    skipped: list[str] | None = None,
+    span_attributes: list[dict] | None = None,
+) -> Iterator[dict]:
+    """``span_attributes``: each span's attributes (key -> value), in the order of the
+    spans, where the caller has them already."""
+    attributes_of = iter(span_attributes) if span_attributes is not None else None
     for resource_spans in resource_spans_list or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
         # the process's role (kvobs.role), whatever its service name
@@ -163,35 +175,42 @@ def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dic
         )  # OTLP < 0.19
         for scope_spans in scopes:
             for span in scope_spans.get("spans") or ():
-                yield from _one(_otlp_span, span, context, skipped)
+                attributes = None if attributes_of is None else next(attributes_of)
+                try:
+                    row = _otlp_span(span, context, attributes)
+                except UNREADABLE as error:
+                    _skip(error, skipped)
+                    continue
+                yield row
 
 
-def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
-    """One span's row: a span that cannot be read at all is skipped alone (reported)."""
+def _skip(error: Exception, skipped: list[str] | None) -> None:
+    """A span that cannot be read at all is skipped alone (reported), where the caller
+    collects what was skipped; else the error is the caller's."""
     if skipped is None:
-        yield build(span, context)
-        return
-    try:
-        yield build(span, context)
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
-        skipped.append(short(error))
+        raise error
+    skipped.append(short(error))
 
 
-def _otlp_span(span: dict, context: tuple) -> dict:
+def _otlp_span(span: dict, context: tuple, attributes: dict | None = None) -> dict:
+    """``attributes``: the span's, read already (key -> value, every key): the known
+    ones are kept as ``_attributes`` keeps them."""
     service, role = context
-    row = _attributes(span.get("attributes"), _ROW_KEYS)
+    if attributes is None:
+        row = _attributes(span.get("attributes"), _ROW_KEYS)
+    else:
+        row = renamed({key: value for key, value in attributes.items() if key in _ROW_KEYS})
     if role is not None:
         row.setdefault(sc.ROLE.key, role)
-    row.update(
-        trace_id=hex_id(span.get("traceId"), _TRACE_ID_BYTES),
-        span_id=hex_id(span.get("spanId"), _SPAN_ID_BYTES),
-        parent_span_id=hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None,
-        name=span.get("name"),
-        service=service,
-        start_ns=span.get("startTimeUnixNano"),
-        end_ns=span.get("endTimeUnixNano"),
-        error=(span.get("status") or {}).get("code") in _ERROR_STATUS,
-    )
+    # stored one by one: cheaper than ``update`` with keywords (a dict built first)
+    row["trace_id"] = hex_id(span.get("traceId"), _TRACE_ID_BYTES)
+    row["span_id"] = hex_id(span.get("spanId"), _SPAN_ID_BYTES)
+    row["parent_span_id"] = hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None
+    row["name"] = span.get("name")
+    row["service"] = service
+    row["start_ns"] = span.get("startTimeUnixNano")
+    row["end_ns"] = span.get("endTimeUnixNano")
+    row["error"] = (span.get("status") or {}).get("code") in _ERROR_STATUS
     return row
 
 
@@ -226,7 +245,12 @@ def _is_hex(value: str) -> bool:
 def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
     processes = trace.get("processes") or {}
     for span in trace.get("spans") or ():
-        yield from _one(_jaeger_span, span, processes, skipped)
+        try:
+            row = _jaeger_span(span, processes)
+        except UNREADABLE as error:
+            _skip(error, skipped)
+            continue
+        yield row
 
 
 def _jaeger_span(span: dict, processes: dict) -> dict:
