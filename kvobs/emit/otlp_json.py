@@ -359,13 +359,11 @@ def _key_values_json(attributes, values: dict | None = None) -> list[dict]:
                 value_json = None
         key = item.key
         if key:
-            pair: dict = {"key": key}
             if values is not None:
                 values[key] = scalar
+            pair: dict = {"key": key} if value_json is None else {"key": key, "value": value_json}
         else:
-            pair = {}
-        if value_json is not None:
-            pair["value"] = value_json
+            pair = {} if value_json is None else {"value": value_json}
         strindex = item.key_strindex
         if strindex:
             pair["keyStrindex"] = strindex
