@@ -95,7 +95,8 @@ def decode(body: bytes, is_json: bool) -> Stored:
     message = ExportTraceServiceRequest()
     message.ParseFromString(body)
     # Protobuf strings are valid UTF-8 (the parse checks), so nothing is replaced and
-    # the line reads back as the dict it was written from.
+    # the line reads back as the dict it was written from (a ``DecodedRequest``: with
+    # each span's attributes as the walk read them, which the classifier's rows take).
     document = request_json(message)
     line, replaced = json_line(document)
     return Stored(line, replaced, document if not replaced else None)

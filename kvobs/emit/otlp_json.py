@@ -170,14 +170,35 @@ _SPAN_KIND_NAMES = _enum_names(Span.DESCRIPTOR.enum_types_by_name["SpanKind"])
 _STATUS_CODE_NAMES = _enum_names(Status.DESCRIPTOR.enum_types_by_name["StatusCode"])
 
 
-def request_json(message) -> dict:
+class DecodedRequest(dict):
+    """``request_json``'s OTLP-JSON dict, with what its walk read of each span's
+    attributes: ``span_attributes``, one dict a span, in the order of the spans in the
+    dict, key -> the value a string, int, double or bool ``AnyValue`` has in the dict (the
+    same object), None for any other value or none; an empty key left out, as the dict
+    leaves it out. The live classifier's rows (``kvobs.sources._rows``) take those
+    instead of reading every attribute of the dict again. For anything else (orjson,
+    json, a comparison) it is the dict."""
+
+    __slots__ = ("span_attributes",)
+
+    def __init__(self, request: dict, span_attributes: list[dict]):
+        super().__init__(request)
+        self.span_attributes = span_attributes
+
+
+def request_json(message) -> DecodedRequest:
     """An ``ExportTraceServiceRequest`` (protobuf) as an OTLP-JSON dict (ids in hex),
     equal to ``request_to_otlp_dict(message)``, key order included."""
-    resource_spans = [_resource_spans_json(item) for item in message.resource_spans]
-    return {"resourceSpans": resource_spans} if resource_spans else {}
+    span_attributes: list[dict] = []
+    resource_spans = [
+        _resource_spans_json(item, span_attributes) for item in message.resource_spans
+    ]
+    return DecodedRequest(
+        {"resourceSpans": resource_spans} if resource_spans else {}, span_attributes
+    )
 
 
-def _resource_spans_json(message) -> dict:
+def _resource_spans_json(message, span_attributes: list[dict]) -> dict:
     out: dict = {}
     if message.HasField("resource"):
         resource = message.resource
@@ -187,13 +208,15 @@ def _resource_spans_json(message) -> dict:
             item["entityRefs"] = [MessageToDict(ref) for ref in resource.entity_refs]
         out["resource"] = item
     if message.scope_spans:
-        out["scopeSpans"] = [_scope_spans_json(item) for item in message.scope_spans]
+        out["scopeSpans"] = [
+            _scope_spans_json(item, span_attributes) for item in message.scope_spans
+        ]
     if message.schema_url:
         out["schemaUrl"] = message.schema_url
     return out
 
 
-def _scope_spans_json(message) -> dict:
+def _scope_spans_json(message, span_attributes: list[dict]) -> dict:
     out: dict = {}
     if message.HasField("scope"):
         scope = message.scope
@@ -205,34 +228,52 @@ def _scope_spans_json(message) -> dict:
         _put_kv(item, scope.attributes, scope.dropped_attributes_count)
         out["scope"] = item
     if message.spans:
-        out["spans"] = [_message_span_json(span) for span in message.spans]
+        out["spans"] = [_message_span_json(span, span_attributes) for span in message.spans]
     if message.schema_url:
         out["schemaUrl"] = message.schema_url
     return out
 
 
-def _message_span_json(span) -> dict:
+def _message_span_json(span, span_attributes: list[dict]) -> dict:
+    # Each field read once (a upb read is a C call and, for bytes and strings, a copy),
+    # the attributes in one loop without a call each: most of a span's cost is theirs.
     out: dict = {}
-    if span.trace_id:
-        out["traceId"] = span.trace_id.hex()
-    if span.span_id:
-        out["spanId"] = span.span_id.hex()
-    if span.trace_state:
-        out["traceState"] = span.trace_state
-    if span.parent_span_id:
-        out["parentSpanId"] = span.parent_span_id.hex()
-    if span.name:
-        out["name"] = span.name
-    if span.kind:
-        out["kind"] = _SPAN_KIND_NAMES.get(span.kind, span.kind)
-    if span.start_time_unix_nano:
-        out["startTimeUnixNano"] = str(span.start_time_unix_nano)
-    if span.end_time_unix_nano:
-        out["endTimeUnixNano"] = str(span.end_time_unix_nano)
-    _put_kv(out, span.attributes, span.dropped_attributes_count)
-    if span.events:
+    value = span.trace_id
+    if value:
+        out["traceId"] = value.hex()
+    value = span.span_id
+    if value:
+        out["spanId"] = value.hex()
+    value = span.trace_state
+    if value:
+        out["traceState"] = value
+    value = span.parent_span_id
+    if value:
+        out["parentSpanId"] = value.hex()
+    value = span.name
+    if value:
+        out["name"] = value
+    value = span.kind
+    if value:
+        out["kind"] = _SPAN_KIND_NAMES.get(value, value)
+    value = span.start_time_unix_nano
+    if value:
+        out["startTimeUnixNano"] = str(value)
+    value = span.end_time_unix_nano
+    if value:
+        out["endTimeUnixNano"] = str(value)
+    attributes: dict = {}
+    span_attributes.append(attributes)
+    value = span.attributes
+    if value:
+        out["attributes"] = _key_values_json(value, attributes)
+    value = span.dropped_attributes_count
+    if value:
+        out["droppedAttributesCount"] = value
+    value = span.events
+    if value:
         events = []
-        for event in span.events:
+        for event in value:
             item: dict = {}
             if event.time_unix_nano:
                 item["timeUnixNano"] = str(event.time_unix_nano)
@@ -241,11 +282,13 @@ def _message_span_json(span) -> dict:
             _put_kv(item, event.attributes, event.dropped_attributes_count)
             events.append(item)
         out["events"] = events
-    if span.dropped_events_count:
-        out["droppedEventsCount"] = span.dropped_events_count
-    if span.links:
+    value = span.dropped_events_count
+    if value:
+        out["droppedEventsCount"] = value
+    value = span.links
+    if value:
         links = []
-        for link in span.links:
+        for link in value:
             item = {}
             if link.trace_id:
                 item["traceId"] = link.trace_id.hex()
@@ -258,8 +301,9 @@ def _message_span_json(span) -> dict:
                 item["flags"] = link.flags
             links.append(item)
         out["links"] = links
-    if span.dropped_links_count:
-        out["droppedLinksCount"] = span.dropped_links_count
+    value = span.dropped_links_count
+    if value:
+        out["droppedLinksCount"] = value
     if span.HasField("status"):
         status = span.status
         item = {}
@@ -268,31 +312,62 @@ def _message_span_json(span) -> dict:
         if status.code:
             item["code"] = _STATUS_CODE_NAMES.get(status.code, status.code)
         out["status"] = item
-    if span.flags:
-        out["flags"] = span.flags
+    value = span.flags
+    if value:
+        out["flags"] = value
     return out
 
 
 def _put_kv(out: dict, attributes, dropped: int) -> None:
     if attributes:
-        out["attributes"] = [_key_value_json(item) for item in attributes]
+        out["attributes"] = _key_values_json(attributes)
     if dropped:
         out["droppedAttributesCount"] = dropped
 
 
-def _key_value_json(item) -> dict:
-    key = item.key
-    out: dict = {"key": key} if key else {}
-    value = item.value  # reading an unset message field does not set it
-    which = value.WhichOneof("value")
-    if which == "string_value":  # most attributes
-        out["value"] = {"stringValue": value.string_value}
-    elif which is not None:
-        out["value"] = _message_value_json(value, which)
-    elif item.HasField("value"):
-        out["value"] = {}
-    if item.key_strindex:
-        out["keyStrindex"] = item.key_strindex
+def _key_values_json(attributes, values: dict | None = None) -> list[dict]:
+    """``KeyValue`` messages as OTLP-JSON objects: the common values (string, int,
+    double, bool) built here, the rest by ``_message_value_json``. ``values``: each
+    attribute's value as the object holds it put there too (``DecodedRequest``)."""
+    out: list[dict] = []
+    append = out.append
+    for item in attributes:
+        value = item.value  # reading an unset message field does not set it
+        which = value.WhichOneof("value")
+        if which == "string_value":  # most attributes
+            scalar = value.string_value
+            value_json: dict | None = {"stringValue": scalar}
+        elif which == "int_value":
+            scalar = str(value.int_value)
+            value_json = {"intValue": scalar}
+        elif which == "double_value":
+            scalar = value.double_value
+            # x - x is 0.0 for a finite double only: NaN and the infinities are named
+            if scalar - scalar != 0.0:
+                scalar = _double(scalar)
+            value_json = {"doubleValue": scalar}
+        elif which == "bool_value":
+            scalar = value.bool_value
+            value_json = {"boolValue": scalar}
+        else:
+            scalar = None
+            if which is not None:
+                value_json = _message_value_json(value, which)
+            elif item.HasField("value"):
+                value_json = {}
+            else:
+                value_json = None
+        key = item.key
+        if key:
+            if values is not None:
+                values[key] = scalar
+            pair: dict = {"key": key} if value_json is None else {"key": key, "value": value_json}
+        else:
+            pair = {} if value_json is None else {"value": value_json}
+        strindex = item.key_strindex
+        if strindex:
+            pair["keyStrindex"] = strindex
+        append(pair)
     return out
 
 
@@ -313,7 +388,7 @@ def _message_value_json(value, which: str | None = None) -> dict:
         items = [_message_value_json(item) for item in value.array_value.values]
         return {"arrayValue": {"values": items} if items else {}}
     if which == "kvlist_value":
-        pairs = [_key_value_json(item) for item in value.kvlist_value.values]
+        pairs = _key_values_json(value.kvlist_value.values)
         return {"kvlistValue": {"values": pairs} if pairs else {}}
     if which == "bytes_value":
         return {"bytesValue": base64.b64encode(value.bytes_value).decode()}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
-import re
 from typing import Any, Iterator
 
 from kvobs import semconv as sc
@@ -36,8 +34,15 @@ _TYPES.update(
     error="bool",
 )
 _NANOS_PER_MICRO = 1000
-_LOWER_HEX = re.compile("[0-9a-f]+")
-_KIND_OF = {str: "str", int: "int", float: "float", bool: "bool"}
+_LOWER_HEX_DIGITS = "0123456789abcdef"
+# The attribute keys a span's row holds: the known ones, and the older names of some
+# (``renamed`` turns those into known keys, so the row holds known keys only).
+_ROW_KEYS = frozenset(sc.ATTRIBUTES) | frozenset(sc.RENAMED_KEYS)
+# The Python type of a value each semconv type keeps as it is (most values, see ``coerce``).
+_PYTHON_TYPE = {"str": str, "int": int, "float": float, "bool": bool}
+_PYTHON_TYPES = {key: _PYTHON_TYPE[type_] for key, type_ in _TYPES.items()}
+# What reading a document or span of an unexpected shape raises.
+UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, RecursionError)
 # What ``coerced`` raises for a value it cannot use.
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
@@ -47,7 +52,7 @@ def rows(where: str, document: object, problems: list[str]) -> list[dict]:
     skipped: list[str] = []
     try:
         found = list(_document_rows(document, skipped))
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
+    except UNREADABLE as error:
         problems.append(f"{where}: skipped ({short(error)})")
         return []
     for reason in skipped:
@@ -93,7 +98,10 @@ def _document_rows(document: Any, skipped: list[str]) -> Iterator[dict]:  # pars
         for item in document:
             yield from _document_rows(item, skipped)
     elif kind in ("resourceSpans", "batches"):
-        yield from _otlp(document[kind], skipped)
+        # a request decoded from protobuf comes with its spans' attributes read already
+        # (``otlp_json.DecodedRequest``; not imported: it would load the SDK here)
+        span_attributes = getattr(document, "span_attributes", None)
+        yield from _otlp(document[kind], skipped, span_attributes)
     elif kind in ("trace", "result"):
         yield from _document_rows(document[kind], skipped)
     elif kind == "data":
@@ -115,15 +123,16 @@ def _value(any_value: dict):
     return None
 
 
-def _attributes(items) -> dict:
+def _attributes(items, keys: frozenset[str] | None = None) -> dict:
     """Key -> value; an item without a string key is no known attribute: dropped, as
-    unknown attributes are."""
+    unknown attributes are. ``keys``: only these are kept (the rest would be dropped by
+    the caller anyway; not building them is cheaper)."""
     out = {}
     for item in items or ():
         if not isinstance(item, dict):
             continue
         key = item.get("key")
-        if not isinstance(key, str):
+        if not isinstance(key, str) or (keys is not None and key not in keys):
             continue
         any_value = item.get("value") or {}
         if type(any_value) is dict and len(any_value) == 1:  # one value: ``_value`` at once
@@ -147,7 +156,14 @@ def spans_from_request(request: dict) -> Iterator[dict]:
     yield from _otlp(request.get("resourceSpans"))
 
 
-def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dict]:
+def _otlp(
+    resource_spans_list,
+    skipped: list[str] | None = None,
+    span_attributes: list[dict] | None = None,
+) -> Iterator[dict]:
+    """``span_attributes``: each span's attributes (key -> value), in the order of the
+    spans, where the caller has them already."""
+    attributes_of = iter(span_attributes) if span_attributes is not None else None
     for resource_spans in resource_spans_list or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
         # the process's role (kvobs.role), whatever its service name
@@ -159,39 +175,42 @@ def _otlp(resource_spans_list, skipped: list[str] | None = None) -> Iterator[dic
         )  # OTLP < 0.19
         for scope_spans in scopes:
             for span in scope_spans.get("spans") or ():
-                yield from _one(_otlp_span, span, context, skipped)
+                attributes = None if attributes_of is None else next(attributes_of)
+                try:
+                    row = _otlp_span(span, context, attributes)
+                except UNREADABLE as error:
+                    _skip(error, skipped)
+                    continue
+                yield row
 
 
-def _one(build, span, context, skipped: list[str] | None) -> Iterator[dict]:
-    """One span's row: a span that cannot be read at all is skipped alone (reported)."""
+def _skip(error: Exception, skipped: list[str] | None) -> None:
+    """A span that cannot be read at all is skipped alone (reported), where the caller
+    collects what was skipped; else the error is the caller's."""
     if skipped is None:
-        yield build(span, context)
-        return
-    try:
-        yield build(span, context)
-    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as error:
-        skipped.append(short(error))
+        raise error
+    skipped.append(short(error))
 
 
-def _otlp_span(span: dict, context: tuple) -> dict:
+def _otlp_span(span: dict, context: tuple, attributes: dict | None = None) -> dict:
+    """``attributes``: the span's, read already (key -> value, every key): the known
+    ones are kept as ``_attributes`` keeps them."""
     service, role = context
-    row = {
-        key: value
-        for key, value in _attributes(span.get("attributes")).items()
-        if key in sc.ATTRIBUTES
-    }
+    if attributes is None:
+        row = _attributes(span.get("attributes"), _ROW_KEYS)
+    else:
+        row = renamed({key: value for key, value in attributes.items() if key in _ROW_KEYS})
     if role is not None:
         row.setdefault(sc.ROLE.key, role)
-    row.update(
-        trace_id=hex_id(span.get("traceId"), _TRACE_ID_BYTES),
-        span_id=hex_id(span.get("spanId"), _SPAN_ID_BYTES),
-        parent_span_id=hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None,
-        name=span.get("name"),
-        service=service,
-        start_ns=span.get("startTimeUnixNano"),
-        end_ns=span.get("endTimeUnixNano"),
-        error=(span.get("status") or {}).get("code") in _ERROR_STATUS,
-    )
+    # stored one by one: cheaper than ``update`` with keywords (a dict built first)
+    row["trace_id"] = hex_id(span.get("traceId"), _TRACE_ID_BYTES)
+    row["span_id"] = hex_id(span.get("spanId"), _SPAN_ID_BYTES)
+    row["parent_span_id"] = hex_id(span.get("parentSpanId"), _SPAN_ID_BYTES) or None
+    row["name"] = span.get("name")
+    row["service"] = service
+    row["start_ns"] = span.get("startTimeUnixNano")
+    row["end_ns"] = span.get("endTimeUnixNano")
+    row["error"] = (span.get("status") or {}).get("code") in _ERROR_STATUS
     return row
 
 
@@ -201,8 +220,8 @@ def hex_id(value, size: int):
     else is left for coercion to judge."""
     if not isinstance(value, str) or not value:
         return value
-    if len(value) == 2 * size and _LOWER_HEX.fullmatch(value):  # OTLP JSON's own form
-        return value
+    if len(value) == 2 * size and not value.strip(_LOWER_HEX_DIGITS):  # OTLP JSON's form
+        return value  # (strip: nothing left when every character is a lower-case digit)
     if len(value) <= 2 * size and _is_hex(value):
         return value.lower().rjust(2 * size, "0")
     try:
@@ -226,7 +245,12 @@ def _is_hex(value: str) -> bool:
 def _jaeger(trace: dict, skipped: list[str] | None = None) -> Iterator[dict]:
     processes = trace.get("processes") or {}
     for span in trace.get("spans") or ():
-        yield from _one(_jaeger_span, span, processes, skipped)
+        try:
+            row = _jaeger_span(span, processes)
+        except UNREADABLE as error:
+            _skip(error, skipped)
+            continue
+        yield row
 
 
 def _jaeger_span(span: dict, processes: dict) -> dict:
@@ -282,32 +306,49 @@ def coerced(value, type_: str):
     """``value`` as ``type_``, or raise ValueError: one bad value must not fail a file."""
     if value is None:
         return None
-    if type_ == "str":
-        if not isinstance(value, str):
-            raise ValueError
-        value.encode("utf-8")  # a lone surrogate cannot be stored or compared
-        return value
-    if type_ == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
+    return _COERCE_TO.get(type_, _as_float)(value)
+
+
+def _as_str(value) -> str:
+    if not isinstance(value, str):
         raise ValueError
+    value.encode("utf-8")  # a lone surrogate cannot be stored or compared
+    return value
+
+
+def _as_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError
+
+
+def _as_int(value) -> int:
     if isinstance(value, bool):
         raise ValueError
-    if type_ == "int":
-        number = int(value) if isinstance(value, str) else value
-        if isinstance(number, float):
-            if not number.is_integer():
-                raise ValueError
-            number = int(number)
-        if not isinstance(number, int) or abs(number) > INT64_MAX:
+    number = int(value) if isinstance(value, str) else value
+    if isinstance(number, float):
+        if not number.is_integer():
             raise ValueError
-        return number
+        number = int(number)
+    if not isinstance(number, int) or abs(number) > INT64_MAX:
+        raise ValueError
+    return number
+
+
+def _as_float(value) -> float:
+    if isinstance(value, bool):
+        raise ValueError
     number = float(value)
     if number != number or number in (float("inf"), float("-inf")):
         raise ValueError
     return number
+
+
+# One function a type: ``coerce`` calls it without ``coerced``'s dispatch (an OTLP
+# intValue and a span's times are strings: an int parse for most spans).
+_COERCE_TO = {"str": _as_str, "bool": _as_bool, "int": _as_int, "float": _as_float}
 
 
 def coerce(row: dict) -> list[str]:
@@ -315,22 +356,23 @@ def coerce(row: dict) -> list[str]:
     (now null)."""
     bad = []
     for key, value in row.items():
+        # What the coercion would leave as it is, without the call (most values; the live
+        # classifier decodes every span it receives): a value of its key's type that is
+        # an ASCII string (no lone surrogate), a bool, an int in range or a finite float
+        # (x - x is 0.0 for a finite float only).
+        kind = type(value)
+        if kind is _PYTHON_TYPES.get(key, str) and (
+            (kind is str and value.isascii())
+            or kind is bool
+            or (kind is int and -INT64_MAX <= value <= INT64_MAX)
+            or (kind is float and value - value == 0.0)
+        ):
+            continue
         if value is None:
             continue
         type_ = _TYPES.get(key, "str")
-        # What ``coerced`` would leave as it is, without the call (most values; the live
-        # classifier decodes every span it receives): an ASCII string (no lone
-        # surrogate), an int in range, a finite float, a bool.
-        kind = _KIND_OF.get(type(value))
-        if kind == type_ and (
-            kind == "bool"
-            or (kind == "str" and value.isascii())
-            or (kind == "int" and -INT64_MAX <= value <= INT64_MAX)
-            or (kind == "float" and math.isfinite(value))
-        ):
-            continue
         try:
-            row[key] = coerced(value, type_)
+            row[key] = _COERCE_TO.get(type_, _as_float)(value)
         except UNUSABLE:
             row[key] = None
             bad.append(key)

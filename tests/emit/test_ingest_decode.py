@@ -24,6 +24,7 @@ from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from kvobs.emit.collect import SegmentWriter, build_app, decode
+from kvobs import semconv as sc
 from kvobs.emit.otlp_json import json_line, loads, request_json, request_to_otlp_dict
 from kvobs.live.service import Live, LiveSettings
 from kvobs.sources._rows import rows
@@ -86,7 +87,12 @@ def _check_protobuf(message: ExportTraceServiceRequest) -> None:
     assert json.dumps(direct) == json.dumps(reference)  # key order included
     stored = decode(message.SerializeToString(), is_json=False)
     assert (stored.line, stored.replaced) == json_line(reference)
-    _same_rows(_taken(stored), stored.line)
+    taken = _taken(stored)
+    # the rows come from the attributes the decoding read (one dict a span), not the dict
+    spans = [span for rs in reference.get("resourceSpans", ())
+             for ss in rs.get("scopeSpans", ()) for span in ss.get("spans", ())]
+    assert len(taken.span_attributes) == len(spans)
+    _same_rows(taken, stored.line)
 
 
 def _reference_json(body: bytes):
@@ -211,6 +217,39 @@ def test_fuzzed_protobuf_requests(seed):
     _fill(message, rng, 0)
     _known_attributes(message, rng)
     _check_protobuf(message)
+
+
+def test_attributes_read_while_decoding_give_the_rows_the_dict_gives():
+    """Repeated keys (the last value, at the first one's place), an empty key, a value
+    left unset or empty, an older key beside its new name, a value of another type than
+    its key's: the rows from what the decoding read equal those of the line read back."""
+    message = ExportTraceServiceRequest()
+    resource_spans = message.resource_spans.add()
+    resource_spans.resource.attributes.add(key="kvobs.role").value.string_value = "decode"
+    spans = resource_spans.scope_spans.add().spans
+    span = spans.add(name="s", trace_id=b"\x01" * 16, span_id=b"\x02" * 8)
+    attributes = span.attributes
+    attributes.add(key="kvobs.turn.index").value.int_value = 3
+    attributes.add(key="").value.string_value = "no key"
+    attributes.add(key="gen_ai.conversation.id").value.string_value = "c1"
+    attributes.add(key="kvobs.turn.index").value.string_value = "4"
+    attributes.add(key="kvobs.prompt.tokens").value.int_value = 7
+    attributes.add(key=sc.PROMPT_TOKENS.key).value.int_value = 8
+    attributes.add(key="kvobs.role")  # no value
+    attributes.add(key="kvobs.tenant.digest").value.SetInParent()  # an empty value
+    attributes.add(key="gen_ai.latency.time_to_first_token").value.string_value = "0.5"
+    attributes.add(key=sc.STREAM.key).value.bool_value = True
+    attributes.add(key="gen_ai.request.id").value.int_value = 9  # a str key
+    attributes.add(key="kvobs.proxy.entry.age").value.double_value = math.nan
+    attributes.add(key="unknown").value.double_value = 1.5
+    other = spans.add(name="t", trace_id=b"\x01" * 16, span_id=b"\x03" * 5)  # odd id size
+    other.attributes.add(key="kvobs.prompt.tokens").value.int_value = 5
+    other.attributes.add(key="kvobs.prompt.tokens").value.array_value.SetInParent()
+    other.status.code = 2
+    _check_protobuf(message)
+    got = rows("otlp", decode(message.SerializeToString(), is_json=False).request(), [])
+    assert got[0]["kvobs.turn.index"] == 4 and got[0][sc.PROMPT_TOKENS.key] == 8
+    assert got[1][sc.PROMPT_TOKENS.key] is None and got[1]["error"] is True
 
 
 def test_an_old_instrumentation_library_spans_field_is_read_as_the_reference_reads_it():
