@@ -31,25 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lineage_bench  # noqa: E402
+from ingest_bench import SimulatedTime  # noqa: E402
 
 from kvobs.live import classifier as classifier_module  # noqa: E402
 
 
-class _SpansClock:
-    """The classifier module's ``time``, its ``time()`` the spans' clock."""
-
-    now = 0.0
-
-    def time(self) -> float:
-        return self.now
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 def run(rows: list[dict], spans_per_pass: int, window_s: float) -> tuple[float, list[float]]:
     """CPU seconds of the whole run, and of each pass."""
-    clock = _SpansClock()
+    clock = SimulatedTime()  # the spans' clock
     classifier_module.time = clock
     classifier = classifier_module.Classifier(window_s=window_s, grace_s=5.0)
     spent, taken, passes = 0.0, 0, []

@@ -260,7 +260,7 @@ def _run(args, bodies, counts, ends, decode, store, writer_class, classifier_cla
     # and write the final ones to its turn store (in this run's store directory).
     holder = live_class(store, LiveSettings(window_s=1e12, grace_s=5.0))
     classifier = holder.classifier
-    simulated = _SimulatedTime()  # add_request's arrival time: the request's last span end
+    simulated = SimulatedTime()  # add_request's arrival time: the request's last span end
     sys.modules[classifier_class.__module__].time = simulated
     clock = time.process_time
     spent = dict.fromkeys(STAGES, 0.0)
@@ -298,8 +298,9 @@ def _passes(runner, args, taken: int, count: int, now: float, last: bool = False
     return time.process_time() - started
 
 
-class _SimulatedTime:
-    """The classifier module's ``time``, its ``time()`` the simulated fleet's clock."""
+class SimulatedTime:
+    """The classifier module's ``time``, its ``time()`` the simulated fleet's clock (also
+    ``classifier_idless_bench.py``'s)."""
 
     now = 0.0
 
