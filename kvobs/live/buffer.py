@@ -12,7 +12,14 @@ Spans are grouped into *units*, the smallest sets the turn pipeline needs togeth
   ancestor arrives. Spans arrive in any order: a trace's untagged spans are placed again
   whenever a span of the trace arrives, and move when their place changes;
 - the id-less pool: spans of no known conversation (fleets behind vllm-router or
-  llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), kept by arrival time.
+  llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), until a pass has
+  classified their turn. The turn's spans are then *adopted* (``adopt``): they move into
+  the unit of the turn it extends (so a conversation's turns stay together for as long
+  as it goes on, as a client's conversation does), else into a unit of the conversation
+  lineage named. Later id-less spans of an adopted trace or request go straight there.
+  A unit kvobs named (``derived``: ``lineage:``, or the proxy's ``anonymous:``) whose
+  turn lineage puts after another unit's turn merges into that unit, and its name
+  becomes an alias of it.
 
 A unit that received spans since the last pass is *dirty*; a pass re-correlates and
 re-classifies the dirty units only. Lineage still needs what the clean units hold: a
@@ -20,10 +27,13 @@ prompt may extend another conversation's export, equal another's prompt, or shar
 export with another's fork. A pass takes along the lineage spans of the clean units
 lineage could link the dirty ones to (``SpanBuffer._linkable``: found by the keys
 lineage matches under, not by reading the window) and one span per D engine start
-(restarts). Every span is converted to Arrow once (``ArrowSpans``), not once for every
-pass it takes part in. A unit idle for longer than ``window_s`` (D's TTL plus a margin:
-no later turn can read its KV any more) is dropped; a span that arrives for a dropped
-conversation is *late*: counted, kept in the span store, not classified. No I/O here.
+(restarts). A derived unit it reaches is classified whole instead: its keys are
+lineage's, which the dirty turns may change (a fork that started earlier). Every span is
+converted to Arrow once (``ArrowSpans``), not once for every pass it takes part in. A
+unit idle for longer than ``window_s`` (D's TTL plus a margin: no later turn can read its
+KV any more) is dropped, with every turn it holds (an id-less conversation's too, however
+long it went on); a span that arrives for a dropped conversation is *late*: counted, kept
+in the span store, not classified. No I/O here.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from kvobs.turns.correlate import nearest_tagged
 _CID = sc.CONVERSATION_ID.key
 _CHAIN = sc.PREFIX_LINEAGE.key
 _RID = sc.REQUEST_ID.key
+_REMOTE_RID = sc.REMOTE_REQUEST_ID.key
 _EXPORT = sc.SPAN_EXPORT.name
 _ENDPOINT, _STARTED, _ENGINE = (
     sc.ENGINE_ENDPOINT.key,
@@ -70,6 +81,12 @@ LINEAGE_SPANS = frozenset(
 # comes along anyway.
 _ENGINE_SPANS = LINEAGE_SPANS - {sc.SPAN_PULL_DECISION.name}
 IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
+
+
+def derived(key: str) -> bool:
+    """Whether a unit's key is a name kvobs gave (lineage's, or the proxy's for a turn
+    sent without an id), which lineage may replace, unlike a client's id."""
+    return key.startswith((sc.LINEAGE_PREFIX, sc.ANONYMOUS_PREFIX))
 
 
 class ArrowSpans:
@@ -126,6 +143,11 @@ def _without_nulls(table: pa.Table) -> pa.Table:
     return table.select([n for n in table.column_names if table.column(n).null_count < len(table)])
 
 
+def _requests(row: dict) -> list[str]:
+    """The request ids a span names: its own, and the P request D pulled from."""
+    return [r for r in (row.get(_RID), row.get(_REMOTE_RID)) if isinstance(r, str)]
+
+
 def _serials(keys: Iterable[int]) -> np.ndarray:
     return np.unique(np.fromiter(keys, np.int64))
 
@@ -141,6 +163,12 @@ class Unit:
     # superset: a span that moved out leaves its hash behind (the unit then comes along for
     # nothing).
     keys: set[str] = field(default_factory=set)
+    # Id-less spans it holds by trace (adopted, or sent after their trace or request
+    # was): a tagged span of the trace takes them back.
+    homed: dict[str | None, list[int]] = field(default_factory=dict)
+    # How many of its spans name each request (SpanBuffer._request_home points here).
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    aliases: set[str] = field(default_factory=set)  # derived keys merged into it
 
 
 @dataclass
@@ -198,6 +226,12 @@ class SpanBuffer:
         # D request -> the units whose turns extend its export (or name it among equal
         # candidates), as the last pass that classified them found.
         self._extended_by: dict[str, set[str]] = collections.defaultdict(set)
+        # Where id-less spans go once their turn is adopted: by trace, and by request id
+        # (a derived unit's spans' request ids, P's and D's, and those D names).
+        self._trace_home: dict[str, str] = {}
+        self._request_home: dict[str, str] = {}
+        self._pool_requests: dict[str, set[str | None]] = collections.defaultdict(set)
+        self._alias: dict[str, str] = {}  # a derived key merged away -> the unit's key
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._forget_after = forget_after
@@ -226,11 +260,17 @@ class SpanBuffer:
                 if trace is not None and trace in self._traces:
                     self._traces[trace].untagged[serial] = row
                     touched.add(trace)
+                elif (home := self._home_of(trace, row)) is not None:
+                    self._home(home, trace, serial, row)
+                    self.units[home].last_arrival = now
                 else:
                     self._idless[trace][serial] = row
                     self._idless_seen[trace] = now
                     self._idless_dirty = True
+                    for request in _requests(row):
+                        self._pool_requests[request].add(trace)
                 continue
+            cid = self._alias.get(cid, cid)
             if cid in self._dropped and cid not in self.units:
                 self.late_spans += 1
                 continue
@@ -253,16 +293,32 @@ class SpanBuffer:
             self._engines[(row.get(_ENDPOINT), row[_STARTED], row.get(_ENGINE))] = serial
         return serial
 
+    def _home_of(self, trace: str | None, row: dict) -> str | None:
+        """The unit an id-less span goes to: its trace's or its request's, once adopted."""
+        home = self._trace_home.get(trace) if trace is not None else None
+        if home is None:
+            known = (r for r in _requests(row) if r in self._request_home)
+            home = next((self._request_home[r] for r in known), None)
+        return home if home in self.units else None
+
+    def _home(
+        self, key: str, trace: str | None, serial: int, row: dict, dirty: bool = True
+    ) -> None:
+        self._keep(key, serial, row, dirty)
+        self.units[key].homed.setdefault(trace, []).append(serial)
+        if trace is not None:
+            self._trace_home[trace] = key
+
     def _claim(self, trace: str, cid: str, row: dict) -> None:
-        """Note a tagged span in its trace; the first takes the trace's id-less spans."""
+        """Note a tagged span in its trace; the first takes the trace's id-less spans
+        (from the pool, or the unit that adopted them)."""
         known = self._traces.get(trace)
         if known is None:
             known = self._traces[trace] = _Trace()
-            claimed = self._idless.pop(trace, None)
-            if claimed:
-                self._idless_seen.pop(trace, None)
-                known.untagged.update(claimed)
-                self._idless_dirty = True  # the pool changed too
+            claimed = self._leave_pool(trace)
+            if trace in self._trace_home:
+                claimed.update(self._unhome(trace))
+            known.untagged.update(claimed)
         if row.get("span_id") is not None:
             known.tagged.setdefault(row["span_id"], cid)
         known.owners.add(cid)
@@ -284,16 +340,61 @@ class SpanBuffer:
             if former is not None:
                 former.rows.pop(key, None)
                 former.lineage.pop(key, None)
+                self._unindex(former_key, row)
                 self._dirty.add(former_key)
             trace.placed[key] = cid
             if cid is not None:
                 self._keep(cid, key, row)
                 self.units[cid].last_arrival = now
 
-    def _keep(self, cid: str, serial: int, row: dict) -> None:
+    def _leave_pool(self, trace: str | None, changed: bool = True) -> dict[int, dict]:
+        """Take a trace's spans out of the id-less pool (``changed``: the pool's turns
+        change, it is classified again)."""
+        taken = self._idless.pop(trace, None)
+        self._idless_seen.pop(trace, None)
+        if not taken:
+            return {}
+        self._idless_dirty |= changed
+        for row in taken.values():
+            for request in _requests(row):
+                traces = self._pool_requests.get(request)
+                if traces is not None:
+                    traces.discard(trace)
+                    if not traces:
+                        del self._pool_requests[request]
+        return taken
+
+    def _unhome(self, trace: str) -> dict[int, dict]:
+        """Take an adopted trace's spans out of their unit (re-classified without them)."""
+        key = self._trace_home.pop(trace)
+        unit = self.units[key]
+        taken = {}
+        for serial in unit.homed.pop(trace, ()):
+            row = taken[serial] = unit.rows.pop(serial)
+            unit.lineage.pop(serial, None)
+            self._unindex(key, row)
+        self._dirty.add(key)
+        return taken
+
+    def _unindex(self, key: str, row: dict) -> None:
+        counts = self.units[key].requests
+        for request in _requests(row):
+            if counts[request] > 1:
+                counts[request] -= 1
+                continue
+            counts.pop(request, None)
+            if self._request_home.get(request) == key:
+                del self._request_home[request]
+
+    def _keep(self, cid: str, serial: int, row: dict, dirty: bool = True) -> None:
         unit = self.units[cid]
         unit.rows[serial] = row
-        self._dirty.add(cid)
+        if dirty:
+            self._dirty.add(cid)
+        if derived(cid) or row.get(_CID) is None:
+            for request in _requests(row):
+                self._request_home[request] = cid
+                unit.requests[request] += 1
         if row.get("name") not in LINEAGE_SPANS:
             return
         unit.lineage[serial] = row
@@ -304,23 +405,27 @@ class SpanBuffer:
             self._units_by_key[key].add(cid)
 
     def take_dirty(self) -> tuple[list[str], pa.Table | None]:
-        """The dirty units' keys and their spans (the id-less pool whole when any of it
-        changed: lineage links its turns across the pool), as the span table in arrival
-        order (None: nothing is dirty); marks them clean. With them, as context, the
-        lineage spans of the clean units lineage could link them to
-        (``_linkable``) and the spans that show each D engine's start. Turns of clean
-        units the pipeline makes of those context spans are partial: not the pass's to
-        keep."""
+        """The dirty units' keys and their spans (with the id-less pool's: its turns
+        need each other's), as the span table in arrival order (None: nothing is dirty);
+        marks them clean. With them, as context, the lineage spans of the clean units
+        lineage could link them to (``_linkable``), and the spans that show each D
+        engine's start. A derived unit among those is taken whole and classified (the
+        pass may change its turns' keys), as is one whose turns extend a dirty turn.
+        Turns of clean units the pipeline makes of context spans are partial: not the
+        pass's to keep."""
         keys = [key for key in self._dirty if key in self.units]
         self._dirty.clear()
         if not keys and not self._idless_dirty:
             return [], None
+        found, following = self._linkable(keys)
+        joined = [key for key in found if key in following or derived(key)]
+        keys.extend(joined)
         serials: list[Iterable[int]] = [self.units[key].rows for key in keys]
-        serials.extend(self.units[key].lineage for key in self._linkable(keys))
+        serials.extend(self.units[key].lineage for key in found.difference(joined))
         if self._idless_dirty:
             self._idless_dirty = False
             keys.append(IDLESS)
-        serials.extend(self._idless.values())  # the pool's turns need each other's
+        serials.extend(self._idless.values())
         serials.append(self._engines.values())
         return keys, self._arrow.take(_serials(itertools.chain.from_iterable(serials)))
 
@@ -329,23 +434,118 @@ class SpanBuffer:
         if unit in self.units:
             self._dirty.add(unit)
 
-    def note_links(self, unit: str, d_requests: Iterable[str]) -> None:
-        """A turn of ``unit`` extends the exports of ``d_requests`` (lineage found): when
-        one of those units is classified again, ``unit`` comes along, as lineage numbers
-        a second turn extending the same export as a fork."""
+    def note_links(self, unit: str, requests: Iterable[str]) -> None:
+        """A turn of ``unit`` extends the turns of ``requests`` (P's or D's: lineage
+        found): when one of those units is classified again, ``unit`` comes along, as
+        lineage numbers a second turn extending the same export as a fork, and a turn
+        whose predecessor's export arrives late extends it."""
         if unit in self.units:
-            for d_request in d_requests:
-                self._extended_by[d_request].add(unit)
+            for request in requests:
+                self._extended_by[request].add(unit)
 
-    def _linkable(self, dirty: list[str]) -> set[str]:
+    def holder(self, conversation_id: str, requests: Iterable[str | None]) -> str | None:
+        """The unit whose spans made a turn of ``conversation_id`` (as the pass keyed it)
+        whose spans name ``requests`` (its P and D request): the pool (``IDLESS``), a
+        client's conversation, the unit holding those requests' spans, or the unit the
+        key names; None: no unit."""
+        named = [r for r in requests if isinstance(r, str)]
+        if any(r in self._pool_requests for r in named):
+            return IDLESS
+        if not derived(conversation_id) and conversation_id in self.units:
+            return conversation_id
+        for request in named:
+            if (home := self._request_home.get(request)) in self.units:
+                return home
+        key = self._alias.get(conversation_id, conversation_id)
+        return key if key in self.units else None
+
+    def adopt(
+        self,
+        unit: str,
+        conversation_id: str,
+        requests: Iterable[str | None],
+        trace: str | None,
+        parent: Iterable[str],
+        candidates: Iterable[str] = (),
+    ) -> tuple[str, list[str]]:
+        """Keep a turn the pass classified from ``unit`` with the turns lineage read to
+        key it, as long as it is kept: its ``parent`` (request ids of the turn it
+        extends), else its equal ``candidates`` (D requests), else its conversation. A
+        pool turn's spans (those of its ``trace`` and those naming its ``requests``)
+        move there; a derived unit holding the turn or a candidate merges into it. A
+        client's conversation stays where it is. Returns (the turn's unit now, the units
+        merged away). Not dirty for it: the pass classified them together."""
+        if unit != IDLESS and not derived(unit):
+            return unit, []
+        homes = [
+            self._request_home[r]
+            for r in (*parent, *candidates)
+            if self._request_home.get(r) in self.units
+        ]
+        target = homes[0] if homes else self._alias.get(conversation_id, conversation_id)
+        if unit == IDLESS:
+            traces = {trace}.union(*(self._pool_requests.get(r, ()) for r in requests if r))
+            home = self.units.setdefault(target, Unit())
+            for pooled in traces:
+                home.last_arrival = max(home.last_arrival, self._idless_seen.get(pooled, 0.0))
+                for serial, row in self._leave_pool(pooled, changed=False).items():
+                    self._home(target, pooled, serial, row, dirty=False)
+        elif target not in self.units:
+            target = unit
+        merged = []
+        for other in dict.fromkeys([unit, *homes[1:]]):
+            if other != target and other in self.units and derived(other):
+                self._merge(other, target)
+                merged.append(other)
+        return target, merged
+
+    def _merge(self, source: str, target: str) -> None:
+        """``source``'s spans, indexes and name go to ``target``."""
+        unit, into = self.units.pop(source), self.units[target]
+        into.rows.update(unit.rows)
+        into.lineage.update(unit.lineage)
+        into.last_arrival = max(into.last_arrival, unit.last_arrival)
+        for key in unit.keys:
+            self._units_by_key[key].discard(source)
+            self._units_by_key[key].add(target)
+        into.keys |= unit.keys
+        for trace, serials in unit.homed.items():
+            into.homed.setdefault(trace, []).extend(serials)
+            if trace is not None:
+                self._trace_home[trace] = target
+        into.requests.update(unit.requests)
+        for request in unit.requests:
+            if self._request_home.get(request) == source:
+                self._request_home[request] = target
+        for alias in (*unit.aliases, source):
+            self._alias[alias] = target
+            into.aliases.add(alias)
+        for trace_id in unit.traces:
+            known = self._traces.get(trace_id)
+            if known is None:
+                continue
+            known.tagged = {s: target if c == source else c for s, c in known.tagged.items()}
+            known.placed = {s: target if c == source else c for s, c in known.placed.items()}
+            for names in (known.owners, known.seen):
+                if source in names:
+                    names.discard(source)
+                    names.add(target)
+        into.traces |= unit.traces
+        if source in self._dirty:
+            self._dirty.discard(source)
+            self._dirty.add(target)
+
+    def _linkable(self, dirty: list[str]) -> tuple[set[str], set[str]]:
         """The clean units lineage may link the dirty units' and the pool's turns to:
         those holding an export or a prompt under a hash of their prompts' chains
-        (``Chain.hashes``), those whose turns extend one of their exports
+        (``Chain.hashes``), those whose turns extend one of their turns
         (``note_links``), and so on from those, as lineage walks on: every candidate
-        lineage could match over every span in the window. Not seen: a turn that
-        extends an export which arrived after the turn was last classified."""
+        lineage could match over every span in the window. With them, those of the
+        units whose turns extend a dirty unit's or the pool's turn: what changed there
+        (an export or a release that came late) changes their lineage facts."""
         taken = set(dirty)
         found: set[str] = set()
+        following: set[str] | None = None
         rows: Iterable[dict] = itertools.chain(
             (row for key in dirty for row in self.units[key].lineage.values()),
             (row for pooled in self._idless.values() for row in pooled.values()),
@@ -354,15 +554,17 @@ class SpanBuffer:
             probed: set[str] = set()
             new: set[str] = set()
             for row in rows:
-                if row.get("name") == _EXPORT and row.get(_RID) in self._extended_by:
-                    new |= self._extended_by[row[_RID]]
+                if (request := row.get(_RID)) in self._extended_by:
+                    new.update(self._alias.get(u, u) for u in self._extended_by[request])
                 if (chain := parse(row.get(_CHAIN))) is not None:
                     probed.update(chain.hashes())
+            if following is None:
+                following = {unit for unit in new - taken if unit in self.units}
             for key in probed:
                 new |= self._units_by_key.get(key, set())
             new = {unit for unit in new - taken if unit in self.units}
             if not new:
-                return found
+                return found, following
             taken |= new
             found |= new
             rows = [row for key in new for row in self.units[key].lineage.values()]
@@ -387,16 +589,22 @@ class SpanBuffer:
                 if not holders:
                     del self._units_by_key[lineage_key]
             for row in unit.lineage.values():
-                if row.get("name") == _EXPORT:
-                    self._extended_by.pop(str(row.get(_RID)), None)
-            self._dropped[key] = None
-            self._dropped.move_to_end(key)
+                self._extended_by.pop(str(row.get(_RID)), None)
+            for homed in unit.homed:
+                if homed is not None and self._trace_home.get(homed) == key:
+                    del self._trace_home[homed]
+            for request in unit.requests:
+                if self._request_home.get(request) == key:
+                    del self._request_home[request]
+            for name in (*unit.aliases, key):
+                self._alias.pop(name, None)
+                self._dropped[name] = None
+                self._dropped.move_to_end(name)
         while len(self._dropped) > self._forget_after:
             self._dropped.popitem(last=False)
         stale = [t for t, seen in self._idless_seen.items() if seen < horizon]
-        for idle in stale:  # its turns are final: the pool is not re-classified for it
-            del self._idless[idle]
-            del self._idless_seen[idle]
+        for idle in stale:  # spans no turn took: the pool is not re-classified for them
+            self._leave_pool(idle, changed=False)
         if self._arrow.merge_due(len(self) if gone or stale else None):
             held = _serials(self._held())
             self._arrow.keep_only(held)

@@ -143,11 +143,16 @@ def _measured(samples: list[dict[str, Any]]) -> tuple[float | None, float | None
     return prefill_rate(table), decode_context(table).decode_s_per_token
 
 
-def _extended(turn: Mapping[str, Any]) -> list[str]:
-    """The D requests whose exports lineage says the turn extends, or may (equal
-    candidates)."""
-    found = [turn.get("extends_request_id"), *str(turn.get("lineage_candidates") or "").split()]
-    return [d_request for d_request in found if isinstance(d_request, str) and d_request]
+def _extended(turn: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The requests of the turn lineage says the turn extends (D's export, and P's
+    request), and of those it may extend (equal candidates: D's exports)."""
+    parent = [turn.get("extends_request_id"), turn.get("extends_prefill_request_id")]
+    candidates = str(turn.get("lineage_candidates") or "").split()
+    return [r for r in parent if isinstance(r, str) and r], candidates
+
+
+def _requests(turn: Mapping[str, Any]) -> tuple[Any, Any]:
+    return turn.get("prefill_request_id"), turn.get("decode_request_id")
 
 
 def turn_keys(turns: pa.Table) -> list[TurnKey]:
@@ -328,7 +333,16 @@ class Classifier:
         keys = turn_keys(turns)
         # Clean units' lineage spans came along as context (what a dirty turn's
         # prompt may extend): their turns are correlated, never classified again.
-        unit_of_turn = [unit_of(key[1]) for key in keys]
+        unit_of_turn = [
+            unit_of(key[1], requests)
+            for key, requests in zip(
+                keys,
+                zip(
+                    arrays.pylist(turns.column("prefill_request_id")),
+                    arrays.pylist(turns.column("decode_request_id")),
+                ),
+            )
+        ]
         if all(unit is None for unit in unit_of_turn):
             return 0
         # A turn whose correlated row is the one it was classified from keeps its
@@ -356,17 +370,18 @@ class Classifier:
         classified = col.Columns(turns)
         diagnoses, used = classify_turns(classified, self.read_slo_s, rate, per_token)
         kept = 0
-        for diagnosis, measures, classified_from in zip(
-            diagnoses, measures_of(classified), inputs.tolist()
+        extends: dict[TurnKey, tuple[list[str], list[str]]] = {}
+        # One diagnosis a row, in row order; a clean unit's partial turn (its lineage
+        # spans only) was never classified.
+        units_classified = [u for u, taken in zip(unit_of_turn, again) if taken and u is not None]
+        for diagnosis, measures, classified_from, unit in zip(
+            diagnoses, measures_of(classified), inputs.tolist(), units_classified
         ):
-            unit = unit_of(diagnosis.conversation_id)
-            if unit is None:
-                continue  # a clean unit's partial turn (its lineage spans only)
             kept += 1
-            self.buffer.note_links(unit, _extended(diagnosis.turn))
             row = turn_row(diagnosis, measures, used.prefill_tokens_per_s, used.decode_s_per_token)
             key = (row["tenant"], row["conversation_id"], row["turn"])
             seen.add(key)
+            extends[key] = _extended(diagnosis.turn)
             state = self.turns.get(key)
             if state is not None and _unchanged(state.row, row):
                 state.inputs = classified_from
@@ -391,7 +406,28 @@ class Classifier:
                 if state.finals:  # written under this key: the store must forget it
                     result.finalized.append(superseded(state.row, state.version + 1))
                 self._drop(key)
+        self._adopt(extends)
         return kept
+
+    def _adopt(self, extends: dict[TurnKey, tuple[list[str], list[str]]]) -> None:
+        """The turns the pass classified stay with the turns lineage keyed them by
+        (``SpanBuffer.adopt``); each notes the turns it extends or may
+        (``SpanBuffer.note_links``)."""
+        for key, (parent, candidates) in extends.items():
+            state = self.turns[key]
+            unit, merged = self.buffer.adopt(
+                state.unit,
+                key[1],
+                _requests(state.row),
+                state.row.get("trace_id"),
+                parent,
+                candidates,
+            )
+            for source in merged:
+                for other in self._by_unit.pop(source, set()):
+                    self._move(other, self.turns[other], unit)
+            self._move(key, state, unit)
+            self.buffer.note_links(unit, [*parent, *candidates])
 
     def _count_once(self, row: dict[str, Any], now: float) -> bool:
         """Whether the turn of ``row`` is counted for the first time (and note it): none
@@ -408,16 +444,15 @@ class Classifier:
             state.unit = unit
         self._by_unit[unit].add(key)
 
-    def _unit_lookup(self, units: list[str]) -> Callable[[str], str | None]:
-        """The unit a classified turn belongs to, among those the pass classified
-        (None: a clean unit's, or the pool's when the pool was not classified)."""
+    def _unit_lookup(self, units: list[str]) -> Callable[[str, tuple], str | None]:
+        """The unit a classified turn (its conversation, its P and D request) belongs
+        to, among those the pass classified (None: a clean unit's, or the pool's when
+        the pool was not classified)."""
         dirty = set(units)
-        pool = IDLESS if IDLESS in dirty else None
 
-        def unit_of(conversation_id: str) -> str | None:
-            if conversation_id in dirty:
-                return conversation_id
-            return None if conversation_id in self.buffer.units else pool
+        def unit_of(conversation_id: str, requests: tuple) -> str | None:
+            unit = self.buffer.holder(conversation_id, requests)
+            return unit if unit in dirty else None
 
         return unit_of
 

@@ -41,9 +41,9 @@ def _live(early: list[dict], late: list[dict], monkeypatch=None) -> dict[str, di
     classifier.buffer.add(early, now=200.0)
     classifier.run_pass(now=200.0)
     classifier.buffer.add(late, now=201.0)
-    assert classifier.buffer._linkable([]) == {"A"}  # B's prompts, in the id-less pool
+    assert classifier.buffer._linkable([])[0] == {"A"}  # B's prompts, in the id-less pool
     if monkeypatch is not None:  # as if the pass took no clean conversation along
-        monkeypatch.setattr(classifier.buffer, "_linkable", lambda dirty: set())
+        monkeypatch.setattr(classifier.buffer, "_linkable", lambda dirty: (set(), set()))
     classifier.run_pass(now=201.0)
     return {state.row["prefill_request_id"]: state.row for state in classifier.turns.values()
             if state.row["prefill_request_id"].startswith("p-b-")}
@@ -155,3 +155,32 @@ def test_what_links_conversations_leaves_with_them():
     classifier.run_pass(now=10_000.0)  # every conversation idle past the window
     assert buffer.units == {}
     assert not buffer._units_by_key and not buffer._extended_by and not buffer._engines
+
+
+def test_a_turn_whose_predecessor_s_export_comes_late_is_classified_again():
+    """X (its own id) extends A's first turn, whose D export reaches the classifier
+    only after X was classified: A's pass takes X along to classify it again, as X's
+    turn extends A's (``note_links`` by P's request), and X then says what the batch
+    says."""
+    rows = router_turns("a", 1, 100.0, START, client_id="A")
+    history = START + [1000 + 97 + 7 + i % 5 for i in range(100)]  # A's turn 1, as made
+    retained = history + [2000 + 97 + 13 + i % 7 for i in range(40)]
+    fork = [{**row, sc.CONVERSATION_ID.key: "X", sc.TURN_INDEX.key: 2} for row in router_turns(
+        "x", 1, 101.0, retained + [5000 + i for i in range(60)], step_tokens=40)
+        if row["name"] == sc.SPAN_PULL_DECISION.name]
+    export = [row for row in rows if row["name"] == sc.SPAN_EXPORT.name]
+    early = [row for row in rows if row not in export] + fork
+    classifier = Classifier(window_s=600, grace_s=0)
+    classifier.buffer.add(early, now=200.0)
+    classifier.run_pass(now=200.0)
+    before = [s.row for k, s in classifier.turns.items() if k[1] == "X"]
+    classifier.buffer.add(export, now=201.0)
+    classifier.run_pass(now=201.0)
+    (after,) = [s.row for k, s in classifier.turns.items() if k[1] == "X"]
+    context = after["context"]
+    turns = turns_from_spans(table_from_rows(early + export), frame=False)
+    diagnoses, _ = classify_turns(col.Columns(turns), None, context["prefill_tokens_per_s"],
+                                  context["decode_s_per_token"])
+    (batch,) = [d.to_dict() for d in diagnoses if d.conversation_id == "X"]
+    assert _canonical(after) == _canonical(batch)
+    assert [_canonical(row) for row in before] != [_canonical(after)]

@@ -1,0 +1,218 @@
+"""Id-less turns live where lineage puts them (``SpanBuffer.adopt``): a turn behind a
+router that sends no id joins the unit of the turn it extends, so an id-less
+conversation keeps its name, its numbering and its first turn for as long as it goes
+on; a turn the proxy named ``anonymous:<trace>`` that lineage puts after another turn
+merges into that turn's unit; and a pass takes the new spans and the conversations they
+touch, not the window."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from turns.test_lineage import router_turns, span
+
+from kvobs import semconv as sc
+from kvobs.diagnose import classify_turns
+from kvobs.live.buffer import IDLESS
+from kvobs.live.classifier import Classifier
+from kvobs.sources._frame import table_from_rows
+from kvobs.turns import columns as col
+from kvobs.turns.correlate import turns_from_spans
+
+SECOND = 1_000_000_000
+
+
+def _canonical(row: dict) -> str:
+    return json.dumps({k: v for k, v in row.items()
+                       if k not in ("context", "measures", "version", "first_final")},
+                      sort_keys=True, default=str)
+
+
+class Written:
+    """What a turn store holds of the final rows passes wrote: each key's latest
+    version, none of a key a superseded row retired."""
+
+    def __init__(self):
+        self.latest: dict[tuple, dict] = {}
+
+    def take(self, result) -> None:
+        for row in result.finalized:
+            key = (row["tenant"], row["conversation_id"], row["turn"])
+            if key not in self.latest or row["version"] >= self.latest[key]["version"]:
+                self.latest[key] = row
+
+    def rows(self) -> dict[tuple, dict]:
+        return {key: row for key, row in self.latest.items() if not row.get("superseded")}
+
+
+def _batch(rows: list[dict], context: dict) -> dict[tuple, dict]:
+    turns = turns_from_spans(table_from_rows(rows), frame=False)
+    diagnoses, _ = classify_turns(col.Columns(turns), None, context["prefill_tokens_per_s"],
+                                  context["decode_s_per_token"])
+    return {(d.tenant, d.conversation_id, d.turn.index): d.to_dict() for d in diagnoses}
+
+
+def _assert_as_batch(live: dict[tuple, dict], rows: list[dict]) -> None:
+    """Every turn ``live`` holds is the batch's over all ``rows``, and it holds every
+    turn of the batch."""
+    by_context: dict[str, list] = {}
+    for key, row in live.items():
+        by_context.setdefault(json.dumps(row["context"], sort_keys=True), []).append(key)
+    for context, keys in by_context.items():
+        batch = _batch(rows, json.loads(context))
+        assert set(live) == set(batch)
+        for key in keys:
+            assert _canonical(live[key]) == _canonical(batch[key]), key
+
+
+def _turn_of(rows: list[dict], k: int, conversation: str = "a") -> list[dict]:
+    ids = {f"p-{conversation}-{k}", f"d-{conversation}-{k}"}
+    return [r for r in rows if r.get(sc.REQUEST_ID.key) in ids]
+
+
+def test_an_id_less_conversation_longer_than_the_window_keeps_its_name_and_first_turn():
+    """Five turns 400 s apart, a window of 600 s: the first turn's spans are older than
+    the window when the fourth comes, but the conversation went on, so they stay."""
+    rows = router_turns("a", 5, 100.0, list(range(40)), gap_s=400.0)
+    classifier, store = Classifier(window_s=600, grace_s=0), Written()
+    written = []
+    for k in range(1, 6):
+        now = 100.0 + 400 * (k - 1) + 1
+        classifier.buffer.add(_turn_of(rows, k), now=now)
+        result = classifier.run_pass(now=now)
+        store.take(result)
+        written += result.finalized
+    assert not [row for row in written if row.get("superseded")]
+    assert [(row["turn"], row["prefill_request_id"]) for row in written] == [
+        (k, f"p-a-{k}") for k in range(1, 6)]
+    assert len({row["conversation_id"] for row in written}) == 1
+    _assert_as_batch(store.rows(), rows)
+    # It leaves once idle for the window: every turn with it.
+    classifier.run_pass(now=100.0 + 1600 + 1 + 601)
+    assert classifier.buffer.units == {} and classifier.turns == {}
+
+
+def test_turns_the_proxy_named_apart_follow_lineage_into_one_conversation():
+    """The proxy named each turn ``anonymous:<its trace>`` (it inferred nothing);
+    lineage puts each after the one it extends: live, every turn is kept, under the key
+    the batch gives it, and the later turns' names become aliases of the first's unit."""
+    rows = router_turns("a", 4, 100.0, list(range(40)), gap_s=5.0)
+    for row in rows:
+        k = row[sc.REQUEST_ID.key].rsplit("-", 1)[1]
+        row.update({sc.CONVERSATION_ID.key: f"anonymous:t{k}", sc.TURN_INDEX.key: 1})
+    classifier = Classifier(window_s=600, grace_s=0)
+    for k in range(1, 5):
+        classifier.buffer.add(_turn_of(rows, k), now=100.0 + 5 * k)
+        classifier.run_pass(now=100.0 + 5 * k)
+    assert sorted(key[1:] for key in classifier.turns) == [("anonymous:t1", k)
+                                                          for k in range(1, 5)]
+    _assert_as_batch({k: st.row for k, st in classifier.turns.items()}, rows)
+    assert set(classifier.buffer.units) == {"anonymous:t1"}
+    # A late span sent under a merged name goes to the unit it merged into.
+    late = {**_turn_of(rows, 3)[1], "span_id": "late", "name": sc.SPAN_RELEASE.name,
+            sc.RELEASE_REASON.key: "finished"}
+    classifier.buffer.add([late], now=130.0)
+    assert "late" in {row["span_id"] for row in classifier.buffer.rows_of("anonymous:t1")}
+
+
+def test_an_id_less_pass_takes_the_new_turn_and_its_conversation_not_the_window():
+    base = list(range(40))
+    fleet = [router_turns(f"c{n}", 3, 100.0 + n, [n * 100 + t for t in base], gap_s=20.0)
+             for n in range(30)]
+    classifier = Classifier(window_s=600, grace_s=0)
+    for k in (1, 2):
+        classifier.buffer.add([r for rows in fleet for r in _turn_of(rows, k, "")
+                               or [r for r in rows if r[sc.REQUEST_ID.key].endswith(f"-{k}")]],
+                              now=150.0 + k)
+        classifier.run_pass(now=150.0 + k)
+    assert not classifier.buffer.rows_of(IDLESS)  # every turn adopted
+    assert len(classifier.buffer.units) == 30
+    third = [r for r in fleet[7] if r[sc.REQUEST_ID.key].endswith("-3")]
+    classifier.buffer.add(third, now=200.0)
+    keys, spans = classifier.buffer.take_dirty()
+    # c7's three turns (two spans each); the engines' starts come along as context.
+    assert IDLESS in keys and spans is not None
+    assert {r for r in spans.column(sc.REQUEST_ID.key).to_pylist() if r.startswith("p-")} == {
+        "p-c7-1", "p-c7-2", "p-c7-3"}
+    assert spans.num_rows <= 6 + 1
+
+
+def test_a_late_id_less_span_of_an_adopted_turn_goes_to_its_conversation():
+    """D's release of turn 1 comes in a trace of its own after turn 1 was adopted: it
+    goes to the conversation by its request id, and turn 2 says the export was released
+    as the batch does."""
+    rows = router_turns("a", 2, 100.0, list(range(40)), gap_s=20.0)
+    release = span(sc.SPAN_RELEASE, 105.0, "t-release", **{
+        sc.REQUEST_ID.key: "d-a-1", sc.ROLE.key: "decode", sc.RELEASE_REASON.key: "finished"})
+    classifier = Classifier(window_s=600, grace_s=0)
+    classifier.buffer.add(_turn_of(rows, 1), now=101.0)
+    classifier.run_pass(now=101.0)
+    classifier.buffer.add([release], now=106.0)
+    assert not classifier.buffer.rows_of(IDLESS)
+    classifier.run_pass(now=106.0)
+    classifier.buffer.add(_turn_of(rows, 2), now=121.0)
+    classifier.run_pass(now=121.0)
+    _assert_as_batch({k: st.row for k, st in classifier.turns.items()}, rows + [release])
+    (second,) = [s.row for k, s in classifier.turns.items() if k[2] == 2]
+    assert second["prefill_request_id"] == "p-a-2"
+
+
+def test_a_tagged_span_takes_its_trace_back_from_the_conversation_that_adopted_it():
+    """The engines' spans of a turn come first, id-less, and are adopted; then the
+    proxy's span of P's trace, with the client's id: P's spans of that trace go to the
+    client's conversation (a tagged trace's spans are placed by the trace, as correlate
+    does), and the turns written are the batch's."""
+    rows = router_turns("a", 1, 100.0, list(range(40)))
+    proxy = span(sc.SPAN_PROXY_TURN, 99.9, "t-a-1", **{
+        sc.CONVERSATION_ID.key: "C", sc.TURN_INDEX.key: 1})
+    classifier, written = Classifier(window_s=600, grace_s=0), Written()
+    classifier.buffer.add(rows, now=101.0)
+    written.take(classifier.run_pass(now=101.0))
+    (adopted,) = written.rows()
+    assert adopted[1].startswith(sc.LINEAGE_PREFIX)
+    classifier.buffer.add([proxy], now=102.0)
+    assert {r["name"] for r in classifier.buffer.rows_of("C")} == {
+        sc.SPAN_PROXY_TURN.name, sc.SPAN_PULL_DECISION.name}
+    assert {r["name"] for r in classifier.buffer.rows_of(adopted[1])} == {sc.SPAN_EXPORT.name}
+    written.take(classifier.run_pass(now=102.0))
+    _assert_as_batch(written.rows(), rows + [proxy])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_an_id_less_fleet_streamed_in_any_order_gives_the_batch_s_turns(seed):
+    """Conversations behind a router, three starting alike (equal histories: lineage
+    cannot tell which the second turns continue), two whose turns the proxy named
+    apart, one with a client's id; turns far enough apart that conversations outlive
+    the window; spans arrive late and out of order between passes. What the passes
+    wrote is what the batch gives."""
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    base = list(range(40))
+    for n in range(8):
+        gap = rng.choice([10.0, 250.0, 450.0])
+        same = ("c0", 2) if n in (1, 2) else ("", 0)  # c1, c2 start as c0 did
+        turns = router_turns(f"c{n}", rng.randint(2, 5), 100.0 + 7 * n,
+                             base if n < 3 else [n * 100 + t for t in base], gap_s=gap,
+                             same_as=same, client_id="C5" if n == 5 else None)
+        if n in (3, 4):  # through the proxy, which named each turn apart
+            for row in turns:
+                k = row[sc.REQUEST_ID.key].rsplit("-", 1)[1]
+                row.update({sc.CONVERSATION_ID.key: f"anonymous:c{n}-{k}",
+                            sc.TURN_INDEX.key: 1})
+        rows += turns
+    classifier, written = Classifier(window_s=600, grace_s=0), Written()
+    arrival = sorted(rows, key=lambda r: r["end_ns"] / SECOND + rng.uniform(0, 40))
+    clock, pending = 100.0, []
+    for row in arrival:
+        due = row["end_ns"] / SECOND
+        while clock + 10 < due:
+            classifier.buffer.add(pending, now=clock)
+            written.take(classifier.run_pass(now=clock))
+            pending, clock = [], clock + 10
+        pending.append(row)
+    classifier.buffer.add(pending, now=clock)
+    written.take(classifier.run_pass(now=clock))
+    written.take(classifier.run_pass(now=clock + 1))
+    _assert_as_batch(written.rows(), rows)
