@@ -56,7 +56,7 @@ _CID = sc.CONVERSATION_ID.key
 _CHAIN = sc.PREFIX_LINEAGE.key
 _RID = sc.REQUEST_ID.key
 _REMOTE_RID = sc.REMOTE_REQUEST_ID.key
-_EXPORT = sc.SPAN_EXPORT.name
+_DECISION = sc.SPAN_PULL_DECISION.name
 _ENDPOINT, _STARTED, _ENGINE = (
     sc.ENGINE_ENDPOINT.key,
     sc.ENGINE_STARTED_AT.key,
@@ -169,6 +169,7 @@ class Unit:
     # How many of its spans name each request (SpanBuffer._request_home points here).
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     aliases: set[str] = field(default_factory=set)  # derived keys merged into it
+    starts: set[str] = field(default_factory=set)  # its keys in SpanBuffer._starts
 
 
 @dataclass
@@ -232,6 +233,11 @@ class SpanBuffer:
         self._request_home: dict[str, str] = {}
         self._pool_requests: dict[str, set[str | None]] = collections.defaultdict(set)
         self._alias: dict[str, str] = {}  # a derived key merged away -> the unit's key
+        # Every checkpoint hash of the prompts of id-less turns that extend nothing
+        # (chain starts) -> their units: a turn that arrives after its successor was
+        # linked (out of order) brings the successor's unit along by its export's or
+        # prompt's key. A later turn is found anyway, through the turn it extends.
+        self._starts: dict[str, set[str]] = collections.defaultdict(set)
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._forget_after = forget_after
@@ -392,6 +398,8 @@ class SpanBuffer:
         if dirty:
             self._dirty.add(cid)
         if derived(cid) or row.get(_CID) is None:
+            # A client's tagged spans are not: an untagged span naming their request in
+            # another trace is placed by its trace, as correlate places it, not here.
             for request in _requests(row):
                 self._request_home[request] = cid
                 unit.requests[request] += 1
@@ -413,6 +421,7 @@ class SpanBuffer:
         pass may change its turns' keys), as is one whose turns extend a dirty turn.
         Turns of clean units the pipeline makes of context spans are partial: not the
         pass's to keep."""
+        self._settle()
         keys = [key for key in self._dirty if key in self.units]
         self._dirty.clear()
         if not keys and not self._idless_dirty:
@@ -429,6 +438,15 @@ class SpanBuffer:
         serials.append(self._engines.values())
         return keys, self._arrow.take(_serials(itertools.chain.from_iterable(serials)))
 
+    def _settle(self) -> None:
+        """Move each pooled trace whose trace or request has a unit by now (a D span
+        that came before the span naming its request) to that unit."""
+        for trace, pooled in list(self._idless.items()):
+            home = next(filter(None, (self._home_of(trace, row) for row in pooled.values())), None)
+            if home is not None:
+                for serial, row in self._leave_pool(trace, changed=False).items():
+                    self._home(home, trace, serial, row)
+
     def mark_dirty(self, unit: str) -> None:
         """Classify ``unit`` again next pass, though it received no span."""
         if unit in self.units:
@@ -443,13 +461,14 @@ class SpanBuffer:
             for request in requests:
                 self._extended_by[request].add(unit)
 
-    def holder(self, conversation_id: str, requests: Iterable[str | None]) -> str | None:
+    def holder(self, conversation_id: str, requests: tuple) -> str | None:
         """The unit whose spans made a turn of ``conversation_id`` (as the pass keyed it)
-        whose spans name ``requests`` (its P and D request): the pool (``IDLESS``), a
-        client's conversation, the unit holding those requests' spans, or the unit the
-        key names; None: no unit."""
+        whose spans name ``requests`` (its P and D request): the pool (``IDLESS``) when
+        its P request's spans are there (a turn of context spans and a pooled D span is
+        not the pool's), a client's conversation, the unit holding those requests'
+        spans, or the unit the key names; None: no unit."""
         named = [r for r in requests if isinstance(r, str)]
-        if any(r in self._pool_requests for r in named):
+        if requests and requests[0] in self._pool_requests:
             return IDLESS
         if not derived(conversation_id) and conversation_id in self.units:
             return conversation_id
@@ -492,12 +511,27 @@ class SpanBuffer:
                     self._home(target, pooled, serial, row, dirty=False)
         elif target not in self.units:
             target = unit
+        if not homes:
+            self._index_start(target, next(iter(requests), None))
         merged = []
         for other in dict.fromkeys([unit, *homes[1:]]):
             if other != target and other in self.units and derived(other):
                 self._merge(other, target)
                 merged.append(other)
         return target, merged
+
+    def _index_start(self, key: str, p_request: str | None) -> None:
+        """Index the prompt of ``key``'s turn ``p_request``, a chain start, at every
+        checkpoint (``_starts``)."""
+        unit = self.units.get(key)
+        if unit is None or p_request is None:
+            return
+        for row in unit.lineage.values():
+            if row.get("name") == _DECISION and row.get(_RID) == p_request:
+                if (chain := parse(row.get(_CHAIN))) is not None:
+                    for hashed in chain.hashes():
+                        self._starts[hashed].add(key)
+                        unit.starts.add(hashed)
 
     def _merge(self, source: str, target: str) -> None:
         """``source``'s spans, indexes and name go to ``target``."""
@@ -509,6 +543,10 @@ class SpanBuffer:
             self._units_by_key[key].discard(source)
             self._units_by_key[key].add(target)
         into.keys |= unit.keys
+        for hashed in unit.starts:
+            self._starts[hashed].discard(source)
+            self._starts[hashed].add(target)
+        into.starts |= unit.starts
         for trace, serials in unit.homed.items():
             into.homed.setdefault(trace, []).extend(serials)
             if trace is not None:
@@ -558,6 +596,7 @@ class SpanBuffer:
                     new.update(self._alias.get(u, u) for u in self._extended_by[request])
                 if (chain := parse(row.get(_CHAIN))) is not None:
                     probed.update(chain.hashes())
+                    new |= self._starts.get(chain.key()[1], set())
             if following is None:
                 following = {unit for unit in new - taken if unit in self.units}
             for key in probed:
@@ -576,9 +615,14 @@ class SpanBuffer:
         return list(unit.rows.values()) if unit is not None else []
 
     def expire(self, now: float) -> list[str]:
-        """Drops units idle past the window; returns the dropped conversation keys."""
+        """Drops units idle past the window, but those whose turns a unit kept extends
+        (``note_links``: a fork goes on after its parent's conversation went idle, and
+        lineage still numbers it from there); returns the dropped keys."""
         horizon = now - self.window_s
-        gone = [key for key, unit in self.units.items() if unit.last_arrival < horizon]
+        leaving = {key for key, unit in self.units.items() if unit.last_arrival < horizon}
+        while needed := {key for key in leaving if self._extended_from_outside(key, leaving)}:
+            leaving -= needed
+        gone = sorted(leaving)
         for key in gone:
             unit = self.units.pop(key)
             for trace in unit.traces:
@@ -590,6 +634,11 @@ class SpanBuffer:
                     del self._units_by_key[lineage_key]
             for row in unit.lineage.values():
                 self._extended_by.pop(str(row.get(_RID)), None)
+            for hashed in unit.starts:
+                holders = self._starts[hashed]
+                holders.discard(key)
+                if not holders:
+                    del self._starts[hashed]
             for homed in unit.homed:
                 if homed is not None and self._trace_home.get(homed) == key:
                     del self._trace_home[homed]
@@ -615,6 +664,15 @@ class SpanBuffer:
                 if not units:
                     del self._extended_by[d_request]
         return gone
+
+    def _extended_from_outside(self, key: str, leaving: set[str]) -> bool:
+        """Whether a unit not ``leaving`` has turns that extend ``key``'s turns."""
+        for row in self.units[key].lineage.values():
+            for unit in self._extended_by.get(str(row.get(_RID)), ()):
+                unit = self._alias.get(unit, unit)
+                if unit != key and unit not in leaving and unit in self.units:
+                    return True
+        return False
 
     def _held(self) -> Iterable[int]:
         yield from itertools.chain.from_iterable(unit.rows for unit in self.units.values())

@@ -197,6 +197,10 @@ class Classifier:
         self.spans_unreadable = 0
         self._resumed_until = 0.0
         self._counted: dict[str, float] = {}  # a turn id (_TURN_IDS) -> when counted
+        # A key retired from the store -> (the retiring row's version, when): a turn
+        # lineage puts under it again is written past that version, or the store's
+        # latest-version rule would keep it retired.
+        self._retired: dict[TurnKey, tuple[int, float]] = {}
         self._pruned_at = 0.0
 
     # ------------------------------------------------------------------ input
@@ -301,6 +305,7 @@ class Classifier:
             self._pruned_at = now
             horizon = now - 2 * self.buffer.window_s  # no turn is re-keyed that late
             self._counted = {t: at for t, at in self._counted.items() if at >= horizon}
+            self._retired = {k: v for k, v in self._retired.items() if v[1] >= horizon}
         if RESUMED in self._by_unit and now >= self._resumed_until:
             # Stored turns no replayed span touched within a window stay as stored, but
             # for those whose trace the replay put under another key.
@@ -313,7 +318,7 @@ class Classifier:
             for key in self._by_unit[RESUMED]:
                 state = self.turns[key]
                 if moved & {state.row.get(c) for c in _TURN_IDS}:
-                    result.finalized.append(superseded(state.row, state.version + 1))
+                    result.finalized.append(self._retire(key, state, now))
             self._forget([RESUMED])
         # Id-less turns leave with their spans (the pool's next pass no longer finds
         # them); in a pool that gets no new spans, after twice the window.
@@ -390,7 +395,8 @@ class Classifier:
                 continue
             samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
             if state is None:
-                state = self.turns[key] = TurnState(row, 1, now, unit, samples)
+                version = self._retired.pop(key, (0, now))[0] + 1
+                state = self.turns[key] = TurnState(row, version, now, unit, samples)
             else:
                 state.row, state.changed_at = row, now
                 state.samples = samples
@@ -404,7 +410,7 @@ class Classifier:
             for key in self._by_unit.get(unit, set()) - seen:
                 state = self.turns[key]
                 if state.finals:  # written under this key: the store must forget it
-                    result.finalized.append(superseded(state.row, state.version + 1))
+                    result.finalized.append(self._retire(key, state, now))
                 self._drop(key)
         self._adopt(extends)
         return kept
@@ -428,6 +434,11 @@ class Classifier:
                     self._move(other, self.turns[other], unit)
             self._move(key, state, unit)
             self.buffer.note_links(unit, [*parent, *candidates])
+
+    def _retire(self, key: TurnKey, state: TurnState, now: float) -> dict[str, Any]:
+        """The row that retires a written turn's key (``superseded``), noted."""
+        self._retired[key] = (state.version + 1, now)
+        return superseded(state.row, state.version + 1)
 
     def _count_once(self, row: dict[str, Any], now: float) -> bool:
         """Whether the turn of ``row`` is counted for the first time (and note it): none

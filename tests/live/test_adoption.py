@@ -180,39 +180,131 @@ def test_a_tagged_span_takes_its_trace_back_from_the_conversation_that_adopted_i
     _assert_as_batch(written.rows(), rows + [proxy])
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_an_id_less_fleet_streamed_in_any_order_gives_the_batch_s_turns(seed):
-    """Conversations behind a router, three starting alike (equal histories: lineage
-    cannot tell which the second turns continue), two whose turns the proxy named
-    apart, one with a client's id; turns far enough apart that conversations outlive
-    the window; spans arrive late and out of order between passes. What the passes
-    wrote is what the batch gives."""
-    rng = random.Random(seed)
-    rows: list[dict] = []
+def test_a_conversation_a_fork_goes_on_from_stays_while_the_fork_does():
+    """Client conversation C, three turns; an id-less fork from C's second turn (its
+    own conversation, a second turn extending the same export) goes on, 250 s a turn,
+    after C went quiet: C's spans are older than the window before the fork ends, but
+    the fork's turns are numbered from C's, so C stays while it goes on."""
     base = list(range(40))
-    for n in range(8):
-        gap = rng.choice([10.0, 250.0, 450.0])
-        same = ("c0", 2) if n in (1, 2) else ("", 0)  # c1, c2 start as c0 did
-        turns = router_turns(f"c{n}", rng.randint(2, 5), 100.0 + 7 * n,
-                             base if n < 3 else [n * 100 + t for t in base], gap_s=gap,
-                             same_as=same, client_id="C5" if n == 5 else None)
-        if n in (3, 4):  # through the proxy, which named each turn apart
-            for row in turns:
-                k = row[sc.REQUEST_ID.key].rsplit("-", 1)[1]
-                row.update({sc.CONVERSATION_ID.key: f"anonymous:c{n}-{k}",
-                            sc.TURN_INDEX.key: 1})
-        rows += turns
+    rows = router_turns("c", 3, 100.0, base, gap_s=10.0, client_id="C")
+    rows += router_turns("f", 4, 150.0, _retained_after("c", 2, base), gap_s=250.0)
     classifier, written = Classifier(window_s=600, grace_s=0), Written()
-    arrival = sorted(rows, key=lambda r: r["end_ns"] / SECOND + rng.uniform(0, 40))
+    for row in sorted(rows, key=lambda r: r["end_ns"]):
+        now = row["end_ns"] / SECOND
+        classifier.buffer.add([row], now=now)
+        written.take(classifier.run_pass(now=now))
+    assert "C" in classifier.buffer.units
+    assert [key[2] for key in sorted(written.rows()) if key[1] != "C"] == [3, 4, 5, 6]
+    _assert_as_batch(written.rows(), rows)
+    written.take(classifier.run_pass(now=2000.0))  # both idle past the window: both leave
+    assert classifier.buffer.units == {}
+
+
+def _retained_after(conversation: str, k: int, base: list[int]) -> list[int]:
+    """The tokens D retains after ``conversation``'s turn ``k`` (``router_turns``'
+    making): what a fork from that turn starts with."""
+    history, salt = list(base), sum(map(ord, conversation))
+    for j in range(1, k + 1):
+        history += [1000 + salt + j * 7 + i % 5 for i in range(100)]
+        history += [2000 + salt + j * 13 + i % 7 for i in range(40)]
+    return history
+
+
+def _fleet(rng: random.Random) -> list[dict]:
+    """Conversations behind a router: three starting alike (equal histories: lineage
+    cannot tell which the second turns continue), one whose turns the proxy named apart,
+    one with a client's id; forks from some conversation's turn, retried requests (the
+    same prompt again), D's releases in traces of their own; turns far enough apart that
+    conversations outlive the window."""
+    rows: list[dict] = []
+    made = []
+    for n in range(rng.randint(3, 7)):
+        base = list(range(40)) if n < 3 else [n * 100 + t for t in range(40)]
+        same = ("c0", 2) if n in (1, 2) else ("", 0)
+        turns, start = rng.randint(1, 5), 100.0 + rng.uniform(0, 60)
+        gap = rng.choice([5.0, 30.0, 250.0, 450.0])
+        spans = router_turns(f"c{n}", turns, start, base, gap_s=gap, same_as=same)
+        for row in spans:
+            k = int(row[sc.REQUEST_ID.key].rsplit("-", 1)[1])
+            if n == 3:  # through the proxy, which named each turn apart
+                row.update({sc.CONVERSATION_ID.key: f"anonymous:c3-{k}", sc.TURN_INDEX.key: 1})
+            elif n == 4:
+                row.update({sc.CONVERSATION_ID.key: "C4", sc.TURN_INDEX.key: k})
+        made.append((f"c{n}", turns, start, gap, base, same))
+        rows += spans
+    for f in range(rng.randint(1, 2)):
+        conversation, turns, start, gap, base, same = rng.choice(made)
+        if not same[0]:
+            k = rng.randint(1, turns)
+            rows += router_turns(f"f{f}", rng.randint(1, 3),
+                                 start + gap * (k - 1) + rng.uniform(1, 400),
+                                 _retained_after(conversation, k, base),
+                                 gap_s=rng.choice([5.0, 200.0]))
+    prompts = [row for row in rows if row["name"] == sc.SPAN_PULL_DECISION.name]
+    for prompt in rng.sample(prompts, min(2, len(prompts))):
+        rid = prompt[sc.REQUEST_ID.key]
+        for row in [r for r in rows
+                    if rid in (r.get(sc.REQUEST_ID.key), r.get(sc.REMOTE_REQUEST_ID.key))]:
+            retry = {**row, "start_ns": row["start_ns"] + SECOND // 3,
+                     "end_ns": row["end_ns"] + SECOND // 3, "trace_id": row["trace_id"] + "-r",
+                     "span_id": row["span_id"] + "-r"}
+            for key in (sc.REQUEST_ID.key, sc.REMOTE_REQUEST_ID.key):
+                if key in retry:
+                    retry[key] += "r"
+            rows.append(retry)
+    exports = [row for row in rows if row["name"] == sc.SPAN_EXPORT.name]
+    for export in rng.sample(exports, len(exports) // 2):
+        d_request = export[sc.REQUEST_ID.key]
+        rows.append(span(sc.SPAN_RELEASE, export["end_ns"] / SECOND + rng.uniform(1, 60),
+                         f"rel-{d_request}", **{sc.REQUEST_ID.key: d_request,
+                                                sc.ROLE.key: "decode",
+                                                sc.RELEASE_REASON.key: "finished"}))
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("every_s", "delay_s"), [(10.0, 40.0), (1.0, 5.0)])
+def test_an_id_less_fleet_streamed_in_any_order_gives_the_batch_s_turns(seed, every_s, delay_s):
+    """``_fleet``'s spans arrive up to ``delay_s`` late, out of order, a pass every
+    ``every_s``: what the passes wrote is what the batch gives."""
+    rng = random.Random(seed)
+    rows = _fleet(rng)
+    classifier, written = Classifier(window_s=600, grace_s=0), Written()
+    arrival = sorted(rows, key=lambda r: r["end_ns"] / SECOND + rng.uniform(0, delay_s))
     clock, pending = 100.0, []
     for row in arrival:
         due = row["end_ns"] / SECOND
-        while clock + 10 < due:
+        while clock + every_s < due:
             classifier.buffer.add(pending, now=clock)
             written.take(classifier.run_pass(now=clock))
-            pending, clock = [], clock + 10
+            pending, clock = [], clock + every_s
         pending.append(row)
     classifier.buffer.add(pending, now=clock)
     written.take(classifier.run_pass(now=clock))
     written.take(classifier.run_pass(now=clock + 1))
+    _assert_as_batch(written.rows(), rows)
+
+
+def test_a_key_retired_and_given_again_is_written_past_its_retirement():
+    """Turns the proxy named apart, arriving out of order: D's export of turn 1 alone is
+    written as ``anonymous:a-1`` turn 1; turns 2 and 3 make lineage key it otherwise
+    (a row retires the key); turn 1's decision comes last and gives the key back. That
+    turn must be written at a later version than the retirement, or the store's
+    latest-version rule keeps the key retired and turn 1 is lost."""
+    rows = router_turns("a", 3, 100.0, list(range(40)), gap_s=5.0)
+    for row in rows:
+        k = row[sc.REQUEST_ID.key].rsplit("-", 1)[1]
+        row.update({sc.CONVERSATION_ID.key: f"anonymous:a-{k}", sc.TURN_INDEX.key: 1})
+    by_request = {row[sc.REQUEST_ID.key]: row for row in rows}
+    classifier, written, finalized = Classifier(window_s=600, grace_s=0), Written(), []
+    for now, requests in ((110, ["d-a-1"]), (120, ["p-a-2", "p-a-3"]),
+                          (130, ["d-a-2", "d-a-3"]), (140, ["p-a-1"])):
+        classifier.buffer.add([by_request[r] for r in requests], now=now)
+        result = classifier.run_pass(now=now)
+        written.take(result)
+        finalized += result.finalized
+    key = ("anonymous:a-1", 1)
+    versions = [(row["version"], bool(row.get("superseded"))) for row in finalized
+                if (row["conversation_id"], row["turn"]) == key]
+    assert versions[:2] == [(1, False), (2, True)] and versions[2][0] > 2, versions
     _assert_as_batch(written.rows(), rows)
