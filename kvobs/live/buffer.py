@@ -57,6 +57,7 @@ _CHAIN = sc.PREFIX_LINEAGE.key
 _RID = sc.REQUEST_ID.key
 _REMOTE_RID = sc.REMOTE_REQUEST_ID.key
 _DECISION = sc.SPAN_PULL_DECISION.name
+_RELEASE = sc.SPAN_RELEASE.name
 _ENDPOINT, _STARTED, _ENGINE = (
     sc.ENGINE_ENDPOINT.key,
     sc.ENGINE_STARTED_AT.key,
@@ -300,11 +301,17 @@ class SpanBuffer:
         return serial
 
     def _home_of(self, trace: str | None, row: dict) -> str | None:
-        """The unit an id-less span goes to: its trace's or its request's, once adopted."""
+        """The unit an id-less span goes to: its trace's, once adopted, or its
+        request's. A client's conversation takes by request only D's release (which
+        lineage reads, by request, and no turn holds): another untagged span in a trace
+        of its own may still be claimed by a tagged span of that trace, as correlate
+        places it."""
         home = self._trace_home.get(trace) if trace is not None else None
         if home is None:
             known = (r for r in _requests(row) if r in self._request_home)
             home = next((self._request_home[r] for r in known), None)
+            if home is not None and not derived(home) and row.get("name") != _RELEASE:
+                return None
         return home if home in self.units else None
 
     def _home(
@@ -397,12 +404,9 @@ class SpanBuffer:
         unit.rows[serial] = row
         if dirty:
             self._dirty.add(cid)
-        if derived(cid) or row.get(_CID) is None:
-            # A client's tagged spans are not: an untagged span naming their request in
-            # another trace is placed by its trace, as correlate places it, not here.
-            for request in _requests(row):
-                self._request_home[request] = cid
-                unit.requests[request] += 1
+        for request in _requests(row):
+            self._request_home[request] = cid
+            unit.requests[request] += 1
         if row.get("name") not in LINEAGE_SPANS:
             return
         unit.lineage[serial] = row
