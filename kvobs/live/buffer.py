@@ -15,11 +15,13 @@ Spans are grouped into *units*, the smallest sets the turn pipeline needs togeth
   llm-d, whose turns ``kvobs.turns.lineage`` links by prefix chains), until a pass has
   classified their turn. The turn's spans are then *adopted* (``adopt``): they move into
   the unit of the turn it extends (so a conversation's turns stay together for as long
-  as it goes on, as a client's conversation does), else into a unit of the conversation
-  lineage named. Later id-less spans of an adopted trace or request go straight there.
-  A unit kvobs named (``derived``: ``lineage:``, or the proxy's ``anonymous:``) whose
-  turn lineage puts after another unit's turn merges into that unit, and its name
-  becomes an alias of it.
+  as it goes on, as a client's conversation does), else of the turns it may extend
+  (equal histories), else into a unit of the conversation lineage named. Later id-less
+  spans of an adopted trace or request, and pooled ones whose trace or request has a
+  unit by now (``_settle``), go there; so does D's release of a client's turn. A unit
+  kvobs named (``derived``: ``lineage:``, or the proxy's ``anonymous:``) whose turn
+  lineage puts after another unit's turn merges into that unit, and its name becomes an
+  alias of it.
 
 A unit that received spans since the last pass is *dirty*; a pass re-correlates and
 re-classifies the dirty units only. Lineage still needs what the clean units hold: a
@@ -27,13 +29,16 @@ prompt may extend another conversation's export, equal another's prompt, or shar
 export with another's fork. A pass takes along the lineage spans of the clean units
 lineage could link the dirty ones to (``SpanBuffer._linkable``: found by the keys
 lineage matches under, not by reading the window) and one span per D engine start
-(restarts). A derived unit it reaches is classified whole instead: its keys are
-lineage's, which the dirty turns may change (a fork that started earlier). Every span is
-converted to Arrow once (``ArrowSpans``), not once for every pass it takes part in. A
-unit idle for longer than ``window_s`` (D's TTL plus a margin: no later turn can read its
-KV any more) is dropped, with every turn it holds (an id-less conversation's too, however
-long it went on); a span that arrives for a dropped conversation is *late*: counted, kept
-in the span store, not classified. No I/O here.
+(restarts). Classified whole instead: a derived unit it reaches (its keys are lineage's,
+which the dirty turns may change: a fork that started earlier), a unit whose turns
+extend a dirty turn (a late export or release changes their facts), and a unit whose
+id-less chain start a dirty export or prompt may precede (``_starts``: its turn came
+first). Every span is converted to Arrow once (``ArrowSpans``), not once for every pass
+it takes part in. A unit idle for longer than ``window_s`` (D's TTL plus a margin: no
+later turn can read its KV any more) is dropped, with every turn it holds (an id-less
+conversation's too, however long it went on), unless a unit that stays extends its
+turns; a span that arrives for a dropped conversation is *late*: counted, kept in the
+span store, not classified. No I/O here.
 """
 
 from __future__ import annotations

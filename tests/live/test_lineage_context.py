@@ -152,9 +152,12 @@ def test_what_links_conversations_leaves_with_them():
         classifier.run_pass(now=200.0 + now)
     buffer = classifier.buffer
     assert buffer._units_by_key and buffer._extended_by and buffer._engines
+    assert buffer._request_home and buffer._starts  # B's id-less turns were adopted
     classifier.run_pass(now=10_000.0)  # every conversation idle past the window
     assert buffer.units == {}
     assert not buffer._units_by_key and not buffer._extended_by and not buffer._engines
+    assert not (buffer._request_home or buffer._trace_home or buffer._starts
+                or buffer._alias or buffer._pool_requests or buffer._idless)
 
 
 def test_a_turn_whose_predecessor_s_export_comes_late_is_classified_again():
