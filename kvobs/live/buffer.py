@@ -176,6 +176,7 @@ class Unit:
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     aliases: set[str] = field(default_factory=set)  # derived keys merged into it
     starts: set[str] = field(default_factory=set)  # its keys in SpanBuffer._starts
+    started: set[str] = field(default_factory=set)  # P requests whose prompts are in it
 
 
 @dataclass
@@ -533,11 +534,12 @@ class SpanBuffer:
         """Index the prompt of ``key``'s turn ``p_request``, a chain start, at every
         checkpoint (``_starts``)."""
         unit = self.units.get(key)
-        if unit is None or p_request is None:
+        if unit is None or p_request is None or p_request in unit.started:
             return
         for row in unit.lineage.values():
             if row.get("name") == _DECISION and row.get(_RID) == p_request:
                 if (chain := parse(row.get(_CHAIN))) is not None:
+                    unit.started.add(p_request)  # not before: its decision may come later
                     for hashed in chain.hashes():
                         self._starts[hashed].add(key)
                         unit.starts.add(hashed)
@@ -556,6 +558,7 @@ class SpanBuffer:
             self._starts[hashed].discard(source)
             self._starts[hashed].add(target)
         into.starts |= unit.starts
+        into.started |= unit.started
         for trace, serials in unit.homed.items():
             into.homed.setdefault(trace, []).extend(serials)
             if trace is not None:
