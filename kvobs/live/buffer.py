@@ -62,6 +62,7 @@ _CHAIN = sc.PREFIX_LINEAGE.key
 _RID = sc.REQUEST_ID.key
 _REMOTE_RID = sc.REMOTE_REQUEST_ID.key
 _DECISION = sc.SPAN_PULL_DECISION.name
+_EXPORT = sc.SPAN_EXPORT.name
 _RELEASE = sc.SPAN_RELEASE.name
 _ENDPOINT, _STARTED, _ENGINE = (
     sc.ENGINE_ENDPOINT.key,
@@ -410,9 +411,12 @@ class SpanBuffer:
         unit.rows[serial] = row
         if dirty:
             self._dirty.add(cid)
-        for request in _requests(row):
-            self._request_home[request] = cid
-            unit.requests[request] += 1
+        # A client's tagged spans by request only where D's release names them (its
+        # export): nothing else goes to a client's conversation by request.
+        if derived(cid) or row.get(_CID) is None or row.get("name") == _EXPORT:
+            for request in _requests(row):
+                self._request_home[request] = cid
+                unit.requests[request] += 1
         if row.get("name") not in LINEAGE_SPANS:
             return
         unit.lineage[serial] = row

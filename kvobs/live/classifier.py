@@ -34,7 +34,7 @@ from kvobs.turns import arrays, columns as col
 from kvobs.causes import decode_context
 from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import TurnDiagnosis, classify_turns
-from kvobs.live.buffer import IDLESS, SpanBuffer
+from kvobs.live.buffer import IDLESS, SpanBuffer, derived
 from kvobs.live.turn_measures import MEASURES_KEY, measures_of
 from kvobs.sources._frame import drop_duplicate_span_rows
 from kvobs.sources._rows import rows as document_rows
@@ -421,6 +421,9 @@ class Classifier:
         (``SpanBuffer.note_links``)."""
         for key, (parent, candidates) in extends.items():
             state = self.turns[key]
+            if state.unit != IDLESS and not derived(state.unit):  # a client's: stays
+                self.buffer.note_links(state.unit, [*parent, *candidates])
+                continue
             unit, merged = self.buffer.adopt(
                 state.unit,
                 key[1],
