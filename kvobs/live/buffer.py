@@ -236,7 +236,8 @@ class SpanBuffer:
         # candidates), as the last pass that classified them found.
         self._extended_by: dict[str, set[str]] = collections.defaultdict(set)
         # Where id-less spans go once their turn is adopted: by trace, and by request id
-        # (a derived unit's spans' request ids, P's and D's, and those D names).
+        # (the ids a span names, P's and D's: of every span of a derived unit, every
+        # untagged span, and a client's D exports).
         self._trace_home: dict[str, str] = {}
         self._request_home: dict[str, str] = {}
         self._pool_requests: dict[str, set[str | None]] = collections.defaultdict(set)
@@ -390,9 +391,11 @@ class SpanBuffer:
         unit = self.units[key]
         taken = {}
         for serial in unit.homed.pop(trace, ()):
-            row = taken[serial] = unit.rows.pop(serial)
-            unit.lineage.pop(serial, None)
-            self._unindex(key, row)
+            row = unit.rows.pop(serial, None)
+            if row is not None:
+                taken[serial] = row
+                unit.lineage.pop(serial, None)
+                self._unindex(key, row)
         self._dirty.add(key)
         return taken
 
