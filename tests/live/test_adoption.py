@@ -308,3 +308,23 @@ def test_a_key_retired_and_given_again_is_written_past_its_retirement():
                 if (row["conversation_id"], row["turn"]) == key]
     assert versions[:2] == [(1, False), (2, True)] and versions[2][0] > 2, versions
     _assert_as_batch(written.rows(), rows)
+
+
+def test_a_client_turn_with_a_pooled_d_span_is_the_client_s_not_the_pool_s():
+    """An untagged D span in a trace of its own that names a client's D request (not
+    a release, so the client's conversation does not take it by request) waits in the
+    pool; the client's turn is still the client's: a turn is the pool's only when its
+    P request's spans are pooled."""
+    rows = router_turns("c", 1, 100.0, list(range(40)), client_id="C")
+    stray = span(sc.SPAN_DECODE_REQUEST, 101.0, "t-stray", **{
+        sc.REQUEST_ID.key: "d-c-1", sc.ROLE.key: "decode"})
+    classifier, written = Classifier(window_s=600, grace_s=0), Written()
+    classifier.buffer.add(rows, now=101.0)
+    written.take(classifier.run_pass(now=101.0))
+    # C is clean when the stray comes: the pass forms a partial turn of C from context
+    # spans (D's export shows its engine's start) and the stray, which is not the pool's.
+    classifier.buffer.add([stray], now=102.0)
+    assert [row["span_id"] for row in classifier.buffer.rows_of(IDLESS)] == [stray["span_id"]]
+    assert classifier.buffer.holder("C", ("p-c-1", "d-c-1")) == "C"
+    written.take(classifier.run_pass(now=102.0))
+    _assert_as_batch(written.rows(), rows + [stray])
