@@ -155,6 +155,14 @@ def _requests(row: dict) -> list[str]:
     return [r for r in (row.get(_RID), row.get(_REMOTE_RID)) if isinstance(r, str)]
 
 
+def _indexed(unit: str, row: dict) -> bool:
+    """Whether a span of ``unit`` is found by its requests (``SpanBuffer._request_home``):
+    every span of a derived unit and every untagged one; of a client's tagged spans only
+    D's export, what a release names (nothing else goes to a client's conversation by
+    request)."""
+    return derived(unit) or row.get(_CID) is None or row.get("name") == _EXPORT
+
+
 def _serials(keys: Iterable[int]) -> np.ndarray:
     return np.unique(np.fromiter(keys, np.int64))
 
@@ -400,6 +408,8 @@ class SpanBuffer:
         return taken
 
     def _unindex(self, key: str, row: dict) -> None:
+        if not _indexed(key, row):
+            return
         counts = self.units[key].requests
         for request in _requests(row):
             if counts[request] > 1:
@@ -414,9 +424,7 @@ class SpanBuffer:
         unit.rows[serial] = row
         if dirty:
             self._dirty.add(cid)
-        # A client's tagged spans by request only where D's release names them (its
-        # export): nothing else goes to a client's conversation by request.
-        if derived(cid) or row.get(_CID) is None or row.get("name") == _EXPORT:
+        if _indexed(cid, row):
             for request in _requests(row):
                 self._request_home[request] = cid
                 unit.requests[request] += 1

@@ -151,7 +151,8 @@ def _extended(turn: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     return [r for r in parent if isinstance(r, str) and r], candidates
 
 
-def _requests(turn: Mapping[str, Any]) -> tuple[Any, Any]:
+def _turn_requests(turn: Mapping[str, Any]) -> tuple[Any, Any]:
+    """A turn row's P and D request."""
     return turn.get("prefill_request_id"), turn.get("decode_request_id")
 
 
@@ -427,7 +428,7 @@ class Classifier:
             unit, merged = self.buffer.adopt(
                 state.unit,
                 key[1],
-                _requests(state.row),
+                _turn_requests(state.row),
                 state.row.get("trace_id"),
                 parent,
                 candidates,
