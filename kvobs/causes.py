@@ -243,11 +243,16 @@ def _long_output(turn, seconds, context):
     per_token = _per_token(turn)
     return (
         f"Decode took {_ms(seconds)} for {_get(turn, 'output_tokens')} tokens"
-        + (f" ({per_token * 1000:.1f} ms each, typical for this source)" if per_token else "")
+        + (f" ({per_token * 1000:.1f} ms each{_typical(context)})" if per_token else "")
         + ": latency follows output length; stream the answer to see the first token "
         "early, or cap max_tokens.",
         {"output_tokens": _get(turn, "output_tokens"), "decode_s_per_token": per_token},
     )
+
+
+def _typical(context: CauseContext) -> str:
+    # Without a measured typical rate (too few turns), not called typical.
+    return ", typical for this source" if context.decode_s_per_token else ""
 
 
 def _engine_api(turn, seconds, context):

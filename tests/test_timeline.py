@@ -116,7 +116,10 @@ def test_decode_splits_into_busy_or_long_output_by_its_rate():
     normal = {**_row(decode=0.5, **{"p-compute": 0.1}), "output_tokens": 51}  # 10 ms/token
     assert causes(busy, typical)[0].cause is sc.LatencyCause.DECODE_BUSY
     assert causes(normal, typical)[0].cause is sc.LatencyCause.LONG_OUTPUT
-    assert causes(normal, CauseContext())[0].cause is sc.LatencyCause.LONG_OUTPUT
+    assert "typical for this source" in causes(normal, typical)[0].remedy
+    unknown = causes(normal, CauseContext())[0]  # too few turns to know the typical rate
+    assert unknown.cause is sc.LatencyCause.LONG_OUTPUT
+    assert "(10.0 ms each)" in unknown.remedy and "typical" not in unknown.remedy
 
 
 def test_small_phases_are_not_causes_unless_slowest():

@@ -116,9 +116,14 @@ def _unchanged(kept: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether a new classification of a turn leaves its kept row as it is: the
     classification and its measures (a late span may change only those, the report's
     numbers), not the fleet context it was priced with (which drifts pass by pass, and
-    starts empty after a restart). A resumed row has no measures to compare (the store's
-    JSON does not carry them). Compared as values; a pair found unequal once more as
-    JSON, which spells NaN (unequal to itself), tuples and lists alike."""
+    starts empty after a restart), unless the new one knows a value the kept one lacked:
+    a row must name the context its answer holds at. A resumed row has no measures to
+    compare (the store's JSON does not carry them). Compared as values; a pair found
+    unequal once more as JSON, which spells NaN (unequal to itself), tuples and lists
+    alike."""
+    priced = kept.get("context") or {}
+    if any(priced.get(k) is None and v is not None for k, v in new["context"].items()):
+        return False
     skipped = ("context", MEASURES_KEY) if kept.get(MEASURES_KEY) is None else ("context",)
     old = {k: v for k, v in kept.items() if k not in skipped}
     fresh = {k: v for k, v in new.items() if k not in skipped}
@@ -197,6 +202,7 @@ class Classifier:
         self.spans_received = 0
         self.spans_unreadable = 0
         self._resumed_until = 0.0
+        self._unpriced: set[TurnKey] = set()  # rows priced without a context value
         self._counted: dict[str, float] = {}  # a turn id (_TURN_IDS) -> when counted
         # A key retired from the store -> (the retiring row's version, when): a turn
         # lineage puts under it again is written past that version, or the store's
@@ -264,18 +270,24 @@ class Classifier:
             return _measured([s.samples for s in self.turns.values() if s.samples])
         return self._context
 
-    def _reprice(self, state: TurnState, known: tuple[float | None, float | None]) -> bool:
-        """Whether a turn due to be final is classified once more first: it was priced
-        without a fleet context value known now (``known``: the pass's), so its row names
-        a context that ``diagnose`` would measure for itself. Its unit is classified
-        again next pass."""
-        used = state.row.get("context") or {}
-        priced = (used.get("prefill_tokens_per_s"), used.get("decode_s_per_token"))
-        if None not in priced or None in known or state.unit not in self.buffer.units:
-            return False
-        state.inputs = None
-        self.buffer.mark_dirty(state.unit)
-        return True
+    def _reprice(self, known: tuple[float | None, float | None]) -> set[TurnKey]:
+        """The turns classified once more before they are (or stay) final: those priced
+        without a fleet context value known now (``known``: the pass's), final or not.
+        Their rows name a context that ``diagnose`` would measure for itself, and the
+        first turns of a fleet are final before it knows its typical decode. Their
+        units are classified again next pass; returns their keys."""
+        if None in known or not self._unpriced:
+            return set()
+        marked = set()
+        for key in self._unpriced:
+            state = self.turns.get(key)
+            if state is not None and state.unit in self.buffer.units:
+                state.inputs = None
+                state.final = False  # open (``open_turns``) until written again
+                self.buffer.mark_dirty(state.unit)
+                marked.add(key)
+        self._unpriced.clear()
+        return marked
 
     def run_pass(self, now: float | None = None) -> PassResult:
         now = time.time() if now is None else now
@@ -285,9 +297,10 @@ class Classifier:
         if spans is not None and spans.num_rows:
             result.classified = self._classify(keys, spans, now, result)
         known = self.context()  # once a pass: each final turn below makes it stale
-        for state in self.turns.values():
+        repricing = self._reprice(known)
+        for key, state in self.turns.items():
             if not state.final and now - state.changed_at >= self.grace_s:
-                if self._reprice(state, known):
+                if key in repricing:
                     continue
                 state.final = True
                 state.finals += 1
@@ -389,6 +402,7 @@ class Classifier:
             seen.add(key)
             extends[key] = _extended(diagnosis.turn)
             state = self.turns.get(key)
+            self._note_pricing(key, row)
             if state is not None and _unchanged(state.row, row):
                 state.inputs = classified_from
                 state.row = row  # the same answer, at the context it names now
@@ -471,7 +485,14 @@ class Classifier:
 
         return unit_of
 
+    def _note_pricing(self, key: TurnKey, row: dict[str, Any]) -> None:
+        if None in row["context"].values():
+            self._unpriced.add(key)
+        else:
+            self._unpriced.discard(key)
+
     def _drop(self, key: TurnKey) -> None:
+        self._unpriced.discard(key)
         state = self.turns.pop(key, None)
         if state is None:
             return

@@ -231,3 +231,40 @@ def test_every_final_turn_names_a_context_diagnose_reproduces(per_pass):
     for key, row in final.items():
         shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
         assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[key]), key
+
+
+@pytest.mark.parametrize("goes_on", [True, False])
+def test_a_turn_final_before_the_fleet_context_is_known_is_priced_again(goes_on):
+    """The fleet's first turn is final (its grace passed) before three turns tell the
+    typical decode: it is priced without one. Once the fleet knows it, the turn is
+    classified again and written at the context it names (re-classified, not counted
+    twice), whether or not its conversation goes on; the CI run of 2026-12-07 kept it
+    at the unknown price while its conversation's later turns came."""
+    spans = open_source(str(BUSY_DEMO)).span_table().sort_by([("end_ns", "ascending")])
+    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    unpriced = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
+    happy = {row["trace_id"]: key for key, row in _batch(unpriced, BUSY_DEMO).items()
+             if key[1] == "agent-happy"}
+    first = next(trace for trace, key in happy.items() if key[2] == 1)
+    parts = [[r for r in rows if r["trace_id"] == first],
+             [r for r in rows if r["trace_id"] not in happy]]
+    if goes_on:
+        parts.append([r for r in rows if r["trace_id"] in happy and r["trace_id"] != first])
+    classifier = Classifier(window_s=1e9, grace_s=10.0)
+    written: list[dict] = []
+    now = 1e6
+    for part in parts:
+        classifier.buffer.add(part, now)
+        for later in (0, 11, 22, 33, 44):
+            written += classifier.run_pass(now + later).finalized
+        now += 100
+    key = happy[first]
+    versions = [r for r in written if (r["tenant"], r["conversation_id"], r["turn"]) == key]
+    assert versions[0]["context"]["decode_s_per_token"] is None
+    assert versions[-1]["context"]["decode_s_per_token"] is not None
+    assert [r["first_final"] for r in versions] == [True] + [False] * (len(versions) - 1)
+    latest = {(r["tenant"], r["conversation_id"], r["turn"]): r for r in written}
+    assert len(latest) == (25 if goes_on else 23)
+    for turn, row in latest.items():
+        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
+        assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[turn]), turn
