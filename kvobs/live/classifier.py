@@ -296,8 +296,7 @@ class Classifier:
         keys, spans = self.buffer.take_dirty()
         if spans is not None and spans.num_rows:
             result.classified = self._classify(keys, spans, now, result)
-        known = self.context()  # once a pass: each final turn below makes it stale
-        repricing = self._reprice(known)
+        repricing = self._reprice(self.context())
         for key, state in self.turns.items():
             if not state.final and now - state.changed_at >= self.grace_s:
                 if key in repricing:
@@ -314,6 +313,10 @@ class Classifier:
                 if state.finals == 1:
                     self._samples.append(state.samples)
                     self._context_stale = True
+        if self._context_stale:
+            # The turns final just now may have told the fleet context: the turns that
+            # wait for it open at once, so that no pass shows every turn final before.
+            self._reprice(self.context())
         self._forget(self.buffer.expire(now))
         if now - self._pruned_at >= self.buffer.window_s / 2:
             self._pruned_at = now

@@ -257,6 +257,10 @@ def test_a_turn_final_before_the_fleet_context_is_known_is_priced_again(goes_on)
         classifier.buffer.add(part, now)
         for later in (0, 11, 22, 33, 44):
             written += classifier.run_pass(now + later).finalized
+            # No pass shows a turn final (settled) while it waits to be priced again.
+            if None not in classifier.context():
+                assert not [k for k, s in classifier.turns.items()
+                            if s.final and None in s.row["context"].values()]
         now += 100
     key = happy[first]
     versions = [r for r in written if (r["tenant"], r["conversation_id"], r["turn"]) == key]
