@@ -32,13 +32,13 @@ lineage matches under, not by reading the window) and one span per D engine star
 (restarts). Classified whole instead: a derived unit it reaches (its keys are lineage's,
 which the dirty turns may change: a fork that started earlier), a unit whose turns
 extend a dirty turn (a late export or release changes their facts), and a unit whose
-id-less chain start a dirty export or prompt may precede (``_starts``: its turn came
-first). Every span is converted to Arrow once (``ArrowSpans``), not once for every pass
-it takes part in. A unit idle for longer than ``window_s`` (D's TTL plus a margin: no
-later turn can read its KV any more) is dropped, with every turn it holds (an id-less
-conversation's too, however long it went on), unless a unit that stays extends its
-turns; a span that arrives for a dropped conversation is *late*: counted, kept in the
-span store, not classified. No I/O here.
+chain start a dirty export or prompt may precede (``_starts``: an id-less turn, or a
+client's later turn, that came first). Every span is converted to Arrow once
+(``ArrowSpans``), not once for every pass it takes part in. A unit idle for longer
+than ``window_s`` (D's TTL plus a margin: no later turn can read its KV any more) is
+dropped, with every turn it holds (an id-less conversation's too, however long it went
+on), unless a unit that stays extends its turns; a span that arrives for a dropped
+conversation is *late*: counted, kept in the span store, not classified. No I/O here.
 """
 
 from __future__ import annotations
@@ -250,10 +250,11 @@ class SpanBuffer:
         self._request_home: dict[str, str] = {}
         self._pool_requests: dict[str, set[str | None]] = collections.defaultdict(set)
         self._alias: dict[str, str] = {}  # a derived key merged away -> the unit's key
-        # Every checkpoint hash of the prompts of id-less turns that extend nothing
-        # (chain starts) -> their units: a turn that arrives after its successor was
-        # linked (out of order) brings the successor's unit along by its export's or
-        # prompt's key. A later turn is found anyway, through the turn it extends.
+        # Every checkpoint hash of the prompts of turns that extend nothing (chain
+        # starts: id-less turns, and clients' turns after their first) -> their units:
+        # a turn that arrives after its successor was linked (out of order) brings the
+        # successor's unit along by its export's or prompt's key. A later turn is found
+        # anyway, through the turn it extends.
         self._starts: dict[str, set[str]] = collections.defaultdict(set)
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -537,7 +538,7 @@ class SpanBuffer:
         elif target not in self.units:
             target = unit
         if not homes:
-            self._index_start(target, next(iter(requests), None))
+            self.index_start(target, next(iter(requests), None))
         merged = []
         for other in dict.fromkeys([unit, *homes[1:]]):
             if other != target and other in self.units and derived(other):
@@ -545,9 +546,10 @@ class SpanBuffer:
                 merged.append(other)
         return target, merged
 
-    def _index_start(self, key: str, p_request: str | None) -> None:
+    def index_start(self, key: str, p_request: str | None) -> None:
         """Index the prompt of ``key``'s turn ``p_request``, a chain start, at every
-        checkpoint (``_starts``)."""
+        checkpoint (``_starts``): an export that arrives later under one of them brings
+        the unit along, classified whole."""
         unit = self.units.get(key)
         if unit is None or p_request is None or p_request in unit.started:
             return

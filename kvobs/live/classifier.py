@@ -441,6 +441,10 @@ class Classifier:
             state = self.turns[key]
             if state.unit != IDLESS and not derived(state.unit):  # a client's: stays
                 self.buffer.note_links(state.unit, [*parent, *candidates])
+                if key[2] > 1 and not parent and not candidates:
+                    # A later turn that extends nothing seen yet: the turn its history
+                    # came from may still arrive, in another unit (sent without an id).
+                    self.buffer.index_start(state.unit, state.row.get("prefill_request_id"))
                 continue
             unit, merged = self.buffer.adopt(
                 state.unit,

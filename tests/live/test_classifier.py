@@ -272,3 +272,32 @@ def test_a_turn_final_before_the_fleet_context_is_known_is_priced_again(goes_on)
     for turn, row in latest.items():
         shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
         assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[turn]), turn
+
+
+def test_a_later_turn_whose_history_arrives_after_it_from_another_unit_links_to_it():
+    """agent-late-id sends its id from turn 2 on: its turn 1 is the proxy's
+    ``anonymous:<trace>``, another unit.
+    When turn 1's spans (D's export among them) arrive after turn 2 was classified and
+    nothing more of turn 2 comes, turn 2 is classified again and names the export its
+    history was held in, as diagnose does."""
+    unpriced = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
+    # Turn 1 keeps the name the proxy gave it (the batch's, too); turn 2 extends it.
+    late = next(row["trace_id"] for key, row in _batch(unpriced).items()
+                if key[1].startswith("anonymous:"))
+    spans = open_source(str(DEMO)).span_table()
+    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    classifier = Classifier(window_s=600, grace_s=1)
+    written: dict[tuple, dict] = {}
+    for part, now in (([r for r in rows if r["trace_id"] != late], 100.0),
+                      ([r for r in rows if r["trace_id"] == late], 110.0)):
+        classifier.buffer.add(part, now)
+        for later in (0, 2, 4):
+            written.update({(r["tenant"], r["conversation_id"], r["turn"]): r
+                            for r in classifier.run_pass(now + later).finalized})
+    turn_2 = next(row for key, row in written.items() if key[1:] == ("agent-late-id", 2))
+    assert turn_2["evidence"].get("extends_request_id")
+    for key, row in written.items():
+        if row.get("superseded"):
+            continue
+        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
+        assert _canonical(shown) == _canonical(_batch(row["context"])[key]), key
