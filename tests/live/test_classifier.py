@@ -48,6 +48,29 @@ def _canonical(row: dict) -> str:
                       default=str)
 
 
+# Both fleet context values unknown: diagnose measures them over every span it reads.
+_UNPRICED = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
+
+
+def _span_rows(path: Path) -> list[dict]:
+    """A span file's spans as the buffer takes them (coerced rows), in the order they
+    ended."""
+    spans = open_source(str(path)).span_table().sort_by([("end_ns", "ascending")])
+    return [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+
+
+def _latest(rows: list[dict]) -> dict[tuple, dict]:
+    """Written rows by turn, the last written of each."""
+    return {(r["tenant"], r["conversation_id"], r["turn"]): r for r in rows}
+
+
+def _assert_as_diagnose(written: dict[tuple, dict], path: Path = DEMO) -> None:
+    """Each written row (its version aside) equals diagnose at the context it names."""
+    for key, row in written.items():
+        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
+        assert _canonical(shown) == _canonical(_batch(row["context"], path)[key]), key
+
+
 @pytest.mark.parametrize("per_pass", [1, 7, 1000])
 def test_live_turns_equal_the_batch_pipeline_on_the_same_spans(per_pass):
     classifier = Classifier(window_s=600, grace_s=0)
@@ -216,8 +239,7 @@ def test_every_final_turn_names_a_context_diagnose_reproduces(per_pass):
     turns are classified before the fleet context is known, over a pass of a few turns
     (whose typical decode may be unknown, where diagnose over every span knows it). A
     final row must still equal diagnose at the context it names."""
-    spans = open_source(str(BUSY_DEMO)).span_table().sort_by([("end_ns", "ascending")])
-    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    rows = _span_rows(BUSY_DEMO)
     classifier = Classifier(window_s=1e9, grace_s=10.0)
     final: dict[tuple, dict] = {}
     for i in range(0, len(rows), per_pass):
@@ -226,12 +248,9 @@ def test_every_final_turn_names_a_context_diagnose_reproduces(per_pass):
         results = [classifier.run_pass(now)]
         if i + per_pass >= len(rows):
             results += [classifier.run_pass(now + 11), classifier.run_pass(now + 22)]
-        final.update({(r["tenant"], r["conversation_id"], r["turn"]): r
-                      for result in results for r in result.finalized})
+        final.update(_latest([r for result in results for r in result.finalized]))
     assert len(final) == 25
-    for key, row in final.items():
-        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
-        assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[key]), key
+    _assert_as_diagnose(final, BUSY_DEMO)
 
 
 @pytest.mark.parametrize("goes_on", [True, False])
@@ -241,10 +260,8 @@ def test_a_turn_final_before_the_fleet_context_is_known_is_priced_again(goes_on)
     classified again and written at the context it names (re-classified, not counted
     twice), whether or not its conversation goes on; the CI run of 2026-12-07 kept it
     at the unknown price while its conversation's later turns came."""
-    spans = open_source(str(BUSY_DEMO)).span_table().sort_by([("end_ns", "ascending")])
-    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
-    unpriced = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
-    happy = {row["trace_id"]: key for key, row in _batch(unpriced, BUSY_DEMO).items()
+    rows = _span_rows(BUSY_DEMO)
+    happy = {row["trace_id"]: key for key, row in _batch(_UNPRICED, BUSY_DEMO).items()
              if key[1] == "agent-happy"}
     first = next(trace for trace, key in happy.items() if key[2] == 1)
     parts = [[r for r in rows if r["trace_id"] == first],
@@ -268,11 +285,9 @@ def test_a_turn_final_before_the_fleet_context_is_known_is_priced_again(goes_on)
     assert versions[0]["context"]["decode_s_per_token"] is None
     assert versions[-1]["context"]["decode_s_per_token"] is not None
     assert [r["first_final"] for r in versions] == [True] + [False] * (len(versions) - 1)
-    latest = {(r["tenant"], r["conversation_id"], r["turn"]): r for r in written}
+    latest = _latest(written)
     assert len(latest) == (25 if goes_on else 23)
-    for turn, row in latest.items():
-        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
-        assert _canonical(shown) == _canonical(_batch(row["context"], BUSY_DEMO)[turn]), turn
+    _assert_as_diagnose(latest, BUSY_DEMO)
 
 
 def test_a_later_turn_whose_history_arrives_after_it_from_another_unit_links_to_it():
@@ -281,27 +296,20 @@ def test_a_later_turn_whose_history_arrives_after_it_from_another_unit_links_to_
     When turn 1's spans (D's export among them) arrive after turn 2 was classified and
     nothing more of turn 2 comes, turn 2 is classified again and names the export its
     history was held in, as diagnose does."""
-    unpriced = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
     # Turn 1 keeps the name the proxy gave it (the batch's, too); turn 2 extends it.
-    late = next(row["trace_id"] for key, row in _batch(unpriced).items()
+    late = next(row["trace_id"] for key, row in _batch(_UNPRICED).items()
                 if key[1].startswith("anonymous:"))
-    spans = open_source(str(DEMO)).span_table()
-    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    rows = _span_rows(DEMO)
     classifier = Classifier(window_s=600, grace_s=1)
     written: dict[tuple, dict] = {}
     for part, now in (([r for r in rows if r["trace_id"] != late], 100.0),
                       ([r for r in rows if r["trace_id"] == late], 110.0)):
         classifier.buffer.add(part, now)
         for later in (0, 2, 4):
-            written.update({(r["tenant"], r["conversation_id"], r["turn"]): r
-                            for r in classifier.run_pass(now + later).finalized})
+            written.update(_latest(classifier.run_pass(now + later).finalized))
     turn_2 = next(row for key, row in written.items() if key[1:] == ("agent-late-id", 2))
     assert turn_2["evidence"].get("extends_request_id")
-    for key, row in written.items():
-        if row.get("superseded"):
-            continue
-        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
-        assert _canonical(shown) == _canonical(_batch(row["context"])[key]), key
+    _assert_as_diagnose({k: row for k, row in written.items() if not row.get("superseded")})
 
 
 # Cases of the sweep below that differed from diagnose before the two fixes above (the
@@ -316,8 +324,7 @@ def test_delayed_traces_give_every_turn_the_batch_answer(seed):
     row equals diagnose at the context it names, and none is missing."""
     rnd = random.Random(seed)
     path = rnd.choice([DEMO, BUSY_DEMO])
-    spans = open_source(str(path)).span_table()
-    rows = [{k: v for k, v in row.items() if v is not None} for row in spans.to_pylist()]
+    rows = _span_rows(path)
     delay = {t: rnd.choice([0, 0, 0, rnd.uniform(0, 30)])
              for t in sorted({r["trace_id"] for r in rows})}
     rows.sort(key=lambda r: r["end_ns"] / 1e9 + delay[r["trace_id"]])
@@ -332,12 +339,8 @@ def test_delayed_traces_give_every_turn_the_batch_answer(seed):
             i += 1
         if arrived:
             classifier.buffer.add(arrived, now)
-        final.update({(r["tenant"], r["conversation_id"], r["turn"]): r
-                      for r in classifier.run_pass(now).finalized})
+        final.update(_latest(classifier.run_pass(now).finalized))
         now += cadence
     final = {key: row for key, row in final.items() if not row.get("superseded")}
-    unpriced = {"prefill_tokens_per_s": None, "decode_s_per_token": None}
-    assert set(final) == set(_batch(unpriced, path))
-    for key, row in final.items():
-        shown = {k: v for k, v in row.items() if k not in ("version", "first_final")}
-        assert _canonical(shown) == _canonical(_batch(row["context"], path)[key]), key
+    assert set(final) == set(_batch(_UNPRICED, path))
+    _assert_as_diagnose(final, path)
