@@ -406,12 +406,18 @@ class Classifier:
             extends[key] = _extended(diagnosis.turn)
             state = self.turns.get(key)
             self._note_pricing(key, row)
+            samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
+            if state is not None and state.unit == RESUMED:
+                # Final before a restart: its measures tell the fleet context again, as
+                # they did before it (a restart must not leave the context unknown).
+                self._samples.append(samples)
+                self._context_stale = True
             if state is not None and _unchanged(state.row, row):
                 state.inputs = classified_from
                 state.row = row  # the same answer, at the context it names now
+                state.samples = samples
                 self._move(key, state, unit)
                 continue
-            samples = {c: diagnosis.turn.get(c) for c in _CONTEXT_COLUMNS}
             if state is None:
                 version = self._retired.pop(key, (0, now))[0] + 1
                 state = self.turns[key] = TurnState(row, version, now, unit, samples)
