@@ -10,6 +10,7 @@ where ``<hex>`` is 16 hex digits per checkpoint (``checkpoints(blocks)``).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -122,11 +123,41 @@ class Chain:
         hexed = self.hexed
         return [hexed[at : at + HEX_PER_POINT] for at in range(0, len(hexed), HEX_PER_POINT)]
 
+    def hash_numbers(self) -> tuple[int, ...]:
+        """``hashes`` as numbers (the 64 bits each prefix holds; a prefix that is not hex,
+        by Python's ``hash`` of its text): what an index that only needs equal hashes to
+        meet is keyed by. One conversion for the whole chain, ~6x cheaper than slicing.
+
+        >>> parse("kvobs4:16:s:2:0::" + "00" * 7 + "0a" + "ff" * 8).hash_numbers()
+        (10, 18446744073709551615)
+        """
+        try:
+            raw = bytes.fromhex(self.hexed)
+        except ValueError:
+            return tuple(map(_hash_number, self.hashes()))
+        if len(raw) * 2 != len(self.hexed):  # fromhex skips whitespace
+            return tuple(map(_hash_number, self.hashes()))
+        return struct.unpack(f">{len(raw) // 8}Q", raw)
+
+    def key_number(self) -> int:
+        """``key``'s hash as ``hash_numbers`` gives it."""
+        return _hash_number(self.key()[1])
+
     def key(self) -> tuple[int, str]:
         """The (grid point, hash) every prompt extending this chain also carries."""
         point = grid_point(self.blocks)
-        i = grid_points(self.blocks).index(point)
+        points = grid_points(self.blocks)  # the grid up to it, then the count if off it
+        i = len(points) - 1 if points[-1] == point else len(points) - 2
         return point, self.hash_at(i)
+
+
+def _hash_number(hashed: str) -> int:
+    """One hash prefix as ``Chain.hash_numbers`` gives it."""
+    try:
+        raw = bytes.fromhex(hashed)
+    except ValueError:
+        return hash(hashed)
+    return int.from_bytes(raw, "big") if len(raw) * 2 == len(hashed) else hash(hashed)
 
 
 def parse(digest: object) -> Chain | None:

@@ -177,14 +177,14 @@ class Unit:
     # The hashes its exports and prompts are found under (the hash of lineage.index_key), a
     # superset: a span that moved out leaves its hash behind (the unit then comes along for
     # nothing).
-    keys: set[str] = field(default_factory=set)
+    keys: set[int] = field(default_factory=set)
     # Id-less spans it holds by trace (adopted, or sent after their trace or request
     # was): a tagged span of the trace takes them back.
     homed: dict[str | None, list[int]] = field(default_factory=dict)
     # How many of its spans name each request (SpanBuffer._request_home points here).
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     aliases: set[str] = field(default_factory=set)  # derived keys merged into it
-    starts: set[str] = field(default_factory=set)  # its keys in SpanBuffer._starts
+    starts: set[int] = field(default_factory=set)  # its keys in SpanBuffer._starts
     started: set[str] = field(default_factory=set)  # P requests whose prompts are in it
 
 
@@ -233,10 +233,11 @@ class SpanBuffer:
         self._idless_dirty = False
         self._dirty: set[str] = set()
         # Which units hold an export or a prompt found under a lineage key, by the key's hash
-        # alone: a prompt's probes are then its chain's hashes, sliced, not ~90 keys built
-        # (a hash names its prefix, so scope and point add nothing but a rare false match,
-        # which brings a unit along as context for nothing: lineage.link matches whole keys).
-        self._units_by_key: dict[str, set[str]] = collections.defaultdict(set)
+        # alone, as a number: a prompt's probes are then its chain's hashes in one
+        # conversion (``Chain.hash_numbers``), not ~90 keys built (a hash names its prefix,
+        # so scope and point add nothing but a rare false match, which brings a unit along
+        # as context for nothing: lineage.link matches whole keys).
+        self._units_by_key: dict[int, set[str]] = collections.defaultdict(set)
         # (D endpoint, engine start, engine id) -> the latest span that shows it: the
         # restarts lineage reads, whichever conversations' spans show them.
         self._engines: dict[tuple, int] = {}
@@ -255,7 +256,7 @@ class SpanBuffer:
         # a turn that arrives after its successor was linked (out of order) brings the
         # successor's unit along by its export's or prompt's key. A later turn is found
         # anyway, through the turn it extends.
-        self._starts: dict[str, set[str]] = collections.defaultdict(set)
+        self._starts: dict[int, set[str]] = collections.defaultdict(set)
         # Conversations dropped lately (bounded): their spans are late, not new units.
         self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._forget_after = forget_after
@@ -434,7 +435,7 @@ class SpanBuffer:
         unit.lineage[serial] = row
         chain = parse(row.get(_CHAIN))
         if chain is not None:
-            key = chain.key()[1]
+            key = chain.key_number()
             unit.keys.add(key)
             self._units_by_key[key].add(cid)
 
@@ -557,7 +558,7 @@ class SpanBuffer:
             if row.get("name") == _DECISION and row.get(_RID) == p_request:
                 if (chain := parse(row.get(_CHAIN))) is not None:
                     unit.started.add(p_request)  # not before: its decision may come later
-                    for hashed in chain.hashes():
+                    for hashed in chain.hash_numbers():
                         self._starts[hashed].add(key)
                         unit.starts.add(hashed)
 
@@ -618,14 +619,14 @@ class SpanBuffer:
             (row for pooled in self._idless.values() for row in pooled.values()),
         )
         while True:
-            probed: set[str] = set()
+            probed: set[int] = set()
             new: set[str] = set()
             for row in rows:
                 if (request := row.get(_RID)) in self._extended_by:
                     new.update(self._alias.get(u, u) for u in self._extended_by[request])
                 if (chain := parse(row.get(_CHAIN))) is not None:
-                    probed.update(chain.hashes())
-                    new |= self._starts.get(chain.key()[1], set())
+                    probed.update(chain.hash_numbers())
+                    new |= self._starts.get(chain.key_number(), set())
             if following is None:
                 following = {unit for unit in new - taken if unit in self.units}
             for key in probed:
