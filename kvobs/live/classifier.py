@@ -176,6 +176,12 @@ def turn_keys(turns: pa.Table) -> list[TurnKey]:
 # What identifies one turn whatever key lineage gives it.
 _TURN_IDS = ("trace_id", "prefill_request_id", "decode_request_id")
 
+
+def _turn_ids(row: dict[str, Any]) -> list[str]:
+    """The ids a turn is known by across keys (a partial turn may lack some)."""
+    return [i for i in (row.get(column) for column in _TURN_IDS) if isinstance(i, str) and i]
+
+
 # The unit of turns a restart took from the turn store until a replay of their spans
 # finds them again (``Classifier.resume``).
 RESUMED = "\x00resumed"
@@ -202,6 +208,7 @@ class Classifier:
         self.spans_received = 0
         self.spans_unreadable = 0
         self._resumed_until = 0.0
+        self._resumed_ids: dict[str, TurnKey] = {}  # a resumed turn's id -> its key
         self._unpriced: set[TurnKey] = set()  # rows priced without a context value
         self._counted: dict[str, float] = {}  # a turn id (_TURN_IDS) -> when counted
         # A key retired from the store -> (the retiring row's version, when): a turn
@@ -222,11 +229,22 @@ class Classifier:
         self.spans_received += len(rows)
         return len(rows)
 
-    def resume(self, stored: Iterable[dict[str, Any]], now: float) -> int:
+    def resume(
+        self, stored: Iterable[dict[str, Any]], retired: Iterable[dict[str, Any]], now: float
+    ) -> int:
         """Take the turns a previous run finalized (the turn store's latest rows, with
         their version) as final: a replay of their spans that classifies a turn the same
-        way neither counts nor writes it again; one that differs is a new version.
-        Returns the turns taken."""
+        way neither counts nor writes it again; one that differs is a new version. And
+        the keys it retired (with the retirement's version): a turn lineage puts under
+        one again is written past it, as in the run that retired it. Returns the turns
+        taken."""
+        for retirement in retired:
+            retired_key = (
+                retirement["tenant"],
+                retirement["conversation_id"],
+                retirement["turn"],
+            )
+            self._retired[retired_key] = (int(retirement["version"]), now)
         taken = 0
         for stored_row in stored:
             row = {
@@ -245,6 +263,7 @@ class Classifier:
             self._by_unit[RESUMED].add(key)
             self._by_conversation[key[1]].add(key)
             self._count_once(row, now)
+            self._resumed_ids.update(dict.fromkeys(_turn_ids(row), key))
             context = row.get("context") or {}
             if self._context == (None, None):  # the latest priced one's, until samples
                 self._context = (
@@ -296,6 +315,7 @@ class Classifier:
         keys, spans = self.buffer.take_dirty()
         if spans is not None and spans.num_rows:
             result.classified = self._classify(keys, spans, now, result)
+            self._retire_moved(result, now)
         repricing = self._reprice(self.context())
         for key, state in self.turns.items():
             if not state.final and now - state.changed_at >= self.grace_s:
@@ -324,19 +344,9 @@ class Classifier:
             self._counted = {t: at for t, at in self._counted.items() if at >= horizon}
             self._retired = {k: v for k, v in self._retired.items() if v[1] >= horizon}
         if RESUMED in self._by_unit and now >= self._resumed_until:
-            # Stored turns no replayed span touched within a window stay as stored, but
-            # for those whose trace the replay put under another key.
-            moved = {
-                state.row.get(c)
-                for state in self.turns.values()
-                if state.unit != RESUMED
-                for c in _TURN_IDS
-            } - {None}
-            for key in self._by_unit[RESUMED]:
-                state = self.turns[key]
-                if moved & {state.row.get(c) for c in _TURN_IDS}:
-                    result.finalized.append(self._retire(key, state, now))
+            # Stored turns no replayed span touched within a window stay as stored.
             self._forget([RESUMED])
+            self._resumed_ids.clear()
         # Id-less turns leave with their spans (the pool's next pass no longer finds
         # them); in a pool that gets no new spans, after twice the window.
         horizon = now - 2 * self.buffer.window_s
@@ -466,6 +476,23 @@ class Classifier:
             self._move(key, state, unit)
             self.buffer.note_links(unit, [*parent, *candidates])
 
+    def _retire_moved(self, result: PassResult, now: float) -> None:
+        """Retire the stored turns a replay after a restart put under another key: a
+        turn the pass classified anew carries one of their ids (as a pass retires the
+        keys a unit no longer has; a resumed turn is no unit's)."""
+        if not self._resumed_ids:
+            return
+        for key in result.changed:
+            state = self.turns.get(key)
+            for turn_id in _turn_ids(state.row) if state is not None else ():
+                moved = self._resumed_ids.get(turn_id)
+                if moved is None or moved == key:
+                    continue
+                resumed = self.turns.get(moved)
+                if resumed is not None and resumed.unit == RESUMED:
+                    result.finalized.append(self._retire(moved, resumed, now))
+                    self._drop(moved)
+
     def _retire(self, key: TurnKey, state: TurnState, now: float) -> dict[str, Any]:
         """The row that retires a written turn's key (``superseded``), noted."""
         self._retired[key] = (state.version + 1, now)
@@ -475,7 +502,7 @@ class Classifier:
         """Whether the turn of ``row`` is counted for the first time (and note it): none
         of its ids (trace, P's and D's request) was counted before. Any one is enough,
         as a partial turn may lack some."""
-        ids = [i for i in (row.get(column) for column in _TURN_IDS) if isinstance(i, str) and i]
+        ids = _turn_ids(row)
         first = not any(i in self._counted for i in ids)
         self._counted.update(dict.fromkeys(ids, now))
         return first

@@ -85,7 +85,7 @@ class Live:
         now = time.time() if now is None else now
         since = now - self.classifier.buffer.window_s
         try:
-            taken = self.classifier.resume(self.turns.finalized_since(since), now)
+            taken = self.classifier.resume(*self.turns.latest_and_retired(since=since), now)
         except (OSError, ValueError) as error:
             taken = 0
             _LOG.warning("could not read the turn store to resume from: %s", error)

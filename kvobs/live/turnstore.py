@@ -258,22 +258,17 @@ class TurnRows:
         when it cannot look them up (no index)."""
         return None
 
-    def finalized_since(self, since: float) -> list[dict[str, Any]]:
-        """Every turn finalized at or after ``since``, at its latest version (what a
-        restarted classifier resumes from)."""
-        kept, _ = latest(turn_entries(self.read(since=since)))
-        return [entry.turn for entry in kept if entry.turn is not None]
-
     def latest(self, conversation_id: str | None = None) -> list[dict[str, Any]]:
         """The turns (of one conversation), each at its latest version, in key order."""
         return self.latest_and_retired(conversation_id)[0]
 
     def latest_and_retired(
-        self, conversation_id: str | None = None
+        self, conversation_id: str | None = None, since: float | None = None
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """``latest``, and the keys (with versions) whose latest row retires them: what
-        a peer's answer hides (``kvobs.live.latest``)."""
-        found = winners(turn_entries(self.read(conversation_id)))
+        a peer's answer hides (``kvobs.live.latest``). With ``since``: of the rows
+        finalized at or after it (what a restarted classifier resumes from)."""
+        found = winners(turn_entries(self.read(conversation_id, since)))
         retired = [
             dict(zip(("tenant", "conversation_id", "turn"), e.key), version=e.version)
             for e in found

@@ -15,6 +15,7 @@ from kvobs.turns.correlate import turns_from_spans
 from kvobs.diagnose import classify_turns, diagnose
 from kvobs.live.classifier import Classifier
 from kvobs.sources import open_source
+from live.test_adoption import Written
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "demo-spans.otlp.jsonl"
 # Another demo run (CI, 2026-12-06), whose first turn decoded slowly: a pass of its few
@@ -319,8 +320,7 @@ def _deliver(arrivals: list[tuple[float, dict]], grace: float, cadence: float,
     (superseded keys left out). ``restart_at``: the classifier stops there and a new one
     resumes from the final rows and a replay of every span received, as the service
     does from its turn store and live segments."""
-    classifier = Classifier(window_s=1e9, grace_s=grace)
-    final: dict[tuple, dict] = {}
+    classifier, written = Classifier(window_s=1e9, grace_s=grace), Written()
     received: list[dict] = []
     now, i = arrivals[0][0], 0
     while i < len(arrivals) or now < arrivals[-1][0] + 40 + 5 * grace:
@@ -331,14 +331,14 @@ def _deliver(arrivals: list[tuple[float, dict]], grace: float, cadence: float,
         if arrived:
             classifier.buffer.add(arrived, now)
             received.extend(arrived)
-        final.update(_latest(classifier.run_pass(now).finalized))
+        written.take(classifier.run_pass(now))
         if restart_at is not None and now >= restart_at:
             restart_at = None
             classifier = Classifier(window_s=1e9, grace_s=grace)
-            classifier.resume([r for r in final.values() if not r.get("superseded")], now)
+            classifier.resume(written.rows().values(), written.retired(), now)
             classifier.buffer.add(received, now)
         now += cadence
-    return {key: row for key, row in final.items() if not row.get("superseded")}
+    return written.rows()
 
 
 # Cases of the sweep below that differed from diagnose before the two fixes above (the

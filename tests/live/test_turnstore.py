@@ -84,7 +84,9 @@ def test_clickhouse_keeps_the_latest_version_and_skips_superseded_keys(chdb_path
     turns = store.latest("c")
     assert [(t["turn"], t["verdict"], t["version"]) for t in turns] == [
         (1, "first-turn", 1), (2, "remote-hit", 2)]
-    assert [t["turn"] for t in store.finalized_since(now - 1)] == [2]
+    since_turns, since_retired = store.latest_and_retired(since=now - 1)
+    assert [t["turn"] for t in since_turns] == [2]
+    assert [(k["turn"], k["version"]) for k in since_retired] == [(3, 2)]
     assert store.read().num_rows == 4
 
 
