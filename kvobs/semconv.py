@@ -950,6 +950,10 @@ NOT_FAULT_VALUES = frozenset(
 STORE_LIVE_DIR = "spans"  # OTLP-JSON lines segments, appended by emitters
 STORE_COMPACTED_DIR = "compacted"  # parquet segments written by `kvobs store compact`
 STORE_TURNS_DIR = "turns"  # per-turn rows of each compacted segment (fleet reads these)
+# The live classifier's note of the earliest span its buffer holds: where a restart's
+# replay of the live segments starts (a conversation is held past the window while it
+# goes on).
+STORE_CLASSIFIER_HELD = "classifier-held.json"
 
 # --------------------------------------------------------------------------- correlation keys
 

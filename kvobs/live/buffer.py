@@ -50,6 +50,7 @@ from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.sources._frame import conformed, table_from_rows
@@ -130,6 +131,18 @@ class ArrowSpans:
         if not parts:
             return table_from_rows([])
         return conformed(pa.concat_tables(parts, promote_options="default"))
+
+    def earliest_end_ns(self) -> int | None:
+        """The earliest end of a span held (of a few more: a table keeps a span that
+        left until the tables are merged)."""
+        ends = [row.get("end_ns") for row in self._pending.values()]
+        found = [end for end in ends if isinstance(end, int)]
+        for _, table in self._tables:
+            if "end_ns" in table.column_names:
+                earliest = pc.min(table.column("end_ns")).as_py()
+                if earliest is not None:
+                    found.append(earliest)
+        return min(found) if found else None
 
     def merge_due(self, held: int | None) -> bool:
         """Whether to merge: the tables are many, or they convert over twice the spans
@@ -637,6 +650,13 @@ class SpanBuffer:
             taken |= new
             found |= new
             rows = [row for key in new for row in self.units[key].lineage.values()]
+
+    def held_since(self) -> float | None:
+        """When the earliest span the buffer holds ended (Unix seconds; None: none held):
+        a restart that replays the spans received since then holds what this buffer
+        does, conversations that went on past the window included."""
+        earliest = self._arrow.earliest_end_ns()
+        return None if earliest is None else earliest / 1e9
 
     def rows_of(self, key: str) -> list[dict]:
         if key == IDLESS:

@@ -39,7 +39,7 @@ from prometheus_client.exposition import choose_encoder
 from kvobs.emit import collect
 from kvobs.emit.otlp_json import loads
 from kvobs.emit.segments import SUFFIX
-from kvobs.semconv import STORE_LIVE_DIR
+from kvobs.semconv import STORE_CLASSIFIER_HELD, STORE_LIVE_DIR
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
@@ -50,6 +50,9 @@ from kvobs.sources._errors import SourceError
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
 
+# Spans' end times are the emitters' clocks, a segment's time the service's: a replay
+# starts this much before the earliest span held ended.
+CLOCK_MARGIN_S = 60.0
 # Seconds between two rounds of the turn store's upkeep (retention, merging parts).
 MAINTAIN_S = 600
 
@@ -76,14 +79,20 @@ class Live:
         self.peers = Peers(settings.peers, settings.peer_timeout_s, self.metrics.peer_failures)
         self._task: asyncio.Task | None = None
         self._maintained_at = 0.0
+        self._held_noted = 0.0
 
     def resume(self, now: float | None = None) -> None:
         """After a restart: the turns the turn store has final within the window, then
         the spans of the live segments written within it, replayed, so that turns open at
-        the stop are finished and none is counted twice. Said in the log, with what could
-        not be replayed."""
+        the stop are finished and none is counted twice. Since earlier where the buffer
+        held earlier spans (``STORE_CLASSIFIER_HELD``): a conversation that went on past
+        the window is held whole again, as lineage needs it. Said in the log, with what
+        could not be replayed."""
         now = time.time() if now is None else now
         since = now - self.classifier.buffer.window_s
+        held = _read_held(self.store_dir)
+        if held is not None:
+            since = min(since, held - CLOCK_MARGIN_S)
         try:
             taken = self.classifier.resume(*self.turns.latest_and_retired(since=since), now)
         except (OSError, ValueError) as error:
@@ -106,10 +115,12 @@ class Live:
         if taken or requests:
             _LOG.info(
                 "resumed: %d final turns from the turn store, %d export requests "
-                "replayed from the live segments (%d unreadable lines skipped); "
-                "turns whose spans left the live segments stay as stored",
+                "replayed from the live segments written since %.0f s before the start "
+                "(%d unreadable lines skipped); turns whose spans left the live segments "
+                "stay as stored",
                 taken,
                 requests,
+                now - since,
                 unreadable,
             )
 
@@ -133,6 +144,7 @@ class Live:
                 len(self.turns.pending),
                 error,
             )
+        self._note_held()
         c = self.classifier
         self.metrics.health(
             c.spans_received - c.buffer.late_spans,
@@ -141,6 +153,19 @@ class Live:
             c.open_turns(),
             len(c.buffer),
         )
+
+    def _note_held(self) -> None:
+        """Note when the earliest span held ended, for a restart (once it moved by a
+        second or more); a store that cannot take it keeps the last note (a restart
+        then replays from earlier, never later)."""
+        held = self.classifier.buffer.held_since()
+        if held is None or abs(held - self._held_noted) < 1.0:
+            return
+        try:
+            _write_held(self.store_dir, held)
+            self._held_noted = held
+        except OSError as error:
+            _LOG.warning("could not note the earliest span held: %s", error)
 
     def maintain(self, now: float | None = None) -> None:
         """The turn store's upkeep: partitions past the retention dropped, parts merged.
@@ -270,6 +295,25 @@ def _unknown(conversation_id: str, found: Found) -> str:
 
 def _of_tenant(turns: list[dict], tenant: str | None) -> list[dict]:
     return [t for t in turns if tenant is None or t["tenant"] == tenant]
+
+
+def _read_held(store_dir: str) -> float | None:
+    """``_write_held``'s note; None when there is none or it cannot be read."""
+    try:
+        with open(os.path.join(store_dir, STORE_CLASSIFIER_HELD), encoding="utf-8") as handle:
+            held = json.load(handle)["held_since"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if not isinstance(error, FileNotFoundError):
+            _LOG.warning("could not read the note of the earliest span held: %s", error)
+        return None
+    return float(held) if isinstance(held, (int, float)) else None
+
+
+def _write_held(store_dir: str, held: float) -> None:
+    path = os.path.join(store_dir, STORE_CLASSIFIER_HELD)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump({"held_since": held}, handle)
+    os.replace(path + ".tmp", path)  # whole or not at all
 
 
 def _segments_since(store_dir: str, since: float) -> list[str]:

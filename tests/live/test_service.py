@@ -210,3 +210,39 @@ def test_the_service_upkeep_merges_and_expires_the_turn_store(tmp_path):
     live.maintain(now=t0 + 5 * 3600 + 60)
     assert not hour.exists()
     assert [t["turn"] for t in live.conversation("c", None)] == [9]
+
+
+def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
+    """A conversation held past the window (it went on) is held whole after a restart:
+    each pass notes when the earliest span held ended, and the restart replays the live
+    segments written since then, not only those of the window."""
+    import os
+
+    from kvobs.emit.segments import SUFFIX
+    from kvobs.semconv import STORE_CLASSIFIER_HELD, STORE_LIVE_DIR
+
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    live = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
+    for line in lines:
+        live.receive(Stored(line, 0))
+    earliest = min(row["end_ns"] for row in open_source(str(DEMO)).span_table().to_pylist())
+    live.run_pass(earliest / 1e9 + 30)
+    note = json.loads((tmp_path / STORE_CLASSIFIER_HELD).read_text())
+    assert note == {"held_since": earliest / 1e9}
+
+    # The segment was written as the spans came (receive() is what the HTTP handler
+    # calls once it stored them); the restart is long after the window.
+    segment = tmp_path / STORE_LIVE_DIR / ("demo" + SUFFIX)
+    segment.parent.mkdir(parents=True, exist_ok=True)
+    segment.write_text("\n".join(lines) + "\n")
+    os.utime(segment, (earliest / 1e9 + 10, earliest / 1e9 + 10))
+    restart = earliest / 1e9 + 3600
+
+    def replayed() -> int:
+        again = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
+        again.resume(restart)
+        return again.classifier.spans_received
+
+    assert replayed() == live.classifier.spans_received > 0  # every span, as received
+    (tmp_path / STORE_CLASSIFIER_HELD).unlink()
+    assert replayed() == 0  # the window's segments alone: none
