@@ -144,7 +144,7 @@ class Live:
                 len(self.turns.pending),
                 error,
             )
-        self._note_held()
+        self._note_held(now)
         c = self.classifier
         self.metrics.health(
             c.spans_received - c.buffer.late_spans,
@@ -154,12 +154,13 @@ class Live:
             len(c.buffer),
         )
 
-    def _note_held(self) -> None:
-        """Note when the earliest span held ended, for a restart (once it moved by a
-        second or more); a store that cannot take it keeps the last note (a restart
-        then replays from earlier, never later)."""
+    def _note_held(self, now: float) -> None:
+        """Note when the earliest span held ended (``now`` when none is held), for a
+        restart, once it moved by a second or more; a store that cannot take it keeps
+        the last note (a restart then replays from earlier, never later)."""
         held = self.classifier.buffer.held_since()
-        if held is None or abs(held - self._held_noted) < 1.0:
+        held = now if held is None else held
+        if abs(held - self._held_noted) < 1.0:
             return
         try:
             _write_held(self.store_dir, held)

@@ -217,6 +217,7 @@ def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
     each pass notes when the earliest span held ended, and the restart replays the live
     segments written since then, not only those of the window."""
     import os
+    import time
 
     from kvobs.emit.segments import SUFFIX
     from kvobs.semconv import STORE_CLASSIFIER_HELD, STORE_LIVE_DIR
@@ -246,3 +247,9 @@ def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
     assert replayed() == live.classifier.spans_received > 0  # every span, as received
     (tmp_path / STORE_CLASSIFIER_HELD).unlink()
     assert replayed() == 0  # the window's segments alone: none
+    # Once nothing is held (every conversation left: receive() took the spans at the
+    # clock's time), the window is enough.
+    later = time.time() + 120
+    live.run_pass(later)
+    assert len(live.classifier.buffer) == 0
+    assert json.loads((tmp_path / STORE_CLASSIFIER_HELD).read_text()) == {"held_since": later}
