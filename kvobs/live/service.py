@@ -44,7 +44,7 @@ from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
 from kvobs.live.peers import Found, Peers, asked_locally
-from kvobs.live.turnstore import TurnRows, TurnStore
+from kvobs.live.turnstore import TurnRows, TurnStore, write_aside
 from kvobs.sources._errors import SourceError
 
 _LOG = logging.getLogger("kvobs.live")
@@ -311,10 +311,9 @@ def _read_held(store_dir: str) -> float | None:
 
 
 def _write_held(store_dir: str, held: float) -> None:
-    path = os.path.join(store_dir, STORE_CLASSIFIER_HELD)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump({"held_since": held}, handle)
-    os.replace(path + ".tmp", path)  # whole or not at all
+    write_aside(
+        os.path.join(store_dir, STORE_CLASSIFIER_HELD), json.dumps({"held_since": held}).encode()
+    )
 
 
 def _segments_since(store_dir: str, since: float) -> list[str]:

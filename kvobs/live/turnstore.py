@@ -434,7 +434,7 @@ class TurnStore(TurnRows):
             groups = _groups_sidecar(path, index, hashes, ids.indices)
             if groups is not None:
                 self._without_groups.discard(path)  # a failed write: tried again
-                _write_aside(_sidecar(path, _GROUPS), groups)
+                write_aside(_sidecar(path, _GROUPS), groups)
                 done.append(path)
         return done
 
@@ -588,7 +588,7 @@ class TurnStore(TurnRows):
     def write_summary(self, part: str, summary: bytes) -> None:
         """Written aside and renamed: a reader meets the whole summary or none."""
         size = os.stat(part).st_size.to_bytes(_SUMMARY_HEADER, "little")
-        _write_aside(_sidecar(part, _SUMMARY), size + summary)
+        write_aside(_sidecar(part, _SUMMARY), size + summary)
 
     def unsummarized(self) -> list[str]:
         return [
@@ -623,7 +623,7 @@ def _sidecar(path: str, suffix: str) -> str:
     return path[: -len(".parquet")] + suffix
 
 
-def _write_aside(target: str, data: bytes) -> None:
+def write_aside(target: str, data: bytes) -> None:
     """``data`` written aside and renamed: a reader meets all of it or none."""
     try:
         with open(target + ".tmp", "wb") as handle:
