@@ -131,11 +131,8 @@ class Chain:
         >>> parse("kvobs4:16:s:2:0::" + "00" * 7 + "0a" + "ff" * 8).hash_numbers()
         (10, 18446744073709551615)
         """
-        try:
-            raw = bytes.fromhex(self.hexed)
-        except ValueError:
-            return tuple(map(_hash_number, self.hashes()))
-        if len(raw) * 2 != len(self.hexed):  # fromhex skips whitespace
+        raw = _hex_bytes(self.hexed)
+        if raw is None:
             return tuple(map(_hash_number, self.hashes()))
         return struct.unpack(f">{len(raw) // 8}Q", raw)
 
@@ -153,11 +150,18 @@ class Chain:
 
 def _hash_number(hashed: str) -> int:
     """One hash prefix as ``Chain.hash_numbers`` gives it."""
+    raw = _hex_bytes(hashed)
+    return hash(hashed) if raw is None else int.from_bytes(raw, "big")
+
+
+def _hex_bytes(text: str) -> bytes | None:
+    """The bytes ``text`` spells in plain hex; None for anything else (``fromhex`` also
+    takes whitespace between bytes)."""
     try:
-        raw = bytes.fromhex(hashed)
+        raw = bytes.fromhex(text)
     except ValueError:
-        return hash(hashed)
-    return int.from_bytes(raw, "big") if len(raw) * 2 == len(hashed) else hash(hashed)
+        return None
+    return raw if len(raw) * 2 == len(text) else None
 
 
 def parse(digest: object) -> Chain | None:
