@@ -406,11 +406,15 @@ class Classifier:
         # One diagnosis a row, in row order; a clean unit's partial turn (its lineage
         # spans only) was never classified.
         units_classified = [u for u, taken in zip(unit_of_turn, again) if taken and u is not None]
-        for diagnosis, measures, classified_from, unit in zip(
-            diagnoses, measures_of(classified), inputs.tolist(), units_classified
+        rows = [
+            turn_row(diagnosis, measures, used.prefill_tokens_per_s, used.decode_s_per_token)
+            for diagnosis, measures in zip(diagnoses, measures_of(classified))
+        ]
+        self._priced_as_stored(turns, rows)
+        for diagnosis, row, classified_from, unit in zip(
+            diagnoses, rows, inputs.tolist(), units_classified
         ):
             kept += 1
-            row = turn_row(diagnosis, measures, used.prefill_tokens_per_s, used.decode_s_per_token)
             key = (row["tenant"], row["conversation_id"], row["turn"])
             seen.add(key)
             extends[key] = _extended(diagnosis.turn)
@@ -448,6 +452,33 @@ class Classifier:
                 self._drop(key)
         self._adopt(extends)
         return kept
+
+    def _priced_as_stored(self, turns: pa.Table, rows: list[dict[str, Any]]) -> None:
+        """A turn final before a restart whose replayed row differs from its stored one
+        only because the fleet context moved since that was priced takes its row priced
+        at the stored context: one process would not have classified the final turn
+        again, so a restart neither writes it again nor counts it reclassified. Rows of
+        ``turns`` (in order) are replaced in ``rows``; a turn whose answer differs at the
+        stored context too (spans the stop cut short) keeps its new row."""
+        positions: dict[tuple[float, float], list[int]] = collections.defaultdict(list)
+        for i, row in enumerate(rows):
+            state = self.turns.get((row["tenant"], row["conversation_id"], row["turn"]))
+            if state is None or state.unit != RESUMED or _unchanged(state.row, row):
+                continue
+            stored = state.row.get("context") or {}
+            rate, per_token = stored.get("prefill_tokens_per_s"), stored.get("decode_s_per_token")
+            if rate is not None and per_token is not None:
+                positions[rate, per_token].append(i)
+        for (rate, per_token), at in positions.items():
+            resumed = col.Columns(turns.take(at))
+            diagnoses, used = classify_turns(resumed, self.read_slo_s, rate, per_token)
+            for i, diagnosis, measures in zip(at, diagnoses, measures_of(resumed)):
+                row = turn_row(
+                    diagnosis, measures, used.prefill_tokens_per_s, used.decode_s_per_token
+                )
+                state = self.turns[(row["tenant"], row["conversation_id"], row["turn"])]
+                if _unchanged(state.row, row):
+                    rows[i] = row
 
     def _adopt(self, extends: dict[TurnKey, tuple[list[str], list[str]]]) -> None:
         """The turns the pass classified stay with the turns lineage keyed them by

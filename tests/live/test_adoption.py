@@ -37,10 +37,13 @@ class Written:
 
     def __init__(self):
         self.latest: dict[tuple, dict] = {}
+        self.keys_written: list[tuple[float | None, tuple]] = []  # (the pass's time, key)
+        self.restarted_at: float | None = None  # the pass after which a restart came
 
-    def take(self, result) -> None:
+    def take(self, result, now: float | None = None) -> None:
         for row in result.finalized:
             key = (row["tenant"], row["conversation_id"], row["turn"])
+            self.keys_written.append((now, key))
             if key not in self.latest or row["version"] >= self.latest[key]["version"]:
                 self.latest[key] = row
 
