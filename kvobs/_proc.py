@@ -7,10 +7,12 @@ import signal
 import subprocess
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0, crash: bool = False) -> None:
     """SIGTERM the group of ``proc`` (started with ``start_new_session=True``), wait
-    ``grace_s``, then SIGKILL whatever is left, stragglers included."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    ``grace_s``, then SIGKILL whatever is left, stragglers included. ``crash``: SIGKILL
+    at once, as an OOM kill or a lost node ends a process: no handler of its own runs."""
+    steps = [(signal.SIGTERM, grace_s)] if not crash else []
+    for sig, wait_s in (*steps, (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):

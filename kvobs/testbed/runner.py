@@ -54,7 +54,7 @@ class Testbed(Protocol):
         """Where the scenario's turns go (read-only: the stack derives it)."""
 
     def act(self, action: str) -> None:
-        """Run a scenario action (restart-proxy, kill-decode, restart-decode, ...)."""
+        """Run a scenario action (``kvobs.testbed.scenario.ACTIONS``)."""
 
     def set_link(self, delay_ms: float, rate_mbit: float) -> None:
         """Shape the P<->D link (no-op without a network namespace)."""

@@ -19,7 +19,7 @@ from kvobs.settings import RECOMPUTE_THRESHOLD
 
 FAILURE_POLICIES = ("fail", "recompute")
 REWRITES = ("strip-last-response", "truncate-head")
-ACTIONS = ("restart-proxy", "kill-decode", "restart-decode")
+ACTIONS = ("restart-proxy", "kill-decode", "restart-decode", "crash-classifier")
 # What stands in front of P and D: kvobs's own proxy, or vLLM's Rust router (PyPI
 # ``vllm-router``), which knows nothing of kvobs: no conversation ids, no stored params.
 KVOBS_PROXY, VLLM_ROUTER = "kvobs", "vllm-router"
@@ -260,6 +260,8 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
                 )
         if conversations[-1].anonymous and conversations[-1].tenant:
             raise ScenarioError(f"{where}: anonymous sends no API key, so no tenant")
+        if not engines.live_classifier and any("crash-classifier" in t.before for t in turns):
+            raise ScenarioError(f"{where}: crash-classifier needs engines.live_classifier")
     if not conversations:
         raise ScenarioError(f"{origin}: no conversations")
     _check_together(conversations, origin)

@@ -60,6 +60,10 @@ class Process:
     def stop(self, grace_s: float = 5.0) -> None:
         stop_process_group(self.proc, grace_s)
 
+    def crash(self) -> None:
+        """SIGKILL: the child gets no chance to finish anything (its stop hooks)."""
+        stop_process_group(self.proc, crash=True)
+
     def wait_until(self, probe, timeout_s: float, what: str) -> None:
         """Return once ``probe()``; else stop the child (its constructor fails, so no
         caller holds it to stop later) and raise."""

@@ -237,12 +237,13 @@ class Stack:
         self.router_policy = policy
         self._start_proxy()
 
-    def _start_live_classifier(self) -> None:
+    def _start_live_classifier(self, port: int | None = None) -> None:
         """``kvobs collect`` classifying as spans arrive, with its own store (OUT/live):
         P, D and the proxy send it every span over OTLP, next to the span store."""
         self.live = CollectProcess(
             self.out_dir / LOGS / "classifier.log",
             str(self.out_dir / LIVE_DIR),
+            port=port,
             extra_args=[
                 "--decode-kv-ttl",
                 str(self.settings.ttl_s),
@@ -257,6 +258,22 @@ class Stack:
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.live.traces_url,
         }
+
+    def crash_live_classifier(self) -> None:
+        """The live classifier SIGKILLed and started again on its address and store, as
+        a crashed pod is: the new process must resume from the turn store and the live
+        segments the old one wrote (``Live.resume``). Killed once every turn it had is
+        final and scraped, so what its counters held is known
+        (``metrics/classifier-before-crash.prom``): they die with it."""
+        live = _running(self.live, "live classifier")
+        time.sleep(TELEMETRY_DRAIN_S)  # the last turn's spans reached it
+        if not live.settled():
+            raise RuntimeError("crash-classifier: the live classifier kept turns open")
+        time.sleep(SCRAPE_DRAIN_S)  # Prometheus's last scrape holds every final turn
+        (self.out_dir / METRICS).mkdir(exist_ok=True)
+        self._save_metrics("classifier-before-crash", live.url + "/metrics")
+        live.crash()
+        self._start_live_classifier(port=live.port)
 
     def live_settled(self, timeout_s: float = 60.0) -> bool:
         """Waits until the live classifier holds no open turn (every turn final)."""
@@ -297,19 +314,22 @@ class Stack:
                 (directory / f"{role}.prom").write_text(engine.metrics())
             except OSError as error:
                 self.log(f"[testbed] could not read {role} /metrics: {error}")
-        import urllib.request
-
         served = []
         if self.proxy is not None and self.proxy.alive():
             served.append((self.proxy.name, self.proxy.metrics_url))  # proxy | vllm-router
         if self.live is not None and self.live.alive():
             served.append(("classifier", self.live.url + "/metrics"))
         for name, url in served:
-            try:
-                with urllib.request.urlopen(url, timeout=5) as answer:
-                    (directory / f"{name}.prom").write_bytes(answer.read())
-            except OSError as error:
-                self.log(f"[testbed] could not read {name} /metrics: {error}")
+            self._save_metrics(name, url)
+
+    def _save_metrics(self, name: str, url: str) -> None:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                (self.out_dir / METRICS / f"{name}.prom").write_bytes(answer.read())
+        except OSError as error:
+            self.log(f"[testbed] could not read {name} /metrics: {error}")
 
     def stop(self) -> None:
         # A second SIGTERM (``timeout`` forwarding one, an impatient kill) must not cut
@@ -348,6 +368,8 @@ class Stack:
             time.sleep(max(TELEMETRY_DRAIN_S, SCRAPE_DRAIN_S))
             _running(self.proxy, "front door").stop()
             self._start_proxy()
+        elif action == "crash-classifier":
+            self.crash_live_classifier()
         elif action == "kill-decode":
             _running(self.pair, "engine pair").kill("decode")
         elif action == "restart-decode":

@@ -57,6 +57,8 @@ def test_defaults():
      r"engines\.router: 'nginx' not one of"),
     ('name = "x"\n[engines]\nrouter = "vllm-router"\nproxy_fixed_lifetime_s = 450\n'
      + MINIMAL.split('name = "x"')[1], r"engines\.proxy_fixed_lifetime_s: a kvobs proxy"),
+    (MINIMAL + 'before = ["crash-classifier"]\n',
+     r"conversations\[1\]: crash-classifier needs engines\.live_classifier"),
     ('name = "x"\n', r"no conversations"),
     ("name = ", r"<scenario>:"),
 ])
