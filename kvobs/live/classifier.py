@@ -234,7 +234,8 @@ class Classifier:
     ) -> int:
         """Take the turns a previous run finalized (the turn store's latest rows, with
         their version) as final: a replay of their spans that classifies a turn the same
-        way neither counts nor writes it again; one that differs is a new version. And
+        way (at the fleet context its row names: ``_priced_as_stored``) neither counts
+        nor writes it again; one that differs is a new version. And
         the keys it retired (with the retirement's version): a turn lineage puts under
         one again is written past it, as in the run that retired it. Returns the turns
         taken."""

@@ -221,6 +221,72 @@ def _turns_cli(*args: str) -> dict[tuple, dict]:
     return {(t["conversation_id"], t["turn"]): t for t in json.loads(done.stdout)}
 
 
+# The classifier a replayed run is sent to: turns final a second after their last span.
+_REPLAY_SETTINGS = ("--decode-kv-ttl", "600", "--grace", "1", "--interval", "0.2")
+
+
+def _export_lines(out) -> list[bytes]:
+    """The run's OTLP export requests as its components sent them (the store's lines,
+    a file per component), in the order they were sent: by the last span each ended."""
+    import json
+
+    def sent(line: str) -> int:
+        return max(int(span["endTimeUnixNano"])
+                   for resource in json.loads(line)["resourceSpans"]
+                   for scope in resource["scopeSpans"] for span in scope["spans"])
+
+    lines = [line for path in (out / sc.STORE_LIVE_DIR).glob("*.jsonl")
+             for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line.encode() for line in sorted(lines, key=sent)]
+
+
+def _post(url: str, lines: list[bytes]) -> None:
+    """Each line to ``url`` as the Collector's otlphttp exporter (JSON) would send it."""
+    import urllib.request
+
+    for line in lines:
+        request = urllib.request.Request(url, data=line, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 200
+
+
+def test_a_classifier_crashed_midway_resumes_the_router_run(router_run, tmp_path):
+    """The id-less run's export requests sent to ``kvobs collect``, which is SIGKILLed
+    halfway (some turns final in its turn store, others open) and started again on its
+    store: the two together give every turn of the run, each the batch's answer at the
+    fleet context its row names, under the conversation lineage gave it; the second
+    says what it resumed."""
+    import re
+
+    from kvobs.live.turnstore import TurnStore
+    from kvobs.testbed.services import CollectProcess
+
+    lines, store, log = _export_lines(router_run.out), tmp_path / "store", tmp_path / "collect.log"
+    collect = CollectProcess(log, str(store), extra_args=list(_REPLAY_SETTINGS))
+    try:
+        half = len(lines) // 2
+        _post(collect.traces_url, lines[:half])
+        assert collect.settled(turns=1), "no turn final before the crash"
+        _post(collect.traces_url, lines[half:half + 5])  # turns open at the crash
+        collect.crash()
+        collect = CollectProcess(log, str(store), port=collect.port,
+                                 extra_args=list(_REPLAY_SETTINGS))
+        _post(collect.traces_url, lines[half + 5:])
+        assert collect.settled(), "the classifier kept turns open"
+    finally:
+        collect.stop(grace_s=60)
+    text = log.read_text()
+    assert "Traceback" not in text
+    resumed = re.search(r"resumed: (\d+) final turns from the turn store, (\d+) export", text)
+    assert resumed and int(resumed[1]) > 0 and int(resumed[2]) > 0, text[-2000:]
+    turns = {(t["tenant"], t["conversation_id"], t["turn"]): t
+             for t in TurnStore(str(store), 86400).latest()}
+    assert len(turns) == len(router_run.results)
+    assert all(key[1].startswith(sc.LINEAGE_PREFIX) for key in turns)
+    assert differing_from_batch(turns, open_source(str(router_run.out)).span_table()) == []
+
+
 def test_clickhouse_gets_the_classifier_s_linked_turns_behind_the_router(router_run, tmp_path):
     """The id-less run's spans sent over OTLP to ``kvobs collect --turn-store chdb:...``
     (the Collector's role, replayed from the run's store): once every turn is final,
@@ -228,27 +294,15 @@ def test_clickhouse_gets_the_classifier_s_linked_turns_behind_the_router(router_
     turns the classifier linked, and ``kvobs turns`` there gives every turn of the
     embedded store, with the same rebuilt conversation, index, verdict, rule, evidence
     and slowest phase. (The span SQL path groups by the ids spans carry: none here.)"""
-    import glob
-    import urllib.request
-
     from kvobs.testbed.services import CollectProcess
 
     database = tmp_path / "clickhouse"
     collect = CollectProcess(tmp_path / "collect.log", str(tmp_path / "store"), extra_args=[
-        "--turn-store", f"chdb:{database}", "--decode-kv-ttl", "600", "--grace", "1",
-        "--interval", "0.2"])
+        "--turn-store", f"chdb:{database}", *_REPLAY_SETTINGS])
     try:
-        lines = 0
-        for path in sorted(glob.glob(str(router_run.out / sc.STORE_LIVE_DIR / "*.jsonl"))):
-            with open(path, encoding="utf-8") as handle:
-                for line in filter(str.strip, handle):
-                    request = urllib.request.Request(
-                        collect.traces_url, data=line.encode(), method="POST",
-                        headers={"Content-Type": "application/json"})
-                    with urllib.request.urlopen(request, timeout=30) as answer:
-                        assert answer.status == 200
-                    lines += 1
+        lines = _export_lines(router_run.out)
         assert lines
+        _post(collect.traces_url, lines)
         assert collect.settled(turns=len(router_run.results)), \
             "the classifier did not finalize every turn"
     finally:
