@@ -89,6 +89,7 @@ class Live:
         the window is held whole again, as lineage needs it. Said in the log, with what
         could not be replayed."""
         now = time.time() if now is None else now
+        started = time.perf_counter()
         since = now - self.classifier.buffer.window_s
         held = _read_held(self.store_dir)
         if held is not None:
@@ -112,16 +113,22 @@ class Live:
                             unreadable += 1
             except OSError as error:
                 _LOG.warning("could not replay %s: %s", path, error)
+        if requests:
+            # Classified before the service listens: this pass takes every span of the
+            # window, and on the event loop it would leave /health unanswered as long (a
+            # liveness probe's kill, and the next start the same). A startup probe waits.
+            self.run_pass(now)
         if taken or requests:
             _LOG.info(
                 "resumed: %d final turns from the turn store, %d export requests "
                 "replayed from the live segments written since %.0f s before the start "
-                "(%d unreadable lines skipped); turns whose spans left the live segments "
-                "stay as stored",
+                "(%d unreadable lines skipped), classified in %.1f s; turns whose spans "
+                "left the live segments stay as stored",
                 taken,
                 requests,
                 now - since,
                 unreadable,
+                time.perf_counter() - started,
             )
 
     def receive(self, stored: collect.Stored) -> None:

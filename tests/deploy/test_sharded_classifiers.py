@@ -344,3 +344,29 @@ def test_the_checks_fail_on_a_broken_render(sharded, breakage):
     edit(broken)
     with pytest.raises(AssertionError):
         check(broken)
+
+
+def _classifier_containers(docs: list[dict]):
+    """(workload, container) of every ``kvobs collect`` container of a render."""
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                if container.get("command", [])[:2] == ["kvobs", "collect"]:
+                    yield doc["metadata"]["name"], container
+
+
+def test_liveness_waits_for_a_restarted_classifier(kubectl, sharded, example_sharded):
+    """A restarted classifier classifies the window's spans again before it listens
+    (``Live.resume``): minutes for a fleet's window. Its liveness probe alone (30 s by
+    default) would kill it meanwhile, and every start after alike: a startup probe on
+    the same endpoint waits, 10 min at least, in every render."""
+    renders = [DEPLOY.render(kubectl, DEPLOY.KUBE / "base"),
+               DEPLOY.render(kubectl, DEPLOY.KUBE / "overlays" / "example"),
+               sharded, example_sharded]
+    for docs in renders:
+        containers = list(_classifier_containers(docs))
+        assert containers
+        for name, container in containers:
+            startup, liveness = container.get("startupProbe"), container["livenessProbe"]
+            assert startup and startup["httpGet"] == liveness["httpGet"], name
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, name
