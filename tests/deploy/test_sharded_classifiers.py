@@ -359,7 +359,8 @@ def test_liveness_waits_for_a_restarted_classifier(kubectl, sharded, example_sha
     """A restarted classifier classifies the window's spans again before it listens
     (``Live.resume``): minutes for a fleet's window. Its liveness probe alone (30 s by
     default) would kill it meanwhile, and every start after alike: a startup probe on
-    the same endpoint waits, 10 min at least, in every render."""
+    the same endpoint waits, 10 min at least, in every render; the Collector feeding it
+    retries as long."""
     renders = [DEPLOY.render(kubectl, DEPLOY.KUBE / "base"),
                DEPLOY.render(kubectl, DEPLOY.KUBE / "overlays" / "example"),
                sharded, example_sharded]
@@ -370,3 +371,11 @@ def test_liveness_waits_for_a_restarted_classifier(kubectl, sharded, example_sha
             startup, liveness = container.get("startupProbe"), container["livenessProbe"]
             assert startup and startup["httpGet"] == liveness["httpGet"], name
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, name
+        # ... and the Collector that feeds it retries until it listens (by default it
+        # gives up after 300 s: the spans of a longer restart were dropped)
+        feeding = [exporter for doc in docs if doc["kind"] == "ConfigMap"
+                   and "config.yaml" in doc.get("data", {})
+                   for name, exporter in yaml.safe_load(doc["data"]["config.yaml"])
+                   .get("exporters", {}).items() if name == "otlphttp/kvobs-classifier"]
+        assert feeding
+        assert all(e["retry_on_failure"].get("max_elapsed_time") == "0s" for e in feeding)
