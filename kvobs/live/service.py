@@ -117,7 +117,10 @@ class Live:
             # Classified before the service listens: this pass takes every span of the
             # window, and on the event loop it would leave /health unanswered as long (a
             # liveness probe's kill, and the next start the same). A startup probe waits.
-            self.run_pass(now)
+            try:
+                self.run_pass(now)
+            except Exception:  # noqa: BLE001 - the loop's first pass tries again
+                _LOG.exception("could not classify the replayed spans")
         if taken or requests:
             _LOG.info(
                 "resumed: %d final turns from the turn store, %d export requests "

@@ -257,3 +257,26 @@ def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
     live.run_pass(later)
     assert len(live.classifier.buffer) == 0
     assert json.loads((tmp_path / STORE_CLASSIFIER_HELD).read_text()) == {"held_since": later}
+
+
+def test_a_restart_whose_first_pass_fails_still_starts(tmp_path, monkeypatch, caplog):
+    """The pass over the replayed spans runs before the service listens: one that fails
+    is logged, the service starts, and its loop's next pass classifies them."""
+    from kvobs.emit.segments import SUFFIX
+    from kvobs.semconv import STORE_LIVE_DIR
+
+    segment = tmp_path / STORE_LIVE_DIR / ("demo" + SUFFIX)
+    segment.parent.mkdir(parents=True)
+    segment.write_text(DEMO.read_text())
+    live = build_app(str(tmp_path), LiveSettings(window_s=600, grace_s=GRACE_S))[LIVE]
+
+    def broken(now=None):
+        raise RuntimeError("a pass that fails")
+
+    monkeypatch.setattr(live.classifier, "run_pass", broken)
+    live.resume()
+    assert "could not classify the replayed spans" in caplog.text
+    assert live.classifier.spans_received > 0 and not live.classifier.turns
+    monkeypatch.undo()
+    live.run_pass()
+    assert live.classifier.turns
