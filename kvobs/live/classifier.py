@@ -461,6 +461,8 @@ class Classifier:
         again, so a restart neither writes it again nor counts it reclassified. Rows of
         ``turns`` (in order) are replaced in ``rows``; a turn whose answer differs at the
         stored context too (spans the stop cut short) keeps its new row."""
+        if not self._by_unit.get(RESUMED):
+            return  # every pass but a restart's replay: nothing to look up a row
         positions: dict[tuple[float, float], list[int]] = collections.defaultdict(list)
         for i, row in enumerate(rows):
             state = self.turns.get((row["tenant"], row["conversation_id"], row["turn"]))
