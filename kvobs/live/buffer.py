@@ -43,6 +43,7 @@ conversation is *late*: counted, kept in the span store, not classified. No I/O 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 from dataclasses import dataclass, field
@@ -50,7 +51,6 @@ from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvobs import semconv as sc
 from kvobs.sources._frame import conformed, table_from_rows
@@ -132,17 +132,13 @@ class ArrowSpans:
             return table_from_rows([])
         return conformed(pa.concat_tables(parts, promote_options="default"))
 
-    def earliest_end_ns(self) -> int | None:
-        """The earliest end of a span held (of a few more: a table keeps a span that
-        left until the tables are merged)."""
-        ends = [row.get("end_ns") for row in self._pending.values()]
-        found = [end for end in ends if isinstance(end, int)]
-        for _, table in self._tables:
-            if "end_ns" in table.column_names:
-                earliest = pc.min(table.column("end_ns")).as_py()
-                if earliest is not None:
-                    found.append(earliest)
-        return min(found) if found else None
+    def earliest_serial(self) -> int | None:
+        """The lowest serial held (of a few more: a table keeps a span that left until
+        the tables are merged)."""
+        firsts = [int(serials[0]) for serials, _ in self._tables if len(serials)]
+        if self._pending:
+            firsts.append(next(iter(self._pending)))  # serials are added in order
+        return min(firsts) if firsts else None
 
     def merge_due(self, held: int | None) -> bool:
         """Whether to merge: the tables are many, or they convert over twice the spans
@@ -275,7 +271,10 @@ class SpanBuffer:
         self._forget_after = forget_after
         self.late_spans = 0
         self._arrow = ArrowSpans()
-        self._serial = itertools.count()
+        self._next_serial = 0
+        # (first serial, when received): the spans from that serial to the next mark's
+        # were received then or within a second after (``held_since``).
+        self._received: list[tuple[int, float]] = []
 
     def __len__(self) -> int:
         unplaced = sum(
@@ -287,8 +286,10 @@ class SpanBuffer:
             + unplaced
         )
 
-    def add(self, rows: list[dict], now: float) -> None:
-        """Spans as ``kvobs.sources._rows`` decodes them (coerced rows)."""
+    def add(self, rows: list[dict], now: float, received: float | None = None) -> None:
+        """Spans as ``kvobs.sources._rows`` decodes them (coerced rows), taken ``now``;
+        ``received``: when the service received them, if before (a restart's replay)."""
+        self._mark_received(now if received is None else received)
         touched: set[str] = set()  # traces whose untagged spans are placed again
         for row in rows:
             cid = row.get(_CID)
@@ -324,8 +325,20 @@ class SpanBuffer:
         for trace in touched:
             self._place(trace, now)
 
+    def _mark_received(self, at: float) -> None:
+        """Note that the spans from the next serial on were received at ``at`` or later:
+        a mark a second at most (and one whenever the clock steps back)."""
+        if self._received:
+            serial, marked = self._received[-1]
+            if serial == self._next_serial:  # no span came under the last mark
+                self._received.pop()
+            elif 0 <= at - marked < 1.0:
+                return
+        self._received.append((self._next_serial, at))
+
     def _hold(self, row: dict) -> int:
-        serial = next(self._serial)
+        serial = self._next_serial
+        self._next_serial += 1
         self._arrow.add(serial, row)
         if row.get("name") in _ENGINE_SPANS and row.get(_STARTED) is not None:
             self._engines[(row.get(_ENDPOINT), row[_STARTED], row.get(_ENGINE))] = serial
@@ -652,11 +665,19 @@ class SpanBuffer:
             rows = [row for key in new for row in self.units[key].lineage.values()]
 
     def held_since(self) -> float | None:
-        """When the earliest span the buffer holds ended (Unix seconds; None: none held):
-        a restart that replays the spans received since then holds what this buffer
-        does, conversations that went on past the window included."""
-        earliest = self._arrow.earliest_end_ns()
-        return None if earliest is None else earliest / 1e9
+        """When the service received the earliest span the buffer holds (its own clock,
+        not the emitters': Unix seconds; None: none held), within a second, never later:
+        a restart that replays the live segments written since then holds what this
+        buffer does, conversations that went on past the window included."""
+        earliest = self._arrow.earliest_serial()
+        if earliest is None:
+            self._received.clear()
+            return None
+        # The mark whose range holds the earliest serial, and every later one (a clock
+        # stepped back marks later spans earlier); those before it are needed no more.
+        first = bisect.bisect_right(self._received, earliest, key=lambda mark: mark[0]) - 1
+        del self._received[: max(first, 0)]
+        return min(at for _, at in self._received) if self._received else None
 
     def rows_of(self, key: str) -> list[dict]:
         if key == IDLESS:

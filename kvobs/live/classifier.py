@@ -219,13 +219,16 @@ class Classifier:
 
     # ------------------------------------------------------------------ input
 
-    def add_request(self, request: object, now: float | None = None) -> int:
-        """One OTLP export request (its JSON form); returns the spans taken."""
+    def add_request(
+        self, request: object, now: float | None = None, received: float | None = None
+    ) -> int:
+        """One OTLP export request (its JSON form), taken ``now``; ``received``: when the
+        service received it, if before (a restart's replay). Returns the spans taken."""
         problems: list[str] = []
         rows = document_rows("otlp", request, problems)
         self.problems.extend(problems)
         self.spans_unreadable += sum(1 for p in problems if "skipped" in p)
-        self.buffer.add(rows, time.time() if now is None else now)
+        self.buffer.add(rows, time.time() if now is None else now, received)
         self.spans_received += len(rows)
         return len(rows)
 

@@ -50,8 +50,8 @@ from kvobs.sources._errors import SourceError
 _LOG = logging.getLogger("kvobs.live")
 LIVE = web.AppKey("kvobs_live", object)
 
-# Spans' end times are the emitters' clocks, a segment's time the service's: a replay
-# starts this much before the earliest span held ended.
+# A replay starts this much before the earliest span held was received: a segment's
+# time comes from its file system (coarse on some), the note moves by whole seconds.
 CLOCK_MARGIN_S = 60.0
 # Seconds between two rounds of the turn store's upkeep (retention, merging parts).
 MAINTAIN_S = 600
@@ -100,14 +100,16 @@ class Live:
             taken = 0
             _LOG.warning("could not read the turn store to resume from: %s", error)
         requests = unreadable = 0
-        for path in _segments_since(self.store_dir, since):
+        for path, written in _segments_since(self.store_dir, since):
             try:
                 with open(path, encoding="utf-8", errors="replace") as handle:
                     for line in handle:
                         if not line.strip():
                             continue
                         try:
-                            self.classifier.add_request(loads(line), now)
+                            # Received by the time the segment was last written: the
+                            # next restart's replay then takes this segment again.
+                            self.classifier.add_request(loads(line), now, written)
                             requests += 1
                         except ValueError:
                             unreadable += 1
@@ -134,10 +136,10 @@ class Live:
                 time.perf_counter() - started,
             )
 
-    def receive(self, stored: collect.Stored) -> None:
+    def receive(self, stored: collect.Stored, now: float | None = None) -> None:
         """One stored export request: the classifier takes what its line reads back as."""
         try:
-            self.classifier.add_request(stored.request())
+            self.classifier.add_request(stored.request(), now)
         except Exception:  # noqa: BLE001 - the spans are stored; classification is extra
             _LOG.exception("could not take spans for classification")
 
@@ -326,8 +328,9 @@ def _write_held(store_dir: str, held: float) -> None:
     )
 
 
-def _segments_since(store_dir: str, since: float) -> list[str]:
-    """The store's live segments written to at or after ``since``, oldest first."""
+def _segments_since(store_dir: str, since: float) -> list[tuple[str, float]]:
+    """The store's live segments written to at or after ``since``, with when they were
+    last written to, oldest first."""
     directory = os.path.join(store_dir, STORE_LIVE_DIR)
     try:
         names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
@@ -339,7 +342,7 @@ def _segments_since(store_dir: str, since: float) -> list[str]:
             stamped.append((os.path.getmtime(os.path.join(directory, name)), name))
         except OSError:
             continue  # sealed or expired meanwhile
-    return [os.path.join(directory, n) for mtime, n in sorted(stamped) if mtime >= since]
+    return [(os.path.join(directory, n), mtime) for mtime, n in sorted(stamped) if mtime >= since]
 
 
 def _json_dumps(value) -> str:

@@ -7,6 +7,7 @@ touch, not the window."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -275,7 +276,7 @@ def _streamed(rows: list[dict], rng: random.Random, every_s: float, delay_s: flo
     """``rows`` arriving up to ``delay_s`` late, out of order, a pass every ``every_s``;
     what the passes wrote. ``restart``: once a random number of spans arrived, a new
     classifier resumes from what was written and a replay of the spans received since
-    the window began or the earliest span held ended, whichever is earlier, as the
+    the window began or the earliest span held was received, whichever is earlier, as the
     service does from its stores (``Live.resume``)."""
     classifier, written = Classifier(window_s=600, grace_s=0), Written()
     arrival = sorted(rows, key=lambda r: r["end_ns"] / SECOND + rng.uniform(0, delay_s))
@@ -294,7 +295,9 @@ def _streamed(rows: list[dict], rng: random.Random, every_s: float, delay_s: flo
                 since = min(clock - 600, (classifier.buffer.held_since() or clock) - CLOCK_MARGIN_S)
                 classifier = Classifier(window_s=600, grace_s=0)
                 classifier.resume(written.rows().values(), written.retired(), clock)
-                classifier.buffer.add([span for at, span in received if at >= since], now=clock)
+                replay = [(at, span) for at, span in received if at >= since]
+                for at, group in itertools.groupby(replay, key=lambda pair: pair[0]):
+                    classifier.buffer.add([span for _, span in group], now=clock, received=at)
         pending.append(row)
     classifier.buffer.add(pending, now=clock)
     written.take(classifier.run_pass(now=clock))

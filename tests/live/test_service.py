@@ -214,8 +214,12 @@ def test_the_service_upkeep_merges_and_expires_the_turn_store(tmp_path):
 
 def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
     """A conversation held past the window (it went on) is held whole after a restart:
-    each pass notes when the earliest span held ended, and the restart replays the live
-    segments written since then, not only those of the window."""
+    each pass notes when the service received the earliest span held, and the restart
+    replays the live segments written since then, not only those of the window. On the
+    service's clock, not the emitters': here they run an hour ahead (noted by the spans'
+    end times, the restart would start after the segment was written and find nothing).
+    A replayed span counts as received when its segment was last written, so a second
+    restart replays it again."""
     import os
     import time
 
@@ -224,35 +228,40 @@ def test_a_restart_replays_from_the_earliest_span_the_buffer_held(tmp_path):
 
     lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
     live = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
-    for line in lines:
-        live.receive(Stored(line, 0))
     earliest = min(row["end_ns"] for row in open_source(str(DEMO)).span_table().to_pylist())
-    live.run_pass(earliest / 1e9 + 30)
+    received = earliest / 1e9 - 3600  # the emitters' clocks run an hour ahead
+    for at, line in enumerate(lines):
+        live.receive(Stored(line, 0), now=received + at / 10)
+    live.run_pass(received + 30)
     note = json.loads((tmp_path / STORE_CLASSIFIER_HELD).read_text())
-    assert note == {"held_since": earliest / 1e9}
+    assert note == {"held_since": received}
 
     # The segment was written as the spans came (receive() is what the HTTP handler
     # calls once it stored them); the restart is long after the window.
     segment = tmp_path / STORE_LIVE_DIR / ("demo" + SUFFIX)
     segment.parent.mkdir(parents=True, exist_ok=True)
     segment.write_text("\n".join(lines) + "\n")
-    os.utime(segment, (earliest / 1e9 + 10, earliest / 1e9 + 10))
-    restart = earliest / 1e9 + 3600
+    written = received + len(lines) / 10
+    os.utime(segment, (written, written))
+    restart = received + 3600
 
-    def replayed() -> tuple[int, int]:
+    def replayed(at: float) -> tuple[int, int]:
         again = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
-        again.resume(restart)
+        again.resume(at)
         # Classified before the service listens (no pass of its loop needed): the pass
         # over the window's spans must not hold up /health once it listens.
         return again.classifier.spans_received, len(again.classifier.turns)
 
     # every span, as received
-    assert replayed() == (live.classifier.spans_received, len(live.classifier.turns))
+    assert replayed(restart) == (live.classifier.spans_received, len(live.classifier.turns))
     assert len(live.classifier.turns) > 0
+    # The restarted service noted the segment's time, not its own start's: a second
+    # restart, another hour on, holds every span again.
+    assert json.loads((tmp_path / STORE_CLASSIFIER_HELD).read_text()) == {"held_since": written}
+    assert replayed(restart + 3600) == (live.classifier.spans_received, len(live.classifier.turns))
     (tmp_path / STORE_CLASSIFIER_HELD).unlink()
-    assert replayed() == (0, 0)  # the window's segments alone: none
-    # Once nothing is held (every conversation left: receive() took the spans at the
-    # clock's time), the window is enough.
+    assert replayed(restart) == (0, 0)  # the window's segments alone: none
+    # Once nothing is held (every conversation left), the window is enough.
     later = time.time() + 120
     live.run_pass(later)
     assert len(live.classifier.buffer) == 0
