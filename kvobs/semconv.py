@@ -1488,8 +1488,8 @@ M_CLASSIFIER_WRITE_ERRORS = _metric(
     "kvobs_classifier_turn_write_errors_total",
     "counter",
     "",
-    "Final turn rows the classifier could not write to its turn store (full disk, "
-    "unwritable directory); the rows are kept and written with the next batch.",
+    "Writes of final turn rows to the classifier's turn store that failed (full disk, "
+    "unwritable directory), one a pass; the rows are kept and written with the next batch.",
 )
 CLASSIFIER_SPAN_OUTCOMES = ("classified", "late", "unreadable")
 M_CLASSIFIER_PEER_FAILURES = _metric(
@@ -1505,8 +1505,9 @@ M_CLASSIFIER_PEER_FAILURES = _metric(
 )
 PEER_FAILURE_REASONS = ("timeout", "unreachable", "bad-answer")
 
-# Upstream vLLM metrics kvobs reads (dashboards, alerts, testbed cross-checks); vLLM emits
-# them, not kvobs, so they stay out of METRICS (kvobs' own catalogue). Exposed names.
+# Upstream metrics kvobs reads (dashboards, alerts, testbed cross-checks): vLLM's, and
+# prometheus_client's process collector; kvobs defines none of them, so they stay out of
+# METRICS (kvobs' own catalogue). Exposed names.
 UPSTREAM_METRICS: dict[str, Metric] = {}
 
 
@@ -1611,6 +1612,15 @@ M_OFFLOAD_TIER_READ_TIME = _upstream(
     "Seconds spent reading from a secondary tier into the host tier, by tier (as "
     "vllm:kv_offload_tiering_read_bytes_total; vLLM's tiering spec).",
     ("model_name", "engine", "tier"),
+)
+# On the live classifier's /metrics (kvobs collect serves, decodes and classifies on one
+# event loop: this is how much of a core it uses).
+M_PROCESS_CPU = _upstream(
+    "process_cpu_seconds_total",
+    "counter",
+    "seconds",
+    "User and system CPU seconds of the process (prometheus_client's process collector).",
+    labels=(),
 )
 
 # --------------------------------------------------------------------------- buckets

@@ -8,7 +8,7 @@ import bisect
 import math
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from kvobs import semconv as sc
 from kvobs.emit.prometheus import counter, gauge, histogram
@@ -44,6 +44,9 @@ class TurnMetrics:
         self.pass_seconds = histogram(sc.M_CLASSIFIER_PASS, r)
         self.write_errors = counter(sc.M_CLASSIFIER_WRITE_ERRORS, r)
         self.peer_failures = counter(sc.M_CLASSIFIER_PEER_FAILURES, r)
+        # sc.M_PROCESS_CPU and the other process_* series: how much of its one core the
+        # service uses (KvobsClassifierSaturated).
+        ProcessCollector(registry=r)
         self._span_totals = dict.fromkeys(sc.CLASSIFIER_SPAN_OUTCOMES, 0)
         # Each series' child, once: ``labels()`` validates its values on every call (~3 us),
         # and a final turn touches ~20 series.

@@ -50,6 +50,10 @@ class Selectors:
     # healthy fleet cannot hide another's missing connector or proxy.
     engine_targets: str = 'job=~".*(prefill|decode).*"'
     proxy_targets: str = 'job=~".*proxy.*"'
+    # The live classifiers' (``kvobs collect``) jobs: deploy/'s monitors name them
+    # kvobs-classifier. Their process_cpu_seconds_total is picked by it too (every
+    # process exposes that name).
+    classifier_targets: str = 'job=~".*classifier.*"'
 
 
 # Matchers the dashboards use: every query is filtered by the template variables. The role
@@ -102,6 +106,12 @@ class Thresholds:
     # on a fleet with later turns: offload_prompt_only=true on a multi-turn fleet. High
     # by default: a short answer that does not fill its block is prompt-only too.
     host_prompt_only_ratio: float = 0.9
+    # CPU seconds a second of one live classifier process: it serves, decodes and
+    # classifies on one core; past it the Collector's queue grows, then drops spans.
+    classifier_cpu_share: float = 0.8
+    # Share of the spans a classifier received after their conversation had left its
+    # window (stored, not classified): the window is short for the fleet's delays.
+    late_span_ratio: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,7 @@ class RateFloors:
     prefill_requests: float = 0.01  # requests finished by the prefill engines
     host_lookups: float = 0.01  # host-tier lookups that found a copy or its evicted blocks
     host_saves: float = 0.01  # host copies saved
+    classifier_spans: float = 1.0  # spans a live classifier received
 
 
 @dataclass(frozen=True)

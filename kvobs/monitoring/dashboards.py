@@ -111,6 +111,9 @@ RUNBOOK_LINKS: dict[str, tuple[str, ...]] = {
     "Prompt-only share of host copies": (rules.HOST_PROMPT_ONLY_ALERT,),
     "Fault verdict shares of later turns": tuple(rules.VERDICT_ALERTS.values()),
     "Later turns by verdict": tuple(rules.VERDICT_ALERTS.values()),
+    "Classifier CPU": ("KvobsClassifierSaturated",),
+    "Spans received by outcome": ("KvobsClassifierLateSpans", "KvobsClassifierTelemetryAbsent"),
+    "Turn writes failed, turns re-classified": ("KvobsClassifierTurnWriteErrors",),
 }
 # Histograms the proxy exposes with exemplars (trace_id of the turn): their quantile
 # queries ask Grafana for exemplars, which link to the trace (datasource's
@@ -633,6 +636,65 @@ def rows(config: MonitoringConfig = DEFAULT) -> tuple[RowSpec, ...]:
         ),
         where_ttft_goes(s, config),
         host_copy(s, config),
+        classifier_row(s, config),
+    )
+
+
+def classifier_row(s: q.Scope, config: MonitoringConfig) -> RowSpec:
+    """The live classifier itself: whether the true verdicts above can be trusted."""
+    T = Target
+    per_process = s.keeping(*PER_POD)
+    return RowSpec(
+        "Live classifier (kvobs collect): keeping up",
+        (
+            PanelSpec(
+                "Classifier CPU",
+                "CPU seconds a second of each `kvobs collect` process: it receives, decodes "
+                "and classifies on one core, so near 100 % it falls behind (the Collector's "
+                "queue grows, then drops spans). Run several classifiers past it.",
+                (
+                    T(
+                        q.classifier_cpu_share(per_process, config.selectors.classifier_targets),
+                        POD,
+                    ),
+                ),
+                "percentunit",
+                threshold=config.thresholds.classifier_cpu_share,
+                width=6,
+            ),
+            PanelSpec(
+                "Spans received by outcome",
+                "Spans the classifiers received: classified (held for their turn), late "
+                "(their conversation had left the window: stored, not classified), "
+                "unreadable.",
+                (T(q.classifier_spans_rate(s.keeping("outcome")), "{{outcome}}"),),
+                "ops",
+                stacked=True,
+                width=6,
+            ),
+            PanelSpec(
+                "Held spans and open turns",
+                "What each classifier holds in memory: spans of the conversations within "
+                "its window, and turns classified but not final yet.",
+                (
+                    T(q.classifier_held_spans(per_process), f"spans held, {POD}"),
+                    T(q.classifier_open_turns(per_process), f"open turns, {POD}"),
+                ),
+                width=6,
+            ),
+            PanelSpec(
+                "Turn writes failed, turns re-classified",
+                "Failed writes of final turns to the turn store (the rows wait in memory), "
+                "and final turns written again as a new version (a late span, a lineage "
+                "settled by a later turn).",
+                (
+                    T(q.turn_write_errors_rate(s), "failed writes"),
+                    T(q.reclassified_turns_rate(s), "re-classified turns"),
+                ),
+                "ops",
+                width=6,
+            ),
+        ),
     )
 
 

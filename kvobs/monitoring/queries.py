@@ -24,6 +24,12 @@ from dataclasses import dataclass, replace
 
 from kvobs.monitoring.config import DIRECTION_D_TO_P, DIRECTION_P_TO_D, WAS_READ_FALSE
 from kvobs.semconv import (
+    M_CLASSIFIER_HELD_SPANS,
+    M_CLASSIFIER_OPEN_TURNS,
+    M_CLASSIFIER_SPANS,
+    M_CLASSIFIER_WRITE_ERRORS,
+    M_PROCESS_CPU,
+    M_TURNS_RECLASSIFIED,
     M_TURN_CAUSES,
     M_TURN_LATENCY,
     M_TURN_PHASE,
@@ -251,6 +257,41 @@ def turn_phase_quantile(s: Scope, q: float, *extra: str) -> str:
 
 def classified_latency_quantile(s: Scope, q: float, *extra: str) -> str:
     return quantile(q, M_TURN_LATENCY, s.proxy, s.window, s.by, *extra)
+
+
+# ----------------------------------------------------------- the live classifier itself
+
+
+def classifier_cpu_share(s: Scope, targets: str) -> str:
+    """CPU seconds a second of the busiest classifier process by ``s.by`` (``targets``:
+    the classifiers' jobs, as every process exposes this name)."""
+    return f"{_by(s.by, 'max')}(rate({series(M_PROCESS_CPU, s.proxy, targets)}[{s.window}]))"
+
+
+def classifier_spans_rate(s: Scope, *extra: str) -> str:
+    """Spans the classifiers received per second (outcome: classified, late, unreadable)."""
+    return sum_rate(M_CLASSIFIER_SPANS, s.proxy, s.window, s.by, *extra)
+
+
+def late_span_ratio(s: Scope) -> str:
+    """Share of the spans received after their conversation had left the window."""
+    return ratio(classifier_spans_rate(s, 'outcome="late"'), classifier_spans_rate(s))
+
+
+def turn_write_errors_rate(s: Scope) -> str:
+    return sum_rate(M_CLASSIFIER_WRITE_ERRORS, s.proxy, s.window, s.by)
+
+
+def reclassified_turns_rate(s: Scope) -> str:
+    return sum_rate(M_TURNS_RECLASSIFIED, s.proxy, s.window, s.by)
+
+
+def classifier_held_spans(s: Scope) -> str:
+    return sum_gauge(M_CLASSIFIER_HELD_SPANS, s.proxy, s.by)
+
+
+def classifier_open_turns(s: Scope) -> str:
+    return sum_gauge(M_CLASSIFIER_OPEN_TURNS, s.proxy, s.by)
 
 
 def pull_decisions_rate(s: Scope) -> str:

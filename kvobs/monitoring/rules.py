@@ -22,7 +22,11 @@ from dataclasses import dataclass, field, replace
 from kvobs.monitoring import queries as q
 from kvobs.monitoring.config import DEFAULT, DIRECTION_D_TO_P, MonitoringConfig
 from kvobs.semconv import (
+    M_CLASSIFIER_HELD_SPANS,
+    M_CLASSIFIER_SPANS,
+    M_CLASSIFIER_WRITE_ERRORS,
     M_HOST_LOOKUPS,
+    M_PROCESS_CPU,
     M_HOST_SAVES,
     M_PROXY_DECODE_TTL,
     M_PROXY_ENTRY_LIFETIME,
@@ -293,6 +297,105 @@ def verdict_alerts(config: MonitoringConfig) -> list[Alert]:
             ),
         )
         for name, verdict, threshold, what in table
+    ]
+
+
+def _classifier_spans(classified: float, late: float) -> dict[str, str]:
+    """Spans a classifier received per minute, by outcome."""
+    return {
+        sel(M_CLASSIFIER_SPANS, {**CLASSIFIER, "outcome": outcome}): per_minute(n)
+        for outcome, n in (("classified", classified), ("late", late), ("unreadable", 0))
+    }
+
+
+def classifier_alerts(config: MonitoringConfig) -> list[Alert]:
+    """The live classifier's own health: a verdict alert that stays silent because the
+    classifier cannot keep up, misses spans or cannot store its turns is no all-clear."""
+    s, th, fl, w = _scope(config), config.thresholds, config.floors, config.windows
+    job = _kept(CLASSIFIER, config)
+    second = {**CLASSIFIER, "instance": "kvobs-1:4319"}
+    return [
+        Alert(
+            "KvobsClassifierSaturated",
+            f"({q.classifier_cpu_share(s, config.selectors.classifier_targets)}) "
+            f"> {th.classifier_cpu_share:g}",
+            w.for_latency,
+            "warning",
+            "A live classifier of {{ $labels.job }} uses its whole core.",
+            "A `kvobs collect` process of {{ $labels.job }} used {{ $value | "
+            "humanizePercentage }} of a CPU core over the rate window. It receives, decodes "
+            "and classifies on one core: past it, exports wait, the Collector's queue grows "
+            "and then drops spans, and turns lose their evidence (insufficient-evidence). "
+            "Run several classifiers (deploy/kubernetes/components/sharded-classifiers).",
+            (
+                Case(
+                    "one of two classifiers at 95% of a core",
+                    {
+                        sel(M_PROCESS_CPU, CLASSIFIER): per_minute(57),
+                        sel(M_PROCESS_CPU, second): per_minute(18),
+                    },
+                    True,
+                    labels=job,
+                    value="95%",
+                ),
+                Case(
+                    "two classifiers at half a core each",
+                    {
+                        sel(M_PROCESS_CPU, CLASSIFIER): per_minute(30),
+                        sel(M_PROCESS_CPU, second): per_minute(30),
+                    },
+                    False,
+                ),
+                Case(
+                    "another job's process at a whole core",
+                    {sel(M_PROCESS_CPU, PROXY): per_minute(60)},
+                    False,
+                ),
+            ),
+        ),
+        Alert(
+            "KvobsClassifierLateSpans",
+            f"({q.late_span_ratio(s)}) > {th.late_span_ratio:g}\n"
+            f"and ({q.classifier_spans_rate(s)}) > {fl.classifier_spans:g}",
+            w.for_ratio,
+            "warning",
+            "Spans reach the live classifier {{ $labels.job }} after their conversation left "
+            "its window.",
+            "{{ $value | humanizePercentage }} of the spans {{ $labels.job }} received came "
+            "after their conversation had left its window: they are stored, not classified, "
+            "so their turns were final without them (insufficient-evidence, or a verdict "
+            "from part of the evidence). The window (`kvobs collect --window`) is short "
+            "for the delays before spans arrive (export batching, the Collector's queue).",
+            (
+                Case("5% late", _classifier_spans(570, 30), True, labels=job, value="5%"),
+                Case("none late", _classifier_spans(600, 0), False),
+                Case("late but below the rate floor", _classifier_spans(10, 10), False),
+            ),
+        ),
+        Alert(
+            "KvobsClassifierTurnWriteErrors",
+            f"({q.turn_write_errors_rate(s)}) > 0",
+            w.for_errors,
+            "warning",
+            "The live classifier {{ $labels.job }} cannot write its final turns.",
+            "Writes of final turns to {{ $labels.job }}'s turn store fail (full disk, "
+            "unwritable directory, ClickHouse unreachable). The rows wait in memory and go "
+            "with the next write: `kvobs report`, `tune` and the stored answers miss them "
+            "meanwhile, and memory grows until the store takes them.",
+            (
+                Case(
+                    "writes failing",
+                    {sel(M_CLASSIFIER_WRITE_ERRORS, CLASSIFIER): per_minute(6)},
+                    True,
+                    labels=job,
+                ),
+                Case(
+                    "no failed write",
+                    {sel(M_CLASSIFIER_WRITE_ERRORS, CLASSIFIER): per_minute(0)},
+                    False,
+                ),
+            ),
+        ),
     ]
 
 
@@ -733,6 +836,7 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
         ),
     ]
     out += verdict_alerts(config)
+    out += classifier_alerts(config)
     out += [
         absent_alert(
             "KvobsEngineTelemetryAbsent",
@@ -756,6 +860,18 @@ def alerts(config: MonitoringConfig = DEFAULT) -> list[Alert]:
             config,
             PROXY,
             "kvobs-proxy-b",
+        ),
+        absent_alert(
+            "KvobsClassifierTelemetryAbsent",
+            M_CLASSIFIER_HELD_SPANS,
+            config.selectors.proxy,
+            config.selectors.classifier_targets,
+            "live classifier",
+            "`kvobs collect` is down, runs with --no-classify, or its /metrics is not "
+            "scraped; the true-verdict alerts (KvobsTurns*) stay silent without it",
+            config,
+            CLASSIFIER,
+            "kvobs-classifier-b",
         ),
     ]
     return with_runbooks(out, config)

@@ -24,6 +24,7 @@ from typing import Callable
 import pytest
 import yaml
 
+from kvobs.monitoring.config import DEFAULT
 from kvobs.semconv import SHARD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,6 +204,14 @@ def check_monitor_scrapes_every_replica(docs: list[dict]) -> None:
     assert set(gateway_ports.values()) <= set(_pod_ports(gateway))
     gateway_monitor = DEPLOY.by_kind(docs, "ServiceMonitor")["kvobs-collector"]
     assert {e["port"] for e in gateway_monitor["spec"]["endpoints"]} <= set(gateway_ports)
+    # The classifiers' job is their Service's name, which the classifier alerts pick; the
+    # gateway's (a Collector alone) they leave alone.
+    (targets,) = re.findall(r'job=~"([^"]*)"', DEFAULT.selectors.classifier_targets)
+    assert not any("relabelings" in e for e in monitor["spec"]["endpoints"])
+    assert re.fullmatch(targets, service["metadata"]["name"])
+    assert not any(rule.get("targetLabel") == "job" for e in gateway_monitor["spec"]["endpoints"]
+                   for rule in e.get("relabelings", ()))
+    assert not re.fullmatch(targets, "kvobs-collector")
 
 
 def check_every_replica_knows_its_peers(docs: list[dict]) -> None:

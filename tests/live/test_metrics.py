@@ -29,10 +29,12 @@ def _final_rows() -> list[dict]:
 
 def _exposition(metrics: TurnMetrics) -> list[str]:
     """The turn series as Prometheus scrapes them (OpenMetrics: with exemplars), without
-    the exemplars' timestamps and the pass histogram (observed once a pass)."""
+    the exemplars' timestamps, the pass histogram (observed once a pass) and the process's
+    own series (CPU, memory)."""
     text = generate_latest(metrics.registry).decode()
     return [re.sub(r"( # \{[^}]*\} \S+) \S+$", r"\1", line) for line in text.splitlines()
-            if "kvobs_classifier_pass" not in line and not re.search(r"_created[{ ]", line)]
+            if "kvobs_classifier_pass" not in line and not re.search(r"_created[{ ]", line)
+            and not re.match(r"(# \w+ )?process_", line)]
 
 
 def test_a_pass_of_turns_counts_as_the_turns_one_by_one():

@@ -98,6 +98,8 @@ def test_spans_in_true_verdicts_out(tmp_path):
         counted[dict(labels)["verdict"]] = counted.get(dict(labels)["verdict"], 0) + value
     assert {v: n for v, n in counted.items() if n} == expected
     assert sum(expected.values()) == 25
+    # How much of its one core the service uses (KvobsClassifierSaturated reads it).
+    assert _samples(metrics, "process_cpu_seconds_total")[()] > 0
     assert "conversation_id" not in metrics and "agent-happy" not in metrics
     assert sum(_samples(metrics, "kvobs_turn_slowest_phase_total").values()) == 25
     assert sum(_samples(metrics, "kvobs_classifier_spans_total").values()) > 300

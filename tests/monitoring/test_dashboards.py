@@ -99,6 +99,7 @@ def test_rows(board):
         "TTFT by turn",
         "Where TTFT goes",
         "Host copy (offloading tier)",
+        "Live classifier (kvobs collect): keeping up",
     ]
 
 

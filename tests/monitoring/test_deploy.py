@@ -343,6 +343,18 @@ def test_the_collector_feeds_the_live_classifier_which_owns_the_store(base):
                   and d["metadata"]["name"] == "kvobs-collector"]
     scraped = {e["port"] for e in monitor["spec"]["endpoints"]}
     assert scraped == {"classifier", "otelcol-metrics"} and scraped <= set(service)
+    # The classifier alerts find the classifier's job by name, never the Collector's
+    # (its own /metrics has no classifier series: KvobsClassifierTelemetryAbsent).
+    (targets,) = re.findall(r'job=~"([^"]*)"', DEFAULT.selectors.classifier_targets)
+    jobs = {}
+    for endpoint in monitor["spec"]["endpoints"]:
+        job = "kvobs-collector"  # prometheus-operator's default: the Service's name
+        for rule in endpoint.get("relabelings", ()):
+            if rule["targetLabel"] == "job":
+                job = _relabel({"sourceLabels": [], "regex": "", **rule}, {})
+        jobs[endpoint["port"]] = job
+    assert re.fullmatch(targets, jobs["classifier"])
+    assert not re.fullmatch(targets, jobs["otelcol-metrics"])
     otelcol = _container(deployment, "otelcol")
     assert "otelcol-metrics" in {p["name"] for p in otelcol["ports"]}
     (reader,) = config["service"]["telemetry"]["metrics"]["readers"]

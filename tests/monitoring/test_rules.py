@@ -165,7 +165,8 @@ def test_aggregation_labels_come_from_the_config():
 def test_telemetry_absent_alerts_come_from_the_template():
     absent = [a for a in rules.alerts(DEFAULT) if "absent(" in a.expr]
     assert {a.name for a in absent} == {"KvobsEngineTelemetryAbsent",
-                                        "KvobsProxyTelemetryAbsent"}
+                                        "KvobsProxyTelemetryAbsent",
+                                        "KvobsClassifierTelemetryAbsent"}
     for alert in absent:
         # per job: a scraped job without the metric fires even while another job has it
         assert alert.expr.startswith("(count by (namespace, job) (up{")
