@@ -1460,8 +1460,10 @@ M_CLASSIFIER_SPANS = _metric(
     "kvobs_classifier_spans_total",
     "counter",
     "",
-    "Spans the classifier received, by outcome: classified (held for their turn), late "
-    "(their conversation had left the window: stored, not classified), unreadable.",
+    "Spans the classifier received, by outcome: classified (held for their turn; a "
+    "conversation that comes back after the window is recalled from the span store), late "
+    "(their conversation had left the window and could not be recalled: stored, not "
+    "classified), unreadable.",
     ("outcome",),
 )
 M_CLASSIFIER_OPEN_TURNS = _metric(

@@ -278,3 +278,21 @@ def sweep(directory: str, limits: SegmentLimits, now: float) -> tuple[int, int]:
             removed += size
         total -= size
     return files, removed
+
+
+def written_since(store_dir: str, since: float) -> list[tuple[str, float]]:
+    """The store's live segments written to at or after ``since`` (Unix seconds), with
+    when each was last written to, oldest first: what a reader that needs the spans
+    received since then reads (a restart's replay, a conversation recalled)."""
+    directory = os.path.join(store_dir, STORE_LIVE_DIR)
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
+    except FileNotFoundError:
+        return []
+    stamped = []
+    for name in names:
+        try:
+            stamped.append((os.path.getmtime(os.path.join(directory, name)), name))
+        except OSError:
+            continue  # sealed or expired meanwhile
+    return [(os.path.join(directory, n), mtime) for mtime, n in sorted(stamped) if mtime >= since]

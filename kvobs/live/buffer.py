@@ -88,7 +88,10 @@ LINEAGE_SPANS = frozenset(
 # as context, is a candidate only for a prompt that probes its key, whose unit then
 # comes along anyway.
 _ENGINE_SPANS = LINEAGE_SPANS - {sc.SPAN_PULL_DECISION.name}
-IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
+IDLESS = "\x00idless"
+# Spans held for dropped conversations until their recall (``SpanBuffer.returning``); past
+# it they are late, as without recalls.
+MAX_RETURNING = 100_000  # the id-less pool's unit key (no conversation id can be this)
 
 
 def derived(key: str) -> bool:
@@ -183,6 +186,7 @@ class Unit:
     lineage: dict[int, dict] = field(default_factory=dict)  # its rows named in LINEAGE_SPANS
     traces: set[str] = field(default_factory=set)
     last_arrival: float = 0.0
+    began: float = 0.0  # when its first span was received (the service's clock)
     # The hashes its exports and prompts are found under (the hash of lineage.index_key), a
     # superset: a span that moved out leaves its hash behind (the unit then comes along for
     # nothing).
@@ -266,10 +270,15 @@ class SpanBuffer:
         # successor's unit along by its export's or prompt's key. A later turn is found
         # anyway, through the turn it extends.
         self._starts: dict[int, set[str]] = collections.defaultdict(set)
-        # Conversations dropped lately (bounded): their spans are late, not new units.
-        self._dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Conversations dropped lately (bounded), with when each began: a span of one is
+        # late, or, where ``recalls``, held in ``returning`` until the conversation is
+        # recalled from the span store (``revive``).
+        self._dropped: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._forget_after = forget_after
         self.late_spans = 0
+        self.recalls = False
+        self.returning: dict[str, list[dict]] = {}
+        self._returning_spans = 0
         self._arrow = ArrowSpans()
         self._next_serial = 0
         # (first serial, when received): the spans from that serial to the next mark's
@@ -311,11 +320,15 @@ class SpanBuffer:
                 continue
             cid = self._alias.get(cid, cid)
             if cid in self._dropped and cid not in self.units:
-                self.late_spans += 1
+                if self.recalls and not derived(cid) and self._returning_spans < MAX_RETURNING:
+                    self.returning.setdefault(cid, []).append(row)
+                    self._returning_spans += 1
+                else:
+                    self.late_spans += 1
                 continue
             unit = self.units.get(cid)
             if unit is None:
-                unit = self.units[cid] = Unit()
+                unit = self.units[cid] = Unit(began=now if received is None else received)
             self._keep(cid, self._hold(row), row)
             unit.last_arrival = now
             if trace is not None:
@@ -324,6 +337,53 @@ class SpanBuffer:
                 touched.add(trace)
         for trace in touched:
             self._place(trace, now)
+
+    def returning_since(self) -> dict[str, float]:
+        """The dropped conversations that got spans again (``returning``), with when each
+        began: what a recall reads from the span store."""
+        return {cid: self._dropped.get(cid, 0.0) for cid in self.returning}
+
+    def revive(
+        self, cid: str, recalled: list[dict], now: float, received: float | None = None
+    ) -> None:
+        """Hold ``cid`` again: its spans ``recalled`` from the span store (received by
+        ``received``), then those that came while it was dropped and the store did not
+        have yet. A span held already (an untagged one, in the pool) is taken once."""
+        self._dropped.pop(cid, None)
+        came = self.returning.pop(cid, [])
+        self._returning_spans -= len(came)
+        held = self._keys_held({r["trace_id"] for r in recalled if r.get("trace_id") is not None})
+        recalled = [r for r in recalled if (r.get("trace_id"), r.get("span_id")) not in held]
+        have = held | {(r.get("trace_id"), r.get("span_id")) for r in recalled}
+        if recalled:
+            self.add(recalled, now, received)
+        came = [r for r in came if (r.get("trace_id"), r.get("span_id")) not in have]
+        if came:
+            self.add(came, now)
+
+    def give_up(self, cids: Iterable[str]) -> None:
+        """The spans held for ``cids`` are late after all (their recall failed)."""
+        for cid in cids:
+            came = self.returning.pop(cid, [])
+            self._returning_spans -= len(came)
+            self.late_spans += len(came)
+
+    def _keys_held(self, traces: set[str]) -> set[tuple]:
+        """(trace id, span id) of the spans held in ``traces`` that no conversation's id
+        tags: the pool's, a trace's unplaced ones, a unit's adopted ones."""
+        keys: set[tuple] = set()
+        for trace in traces:
+            pools: list[Iterable[dict]] = [self._idless.get(trace, {}).values()]
+            if trace in self._traces:
+                pools.append(self._traces[trace].untagged.values())
+            home = self.units.get(self._trace_home.get(trace, ""))
+            if home is not None:
+                pools.append(
+                    home.rows[serial] for serial in home.homed.get(trace, ()) if serial in home.rows
+                )
+            for pool in pools:
+                keys.update((row.get("trace_id"), row.get("span_id")) for row in pool)
+        return keys
 
     def _mark_received(self, at: float) -> None:
         """Note that the spans from the next serial on were received at ``at`` or later:
@@ -594,6 +654,7 @@ class SpanBuffer:
         into.rows.update(unit.rows)
         into.lineage.update(unit.lineage)
         into.last_arrival = max(into.last_arrival, unit.last_arrival)
+        into.began = min(into.began, unit.began)
         for key in unit.keys:
             self._units_by_key[key].discard(source)
             self._units_by_key[key].add(target)
@@ -718,7 +779,7 @@ class SpanBuffer:
                     del self._request_home[request]
             for name in (*unit.aliases, key):
                 self._alias.pop(name, None)
-                self._dropped[name] = None
+                self._dropped[name] = unit.began
                 self._dropped.move_to_end(name)
         while len(self._dropped) > self._forget_after:
             self._dropped.popitem(last=False)

@@ -278,6 +278,22 @@ class Classifier:
         self._resumed_until = now + self.buffer.window_s
         return taken
 
+    def revive(
+        self,
+        conversation_id: str,
+        recalled: list[dict],
+        stored: Iterable[dict[str, Any]],
+        retired: Iterable[dict[str, Any]],
+        now: float,
+        received: float | None = None,
+    ) -> None:
+        """A conversation that came back after it left the window: its turns the turn
+        store has final taken as final (as a restart takes them: one classified the same
+        way again is neither counted nor written), and its spans recalled from the span
+        store held again with those that came since (``SpanBuffer.revive``)."""
+        self.resume(stored, retired, now)
+        self.buffer.revive(conversation_id, recalled, now, received)
+
     # ------------------------------------------------------------------ passes
 
     def context(self) -> tuple[float | None, float | None]:

@@ -38,12 +38,13 @@ from prometheus_client.exposition import choose_encoder
 
 from kvobs.emit import collect
 from kvobs.emit.otlp_json import loads
-from kvobs.emit.segments import SUFFIX
-from kvobs.semconv import STORE_CLASSIFIER_HELD, STORE_LIVE_DIR
+from kvobs.emit.segments import written_since
+from kvobs.semconv import STORE_CLASSIFIER_HELD
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
 from kvobs.live.peers import Found, Peers, asked_locally
+from kvobs.live.recall import Recalled, recall
 from kvobs.live.turnstore import TurnRows, TurnStore, write_aside
 from kvobs.sources._errors import SourceError
 
@@ -73,6 +74,11 @@ class Live:
         self.settings = settings
         self.store_dir = store_dir
         self.classifier = Classifier(settings.window_s, settings.grace_s, settings.read_slo_s)
+        # A conversation that comes back after the window is recalled from the span store
+        # (kvobs.live.recall), not left unclassified.
+        self.classifier.buffer.recalls = True
+        self._recalling: asyncio.Future | None = None
+        self._recalling_since: dict[str, float] = {}
         self.metrics = TurnMetrics()
         # Final turn rows: the store directory's parquet unless given (ClickHouse).
         self.turns = turns or TurnStore(store_dir, settings.turn_retention_s)
@@ -100,7 +106,7 @@ class Live:
             taken = 0
             _LOG.warning("could not read the turn store to resume from: %s", error)
         requests = unreadable = 0
-        for path, written in _segments_since(self.store_dir, since):
+        for path, written in written_since(self.store_dir, since):
             try:
                 with open(path, encoding="utf-8", errors="replace") as handle:
                     for line in handle:
@@ -180,6 +186,70 @@ class Live:
         except OSError as error:
             _LOG.warning("could not note the earliest span held: %s", error)
 
+    def recall(self, since: dict[str, float]) -> tuple[Recalled, dict[str, tuple]]:
+        """What reviving the conversations of ``since`` (``returning_since``) needs: their
+        spans in the span store, and their turns and retired keys in the turn store. I/O
+        alone: run off the event loop."""
+        stored = {cid: self.turns.latest_and_retired(cid) for cid in since}
+        return recall(self.store_dir, since), stored
+
+    def revive(self, recalled: tuple[Recalled, dict[str, tuple]], now: float) -> None:
+        """Hold again the conversations ``recall`` read (on the loop: it changes the
+        buffer the passes read)."""
+        found, stored = recalled
+        for cid, (turns, retired) in stored.items():
+            self.classifier.revive(
+                cid, found.spans.get(cid, []), turns, retired, now, found.received
+            )
+        _LOG.info(
+            "%d conversations came back after the window: recalled %d of their spans "
+            "from the span store (%d unreadable lines)",
+            len(stored),
+            sum(len(spans) for spans in found.spans.values()),
+            found.unreadable,
+        )
+
+    def recall_returning(self, now: float | None = None) -> None:
+        """``recall`` and ``revive`` at once (a stop, a test; the loop overlaps them)."""
+        since = self.classifier.buffer.returning_since()
+        if since:
+            try:
+                recalled = self.recall(since)
+            except (OSError, ValueError, SourceError) as error:
+                self._recall_failed(since, error)
+                return
+            self.revive(recalled, time.time() if now is None else now)
+
+    def _recall_failed(self, since: dict[str, float], error: BaseException) -> None:
+        self.classifier.buffer.give_up(since)
+        _LOG.warning(
+            "could not recall %d conversations that came back after the window (their "
+            "spans are late): %s",
+            len(since),
+            error,
+        )
+
+    def _take_recall(self) -> None:
+        assert self._recalling is not None
+        since, future = self._recalling_since, self._recalling
+        self._recalling = None
+        try:
+            self.revive(future.result(), time.time())
+        except (OSError, ValueError, SourceError) as error:
+            self._recall_failed(since, error)
+
+    def _step_recall(self) -> None:
+        """The loop's recall: started off the loop when conversations came back, taken
+        on the loop once read (a pass later at most)."""
+        if self._recalling is not None:
+            if not self._recalling.done():
+                return
+            self._take_recall()
+        since = self.classifier.buffer.returning_since()
+        if since:
+            self._recalling_since = since
+            self._recalling = asyncio.get_running_loop().run_in_executor(None, self.recall, since)
+
     def maintain(self, now: float | None = None) -> None:
         """The turn store's upkeep: partitions past the retention dropped, parts merged.
         Run off the event loop (seconds for a fleet's hour), never alongside itself."""
@@ -222,6 +292,7 @@ class Live:
         while True:
             await asyncio.sleep(self.settings.interval_s)
             try:
+                self._step_recall()
                 self.run_pass()
             except Exception:  # noqa: BLE001 - the next pass tries again
                 _LOG.exception("classification pass failed")
@@ -247,6 +318,10 @@ class Live:
         # Every turn is written as it stands: one pass classifies what arrived since the
         # last, a second one a grace later finds each turn unchanged, so final.
         try:
+            if self._recalling is not None:  # the recall under way, then the rest at once
+                await asyncio.wait([self._recalling])
+                self._take_recall()
+            self.recall_returning()
             now = time.time()
             self.run_pass(now)
             self.run_pass(now + self.settings.grace_s)
@@ -326,23 +401,6 @@ def _write_held(store_dir: str, held: float) -> None:
     write_aside(
         os.path.join(store_dir, STORE_CLASSIFIER_HELD), json.dumps({"held_since": held}).encode()
     )
-
-
-def _segments_since(store_dir: str, since: float) -> list[tuple[str, float]]:
-    """The store's live segments written to at or after ``since``, with when they were
-    last written to, oldest first."""
-    directory = os.path.join(store_dir, STORE_LIVE_DIR)
-    try:
-        names = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
-    except FileNotFoundError:
-        return []
-    stamped = []
-    for name in names:
-        try:
-            stamped.append((os.path.getmtime(os.path.join(directory, name)), name))
-        except OSError:
-            continue  # sealed or expired meanwhile
-    return [(os.path.join(directory, n), mtime) for mtime, n in sorted(stamped) if mtime >= since]
 
 
 def _json_dumps(value) -> str:

@@ -665,8 +665,8 @@ def classifier_row(s: q.Scope, config: MonitoringConfig) -> RowSpec:
             PanelSpec(
                 "Spans received by outcome",
                 "Spans the classifiers received: classified (held for their turn), late "
-                "(their conversation had left the window: stored, not classified), "
-                "unreadable.",
+                "(their conversation had left the window and could not be recalled: "
+                "stored, not classified), unreadable.",
                 (T(q.classifier_spans_rate(s.keeping("outcome")), "{{outcome}}"),),
                 "ops",
                 stacked=True,

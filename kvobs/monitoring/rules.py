@@ -362,10 +362,9 @@ def classifier_alerts(config: MonitoringConfig) -> list[Alert]:
             "Spans reach the live classifier {{ $labels.job }} after their conversation left "
             "its window.",
             "{{ $value | humanizePercentage }} of the spans {{ $labels.job }} received came "
-            "after their conversation had left its window: they are stored, not classified, "
-            "so their turns were final without them (insufficient-evidence, or a verdict "
-            "from part of the evidence). The window (`kvobs collect --window`) is short "
-            "for the delays before spans arrive (export batching, the Collector's queue).",
+            "after their conversation had left its window and could not be recalled from "
+            "the span store (a conversation kvobs named, a failed recall, too many waiting): "
+            "they are stored, not classified, so their turns were final without them.",
             (
                 Case("5% late", _classifier_spans(570, 30), True, labels=job, value="5%"),
                 Case("none late", _classifier_spans(600, 0), False),

@@ -291,3 +291,151 @@ def test_a_restart_whose_first_pass_fails_still_starts(tmp_path, monkeypatch, ca
     monkeypatch.undo()
     live.run_pass()
     assert live.classifier.turns
+
+
+def _coming_back() -> tuple[list[str], list[str], list[dict]]:
+    """The demo's export requests in two parts: those that carry agent-happy's turns 2 and
+    3 (with whatever else they carry), and the rest; and the demo's spans."""
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    rows = open_source(str(DEMO)).span_table().to_pylist()
+    later_traces = {r["trace_id"] for r in rows
+                    if r.get(sc.CONVERSATION_ID.key) == "agent-happy"
+                    and (r.get(sc.TURN_INDEX.key) or 0) >= 2}
+    later = [line for line in lines if any(trace in line for trace in later_traces)]
+    return [line for line in lines if line not in later], later, rows
+
+
+def test_a_conversation_that_comes_back_after_the_window_is_recalled(tmp_path):
+    """The demo's spans in two parts: agent-happy's turns 2 and 3 (and whatever else their
+    export requests carry) arrive long after every conversation left the window. The
+    service recalls the conversations those spans belong to from the span store: every
+    turn is then written as diagnose gives it, none is counted twice, no span is late."""
+    import os
+
+    from live.test_classifier import _assert_as_diagnose
+    from prometheus_client import generate_latest
+
+    from kvobs.emit.segments import SUFFIX
+    from kvobs.semconv import STORE_LIVE_DIR
+
+    first, later, rows = _coming_back()
+    assert later and first
+
+    segment = tmp_path / STORE_LIVE_DIR / ("demo" + SUFFIX)
+    segment.parent.mkdir(parents=True)
+    live = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
+    t0 = 1_800_000_000.0
+    segment.write_text("\n".join(first) + "\n")  # stored before classified, as the handler does
+    os.utime(segment, (t0, t0))
+    for line in first:
+        live.receive(Stored(line, 0), now=t0)
+    for at in (t0 + 1, t0 + 2 + GRACE_S, t0 + 200):  # final, then every conversation left
+        live.run_pass(at)
+    assert not live.classifier.buffer.units
+    written_before = {(t["conversation_id"], t["turn"]) for t in live.turns.latest()}
+    assert ("agent-happy", 2) not in written_before
+
+    with open(segment, "a") as handle:
+        handle.write("\n".join(later) + "\n")
+    os.utime(segment, (t0 + 300, t0 + 300))
+    for line in later:
+        live.receive(Stored(line, 0), now=t0 + 300)
+    assert live.classifier.buffer.late_spans == 0
+    assert "agent-happy" in live.classifier.buffer.returning
+    live.recall_returning(t0 + 300)
+    assert not live.classifier.buffer.returning
+    # Each span held once: the recalled copies of spans the pool held already (P's and
+    # D's, untagged, which came while the conversation was dropped) are not taken again.
+    buffer = live.classifier.buffer
+    held = [(r["trace_id"], r["span_id"]) for key in buffer.units for r in buffer.rows_of(key)]
+    assert len(held) == len(set(held)) and ("agent-happy" in buffer.units)
+    assert len(buffer.rows_of("agent-happy")) == sum(
+        1 for r in rows if r["trace_id"] in {r["trace_id"] for r in rows
+                                             if r.get(sc.CONVERSATION_ID.key) == "agent-happy"})
+    for at in (t0 + 301, t0 + 302 + GRACE_S):
+        live.run_pass(at)
+
+    written = {(t["tenant"], t["conversation_id"], t["turn"]): t for t in live.turns.latest()}
+    assert len(written) == 25
+    assert {("agent-happy", 2), ("agent-happy", 3)} <= {(k[1], k[2]) for k in written}
+    # Turns written before from part of their spans (the later requests carried some of
+    # theirs) were written again once recalled whole.
+    assert any(t["version"] > 1 for t in written.values())
+    _assert_as_diagnose({k: {f: v for f, v in t.items() if f != "final"}
+                         for k, t in written.items()})
+    counted = sum(_samples(generate_latest(live.metrics.registry).decode(),
+                           "kvobs_turns_total").values())
+    assert counted == 25  # the recalled turns final before were not counted again
+    assert live.classifier.buffer.late_spans == 0
+
+
+def test_the_running_service_recalls_a_conversation_that_came_back(tmp_path):
+    """As above through the service's own loop and HTTP handler (which stores every
+    request before the classifier takes it): the recall is read off the event loop and
+    taken by a later pass."""
+    first, later, rows = _coming_back()
+
+    async def scenario():
+        app = build_app(str(tmp_path), LiveSettings(window_s=3, grace_s=GRACE_S,
+                                                    interval_s=0.1))
+        live = app[LIVE]
+        async with TestClient(TestServer(app)) as client:
+            async def post(part):
+                for line in part:
+                    response = await client.post("/v1/traces", data=line,
+                                                 headers={"Content-Type": "application/json"})
+                    assert response.status == 200
+
+            async def until(done):
+                for _ in range(600):  # a bound against a hang only
+                    await asyncio.sleep(0.1)
+                    if done():
+                        return
+                raise AssertionError("never settled")
+
+            await post(first)
+            await until(lambda: not live.classifier.buffer.units)
+            await post(later)
+            await until(lambda: "agent-happy" in live.classifier.buffer.units)
+            await until(lambda: not live.classifier.open_turns()
+                        and not live.classifier.buffer.returning and live._recalling is None)
+            metrics = await (await client.get("/metrics")).text()
+        return metrics, live
+
+    metrics, live = asyncio.run(scenario())
+    assert live.classifier.buffer.late_spans == 0
+    assert sum(_samples(metrics, "kvobs_turns_total").values()) == 25
+    store = TurnStore(str(tmp_path), 86400)
+    batch = all_turns(open_source(str(tmp_path)))
+    assert len(batch) == 25
+    for diagnosis in batch:
+        (stored,) = [t for t in store.latest(diagnosis.conversation_id)
+                     if (t["tenant"], t["turn"]) == (diagnosis.tenant, diagnosis.turn.index)]
+        assert stored["verdict"] == diagnosis.finding.verdict.value, diagnosis.conversation_id
+
+
+def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog):
+    """The span store cannot be read: the spans held for the conversation are late (as
+    without recalls), said in the log; the service goes on."""
+    import kvobs.live.service as service
+
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    live = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
+    for line in lines:
+        live.receive(Stored(line, 0), now=1000.0)
+    live.run_pass(1001.0)
+    live.run_pass(1100.0)  # every conversation left
+    for line in lines[:3]:
+        live.receive(Stored(line, 0), now=1200.0)
+    held = sum(len(spans) for spans in live.classifier.buffer.returning.values())
+    assert held > 0 and live.classifier.buffer.late_spans == 0
+
+    def unreadable(*_args):
+        raise OSError("no such store")
+
+    monkeypatch.setattr(service, "recall", unreadable)
+    live.recall_returning(1200.0)
+    assert live.classifier.buffer.late_spans == held
+    assert not live.classifier.buffer.returning
+    assert "could not recall" in caplog.text and "no such store" in caplog.text
+    live.run_pass(1201.0)
