@@ -338,10 +338,11 @@ class SpanBuffer:
         for trace in touched:
             self._place(trace, now)
 
-    def returning_since(self) -> dict[str, float]:
-        """The dropped conversations that got spans again (``returning``), with when each
-        began: what a recall reads from the span store."""
-        return {cid: self._dropped.get(cid, 0.0) for cid in self.returning}
+    def returning_since(self, most: int) -> dict[str, float]:
+        """Up to ``most`` of the dropped conversations that got spans again
+        (``returning``), those that came back first, with when each began: what a recall
+        reads from the span store."""
+        return {cid: self._dropped.get(cid, 0.0) for cid in itertools.islice(self.returning, most)}
 
     def revive(
         self, cid: str, recalled: list[dict], now: float, received: float | None = None
@@ -349,7 +350,9 @@ class SpanBuffer:
         """Hold ``cid`` again: its spans ``recalled`` from the span store (received by
         ``received``), then those that came while it was dropped and the store did not
         have yet. A span held already (an untagged one, in the pool) is taken once."""
-        self._dropped.pop(cid, None)
+        for named in {cid} | {r[_CID] for r in recalled if isinstance(r.get(_CID), str)}:
+            if named not in self.units:
+                self._dropped.pop(named, None)  # held again, not late
         came = self.returning.pop(cid, [])
         self._returning_spans -= len(came)
         held = self._keys_held({r["trace_id"] for r in recalled if r.get("trace_id") is not None})
@@ -369,13 +372,15 @@ class SpanBuffer:
             self.late_spans += len(came)
 
     def _keys_held(self, traces: set[str]) -> set[tuple]:
-        """(trace id, span id) of the spans held in ``traces`` that no conversation's id
-        tags: the pool's, a trace's unplaced ones, a unit's adopted ones."""
+        """(trace id, span id) of the spans held in ``traces``: those a held
+        conversation's id tags, and the untagged ones (the pool's, a trace's, a unit's
+        adopted ones)."""
         keys: set[tuple] = set()
         for trace in traces:
             pools: list[Iterable[dict]] = [self._idless.get(trace, {}).values()]
             if trace in self._traces:
                 pools.append(self._traces[trace].untagged.values())
+                keys.update((trace, span) for span in self._traces[trace].tagged)
             home = self.units.get(self._trace_home.get(trace, ""))
             if home is not None:
                 pools.append(

@@ -280,19 +280,25 @@ class Classifier:
 
     def revive(
         self,
-        conversation_id: str,
-        recalled: list[dict],
+        recalled: dict[str, list[dict]],
         stored: Iterable[dict[str, Any]],
         retired: Iterable[dict[str, Any]],
         now: float,
         received: float | None = None,
     ) -> None:
-        """A conversation that came back after it left the window: its turns the turn
-        store has final taken as final (as a restart takes them: one classified the same
-        way again is neither counted nor written), and its spans recalled from the span
-        store held again with those that came since (``SpanBuffer.revive``)."""
-        self.resume(stored, retired, now)
-        self.buffer.revive(conversation_id, recalled, now, received)
+        """Conversations that came back after they left the window (id -> their spans
+        recalled from the span store): the turns the turn store has final for them, and
+        for the conversations the recalled spans also tag, taken as final where none is
+        held (as a restart takes them: one classified the same way again is neither
+        counted nor written); the spans held again with those that came since
+        (``SpanBuffer.revive``)."""
+
+        def free(row: dict[str, Any]) -> bool:
+            return (row["tenant"], row["conversation_id"], row["turn"]) not in self.turns
+
+        self.resume([r for r in stored if free(r)], [r for r in retired if free(r)], now)
+        for conversation_id, spans in recalled.items():
+            self.buffer.revive(conversation_id, spans, now, received)
 
     # ------------------------------------------------------------------ passes
 

@@ -39,7 +39,7 @@ from prometheus_client.exposition import choose_encoder
 from kvobs.emit import collect
 from kvobs.emit.otlp_json import loads
 from kvobs.emit.segments import written_since
-from kvobs.semconv import STORE_CLASSIFIER_HELD
+from kvobs.semconv import CONVERSATION_ID, STORE_CLASSIFIER_HELD
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
 from kvobs.live.metrics import TurnMetrics
@@ -54,6 +54,9 @@ LIVE = web.AppKey("kvobs_live", object)
 # A replay starts this much before the earliest span held was received: a segment's
 # time comes from its file system (coarse on some), the note moves by whole seconds.
 CLOCK_MARGIN_S = 60.0
+# Conversations recalled from the span store in one read of its segments: a few are
+# searched for in each line, more cost a pass over every line (bench/recall_bench.py).
+RECALL_ROUND = 8
 # Seconds between two rounds of the turn store's upkeep (retention, merging parts).
 MAINTAIN_S = 600
 
@@ -188,36 +191,52 @@ class Live:
 
     def recall(self, since: dict[str, float]) -> tuple[Recalled, dict[str, tuple]]:
         """What reviving the conversations of ``since`` (``returning_since``) needs: their
-        spans in the span store, and their turns and retired keys in the turn store. I/O
-        alone: run off the event loop."""
+        turns and retired keys in the turn store, their spans in the span store with the
+        spans their turns name as evidence (the export of a turn of another conversation
+        that one extends: lineage needs it again), from a window before they began (a
+        turn extends one within the TTL), and the stored turns of the other conversations
+        those spans tag. I/O alone: run off the event loop."""
         stored = {cid: self.turns.latest_and_retired(cid) for cid in since}
-        return recall(self.store_dir, since), stored
+        named = {
+            span: cid
+            for cid, (turns, _) in stored.items()
+            for turn in turns
+            for key, span in (turn.get("evidence") or {}).items()
+            if key.endswith("_span_id") and isinstance(span, str)
+        }
+        window = self.classifier.buffer.window_s
+        found = recall(self.store_dir, {c: t - window for c, t in since.items()}, named)
+        for spans in found.spans.values():
+            for row in spans:
+                cid = row.get(CONVERSATION_ID.key)
+                if isinstance(cid, str) and cid not in stored:
+                    stored[cid] = self.turns.latest_and_retired(cid)
+        return found, stored
 
     def revive(self, recalled: tuple[Recalled, dict[str, tuple]], now: float) -> None:
         """Hold again the conversations ``recall`` read (on the loop: it changes the
         buffer the passes read)."""
         found, stored = recalled
-        for cid, (turns, retired) in stored.items():
-            self.classifier.revive(
-                cid, found.spans.get(cid, []), turns, retired, now, found.received
-            )
+        turns = [turn for rows, _ in stored.values() for turn in rows]
+        retired = [key for _, keys in stored.values() for key in keys]
+        self.classifier.revive(found.spans, turns, retired, now, found.received)
         _LOG.info(
             "%d conversations came back after the window: recalled %d of their spans "
             "from the span store (%d unreadable lines)",
-            len(stored),
+            len(found.spans),
             sum(len(spans) for spans in found.spans.values()),
             found.unreadable,
         )
 
     def recall_returning(self, now: float | None = None) -> None:
-        """``recall`` and ``revive`` at once (a stop, a test; the loop overlaps them)."""
-        since = self.classifier.buffer.returning_since()
-        if since:
+        """``recall`` and ``revive`` at once, every conversation waiting (a stop, a test;
+        the loop overlaps them, a round a pass)."""
+        while since := self.classifier.buffer.returning_since(RECALL_ROUND):
             try:
                 recalled = self.recall(since)
             except (OSError, ValueError, SourceError) as error:
                 self._recall_failed(since, error)
-                return
+                continue
             self.revive(recalled, time.time() if now is None else now)
 
     def _recall_failed(self, since: dict[str, float], error: BaseException) -> None:
@@ -245,7 +264,7 @@ class Live:
             if not self._recalling.done():
                 return
             self._take_recall()
-        since = self.classifier.buffer.returning_since()
+        since = self.classifier.buffer.returning_since(RECALL_ROUND)
         if since:
             self._recalling_since = since
             self._recalling = asyncio.get_running_loop().run_in_executor(None, self.recall, since)

@@ -48,6 +48,9 @@ class EngineSettings:
     # P, D and the proxy also send their spans over OTLP to a live classifier
     # (kvobs collect, its own store in OUT/live): verdicts on its /metrics as spans arrive.
     live_classifier: bool = False
+    # >0: the live classifier's window (its --decode-kv-ttl is half of it) instead of twice
+    # ttl_s: shorter than a pause, the conversation comes back after it and is recalled.
+    live_classifier_window_s: float = 0.0
     router: str = KVOBS_PROXY  # ROUTERS: what the client talks to in front of P and D
     proxy_infer_conversations: bool = True  # false: kvobs proxy --no-infer-conversations
     service_name: str = ""  # OTEL_SERVICE_NAME of P, D and the proxy ("": each role's default)
@@ -229,6 +232,10 @@ def parse(text: str, origin: str = "<scenario>") -> Scenario:
             "engines.live_classifier and engines.vllm_tracing: both set the "
             "engines' OTLP endpoint; choose one"
         )
+    if engines.live_classifier_window_s and not engines.live_classifier:
+        raise ScenarioError("engines.live_classifier_window_s needs engines.live_classifier")
+    if engines.live_classifier_window_s < 0:
+        raise ScenarioError("engines.live_classifier_window_s: >= 0")
     if engines.decode_host_copy_bytes < 0 or engines.decode_kv_cache_bytes < 0:
         raise ScenarioError("engines.decode_host_copy_bytes, decode_kv_cache_bytes: >= 0")
     conversations: list[ConversationSpec] = []

@@ -246,7 +246,7 @@ class Stack:
             port=port,
             extra_args=[
                 "--decode-kv-ttl",
-                str(self.settings.ttl_s),
+                str(self.settings.live_classifier_window_s / 2 or self.settings.ttl_s),
                 "--grace",
                 str(LIVE_GRACE_S),
                 "--interval",

@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp.test_utils import TestClient, TestServer
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvobs import semconv as sc
@@ -439,3 +440,76 @@ def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog
     assert not live.classifier.buffer.returning
     assert "could not recall" in caplog.text and "no such store" in caplog.text
     live.run_pass(1201.0)
+
+
+def _release_line(rows: list[dict], conversation_id: str, turn: int, at_ns: int) -> str:
+    """An export request holding one span: D's release of ``conversation_id``'s turn
+    ``turn`` (its export's D request), tagged with the conversation, in a trace of its
+    own, as the connector sends one when D frees the blocks."""
+    trace = next(r["trace_id"] for r in rows if r.get(sc.CONVERSATION_ID.key) == conversation_id
+                 and r.get(sc.TURN_INDEX.key) == turn)
+    export = next(r for r in rows if r["trace_id"] == trace and r["name"] == sc.SPAN_EXPORT.name)
+
+    def attribute(key, value):
+        return {"key": key, "value": {"stringValue": value}}
+
+    span = {"traceId": "5e" * 16, "spanId": "5e" * 8, "name": sc.SPAN_RELEASE.name, "kind": 1,
+            "startTimeUnixNano": str(at_ns), "endTimeUnixNano": str(at_ns),
+            "attributes": [attribute(sc.CONVERSATION_ID.key, conversation_id),
+                           attribute(sc.REQUEST_ID.key, export[sc.REQUEST_ID.key]),
+                           attribute(sc.ROLE.key, "decode"),
+                           attribute(sc.RELEASE_REASON.key, "finished")]}
+    return json.dumps({"resourceSpans": [{
+        "resource": {"attributes": [attribute("service.name", "kvobs-decode")]},
+        "scopeSpans": [{"scope": {"name": "kvobs"}, "spans": [span]}]}]})
+
+
+def test_a_recall_brings_back_the_turn_another_conversation_s_turn_extends(tmp_path):
+    """agent-late-id's turn 2 extends its turn 1, sent without an id (its own conversation,
+    ``anonymous:<trace>``, to lineage a turn it extends): its row names turn 1's export.
+    D's release of turn 2 arrives after every conversation left the window: the recall
+    brings back turn 2's spans and, named by its stored evidence, turn 1's export and its
+    trace, so lineage finds the turn it extends again: the row still equals diagnose's
+    over the store (without them it was written again without its `extends_*` facts)."""
+    import os
+
+    from live.test_classifier import _batch, _canonical
+
+    from kvobs.emit.segments import SUFFIX
+    from kvobs.semconv import STORE_LIVE_DIR
+
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    rows = open_source(str(DEMO)).span_table().to_pylist()
+    release = _release_line(rows, "agent-late-id", 2, max(r["end_ns"] for r in rows) + 10**9)
+    segment = tmp_path / STORE_LIVE_DIR / ("demo" + SUFFIX)
+    segment.parent.mkdir(parents=True)
+    live = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S))[LIVE]
+    t0 = 1_800_000_000.0
+    segment.write_text("\n".join(lines) + "\n")
+    os.utime(segment, (t0, t0))
+    for line in lines:
+        live.receive(Stored(line, 0), now=t0)
+    for at in (t0 + 1, t0 + 2 + GRACE_S, t0 + 200):
+        live.run_pass(at)
+    assert not live.classifier.buffer.units
+
+    def late_id() -> dict:
+        (row,) = [t for t in live.turns.latest("agent-late-id") if t["turn"] == 2]
+        return row
+
+    assert late_id()["evidence"].get("extends_span_id")
+    with open(segment, "a") as handle:
+        handle.write(release + "\n")
+    os.utime(segment, (t0 + 300, t0 + 300))
+    live.receive(Stored(release, 0), now=t0 + 300)
+    live.recall_returning(t0 + 300)
+    for at in (t0 + 301, t0 + 302 + GRACE_S):
+        live.run_pass(at)
+    assert live.classifier.buffer.late_spans == 0
+    row = late_id()
+    shown = {k: v for k, v in row.items() if k not in ("version", "first_final", "final")}
+    batch = _batch(row["context"], segment)[(row["tenant"], "agent-late-id", 2)]
+    assert _canonical(shown) == _canonical(batch)
+    assert row["evidence"].get("extends_span_id")
+    assert sum(_samples(generate_latest(live.metrics.registry).decode(),
+                        "kvobs_turns_total").values()) == len(live.turns.latest())

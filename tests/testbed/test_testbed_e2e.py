@@ -331,6 +331,10 @@ def test_live_classifier_gives_every_turn_the_batch_answer(demo):
     log = (demo.out / "logs" / "classifier.log").read_text()
     resumed = re.search(r"resumed: (\d+) final turns from the turn store, (\d+) export", log)
     assert resumed and int(resumed[1]) > 0 and int(resumed[2]) > 0, log[-2000:]
+    # ... and for a conversation that came back after the classifier's window (shorter
+    # than agent-slow-tool's pause): recalled from the span store, not left unclassified
+    recalled = [int(n) for n in re.findall(r"came back after the window: recalled (\d+)", log)]
+    assert recalled and min(recalled) > 0, log[-2000:]
     by_trace = {row["trace_id"]: row["verdict"] for row in live_turns.values()}
     live_verdicts = {(r.label, r.turn): by_trace.get(r.trace_id) for r in demo.results}
     expected = demo.scenario.expectations
