@@ -37,8 +37,10 @@ client's later turn, that came first). Every span is converted to Arrow once
 (``ArrowSpans``), not once for every pass it takes part in. A unit idle for longer
 than ``window_s`` (D's TTL plus a margin: no later turn can read its KV any more) is
 dropped, with every turn it holds (an id-less conversation's too, however long it went
-on), unless a unit that stays extends its turns; a span that arrives for a dropped
-conversation is *late*: counted, kept in the span store, not classified. No I/O here.
+on), unless a unit that stays extends its turns. A span that arrives for a dropped
+conversation is *late* (counted, kept in the span store, not classified) or, where the
+service recalls (``recalls``), held until the conversation's spans are read back from
+the span store (``returning``, ``revive``; kvobs.live.recall). No I/O here.
 """
 
 from __future__ import annotations
@@ -88,10 +90,10 @@ LINEAGE_SPANS = frozenset(
 # as context, is a candidate only for a prompt that probes its key, whose unit then
 # comes along anyway.
 _ENGINE_SPANS = LINEAGE_SPANS - {sc.SPAN_PULL_DECISION.name}
-IDLESS = "\x00idless"
+IDLESS = "\x00idless"  # the id-less pool's unit key (no conversation id can be this)
 # Spans held for dropped conversations until their recall (``SpanBuffer.returning``); past
 # it they are late, as without recalls.
-MAX_RETURNING = 100_000  # the id-less pool's unit key (no conversation id can be this)
+MAX_RETURNING = 100_000
 
 
 def derived(key: str) -> bool:
@@ -659,7 +661,7 @@ class SpanBuffer:
         into.rows.update(unit.rows)
         into.lineage.update(unit.lineage)
         into.last_arrival = max(into.last_arrival, unit.last_arrival)
-        into.began = min(into.began, unit.began)
+        into.began = min(filter(None, (into.began, unit.began)), default=0.0)  # 0: not known
         for key in unit.keys:
             self._units_by_key[key].discard(source)
             self._units_by_key[key].add(target)

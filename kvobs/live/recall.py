@@ -73,11 +73,12 @@ def _matching(
     ids: set[str],
     traces: set[str],
     found: Recalled | None,
-    traces_at: str = '"traceId":"',
+    traces_at: str | None = None,
 ):
     """(segment's time, row) of every span of the lines that name one of ``ids``
     (conversation ids, as lines write them) or ``traces`` (trace ids; span ids with
     ``traces_at`` = ``_SPAN_AT``); ``found`` counts the lines that do but do not parse."""
+    traces_at = traces_at or _TRACE_AT
     for path, written in segments:
         try:
             with open(path, encoding="utf-8", errors="replace") as handle:

@@ -233,11 +233,9 @@ class Live:
         the loop overlaps them, a round a pass)."""
         while since := self.classifier.buffer.returning_since(RECALL_ROUND):
             try:
-                recalled = self.recall(since)
-            except (OSError, ValueError, SourceError) as error:
+                self.revive(self.recall(since), time.time() if now is None else now)
+            except Exception as error:  # noqa: BLE001 - the spans are late, as without it
                 self._recall_failed(since, error)
-                continue
-            self.revive(recalled, time.time() if now is None else now)
 
     def _recall_failed(self, since: dict[str, float], error: BaseException) -> None:
         self.classifier.buffer.give_up(since)
@@ -246,6 +244,8 @@ class Live:
             "spans are late): %s",
             len(since),
             error,
+            # its traceback where it is no I/O error: a defect to report
+            exc_info=error if not isinstance(error, (OSError, SourceError)) else None,
         )
 
     def _take_recall(self) -> None:
@@ -254,7 +254,7 @@ class Live:
         self._recalling = None
         try:
             self.revive(future.result(), time.time())
-        except (OSError, ValueError, SourceError) as error:
+        except Exception as error:  # noqa: BLE001 - the spans are late, as without it
             self._recall_failed(since, error)
 
     def _step_recall(self) -> None:
@@ -312,6 +312,9 @@ class Live:
             await asyncio.sleep(self.settings.interval_s)
             try:
                 self._step_recall()
+            except Exception:  # noqa: BLE001 - never in the way of the pass
+                _LOG.exception("recall of conversations that came back failed")
+            try:
                 self.run_pass()
             except Exception:  # noqa: BLE001 - the next pass tries again
                 _LOG.exception("classification pass failed")

@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -415,9 +416,10 @@ def test_the_running_service_recalls_a_conversation_that_came_back(tmp_path):
         assert stored["verdict"] == diagnosis.finding.verdict.value, diagnosis.conversation_id
 
 
-def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog):
-    """The span store cannot be read: the spans held for the conversation are late (as
-    without recalls), said in the log; the service goes on."""
+@pytest.mark.parametrize("error", [OSError("no such store"), KeyError("no such store")])
+def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog, error):
+    """The span store cannot be read, or a defect: the spans held for the conversation
+    are late (as without recalls), said in the log; the service goes on."""
     import kvobs.live.service as service
 
     lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
@@ -432,7 +434,7 @@ def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog
     assert held > 0 and live.classifier.buffer.late_spans == 0
 
     def unreadable(*_args):
-        raise OSError("no such store")
+        raise error
 
     monkeypatch.setattr(service, "recall", unreadable)
     live.recall_returning(1200.0)
