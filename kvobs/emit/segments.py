@@ -41,6 +41,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from kvobs.semconv import STORE_LIVE_DIR
 
@@ -296,3 +297,18 @@ def written_since(store_dir: str, since: float) -> list[tuple[str, float]]:
         except OSError:
             continue  # sealed or expired meanwhile
     return [(os.path.join(directory, n), mtime) for mtime, n in sorted(stamped) if mtime >= since]
+
+
+def segment_lines(
+    segments: list[tuple[str, float]], unreadable: Callable[[str, OSError], None]
+) -> Iterator[tuple[float, str]]:
+    """Each line of ``segments`` (``written_since``'s), with when its segment was last
+    written to; a segment that cannot be read (expired or sealed away meanwhile) is given
+    to ``unreadable`` and skipped, the others read on."""
+    for path, written in segments:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                for line in handle:
+                    yield written, line
+        except OSError as error:
+            unreadable(path, error)

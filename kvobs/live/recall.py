@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvobs import semconv as sc
 from kvobs.emit.otlp_json import json_line, loads
-from kvobs.emit.segments import written_since
+from kvobs.emit.segments import segment_lines, written_since
 from kvobs.sources._rows import rows as document_rows
 
 _CID = sc.CONVERSATION_ID.key
@@ -79,26 +79,21 @@ def _matching(
     (conversation ids, as lines write them) or ``traces`` (trace ids; span ids with
     ``traces_at`` = ``_SPAN_AT``); ``found`` counts the lines that do but do not parse."""
     traces_at = traces_at or _TRACE_AT
-    for path, written in segments:
+    # A segment expired or sealed away meanwhile is skipped: what is left is recalled.
+    for written, line in segment_lines(segments, lambda _path, _error: None):
+        ours = _TRACE_AT in line  # laid out as kvobs' writers lay it out
+        if not (
+            _names(line, _ID_AT, ids, ours) or (traces and _names(line, traces_at, traces, ours))
+        ):
+            continue
         try:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                for line in handle:
-                    ours = _TRACE_AT in line  # laid out as kvobs' writers lay it out
-                    if not (
-                        _names(line, _ID_AT, ids, ours)
-                        or (traces and _names(line, traces_at, traces, ours))
-                    ):
-                        continue
-                    try:
-                        request = loads(line)
-                    except ValueError:
-                        if found is not None:
-                            found.unreadable += 1
-                        continue
-                    for row in document_rows("otlp", request, []):
-                        yield written, row
-        except OSError:
-            continue  # expired or sealed away meanwhile: what is left is recalled
+            request = loads(line)
+        except ValueError:
+            if found is not None:
+                found.unreadable += 1
+            continue
+        for row in document_rows("otlp", request, []):
+            yield written, row
 
 
 # Where kvobs' writers (compact JSON) put a span's trace id and a conversation id.

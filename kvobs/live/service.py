@@ -38,7 +38,7 @@ from prometheus_client.exposition import choose_encoder
 
 from kvobs.emit import collect
 from kvobs.emit.otlp_json import loads
-from kvobs.emit.segments import written_since
+from kvobs.emit.segments import segment_lines, written_since
 from kvobs.semconv import CONVERSATION_ID, STORE_CLASSIFIER_HELD
 from kvobs.fleet.turn_report import summarize
 from kvobs.live.classifier import Classifier
@@ -80,8 +80,8 @@ class Live:
         # A conversation that comes back after the window is recalled from the span store
         # (kvobs.live.recall), not left unclassified.
         self.classifier.buffer.recalls = True
-        self._recalling: asyncio.Future | None = None
-        self._recalling_since: dict[str, float] = {}
+        # The recall under way: the conversations it reads, and its read off the loop.
+        self._recalling: tuple[dict[str, float], asyncio.Future] | None = None
         self.metrics = TurnMetrics()
         # Final turn rows: the store directory's parquet unless given (ClickHouse).
         self.turns = turns or TurnStore(store_dir, settings.turn_retention_s)
@@ -109,21 +109,17 @@ class Live:
             taken = 0
             _LOG.warning("could not read the turn store to resume from: %s", error)
         requests = unreadable = 0
-        for path, written in written_since(self.store_dir, since):
+        segments = written_since(self.store_dir, since)
+        for written, line in segment_lines(segments, _unreplayable):
+            if not line.strip():
+                continue
             try:
-                with open(path, encoding="utf-8", errors="replace") as handle:
-                    for line in handle:
-                        if not line.strip():
-                            continue
-                        try:
-                            # Received by the time the segment was last written: the
-                            # next restart's replay then takes this segment again.
-                            self.classifier.add_request(loads(line), now, written)
-                            requests += 1
-                        except ValueError:
-                            unreadable += 1
-            except OSError as error:
-                _LOG.warning("could not replay %s: %s", path, error)
+                # Received by the time the segment was last written: the next restart's
+                # replay then takes this segment again.
+                self.classifier.add_request(loads(line), now, written)
+                requests += 1
+            except ValueError:
+                unreadable += 1
         if requests:
             # Classified before the service listens: this pass takes every span of the
             # window, and on the event loop it would leave /health unanswered as long (a
@@ -250,8 +246,7 @@ class Live:
 
     def _take_recall(self) -> None:
         assert self._recalling is not None
-        since, future = self._recalling_since, self._recalling
-        self._recalling = None
+        (since, future), self._recalling = self._recalling, None
         try:
             self.revive(future.result(), time.time())
         except Exception as error:  # noqa: BLE001 - the spans are late, as without it
@@ -261,13 +256,13 @@ class Live:
         """The loop's recall: started off the loop when conversations came back, taken
         on the loop once read (a pass later at most)."""
         if self._recalling is not None:
-            if not self._recalling.done():
+            if not self._recalling[1].done():
                 return
             self._take_recall()
         since = self.classifier.buffer.returning_since(RECALL_ROUND)
         if since:
-            self._recalling_since = since
-            self._recalling = asyncio.get_running_loop().run_in_executor(None, self.recall, since)
+            read = asyncio.get_running_loop().run_in_executor(None, self.recall, since)
+            self._recalling = (since, read)
 
     def maintain(self, now: float | None = None) -> None:
         """The turn store's upkeep: partitions past the retention dropped, parts merged.
@@ -341,7 +336,7 @@ class Live:
         # last, a second one a grace later finds each turn unchanged, so final.
         try:
             if self._recalling is not None:  # the recall under way, then the rest at once
-                await asyncio.wait([self._recalling])
+                await asyncio.wait([self._recalling[1]])
                 self._take_recall()
             self.recall_returning()
             now = time.time()
@@ -405,6 +400,10 @@ def _unknown(conversation_id: str, found: Found) -> str:
 
 def _of_tenant(turns: list[dict], tenant: str | None) -> list[dict]:
     return [t for t in turns if tenant is None or t["tenant"] == tenant]
+
+
+def _unreplayable(path: str, error: OSError) -> None:
+    _LOG.warning("could not replay %s: %s", path, error)
 
 
 def _read_held(store_dir: str) -> float | None:
