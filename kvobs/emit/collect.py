@@ -20,8 +20,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from kvobs.emit import native
 from kvobs.emit.otlp_json import json_line, loads, request_json
 from kvobs.emit.segments import LiveSegmentWriter
+from kvobs.sources._rows import ReadRows
 
 _LOG = logging.getLogger("kvobs.collect")
 
@@ -58,15 +60,19 @@ def _long_number(body: bytes) -> bool:
 @dataclass
 class Stored:
     """One export request as the store holds it: its line, the strings replaced in it,
-    and, when decoding kept it, ``document``: the value the line reads back as."""
+    and, when decoding kept it, ``document``: the value the line reads back as, or
+    ``rows``: the rows of its spans (the compiled decoder's, ``_rows.ReadRows``)."""
 
     line: str
     replaced: int
     document: dict | None = None
+    rows: ReadRows | None = None
 
     def request(self) -> object:
-        """What the line reads back as (the live classifier's input): ``document``, else
-        the line parsed again."""
+        """What the live classifier takes: the rows of the line's spans, or what the line
+        reads back as (``document``, else the line parsed again)."""
+        if self.rows is not None:
+            return self.rows
         return self.document if self.document is not None else loads(self.line)
 
 
@@ -92,6 +98,11 @@ def decode(body: bytes, is_json: bool) -> Stored:
     when parsing it again would give the same). Raises for a body that is no request."""
     if is_json:  # JSON may carry a lone surrogate ("\ud800"): json_line replaces it
         return _json_request(body)
+    if native.decode is not None:
+        decoded = _native(body)
+        if decoded is not None:
+            line, rows = decoded
+            return Stored(line, 0, rows=ReadRows(rows))
     message = ExportTraceServiceRequest()
     message.ParseFromString(body)
     # Protobuf strings are valid UTF-8 (the parse checks), so nothing is replaced and
@@ -100,6 +111,23 @@ def decode(body: bytes, is_json: bool) -> Stored:
     document = request_json(message)
     line, replaced = json_line(document)
     return Stored(line, replaced, document if not replaced else None)
+
+
+_native_failed = False
+
+
+def _native(body: bytes) -> tuple[str, list[dict]] | None:
+    """The compiled decoder's line and rows, or None where the Python path decides: for a
+    body it does not take, and for a defect in it (logged once; every request still
+    decoded, by the Python path)."""
+    global _native_failed
+    try:
+        return native.decode(body)  # type: ignore[misc]
+    except Exception:  # noqa: BLE001 - a defect of the fast path must not refuse a body
+        if not _native_failed:
+            _native_failed = True
+            _LOG.exception("compiled OTLP decoder failed; the Python decoder takes over")
+        return None
 
 
 class _Replaced:

@@ -166,8 +166,8 @@ def _enum_names(enum) -> dict[int, str]:
     return {value.number: value.name for value in enum.values}
 
 
-_SPAN_KIND_NAMES = _enum_names(Span.DESCRIPTOR.enum_types_by_name["SpanKind"])
-_STATUS_CODE_NAMES = _enum_names(Status.DESCRIPTOR.enum_types_by_name["StatusCode"])
+SPAN_KIND_NAMES = _enum_names(Span.DESCRIPTOR.enum_types_by_name["SpanKind"])
+STATUS_CODE_NAMES = _enum_names(Status.DESCRIPTOR.enum_types_by_name["StatusCode"])
 
 
 class DecodedRequest(dict):
@@ -255,7 +255,7 @@ def _message_span_json(span, span_attributes: list[dict]) -> dict:
         out["name"] = value
     value = span.kind
     if value:
-        out["kind"] = _SPAN_KIND_NAMES.get(value, value)
+        out["kind"] = SPAN_KIND_NAMES.get(value, value)
     value = span.start_time_unix_nano
     if value:
         out["startTimeUnixNano"] = str(value)
@@ -310,7 +310,7 @@ def _message_span_json(span, span_attributes: list[dict]) -> dict:
         if status.message:
             item["message"] = status.message
         if status.code:
-            item["code"] = _STATUS_CODE_NAMES.get(status.code, status.code)
+            item["code"] = STATUS_CODE_NAMES.get(status.code, status.code)
         out["status"] = item
     value = span.flags
     if value:

@@ -38,6 +38,7 @@ _LOWER_HEX_DIGITS = "0123456789abcdef"
 # The attribute keys a span's row holds: the known ones, and the older names of some
 # (``renamed`` turns those into known keys, so the row holds known keys only).
 _ROW_KEYS = frozenset(sc.ATTRIBUTES) | frozenset(sc.RENAMED_KEYS)
+_SERVICE_NAME = "service.name"  # the resource attribute a row's service comes from
 # The Python type of a value each semconv type keeps as it is (most values, see ``coerce``).
 _PYTHON_TYPE = {"str": str, "int": int, "float": float, "bool": bool}
 _PYTHON_TYPES = {key: _PYTHON_TYPE[type_] for key, type_ in _TYPES.items()}
@@ -47,11 +48,50 @@ UNREADABLE = (ValueError, TypeError, AttributeError, KeyError, RecursionError)
 UNUSABLE = (ValueError, TypeError, OverflowError, UnicodeEncodeError)
 
 
+class ReadRows(list):
+    """Span rows a decoder built already, as ``_otlp_span`` builds them (not yet coerced):
+    the compiled OTLP/protobuf decoder's (``kvobs.emit.native``). ``rows`` takes them as
+    it takes a document: coerced, each problem reported."""
+
+    __slots__ = ()
+
+
+# The columns ``_otlp_span`` sets after a span's attributes, in its order.
+OTLP_COLUMNS = (
+    "trace_id",
+    "span_id",
+    "parent_span_id",
+    "name",
+    "service",
+    "start_ns",
+    "end_ns",
+    "error",
+)
+
+
+def otlp_row_names() -> tuple[
+    frozenset[str], tuple[tuple[str, str], ...], str, str, tuple[str, ...]
+]:
+    """What a decoder that builds OTLP span rows as ``_otlp_span`` does needs: the
+    attribute keys a row keeps, ``renamed``'s (old, new) pairs, the role and service
+    keys of the resource, and ``OTLP_COLUMNS``."""
+    return (
+        _ROW_KEYS,
+        tuple(sc.RENAMED_KEYS.items()),
+        sc.ROLE.key,
+        _SERVICE_NAME,
+        OTLP_COLUMNS,
+    )
+
+
 def rows(where: str, document: object, problems: list[str]) -> list[dict]:
-    """The coerced rows of one document; a document of no known shape is reported."""
+    """The coerced rows of one document (or of ``ReadRows``); a document of no known
+    shape is reported."""
     skipped: list[str] = []
     try:
-        found = list(_document_rows(document, skipped))
+        found = (
+            document if isinstance(document, ReadRows) else list(_document_rows(document, skipped))
+        )
     except UNREADABLE as error:
         problems.append(f"{where}: skipped ({short(error)})")
         return []
@@ -167,7 +207,7 @@ def _otlp(
     for resource_spans in resource_spans_list or ():
         resource = _attributes((resource_spans.get("resource") or {}).get("attributes"))
         # the process's role (kvobs.role), whatever its service name
-        context = (resource.get("service.name"), resource.get(sc.ROLE.key))
+        context = (resource.get(_SERVICE_NAME), resource.get(sc.ROLE.key))
         scopes = (
             resource_spans.get("scopeSpans")
             or resource_spans.get("instrumentationLibrarySpans")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import math
 import pathlib
@@ -23,11 +24,12 @@ from google.protobuf.message import DecodeError
 from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from kvobs.emit import native
 from kvobs.emit.collect import SegmentWriter, build_app, decode
 from kvobs import semconv as sc
 from kvobs.emit.otlp_json import json_line, loads, request_json, request_to_otlp_dict
 from kvobs.live.service import Live, LiveSettings
-from kvobs.sources._rows import rows
+from kvobs.sources._rows import ReadRows, rows
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 ODD_STRINGS = ["", "a", "\u2028", "\u2029", "\x85", "\x00", "\U0001f600", "é\nx", "\ufffd",
@@ -81,18 +83,41 @@ def _taken(stored):
         return None
 
 
-def _check_protobuf(message: ExportTraceServiceRequest) -> None:
+@contextlib.contextmanager
+def _compiled(on: bool):
+    """``collect.decode`` with the compiled decoder (where it is built) or without it."""
+    built = native.decode
+    native.decode = built if on else None
+    try:
+        yield
+    finally:
+        native.decode = built
+
+
+def _check_protobuf(message: ExportTraceServiceRequest, body: bytes | None = None) -> bool:
+    """Both decoders give the reference's line and the rows of that line read back;
+    whether the compiled one answered (it leaves what it does not know to the other)."""
     reference = request_to_otlp_dict(message)
     direct = request_json(message)
     assert json.dumps(direct) == json.dumps(reference)  # key order included
-    stored = decode(message.SerializeToString(), is_json=False)
-    assert (stored.line, stored.replaced) == json_line(reference)
-    taken = _taken(stored)
-    # the rows come from the attributes the decoding read (one dict a span), not the dict
+    body = message.SerializeToString() if body is None else body
     spans = [span for rs in reference.get("resourceSpans", ())
              for ss in rs.get("scopeSpans", ()) for span in ss.get("spans", ())]
-    assert len(taken.span_attributes) == len(spans)
-    _same_rows(taken, stored.line)
+    answered = False
+    for compiled in (False, True):
+        with _compiled(compiled):
+            stored = decode(body, is_json=False)
+        assert (stored.line, stored.replaced) == json_line(reference)
+        taken = _taken(stored)
+        if stored.rows is not None:  # the compiled decoder's rows
+            assert compiled and isinstance(taken, ReadRows) and stored.document is None
+            assert len(taken) == len(spans)
+            answered = True
+        else:
+            # the rows come from the attributes the walk read (one dict a span), not the dict
+            assert len(taken.span_attributes) == len(spans)
+        _same_rows(taken, stored.line)
+    return answered
 
 
 def _reference_json(body: bytes):
@@ -125,8 +150,7 @@ def test_every_recorded_request_as_protobuf_and_as_json(index):
     _check_json(line.encode())
     assert decode(line.encode(), is_json=True).document is not None  # not parsed again
     message = _as_message(line)
-    _check_protobuf(message)
-    assert decode(message.SerializeToString(), is_json=False).document is not None
+    assert _check_protobuf(message)  # every recorded request: the compiled decoder's
     _check_json(json.dumps(request_to_otlp_dict(message)).encode())
 
 
@@ -217,6 +241,157 @@ def test_fuzzed_protobuf_requests(seed):
     _fill(message, rng, 0)
     _known_attributes(message, rng)
     _check_protobuf(message)
+
+
+def _scrambled(message, rng: random.Random, merged: bool = True) -> bytes:
+    """``message`` in another valid encoding than protobuf's own: its fields in a random
+    order (a repeated field's items keep theirs), sometimes a scalar sent twice (the last
+    wins), an unknown field of each wire type, or (``merged``) a message field in two
+    parts."""
+    return b"".join(_chunks(message, rng, merged))
+
+
+def _chunks(message, rng: random.Random, merged: bool) -> list[bytes]:
+    chunks: list[tuple[float, bytes]] = []
+    order = {field.number: rng.random() for field, _ in message.ListFields()}
+    for field, value in message.ListFields():
+        tag = field.number << 3
+        if field.type == d.FieldDescriptor.TYPE_MESSAGE:
+            items = value if field.is_repeated else [value]
+            for item in items:
+                inner = _chunks(item, rng, merged)
+                # a singular message field in two parts, each a whole field: merged
+                cut = rng.randrange(len(inner) + 1) if merged and not field.is_repeated \
+                    and rng.random() < 0.1 else None
+                for part in [inner] if cut is None else [inner[:cut], inner[cut:]]:
+                    data = b"".join(part)
+                    field_bytes = _varint(tag | 2) + _varint(len(data)) + data
+                    chunks.append((order[field.number], field_bytes))
+            continue
+        alone = type(message)()
+        if field.is_repeated:
+            getattr(alone, field.name).extend(value)
+        else:
+            if rng.random() < 0.1:  # sent twice: a first value the second replaces
+                other = type(message)()
+                setattr(other, field.name, _scalar(field, rng))
+                chunks.append((order[field.number] - 1, other.SerializeToString()))
+            setattr(alone, field.name, value)
+        chunks.append((order[field.number], alone.SerializeToString()))
+    if rng.random() < 0.2:
+        unknown = 900 + rng.randrange(50)
+        chunks.append((rng.random(), rng.choice([
+            _varint(unknown << 3) + _varint(rng.randrange(2**64)),
+            _varint(unknown << 3 | 1) + bytes(8),
+            _varint(unknown << 3 | 2) + _varint(3) + b"abc",
+            _varint(unknown << 3 | 5) + bytes(4)])))
+    chunks.sort(key=lambda chunk: chunk[0])  # stable: repeated items keep their order
+    return [chunk for _, chunk in chunks]
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_requests_encoded_otherwise_decode_alike(seed):
+    """Fields out of order, a scalar sent twice, a message in two parts, unknown fields:
+    what upb parses, both decoders write and read alike (the compiled one answering where
+    it knows the shape)."""
+    rng = random.Random(seed)
+    message = ExportTraceServiceRequest()
+    if seed % 2:
+        _fill(message, rng, 0)
+        _known_attributes(message, rng)
+    else:
+        message = _as_message(_corpus()[seed % len(_corpus())])
+    body = _scrambled(message, rng)
+    parsed = ExportTraceServiceRequest()
+    parsed.ParseFromString(body)
+    _check_protobuf(parsed, body)
+
+
+def _field(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _merged_bodies() -> dict[str, bytes]:
+    array = _field(5, _field(1, _field(1, b"a"))) + _field(5, _field(1, _field(1, b"b")))
+    attribute = _field(1, b"kvobs.role") + _field(2, array)
+    value = _field(1, b"gen_ai.conversation.id") + _field(2, _field(1, b"x")) + _field(2, b"")
+    status = _field(15, _field(2, b"failed")) + _field(15, b"\x18\x02")
+    resource = (_field(1, _field(1, _field(1, b"service.name") + _field(2, _field(1, b"p"))))
+                + _field(1, _field(1, _field(1, b"kvobs.role") + _field(2, _field(1, b"d")))))
+    ids = _field(1, bytes(16)) + _field(2, bytes(8))
+    scope = _field(1, _field(1, b"kvobs")) + _field(1, _field(2, b"1.0"))
+
+    def request(span: bytes, resource: bytes = b"", scope: bytes = b"") -> bytes:
+        return _field(1, resource + _field(2, scope + _field(2, ids + span)))
+
+    return {
+        "array": request(_field(9, attribute)),
+        "value": request(_field(9, value)),
+        "status": request(status),
+        "resource": request(b"", resource),
+        "scope": request(b"", b"", scope),
+    }
+
+
+@pytest.mark.parametrize("case", ["array", "value", "status", "resource", "scope"])
+def test_message_fields_sent_in_parts_are_merged_as_upb_merges_them(case):
+    """An array value, a key's value, a span's status, a resource, a scope: each sent as
+    two fields, which protobuf merges (an array's items joined, the other fields kept)."""
+    body = _merged_bodies()[case]
+    parsed = ExportTraceServiceRequest()
+    parsed.ParseFromString(body)
+    _check_protobuf(parsed, body)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_damaged_bodies_are_refused_or_decoded_alike(seed):
+    """A recorded request with bytes cut, flipped or added: where upb refuses the body the
+    compiled decoder leaves it to the Python path (the handler's 400); where upb takes it,
+    both decoders agree."""
+    rng = random.Random(seed)
+    body = bytearray(_as_message(_corpus()[seed % len(_corpus())]).SerializeToString())
+    for _ in range(rng.randrange(1, 4)):
+        at = rng.randrange(len(body))
+        change = rng.randrange(3)
+        if change == 0:
+            del body[at:at + rng.randrange(1, 8)]
+        elif change == 1:
+            body[at] ^= 1 << rng.randrange(8)
+        else:
+            body[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4)))
+    parsed = ExportTraceServiceRequest()
+    try:
+        parsed.ParseFromString(bytes(body))
+    except DecodeError:
+        if native.decode is not None:
+            assert native.decode(bytes(body)) is None
+        with pytest.raises(DecodeError):
+            decode(bytes(body), is_json=False)
+        return
+    _check_protobuf(parsed, bytes(body))
+
+
+def test_the_compiled_decoder_takes_the_common_shapes():
+    """Built (``pip install`` compiles it: gcc and Python's headers are set-up's), and
+    answering for what engines send: every recorded request (above), the scrambled
+    encodings of them, doubles of every exponent, every span kind and status."""
+    assert native.decode is not None, "kvobs.emit._otlp_native was not built"
+    rng = random.Random(7)
+    message = ExportTraceServiceRequest()
+    spans = message.resource_spans.add().scope_spans.add().spans
+    for index in range(400):
+        span = spans.add(name=f"s{index}", trace_id=rng.randbytes(16), span_id=rng.randbytes(8),
+                         kind=index % 6, start_time_unix_nano=rng.randrange(2**64))
+        span.status.code = index % 3
+        value = span.attributes.add(key="gen_ai.latency.time_to_first_token").value
+        value.double_value = rng.choice([-1, 1]) * rng.random() * 10.0 ** rng.randrange(-30, 30)
+        span.attributes.add(key="kvobs.read.bytes").value.int_value = rng.randrange(-2**63, 2**63)
+    assert _check_protobuf(message)
+    for index in range(20):
+        body = _scrambled(message, random.Random(index), merged=False)
+        parsed = ExportTraceServiceRequest()
+        parsed.ParseFromString(body)
+        assert _check_protobuf(parsed, body)
 
 
 def test_attributes_read_while_decoding_give_the_rows_the_dict_gives():
@@ -397,8 +572,11 @@ def test_the_handler_answers_as_before_and_a_classifier_error_fails_nothing(tmp_
             assert answer.status == 503
 
     asyncio.run(scenario())
-    assert [json.dumps(t) for t in taken] == [json.dumps(request_json(message)),
-                                              json.dumps(json.loads(_corpus()[0]))]
+    # the classifier was handed the protobuf body's rows, then the JSON body's document
+    assert isinstance(taken[0], ReadRows) == (native.decode is not None)
+    assert [rows("otlp", t, []) for t in taken] == [
+        rows("otlp", request_json(message), []), rows("otlp", json.loads(_corpus()[0]), [])]
+    assert json.dumps(taken[1]) == json.dumps(json.loads(_corpus()[0]))
 
 
 def _full_disk(text: str) -> None:
