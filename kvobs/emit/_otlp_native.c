@@ -36,6 +36,7 @@ typedef struct {
     const char *text; /* UTF-8, owned by ``key`` */
     Py_ssize_t size;
     PyObject *key;
+    int textual; /* the key's values are text: an int value stays its decimal text */
 } KeySlot;
 
 #define KEY_SLOTS 1024 /* power of two, well above the row keys (~100) */
@@ -57,11 +58,11 @@ static uint64_t fnv(const uint8_t *s, size_t n) {
     return h;
 }
 
-static PyObject *row_key(const uint8_t *s, size_t n) { /* borrowed, or NULL */
+static KeySlot *row_key(const uint8_t *s, size_t n) { /* or NULL */
     for (uint64_t i = fnv(s, n);; i++) {
         KeySlot *slot = &row_keys[i & (KEY_SLOTS - 1)];
         if (slot->key == NULL) return NULL;
-        if ((size_t)slot->size == n && memcmp(slot->text, s, n) == 0) return slot->key;
+        if ((size_t)slot->size == n && memcmp(slot->text, s, n) == 0) return slot;
     }
 }
 
@@ -499,9 +500,10 @@ static int any_value(Walk *w, Any *a, int depth) {
     return OK;
 }
 
-/* What a row holds for an AnyValue: a string, an int's decimal text, a double (a
- * non-finite one by name), a bool; None for any other value or none (new reference). */
-static PyObject *scalar(Any *a) {
+/* What a row holds for an AnyValue: a string, an int's decimal text (``as_int``: the int
+ * that text coerces to, for a key whose values are numbers), a double (a non-finite one by
+ * name), a bool; None for any other value or none (new reference). */
+static PyObject *scalar(Any *a, int as_int) {
     Field *f = &a->value;
     switch (a->which) {
         case 1:
@@ -509,7 +511,7 @@ static PyObject *scalar(Any *a) {
         case 2:
             return Py_NewRef(f->u ? Py_True : Py_False);
         case 3:
-            return decimal((int64_t)f->u);
+            return as_int ? PyLong_FromLongLong((long long)(int64_t)f->u) : decimal((int64_t)f->u);
         case 4: {
             double d;
             memcpy(&d, &f->u, 8);
@@ -572,7 +574,8 @@ static int key_value(Walk *w, const uint8_t *data, size_t size, PyObject *row, i
     }
     PUT(b, "}");
     if (key_size == 0 || (row == NULL && !resource)) return OK;
-    PyObject **slot = NULL, *name = NULL;
+    PyObject **slot = NULL;
+    KeySlot *name = NULL;
     if (resource) {
         if (same_text(key, key_size, service_text, service_size))
             slot = &w->service;
@@ -583,13 +586,13 @@ static int key_value(Walk *w, const uint8_t *data, size_t size, PyObject *row, i
     } else if ((name = row_key(key, key_size)) == NULL) {
         return OK;
     }
-    PyObject *held = scalar(&a);
+    PyObject *held = scalar(&a, name != NULL && !name->textual);
     if (held == NULL) return FAIL;
     if (slot != NULL) {
         Py_XSETREF(*slot, held);
         return OK;
     }
-    int rc = PyDict_SetItem(row, name, held);
+    int rc = PyDict_SetItem(row, name->key, held);
     Py_DECREF(held);
     return rc < 0 ? FAIL : OK;
 }
@@ -1097,34 +1100,29 @@ static PyObject *configure(PyObject *module, PyObject *args) {
         return NULL;
     configured = 0;
     for (int i = 0; i < KEY_SLOTS; i++) Py_CLEAR(row_keys[i].key);
-    PyObject *iterator = PyObject_GetIter(keys), *key;
-    if (iterator == NULL) return NULL;
-    Py_ssize_t count = 0;
-    while ((key = PyIter_Next(iterator)) != NULL) {
+    if (!PyDict_Check(keys) || PyDict_GET_SIZE(keys) > KEY_SLOTS / 2) {
+        PyErr_SetString(PyExc_ValueError, "row_keys: a dict of at most 512 keys");
+        return NULL;
+    }
+    Py_ssize_t position = 0;
+    PyObject *key, *textual;
+    while (PyDict_Next(keys, &position, &key, &textual)) {
         const char *text;
         Py_ssize_t size;
-        if (++count > KEY_SLOTS / 2 || utf8_of(key, &text, &size) < 0) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "too many row keys");
-            Py_DECREF(key);
-            Py_DECREF(iterator);
-            return NULL;
-        }
+        if (utf8_of(key, &text, &size) < 0) return NULL;
+        int is_text = PyObject_IsTrue(textual);
+        if (is_text < 0) return NULL;
         for (uint64_t i = fnv((const uint8_t *)text, (size_t)size);; i++) {
             KeySlot *slot = &row_keys[i & (KEY_SLOTS - 1)];
             if (slot->key == NULL) {
-                slot->key = key; /* takes the reference */
+                slot->key = Py_NewRef(key);
                 slot->text = text;
                 slot->size = size;
-                break;
-            }
-            if (slot->size == size && memcmp(slot->text, text, (size_t)size) == 0) {
-                Py_DECREF(key);
+                slot->textual = is_text;
                 break;
             }
         }
     }
-    Py_DECREF(iterator);
-    if (PyErr_Occurred()) return NULL;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(renamed); i++) {
         PyObject *pair = PyTuple_GET_ITEM(renamed, i);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
@@ -1152,7 +1150,8 @@ static PyObject *configure(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(row_keys, renamed, role_key, service_key, columns, kind_names, code_names)"},
+     "configure(row_keys, renamed, role_key, service_key, columns, kind_names, code_names): "
+     "row_keys maps each key a row keeps to whether its values are text"},
     {"decode", decode, METH_O,
      "decode(body) -> (line, rows) | None: None where the Python path must decide"},
     {NULL, NULL, 0, NULL},

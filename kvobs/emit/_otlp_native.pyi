@@ -1,8 +1,7 @@
 # The compiled decoder's interface (kvobs/emit/_otlp_native.c); configured by kvobs.emit.native.
-from typing import Iterable
 
 def configure(
-    row_keys: Iterable[str],
+    row_keys: dict[str, bool],
     renamed: tuple[tuple[str, str], ...],
     role_key: str,
     service_key: str,

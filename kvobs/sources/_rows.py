@@ -70,13 +70,15 @@ OTLP_COLUMNS = (
 
 
 def otlp_row_names() -> tuple[
-    frozenset[str], tuple[tuple[str, str], ...], str, str, tuple[str, ...]
+    dict[str, bool], tuple[tuple[str, str], ...], str, str, tuple[str, ...]
 ]:
     """What a decoder that builds OTLP span rows as ``_otlp_span`` does needs: the
-    attribute keys a row keeps, ``renamed``'s (old, new) pairs, the role and service
-    keys of the resource, and ``OTLP_COLUMNS``."""
+    attribute keys a row keeps, each with whether its values are text (an OTLP intValue,
+    a decimal string, coerces to the same int, or float, for a key of numbers: such a
+    decoder may give the int), ``renamed``'s (old, new) pairs, the role and service keys
+    of the resource, and ``OTLP_COLUMNS``."""
     return (
-        _ROW_KEYS,
+        {key: _TYPES.get(sc.RENAMED_KEYS.get(key, key), "str") == "str" for key in _ROW_KEYS},
         tuple(sc.RENAMED_KEYS.items()),
         sc.ROLE.key,
         _SERVICE_NAME,
