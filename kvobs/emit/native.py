@@ -25,10 +25,15 @@ def _by_number(names: dict[int, str]) -> tuple[str, ...]:
     return tuple(names[number] for number in range(len(names)))
 
 
+_missing: str | None = None  # why the compiled decoder is not there
+
+
 def _configured() -> Decode | None:
+    global _missing
     try:
         from kvobs.emit import _otlp_native
-    except ImportError:
+    except ImportError as error:
+        _missing = str(error)
         return None
     _otlp_native.configure(
         *_rows.otlp_row_names(),
@@ -39,3 +44,13 @@ def _configured() -> Decode | None:
 
 
 decode: Decode | None = _configured()
+
+
+def described() -> str:
+    """Which decoder takes OTLP/protobuf requests, for the service's start-up log."""
+    if decode is not None:
+        return "the compiled decoder"
+    return (
+        f"the Python decoder (the compiled one was not built: {_missing}; "
+        "reinstall kvobs where a C compiler and Python's headers are)"
+    )

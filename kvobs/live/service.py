@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from kvobs.emit import collect
+from kvobs.emit import collect, native
 from kvobs.emit.otlp_json import loads
 from kvobs.emit.segments import segment_lines, written_since
 from kvobs.semconv import CONVERSATION_ID, STORE_CLASSIFIER_HELD
@@ -447,11 +447,12 @@ def run(
 ) -> None:
     _LOG.info(
         "kvobs collect: classifying live (window %.0f s, grace %.0f s), store %s, "
-        "final turns to %s",
+        "final turns to %s; OTLP/protobuf decoded by %s",
         settings.window_s,
         settings.grace_s,
         store_dir,
         turns.location if turns else "the store",
+        native.described(),
     )
     web.run_app(
         build_app(store_dir, settings, turns),

@@ -394,6 +394,34 @@ def test_the_compiled_decoder_takes_the_common_shapes():
         assert _check_protobuf(parsed, body)
 
 
+def test_a_failing_compiled_decoder_leaves_every_body_to_the_python_one(monkeypatch, caplog):
+    """A defect in the compiled decoder (it raises) refuses no body: the Python decoder
+    takes each one, and the failure is logged once, with its traceback."""
+    from kvobs.emit import collect
+
+    def broken(body):
+        raise SystemError("a defect")
+
+    monkeypatch.setattr(native, "decode", broken)
+    monkeypatch.setattr(collect, "_native_failed", False)
+    message = _as_message(_corpus()[0])
+    with caplog.at_level("ERROR", logger="kvobs.collect"):
+        for _ in range(3):
+            stored = decode(message.SerializeToString(), is_json=False)
+            assert (stored.line, stored.replaced) == json_line(request_to_otlp_dict(message))
+            assert stored.rows is None and stored.document is not None
+    failures = [r for r in caplog.records if "compiled OTLP decoder failed" in r.message]
+    assert len(failures) == 1 and failures[0].exc_info[0] is SystemError
+
+
+def test_the_service_says_which_decoder_it_runs(monkeypatch):
+    assert native.described() == "the compiled decoder"
+    monkeypatch.setattr(native, "decode", None)
+    monkeypatch.setattr(native, "_missing", "No module named 'kvobs.emit._otlp_native'")
+    assert "Python decoder" in native.described()
+    assert "_otlp_native" in native.described()
+
+
 def test_attributes_read_while_decoding_give_the_rows_the_dict_gives():
     """Repeated keys (the last value, at the first one's place), an empty key, a value
     left unset or empty, an older key beside its new name, a value of another type than
