@@ -416,6 +416,38 @@ def test_the_running_service_recalls_a_conversation_that_came_back(tmp_path):
         assert stored["verdict"] == diagnosis.finding.verdict.value, diagnosis.conversation_id
 
 
+def test_a_defect_in_the_loop_s_recall_step_never_stops_its_passes(tmp_path, caplog):
+    """The running loop: its recall step raising (a defect, not a failed read) is logged
+    with its traceback, and the pass after it runs: every turn is still classified."""
+    lines = [line for line in DEMO.read_text().split("\n") if line.strip()]
+    steps = []
+
+    def broken_step():
+        steps.append(1)
+        raise RuntimeError("a defect in the recall step")
+
+    async def scenario():
+        app = build_app(str(tmp_path), LiveSettings(window_s=60, grace_s=GRACE_S,
+                                                    interval_s=0.05))
+        live = app[LIVE]
+        live._step_recall = broken_step
+        async with TestClient(TestServer(app)) as client:
+            for line in lines:
+                response = await client.post("/v1/traces", data=line,
+                                             headers={"Content-Type": "application/json"})
+                assert response.status == 200
+            for _ in range(600):  # a bound against a hang only
+                await asyncio.sleep(0.05)
+                if len(live.turns.latest()) == 25:
+                    break
+        return live
+
+    live = asyncio.run(scenario())
+    assert len(live.turns.latest()) == 25 and len(steps) > 1
+    failures = [r for r in caplog.records if "recall of conversations" in r.getMessage()]
+    assert failures and failures[0].exc_info[0] is RuntimeError
+
+
 @pytest.mark.parametrize("error", [OSError("no such store"), KeyError("no such store")])
 def test_a_recall_that_fails_leaves_the_spans_late(tmp_path, monkeypatch, caplog, error):
     """The span store cannot be read, or a defect: the spans held for the conversation

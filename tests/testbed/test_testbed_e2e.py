@@ -335,6 +335,8 @@ def test_live_classifier_gives_every_turn_the_batch_answer(demo):
     # than agent-slow-tool's pause): recalled from the span store, not left unclassified
     recalled = [int(n) for n in re.findall(r"came back after the window: recalled (\d+)", log)]
     assert recalled and min(recalled) > 0, log[-2000:]
+    # ... with the engines' protobuf requests decoded by the compiled decoder
+    assert "OTLP/protobuf decoded by the compiled decoder" in log, log[:2000]
     by_trace = {row["trace_id"]: row["verdict"] for row in live_turns.values()}
     live_verdicts = {(r.label, r.turn): by_trace.get(r.trace_id) for r in demo.results}
     expected = demo.scenario.expectations
