@@ -1,11 +1,14 @@
 """The wheel carries the repository's shipped files (``kvobs._resources.SHIPPED``) under
-``kvobs/_data/``: one copy in the repository, a build-time copy in the wheel. Everything
-else is in pyproject.toml."""
+``kvobs/_data/``: one copy in the repository, a build-time copy in the wheel. And the
+compiled decoder of kvobs collect's OTLP/protobuf requests (``kvobs/emit/native.py``),
+optional: where no C compiler is found the install goes on and the Python decoder does
+its work (the service's start-up log says which one runs). Everything else is in
+pyproject.toml."""
 
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -23,4 +26,9 @@ class BuildWithShippedFiles(build_py):
             self.copy_tree(str(ROOT / relative), str(target / relative))
 
 
-setup(cmdclass={"build_py": BuildWithShippedFiles})
+setup(
+    cmdclass={"build_py": BuildWithShippedFiles},
+    ext_modules=[
+        Extension("kvobs.emit._otlp_native", ["kvobs/emit/_otlp_native.c"], optional=True)
+    ],
+)

@@ -2,8 +2,8 @@
  * its bytes into (1) the store's line, byte-identical to the Python path's
  * ``json_line(request_json(message))``, and (2) each span's row as ``kvobs.sources._rows``
  * builds it before coercion. The Python path (upb's parse, then a walk of the message
- * object) costs ~25 us a span, most of it one Python object per field read; this costs
- * ~1-2.
+ * object) costs ~30 us a span with the rows, most of it one Python object per field read;
+ * this ~4 (bench/README.md, Run 14).
  *
  * It is a fast path, never a second set of rules: anything outside the shapes it knows
  * (an id of unusual length, a double whose text would need an exponent, a message field

@@ -93,16 +93,18 @@ def _json_request(body: bytes) -> Stored:
 
 def decode(body: bytes, is_json: bool) -> Stored:
     """The request as one store line (the span exporter's encoding: no raw line break, a
-    string that is not valid Unicode replaced), how many strings were replaced, and the
-    document that line reads back as (protobuf: from the message; JSON: the body's own,
-    when parsing it again would give the same). Raises for a body that is no request."""
+    string that is not valid Unicode replaced), how many strings were replaced, and what
+    the classifier takes: for protobuf the rows of its spans (the compiled decoder's,
+    where it is built and knows the request's shape) or the document the line reads back
+    as, from the message; for JSON the body's own document, when parsing it again would
+    give the same. Raises for a body that is no request."""
     if is_json:  # JSON may carry a lone surrogate ("\ud800"): json_line replaces it
         return _json_request(body)
-    if native.decode is not None:
-        decoded = _native(body)
-        if decoded is not None:
-            line, rows = decoded
-            return Stored(line, 0, rows=ReadRows(rows))
+    compiled = native.decode
+    decoded = None if compiled is None else _native(compiled, body)
+    if decoded is not None:  # protobuf strings are valid UTF-8: nothing replaced
+        line, rows = decoded
+        return Stored(line, 0, rows=ReadRows(rows))
     message = ExportTraceServiceRequest()
     message.ParseFromString(body)
     # Protobuf strings are valid UTF-8 (the parse checks), so nothing is replaced and
@@ -116,13 +118,13 @@ def decode(body: bytes, is_json: bool) -> Stored:
 _native_failed = False
 
 
-def _native(body: bytes) -> tuple[str, list[dict]] | None:
+def _native(compiled: native.Decode, body: bytes) -> tuple[str, list[dict]] | None:
     """The compiled decoder's line and rows, or None where the Python path decides: for a
     body it does not take, and for a defect in it (logged once; every request still
     decoded, by the Python path)."""
     global _native_failed
     try:
-        return native.decode(body)  # type: ignore[misc]
+        return compiled(body)
     except Exception:  # noqa: BLE001 - a defect of the fast path must not refuse a body
         if not _native_failed:
             _native_failed = True
