@@ -1,8 +1,9 @@
 """The wheel carries the repository's shipped files (``kvobs._resources.SHIPPED``) under
-``kvobs/_data/``: one copy in the repository, a build-time copy in the wheel. And the
-compiled decoder of kvobs collect's OTLP/protobuf requests (``kvobs/emit/native.py``),
-optional: where no C compiler is found the install goes on and the Python decoder does
-its work (the service's start-up log says which one runs). Everything else is in
+``kvobs/_data/``: one copy in the repository, a build-time copy in the wheel. And two
+compiled fast paths, optional: the decoder of kvobs collect's OTLP/protobuf requests
+(``kvobs/emit/native.py``; the service's start-up log says which decoder runs) and the
+span table's row-to-column loop (``kvobs/sources/_frame.py``). Where no C compiler is
+found the install goes on and their Python versions do the work. Everything else is in
 pyproject.toml."""
 
 import sys
@@ -29,6 +30,9 @@ class BuildWithShippedFiles(build_py):
 setup(
     cmdclass={"build_py": BuildWithShippedFiles},
     ext_modules=[
-        Extension("kvobs.emit._otlp_native", ["kvobs/emit/_otlp_native.c"], optional=True)
+        Extension("kvobs.emit._otlp_native", ["kvobs/emit/_otlp_native.c"], optional=True),
+        Extension(
+            "kvobs.sources._columns_native", ["kvobs/sources/_columns_native.c"], optional=True
+        ),
     ],
 )

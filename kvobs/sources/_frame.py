@@ -8,7 +8,7 @@ derived from that table (``frame_from_table``), which imports pandas on use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -61,6 +61,12 @@ _KINDS = {
 }
 _ARROW_TYPES = [SPAN_SCHEMA.field(column).type for column in ALL_DTYPES]
 _NUMPY_KINDS = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_POSITIONS = {column: position for position, column in enumerate(ALL_DTYPES)}
+_transpose: Callable[[list, dict, int], list | None] | None
+try:  # built by setup.py where a C compiler is; the Python loop otherwise
+    from kvobs.sources._columns_native import transpose as _transpose
+except ImportError:
+    _transpose = None
 _PYTHON_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -79,15 +85,9 @@ def table_from_rows(rows: Iterable[dict]) -> pa.Table:
     cannot use read as null (the decoders report it with its file:line); keys of no
     column dropped. A proxy turn span without conversation id gets
     ``anonymous:<trace id>`` (``_name_anonymous``)."""
-    found: dict[str, tuple[list[int], list]] = {column: ([], []) for column in ALL_DTYPES}
-    count = 0
-    for index, row in enumerate(rows):
-        count = index + 1
-        for key, value in row.items():
-            slot = found.get(key)
-            if slot is not None and value is not None:
-                slot[0].append(index)
-                slot[1].append(value)
+    rows = rows if type(rows) is list else list(rows)
+    found = _spread(rows)
+    count = len(rows)
     usable = {column: _usable(at, values, _KINDS[column]) for column, (at, values) in found.items()}
     _name_anonymous(usable)
     return pa.Table.from_arrays(
@@ -97,6 +97,24 @@ def table_from_rows(rows: Iterable[dict]) -> pa.Table:
         ],
         schema=SPAN_SCHEMA,
     )
+
+
+def _spread(rows: list) -> dict[str, tuple[list[int], list]]:
+    """Each column's rows (their indexes) and values: a row's value under its key's
+    column, where the key is a column's and the value not None. The compiled loop
+    (``_columns_native.transpose``) where it is built and every row is a dict."""
+    if _transpose is not None:
+        spread = _transpose(rows, _POSITIONS, len(_POSITIONS))
+        if spread is not None:
+            return dict(zip(ALL_DTYPES, spread))
+    found: dict[str, tuple[list[int], list]] = {column: ([], []) for column in ALL_DTYPES}
+    for index, row in enumerate(rows):
+        for key, value in row.items():
+            slot = found.get(key)
+            if slot is not None and value is not None:
+                slot[0].append(index)
+                slot[1].append(value)
+    return found
 
 
 def conformed(table: pa.Table, schema: pa.Schema = SPAN_SCHEMA) -> pa.Table:

@@ -366,3 +366,38 @@ def test_coerce_gives_each_value_what_coerced_gives():
                 expected, unusable = None, [key]
             assert bad == unusable, (key, value)
             assert repr(row[key]) == repr(expected), (key, value)
+
+
+def test_the_compiled_row_loop_spreads_rows_as_the_python_loop_does(monkeypatch):
+    """``_frame._spread``: the compiled loop (built by setup.py) gives each column the
+    rows and values the Python loop gives, on rows of random keys and values (None, keys
+    of no column, repeated objects); a row that is not a dict leaves every row to the
+    Python loop; a generator of rows is taken whole."""
+    import random
+    from collections import OrderedDict
+
+    from kvobs import semconv as sc
+    from kvobs.sources import _frame
+
+    assert _frame._transpose is not None, "kvobs.sources._columns_native was not built"
+    rng = random.Random(3)
+    keys = [*_frame.ALL_DTYPES][:40] + ["no.such.key", "", sc.ROLE.key]
+    values = [None, 0, 1.5, "x", "é", True, 2**70, float("nan"), [1], {"a": 1}]
+    for size in (0, 1, 7, 300):
+        rows = [{rng.choice(keys): rng.choice(values) for _ in range(rng.randrange(25))}
+                for _ in range(size)]
+        compiled = _frame._spread(rows)
+        with monkeypatch.context() as patch:
+            patch.setattr(_frame, "_transpose", None)
+            python = _frame._spread(rows)
+        assert list(compiled) == list(python) == list(_frame.ALL_DTYPES)
+        for column in compiled:
+            at, got = compiled[column]
+            assert at == python[column][0] and got == python[column][1], column
+            assert all(a is b for a, b in zip(got, python[column][1]))  # the same objects
+        assert _frame._transpose(rows + [OrderedDict(rows[0] if rows else {})],
+                                 _frame._POSITIONS, len(_frame._POSITIONS)) is None
+    ordered = [OrderedDict({"span_id": "01"}), {"span_id": "02", "trace_id": None}]
+    assert _frame._spread(ordered)["span_id"] == ([0, 1], ["01", "02"])
+    table = _frame.table_from_rows(row for row in ordered)
+    assert table.column("span_id").to_pylist() == ["01", "02"]
