@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 from kvobs.sources._errors import SourceError
-from kvobs.sources._frame import SPAN_COLUMNS, empty_spans
+from kvobs.sources._frame import empty_spans
+from kvobs.sources._rows import SPAN_COLUMNS
 
 __all__ = ["SpanSource", "SourceError", "open_source", "SOURCE_HELP", "SPAN_COLUMNS", "empty_spans"]
 

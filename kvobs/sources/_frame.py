@@ -21,16 +21,6 @@ from kvobs.sources._rows import INT64_MAX, UNUSABLE, coerced
 if TYPE_CHECKING:
     import pandas as pd
 
-SPAN_COLUMNS = (
-    "trace_id",
-    "span_id",
-    "parent_span_id",
-    "name",
-    "service",
-    "start_ns",
-    "end_ns",
-    "error",
-)
 KIND_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "str": "string"}
 ATTRIBUTE_DTYPES = {a.key: KIND_DTYPES[a.type] for a in sc.ATTRIBUTES.values()}
 BASE_DTYPES = {

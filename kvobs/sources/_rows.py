@@ -56,8 +56,9 @@ class ReadRows(list):
     __slots__ = ()
 
 
-# The columns ``_otlp_span`` sets after a span's attributes, in its order.
-OTLP_COLUMNS = (
+# The span table's columns that are no attribute: what every decoder here sets on a row
+# after the span's attributes (``_otlp_span`` in this order).
+SPAN_COLUMNS = (
     "trace_id",
     "span_id",
     "parent_span_id",
@@ -76,13 +77,13 @@ def otlp_row_names() -> tuple[
     attribute keys a row keeps, each with whether its values are text (an OTLP intValue,
     a decimal string, coerces to the same int, or float, for a key of numbers: such a
     decoder may give the int), ``renamed``'s (old, new) pairs, the role and service keys
-    of the resource, and ``OTLP_COLUMNS``."""
+    of the resource, and ``SPAN_COLUMNS``."""
     return (
         {key: _TYPES.get(sc.RENAMED_KEYS.get(key, key), "str") == "str" for key in _ROW_KEYS},
         tuple(sc.RENAMED_KEYS.items()),
         sc.ROLE.key,
         _SERVICE_NAME,
-        OTLP_COLUMNS,
+        SPAN_COLUMNS,
     )
 
 
