@@ -597,9 +597,13 @@ static int key_value(Walk *w, const uint8_t *data, size_t size, PyObject *row, i
     return rc < 0 ? FAIL : OK;
 }
 
-/* ``"attributes":[...]`` (the KeyValues of field ``number``), if any */
-static int attributes(Walk *w, int *first, const uint8_t *data, size_t size, uint32_t number,
-                      PyObject *row, int resource) {
+/* Writes one item of a repeated message field (``rows``: where a span's row goes) */
+typedef int (*Item)(Walk *w, const uint8_t *data, size_t size, PyObject *rows);
+
+/* ``name`` (``"spans":[`` and the like), the items of repeated field ``number``, ``]``; no
+ * member where there is no item */
+static int items(Walk *w, int *first, const char *name, const uint8_t *data, size_t size,
+                 uint32_t number, Item item, PyObject *rows) {
     int any = 0;
     FIELDS(data, size) {
         Field f;
@@ -609,12 +613,29 @@ static int attributes(Walk *w, int *first, const uint8_t *data, size_t size, uin
         if (any)
             PUT(&w->line, ",");
         else
-            TRY(member(&w->line, first, "\"attributes\":["));
+            TRY(member(&w->line, first, name));
         any = 1;
-        TRY(key_value(w, f.data, f.size, row, resource, 0));
+        TRY(item(w, f.data, f.size, rows));
     }
     if (any) PUT(&w->line, "]");
     return OK;
+}
+
+/* A KeyValue as an item: its value into a span's ``row``, or none kept */
+static int attribute(Walk *w, const uint8_t *data, size_t size, PyObject *row) {
+    return key_value(w, data, size, row, 0, 0);
+}
+
+/* A resource's KeyValue as an item: its service and role kept in ``w`` */
+static int resource_attribute(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
+    (void)rows;
+    return key_value(w, data, size, NULL, 1, 0);
+}
+
+/* ``"attributes":[...]``: the KeyValues of field ``number``, if any */
+static int attributes(Walk *w, int *first, const uint8_t *data, size_t size, uint32_t number,
+                      Item item, PyObject *row) {
+    return items(w, first, "\"attributes\":[", data, size, number, item, row);
 }
 
 static int uint32_member(Buf *b, int *first, const char *name, uint32_t v) {
@@ -662,7 +683,8 @@ static int string_field(Field *f, Bytes *out) {
     return valid_utf8(out->data, out->size) ? OK : FALLBACK;
 }
 
-static int event(Walk *w, const uint8_t *data, size_t size) {
+static int event(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
+    (void)rows;
     uint64_t time = 0;
     Bytes name = {0};
     uint32_t dropped = 0;
@@ -681,13 +703,14 @@ static int event(Walk *w, const uint8_t *data, size_t size) {
     PUT(b, "{");
     TRY(fixed64_member(b, &first, "\"timeUnixNano\":", time));
     TRY(string_member(b, &first, "\"name\":", name.data, name.size));
-    TRY(attributes(w, &first, data, size, 3, NULL, 0));
+    TRY(attributes(w, &first, data, size, 3, attribute, NULL));
     TRY(uint32_member(b, &first, "\"droppedAttributesCount\":", dropped));
     PUT(b, "}");
     return OK;
 }
 
-static int span_link(Walk *w, const uint8_t *data, size_t size) {
+static int span_link(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
+    (void)rows;
     Bytes trace = {0}, span = {0}, state = {0};
     uint32_t dropped = 0, flags = 0;
     FIELDS(data, size) {
@@ -708,7 +731,7 @@ static int span_link(Walk *w, const uint8_t *data, size_t size) {
     TRY(hex_member(b, &first, "\"traceId\":", trace.data, trace.size));
     TRY(hex_member(b, &first, "\"spanId\":", span.data, span.size));
     TRY(string_member(b, &first, "\"traceState\":", state.data, state.size));
-    TRY(attributes(w, &first, data, size, 4, NULL, 0));
+    TRY(attributes(w, &first, data, size, 4, attribute, NULL));
     TRY(uint32_member(b, &first, "\"droppedAttributesCount\":", dropped));
     TRY(uint32_member(b, &first, "\"flags\":", flags));
     PUT(b, "}");
@@ -773,7 +796,6 @@ static int span(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
     uint32_t dropped_attributes = 0, dropped_events = 0, dropped_links = 0, flags = 0;
     const uint8_t *status = NULL;
     size_t status_size = 0;
-    int events = 0, links = 0;
     FIELDS(data, size) {
         Field f;
         NEXT(f);
@@ -788,9 +810,9 @@ static int span(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
             case 8: WIRE(f, 1); end = f.u; break;
             case 9: WIRE(f, 2); break;
             case 10: WIRE(f, 0); TRY(as_uint32(f.u, &dropped_attributes)); break;
-            case 11: WIRE(f, 2); events = 1; break;
+            case 11: WIRE(f, 2); break;
             case 12: WIRE(f, 0); TRY(as_uint32(f.u, &dropped_events)); break;
-            case 13: WIRE(f, 2); links = 1; break;
+            case 13: WIRE(f, 2); break;
             case 14: WIRE(f, 0); TRY(as_uint32(f.u, &dropped_links)); break;
             case 15:
                 WIRE(f, 2);
@@ -834,35 +856,11 @@ static int span(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
     int rc = PyList_Append(rows, row) < 0 ? FAIL : OK;
     Py_DECREF(row); /* the list holds it */
     if (rc != OK) return rc;
-    TRY(attributes(w, &first, data, size, 9, row, 0));
+    TRY(attributes(w, &first, data, size, 9, attribute, row));
     TRY(uint32_member(b, &first, "\"droppedAttributesCount\":", dropped_attributes));
-    if (events) {
-        int any = 0;
-        TRY(member(b, &first, "\"events\":["));
-        FIELDS(data, size) {
-            Field f;
-            NEXT(f);
-            if (f.number != 11) continue;
-            if (any) PUT(b, ",");
-            any = 1;
-            TRY(event(w, f.data, f.size));
-        }
-        PUT(b, "]");
-    }
+    TRY(items(w, &first, "\"events\":[", data, size, 11, event, NULL));
     TRY(uint32_member(b, &first, "\"droppedEventsCount\":", dropped_events));
-    if (links) {
-        int any = 0;
-        TRY(member(b, &first, "\"links\":["));
-        FIELDS(data, size) {
-            Field f;
-            NEXT(f);
-            if (f.number != 13) continue;
-            if (any) PUT(b, ",");
-            any = 1;
-            TRY(span_link(w, f.data, f.size));
-        }
-        PUT(b, "]");
-    }
+    TRY(items(w, &first, "\"links\":[", data, size, 13, span_link, NULL));
     TRY(uint32_member(b, &first, "\"droppedLinksCount\":", dropped_links));
     if (status != NULL) {
         int inner = 1;
@@ -902,7 +900,6 @@ static int scope_spans(Walk *w, const uint8_t *data, size_t size, PyObject *rows
     const uint8_t *scope = NULL;
     size_t scope_size = 0;
     Bytes schema = {0};
-    int spans = 0;
     FIELDS(data, size) {
         Field f;
         NEXT(f);
@@ -913,7 +910,6 @@ static int scope_spans(Walk *w, const uint8_t *data, size_t size, PyObject *rows
             scope_size = f.size;
         } else if (f.number == 2) {
             WIRE(f, 2);
-            spans = 1;
         } else if (f.number == 3) {
             TRY(string_field(&f, &schema));
         }
@@ -938,23 +934,11 @@ static int scope_spans(Walk *w, const uint8_t *data, size_t size, PyObject *rows
         TRY(member(b, &first, "\"scope\":{"));
         TRY(string_member(b, &inner, "\"name\":", name.data, name.size));
         TRY(string_member(b, &inner, "\"version\":", version.data, version.size));
-        TRY(attributes(w, &inner, scope, scope_size, 3, NULL, 0));
+        TRY(attributes(w, &inner, scope, scope_size, 3, attribute, NULL));
         TRY(uint32_member(b, &inner, "\"droppedAttributesCount\":", dropped));
         PUT(b, "}");
     }
-    if (spans) {
-        int any = 0;
-        TRY(member(b, &first, "\"spans\":["));
-        FIELDS(data, size) {
-            Field f;
-            NEXT(f);
-            if (f.number != 2) continue;
-            if (any) PUT(b, ",");
-            any = 1;
-            TRY(span(w, f.data, f.size, rows));
-        }
-        PUT(b, "]");
-    }
+    TRY(items(w, &first, "\"spans\":[", data, size, 2, span, rows));
     TRY(string_member(b, &first, "\"schemaUrl\":", schema.data, schema.size));
     PUT(b, "}");
     return OK;
@@ -964,7 +948,6 @@ static int resource_spans(Walk *w, const uint8_t *data, size_t size, PyObject *r
     const uint8_t *resource = NULL;
     size_t resource_size = 0;
     Bytes schema = {0};
-    int scopes = 0;
     FIELDS(data, size) {
         Field f;
         NEXT(f);
@@ -975,7 +958,6 @@ static int resource_spans(Walk *w, const uint8_t *data, size_t size, PyObject *r
             resource_size = f.size;
         } else if (f.number == 2) {
             WIRE(f, 2);
-            scopes = 1;
         } else if (f.number == 3) {
             TRY(string_field(&f, &schema));
         }
@@ -1001,43 +983,21 @@ static int resource_spans(Walk *w, const uint8_t *data, size_t size, PyObject *r
         }
         int inner = 1;
         TRY(member(b, &first, "\"resource\":{"));
-        TRY(attributes(w, &inner, resource, resource_size, 1, NULL, 1));
+        TRY(attributes(w, &inner, resource, resource_size, 1, resource_attribute, NULL));
         TRY(uint32_member(b, &inner, "\"droppedAttributesCount\":", dropped));
         PUT(b, "}");
     }
-    if (scopes) {
-        int any = 0;
-        TRY(member(b, &first, "\"scopeSpans\":["));
-        FIELDS(data, size) {
-            Field f;
-            NEXT(f);
-            if (f.number != 2) continue;
-            if (any) PUT(b, ",");
-            any = 1;
-            TRY(scope_spans(w, f.data, f.size, rows));
-        }
-        PUT(b, "]");
-    }
+    TRY(items(w, &first, "\"scopeSpans\":[", data, size, 2, scope_spans, rows));
     TRY(string_member(b, &first, "\"schemaUrl\":", schema.data, schema.size));
     PUT(b, "}");
     return OK;
 }
 
 static int request(Walk *w, const uint8_t *data, size_t size, PyObject *rows) {
-    int any = 0;
-    FIELDS(data, size) {
-        Field f;
-        NEXT(f);
-        if (f.number != 1) continue;
-        WIRE(f, 2);
-        PUTS(&w->line, any ? "," : "{\"resourceSpans\":[");
-        any = 1;
-        TRY(resource_spans(w, f.data, f.size, rows));
-    }
-    if (any)
-        PUT(&w->line, "]}");
-    else
-        PUT(&w->line, "{}");
+    int first = 1;
+    PUT(&w->line, "{");
+    TRY(items(w, &first, "\"resourceSpans\":[", data, size, 1, resource_spans, rows));
+    PUT(&w->line, "}");
     return OK;
 }
 
